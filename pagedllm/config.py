@@ -1,0 +1,128 @@
+"""Engine configuration: one dataclass per concern, one source of truth per number."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+_PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+
+
+def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+@dataclass
+class ModelConfig:
+    """Which model, in which dtype, with what context length."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, _DTYPES)
+        _check_choice("load_format", self.load_format, _LOAD_FORMATS)
+        _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size and how big the pools are."""
+
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # On CPU, the fraction of *available* RAM given to the KV pool when nothing else says.
+    cpu_kv_cache_fraction: float = 0.25
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "auto"
+    # Filled in once the pools are sized.
+    num_gpu_blocks: int | None = field(default=None, init=False)
+    num_cpu_blocks: int | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        _check_positive_int("block_size", self.block_size)
+        _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        _check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}."
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
+        _check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits of the iteration-level scheduler."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: derived from max_model_len
+    max_model_len: int = 2048  # resolved copy of ModelConfig's, set by EngineConfig
+    enable_chunked_prefill: bool = True
+    # Fraction of the pool kept free when admitting new prompts, so admission does not thrash.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}.")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None | "uni" | "mp" | "ray"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be one of [None, 'uni', 'mp', 'ray'], "
+                f"got {self.distributed_executor_backend!r}."
+            )
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("device", self.device, _DEVICES)
+
+    def resolve(self) -> str:
+        """The concrete device name: 'cuda' when asked for or available under 'auto'."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig

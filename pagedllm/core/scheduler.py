@@ -1,0 +1,273 @@
+"""Iteration-level scheduler (paper §2.3, §4.5): FCFS, chunked prefill, all-or-nothing preemption.
+
+Every step forms one flat batch: one token for each decoding sequence, then prompt chunks, under
+a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). When the block
+pool runs dry, the most recently arrived running group is preempted — swapped to the CPU pool or
+dropped to be recomputed — until the earlier ones fit.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    group: SequenceGroup
+    seq: Sequence
+    num_new_tokens: int  # tokens [seq.num_computed_tokens, +num_new_tokens) run this step
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so the step samples for it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.get_len()
+
+
+@dataclass
+class SchedulerOutputs:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the device
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+    # Groups dropped because they can never fit in the pool, even alone.
+    ignored_groups: list[SequenceGroup] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+class Scheduler:
+    """Decides, each step, which sequences run and how many tokens each."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks must be set before building the Scheduler")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.block_manager = BlockManager(
+            block_size=cache_config.block_size,
+            num_gpu_blocks=cache_config.num_gpu_blocks,
+            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
+            enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark,
+        )
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = 0
+        self.num_recompute_preemptions = 0
+        self.num_swap_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self.config.max_num_batched_tokens or self.config.max_model_len
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """Remove the request wherever it is and free its blocks at once."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.seqs:
+                        if not seq.is_finished():
+                            seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.block_manager.free(seq)
+                    return group
+        return None
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> list[SequenceGroup]:
+        """Drop finished groups from the running set; returns them."""
+        finished = [g for g in self.running if g.is_finished()]
+        if finished:
+            self.running = [g for g in self.running if not g.is_finished()]
+        return finished
+
+    # -- the step decision ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutputs:
+        out = SchedulerOutputs()
+        budget = _Budget(self.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(out, budget)
+        if out.num_preempted == 0:
+            self._schedule_swapped(out, budget)
+        # Paper §4.5: while any preempted group sits in swap, admit no new requests.
+        if not self.swapped:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = budget.tokens_used
+        return out
+
+    def _demand(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int]]:
+        """Tokens each unfinished sequence of the group would run this step (may be 0)."""
+        demand = []
+        for seq in group.unfinished_seqs():
+            n = min(seq.num_uncomputed_tokens, token_budget)
+            if n < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+                n = 0
+            demand.append((seq, n))
+            token_budget -= n
+        return demand
+
+    def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> None:
+        # Decodes first so a long prompt chunk never stalls them, then prefill chunks; within
+        # each, earliest arrival first. Victims are the latest-arrived groups not yet placed.
+        by_arrival = sorted(self.running, key=lambda g: g.arrival_time)
+        decodes = [g for g in by_arrival if not any(s.is_prefill for s in g.unfinished_seqs())]
+        prefills = [g for g in by_arrival if g not in decodes]
+        pending = decodes + prefills
+        placed: list[SequenceGroup] = []
+        while pending:
+            group = pending.pop(0)
+            demand = self._demand(group, budget.tokens_left)
+            num_seqs = group.num_unfinished_seqs()
+            if sum(n for _, n in demand) == 0 or not budget.can_add_seqs(num_seqs):
+                placed.append(group)  # stays running, idle this step
+                continue
+            needed = sum(self.block_manager.num_blocks_to_grow(s, n) for s, n in demand if n)
+            while not self.block_manager.can_allocate(needed, for_new_request=False):
+                victim = self._pick_victim(pending, group)
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+                pending.remove(victim)
+            else:
+                self._place(group, demand, out, budget)
+                placed.append(group)
+        self.running = [g for g in self.running if g in placed]
+
+    def _pick_victim(self, pending: list[SequenceGroup], current: SequenceGroup) -> SequenceGroup:
+        if not pending:
+            return current
+        return max(pending, key=lambda g: g.arrival_time)
+
+    def _schedule_swapped(self, out: SchedulerOutputs, budget: _Budget) -> None:
+        while self.swapped:
+            group = self.swapped[0]
+            num_seqs = group.num_unfinished_seqs()
+            if not budget.can_add_seqs(num_seqs) or budget.tokens_left < num_seqs:
+                break
+            # Swapped groups are decoding (one token each); leave room for that growth too.
+            if not self.block_manager.can_swap_in(group, num_extra_blocks=num_seqs):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.RUNNING
+            demand = self._demand(group, budget.tokens_left)
+            self._place(group, demand, out, budget)
+            self.running.append(group)
+
+    def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget) -> None:
+        while self.waiting:
+            group = self.waiting[0]
+            num_seqs = group.num_unfinished_seqs()
+            if not budget.can_add_seqs(max(num_seqs, 1)) or budget.tokens_left == 0:
+                break
+            bm = self.block_manager
+            fresh = all(s.seq_id not in bm.block_tables for s in group.unfinished_seqs())
+            if fresh:
+                for seq in group.unfinished_seqs():
+                    cached = bm.allocate_cached_prefix(seq)
+                    if cached:
+                        seq.num_computed_tokens = cached
+                if group.first_scheduled_time is None:
+                    group.num_cached_tokens = group.unfinished_seqs()[0].num_computed_tokens
+            demand = self._demand(group, budget.tokens_left)
+            needed = sum(bm.num_blocks_to_grow(s, n) for s, n in demand if n)
+            if sum(n for _, n in demand) == 0 or not bm.can_allocate(needed, for_new_request=True):
+                if not self.running and not self.swapped and not out.scheduled and (
+                    needed > bm.num_gpu_blocks - bm.watermark_blocks
+                ):
+                    self.waiting.popleft()
+                    for seq in group.unfinished_seqs():
+                        bm.free(seq)
+                        seq.status = SequenceStatus.FINISHED_IGNORED
+                    out.ignored_groups.append(group)
+                    continue
+                if fresh:
+                    # Give the cached prefix back; it is looked up again next time.
+                    for seq in group.unfinished_seqs():
+                        bm.free(seq)
+                        seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.RUNNING
+            self._place(group, demand, out, budget)
+            self.running.append(group)
+
+    def _place(
+        self,
+        group: SequenceGroup,
+        demand: list[tuple[Sequence, int]],
+        out: SchedulerOutputs,
+        budget: _Budget,
+    ) -> None:
+        for seq, n in demand:
+            if n == 0:
+                continue
+            out.blocks_to_copy.extend(self.block_manager.allocate_slots(seq, n))
+            out.scheduled.append(ScheduledSequence(group, seq, n))
+            budget.tokens_used += n
+        budget.seqs_used += group.num_unfinished_seqs()
+
+    # -- preemption -------------------------------------------------------------------------
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        mode = self.cache_config.preemption_mode
+        multi = group.num_unfinished_seqs() > 1
+        use_swap = mode == "swap" or (mode == "auto" and multi)
+        if use_swap and self.block_manager.can_swap_out(group):
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
+            for seq in group.unfinished_seqs():
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            self.num_swap_preemptions += 1
+        else:
+            # Recompute: drop the KV cache; prompt + generated tokens become the new prompt.
+            for seq in group.unfinished_seqs():
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+                seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(group)
+            self.num_recompute_preemptions += 1
+
+    # -- bookkeeping after a step -----------------------------------------------------------
+    def mark_computed(self, scheduled: list[ScheduledSequence]) -> None:
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_computed_blocks(item.seq)
+
+
+@dataclass
+class _Budget:
+    max_tokens: int
+    max_seqs: int
+    tokens_used: int = 0
+    seqs_used: int = 0
+
+    @property
+    def tokens_left(self) -> int:
+        return self.max_tokens - self.tokens_used
+
+    def can_add_seqs(self, n: int) -> bool:
+        return self.seqs_used + n <= self.max_seqs

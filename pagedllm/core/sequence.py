@@ -1,0 +1,160 @@
+"""Sequences and sequence groups: the scheduler's unit of work (pure Python)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    SequenceStatus.FINISHED_STOPPED,
+    SequenceStatus.FINISHED_LENGTH_CAPPED,
+    SequenceStatus.FINISHED_ABORTED,
+    SequenceStatus.FINISHED_IGNORED,
+}
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+@dataclass
+class Sequence:
+    """One token stream. Its KV cache covers `num_computed_tokens` of its tokens.
+
+    The engine computes tokens ``[num_computed_tokens, len(token_ids))`` in one or more steps
+    (chunked prefill); only when every token is computed does a step sample a new one.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    stop_reason: int | str | None = None
+    # Per-token logprob dicts (when the request asked for logprobs).
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Free-form per-sequence state owned by the engine (detokenizer, generator, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_token_id(self, index: int) -> int:
+        n_prompt = len(self.prompt_token_ids)
+        if index < n_prompt:
+            return self.prompt_token_ids[index]
+        return self.output_token_ids[index - n_prompt]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than one token awaits computation (a prompt or a recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def reset_for_recompute(self) -> None:
+        """Forget the KV cache: everything (prompt + outputs) is computed again."""
+        self.num_computed_tokens = 0
+
+    def fork(self, new_seq_id: int) -> Sequence:
+        child = Sequence(
+            seq_id=new_seq_id,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            stop_reason=self.stop_reason,
+            output_logprobs=list(self.output_logprobs),
+        )
+        return child
+
+
+@dataclass
+class SequenceGroup:
+    """One request: a prompt and the 1..n sequences generated from it, scheduled as a unit."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: Any  # SamplingParams; kept untyped so core/ does not import engine-side modules
+    arrival_time: float
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    # Sequences that finished and left the running set but belong to the final answer.
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids if self.seqs else self.finished_seqs[0].prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status == status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished()]
+
+    def num_unfinished_seqs(self) -> int:
+        return sum(1 for s in self.seqs if not s.is_finished())
+
+    def is_finished(self) -> bool:
+        return all(s.is_finished() for s in self.seqs)
+
+    def max_num_running_seqs(self) -> int:
+        """Upper bound on sequences this group will run at once (best_of forks after prefill)."""
+        params = self.sampling_params
+        best_of = getattr(params, "best_of", None) or getattr(params, "n", 1) or 1
+        if len(self.seqs) == 1 and self.seqs[0].is_prefill and not self.seqs[0].output_token_ids:
+            return best_of
+        return self.num_unfinished_seqs()

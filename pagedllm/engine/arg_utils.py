@@ -1,0 +1,135 @@
+"""EngineArgs: every engine option in one flat dataclass (LLM kwargs and CLI flags share it)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any, get_type_hints
+
+from pagedllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_HELP = {
+    "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",
+    "tokenizer": "Tokenizer directory if it differs from the model's.",
+    "dtype": "Weights and activations dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.",
+    "device": "auto (CUDA when present), cpu or cuda.",
+    "seed": "Seed for dummy weights and unseeded sampling.",
+    "block_size": "Tokens per KV block.",
+    "max_model_len": "Longest prompt + output in tokens (default: the model's context length).",
+    "max_num_seqs": "Most sequences in one step.",
+    "max_num_batched_tokens": "Most tokens in one step (default: 2048 with chunked prefill, else max_model_len).",
+    "num_gpu_blocks_override": "KV pool size in blocks, whatever the device.",
+    "kv_cache_memory_bytes": "KV pool size in bytes (when no block override is given).",
+    "gpu_memory_utilization": "Fraction of GPU memory the engine may use (weights + activations + KV pool).",
+    "swap_space": "GiB of CPU memory for swapped-out KV blocks.",
+    "enable_chunked_prefill": "Split long prompts into chunks that share steps with decodes.",
+    "enable_prefix_caching": "Reuse KV blocks of identical prompt prefixes across requests.",
+    "preemption_mode": "What to do with a preempted group: recompute, swap, or auto.",
+    "load_format": "auto, gguf, safetensors, or dummy (random weights).",
+    "skip_tokenizer_init": "Do not load a tokenizer; prompts must be token ids.",
+    "tensor_parallel_size": "Number of tensor-parallel ranks.",
+    "distributed_executor_backend": "Executor for tensor parallelism: mp or ray.",
+    "enforce_eager": "Disable CUDA graphs.",
+}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "auto"
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    enforce_eager: bool = False
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**kwargs)
+
+    def create_engine_config(self, model_max_len: int) -> EngineConfig:
+        """Validated configs; `model_max_len` is the model's own context length."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context length ({model_max_len})."
+            )
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = max(2048, self.max_num_seqs) if self.enable_chunked_prefill else max_model_len
+        if not self.enable_chunked_prefill and batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_model_len}) "
+                "when chunked prefill is disabled."
+            )
+        model = ModelConfig(
+            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
+            max_model_len=max_model_len, load_format=self.load_format,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
+            enable_prefix_caching=self.enable_prefix_caching, preemption_mode=self.preemption_mode,
+        )
+        sched = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device))
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One flag per field, named like the field with dashes (vLLM style)."""
+        hints = get_type_hints(EngineArgs)
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = _HELP.get(f.name, "") + f" (default: {f.default})"
+            hint = hints[f.name]
+            if hint is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+                continue
+            base = _base_type(hint)
+            parser.add_argument(flag, type=base, default=f.default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def _base_type(hint: Any) -> type:
+    args = getattr(hint, "__args__", None)
+    if args:
+        return next(a for a in args if a is not type(None))
+    return hint

@@ -1,0 +1,328 @@
+"""LLMEngine: add_request / step / abort — one iteration of continuous batching per step()."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import torch
+
+from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.output_processor import OutputProcessor, StopConfig
+from pagedllm.model import loader
+from pagedllm.model.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import get_tokenizer
+from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk, logits_row_layout
+
+logger = logging.getLogger("pagedllm")
+
+PromptType = str | list[int] | dict
+
+
+class LLMEngine:
+    """Owns the scheduler (block manager inside), the executor (workers) and the tokenizer."""
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.engine_args = engine_args
+        self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
+        self.hf_config = loader.load_config(self.model_dir)
+        model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+        self.config = engine_args.create_engine_config(model_max_len)
+        mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        self.tokenizer = None
+        if not mc.skip_tokenizer_init:
+            self.tokenizer = get_tokenizer(str(self.model_dir), mc.tokenizer)
+        torch.manual_seed(mc.seed)
+        self.executor = self._make_executor()
+        num_gpu, num_cpu = self.executor.determine_num_available_blocks()
+        if num_gpu < 1:
+            raise ValueError(
+                "the KV cache budget holds no block at all; raise kv_cache_memory_bytes / "
+                "gpu_memory_utilization or set num_gpu_blocks_override."
+            )
+        cc.num_gpu_blocks, cc.num_cpu_blocks = num_gpu, num_cpu
+        self.executor.initialize_cache(num_gpu, num_cpu)
+        logger.info(
+            "KV cache: %d blocks × %d tokens = %d token slots on %s (%d CPU swap blocks); max_model_len=%d",
+            num_gpu, cc.block_size, num_gpu * cc.block_size, self.executor.device, num_cpu, sc.max_model_len,
+        )
+        self.scheduler = Scheduler(sc, cc)
+        self.sampler = Sampler()
+        self._seq_counter = itertools.count()
+        self.eos_token_ids = self._eos_token_ids()
+        self.output_processor = OutputProcessor(
+            self.scheduler,
+            self.tokenizer,
+            StopConfig(self.eos_token_ids, self.max_seq_len),
+            lambda: next(self._seq_counter),
+        )
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args)
+
+    def _make_executor(self):
+        backend = self.config.parallel_config.distributed_executor_backend
+        if self.config.parallel_config.tensor_parallel_size == 1 and backend in (None, "uni"):
+            from pagedllm.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor(self.config, str(self.model_dir), self.hf_config)
+        from pagedllm.executor import get_distributed_executor  # tensor parallelism
+
+        return get_distributed_executor(self.config, str(self.model_dir), self.hf_config)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids: set[int] = set()
+        for source in (self.hf_config, loader.load_generation_config(self.model_dir)):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return tuple(sorted(ids))
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest a sequence may grow: the model's limit and the whole pool's capacity."""
+        cc = self.config.cache_config
+        return min(self.config.scheduler_config.max_model_len, cc.num_gpu_blocks * cc.block_size)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> SequenceGroup:
+        """Validate and queue a request; raises ValueError (engine untouched) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token.")
+        vocab = int(self.hf_config.vocab_size)
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        limit = self.max_seq_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but this engine fits at most {limit - 1} "
+                f"prompt tokens (max_model_len={self.config.scheduler_config.max_model_len}, "
+                f"KV pool={self.config.cache_config.num_gpu_blocks} blocks) plus one generated token."
+            )
+        if params.use_beam_search:
+            raise NotImplementedError("beam search inside the engine is not available yet")
+        if any(g.request_id == request_id for g in self._all_groups()):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
+        seq = Sequence(next(self._seq_counter), list(token_ids))
+        group = SequenceGroup(
+            request_id=request_id,
+            seqs=[seq],
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt=text,
+        )
+        group.extra["max_tokens"] = max_tokens
+        group.extra["best_of"] = params.best_of or params.n
+        seq.extra["generator"] = self._make_generator(params, 0)
+        self.output_processor.init_sequence(seq, params)
+        self.scheduler.add_seq_group(group)
+        return group
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine has skip_tokenizer_init=True")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        gen = torch.Generator(device=self.executor.device)
+        gen.manual_seed((params.seed * 1_000_003 + index) % (2**63))
+        return gen
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self.scheduler.abort_seq_group(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    def _all_groups(self):
+        s = self.scheduler
+        return itertools.chain(s.waiting, s.running, s.swapped)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return outputs of groups that progressed."""
+        sched = self.scheduler.schedule()
+        outputs = [self._finish_ignored(g) for g in sched.ignored_groups]
+        if sched.is_empty():
+            return outputs
+        now = time.monotonic()
+        # Query-length-1 chunks first: attention batches them as decodes.
+        scheduled = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        for item in scheduled:
+            if item.group.first_scheduled_time is None:
+                item.group.first_scheduled_time = now
+        chunks = [self._chunk(item) for item in scheduled]
+        req = ExecuteModelRequest(chunks, sched.blocks_to_swap_in, sched.blocks_to_swap_out, sched.blocks_to_copy)
+        self.num_prompt_tokens_total += sum(
+            i.num_new_tokens for i in scheduled if not (i.num_new_tokens == 1 and i.seq.output_token_ids)
+        )
+        logits = self.executor.execute_model(req)
+        self.scheduler.mark_computed(scheduled)
+        touched = self._process_logits(scheduled, chunks, logits)
+        for group in self.scheduler.free_finished_seq_groups():
+            touched[group.request_id] = group
+        outputs.extend(self.output_processor.make_output(g) for g in touched.values())
+        return outputs
+
+    def _chunk(self, item: ScheduledSequence) -> SequenceChunk:
+        seq = item.seq
+        start = seq.num_computed_tokens
+        wants_prompt_logprobs = (
+            item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
+        )
+        return SequenceChunk(
+            seq_id=seq.seq_id,
+            token_ids=seq.tokens_slice(start, start + item.num_new_tokens),
+            start_pos=start,
+            block_table=list(self.scheduler.block_manager.get_block_table(seq)),
+            sample=item.completes,
+            all_logits=wants_prompt_logprobs,
+        )
+
+    def _process_logits(self, scheduled, chunks, logits) -> dict[str, SequenceGroup]:
+        layout = logits_row_layout(chunks)
+        rows: list[SamplingRow] = []
+        row_idx: list[int] = []
+        owners: list[ScheduledSequence] = []
+        for item, chunk, (lo, hi) in zip(scheduled, chunks, layout):
+            if chunk.all_logits:
+                self._record_prompt_logprobs(item, chunk, logits[lo:hi])
+            if not chunk.sample:
+                continue
+            group, seq = item.group, item.seq
+            params = group.sampling_params
+            fork_at_prompt_end = not seq.output_token_ids and len(group.seqs) == 1
+            rows.append(
+                SamplingRow(
+                    params=params,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=seq.output_token_ids,
+                    generator=seq.extra.get("generator"),
+                    num_samples=group.extra["best_of"] if fork_at_prompt_end else 1,
+                    eos_token_ids=self.eos_token_ids,
+                )
+            )
+            row_idx.append(hi - 1)
+            owners.append(item)
+        touched: dict[str, SequenceGroup] = {}
+        if not rows:
+            return touched
+        sample_logits = logits[torch.tensor(row_idx, device=logits.device)]
+        samples, _ = self.sampler(sample_logits, rows)
+        now = time.monotonic()
+        for item, sample in zip(owners, samples):
+            group, seq = item.group, item.seq
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if seq.is_finished():  # aborted meanwhile
+                continue
+            tops = sample.top_logprobs or [None] * len(sample.token_ids)
+            # Fork children before the parent appends, so they start from the same state.
+            children = [
+                self.output_processor.fork(group, seq, lambda i, p=group.sampling_params: self._make_generator(p, i))
+                for _ in sample.token_ids[1:]
+            ]
+            for target, tok, lp, top in zip([seq, *children], sample.token_ids, sample.logprobs, tops):
+                self.output_processor.append_token(group, target, tok, lp, top)
+                self.num_generation_tokens_total += 1
+            touched[group.request_id] = group
+        return touched
+
+    def _record_prompt_logprobs(self, item: ScheduledSequence, chunk: SequenceChunk, logits: torch.Tensor) -> None:
+        group, seq = item.group, item.seq
+        k = group.sampling_params.prompt_logprobs
+        store = group.extra.setdefault("prompt_logprobs", [None] * len(seq.prompt_token_ids))
+        start = chunk.start_pos
+        n_prompt = len(seq.prompt_token_ids)
+        # Row j predicts token at position start + j + 1.
+        n = min(len(chunk.token_ids), n_prompt - 1 - start)
+        if n <= 0:
+            return
+        targets = torch.tensor(seq.prompt_token_ids[start + 1 : start + 1 + n], device=logits.device)
+        for j, d in enumerate(compute_prompt_logprobs(logits[:n], targets, k)):
+            store[start + 1 + j] = d
+
+    def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
+        logger.warning("request %s can never fit in the KV pool and was dropped", group.request_id)
+        return self.output_processor.make_output(group)
+
+    # -- observability ----------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        bm = s.block_manager
+        bs = self.config.cache_config.block_size
+        filled: dict[int, int] = {}
+        groups = list(self._all_groups())
+        for group in groups:
+            for seq in group.unfinished_seqs():
+                for i, block in enumerate(bm.block_tables.get(seq.seq_id, [])):
+                    n = max(0, min(bs, seq.num_computed_tokens - i * bs))
+                    filled[block] = max(filled.get(block, 0), n)
+        used = bm.num_gpu_blocks - bm.get_num_free_gpu_blocks()
+        st = bm.stats
+        return {
+            "kv_blocks_total": bm.num_gpu_blocks,
+            "kv_blocks_free": bm.get_num_free_gpu_blocks(),
+            "kv_slots_allocated": used * bs,
+            "kv_slots_filled": sum(filled.values()),
+            "kv_blocks_shared": bm.num_shared_blocks(),
+            "kv_blocks_saved_by_sharing": bm.num_blocks_saved_by_sharing(),
+            "num_preemptions": s.num_preemptions,
+            "num_recompute_preemptions": s.num_recompute_preemptions,
+            "num_swap_preemptions": s.num_swap_preemptions,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_swapped": len(s.swapped),
+            "num_cpu_blocks_total": bm.num_cpu_blocks,
+            "num_cpu_blocks_free": bm.get_num_free_cpu_blocks(),
+            "num_cow_copies": st.num_cow_copies,
+            "num_swap_outs": st.num_swap_outs,
+            "num_swap_ins": st.num_swap_ins,
+            "num_swapped_out_blocks": st.num_swapped_out_blocks,
+            "prefix_cache_queries": st.prefix_cache_queries,
+            "prefix_cache_hits": st.prefix_cache_hits,
+            "prompt_tokens_total": self.num_prompt_tokens_total,
+            "generation_tokens_total": self.num_generation_tokens_total,
+        }

@@ -1,0 +1,121 @@
+"""Sampled tokens → sequences: append, fork for parallel sampling, stop checks, detokenize, outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class StopConfig:
+    """Engine-wide facts the stop checks need."""
+
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, tokenizer: Any, stop_config: StopConfig, new_seq_id) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.stop_config = stop_config
+        self._new_seq_id = new_seq_id  # callable → fresh int
+
+    # -- per-sequence state -----------------------------------------------------------------
+    def init_sequence(self, seq: Sequence, params: Any) -> None:
+        if self.tokenizer is not None and params.detokenize:
+            seq.extra["detok"] = IncrementalDetokenizer(
+                self.tokenizer,
+                seq.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop or None,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+
+    def fork(self, group: SequenceGroup, parent: Sequence, make_generator) -> Sequence:
+        child = parent.fork(self._new_seq_id())
+        self.scheduler.block_manager.fork(parent, child)
+        self.init_sequence(child, group.sampling_params)
+        detok = child.extra.get("detok")
+        if detok is not None and parent.output_token_ids:
+            detok.append(list(parent.output_token_ids))
+        child.extra["generator"] = make_generator(len(group.seqs))
+        group.seqs.append(child)
+        return child
+
+    # -- appending tokens -------------------------------------------------------------------
+    def append_token(
+        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None
+    ) -> None:
+        seq.append_token(token_id, logprob)
+        if top is not None:
+            seq.output_logprobs.append(top)
+        detok = seq.extra.get("detok")
+        stop_str = None
+        if detok is not None:
+            stop_str = detok.append([token_id]).stop_str_matched
+        self._check_stop(group, seq, token_id, stop_str)
+        if seq.is_finished():
+            self.scheduler.free_seq(seq)
+            if detok is not None and stop_str is None:
+                detok.flush()
+
+    def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int, stop_str: str | None) -> None:
+        params = group.sampling_params
+        n_out = len(seq.output_token_ids)
+        if stop_str is not None:
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
+            return
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.stop_config.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token_id in (params.stop_token_ids or ()):
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
+                return
+        if n_out >= group.extra["max_tokens"] or seq.get_len() >= self.stop_config.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    # -- building outputs -------------------------------------------------------------------
+    def make_output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        seqs = list(group.seqs)
+        finished = group.is_finished()
+        n = params.n
+        if finished and len(seqs) > n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+        outputs = []
+        for i, seq in enumerate(seqs):
+            detok = seq.extra.get("detok")
+            text = detok.output_text if detok is not None else ""
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    finish_reason=seq.status.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        metrics = {
+            "arrival_time": group.arrival_time,
+            "first_scheduled_time": group.first_scheduled_time,
+            "first_token_time": group.first_token_time,
+        }
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            prompt_logprobs=group.extra.get("prompt_logprobs"),
+            num_cached_tokens=group.num_cached_tokens,
+            metrics=metrics,
+        )

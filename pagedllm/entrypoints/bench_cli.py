@@ -1,0 +1,15 @@
+"""`pagedllm bench throughput` — wraps benchmarks/throughput.py's logic in the package."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="Benchmarks (throughput).", description="Run pagedllm's benchmarks.")
+    bench_sub = p.add_subparsers(dest="bench_cmd", required=True)
+    from pagedllm.benchmarks import throughput
+
+    t = bench_sub.add_parser("throughput", help="Offline throughput on a fixed, seeded workload.",
+                             description=throughput.__doc__)
+    throughput.add_args(t)
+    t.set_defaults(func=lambda args: throughput.run(args))

@@ -1,0 +1,131 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `LLM.chat(...)`."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import apply_chat_template
+
+
+class LLM:
+    """An LLM for offline batched generation, with vLLM's names and semantics.
+
+    `LLM()` serves the bundled default model; every `EngineArgs` field is a keyword argument
+    (`model`, `dtype`, `device`, `block_size`, `max_model_len`, `num_gpu_blocks_override`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order."""
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        ids = self._add_all(prompt_list, params_list)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists).")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        tok = self._require_tokenizer()
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt, chat_template)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stats(self) -> dict[str, Any]:
+        """KV pool and scheduler counters (see LLMEngine.stats)."""
+        return self.llm_engine.stats()
+
+    # -- internals --------------------------------------------------------------------------
+    def _require_tokenizer(self):
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("this LLM was built with skip_tokenizer_init=True; chat needs a tokenizer.")
+        return tok
+
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("prompts is empty: give at least one prompt.")
+            if all(isinstance(p, int) for p in prompts):
+                return [list(prompts)]  # a single token-id prompt
+            return list(prompts)
+        raise TypeError(f"prompts must be a str, dict, or a list of them, got {type(prompts).__name__}")
+
+    @staticmethod
+    def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt.")
+        return params
+
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._request_counter))
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # nothing half-submitted stays behind
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        t0, out_tokens = time.perf_counter(), 0
+        try:
+            while pending and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        done[out.request_id] = out
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        elapsed = max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} toks/s", refresh=False)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,38 @@
+"""Single-process executor: one worker in this process."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.worker.model_input import ExecuteModelRequest
+from pagedllm.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config) -> None:
+        self.config = config
+        self.driver_worker = Worker(config, model_dir, hf_config)
+        self.driver_worker.load_model()
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        return self.driver_worker.determine_num_available_blocks()
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.driver_worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
+        return self.driver_worker.execute_model(req)
+
+    @property
+    def device(self) -> torch.device:
+        return self.driver_worker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.driver_worker.dtype
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None

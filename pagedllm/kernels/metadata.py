@@ -1,0 +1,31 @@
+"""What attention needs to know about a flattened batch (passed down, never global)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one step's flat batch: decode sequences first, then prefill chunks.
+
+    Sequence i owns query tokens ``query_start_loc[i]:query_start_loc[i+1]`` and, after this step,
+    ``seq_lens[i]`` tokens of KV cache reached through ``block_tables[i]``.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = padding, not written
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+    num_decodes: int  # leading sequences with exactly one query token
+    max_seq_len: int
+    max_query_len: int
+    backend: Any = None  # the AttentionBackend the layers call
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,140 @@
+"""PagedAttention and cache operations in plain torch.
+
+This is the CPU execution path and the oracle every GPU kernel is tested against. Attention reads
+past keys/values through block tables; decodes are batched into one gathered SDPA call, prompt
+chunks without cached context attend to their own fresh K/V directly (no gather).
+
+Cache layout: ``key_cache``/``value_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+so slot ``s`` is ``cache.view(-1, H, D)[s]`` and a block is one contiguous run of ``block_size`` tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels.metadata import AttentionMetadata
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each token's K/V [T, H, D] into its slot; slots < 0 are skipped."""
+    num_blocks, block_size, heads, dim = key_cache.shape
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[S, max_blocks] tables → contiguous [S, H, max_len, D] keys (or values)."""
+    num_blocks, block_size, heads, dim = cache.shape
+    n_blocks = -(-max_len // block_size)
+    gathered = cache[block_tables[:, :n_blocks].long()]  # [S, nb, bs, H, D]
+    gathered = gathered.reshape(block_tables.shape[0], n_blocks * block_size, heads, dim)[:, :max_len]
+    return gathered.transpose(1, 2)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool = False) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k/v [B, Hk, Lk, D] with Hq a multiple of Hk."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat batch [T, Hq, D] whose K/V were already written to the cache.
+
+    `key`/`value` are this step's fresh K/V [T, Hk, D]; chunks with no cached context use them
+    directly, everything else reads the cache through the block tables.
+    """
+    out = torch.empty_like(query)
+    nd = meta.num_decodes
+    if nd:
+        q = query[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
+        max_len = max(meta.seq_lens_cpu[:nd])
+        k = gather_kv(key_cache, meta.block_tables[:nd], max_len)
+        v = gather_kv(value_cache, meta.block_tables[:nd], max_len)
+        mask = None
+        if min(meta.seq_lens_cpu[:nd]) != max_len:
+            lens = meta.seq_lens[:nd].to(device=q.device).unsqueeze(1)
+            mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens)[:, None, None, :]
+        out[:nd] = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale).squeeze(2)
+    start = nd
+    for i in range(nd, meta.num_seqs):
+        qlen, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        end = start + qlen
+        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
+        ctx = seq_len - qlen
+        if ctx == 0:
+            k = key[start:end].transpose(0, 1).unsqueeze(0)
+            v = value[start:end].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=True)
+        else:
+            k = gather_kv(key_cache, meta.block_tables[i : i + 1], seq_len)
+            v = gather_kv(value_cache, meta.block_tables[i : i + 1], seq_len)
+            # Query j (absolute position ctx + j) sees keys 0..ctx + j.
+            rows = torch.arange(qlen, device=q.device).unsqueeze(1) + ctx
+            mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= rows
+            o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+        out[start:end] = o.squeeze(0).transpose(0, 1)
+        start = end
+    return out
+
+
+def paged_attention_naive(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Token-by-token, block-by-block attention straight from eq. 4 — the oracle's oracle (slow)."""
+    num_blocks, block_size, hk, d = key_cache.shape
+    hq = query.shape[1]
+    rep = hq // hk
+    out = torch.empty_like(query, dtype=torch.float32)
+    t = 0
+    for table, seq_len, qlen in zip(block_tables, seq_lens, query_lens):
+        for j in range(qlen):
+            pos = seq_len - qlen + j
+            keys = torch.stack([key_cache[table[p // block_size], p % block_size] for p in range(pos + 1)])
+            vals = torch.stack([value_cache[table[p // block_size], p % block_size] for p in range(pos + 1)])
+            for h in range(hq):
+                scores = (keys[:, h // rep].float() @ query[t, h].float()) * scale
+                out[t, h] = torch.softmax(scores, 0) @ vals[:, h // rep].float()
+            t += 1
+    return out.to(query.dtype)
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: for each (src, dst) row of `block_mapping` [N, 2], copy block src → dst in every layer."""
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].long()
+    dst = block_mapping[:, 1].long()
+    for kc, vc in zip(key_caches, value_caches):
+        kc[dst] = kc[src]
+        vc[dst] = vc[src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks between pools (device ↔ CPU): dst[m[:,1]] = src[m[:,0]]."""
+    if block_mapping.numel() == 0:
+        return
+    s = block_mapping[:, 0].long().to(src.device)
+    d = block_mapping[:, 1].long().to(dst.device)
+    dst[d] = src[s].to(dst.device)

@@ -1,0 +1,60 @@
+"""The attention layer: writes this step's K/V into the paged cache, then attends through it."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pagedllm.kernels import reference
+from pagedllm.kernels.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """Plain-torch paged attention (kernels/reference.py): the CPU path."""
+
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, meta, scale):
+        key_cache, value_cache = kv_cache
+        reference.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale)
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention over this rank's heads, reading a paged KV cache."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale if scale is not None else head_dim**-0.5
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, Hq·D], k/v [T, Hk·D] → [T, Hq·D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

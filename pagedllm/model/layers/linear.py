@@ -1,0 +1,124 @@
+"""Linear layers written for Megatron-style tensor parallelism (size 1 = plain linears).
+
+Column-parallel layers split the output features across ranks; row-parallel layers split the
+input features and all-reduce their partial sums. Each parameter carries a `weight_loader` that
+takes the full checkpoint tensor and keeps only this rank's shard, so no rank holds the full model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup, divide
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W split by rows (output features) across ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        shard_sizes: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.output_sizes = output_sizes
+        # Per sub-matrix, rows this rank keeps (may differ from size/tp for replicated KV heads).
+        self.shard_sizes = shard_sizes or [divide(s, tp.size, "output features") for s in output_sizes]
+        out = sum(self.shard_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.bias = None
+
+    def shard_range(self, shard_id: int) -> tuple[int, int, int]:
+        """(offset in this rank's param, start row in the full sub-matrix, rows)."""
+        offset = sum(self.shard_sizes[:shard_id])
+        rows = self.shard_sizes[shard_id]
+        return offset, self.tp.rank * rows, rows
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        offset, start, rows = self.shard_range(shard_id)
+        full_rows = self.output_sizes[shard_id]
+        if loaded.shape[0] != full_rows:
+            raise ValueError(f"expected {full_rows} rows for shard {shard_id}, checkpoint has {loaded.shape[0]}")
+        start = start % full_rows  # replicated shards wrap around
+        param.data[offset : offset + rows].copy_(loaded[start : start + rows])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by heads; KV heads are replicated when fewer than ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+    ) -> None:
+        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
+        else:
+            self.num_kv_heads = 1  # each rank keeps one replicated KV head
+            divide(tp.size, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
+        self.total_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        shards = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
+        super().__init__(hidden_size, full, bias, tp, dtype, shard_sizes=shards)
+
+    def shard_range(self, shard_id: int) -> tuple[int, int, int]:
+        offset = sum(self.shard_sizes[:shard_id])
+        rows = self.shard_sizes[shard_id]
+        if shard_id == 0 or self.total_kv_heads >= self.tp.size:
+            return offset, self.tp.rank * rows, rows
+        ranks_per_kv_head = self.tp.size // self.total_kv_heads
+        return offset, (self.tp.rank // ranks_per_kv_head) * rows, rows
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ + b with W split by columns (input features); partial sums all-reduced."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_per_rank = divide(input_size, tp.size, "input features")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_per_rank, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.bias = None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        start = self.tp.rank * self.input_per_rank
+        param.data.copy_(loaded[:, start : start + self.input_per_rank])
+
+    @staticmethod
+    def _bias_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias  # added once, after the reduction
+        return y

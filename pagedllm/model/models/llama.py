@@ -1,0 +1,141 @@
+"""Llama family (Llama 2/3, SmolLM2, Mistral-style): GQA, RoPE, RMSNorm, SwiGLU."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.model.layers.activation import silu_and_mul
+from pagedllm.model.layers.attention import Attention
+from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.model.models.weights import load_named_weights
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias, tp, dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp, dtype)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Llama MLP supports hidden_act='silu' only, got {act!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, tp, dtype)
+        o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, tp, dtype)
+        self.q_size = self.qkv_proj.num_heads * head_dim
+        self.kv_size = self.qkv_proj.num_kv_heads * head_dim
+        self.head_dim = head_dim
+        max_pos = getattr(config, "max_position_embeddings", 8192)
+        self.rotary_emb = RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32)
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q, k = self.rotary_emb(
+            positions, q.reshape(t, -1, self.head_dim).float(), k.reshape(t, -1, self.head_dim).float()
+        )
+        q, k = q.to(x.dtype).reshape(t, -1), k.to(x.dtype).reshape(t, -1)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias)
+        self.mlp = LlamaMLP(config, tp, dtype, bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual, kv_cache, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, tp, dtype, qkv_bias) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF-compatible parameter names (merged qkv / gate_up are mapped at load time)."""
+
+    # checkpoint suffix → (our parameter suffix, shard id)
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qkv_bias = False
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        sliding = getattr(config, "sliding_window", None)
+        if sliding is not None and sliding < getattr(config, "max_position_embeddings", 0) and getattr(
+            config, "use_sliding_window", True
+        ):
+            raise ValueError(
+                f"sliding-window attention (sliding_window={sliding}) is not supported yet; "
+                "set max_model_len <= sliding_window or use a model without it."
+            )
+        self.model = LlamaModel(config, tp, dtype, self.qkv_bias)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+        if self.tie_word_embeddings:
+            skip = skip + ("lm_head.weight",)
+        load_named_weights(self, weights, self.stacked_params, skip=skip)

@@ -1,0 +1,56 @@
+"""Shared weight-loading loop: checkpoint names → parameters, through each parameter's loader."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked_params: dict[str, tuple[str, int]],
+    skip: tuple[str, ...] = (),
+    renames: dict[str, str] | None = None,
+) -> None:
+    """Copy checkpoint tensors into `model`, merging stacked projections; errors name what is wrong."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded_names: set[str] = set()
+    for name, tensor in weights:
+        if any(name.endswith(s) for s in skip):
+            continue
+        for old, new in (renames or {}).items():
+            name = name.replace(old, new)
+        shard_id = 0
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in stacked_params:
+            target, shard_id = stacked_params[parts[-2]]
+            name = ".".join(parts[:-2] + [target, parts[-1]])
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor.to(param.dtype), shard_id)
+        loaded_names.add(name)
+    tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
+    missing = [n for n in params if n not in loaded_names and n not in tied]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.02) -> None:
+    """Random weights for any config (load_format='dummy'); norms stay at 1 for stable outputs."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name and name.endswith("weight"):
+            param.data.fill_(1.0)
+        else:
+            cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
+            param.data.copy_(cpu.to(param.dtype))

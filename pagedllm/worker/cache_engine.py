@@ -1,0 +1,71 @@
+"""The KV pools of one worker: per layer a (key, value) pair of [num_blocks, block_size, kv_heads, head_dim]."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.kernels import reference
+
+logger = logging.getLogger("pagedllm")
+
+
+class CacheEngine:
+    """Allocates the device pool and the CPU swap pool; performs swaps and copy-on-write copies."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
+        self.gpu_cache = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = device.type == "cuda"
+        self.cpu_cache = [
+            (
+                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(num_layers)
+        ] if num_cpu_blocks else []
+
+    @staticmethod
+    def get_cache_block_size(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers (keys and values)."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        self._swap(self.gpu_cache, self.cpu_cache, mapping)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        self._swap(self.cpu_cache, self.gpu_cache, mapping)
+
+    @staticmethod
+    def _swap(src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
+        if not mapping:
+            return
+        if not dst_cache or not src_cache:
+            raise RuntimeError("swap requested but the CPU swap pool is empty (swap_space=0)")
+        m = torch.tensor(mapping, dtype=torch.int64)
+        for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
+            reference.swap_blocks(sk, dk, m)
+            reference.swap_blocks(sv, dv, m)
+
+    def copy(self, mapping: list[tuple[int, int]]) -> None:
+        if not mapping:
+            return
+        m = torch.tensor(mapping, dtype=torch.int64, device=self.device)
+        reference.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)

@@ -1,0 +1,35 @@
+"""Plain data the engine sends to every worker each step (no core objects, cheap to serialise)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SequenceChunk:
+    """Tokens of one sequence to run this step: positions start_pos .. start_pos+len(token_ids)-1."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool  # the chunk ends the sequence: return logits for its last token
+    all_logits: bool = False  # return logits for every token (prompt_logprobs)
+
+
+@dataclass
+class ExecuteModelRequest:
+    chunks: list[SequenceChunk] = field(default_factory=list)  # decodes (one token) first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+
+def logits_row_layout(chunks: list[SequenceChunk]) -> list[tuple[int, int]]:
+    """For each chunk, the [start, end) rows it owns in the returned logits (empty if none)."""
+    layout = []
+    row = 0
+    for c in chunks:
+        n = len(c.token_ids) if c.all_logits else (1 if c.sample else 0)
+        layout.append((row, row + n))
+        row += n
+    return layout

@@ -1,0 +1,121 @@
+"""A worker: one device (or one tensor-parallel rank) holding a model shard and its KV pools."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model import loader
+from pagedllm.model.layers.attention import TorchAttentionBackend
+from pagedllm.model.models.registry import get_model_class
+from pagedllm.model.models.weights import init_dummy_weights
+from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.model_input import ExecuteModelRequest
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def kv_geometry(hf_config, tp_size: int) -> tuple[int, int, int]:
+    """(num_layers, kv heads on one rank, head_dim) from a HF config."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    per_rank = max(1, kv_heads // tp_size)
+    return hf_config.num_hidden_layers, per_rank, head_dim
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config, tp: TensorParallelGroup | None = None) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.hf_config = hf_config
+        self.tp = tp or TensorParallelGroup()
+        device = config.device_config.resolve()
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(config.model_config.dtype, device)
+        self.model = None
+        self.cache_engine: CacheEngine | None = None
+        self.model_runner: ModelRunner | None = None
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        mc = self.config.model_config
+        cls = get_model_class(self.hf_config)
+        with torch.device(self.device):
+            model = cls(self.hf_config, self.tp, self.dtype)
+        if mc.load_format == "dummy":
+            init_dummy_weights(model, seed=mc.seed)
+        else:
+            model.load_weights(loader.iterate_weights(self.model_dir, mc.load_format))
+        self.model = model.eval()
+        n_params = sum(p.numel() for p in model.parameters())
+        logger.info(
+            "Loaded %s (%.1fM params, %s, %s) in %.2f s",
+            type(model).__name__, n_params / 1e6, self.dtype, self.device, time.perf_counter() - t0,
+        )
+
+    def cache_block_size_bytes(self) -> int:
+        layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size)
+        return CacheEngine.get_cache_block_size(layers, kv_heads, head_dim, self.config.cache_config.block_size, self.dtype)
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) this worker can hold under the cache config."""
+        cc = self.config.cache_config
+        block_bytes = self.cache_block_size_bytes()
+        num_cpu = int(cc.swap_space * (1 << 30)) // block_bytes
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override, num_cpu
+        if cc.kv_cache_memory_bytes is not None:
+            return cc.kv_cache_memory_bytes // block_bytes, num_cpu
+        if self.device.type == "cuda":
+            from pagedllm.worker.gpu_profiling import profile_num_gpu_blocks  # GPU-only path
+
+            return profile_num_gpu_blocks(self, block_bytes), num_cpu
+        budget = int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
+        # No need for more than every sequence at full length.
+        sc = self.config.scheduler_config
+        max_useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
+        return min(budget // block_bytes, max_useful), num_cpu
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size)
+        self.cache_engine = CacheEngine(
+            layers, kv_heads, head_dim, self.config.cache_config.block_size,
+            num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
+        )
+        self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, self.attn_backend())
+
+    def attn_backend(self):
+        return TorchAttentionBackend()
+
+    def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
+        ce = self.cache_engine
+        ce.swap_out(req.blocks_to_swap_out)
+        ce.swap_in(req.blocks_to_swap_in)
+        ce.copy(req.blocks_to_copy)
+        return self.model_runner.execute_model(req.chunks, ce.gpu_cache)
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
