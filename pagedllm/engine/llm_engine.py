@@ -80,7 +80,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
-        for source in (self.hf_config, loader.load_generation_config(self.model_dir)):
+        for source in (self.hf_config, _load_generation_config(self.model_dir)):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             if isinstance(eos, int):
                 ids.add(eos)
@@ -326,3 +326,13 @@ class LLMEngine:
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
         }
+
+
+def _load_generation_config(model_dir) -> Any:
+    """generation_config.json of the model directory, or None (its eos ids apply, as in vLLM)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,174 @@
+"""Offline throughput on a fixed, seeded workload, with Hugging Face transformers as the peer.
+
+pagedllm runs every request through continuous batching; `--compare hf` runs the same prompts
+through transformers' padded static-batch `model.generate` on the same weights in the same process
+and prints the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_len: list[int]
+
+
+def make_workload(num_prompts: int, min_in: int, max_in: int, output_len: int, vocab: int, seed: int) -> Workload:
+    """Random token-id prompts with lengths uniform in [min_in, max_in]; fixed output length."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(rng.randint(min_in, max_in))] for _ in range(num_prompts)]
+    return Workload(prompts, [output_len] * num_prompts)
+
+
+def make_sharegpt_like(num_prompts: int, vocab: int, seed: int, max_prompt: int = 1024, max_total: int = 2048) -> Workload:
+    """Lengths from log-normal fits to ShareGPT (means ≈161 in / 338 out, paper Fig. 11)."""
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(num_prompts):
+        n_in = min(max_prompt, max(4, int(rng.lognormvariate(4.6, 0.9))))
+        n_out = max(4, min(max_total - n_in, int(rng.lognormvariate(5.4, 0.9))))
+        prompts.append([rng.randrange(100, vocab) for _ in range(n_in)])
+        outs.append(n_out)
+    return Workload(prompts, outs)
+
+
+@dataclass
+class Result:
+    system: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def row(self) -> str:
+        return (f"{self.system:<10} {self.elapsed_s:9.2f} s  {self.requests_per_s:8.3f} req/s  "
+                f"{self.output_tokens_per_s:10.1f} out tok/s  {self.total_tokens_per_s:10.1f} total tok/s")
+
+
+def run_pagedllm(llm, wl: Workload) -> Result:
+    from pagedllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_len]
+    prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return Result("pagedllm", elapsed, len(outs), sum(map(len, wl.prompts)), n_out)
+
+
+def run_hf_static(model, wl: Workload, batch_size: int, pad_id: int) -> Result:
+    """transformers' padded static batching: left-pad each batch to its longest prompt."""
+    import torch
+
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    n_out_total = 0
+    t0 = time.perf_counter()
+    for i in tqdm(range(0, len(wl.prompts), batch_size), desc="HF batches"):
+        batch = wl.prompts[i : i + batch_size]
+        new = max(wl.output_len[i : i + batch_size])
+        width = max(map(len, batch))
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for j, p in enumerate(batch):
+            ids[j, width - len(p):] = torch.tensor(p)
+            mask[j, width - len(p):] = 1
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)
+        n_out_total += (out.shape[1] - width) * len(batch)
+    elapsed = time.perf_counter() - t0
+    return Result("hf", elapsed, len(wl.prompts), sum(map(len, wl.prompts)), n_out_total)
+
+
+def load_hf_reference(model: str | None, dtype: str, device: str):
+    """The same weights through transformers' own loader (GGUF or HF dir)."""
+    import torch
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model.loader import resolve_model
+
+    path = Path(resolve_model(model))
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    if path.suffix == ".gguf":
+        m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
+    else:
+        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    return m.to(device).eval()
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-min", type=int, default=16)
+    p.add_argument("--input-len-max", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", choices=["uniform", "sharegpt-like"], default="uniform",
+                   help="uniform: prompt lengths in [min,max], fixed output; sharegpt-like: paper Fig. 11 shapes.")
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--compare", choices=["none", "hf"], default="none", help="Also run this peer in the same process.")
+    p.add_argument("--hf-batch-size", type=int, default=64, help="Static batch size for the HF peer.")
+    p.add_argument("--hf-num-prompts", type=int, default=None, help="Run the HF peer on only the first N prompts.")
+    p.add_argument("--output-json", default=None, help="Write the figures to this JSON file.")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(dtype="float32")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagedllm import LLM
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**vars(engine_args))
+    vocab = int(llm.llm_engine.hf_config.vocab_size)
+    if args.dataset == "uniform":
+        wl = make_workload(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len, vocab,
+                           args.workload_seed)
+    else:
+        wl = make_sharegpt_like(args.num_prompts, vocab, args.workload_seed)
+    device = str(llm.llm_engine.executor.device)
+    print(f"workload: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
+          f"{sum(wl.output_len)} output tokens; device={device} dtype={llm.llm_engine.executor.dtype} "
+          f"threads={torch.get_num_threads()}")
+    results = [run_pagedllm(llm, wl)]
+    if args.compare == "hf":
+        del llm
+        hf = load_hf_reference(engine_args.model, args.dtype, device)
+        sub = wl if args.hf_num_prompts is None else Workload(wl.prompts[: args.hf_num_prompts],
+                                                               wl.output_len[: args.hf_num_prompts])
+        pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+        results.append(run_hf_static(hf, sub, args.hf_batch_size, pad))
+    for r in results:
+        print(r.row())
+    if len(results) == 2:
+        ours, peer = results
+        print(f"ratio pagedllm/hf: output tok/s {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x, "
+              f"total tok/s {ours.total_tokens_per_s / peer.total_tokens_per_s:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results], f, indent=2)
+    return 0

@@ -1,0 +1,474 @@
+"""GGUF -> Hugging Face directory conversion (own code; transformers is used for the tokenizer only).
+
+A GGUF file (llama.cpp format) is converted once into a cache directory holding ``config.json``,
+``model.safetensors`` (float32), the tokenizer files and ``generation_config.json``; later calls
+return the cached directory without opening the GGUF again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+logger = logging.getLogger("pagedllm")
+
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
+GGUF_MAGIC = b"GGUF"
+# Bump when the converter output changes so that stale caches are not reused.
+CONVERTER_VERSION = "2"
+MARKER_FILE = "pagedllm_gguf_source.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+_GLOBAL_TENSORS: Mapping[str, str] = MappingProxyType(
+    {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+)
+_BLOCK_TENSORS: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
+)
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+# Tensors llama.cpp stores that have no HF counterpart and carry no information we need.
+_IGNORED_SUFFIXES = ("attn_rot_embd.weight",)
+
+
+def is_gguf_file(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is a file that starts with the GGUF magic bytes (suffix is not required)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def gguf_cache_root() -> Path:
+    """Root of converted GGUF caches: ``$PAGEDLLM_CACHE_DIR/gguf`` or ``~/.cache/pagedllm/gguf``."""
+    env = os.environ.get("PAGEDLLM_CACHE_DIR")
+    if env:
+        return Path(env).expanduser() / "gguf"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "pagedllm" / "gguf"
+
+
+def gguf_cache_dir(gguf_path: str | os.PathLike[str]) -> Path:
+    """Cache directory for one GGUF file; the key hashes its real path, size and mtime."""
+    p = Path(gguf_path).resolve()
+    st = p.stat()
+    key_src = f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}"
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", p.stem)[:80]
+    return gguf_cache_root() / f"{stem}-{key}"
+
+
+def _is_complete_cache(d: Path) -> bool:
+    return (d / MARKER_FILE).is_file() and (d / "config.json").is_file()
+
+
+def get_or_convert_gguf(gguf_path: str | os.PathLike[str]) -> Path:
+    """Return the cached HF directory for ``gguf_path``, converting it (atomically) on first use."""
+    src = Path(gguf_path).resolve()
+    target = gguf_cache_dir(src)
+    if _is_complete_cache(target):
+        return target
+    root = target.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(
+            f"Cannot create the GGUF cache directory {root}: {e}. "
+            "Set PAGEDLLM_CACHE_DIR to a writable directory."
+        ) from e
+    _remove_stale_tmp_dirs(root, target.name)
+    if target.exists():  # incomplete or tampered: a finished cache always has the marker file
+        if _is_complete_cache(target):  # another process just finished it
+            return target
+        logger.warning("Removing incomplete GGUF cache %s", target)
+        shutil.rmtree(target, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-{os.getpid()}-", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
+    logger.info("Converting GGUF %s -> %s (one-time, cached afterwards)", src, target)
+    t0 = time.perf_counter()
+    try:
+        convert_gguf(src, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete_cache(target):  # not a lost race with another process
+                raise
+            logger.info("Another process finished converting %s first; using its output", src)
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("Converted %s in %.1f s", src.name, time.perf_counter() - t0)
+    _remove_superseded_caches(root, src, target)
+    return target
+
+
+def _remove_superseded_caches(root: Path, src: Path, keep: Path) -> None:
+    """Delete caches of the same source file made from an older version of it or of the converter."""
+    for d in root.glob(keep.name.rsplit("-", 1)[0] + "-*"):
+        if d == keep or d.name.startswith(".") or not (d / MARKER_FILE).is_file():
+            continue
+        try:
+            source = json.loads((d / MARKER_FILE).read_text()).get("source")
+        except (OSError, ValueError):
+            continue
+        if source == str(src):
+            logger.info("Removing superseded GGUF cache %s", d)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _remove_stale_tmp_dirs(root: Path, name: str) -> None:
+    """Delete temp dirs of earlier conversions of ``name`` whose process is gone (e.g. killed)."""
+    for d in root.glob(f".tmp-{name}-*"):
+        pid_str = d.name[len(f".tmp-{name}-"):].split("-", 1)[0]
+        if not pid_str.isdigit():
+            continue
+        try:
+            os.kill(int(pid_str), 0)
+        except ProcessLookupError:
+            logger.info("Removing leftover temp dir of an interrupted conversion: %s", d)
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass  # alive but not ours (EPERM): leave it
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+    """Open ``path`` with ``gguf.GGUFReader``; any parse failure becomes a clear ValueError."""
+    from gguf import GGUFReader
+
+    p = Path(path)
+    try:
+        reader = GGUFReader(p)
+    except Exception as e:  # the reader raises many kinds (ValueError, IndexError, struct/numpy errors)
+        raise ValueError(
+            f"{p} is not a valid GGUF file: {type(e).__name__}: {e} (is the file truncated or corrupt?)"
+        ) from e
+    size = p.stat().st_size
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size:
+            raise ValueError(
+                f"{p} is not a valid GGUF file: tensor {t.name!r} extends past the end of the file "
+                f"({int(t.data_offset) + int(t.n_bytes)} > {size} bytes; is the file truncated?)"
+            )
+    return reader
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """Scalar or string metadata value ``key`` (``default`` when absent)."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return default
+    if hasattr(field, "contents"):
+        return field.contents()
+    part = field.parts[field.data[0]]
+    if part.dtype == np.uint8 and len(field.types) and field.types[0].name == "STRING":
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]
+
+
+def gguf_array_len(reader: Any, key: str) -> int | None:
+    """Length of an array metadata value (e.g. the token list) without decoding it."""
+    field = reader.fields.get(key)
+    return None if field is None else len(field.data)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor names and layout
+
+
+def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's rotary row permutation of q_proj/k_proj (``convert_hf_to_gguf.permute``).
+
+    llama.cpp turns HF's "rotate-half" row order per head, (2, head_dim/2), into interleaved
+    pairs, (head_dim/2, 2); this swaps them back.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute a tensor with {rows} rows for {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def map_tensor_name(gguf_name: str) -> str | None:
+    """HF parameter name for a llama.cpp tensor name (None for tensors that are dropped)."""
+    if gguf_name.endswith(_IGNORED_SUFFIXES):
+        return None
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_TENSORS:
+        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
+    m = _GLOBAL_RE.match(gguf_name)
+    if m and m.group(1) in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError(
+            "GGUF tensor 'rope_freqs.weight' (Llama-3.1 style RoPE frequency scaling) is not supported yet"
+        )
+    raise ValueError(f"Unsupported tensor {gguf_name!r} in GGUF file (llama architecture expected)")
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class GGUFModelInfo:
+    """The pieces of GGUF metadata the conversion needs."""
+
+    config: dict[str, Any]
+    n_head: int
+    n_head_kv: int
+    eos_token_ids: list[int]
+    has_tokenizer: bool
+    chat_template: str | None
+
+
+def build_config(reader: Any, path: Path) -> GGUFModelInfo:
+    """Build a LlamaConfig-compatible dict from GGUF metadata."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    split_count = gguf_field(reader, "split.count", 1)
+    if split_count and int(split_count) > 1:
+        raise ValueError(
+            f"{path} is one part of a split GGUF ({split_count} parts); merge it first "
+            "(llama-gguf-split --merge) and pass the merged file"
+        )
+
+    def req(key: str) -> Any:
+        v = gguf_field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"{path} is not a valid GGUF file: missing metadata key '{arch}.{key}'")
+        return v
+
+    hidden = int(req("embedding_length"))
+    n_head = int(req("attention.head_count"))
+    n_head_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", 0) or 0) or hidden // n_head
+    tensor_names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ValueError(f"{path} is not a valid GGUF file: no 'token_embd.weight' tensor")
+    vocab_size = int(embd.shape[-1])  # GGUF shape is (ne0=hidden, ne1=vocab)
+    n_tokens = gguf_array_len(reader, "tokenizer.ggml.tokens")
+    if n_tokens is not None and n_tokens != vocab_size:
+        logger.warning("GGUF token list has %d entries but the embedding has %d rows", n_tokens, vocab_size)
+
+    rope_theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_scaling: dict[str, Any] | None = None
+    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
+    factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
+    if scaling_type in ("linear", "yarn") and factor and float(factor) != 1.0:
+        rope_scaling = {"rope_type": scaling_type, "factor": float(factor)}
+        orig = gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
+        if scaling_type == "yarn" and orig:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    elif scaling_type not in (None, "none"):
+        raise ValueError(f"Unsupported RoPE scaling type {scaling_type!r} in {path}; supported: linear, yarn")
+
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    pad = gguf_field(reader, "tokenizer.ggml.padding_token_id")
+    eos_ids = [int(x) for x in (eos, gguf_field(reader, "tokenizer.ggml.eot_token_id"),
+                                gguf_field(reader, "tokenizer.ggml.eom_token_id")) if x is not None]
+    eos_ids = list(dict.fromkeys(eos_ids))
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(req("feed_forward_length")),
+        "num_hidden_layers": int(req("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(gguf_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "float32",
+    }
+    return GGUFModelInfo(
+        config=config,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        eos_token_ids=eos_ids,
+        has_tokenizer=gguf_field(reader, "tokenizer.ggml.model") is not None,
+        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def _expected_shape(hf_name: str, cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv, ff = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
+    table = {
+        "embed_tokens.weight": (cfg["vocab_size"], h), "lm_head.weight": (cfg["vocab_size"], h),
+        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
+        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (h,),
+        "gate_proj.weight": (ff, h), "up_proj.weight": (ff, h), "down_proj.weight": (h, ff),
+        "gate_proj.bias": (ff,), "up_proj.bias": (ff,), "down_proj.bias": (h,),
+        "layernorm.weight": (h,), "norm.weight": (h,),
+    }
+    for suffix, shape in table.items():
+        if hf_name.endswith(suffix):
+            return shape
+    return None
+
+
+def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (HF name, float32 C-contiguous array in HF layout) for every tensor of the GGUF."""
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
+        hf_name = map_tensor_name(t.name)
+        if hf_name is None:
+            continue
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name!r} in {path} uses an unsupported type: {e}") from e
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.owndata or not arr.flags.writeable:  # F32 comes back as a view of the memmap
+            arr = arr.copy()
+        if ".attn_q." in t.name:
+            arr = reverse_permute(arr, info.n_head)
+        elif ".attn_k." in t.name:
+            arr = reverse_permute(arr, info.n_head_kv)
+        expected = _expected_shape(hf_name, info.config)
+        if expected is not None and tuple(arr.shape) != expected:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} in {path} has shape {tuple(arr.shape)}, expected {expected} "
+                "from the model metadata"
+            )
+        yield hf_name, arr
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+
+
+def _write_weights(tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, max_shard_bytes: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    shard_files: list[list[str]] = []  # tensor names per shard
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = 0
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if current:
+            save_file(current, str(out_dir / f"shard-{len(shard_files):05d}.tmp"), metadata={"format": "pt"})
+            shard_files.append(list(current))
+            current, current_bytes = {}, 0
+
+    for name, arr in tensors:
+        if current and current_bytes + arr.nbytes > max_shard_bytes:
+            flush()
+        current[name] = torch.from_numpy(arr)
+        current_bytes += arr.nbytes
+    flush()
+    if not shard_files:
+        raise ValueError("GGUF file contains no tensors")
+    if len(shard_files) == 1:
+        os.replace(out_dir / "shard-00000.tmp", out_dir / "model.safetensors")
+        return
+    n = len(shard_files)
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shard_files):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(out_dir / f"shard-{i:05d}.tmp", out_dir / fname)
+        weight_map.update({k: fname for k in names})
+    total = sum((out_dir / f).stat().st_size for f in set(weight_map.values()))
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+def _write_tokenizer(path: Path, out_dir: Path, info: GGUFModelInfo) -> None:
+    from transformers import AutoTokenizer
+
+    if not info.has_tokenizer:
+        logger.warning("GGUF %s has no tokenizer metadata; pass a tokenizer explicitly", path)
+        return
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"Could not build a tokenizer from the GGUF metadata of {path}: {e}") from e
+    if info.chat_template and not tok.chat_template:
+        tok.chat_template = info.chat_template
+    tok.model_max_length = info.config["max_position_embeddings"]
+    tok.save_pretrained(str(out_dir))
+    # Make the saved config portable: drop load-time kwargs, name a class transformers 4.x knows and
+    # keep the chat template in tokenizer_config.json too (older versions ignore chat_template.jinja).
+    cfg_path = out_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    for key in ("is_local", "local_files_only", "gguf_file"):
+        tok_cfg.pop(key, None)
+    if tok_cfg.get("tokenizer_class") == "TokenizersBackend":
+        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if tok.chat_template and "chat_template" not in tok_cfg:
+        tok_cfg["chat_template"] = tok.chat_template
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Convert ``gguf_path`` into an HF-style directory ``out_dir`` (which must exist)."""
+    from transformers import GenerationConfig, LlamaConfig
+
+    src, out = Path(gguf_path), Path(out_dir)
+    reader = open_gguf(src)
+    info = build_config(reader, src)
+    _write_weights(iter_gguf_tensors(reader, info, src), out, max_shard_bytes)
+    del reader
+
+    LlamaConfig(**info.config).save_pretrained(str(out))
+    gen = {k: info.config[k] for k in ("bos_token_id", "pad_token_id") if info.config[k] is not None}
+    if info.eos_token_ids:
+        gen["eos_token_id"] = info.eos_token_ids[0] if len(info.eos_token_ids) == 1 else info.eos_token_ids
+    GenerationConfig(**gen).save_pretrained(str(out))
+    _write_tokenizer(src, out, info)
+    st = src.stat()
+    (out / MARKER_FILE).write_text(json.dumps(
+        {"source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+         "converter_version": CONVERTER_VERSION}, indent=2))

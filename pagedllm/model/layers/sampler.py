@@ -1,0 +1,425 @@
+"""Batched token sampling on the logits' device (vLLM semantics).
+
+Pipeline per call (stages are skipped entirely when no row needs them):
+
+1. penalties (repetition / frequency / presence),
+2. ``min_tokens``: EOS and ``stop_token_ids`` masked to ``-inf``,
+3. temperature,
+4. top-k, top-p, min-p,
+5. sampling: greedy rows take ``argmax``; random rows use the Gumbel-max trick
+   ``argmax(probs / q)`` with ``q ~ Exponential(1)``; ``q`` is drawn with the row's
+   own generator for seeded rows, so their samples depend only on the seed and
+   the row's history, never on the rest of the batch.
+
+Log-probs are computed from the *raw* logits (before any processing).
+All device -> host traffic happens in a single ``.tolist()`` at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits batch plus what is needed to sample from it.
+
+    ``generator`` must live on the logits' device (``None`` -> torch's default
+    generator). ``num_samples`` > 1 draws that many tokens independently (with
+    replacement) from this row, e.g. when a parallel-sampling request forks
+    at the end of its prompt.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+    num_samples: int = 1
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class RowSample:
+    """Sampling result of one row.
+
+    ``logprobs[j]`` is the raw log-prob of ``token_ids[j]``; ``top_logprobs[j]``
+    (only when ``params.logprobs`` is set) maps the sampled token and the
+    top-``params.logprobs`` tokens to their raw log-probs (sampled token first).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]] | None
+
+
+def _flat_index(seqs: list[list[int]], vocab: int) -> np.ndarray:
+    """Row-major linear indices ``row * vocab + token`` of every token in ``seqs``.
+
+    Built with numpy (no per-token Python work); ids outside ``[0, vocab)`` are dropped.
+    """
+    lens = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    toks = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
+    rows = np.repeat(np.arange(len(seqs), dtype=np.int64), lens)
+    ok = (toks >= 0) & (toks < vocab)
+    return rows[ok] * vocab + toks[ok]
+
+
+def _col(values: list[float], device: torch.device) -> torch.Tensor:
+    """Per-row float32 column ``[B, 1]``."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    presence: list[float],
+    frequency: list[float],
+    repetition: list[float],
+) -> torch.Tensor:
+    """vLLM penalties on ``logits`` ``[B, V]`` (returns a new tensor).
+
+    repetition: tokens in prompt or output -> ``logit / r`` if ``logit > 0`` else
+    ``logit * r``; frequency: ``- f * count_in_output``; presence:
+    ``- p * (count_in_output > 0)``.  Token ids outside ``[0, V)`` are ignored.
+    Output counts come from one ``scatter_add_`` over the flattened ``[B * V]``
+    count tensor.
+    """
+    num_rows, vocab = logits.shape
+    device = logits.device
+    out_lin = torch.from_numpy(_flat_index(output_ids, vocab)).to(device)
+    counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, out_lin, torch.ones(out_lin.shape, dtype=torch.float32, device=device))
+    counts = counts.view(num_rows, vocab)
+    seen_out = counts > 0
+
+    if any(r != 1.0 for r in repetition):
+        prompt_lin = torch.from_numpy(_flat_index(prompt_ids, vocab)).to(device)
+        seen = torch.zeros(num_rows * vocab, dtype=torch.bool, device=device)
+        seen[prompt_lin] = True
+        seen = seen.view(num_rows, vocab) | seen_out
+        rep = _col(repetition, device)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    if any(f != 0.0 for f in frequency):
+        logits = logits - _col(frequency, device) * counts
+    if any(p != 0.0 for p in presence):
+        logits = logits - _col(presence, device) * seen_out.to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: list[int] | None, top_p: list[float] | None
+) -> torch.Tensor:
+    """Mask (``-inf``) tokens outside top-k and/or the top-p nucleus.
+
+    ``top_k[i] <= 0`` or ``>= V`` disables top-k for row i; ties at the k-th value
+    are kept. top-p keeps the smallest set of tokens whose cumulative probability
+    is >= ``top_p[i]`` (always at least one token). Returns a new tensor.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    if top_k is not None and top_p is None:
+        # top-k alone: a partial top-k is much cheaper than a full sort.
+        ks = [x if 0 < x < vocab else 0 for x in top_k]
+        max_k = max(ks)
+        if max_k == 0:
+            return logits
+        k_t = torch.tensor(ks, dtype=torch.long, device=device).unsqueeze(1)
+        top_v = logits.topk(max_k, dim=-1).values
+        kth = top_v.gather(1, (k_t - 1).clamp_(min=0))
+        kth = kth.masked_fill(k_t == 0, _NEG_INF)
+        return logits.masked_fill(logits < kth, _NEG_INF)
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.tensor(
+            [vocab if (x <= 0 or x > vocab) else x for x in top_k],
+            dtype=torch.long,
+            device=device,
+        )
+        kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        probs_sorted = sorted_logits.softmax(dim=-1)
+        cum = probs_sorted.cumsum(dim=-1)
+        drop = cum <= 1.0 - _col(top_p, device)
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits.masked_fill_(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask tokens whose prob is below ``min_p * max_prob`` (returns a new tensor)."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * _col(min_p, logits.device)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+class Sampler:
+    """Samples one or more next tokens per row of a logits batch."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        return_logprobs_tensor: bool = False,
+    ) -> tuple[list[RowSample], torch.Tensor | None]:
+        """Sample from ``logits`` ``[len(rows), vocab]``.
+
+        Returns per-row results and, if ``return_logprobs_tensor``, the raw
+        ``log_softmax`` of ``logits`` (``[len(rows), vocab]`` float32).
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must have shape [len(rows)={len(rows)}, vocab], got "
+                f"{tuple(logits.shape)}."
+            )
+        if not rows:
+            empty = logits.float().log_softmax(-1) if return_logprobs_tensor else None
+            return [], empty
+        device = logits.device
+        num_rows, vocab = logits.shape
+        raw = logits.float()  # never modified in place
+
+        # ---- gather per-row parameters once ------------------------------- #
+        temps: list[float] = []
+        top_ks: list[int] = []
+        top_ps: list[float] = []
+        min_ps: list[float] = []
+        presence: list[float] = []
+        frequency: list[float] = []
+        repetition: list[float] = []
+        greedy: list[bool] = []
+        pen_prompts: list[list[int]] = []  # only rows with repetition_penalty != 1
+        pen_outputs: list[list[int]] = []  # only rows with any penalty
+        need_pen = need_temp = need_topk = need_topp = need_minp = False
+        max_logprobs = -1
+        num_samples: list[int] = []
+        ban_rows: list[int] = []
+        ban_toks: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if row.num_samples < 1:
+                raise ValueError(f"num_samples must be at least 1, got {row.num_samples}.")
+            num_samples.append(row.num_samples)
+            is_greedy = p.use_beam_search or p.temperature < SAMPLING_EPS or p.top_k == 1
+            greedy.append(is_greedy)
+            presence.append(p.presence_penalty)
+            frequency.append(p.frequency_penalty)
+            repetition.append(p.repetition_penalty)
+            has_rep = p.repetition_penalty != 1.0
+            has_pen = has_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            need_pen |= has_pen
+            pen_prompts.append(row.prompt_token_ids if has_rep else [])
+            pen_outputs.append(row.output_token_ids if has_pen else [])
+            if len(row.output_token_ids) < p.min_tokens:
+                for t in (*row.eos_token_ids, *(p.stop_token_ids or ())):
+                    if 0 <= t < vocab:
+                        ban_rows.append(i)
+                        ban_toks.append(t)
+            if is_greedy:
+                temps.append(1.0)
+                top_ks.append(0)
+                top_ps.append(1.0)
+                min_ps.append(0.0)
+            else:
+                temps.append(p.temperature)
+                top_ks.append(p.top_k)
+                top_ps.append(p.top_p)
+                min_ps.append(p.min_p)
+                need_temp |= p.temperature != 1.0
+                need_topk |= 0 < p.top_k < vocab
+                need_topp |= p.top_p < 1.0
+                need_minp |= p.min_p > 0.0
+            if p.logprobs is not None:
+                max_logprobs = max(max_logprobs, p.logprobs)
+
+        # ---- logits processing --------------------------------------------- #
+        x = raw
+        if need_pen:
+            x = apply_penalties(x, pen_prompts, pen_outputs, presence, frequency, repetition)
+        if ban_rows:
+            if x is raw:
+                x = raw.clone()
+            idx_r = torch.tensor(ban_rows, dtype=torch.long, device=device)
+            idx_t = torch.tensor(ban_toks, dtype=torch.long, device=device)
+            x.index_put_((idx_r, idx_t), torch.tensor(_NEG_INF, device=device))
+        if need_temp:
+            x = x / _col(temps, device)
+        if need_topk or need_topp:
+            x = apply_top_k_top_p(
+                x, top_ks if need_topk else None, top_ps if need_topp else None
+            )
+        if need_minp:
+            x = apply_min_p(x, min_ps)
+
+        # ---- sampling ------------------------------------------------------ #
+        total = sum(num_samples)
+        expanded = total != num_rows
+        flat_rows: list[int] = []  # flat sample position -> row
+        for i, s in enumerate(num_samples):
+            flat_rows.extend([i] * s)
+        flat_rows_t = (
+            torch.tensor(flat_rows, dtype=torch.long, device=device) if expanded else None
+        )
+
+        n_greedy = sum(greedy)
+        tokens: torch.Tensor | None = None
+        if n_greedy:
+            g = x.argmax(dim=-1)
+            tokens = g.index_select(0, flat_rows_t) if flat_rows_t is not None else g
+        if n_greedy < num_rows:
+            # Random rows, expanded to one position per sample.
+            rand_pos: list[int] = []  # flat positions of random samples
+            rand_rows: list[int] = []
+            seeded: list[tuple[int, int, torch.Generator]] = []  # (start, count, gen)
+            unseeded: list[int] = []  # indices into the random sub-batch
+            pos = 0
+            for i, row in enumerate(rows):
+                s = num_samples[i]
+                if not greedy[i]:
+                    start = len(rand_rows)
+                    rand_pos.extend(range(pos, pos + s))
+                    rand_rows.extend([i] * s)
+                    if row.generator is not None:
+                        if row.generator.device.type != device.type:
+                            raise ValueError(
+                                f"generator of row {i} is on {row.generator.device}, but "
+                                f"logits are on {device}; they must share a device."
+                            )
+                        seeded.append((start, s, row.generator))
+                    else:
+                        unseeded.extend(range(start, start + s))
+                pos += s
+            n_rand = len(rand_rows)
+            if n_rand == total:  # every row is random
+                xr = x.index_select(0, flat_rows_t) if flat_rows_t is not None else x
+            else:
+                xr = x.index_select(
+                    0, torch.tensor(rand_rows, dtype=torch.long, device=device)
+                )
+            probs = xr.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            if len(unseeded) == n_rand:
+                q.exponential_()
+            elif unseeded:
+                q[torch.tensor(unseeded, dtype=torch.long, device=device)] = torch.empty(
+                    (len(unseeded), vocab), dtype=q.dtype, device=device
+                ).exponential_()
+            for start, count, gen in seeded:
+                q[start : start + count].exponential_(generator=gen)
+            # Guard against q == 0 (0/0 = NaN would win argmax).
+            q.clamp_(min=torch.finfo(q.dtype).tiny)
+            sampled = probs.div_(q).argmax(dim=-1)
+            if tokens is None:
+                tokens = sampled
+            else:
+                tokens = tokens.clone()
+                tokens[torch.tensor(rand_pos, dtype=torch.long, device=device)] = sampled
+        if tokens is None:  # unreachable: every row is greedy or random
+            raise RuntimeError("sampler produced no tokens")
+
+        # ---- log-probs (raw distribution) ---------------------------------- #
+        need_full = return_logprobs_tensor or max_logprobs >= 0
+        full: torch.Tensor | None = raw.log_softmax(dim=-1) if need_full else None
+        row_of = (
+            flat_rows_t
+            if flat_rows_t is not None
+            else torch.arange(num_rows, dtype=torch.long, device=device)
+        )
+        if full is not None:
+            tok_lp = full[row_of, tokens]
+        else:  # cheap path: gathered raw logit minus the row's logsumexp
+            tok_lp = raw[row_of, tokens] - raw.logsumexp(dim=-1)[row_of]
+
+        parts = [tokens.to(torch.float64), tok_lp.to(torch.float64)]
+        k_top = min(max_logprobs, vocab)
+        if full is not None and k_top > 0:
+            top_v, top_i = full.topk(k_top, dim=-1)
+            parts += [top_i.to(torch.float64).flatten(), top_v.to(torch.float64).flatten()]
+        host = torch.cat(parts).tolist()  # the single device -> host sync
+
+        # ---- assemble ------------------------------------------------------ #
+        tok_list = host[:total]
+        lp_list = host[total : 2 * total]
+        top_i_list = host[2 * total : 2 * total + num_rows * max(k_top, 0)]
+        top_v_list = host[2 * total + num_rows * max(k_top, 0) :]
+        results: list[RowSample] = []
+        pos = 0
+        for i, row in enumerate(rows):
+            s = num_samples[i]
+            ids = [int(t) for t in tok_list[pos : pos + s]]
+            lps = lp_list[pos : pos + s]
+            tops: list[dict[int, float]] | None = None
+            k = row.params.logprobs
+            if k is not None:
+                k = min(k, vocab)
+                base = i * k_top
+                top_pairs = [
+                    (int(top_i_list[base + j]), top_v_list[base + j]) for j in range(k)
+                ]
+                tops = []
+                for tok, lp in zip(ids, lps):
+                    d = {tok: lp}
+                    for t, v in top_pairs:
+                        d.setdefault(t, v)
+                    tops.append(d)
+            results.append(RowSample(token_ids=ids, logprobs=lps, top_logprobs=tops))
+            pos += s
+        return results, (full if return_logprobs_tensor else None)
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
+) -> list[dict[int, float]]:
+    """Prompt log-probs: ``logits[i]`` predicts ``next_token_ids[i]``.
+
+    Returns, per position, ``{token: logprob}`` for the actual next token (first)
+    plus the top-``k`` tokens of the raw distribution.
+    """
+    if k < 0:
+        raise ValueError(f"k must be non-negative, got {k}.")
+    if logits.dim() != 2 or next_token_ids.shape != (logits.shape[0],):
+        raise ValueError(
+            f"logits must be [N, vocab] and next_token_ids [N], got "
+            f"{tuple(logits.shape)} and {tuple(next_token_ids.shape)}."
+        )
+    n, vocab = logits.shape
+    if n == 0:
+        return []
+    lp = logits.float().log_softmax(dim=-1)
+    ids = next_token_ids.to(device=logits.device, dtype=torch.long)
+    actual = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
+    parts = [ids.to(torch.float64), actual.to(torch.float64)]
+    k = min(k, vocab)
+    if k > 0:
+        top_v, top_i = lp.topk(k, dim=-1)
+        parts += [top_i.to(torch.float64).flatten(), top_v.to(torch.float64).flatten()]
+    host = torch.cat(parts).tolist()
+    out: list[dict[int, float]] = []
+    for i in range(n):
+        d = {int(host[i]): host[n + i]}
+        base = 2 * n + n * k + i * k
+        for j in range(k):
+            d.setdefault(int(host[2 * n + i * k + j]), host[base + j])
+        out.append(d)
+    return out
+
+
+__all__ = [
+    "RowSample",
+    "Sampler",
+    "SamplingRow",
+    "apply_min_p",
+    "apply_penalties",
+    "apply_top_k_top_p",
+    "compute_prompt_logprobs",
+]
