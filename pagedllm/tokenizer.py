@@ -146,8 +146,9 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(context) if context else ""
         if prefix_text.endswith("\ufffd"):  # prompt ends mid-character: do not glue output bytes onto it
             context, prefix_text = [], ""
+        # Window of tokens decoded each step: _ids[:_read_offset] were already read (their text,
+        # _prefix_len chars long, gives context); the rest is new.
         self._ids: list[int] = context
-        self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_len = len(prefix_text)
         self._text = ""  # all decoded output text (before stop truncation)
@@ -196,14 +197,13 @@ class IncrementalDetokenizer:
         """Text of the tokens after the read offset; '' while an incomplete character is pending."""
         if self._read_offset >= len(self._ids):
             return ""
-        new_text = self._decode(self._ids[self._prefix_offset:])
+        new_text = self._decode(self._ids)
         if not final and (len(new_text) < self._prefix_len or new_text.endswith("\ufffd")):
             return ""  # wait for the bytes that complete the character
         delta = new_text[self._prefix_len:]
         # Slide the window: the tokens just read become the prefix of the next step.
         window = self._ids[self._read_offset:]
-        self._ids = window
-        self._prefix_offset, self._read_offset = 0, len(window)
+        self._ids, self._read_offset = window, len(window)
         self._prefix_len = len(self._decode(window))
         return delta
 
@@ -213,8 +213,8 @@ class IncrementalDetokenizer:
         if self._stop:
             match_pos, match = -1, None
             for s in self._stop:
-                # A new match must end inside the new text and cannot start in released text.
-                pos = text.find(s, max(self._released, old_len - len(s) + 1, 0))
+                # A new match must end inside the new text (earlier text was already checked).
+                pos = text.find(s, max(old_len - len(s) + 1, 0))
                 if pos != -1 and (match is None or pos < match_pos):
                     match_pos, match = pos, s
             if match is not None:

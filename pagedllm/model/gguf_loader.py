@@ -103,7 +103,7 @@ def get_or_convert_gguf(gguf_path: str | os.PathLike[str]) -> Path:
             f"Cannot create the GGUF cache directory {root}: {e}. "
             "Set PAGEDLLM_CACHE_DIR to a writable directory."
         ) from e
-    _remove_stale_tmp_dirs(root, target.name)
+    _remove_stale_tmp_dirs(root)
     if target.exists():  # incomplete or tampered: a finished cache always has the marker file
         if _is_complete_cache(target):  # another process just finished it
             return target
@@ -144,12 +144,13 @@ def _remove_superseded_caches(root: Path, src: Path, keep: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _remove_stale_tmp_dirs(root: Path, name: str) -> None:
-    """Delete temp dirs of earlier conversions of ``name`` whose process is gone (e.g. killed)."""
-    for d in root.glob(f".tmp-{name}-*"):
-        pid_str = d.name[len(f".tmp-{name}-"):].split("-", 1)[0]
-        if not pid_str.isdigit():
+def _remove_stale_tmp_dirs(root: Path) -> None:
+    """Delete temp dirs (``.tmp-<name>-<pid>-<rand>``) of conversions whose process is gone."""
+    for d in root.glob(".tmp-*"):
+        parts = d.name.rsplit("-", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
             continue
+        pid_str = parts[1]
         try:
             os.kill(int(pid_str), 0)
         except ProcessLookupError:
