@@ -31,18 +31,16 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> 
     """[S, max_blocks] tables → contiguous [S, H, max_len, D] keys (or values)."""
     num_blocks, block_size, heads, dim = cache.shape
     n_blocks = -(-max_len // block_size)
-    gathered = cache[block_tables[:, :n_blocks].long()]  # [S, nb, bs, H, D]
-    gathered = gathered.reshape(block_tables.shape[0], n_blocks * block_size, heads, dim)[:, :max_len]
+    ids = block_tables[:, :n_blocks].reshape(-1).long()
+    gathered = cache.index_select(0, ids)  # [S·nb, bs, H, D]
+    gathered = gathered.view(block_tables.shape[0], n_blocks * block_size, heads, dim)[:, :max_len]
     return gathered.transpose(1, 2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool = False) -> torch.Tensor:
-    """q [B, Hq, Lq, D], k/v [B, Hk, Lk, D] with Hq a multiple of Hk."""
-    if q.shape[1] != k.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    """q [B, Hq, Lq, D], k/v [B, Hk, Lk, D] with Hq a multiple of Hk (GQA without copying K/V)."""
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
 def paged_attention(
