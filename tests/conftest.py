@@ -1,0 +1,96 @@
+"""Shared fixtures: the bundled model, its HF transformers reference, and test prompts."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_TEXT = (
+    "The history of computing is a story of abstractions built on top of one another. Early machines were "
+    "programmed by rewiring panels; later, stored programs let the same hardware run many tasks. Operating "
+    "systems introduced virtual memory, which maps a process's contiguous logical pages to scattered physical "
+    "frames, so that memory can be allocated on demand and shared between processes with copy-on-write. "
+    "Large language model serving faces a similar problem: the key-value cache of each request grows and "
+    "shrinks dynamically, and reserving contiguous memory for the maximum length wastes most of it. "
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from pagedllm.model.loader import prepare_model_dir
+
+    return prepare_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from pagedllm.tokenizer import get_tokenizer
+
+    return get_tokenizer(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own loading of the same GGUF, float32: the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.model.loader import default_model_path
+
+    path = Path(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def parity_prompts(tokenizer) -> list[list[int]]:
+    """16 prompts from 1 to several hundred tokens."""
+    texts = [
+        "Hello",
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        "Once upon a time, in a small village by the sea,",
+        "List three primary colors:",
+        "In 1969, the first humans",
+        "Translate to French: I love programming.",
+        "The quick brown fox",
+        "Water boils at a temperature of",
+        "A haiku about autumn:\n",
+        "Question: What is 12 times 12?\nAnswer:",
+        "import numpy as np\nx = np.arange(10)\n",
+    ]
+    prompts = [tokenizer.encode(t) for t in texts]
+    prompts[0] = prompts[0][:1]  # a one-token prompt
+    long_ids = tokenizer.encode(_TEXT * 6)
+    for n in (60, 150, 300, 420):
+        prompts.append(long_ids[:n] + tokenizer.encode(" In summary,"))
+    return prompts
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, parity_prompts) -> list[list[int]]:
+    """HF greedy continuations (max 24 new tokens, stopping at EOS) for each prompt, one at a time."""
+    import torch
+
+    outs = []
+    with torch.inference_mode():
+        for p in parity_prompts:
+            ids = torch.tensor([p])
+            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                    pad_token_id=hf_model.config.eos_token_id)
+            outs.append(gen[0, len(p):].tolist())
+    return outs

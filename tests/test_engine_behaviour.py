@@ -1,0 +1,161 @@
+"""Sampling semantics and bad input on the real bundled model."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(num_gpu_blocks_override=256, max_model_len=1024)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(llm):
+    yield
+    s = llm.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"], "KV blocks leaked"
+    llm.llm_engine.scheduler.block_manager.check_invariants()
+
+
+PROMPTS = ["Once upon a time", "The best way to learn a language is", "My favourite food is"]
+
+
+def _texts(outs):
+    return [o.outputs[0].text for o in outs]
+
+
+def test_seeded_sampling_reproduces_and_differs_by_seed(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=1234)
+    a = llm.generate(PROMPTS, p, use_tqdm=False)
+    # Same seeds in a different batch composition give the same tokens.
+    b = llm.generate(PROMPTS[::-1] + ["unrelated filler prompt"], p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b[:3][::-1]]
+    c = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=99), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in c]
+
+
+def test_top_k_one_equals_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
+    topk1 = llm.generate(PROMPTS, SamplingParams(temperature=0.8, top_k=1, max_tokens=16, seed=3), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in topk1]
+
+
+def test_stop_string_ends_output_and_is_excluded(llm):
+    base = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    full = base[0].outputs[0].text
+    assert "Paris" in full
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32, stop=["Paris"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+    assert out.text == full[: full.index("Paris")]
+    inc = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32, stop=["Paris"],
+                       include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert inc.text == full[: full.index("Paris") + len("Paris")]
+
+
+def test_stop_token_ids(llm):
+    base = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].outputs[0]
+    stop_tok = base.token_ids[5]
+    first = base.token_ids.index(stop_tok)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_eos_min_tokens_and_ignore_eos(llm):
+    # This raw prompt makes the instruct model emit <|im_end|> (EOS) at once.
+    p = "What is the capital of France?"
+    eos = llm.generate([p], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0]
+    assert eos.finish_reason == "stop" and len(eos.token_ids) == 1
+    mt = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, min_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert len(mt.token_ids) >= 5 and 2 not in mt.token_ids[:5]
+    ig = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(ig.token_ids) == 10 and ig.finish_reason == "length"
+
+
+def test_logprobs_and_prompt_logprobs(llm):
+    out = llm.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    for tok, lp in zip(comp.token_ids, comp.logprobs):
+        assert tok in lp and lp[tok] == max(lp.values())  # greedy picks the most likely token
+    assert abs(sum(comp.logprobs[i][t] for i, t in enumerate(comp.token_ids)) - comp.cumulative_logprob) < 1e-4
+    assert out.prompt_logprobs[0] is None and all(d is not None for d in out.prompt_logprobs[1:])
+
+
+def test_parallel_sampling_n(llm):
+    out = llm.generate(["Write a word:"], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7), use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_chat_uses_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert llm.get_tokenizer().decode(out.prompt_token_ids).startswith("<|im_start|>system")
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+     ({"n": 0}, "n"), ({"top_k": -5}, "top_k"), ({"min_p": 2.0}, "min_p")],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_give_clear_errors_and_engine_keeps_serving(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([{"prompt_token_ids": [5] * 1500}], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": []}], SamplingParams(max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([{"prompt_token_ids": [10**9]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    # A bad prompt in the middle of a batch aborts nothing else and leaks nothing.
+    with pytest.raises(ValueError):
+        llm.generate(["fine", {"prompt_token_ids": [5] * 1500}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert llm.stats()["num_waiting"] == 0
+    out = llm.generate(["Still working?"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out[0].finished and len(out[0].outputs[0].token_ids) >= 1
+
+
+def test_missing_model_and_corrupt_gguf(tmp_path):
+    with pytest.raises((ValueError, FileNotFoundError), match="does not exist|not found|No such"):
+        LLM(model=str(tmp_path / "nope"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="not a valid GGUF"):
+        LLM(model=str(bad))
+
+
+def test_prompt_that_can_never_fit_the_pool_is_rejected():
+    small = LLM(num_gpu_blocks_override=4, max_model_len=1024)  # 64 token slots
+    with pytest.raises(ValueError, match="KV pool"):
+        small.generate([{"prompt_token_ids": [5] * 100}], SamplingParams(max_tokens=4), use_tqdm=False)
+    out = small.generate([{"prompt_token_ids": [5] * 40}], SamplingParams(max_tokens=100, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 40
+
+
+def test_cli_generate_prints_a_completion():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--prompt", "What is the capital of France?",
+         "--max-tokens", "16", "--json", "--num-gpu-blocks-override", "64"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model", "/no/such/model"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr
