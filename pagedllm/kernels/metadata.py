@@ -25,6 +25,8 @@ class AttentionMetadata:
     max_seq_len: int
     max_query_len: int
     backend: Any = None  # the AttentionBackend the layers call
+    # Derived once per step by the torch backend and shared by all layers (decodes grouped by length).
+    decode_buckets: list | None = None
 
     @property
     def num_seqs(self) -> int:

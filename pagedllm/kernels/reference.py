@@ -43,6 +43,27 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
+def _decode_buckets(meta: AttentionMetadata, min_bucket: int = 16, max_buckets: int = 4) -> list:
+    """Group the decodes by context length (computed once per step, reused by every layer)."""
+    if meta.decode_buckets is not None:
+        return meta.decode_buckets
+    nd = meta.num_decodes
+    lens = meta.seq_lens_cpu[:nd]
+    n_buckets = max(1, min(max_buckets, nd // min_bucket))
+    buckets: list = []
+    if nd and n_buckets == 1:
+        buckets.append((None, max(lens), min(lens)))
+    elif nd:
+        order = sorted(range(nd), key=lens.__getitem__)
+        size = -(-nd // n_buckets)
+        for i in range(0, nd, size):
+            part = order[i : i + size]
+            idx = torch.tensor(part, dtype=torch.int64, device=meta.block_tables.device)
+            buckets.append((idx, lens[part[-1]], lens[part[0]]))
+    meta.decode_buckets = buckets
+    return buckets
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -59,16 +80,21 @@ def paged_attention(
     """
     out = torch.empty_like(query)
     nd = meta.num_decodes
-    if nd:
-        q = query[:nd].unsqueeze(2)  # [nd, Hq, 1, D]
-        max_len = max(meta.seq_lens_cpu[:nd])
-        k = gather_kv(key_cache, meta.block_tables[:nd], max_len)
-        v = gather_kv(value_cache, meta.block_tables[:nd], max_len)
+    for idx, max_len, min_len in _decode_buckets(meta):
+        # Decodes of similar length share one gathered, padded SDPA call.
+        q = (query[:nd] if idx is None else query.index_select(0, idx)).unsqueeze(2)  # [b, Hq, 1, D]
+        tables = meta.block_tables[:nd] if idx is None else meta.block_tables.index_select(0, idx)
+        k = gather_kv(key_cache, tables, max_len)
+        v = gather_kv(value_cache, tables, max_len)
         mask = None
-        if min(meta.seq_lens_cpu[:nd]) != max_len:
-            lens = meta.seq_lens[:nd].to(device=q.device).unsqueeze(1)
-            mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens)[:, None, None, :]
-        out[:nd] = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale).squeeze(2)
+        if min_len != max_len:
+            lens = meta.seq_lens[:nd] if idx is None else meta.seq_lens.index_select(0, idx)
+            mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale).squeeze(2)
+        if idx is None:
+            out[:nd] = o
+        else:
+            out.index_copy_(0, idx, o)
     start = nd
     for i in range(nd, meta.num_seqs):
         qlen, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
