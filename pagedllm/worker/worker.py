@@ -9,7 +9,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model import loader
-from pagedllm.model.layers.attention import TorchAttentionBackend
+from pagedllm.model.layers.attention import TorchAttentionBackend, TritonAttentionBackend
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
@@ -98,6 +98,8 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, self.attn_backend())
 
     def attn_backend(self):
+        if self.device.type == "cuda":
+            return TritonAttentionBackend()
         return TorchAttentionBackend()
 
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:

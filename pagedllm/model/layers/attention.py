@@ -33,6 +33,19 @@ class TorchAttentionBackend:
         return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale)
 
 
+class TritonAttentionBackend:
+    """Triton kernels (kernels/triton_*.py): the CUDA path. Same contract as TorchAttentionBackend."""
+
+    name = "triton"
+
+    def forward(self, query, key, value, kv_cache, meta, scale):
+        from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
+
+        key_cache, value_cache = kv_cache
+        triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale)
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query attention over this rank's heads, reading a paged KV cache."""
 

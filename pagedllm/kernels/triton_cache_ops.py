@@ -1,0 +1,100 @@
+"""KV cache operations in Triton: ``reshape_and_cache`` and ``copy_blocks`` (oracles in ``reference.py``)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_co, stride_ch,
+    BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot < 0:  # padding token: nothing to write
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    mask = (h[:, None] < HEADS) & (d[None, :] < HEAD_DIM)
+    k = tl.load(key_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(value_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    dst = blk * stride_cb + off * stride_co + h[:, None] * stride_ch + d[None, :]
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write each token's K/V [T, H, D] into its slot of the [num_blocks, block_size, H, D] caches; slots < 0 are skipped.
+
+    One launch for keys and values together; no host sync (the skip is decided on the device).
+    """
+    t, heads, dim = key.shape
+    if value.shape != key.shape or key_cache.shape != value_cache.shape or key_cache.shape[2:] != (heads, dim):
+        raise ValueError(
+            f"shape mismatch: key {tuple(key.shape)}, value {tuple(value.shape)}, "
+            f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} (expected [*, *, {heads}, {dim}])."
+        )
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous.")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key and value must be contiguous in their last (head_dim) dimension.")
+    if slot_mapping.shape[0] != t:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {t} tokens.")
+    if t == 0:
+        return
+    _reshape_and_cache_kernel[(t,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        BLOCK_SIZE=key_cache.shape[1], HEADS=heads, HEAD_DIM=dim,
+        HEADS_PAD=triton.next_power_of_2(heads), DIM_PAD=triton.next_power_of_2(dim),
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    base_ptr, cache_offsets_ptr, mapping_ptr,
+    NUMEL: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    cache = tl.program_id(1)
+    src = tl.load(mapping_ptr + pair * 2).to(tl.int64)
+    dst = tl.load(mapping_ptr + pair * 2 + 1).to(tl.int64)
+    base = base_ptr + tl.load(cache_offsets_ptr + cache)  # this layer's K or V cache
+    for start in range(0, NUMEL, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < NUMEL
+        x = tl.load(base + src * NUMEL + offs, mask=mask)
+        tl.store(base + dst * NUMEL + offs, x, mask=mask)
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: for each (src, dst) row of `block_mapping` [N, 2], copy block src → dst in every layer,
+    all layers and all pairs in one launch (each cache is addressed by its element offset from the first)."""
+    if block_mapping.numel() == 0:
+        return
+    caches = [c for pair in zip(key_caches, value_caches) for c in pair]
+    first = caches[0]
+    for c in caches:
+        if c.dtype != first.dtype or c.shape != first.shape or not c.is_contiguous() or c.device != first.device:
+            raise ValueError("copy_blocks needs contiguous caches of one shape, dtype and device.")
+    elem = first.element_size()
+    deltas = [c.data_ptr() - first.data_ptr() for c in caches]
+    if any(x % elem for x in deltas):
+        raise ValueError("cache tensors are not aligned to their element size.")
+    offsets = torch.tensor([x // elem for x in deltas], dtype=torch.int64, device=first.device)
+    mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
+    numel = first[0].numel()
+    _copy_blocks_kernel[(mapping.shape[0], len(caches))](
+        first, offsets, mapping, NUMEL=numel, CHUNK=min(4096, triton.next_power_of_2(numel)), num_warps=4,
+    )

@@ -1,0 +1,249 @@
+"""Triton kernels against the plain-torch reference (kernels/reference.py).
+
+On a CUDA machine the kernels run compiled, over the full grid of block sizes / head dims / GQA ratios
+in float32 and bfloat16, plus greedy parity of the engine with HF transformers. Without CUDA they run
+under Triton's interpreter (TRITON_INTERPRET=1) at small sizes in float32 / float16 (the interpreter's
+``tl.dot`` mishandles bfloat16), or are skipped when Triton is not installed.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (read when @triton.jit runs)
+triton = pytest.importorskip("triton")
+
+from pagedllm.kernels import reference, triton_attention, triton_cache_ops  # noqa: E402
+from pagedllm.kernels.metadata import AttentionMetadata  # noqa: E402
+
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+
+def _interpreter_numpy_shim() -> None:
+    """Triton 3.6's interpreter turns a scalar into an index with int(1-element array), which numpy ≥ 2.4
+    refuses; give it the element instead (affects only TRITON_INTERPRET runs)."""
+    from triton.runtime import interpreter as ti
+
+    if getattr(ti, "_pagedllm_index_shim", False):
+        return
+    original = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+    ti._pagedllm_index_shim = True
+
+
+if not ON_CUDA:
+    _interpreter_numpy_shim()
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _make_batch(rng: random.Random, dtype, block_size: int, head_dim: int, kv_heads: int, group: int,
+                seq_lens: list[int], query_lens: list[int]):
+    """Random caches with shuffled block tables; decodes first (query_len 1), then prefill chunks."""
+    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    hq = kv_heads * group
+    nblocks = [-(-n // block_size) for n in seq_lens]
+    total = sum(nblocks) + 5
+    key_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    value_cache = torch.randn(total, block_size, kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    perm = torch.randperm(total, generator=g).tolist()
+    tables, i = [], 0
+    for n in nblocks:
+        tables.append(perm[i : i + n])
+        i += n
+    width = max(nblocks) + 2  # padded with zeros like the model runner does
+    bt = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        bt[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    query = torch.randn(sum(query_lens), hq, head_dim, generator=g).to(DEVICE, dtype)
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    nd = 0
+    while nd < len(query_lens) and query_lens[nd] == 1:
+        nd += 1
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=DEVICE),
+        block_tables=bt.to(DEVICE), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=cu.to(DEVICE), seq_lens_cpu=list(seq_lens), query_lens_cpu=list(query_lens),
+        num_decodes=nd, max_seq_len=max(seq_lens), max_query_len=max(query_lens),
+    )
+    return query, key_cache, value_cache, meta
+
+
+def _reference(query, key_cache, value_cache, meta, scale):
+    """The torch reference in float32 (keys/values read from the cache, so `key`/`value` are unused
+    except for chunks with no context, where they equal the cached rows)."""
+    q, kc, vc = query.float(), key_cache.float(), value_cache.float()
+    fresh_k = torch.empty(q.shape[0], kc.shape[2], kc.shape[3], device=q.device)
+    fresh_v = torch.empty_like(fresh_k)
+    bs = kc.shape[1]
+    for i in range(meta.num_seqs):
+        start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
+        ctx = meta.seq_lens_cpu[i] - (end - start)
+        for j in range(end - start):
+            p = ctx + j
+            blk = int(meta.block_tables[i, p // bs])
+            fresh_k[start + j], fresh_v[start + j] = kc[blk, p % bs], vc[blk, p % bs]
+    return reference.paged_attention(q, fresh_k, fresh_v, kc, vc, meta, scale)
+
+
+_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+_DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32, torch.float16]
+if ON_CUDA:
+    _SHAPES = [(bs, d, g) for bs in (8, 16, 32) for d in (64, 128) for g in (1, 4, 8)]
+else:  # interpreter: a covering subset at small sizes
+    _SHAPES = [(8, 64, 4), (16, 128, 1), (32, 64, 8)]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,head_dim,group", _SHAPES)
+def test_paged_attention_matches_reference(dtype, block_size, head_dim, group):
+    rng = random.Random(block_size * 1000 + head_dim * 10 + group + (7 if dtype == torch.float32 else 0))
+    kv_heads = 2
+    scale = head_dim**-0.5
+    long = 600 if ON_CUDA else 90
+    # Ragged decodes (one of them long enough to split), then a fresh prompt and two chunks with context.
+    seq_lens = [rng.randint(1, 40), rng.randint(41, long), 1, rng.randint(2, long)]
+    query_lens = [1, 1, 1, 1]
+    prefill_q = [rng.randint(2, 40), rng.randint(1, 30), rng.randint(1, 30)]
+    prefill_ctx = [0, rng.randint(1, 70), rng.randint(block_size, 2 * block_size)]
+    seq_lens += [q + c for q, c in zip(prefill_q, prefill_ctx)]
+    query_lens += prefill_q
+    query, kc, vc, meta = _make_batch(rng, dtype, block_size, head_dim, kv_heads, group, seq_lens, query_lens)
+    out = torch.full_like(query, float("nan"))  # every element must be written
+    triton_attention.paged_attention(query, kc, vc, meta, scale, out=out)
+    ref = _reference(query, kc, vc, meta, scale)
+    assert not out.isnan().any()
+    assert _rel_err(out, ref) < _TOL[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+def test_decode_split_kv_is_exact_reduction(num_splits):
+    """Flash-decoding: any split count gives the same attention (empty splits included)."""
+    rng = random.Random(num_splits)
+    seq_lens = [3, 77, 200, 129] if ON_CUDA else [3, 77, 50]
+    query, kc, vc, meta = _make_batch(rng, torch.float32, 16, 64, 2, 4, seq_lens, [1] * len(seq_lens))
+    out = triton_attention.paged_decode_attention(
+        query, kc, vc, meta.block_tables, meta.seq_lens, 0.125, max(seq_lens), num_splits=num_splits
+    )
+    ref = _reference(query, kc, vc, meta, 0.125)
+    assert _rel_err(out, ref) < 2e-5
+
+
+def test_choose_num_splits_fills_the_device_without_sync():
+    dev = torch.device(DEVICE)
+    few = triton_attention.choose_num_splits(1, 1, 8192, 64, dev)
+    many = triton_attention.choose_num_splits(256, 8, 8192, 64, dev)
+    short = triton_attention.choose_num_splits(1, 8, 64, 64, dev)
+    assert few > 1 and many == 1 and short == 1
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+def test_reshape_and_cache_matches_reference_and_skips_padding(dtype):
+    g = torch.Generator().manual_seed(3)
+    blocks, bs, heads, dim = 7, 8, 4, 64
+    kc = torch.randn(blocks, bs, heads, dim, generator=g).to(DEVICE, dtype)
+    vc = torch.randn(blocks, bs, heads, dim, generator=g).to(DEVICE, dtype)
+    # K/V as strided views of one fused projection, like the model's qkv split.
+    qkv = torch.randn(9, 3 * heads * dim, generator=g).to(DEVICE, dtype)
+    key = qkv[:, heads * dim : 2 * heads * dim].view(9, heads, dim)
+    value = qkv[:, 2 * heads * dim :].view(9, heads, dim)
+    slots = torch.tensor([5, -1, 0, 55, 17, -1, 8, 31, 40], device=DEVICE)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    triton_cache_ops.reshape_and_cache(key, value, kc, vc, slots)
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_copy_blocks_all_layers_in_one_launch():
+    g = torch.Generator().manual_seed(4)
+    shape = (9, 16, 2, 64)
+    keys = [torch.randn(*shape, generator=g).to(DEVICE) for _ in range(3)]
+    values = [torch.randn(*shape, generator=g).to(DEVICE) for _ in range(3)]
+    mapping = torch.tensor([[0, 4], [2, 3], [8, 1]], device=DEVICE)
+    ref_k, ref_v = [k.clone() for k in keys], [v.clone() for v in values]
+    reference.copy_blocks(ref_k, ref_v, mapping)
+    triton_cache_ops.copy_blocks(keys, values, mapping)
+    assert all(torch.equal(a, b) for a, b in zip(keys + values, ref_k + ref_v))
+
+
+def test_kernels_reject_bad_shapes():
+    q = torch.randn(2, 6, 64, device=DEVICE)
+    kc = torch.randn(4, 16, 4, 64, device=DEVICE)  # 6 query heads over 4 KV heads
+    bt = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple"):
+        triton_attention.paged_decode_attention(q, kc, kc, bt, torch.ones(2, dtype=torch.int32, device=DEVICE), 1.0, 1)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        k = torch.randn(3, 4, 64, device=DEVICE)
+        triton_cache_ops.reshape_and_cache(k, k, kc, kc.clone(), torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+@pytest.mark.cuda
+def test_engine_greedy_matches_hf_on_cuda(tmp_path):
+    """A random-weight Llama (GQA) on CUDA through the Triton backend equals HF transformers in float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedllm import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).to("cuda", torch.float32).eval()
+    for p in hf.parameters():  # larger-than-default weights so logits are well separated
+        p.data.normal_(0, 0.08)
+    hf.save_pretrained(tmp_path)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 1024) for _ in range(n)] for n in (5, 17, 40, 3, 90, 33)]
+    max_tokens = 24
+    hf_out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                            min_new_tokens=max_tokens, pad_token_id=0)
+            hf_out.append(g[0, len(p):].tolist())
+    del hf
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32", device="cuda",
+              num_gpu_blocks_override=256, max_model_len=256, block_size=16, max_num_batched_tokens=64)
+    assert llm.llm_engine is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    ours = [o.outputs[0].token_ids for o in outs]
+    for i, (a, b) in enumerate(zip(ours, hf_out)):
+        assert list(a) == b, f"prompt {i}: pagedllm {list(a)} != hf {b}"
+
+
+@pytest.mark.cuda
+def test_gpu_pool_sized_by_profiling(tmp_path):
+    """Without an override, the CUDA pool comes from profiling and fits at least one max_model_len sequence."""
+    from transformers import LlamaConfig
+
+    from pagedllm import LLM, SamplingParams
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    cfg.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, device="cuda",
+              max_model_len=512, gpu_memory_utilization=0.3)
+    total = llm.stats()["kv_blocks_total"]
+    assert total * 16 >= 512
+    free, whole = torch.cuda.mem_get_info()
+    assert total * 2 * 2 * 16 * 2 * 32 * 2 <= 0.3 * whole  # 2 layers × K,V × 16 tok × 2 heads × 32 dim × bf16
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model=str(tmp_path), load_format="dummy", skip_tokenizer_init=True, device="cuda",
+            max_model_len=512, gpu_memory_utilization=1e-6)
