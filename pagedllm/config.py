@@ -34,6 +34,7 @@ class ModelConfig:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, _DTYPES)

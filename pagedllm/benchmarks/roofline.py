@@ -44,6 +44,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=32, help="fewer layers for a quick look")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (the eager baseline)")
     p.add_argument("--json", default=None)
 
 
@@ -68,7 +69,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=tmp, load_format="dummy", skip_tokenizer_init=True, device=args.device, dtype="bfloat16" if cuda else "float32",
               max_model_len=max(2048, max_len), max_num_seqs=max(args.batch),
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
     print(f"engine up in {time.perf_counter() - t0:.1f} s; pool {llm.stats()['kv_blocks_total']} blocks", flush=True)
     engine = llm.llm_engine
     h, layers, kvh = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -106,7 +107,8 @@ def run(args) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"\n{name}, copy bandwidth {bw / 1e12:.2f} TB/s, {layers} layers")
+    mode = "eager" if args.enforce_eager else "CUDA graphs"
+    print(f"\n{name}, copy bandwidth {bw / 1e12:.2f} TB/s, {layers} layers, {mode}")
     print("| batch | context | step ms | tokens/s | weights GB | K/V GB | MBU |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -101,6 +101,76 @@ def run_hf_static(model, wl: Workload, batch_size: int, pad_id: int) -> Result:
     return Result("hf", elapsed, len(wl.prompts), sum(map(len, wl.prompts)), n_out_total)
 
 
+def build_hf_cb_model(model_dir: str, dtype: str, device: str, attn_implementation: str):
+    """A transformers LlamaForCausalLM-style model from `model_dir`'s config, randomly initialised directly
+    on `device` (no 16 GB CPU draw); pagedllm then loads these very weights (`copy_weights_to_pagedllm`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        try:
+            m = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype, attn_implementation=attn_implementation)
+        except (ValueError, ImportError) as e:  # older transformers: let continuous batching pick its own
+            print(f"attn_implementation={attn_implementation!r} refused ({e}); using sdpa")
+            m = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype, attn_implementation="sdpa")
+    return m.eval()
+
+
+def copy_weights_to_pagedllm(llm, hf_model) -> None:
+    """Same weights on both sides: load the HF state dict into pagedllm's (single-worker) model."""
+    worker = llm.llm_engine.executor.driver_worker
+    worker.model.load_weights(iter(hf_model.state_dict().items()))
+
+
+def run_hf_cb(model, wl: Workload, num_blocks: int | None = None) -> Result:
+    """transformers continuous batching (paged attention inside HF) with each request's own output length;
+    EOS is disabled (eos_token_id=-1) so every request produces exactly its output_len tokens."""
+    import inspect
+
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(wl.output_len), eos_token_id=-1, pad_token_id=0)
+    kwargs = {"generation_config": gen_cfg}
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        if "continuous_batching_config" in inspect.signature(model.init_continuous_batching).parameters:
+            extra = {} if num_blocks is None else {"num_blocks": num_blocks, "max_batch_tokens": 256}
+            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(**extra)
+    except ImportError:
+        pass
+    manager = model.init_continuous_batching(**kwargs)
+    manager.start()
+    for i in range(2):  # untimed warm-up requests (kernel selection, allocator)
+        manager.add_request(wl.prompts[i], request_id=f"warmup{i}", max_new_tokens=4)
+    done = 0
+    while done < 2:
+        r = manager.get_result(timeout=1)
+        if r is not None and r.is_finished():
+            done += 1
+        elif r is None and not manager.is_running():
+            raise RuntimeError("transformers' continuous batching thread stopped during warm-up")
+    t0 = time.perf_counter()
+    for i, (p, n) in enumerate(zip(wl.prompts, wl.output_len)):
+        manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+    n_out = finished = 0
+    while finished < len(wl.prompts):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early")
+            continue
+        if result.is_finished():
+            finished += 1
+            n_out += len(result.generated_tokens)
+    elapsed = time.perf_counter() - t0
+    manager.stop(block=True)
+    del manager
+    return Result("hf-cb", elapsed, len(wl.prompts), sum(map(len, wl.prompts)), n_out)
+
+
 def load_hf_reference(model: str | None, dtype: str, device: str):
     """The same weights through transformers' own loader (GGUF or HF dir)."""
     import torch
@@ -128,7 +198,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", choices=["uniform", "sharegpt-like"], default="uniform",
                    help="uniform: prompt lengths in [min,max], fixed output; sharegpt-like: paper Fig. 11 shapes.")
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--compare", choices=["none", "hf"], default="none", help="Also run this peer in the same process.")
+    p.add_argument("--compare", choices=["none", "hf", "hf-cb"], default="none",
+                   help="Also run this peer in the same process: hf = padded static batches (model.generate), "
+                        "hf-cb = transformers continuous batching on the same weights.")
+    p.add_argument("--hf-cb-num-blocks", type=int, default=None,
+                   help="KV blocks for the hf-cb peer (default: transformers sizes its cache from free memory).")
+    p.add_argument("--hf-attn-implementation", default="paged|sdpa", help="attn_implementation for --compare hf-cb.")
     p.add_argument("--hf-batch-size", type=int, default=64, help="Static batch size for the HF peer.")
     p.add_argument("--hf-num-prompts", type=int, default=None, help="Run the HF peer on only the first N prompts.")
     p.add_argument("--output-json", default=None, help="Write the figures to this JSON file.")
@@ -143,7 +218,35 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
+    hf_cb = None
+    if args.compare == "hf-cb":  # build the peer first; pagedllm then loads its weights
+        from pagedllm.model.loader import resolve_model
+
+        engine_args.model = str(resolve_model(engine_args.model))
+        if engine_args.load_format == "dummy" and torch.cuda.is_available():
+            from pagedllm.benchmarks.roofline import patch_gpu_dummy_init
+
+            patch_gpu_dummy_init()  # the dummy draw is overwritten by the peer's weights: keep it on the GPU
+        hf_cb = build_hf_cb_model(engine_args.model, args.dtype, engine_args.device if engine_args.device != "auto"
+                                  else ("cuda" if torch.cuda.is_available() else "cpu"), args.hf_attn_implementation)
+    hf_result = None
+    if hf_cb is not None:  # the peer runs first, so pagedllm's profiling sees its leftovers, not the reverse
+        vocab = int(hf_cb.config.vocab_size)
+        full = (make_workload(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len, vocab,
+                              args.workload_seed) if args.dataset == "uniform"
+                else make_sharegpt_like(args.num_prompts, vocab, args.workload_seed))
+        n = args.hf_num_prompts or len(full.prompts)
+        hf_result = run_hf_cb(hf_cb, Workload(full.prompts[:n], full.output_len[:n]), args.hf_cb_num_blocks)
+        print(hf_result.row(), flush=True)
+        if hasattr(hf_cb, "destroy_cached_continuous_batching_manager"):
+            hf_cb.destroy_cached_continuous_batching_manager()
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     llm = LLM(**vars(engine_args))
+    if hf_cb is not None:
+        copy_weights_to_pagedllm(llm, hf_cb)
     vocab = int(llm.llm_engine.hf_config.vocab_size)
     if args.dataset == "uniform":
         wl = make_workload(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len, vocab,
@@ -162,6 +265,8 @@ def run(args: argparse.Namespace) -> int:
                                                                wl.output_len[: args.hf_num_prompts])
         pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
         results.append(run_hf_static(hf, sub, args.hf_batch_size, pad))
+    if hf_result is not None:
+        results.append(hf_result)
     for r in results:
         print(r.row())
     if len(results) == 2:

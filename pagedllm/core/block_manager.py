@@ -137,10 +137,13 @@ class BlockManager:
             self.gpu_pool.incref(block)
             table.append(block)
         self.block_tables[seq.seq_id] = table
-        hit_tokens = len(table) * self.block_size
-        self.stats.prefix_cache_queries += seq.get_len()
-        self.stats.prefix_cache_hits += hit_tokens
-        return hit_tokens
+        return len(table) * self.block_size
+
+    def record_prefix_lookup(self, seq: Sequence, hit_tokens: int) -> None:
+        """Count one admitted lookup (a request that waits and retries is counted once)."""
+        if self.enable_caching:
+            self.stats.prefix_cache_queries += seq.get_len()
+            self.stats.prefix_cache_hits += hit_tokens
 
     def num_cached_prefix_blocks(self, seq: Sequence) -> int:
         """How many leading blocks of `seq` are in the prefix cache now (no side effects)."""

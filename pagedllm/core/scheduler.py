@@ -124,6 +124,10 @@ class Scheduler:
                 n = 0
             demand.append((seq, n))
             token_budget -= n
+        if len(demand) > 1 and any(n < s.num_uncomputed_tokens for s, n in demand):
+            # A multi-sequence group samples in lockstep (beam search needs every beam's next-token
+            # distribution in the same step): chunks may run now, but none completes before all can.
+            demand = [(s, min(n, s.num_uncomputed_tokens - 1)) for s, n in demand]
         return demand
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> None:
@@ -137,7 +141,7 @@ class Scheduler:
         while pending:
             group = pending.pop(0)
             demand = self._demand(group, budget.tokens_left)
-            num_seqs = group.num_unfinished_seqs()
+            num_seqs = group.max_num_running_seqs()
             if sum(n for _, n in demand) == 0 or not budget.can_add_seqs(num_seqs):
                 placed.append(group)  # stays running, idle this step
                 continue
@@ -178,7 +182,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget) -> None:
         while self.waiting:
             group = self.waiting[0]
-            num_seqs = group.num_unfinished_seqs()
+            num_seqs = group.max_num_running_seqs()
             if not budget.can_add_seqs(max(num_seqs, 1)) or budget.tokens_left == 0:
                 break
             bm = self.block_manager
@@ -210,6 +214,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             for seq in group.unfinished_seqs():
+                if fresh:
+                    bm.record_prefix_lookup(seq, seq.num_computed_tokens)
                 seq.status = SequenceStatus.RUNNING
             self._place(group, demand, out, budget)
             self.running.append(group)
@@ -227,7 +233,7 @@ class Scheduler:
             out.blocks_to_copy.extend(self.block_manager.allocate_slots(seq, n))
             out.scheduled.append(ScheduledSequence(group, seq, n))
             budget.tokens_used += n
-        budget.seqs_used += group.num_unfinished_seqs()
+        budget.seqs_used += group.max_num_running_seqs()
 
     # -- preemption -------------------------------------------------------------------------
     def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:

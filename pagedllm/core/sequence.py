@@ -155,6 +155,6 @@ class SequenceGroup:
         """Upper bound on sequences this group will run at once (best_of forks after prefill)."""
         params = self.sampling_params
         best_of = getattr(params, "best_of", None) or getattr(params, "n", 1) or 1
-        if len(self.seqs) == 1 and self.seqs[0].is_prefill and not self.seqs[0].output_token_ids:
+        if len(self.seqs) == 1 and not self.seqs[0].output_token_ids and not self.seqs[0].is_finished():
             return best_of
         return self.num_unfinished_seqs()

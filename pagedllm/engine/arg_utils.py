@@ -90,7 +90,7 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             max_model_len=max_model_len, load_format=self.load_format,
-            skip_tokenizer_init=self.skip_tokenizer_init,
+            skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -11,8 +11,10 @@ import torch
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.model import loader
+from pagedllm.model.models.registry import get_model_max_len
 from pagedllm.model.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -31,7 +33,7 @@ class LLMEngine:
         self.engine_args = engine_args
         self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
         self.hf_config = loader.load_config(self.model_dir)
-        model_max_len = int(getattr(self.hf_config, "max_position_embeddings", 2048) or 2048)
+        model_max_len = get_model_max_len(self.hf_config, engine_args.max_model_len)
         self.config = engine_args.create_engine_config(model_max_len)
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         self.tokenizer = None
@@ -122,8 +124,7 @@ class LLMEngine:
                 f"prompt tokens (max_model_len={self.config.scheduler_config.max_model_len}, "
                 f"KV pool={self.config.cache_config.num_gpu_blocks} blocks) plus one generated token."
             )
-        if params.use_beam_search:
-            raise NotImplementedError("beam search inside the engine is not available yet")
+        self._check_multi_seq(params)
         if any(g.request_id == request_id for g in self._all_groups()):
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
@@ -137,10 +138,27 @@ class LLMEngine:
         )
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n
+        if params.use_beam_search:
+            group.extra["beam"] = new_beam_state(params, max_tokens)
         seq.extra["generator"] = self._make_generator(params, 0)
         self.output_processor.init_sequence(seq, params)
         self.scheduler.add_seq_group(group)
         return group
+
+    def _check_multi_seq(self, params: SamplingParams) -> None:
+        """A group's sequences run in lockstep, so all of them must fit in one step."""
+        sc = self.config.scheduler_config
+        width = params.best_of or params.n
+        limit = min(sc.max_num_seqs, sc.max_num_batched_tokens or sc.max_model_len)
+        if width > limit:
+            raise ValueError(
+                f"best_of={width} sequences must run in one step, but this engine allows at most {limit} "
+                f"(max_num_seqs={sc.max_num_seqs}, max_num_batched_tokens={sc.max_num_batched_tokens})."
+            )
+        if params.use_beam_search and (
+            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+        ):
+            raise ValueError("beam search scores raw log-probabilities: penalties must keep their defaults.")
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -233,7 +251,7 @@ class LLMEngine:
                 continue
             group, seq = item.group, item.seq
             params = group.sampling_params
-            fork_at_prompt_end = not seq.output_token_ids and len(group.seqs) == 1
+            fork_at_prompt_end = not seq.output_token_ids and len(group.seqs) == 1 and "beam" not in group.extra
             rows.append(
                 SamplingRow(
                     params=params,
@@ -250,13 +268,20 @@ class LLMEngine:
         if not rows:
             return touched
         sample_logits = logits[torch.tensor(row_idx, device=logits.device)]
-        samples, _ = self.sampler(sample_logits, rows)
+        has_beam = any("beam" in item.group.extra for item in owners)
+        samples, full_logprobs = self.sampler(sample_logits, rows, return_logprobs_tensor=has_beam)
         now = time.monotonic()
-        for item, sample in zip(owners, samples):
+        beams: dict[str, tuple[SequenceGroup, list[Sequence], list[int]]] = {}
+        for row, (item, sample) in enumerate(zip(owners, samples)):
             group, seq = item.group, item.seq
             if group.first_token_time is None:
                 group.first_token_time = now
             if seq.is_finished():  # aborted meanwhile
+                continue
+            if "beam" in group.extra:
+                entry = beams.setdefault(group.request_id, (group, [], []))
+                entry[1].append(seq)
+                entry[2].append(row)
                 continue
             tops = sample.top_logprobs or [None] * len(sample.token_ids)
             # Fork children before the parent appends, so they start from the same state.
@@ -267,6 +292,10 @@ class LLMEngine:
             for target, tok, lp, top in zip([seq, *children], sample.token_ids, sample.logprobs, tops):
                 self.output_processor.append_token(group, target, tok, lp, top)
                 self.num_generation_tokens_total += 1
+            touched[group.request_id] = group
+        for group, parents, beam_rows in beams.values():
+            self.output_processor.beam_step(group, parents, full_logprobs[beam_rows])
+            self.num_generation_tokens_total += len(parents)
             touched[group.request_id] = group
         return touched
 

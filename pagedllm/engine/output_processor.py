@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.engine import beam_search
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.tokenizer import IncrementalDetokenizer
 
@@ -48,6 +51,34 @@ class OutputProcessor:
         group.seqs.append(child)
         return child
 
+    # -- beam search ------------------------------------------------------------------------
+    def beam_step(self, group: SequenceGroup, parents: list[Sequence], logprobs: torch.Tensor) -> None:
+        """One beam-search step for a group whose running beams were all sampled (rows in order)."""
+        ctx = beam_search.BeamContext(
+            self.scheduler.block_manager,
+            self._new_seq_id,
+            self.stop_config.eos_token_ids,
+            self.stop_config.max_model_len,
+        )
+        beam_search.beam_step(group, parents, logprobs, ctx)
+
+    def _beam_text(self, group: SequenceGroup, seq: Sequence) -> str:
+        """Beams skip incremental detokenization while they run (they fork and die every step)."""
+        if seq.is_finished():
+            if "beam_detok" not in seq.extra:
+                self.init_sequence(seq, group.sampling_params)
+                detok = seq.extra.pop("detok", None)
+                if detok is not None:
+                    detok.append(list(seq.output_token_ids))
+                    detok.flush()
+                seq.extra["beam_detok"] = detok
+            detok = seq.extra["beam_detok"]
+            return detok.output_text if detok is not None else ""
+        params = group.sampling_params
+        if self.tokenizer is None or not params.detokenize:
+            return ""
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+
     # -- appending tokens -------------------------------------------------------------------
     def append_token(
         self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None
@@ -87,12 +118,18 @@ class OutputProcessor:
         seqs = list(group.seqs)
         finished = group.is_finished()
         n = params.n
-        if finished and len(seqs) > n:
+        is_beam = "beam" in group.extra
+        if is_beam:
+            seqs = beam_search.output_seqs(group, n)
+        elif finished and len(seqs) > n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
         outputs = []
         for i, seq in enumerate(seqs):
-            detok = seq.extra.get("detok")
-            text = detok.output_text if detok is not None else ""
+            if is_beam:
+                text = self._beam_text(group, seq)
+            else:
+                detok = seq.extra.get("detok")
+                text = detok.output_text if detok is not None else ""
             outputs.append(
                 CompletionOutput(
                     index=i,

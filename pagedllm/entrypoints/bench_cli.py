@@ -13,3 +13,9 @@ def add_bench_parser(sub) -> None:
                              description=throughput.__doc__)
     throughput.add_args(t)
     t.set_defaults(func=lambda args: throughput.run(args))
+    from pagedllm.benchmarks import serving
+
+    sv = bench_sub.add_parser("serving", help="Online serving latency/throughput against a running server.",
+                              description=serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serving.add_args(sv)
+    sv.set_defaults(func=lambda args: serving.run(args))

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 
@@ -59,6 +59,13 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False):
+        """Beam search for every prompt (inside the engine); returns a BeamSearchOutput per prompt."""
+        from pagedllm.engine.beam_search import to_beam_search_output, to_sampling_params
+
+        outs = self.generate(prompts, to_sampling_params(params), use_tqdm=use_tqdm)
+        return [to_beam_search_output(o, params.length_penalty) for o in outs]
 
     def stats(self) -> dict[str, Any]:
         """KV pool and scheduler counters (see LLMEngine.stats)."""

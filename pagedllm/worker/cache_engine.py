@@ -40,6 +40,8 @@ class CacheEngine:
             )
             for _ in range(num_layers)
         ] if num_cpu_blocks else []
+        # CUDA: swaps run on a side stream (pinned host pool, no host sync); compute waits on it on the device.
+        self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @staticmethod
     def get_cache_block_size(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
@@ -53,19 +55,38 @@ class CacheEngine:
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
         self._swap(self.cpu_cache, self.gpu_cache, mapping)
 
-    @staticmethod
-    def _swap(src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
+    def _swap(self, src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
         if not dst_cache or not src_cache:
             raise RuntimeError("swap requested but the CPU swap pool is empty (swap_space=0)")
+        if self.swap_stream is not None:
+            self._swap_async(src_cache, dst_cache, mapping)
+            return
         m = torch.tensor(mapping, dtype=torch.int64)
         for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
             reference.swap_blocks(sk, dk, m)
             reference.swap_blocks(sv, dv, m)
 
+    def _swap_async(self, src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
+        """Block-by-block async copies between the GPU pool and the pinned CPU pool on the swap stream,
+        ordered after the work already queued on the compute stream and before the work queued after it."""
+        compute = torch.cuda.current_stream(self.device)
+        self.swap_stream.wait_stream(compute)
+        with torch.cuda.stream(self.swap_stream):
+            for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
+                for s, d in mapping:
+                    dk[d].copy_(sk[s], non_blocking=True)
+                    dv[d].copy_(sv[s], non_blocking=True)
+        compute.wait_stream(self.swap_stream)
+
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
         m = torch.tensor(mapping, dtype=torch.int64, device=self.device)
+        if self.device.type == "cuda":
+            from pagedllm.kernels import triton_cache_ops  # needs triton: imported on use
+
+            triton_cache_ops.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)
+            return
         reference.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)

@@ -27,7 +27,8 @@ def dummy_chunks(num_tokens: int, max_num_seqs: int, max_model_len: int, block_s
 
 
 def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
-    """KV blocks that fit in gpu_memory_utilization × total − weights − peak activations (− non-torch use).
+    """KV blocks that fit in gpu_memory_utilization × total − weights − peak activations − CUDA graph
+    capture memory (− non-torch use).
 
     Runs one forward over max_num_batched_tokens dummy tokens with a one-block cache, reads the peak
     allocation, logs the block count and the concurrency it allows, and raises if one max_model_len
@@ -48,18 +49,26 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     runner.execute_model(chunks, tmp_cache)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    del tmp_cache, runner
+    del runner
+    graph_bytes = 0
+    if worker.use_cuda_graphs():
+        from pagedllm.worker.cuda_graph import measure_capture_memory
+
+        graph_bytes = measure_capture_memory(worker.model, tmp_cache, worker.attn_backend(), cc.block_size,
+                                             sc.max_num_seqs, sc.max_model_len)
+    del tmp_cache
     torch.cuda.empty_cache()
 
     free, total = torch.cuda.mem_get_info(device)
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
-    budget = int(total * cc.gpu_memory_utilization) - peak - non_torch
+    budget = int(total * cc.gpu_memory_utilization) - peak - non_torch - graph_bytes
     num_blocks = max(0, budget // block_bytes)
     per_seq = -(-sc.max_model_len // cc.block_size)
     logger.info(
-        "GPU memory: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB (%d tokens), other %.2f GiB; "
+        "GPU memory: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB (%d tokens), other %.2f GiB, "
+        "CUDA graphs %.2f GiB; "
         "KV pool %d blocks (%.2f GiB) = %.1f× concurrency at max_model_len %d",
-        total / 2**30, weights / 2**30, (peak - weights) / 2**30, max_tokens, non_torch / 2**30,
+        total / 2**30, weights / 2**30, (peak - weights) / 2**30, max_tokens, non_torch / 2**30, graph_bytes / 2**30,
         num_blocks, num_blocks * block_bytes / 2**30, num_blocks / per_seq, sc.max_model_len,
     )
     if num_blocks < per_seq:

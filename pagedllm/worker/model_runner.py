@@ -1,4 +1,8 @@
-"""Turns a step's chunks into one flat, unpadded batch of tensors and runs the model."""
+"""Turns a step's chunks into one flat, unpadded batch of tensors and runs the model.
+
+On CUDA (unless ``enforce_eager``), decode-only steps replay a captured CUDA graph instead
+(``worker/cuda_graph.py``); everything else runs eagerly.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -15,6 +19,18 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.attn_backend = attn_backend
+        self.graph_runner = None  # a CUDAGraphRunner once capture_cuda_graphs ran
+
+    def capture_cuda_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture decode-step graphs over `kv_caches` (CUDA only) for bucketed batches up to max_num_seqs."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
+        from pagedllm.worker.cuda_graph import CUDAGraphRunner
+
+        runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size, max_num_seqs,
+                                 max_model_len)
+        runner.capture()
+        self.graph_runner = runner
 
     def prepare_inputs(self, chunks: list[SequenceChunk]):
         """→ (input_ids, positions, AttentionMetadata, logits_indices), built with vectorised numpy."""
@@ -67,6 +83,10 @@ class ModelRunner:
         """Run one step; returns float32 logits for the rows the chunks asked for (or None)."""
         if not chunks:
             return None
+        gr = self.graph_runner
+        if gr is not None and kv_caches is gr.kv_caches and gr.can_run(chunks):
+            hidden = gr.run(chunks)  # decode rows, in chunk order: each samples its one token
+            return self.model.compute_logits(hidden).float()
         input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         if logits_indices.numel() == 0:

@@ -96,6 +96,13 @@ class Worker:
             num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
         )
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, self.attn_backend())
+        if self.use_cuda_graphs():
+            sc = self.config.scheduler_config
+            self.model_runner.capture_cuda_graphs(self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len)
+
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs on one CUDA device unless enforce_eager is set."""
+        return self.device.type == "cuda" and self.tp.size == 1 and not self.config.model_config.enforce_eager
 
     def attn_backend(self):
         if self.device.type == "cuda":

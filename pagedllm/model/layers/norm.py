@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 
 class RMSNorm(nn.Module):
@@ -21,3 +22,23 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * xf.to(orig)
         return out if residual is None else (out, residual)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with optional affine weight/bias (OPT's layer_norm_elementwise_affine, GPT-2's ln_*)."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, elementwise_affine: bool = True, bias: bool = True
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = None
+        self.bias = None
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)

@@ -114,14 +114,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        sliding = getattr(config, "sliding_window", None)
-        if sliding is not None and sliding < getattr(config, "max_position_embeddings", 0) and getattr(
-            config, "use_sliding_window", True
-        ):
-            raise ValueError(
-                f"sliding-window attention (sliding_window={sliding}) is not supported yet; "
-                "set max_model_len <= sliding_window or use a model without it."
-            )
+        # Sliding windows (Mistral): the engine caps max_model_len at the window (registry.get_model_max_len).
         self.model = LlamaModel(config, tp, dtype, self.qkv_bias)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

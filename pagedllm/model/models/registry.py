@@ -1,16 +1,29 @@
-"""Architecture name → model class."""
+"""Architecture name → model class, and the model-side limits on the context length."""
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-# Architecture (HF `architectures[0]` or `model_type`) → "module:Class".
+_LLAMA = "pagedllm.model.models.llama:LlamaForCausalLM"
+_QWEN2 = "pagedllm.model.models.qwen2:Qwen2ForCausalLM"
+_OPT = "pagedllm.model.models.opt:OPTForCausalLM"
+_GPT2 = "pagedllm.model.models.gpt2:GPT2LMHeadModel"
+
+# Architecture (HF `architectures[0]`) or `model_type` → "module:Class".
 _MODELS = {
-    "LlamaForCausalLM": "pagedllm.model.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "pagedllm.model.models.llama:LlamaForCausalLM",
-    "llama": "pagedllm.model.models.llama:LlamaForCausalLM",
-    "mistral": "pagedllm.model.models.llama:LlamaForCausalLM",
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _QWEN2,
+    "OPTForCausalLM": _OPT,
+    "GPT2LMHeadModel": _GPT2,
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _QWEN2,
+    "opt": _OPT,
+    "gpt2": _GPT2,
 }
+
+_DEFAULT_MAX_LEN = 2048
 
 
 def supported_architectures() -> list[str]:
@@ -25,3 +38,38 @@ def get_model_class(config: Any) -> type:
             module, cls = _MODELS[name].split(":")
             return getattr(importlib.import_module(module), cls)
     raise ValueError(f"model architecture {names} is not supported; supported: {supported_architectures()}")
+
+
+def get_sliding_window(config: Any) -> int | None:
+    """The attention window of a HF config (Mistral, Qwen2 with use_sliding_window), or None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def get_model_max_len(config: Any, max_model_len: int | None = None) -> int:
+    """The longest context this engine may serve for `config` (`max_model_len` is the user's request).
+
+    Sliding-window attention is not implemented, so a model with a window is served only up to
+    the window, where full attention is exact; asking for more raises a clear error.
+    """
+    limit = None
+    for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            limit = value
+            break
+    limit = limit or _DEFAULT_MAX_LEN
+    window = get_sliding_window(config)
+    if window is not None and window < limit:
+        if max_model_len is not None and max_model_len > window:
+            raise ValueError(
+                f"sliding-window attention (sliding_window={window}) is not supported yet, so "
+                f"max_model_len={max_model_len} is not allowed for this model; set max_model_len <= {window}."
+            )
+        limit = window
+    return limit

@@ -48,8 +48,9 @@ def load_named_weights(
 def init_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.02) -> None:
     """Random weights for any config (load_format='dummy'); norms stay at 1 for stable outputs."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    norm_weights = {f"{m}.weight" for m, mod in model.named_modules() if type(mod).__name__.endswith("Norm")}
     for name, param in model.named_parameters():
-        if "norm" in name and name.endswith("weight"):
+        if name in norm_weights or ("norm" in name and name.endswith("weight")):
             param.data.fill_(1.0)
         else:
             cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)

@@ -1,0 +1,347 @@
+"""AsyncLLMEngine: one engine thread runs `LLMEngine.step()`; coroutines await per-request streams.
+
+`LLMEngine` is not thread-safe, so every engine call (add, abort, step, stats) happens on ONE
+background thread. That thread drains a queue of add/abort commands, steps while there is work and
+blocks on the queue when idle (no spinning). Outputs go back to the asyncio loop with
+`loop.call_soon_threadsafe`; a stats snapshot is published after every step for /metrics, so
+nothing outside the engine thread ever touches the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (shut down or failed beyond recovery) and cannot serve requests."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed while this request was in flight; the request was aborted."""
+
+
+class StepObserver(Protocol):
+    """Called on the engine thread (metrics); must be cheap and thread-safe."""
+
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
+
+
+class AsyncStream:
+    """The outputs of one request, consumed by one coroutine."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not self.finished:
+            self._queue.put_nowait(item)
+
+    def finish(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._queue.put_nowait(None)
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        item = await self._queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    arrival_time: float
+    accepted: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _Delivery:
+    """What the engine thread hands to the loop after one round."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    errors: dict[str, BaseException] = field(default_factory=dict)
+
+
+class AsyncLLMEngine:
+    """Async front of an `LLMEngine`: `generate()` streams `RequestOutput`s (cumulative, like vLLM)."""
+
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
+        self._streams: dict[str, AsyncStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._dead_reason: str | None = None
+        self._stats: dict[str, Any] = {}
+        self.num_steps = 0
+        self.num_step_faults = 0
+        self._publish_stats()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, observer: StepObserver | None = None) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(engine_args), observer)
+
+    # -- lifecycle (called on the event loop) ---------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; outputs are delivered to the running event loop."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine.start() was already called")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort every in-flight request, stop the engine thread and wait for it."""
+        self._commands.put(_Abort(list(self._streams)))
+        for stream in list(self._streams.values()):
+            stream.finish()
+        self._streams.clear()
+        if self._dead_reason is None:
+            self._dead_reason = "the engine was shut down"
+        self._commands.put(_Stop())
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead_reason is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    def stats(self) -> dict[str, Any]:
+        """The latest snapshot published by the engine thread (safe from any thread)."""
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> AsyncStream:
+        """Queue a request; raises what `LLMEngine.add_request` raises (ValueError, ...) on bad input."""
+        if not self.is_healthy:
+            raise EngineDeadError(self._dead_reason or "the engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        stream = AsyncStream(request_id)
+        self._streams[request_id] = stream
+        accepted = loop.create_future()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._commands.put(_Add(request_id, prompt, params, arrival, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def generate(
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, arrival_time: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; leaving early (or being cancelled) aborts it."""
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests wherever they are; their blocks are freed before the next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.finish()
+        self._commands.put(_Abort(ids))
+
+    def abort_all(self, reason: str) -> int:
+        """Stop accepting requests; end every in-flight stream with EngineDeadError(reason). Returns how many."""
+        if self._dead_reason is None:
+            self._dead_reason = reason
+        ids = list(self._streams)
+        self._fail_all_streams(EngineDeadError(reason))
+        if ids:
+            self._commands.put(_Abort(ids))
+        return len(ids)
+
+    # -- delivery (event loop side) ------------------------------------------------------------------
+    def _deliver(self, delivery: _Delivery) -> None:
+        for out in delivery.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                stream.finish()
+        for rid, exc in delivery.errors.items():
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(exc)
+                stream.finish()
+
+    def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+    def _post(self, callback, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # loop closed between the check and the call
+            pass
+
+    def _fail_all_streams(self, exc: BaseException) -> None:
+        for rid in list(self._streams):
+            stream = self._streams.pop(rid)
+            stream.put(exc)
+            stream.finish()
+
+    # -- the engine thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                commands = self._drain(block)
+                if any(isinstance(c, _Stop) for c in commands):
+                    self._apply([c for c in commands if not isinstance(c, _Stop)])
+                    self._abort_everything()
+                    self._publish_stats()
+                    return
+                self._apply(commands)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_stats()
+        except BaseException as e:  # the thread must never die silently
+            logger.exception("engine thread crashed")
+            self._dead_reason = f"engine thread crashed: {type(e).__name__}: {e}"
+            self._post(self._fail_all_streams, EngineDeadError(self._dead_reason))
+
+    def _drain(self, block: bool) -> list:
+        commands = []
+        if block:
+            commands.append(self._commands.get())
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list) -> None:
+        aborts: list[str] = []
+        for cmd in commands:
+            if isinstance(cmd, _Add):
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+                except Exception as e:  # bad input: the engine is untouched
+                    self._post(self._resolve, cmd.accepted, e)
+                else:
+                    self._post(self._resolve, cmd.accepted, None)
+            elif isinstance(cmd, _Abort):
+                aborts.extend(cmd.request_ids)
+        if aborts:
+            self.engine.abort_request(aborts)
+            if self.observer is not None:
+                for rid in aborts:
+                    self.observer.on_abort(rid)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            self._handle_step_fault(e)
+            return
+        self.num_steps += 1
+        if self.observer is not None:
+            self.observer.on_outputs(outputs, time.monotonic())
+        self._publish_stats()  # before delivery: a consumer that sees an output sees the stats after it
+        if outputs:
+            self._post(self._deliver, _Delivery(outputs=outputs))
+
+    def _handle_step_fault(self, exc: Exception) -> None:
+        """Fail every in-flight request, free its blocks, and keep serving only if the pool is sound."""
+        self.num_step_faults += 1
+        logger.exception("engine step failed; aborting all in-flight requests")
+        ids = [g.request_id for g in self.engine._all_groups()]
+        message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        try:
+            self.engine.abort_request(ids)
+            if self.observer is not None:
+                for rid in ids:
+                    self.observer.on_abort(rid)
+            bm = self.engine.scheduler.block_manager
+            bm.check_invariants()
+            if bm.get_num_free_gpu_blocks() != bm.num_gpu_blocks:
+                raise RuntimeError(
+                    f"{bm.num_gpu_blocks - bm.get_num_free_gpu_blocks()} KV blocks still held after aborting all"
+                )
+        except Exception as cleanup_error:
+            logger.exception("could not recover from the step failure; the engine is now unhealthy")
+            self._dead_reason = f"step failed ({exc}) and recovery failed ({cleanup_error})"
+            self._post(self._fail_all_streams, EngineDeadError(self._dead_reason))
+            raise
+        self._post(self._deliver, _Delivery(errors={rid: EngineStepError(message) for rid in ids}))
+
+    def _abort_everything(self) -> None:
+        ids = [g.request_id for g in self.engine._all_groups()]
+        if ids:
+            self.engine.abort_request(ids)
+
+    def _publish_stats(self) -> None:
+        stats = dict(self.engine.stats())
+        stats["num_steps"] = self.num_steps
+        stats["num_step_faults"] = self.num_step_faults
+        stats["healthy"] = self._dead_reason is None
+        self._stats = stats  # one reference swap: readers see a whole snapshot

@@ -1,0 +1,146 @@
+"""Prometheus metrics with vLLM's names, plus pagedllm's own KV-cache gauges.
+
+Gauges and counters are read from the engine thread's stats snapshot at scrape time (a custom
+collector), so scraping never touches the engine. Latency histograms are observed on the engine
+thread as outputs come out of `step()` (prometheus_client objects are thread-safe). Each
+`EngineMetrics` owns its own `CollectorRegistry`: no process-wide state.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedllm.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# (metric name, help, stats key) — read from the engine-thread snapshot.
+_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("vllm:num_requests_running", "Requests in the running set.", "num_running"),
+    ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("vllm:num_requests_swapped", "Requests swapped out to the CPU pool.", "num_swapped"),
+    ("pagedllm:kv_blocks_total", "Physical KV blocks in the device pool.", "kv_blocks_total"),
+    ("pagedllm:kv_blocks_free", "Free physical KV blocks in the device pool.", "kv_blocks_free"),
+    ("pagedllm:kv_slots_allocated", "Token slots in allocated KV blocks.", "kv_slots_allocated"),
+    ("pagedllm:kv_slots_filled", "Allocated KV token slots that hold a real token.", "kv_slots_filled"),
+    ("pagedllm:kv_blocks_shared", "Physical KV blocks referenced by more than one sequence.", "kv_blocks_shared"),
+    ("pagedllm:kv_blocks_saved_by_sharing",
+     "Blocks that sharing (parallel sampling, prefixes) saves versus one copy per sequence.",
+     "kv_blocks_saved_by_sharing"),
+    ("pagedllm:cpu_blocks_free", "Free blocks in the CPU swap pool.", "num_cpu_blocks_free"),
+)
+
+_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("vllm:num_preemptions", "Cumulative preemptions.", "num_preemptions"),
+    ("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens_total"),
+    ("vllm:generation_tokens", "Generated tokens.", "generation_tokens_total"),
+    ("vllm:prefix_cache_queries", "Prefix cache lookups.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits.", "prefix_cache_hits"),
+    ("pagedllm:cow_copies", "Copy-on-write block copies.", "num_cow_copies"),
+    ("pagedllm:swap_outs", "Sequence groups swapped out.", "num_swap_outs"),
+    ("pagedllm:swap_ins", "Sequence groups swapped in.", "num_swap_ins"),
+    ("pagedllm:engine_steps", "Engine steps run.", "num_steps"),
+    ("pagedllm:engine_step_faults", "Engine steps that raised.", "num_step_faults"),
+)
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], labels: dict[str, str]) -> None:
+        self._snapshot = snapshot
+        self._labels = labels
+
+    def collect(self) -> Iterable:
+        stats = self._snapshot() or {}
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, float(value))
+            return g
+
+        for name, doc, key in _GAUGES:
+            yield gauge(name, doc, stats.get(key, 0))
+        total = stats.get("kv_blocks_total", 0) or 0
+        usage = 1.0 - stats.get("kv_blocks_free", 0) / total if total else 0.0
+        yield gauge("vllm:gpu_cache_usage_perc", "Fraction of device KV blocks in use (1 = full).", usage)
+        yield gauge("vllm:kv_cache_usage_perc", "Alias of vllm:gpu_cache_usage_perc.", usage)
+        allocated = stats.get("kv_slots_allocated", 0)
+        frac = stats.get("kv_slots_filled", 0) / allocated if allocated else 1.0
+        yield gauge("pagedllm:kv_slot_utilization",
+                    "Fraction of allocated KV token slots that hold real tokens (1 - internal fragmentation).",
+                    frac)
+        yield gauge("pagedllm:engine_healthy", "1 while the engine can serve.", 1.0 if stats.get("healthy") else 0.0)
+        for name, doc, key in _COUNTERS:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, float(stats.get(key, 0)))
+            yield c
+
+
+class EngineMetrics:
+    """Registry + engine-thread observer (`on_outputs`, `on_abort`) for an AsyncLLMEngine."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._labels = {"model_name": model_name}
+        self._snapshot = snapshot or (lambda: {})
+        self.registry.register(_SnapshotCollector(lambda: self._snapshot(), self._labels))
+        names = list(self._labels)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", names,
+                              buckets=_TTFT_BUCKETS, registry=self.registry).labels(**self._labels)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", names,
+                              buckets=_TPOT_BUCKETS, registry=self.registry).labels(**self._labels)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", names,
+                             buckets=_TPOT_BUCKETS, registry=self.registry).labels(**self._labels)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", names,
+                             buckets=_E2E_BUCKETS, registry=self.registry).labels(**self._labels)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               [*names, "finished_reason"], registry=self.registry)
+        self.aborted = Counter("pagedllm:request_aborted", "Requests aborted (client gone, shutdown, fault).",
+                               names, registry=self.registry).labels(**self._labels)
+        # Engine-thread-only state: request id -> (time of its last token, tokens seen so far).
+        self._progress: dict[str, tuple[float, int]] = {}
+
+    def set_snapshot(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # -- engine-thread observer -------------------------------------------------------------
+    def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            n_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
+            prev = self._progress.get(out.request_id)
+            arrival = out.metrics.get("arrival_time")
+            if prev is None:
+                if n_tokens > 0 and arrival is not None:
+                    first = out.metrics.get("first_token_time") or now
+                    self.ttft.observe(max(first - arrival, 0.0))
+                    self._progress[out.request_id] = (now, n_tokens)
+            elif n_tokens > prev[1]:
+                self.itl.observe(max(now - prev[0], 0.0) / (n_tokens - prev[1]))
+                self._progress[out.request_id] = (now, n_tokens)
+            if out.finished:
+                self._progress.pop(out.request_id, None)
+                if arrival is not None:
+                    self.e2e.observe(max(now - arrival, 0.0))
+                first = out.metrics.get("first_token_time")
+                if first is not None and n_tokens > 1:
+                    self.tpot.observe(max(now - first, 0.0) / (n_tokens - 1))
+                for comp in out.outputs:
+                    self.success.labels(**self._labels, finished_reason=comp.finish_reason or "unknown").inc()
+
+    def on_abort(self, request_id: str) -> None:
+        self._progress.pop(request_id, None)
+        self.aborted.inc()

@@ -1,0 +1,98 @@
+"""`pagedllm serve`: build the engine, log what was loaded, run uvicorn, shut down cleanly on signals."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+logger = logging.getLogger("pagedllm.serve")
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                       description="Serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn).")
+    p.add_argument("model_tag", nargs="?", default=None, help="Model to serve (same as --model).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1).")
+    p.add_argument("--port", type=int, default=8000, help="Port to bind (default: 8000).")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' on /v1/* routes (default: $PAGEDLLM_API_KEY).")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) the API answers to (default: the model's name).")
+    p.add_argument("--chat-template", default=None, help="A Jinja chat template, or a file holding one.")
+    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning).")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
+                        "(default: 5).")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _default_name(model: str | None) -> str:
+    from pagedllm.model.loader import DEFAULT_MODEL
+
+    if model is None:
+        return DEFAULT_MODEL
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else (path.name or model)
+
+
+def _chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    return path.read_text() if path.is_file() else value
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.metrics import EngineMetrics
+    from pagedllm.entrypoints.openai.serving_common import MAX_N, ServingContext
+    from pagedllm.entrypoints.openai.server import GracefulServer, build_app
+    from pagedllm.tokenizer import get_tokenizer
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    engine_args = EngineArgs.from_cli_args(args)
+    names = args.served_model_name or [_default_name(engine_args.model)]
+    metrics = EngineMetrics(names[0])
+    engine = AsyncLLMEngine.from_engine_args(engine_args, observer=metrics)
+    metrics.set_snapshot(engine.stats)
+    core = engine.engine
+    if core.tokenizer is None:
+        raise ValueError("pagedllm serve needs a tokenizer; drop --skip-tokenizer-init.")
+    # A separate tokenizer instance for the event-loop thread (the engine thread uses its own).
+    tokenizer = get_tokenizer(str(core.model_dir), engine_args.tokenizer)
+    cc = core.config.cache_config
+    ctx = ServingContext(
+        engine=engine, tokenizer=tokenizer, served_model_names=names, model_path=str(core.model_dir),
+        max_model_len=core.max_seq_len, max_n=min(MAX_N, core.config.scheduler_config.max_num_seqs),
+        chat_template=_chat_template(args.chat_template),
+    )
+    app = build_app(ctx, metrics, api_key=args.api_key)
+    logger.info(
+        "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
+        names[0], core.model_dir, core.executor.device, core.executor.dtype, cc.num_gpu_blocks, cc.block_size,
+        cc.num_gpu_blocks * cc.block_size, ctx.max_model_len,
+    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0, access_log=False)
+    server = GracefulServer(config, engine, args.shutdown_timeout)
+    # uvicorn re-raises the signal it caught after its graceful shutdown; these no-op handlers
+    # (restored by uvicorn before it re-raises) turn that into a normal return, so we exit 0.
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, f: received.append(s))
+    logger.info("serving %s on http://%s:%d (auth %s)", names[0], args.host, args.port,
+                "on" if args.api_key else "off")
+    server.run()
+    if not server.started:
+        logger.error("the server could not start (is %s:%d free?)", args.host, args.port)
+        return 1
+    logger.info("server stopped cleanly")
+    return 0

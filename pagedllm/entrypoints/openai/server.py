@@ -1,0 +1,219 @@
+"""The FastAPI app: OpenAI routes, /health, /metrics, tokenize, auth, and OpenAI-shaped errors."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, Awaitable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.metrics import CONTENT_TYPE, EngineMetrics
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    dump,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
+from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pagedllm.server")
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _param_of(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p))]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    errors = list(exc.errors())
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return OpenAIError("The request body is not valid JSON.", code="invalid_json")
+    if not errors:
+        return OpenAIError("The request body is invalid.")
+    first_param = _param_of(tuple(errors[0].get("loc", ())))
+    seen, parts = set(), []
+    for e in errors:
+        param = _param_of(tuple(e.get("loc", ()))) or "body"
+        msg = f"{param}: {e.get('msg', 'invalid value')}"
+        if msg not in seen:
+            seen.add(msg)
+            parts.append(msg)
+    code = "missing" if errors[0].get("type") == "missing" else "invalid_type"
+    return OpenAIError("; ".join(parts[:4]), param=first_param, code=code)
+
+
+class ApiKeyMiddleware:
+    """Every /v1/* route needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+            headers = dict(scope.get("headers") or [])
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if auth != f"Bearer {self.api_key}":
+                err = OpenAIError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                                  code="invalid_api_key", status=401)
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run `work` but cancel it (aborting its requests) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return False, None
+    return True, task.result()
+
+
+class GracefulServer(uvicorn.Server):
+    """On shutdown, in-flight requests get `grace` seconds, then end with an error event (never a hang)."""
+
+    def __init__(self, config: uvicorn.Config, engine, grace: float) -> None:
+        super().__init__(config)
+        self.engine, self.grace = engine, grace
+
+    async def shutdown(self, sockets=None) -> None:
+        n = self.engine.num_in_flight
+        if n:
+            logger.info("shutting down: %d request(s) in flight get %.1f s to finish", n, self.grace)
+        handle = asyncio.get_running_loop().call_later(self.grace, self._abort_rest)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            handle.cancel()
+
+    def _abort_rest(self) -> None:
+        n = self.engine.abort_all("the server is shutting down")
+        if n:
+            logger.info("aborted %d request(s) still running at shutdown", n)
+
+
+def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None) -> FastAPI:
+    completion = OpenAIServingCompletion(ctx)
+    chat = OpenAIServingChat(ctx)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.engine.start()
+        logger.info("engine loop started")
+        try:
+            yield
+        finally:
+            logger.info("shutting down: aborting %d in-flight request(s)", ctx.engine.num_in_flight)
+            await ctx.engine.shutdown()
+
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(OpenAIError(str(exc.detail), code=kind, status=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(OpenAIError("internal server error", status=500, type="server_error"))
+
+    async def _serve(request: Request, work: Awaitable[Any]) -> Response:
+        ok, result = await run_until_disconnect(request, work)
+        if not ok:
+            return Response(status_code=499)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if ctx.engine.is_healthy:
+            return Response(status_code=200)
+        reason = ctx.engine.dead_reason or "engine not running"
+        return error_response(OpenAIError(reason, code="engine_unavailable", status=503, type="server_error"))
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+                 for name in ctx.served_model_names]
+        return dump(ModelList(data=cards))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await _serve(request, completion.create_completion(req))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await _serve(request, chat.create_chat_completion(req))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest) -> dict:
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise OpenAIError("give exactly one of prompt or messages.", param="prompt")
+        if req.prompt is not None:
+            ids = list(ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            ids = render_messages(ctx, req.messages, req.add_generation_prompt, None)
+        return dump(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids))
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        ctx.check_model(req.model)
+        ctx.check_ids(req.tokens, "tokens")
+        return dump(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
+
+    return app
+

@@ -1,0 +1,148 @@
+"""POST /v1/chat/completions: the model's chat template, then one engine request with n choices."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    dump,
+)
+from pagedllm.entrypoints.openai.serving_common import (
+    MAX_LOGPROBS,
+    OpenAIError,
+    ServingContext,
+    error_from_exception,
+    merge_streams,
+    random_id,
+    sse,
+)
+from pagedllm.outputs import RequestOutput
+from pagedllm.tokenizer import apply_chat_template
+
+ROLE = "assistant"
+
+
+def render_messages(ctx: ServingContext, messages: list, add_generation_prompt: bool,
+                    chat_template: str | None) -> list[int]:
+    """Token ids of a conversation under the chat template; bad messages are a 400 naming `messages`."""
+    if not messages:
+        raise OpenAIError("messages must contain at least one message.", param="messages")
+    plain = [m.model_dump(exclude_none=True) for m in messages]
+    for m in plain:
+        m.setdefault("content", "")
+    try:
+        return apply_chat_template(ctx.tokenizer, plain, add_generation_prompt, chat_template or ctx.chat_template)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="messages") from None
+    except Exception as e:  # a template that fails to render on these messages (jinja raise_exception, ...)
+        raise OpenAIError(f"the chat template could not render these messages: {e}", param="messages") from None
+
+
+class OpenAIServingChat:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def _validate(self, req: ChatCompletionRequest) -> tuple[str, list[int], int | None, int | None]:
+        model = self.ctx.check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise OpenAIError(f"{max_param} must be at least 1, got {max_tokens}.", param=max_param)
+        logprobs = None
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise OpenAIError("top_logprobs needs logprobs=true.", param="top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise OpenAIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+                                  param="top_logprobs")
+        if req.logprobs:
+            logprobs = req.top_logprobs or 0
+        self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
+        ids = render_messages(self.ctx, req.messages, req.add_generation_prompt, req.chat_template)
+        self.ctx.check_length(len(ids), max_tokens, "messages", max_param)
+        return model, ids, max_tokens, logprobs
+
+    async def create_chat_completion(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+        model, ids, max_tokens, logprobs = self._validate(req)
+        params = self.ctx.sampling_params(req, max_tokens, logprobs)
+        request_id = random_id("chatcmpl")
+        streams = await self.ctx.add_all([ids], params, request_id)
+        if req.stream:
+            return self._stream(req, model, request_id, ids, streams)
+        final: RequestOutput | None = None
+        try:
+            async for _, out in merge_streams([s for _, s in streams]):
+                final = out
+        except Exception as e:
+            raise error_from_exception(e) from None
+        finally:
+            self.ctx.abort_unfinished(streams)
+        if final is None:
+            raise OpenAIError("the request ended without output", status=500, type="server_error")
+        choices, n_out = [], 0
+        for comp in final.outputs:
+            n_out += len(comp.token_ids)
+            lp = None
+            if logprobs is not None:
+                lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(comp.token_ids, comp.logprobs or [], logprobs))
+            choices.append(ChatCompletionResponseChoice(
+                index=comp.index, message=ChatMessage(role=ROLE, content=comp.text), logprobs=lp,
+                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
+        return dump(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage))
+
+    async def _stream(self, req, model, request_id, ids, streams) -> AsyncIterator[str]:
+        created = int(time.time())
+        top_k = (req.top_logprobs or 0) if req.logprobs else None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        sent_text: dict[int, int] = {}
+        sent_toks: dict[int, int] = {}
+        done: set[int] = set()
+        final: RequestOutput | None = None
+
+        def chunk(index: int, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None) -> str:
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[
+                ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
+                                           stop_reason=stop_reason)])
+            return sse(dump(body))
+
+        try:
+            for i in range(req.n):
+                yield chunk(i, DeltaMessage(role=ROLE, content=""))
+            async for _, out in merge_streams([s for _, s in streams]):
+                final = out
+                for comp in out.outputs:
+                    idx = comp.index
+                    if idx in done:
+                        continue
+                    delta = comp.text[sent_text.get(idx, 0):]
+                    lo, n_tok = sent_toks.get(idx, 0), len(comp.token_ids)
+                    lp = None
+                    if top_k is not None and n_tok > lo:
+                        lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(
+                            comp.token_ids[lo:], (comp.logprobs or [])[lo:], top_k))
+                    sent_text[idx], sent_toks[idx] = len(comp.text), n_tok
+                    if delta or lp is not None:
+                        yield chunk(idx, DeltaMessage(content=delta), lp)
+                    if comp.finish_reason is not None:
+                        done.add(idx)
+                        yield chunk(idx, DeltaMessage(), None, comp.finish_reason, comp.stop_reason)
+            if include_usage and final is not None:
+                n_out = sum(len(c.token_ids) for c in final.outputs)
+                usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
+                yield sse(dump(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                            usage=usage)))
+        except Exception as e:
+            yield sse(error_from_exception(e).body())
+        finally:
+            self.ctx.abort_unfinished(streams)
+        yield sse("[DONE]")

@@ -1,0 +1,241 @@
+"""What the completion and chat handlers share: errors, validation, sampling params, stream helpers."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from pagedllm.engine.async_engine import AsyncLLMEngine, AsyncStream, EngineDeadError
+from pagedllm.entrypoints.openai.protocol import (
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogProbs,
+    ErrorInfo,
+    ErrorResponse,
+    dump,
+)
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+#: Most log-probs per token a request may ask for (vLLM's max_logprobs default).
+MAX_LOGPROBS = 20
+#: Most completions per prompt (OpenAI's limit), further capped by max_num_seqs.
+MAX_N = 128
+
+_SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
+
+
+class OpenAIError(Exception):
+    """An error answered with an OpenAI-shaped body; `status` 400 for user mistakes."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
+
+    def body(self) -> dict[str, Any]:
+        return dump(ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                  code=self.code)))
+
+
+def error_from_exception(exc: BaseException) -> OpenAIError:
+    """Map engine/validation exceptions to OpenAI errors (never a stack trace in the body)."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(f"the engine is not available: {exc}", code="engine_unavailable", status=503,
+                           type="server_error")
+    if isinstance(exc, (ValueError, TypeError, NotImplementedError)):
+        message = str(exc) or type(exc).__name__
+        m = re.match(r"([a-z_]+)\b", message)
+        param = m.group(1) if m and m.group(1) in _SAMPLING_FIELDS else None
+        if param is None and "prompt" in message:
+            param = "prompt"
+        if param is None and "beam search" in message:
+            param = "use_beam_search"
+        code = "not_implemented" if isinstance(exc, NotImplementedError) else "invalid_value"
+        return OpenAIError(message, param=param, code=code)
+    return OpenAIError(f"the engine failed on this request: {type(exc).__name__}: {exc}", code="engine_error",
+                       status=500, type="server_error")
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ServingContext:
+    """What every handler needs: the engine, a tokenizer for the loop thread, names and limits."""
+
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    max_n: int
+    chat_template: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    # -- validation --------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_model_names:
+            return self.model_name if model is None else model
+        raise OpenAIError(f"The model `{model}` does not exist; this server serves {self.served_model_names}.",
+                          param="model", code="model_not_found")
+
+    def check_ids(self, token_ids: list[int], param: str) -> None:
+        vocab = len(self.tokenizer)
+        bad = [t for t in token_ids if t < 0 or t >= vocab]
+        if bad:
+            raise OpenAIError(f"token ids must be in [0, {vocab}), got {bad[:5]}", param=param)
+
+    def check_length(self, n_prompt: int, max_tokens: int | None, prompt_param: str, max_tokens_param: str) -> None:
+        limit = self.max_model_len
+        if n_prompt == 0:
+            raise OpenAIError("the prompt is empty: give at least one token.", param=prompt_param)
+        if n_prompt >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has {n_prompt} "
+                f"tokens, which leaves no room for a completion. Please shorten the prompt.",
+                param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} for the completion). "
+                f"Please reduce the prompt or {max_tokens_param}.",
+                param=max_tokens_param, code="context_length_exceeded")
+
+    def check_n(self, n: int, best_of: int | None, stream: bool, use_beam_search: bool = False) -> None:
+        for name, value in (("n", n), ("best_of", best_of)):
+            if value is not None and value > self.max_n:
+                raise OpenAIError(f"{name} must be at most {self.max_n}, got {value}.", param=name)
+        if stream and use_beam_search:
+            raise OpenAIError("streaming is not supported with beam search (beams are re-ranked until the end).",
+                              param="stream")
+        if stream and best_of is not None and best_of != n:
+            raise OpenAIError(f"best_of ({best_of}) must equal n ({n}) when streaming.", param="best_of")
+
+    def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams from a request; its ValueErrors become 400s naming the field."""
+        try:
+            return SamplingParams(
+                n=req.n, best_of=req.best_of, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed, use_beam_search=req.use_beam_search, length_penalty=req.length_penalty,
+                early_stopping=req.early_stopping, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+            )
+        except ValueError as e:
+            raise error_from_exception(e) from None
+
+    # -- engine --------------------------------------------------------------------------------------
+    async def add_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> list[tuple[str, AsyncStream]]:
+        """Add one request per prompt; on any failure abort those already added and raise an OpenAIError."""
+        added: list[tuple[str, AsyncStream]] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = f"{prefix}-{i}"
+                added.append((rid, await self.engine.add_request(rid, {"prompt_token_ids": ids}, params)))
+        except BaseException as e:
+            self.engine.abort([rid for rid, _ in added])
+            if isinstance(e, Exception):
+                raise error_from_exception(e) from None
+            raise
+        return added
+
+    def abort_unfinished(self, streams: list[tuple[str, AsyncStream]]) -> None:
+        ids = [rid for rid, s in streams if not s.finished]
+        if ids:
+            self.engine.abort(ids)
+
+    # -- logprobs --------------------------------------------------------------------------------------
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None],
+                            offset: int) -> CompletionLogProbs:
+        out = CompletionLogProbs()
+        for tid, d in zip(token_ids, dicts):
+            s = self.token_str(tid)
+            out.tokens.append(s)
+            out.text_offset.append(offset)
+            offset += len(s)
+            if d is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                out.token_logprobs.append(_finite(d.get(tid)))
+                out.top_logprobs.append({self.token_str(t): _finite(v) for t, v in d.items()})
+        return out
+
+    def chat_logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], top_k: int) -> list[ChatTokenLogprob]:
+        out = []
+        for tid, d in zip(token_ids, dicts):
+            s = self.token_str(tid)
+            tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_k]
+            out.append(ChatTokenLogprob(
+                token=s, logprob=_finite(d.get(tid)), bytes=list(s.encode("utf-8")),
+                top_logprobs=[ChatTopLogprob(token=(ts := self.token_str(t)), logprob=_finite(v),
+                                             bytes=list(ts.encode("utf-8"))) for t, v in tops],
+            ))
+        return out
+
+
+def _finite(v: float | None) -> float:
+    if v is None:
+        return -9999.0
+    return max(float(v), -9999.0)
+
+
+async def merge_streams(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as outputs arrive; yields (stream index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: AsyncStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+        except Exception as e:
+            q.put_nowait((i, e))
+        finally:
+            q.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,157 @@
+"""POST /v1/completions: one engine request per prompt, n choices each, streamed or whole."""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    dump,
+)
+from pagedllm.entrypoints.openai.serving_common import (
+    MAX_LOGPROBS,
+    OpenAIError,
+    ServingContext,
+    error_from_exception,
+    merge_streams,
+    random_id,
+    sse,
+)
+from pagedllm.outputs import RequestOutput
+
+
+class OpenAIServingCompletion:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def _prompts(self, req: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif len(p) == 0:
+            raise OpenAIError("prompt must not be empty: give a string, a list of strings, or token ids.",
+                              param="prompt")
+        elif all(isinstance(x, int) for x in p):
+            items = [list(p)]
+        else:
+            items = list(p)
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
+        for item in items:
+            if isinstance(item, str):
+                texts.append(item)
+                ids.append(list(self.ctx.tokenizer.encode(item)))
+            else:
+                self.ctx.check_ids(item, "prompt")
+                texts.append(None)
+                ids.append(list(item))
+        return texts, ids
+
+    def _validate(self, req: CompletionRequest) -> tuple[str, list[str | None], list[list[int]]]:
+        model = self.ctx.check_model(req.model)
+        if req.suffix:
+            raise OpenAIError("suffix is not supported.", param="suffix")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise OpenAIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.", param="logprobs")
+        self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
+        texts, ids = self._prompts(req)
+        for prompt_ids in ids:
+            self.ctx.check_length(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
+        return model, texts, ids
+
+    async def create_completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+        """A response dict, or (stream=True) an async iterator of SSE lines. Raises OpenAIError."""
+        model, texts, ids = self._validate(req)
+        prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = self.ctx.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+        request_id = random_id("cmpl")
+        streams = await self.ctx.add_all(ids, params, request_id)
+        if req.stream:
+            return self._stream(req, model, request_id, texts, ids, streams)
+        try:
+            finals: list[RequestOutput | None] = [None] * len(streams)
+            async for i, out in merge_streams([s for _, s in streams]):
+                finals[i] = out
+        except Exception as e:
+            raise error_from_exception(e) from None
+        finally:
+            self.ctx.abort_unfinished(streams)
+        return dump(self._response(req, model, request_id, texts, finals))
+
+    def _response(self, req, model, request_id, texts, finals) -> CompletionResponse:
+        choices, n_prompt, n_out = [], 0, 0
+        for i, out in enumerate(finals):
+            if out is None:
+                raise OpenAIError("the request ended without output", status=500, type="server_error")
+            n_prompt += len(out.prompt_token_ids)
+            prompt_text = texts[i] if texts[i] is not None else self.ctx.tokenizer.decode(out.prompt_token_ids)
+            for comp in out.outputs:
+                n_out += len(comp.token_ids)
+                text = (prompt_text + comp.text) if req.echo else comp.text
+                logprobs = None
+                if req.logprobs is not None:
+                    tok_ids, dicts = list(comp.token_ids), list(comp.logprobs or [])
+                    if req.echo:
+                        tok_ids = list(out.prompt_token_ids) + tok_ids
+                        dicts = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + dicts
+                    logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0)
+                choices.append(CompletionResponseChoice(
+                    index=i * req.n + comp.index, text=text, logprobs=logprobs,
+                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+        usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    async def _stream(self, req, model, request_id, texts, ids, streams) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text: dict[int, int] = {}
+        sent_toks: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        done: set[int] = set()
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(index: int, text: str, logprobs=None, finish=None, stop_reason=None) -> str:
+            body = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[
+                CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                                         stop_reason=stop_reason)])
+            return sse(dump(body))
+
+        try:
+            async for i, out in merge_streams([s for _, s in streams]):
+                finals[i] = out
+                for comp in out.outputs:
+                    idx = i * req.n + comp.index
+                    if idx in done:
+                        continue
+                    prefix = ""
+                    if idx not in sent_text and req.echo:
+                        prefix = texts[i] if texts[i] is not None else self.ctx.tokenizer.decode(ids[i])
+                    delta = prefix + comp.text[sent_text.get(idx, 0):]
+                    n_tok = len(comp.token_ids)
+                    logprobs = None
+                    if req.logprobs is not None and n_tok > sent_toks.get(idx, 0):
+                        lo = sent_toks.get(idx, 0)
+                        logprobs = self.ctx.completion_logprobs(
+                            comp.token_ids[lo:], (comp.logprobs or [])[lo:], offsets.get(idx, 0) + len(prefix))
+                        offsets[idx] = offsets.get(idx, 0) + len(prefix) + sum(len(t) for t in logprobs.tokens)
+                    sent_text[idx] = len(comp.text)
+                    sent_toks[idx] = n_tok
+                    if comp.finish_reason is not None:
+                        done.add(idx)
+                    if delta or logprobs is not None or comp.finish_reason is not None:
+                        yield chunk(idx, delta, logprobs, comp.finish_reason, comp.stop_reason)
+            if include_usage:
+                n_prompt = sum(len(x) for x in ids)
+                n_out = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+                usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+                yield sse(dump(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                        usage=usage)))
+        except Exception as e:
+            yield sse(error_from_exception(e).body())
+        finally:
+            self.ctx.abort_unfinished(streams)
+        yield sse("[DONE]")

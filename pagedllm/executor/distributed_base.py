@@ -1,0 +1,234 @@
+"""What the mp and Ray executors share: the driver rank, the step protocol, failure handling.
+
+The driver (rank 0) lives in the engine process. Every step it encodes the ExecuteModelRequest
+once (step_codec), announces its size to the other ranks through the backend's channel,
+broadcasts the bytes over the gloo group, and runs its own shard; the model's collectives keep
+the ranks in lock-step and only rank 0's logits are used. Any failure (a worker that died, a
+collective that timed out, an exception on some rank) marks the executor failed: this and every
+later call raise `TensorParallelWorkerError`, and the remaining workers are terminated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.process_group import (
+    DistributedInitInfo,
+    broadcast_bytes,
+    create_master_store,
+    default_backend,
+    wait_for_ranks,
+)
+from pagedllm.executor.step_codec import encode_request
+from pagedllm.executor.worker_wrapper import WorkerWrapper
+from pagedllm.model.models.registry import get_model_class
+from pagedllm.worker.model_input import ExecuteModelRequest
+
+logger = logging.getLogger("pagedllm")
+
+TIMEOUT_ENV = "PAGEDLLM_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class TensorParallelWorkerError(RuntimeError):
+    """A tensor-parallel worker died, hung past the timeout, or raised; the engine cannot go on."""
+
+
+def dist_timeout_s() -> float:
+    """Bound on any collective / worker reply while serving (env PAGEDLLM_DIST_TIMEOUT_S)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}.")
+    return value
+
+
+def check_model_parallelizable(hf_config, tp_size: int) -> None:
+    """Build every rank's model skeleton on the meta device: a head count that does not split
+    raises the layers' ValueError here, before any process is started."""
+    cls = get_model_class(hf_config)
+    for rank in range(tp_size):
+        with torch.device("meta"):
+            cls(hf_config, TensorParallelGroup(rank, tp_size), torch.float32)
+
+
+class DistributedExecutorBase(ABC):
+    """Driver side of SPMD tensor parallelism; subclasses say where ranks 1..N-1 live."""
+
+    backend_name = "?"
+
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config, timeout_s: float | None = None) -> None:
+        self.config = config
+        self.world_size = config.parallel_config.tensor_parallel_size
+        check_model_parallelizable(hf_config, self.world_size)
+        self.timeout_s = timeout_s if timeout_s is not None else dist_timeout_s()
+        self.device_name = config.device_config.resolve()
+        self._error: str | None = None
+        self._lock = threading.Lock()  # one step or control exchange at a time
+        self._finalizer: weakref.finalize | None = None
+        self._saved_threads = torch.get_num_threads()
+        self.driver = WorkerWrapper()
+        try:
+            host, local_only = self._host()
+            store = create_master_store(host, self.world_size)  # binds a free port: no race
+            info = DistributedInitInfo(
+                host=host, port=store.port, world_size=self.world_size,
+                backend=default_backend(self.device_name), timeout_s=self.timeout_s, local_only=local_only,
+            )
+            self._start_workers(config, model_dir, hf_config, info)
+            wait_for_ranks(store, self.world_size, self._check_workers_alive, info.setup_timeout_s)
+            self.driver.init_worker(config, model_dir, hf_config, info, 0, store, self._driver_local_rank())
+            self._wait_workers_ready(info.setup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("%s executor: %d tensor-parallel ranks over %s", self.backend_name, self.world_size, info.backend)
+
+    # -- backend hooks ----------------------------------------------------------------------
+    @abstractmethod
+    def _host(self) -> tuple[str, bool]:
+        """(address the other ranks reach rank 0 at, whether every rank is on this host)."""
+
+    @abstractmethod
+    def _start_workers(self, config: EngineConfig, model_dir: str, hf_config, info: DistributedInitInfo) -> None:
+        """Launch ranks 1..N-1 (they join the rendezvous and load their shards) and set self._finalizer."""
+
+    @abstractmethod
+    def _wait_workers_ready(self, timeout_s: float) -> None:
+        """Block until every worker has loaded its shard; raise if one failed."""
+
+    @abstractmethod
+    def _start_call(self, method: str, args: tuple) -> Any:
+        """Ask every worker to run Worker.`method`(*args); return a handle for _finish_call."""
+
+    @abstractmethod
+    def _finish_call(self, handle: Any) -> list[Any]:
+        """Every worker's result of the call, in rank order."""
+
+    @abstractmethod
+    def _announce_step(self, nbytes: int) -> Any:
+        """Tell every worker a step of `nbytes` encoded bytes follows by broadcast."""
+
+    def _driver_local_rank(self) -> int | None:
+        """The GPU index rank 0 uses on this host (None: GPU 0)."""
+        return None
+
+    def _finish_step(self, handle: Any) -> None:
+        """After the driver's own step (Ray collects its calls' results here)."""
+
+    @abstractmethod
+    def _check_workers_alive(self) -> None:
+        """Raise if a worker is known dead (cheap; no reply needed)."""
+
+    @abstractmethod
+    def _ping_workers(self, timeout_s: float) -> None:
+        """Raise unless every worker answers within `timeout_s` (called only between steps)."""
+
+    @abstractmethod
+    def _describe_workers(self) -> str:
+        """One line on each worker that died or reported an error ('' if none)."""
+
+    # -- executor API -----------------------------------------------------------------------
+    def _run_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run Worker.`method` on every rank at once (it may use collectives); results by rank."""
+        self._raise_if_failed()
+        with self._lock:
+            try:
+                handle = self._start_call(method, args)
+                ours = self.driver.call(method, *args)
+                return [ours, *self._finish_call(handle)]
+            except BaseException as e:
+                raise self._fail(f"{method} failed: {e!r}") from e
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """Every rank sizes its own pools; the scheduler must fit the smallest."""
+        results = self._run_workers("determine_num_available_blocks")
+        logger.info("KV blocks per rank (device, cpu): %s", results)
+        return min(r[0] for r in results), min(r[1] for r in results)
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._run_workers("init_cache", num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
+        """One SPMD step; returns rank 0's logits (the LM head gathers full rows on every rank)."""
+        self._raise_if_failed()
+        buf = encode_request(req)
+        with self._lock:
+            try:
+                handle = self._announce_step(buf.size) if self.world_size > 1 else None
+                if self.world_size > 1:
+                    broadcast_bytes(torch.from_numpy(buf), self.driver.groups.cpu_group)
+                logits = self.driver.execute_model(req)
+                self._finish_step(handle)
+                return logits
+            except BaseException as e:
+                raise self._fail(f"a model step failed: {e!r}") from e
+
+    def check_health(self) -> None:
+        """Raise TensorParallelWorkerError unless every rank is alive (and, between steps, answers)."""
+        self._raise_if_failed()
+        if self._lock.acquire(blocking=False):
+            try:
+                self._ping_workers(self.timeout_s)
+            except Exception as e:
+                raise self._fail(f"health check failed: {e!r}") from e
+            finally:
+                self._lock.release()
+        else:  # a step is running; it is bounded by the collectives' timeout
+            try:
+                self._check_workers_alive()
+            except Exception as e:
+                raise self._fail(f"health check failed: {e!r}") from e
+
+    @property
+    def device(self) -> torch.device:
+        return self.driver.worker.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.driver.worker.dtype
+
+    def shutdown(self) -> None:
+        """Stop and reap every worker (idempotent; also runs when the executor is collected)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        if self._error is None:
+            self._error = f"the tensor-parallel {self.backend_name} executor was shut down"
+        self.driver.groups = None  # drop rank 0's process groups and rendezvous store
+        torch.set_num_threads(self._saved_threads)
+
+    # -- failure ----------------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise TensorParallelWorkerError(self._error)
+
+    def _fail(self, reason: str) -> BaseException:
+        """Record the first failure, terminate the workers, and return the error to raise."""
+        if self._error is None:
+            details = ""
+            try:
+                details = self._describe_workers()
+            except Exception as e:  # describing must never mask the failure itself
+                details = f"(could not inspect workers: {e!r})"
+            self._error = (
+                f"tensor-parallel {self.backend_name} executor ({self.world_size} ranks) failed: "
+                + (f"{details}; " if details else "")
+                + f"cause: {reason}. The engine cannot continue; restart it."
+            )
+            logger.error(self._error)
+            if self._finalizer is not None:
+                self._finalizer()
+        return TensorParallelWorkerError(self._error)

@@ -1,0 +1,184 @@
+"""CUDA graphs for decode-only steps: one graph per bucketed batch size, replayed over static buffers.
+
+A decode step launches a few hundred small kernels whose host-side cost (Python + launches) dwarfs
+their device time at small and medium batch sizes. The runner captures the whole model forward
+once per bucket (1, 2, 4, 8, 16, 24, … up to ``max_num_seqs``) into one shared memory pool and
+replays it. A batch of ``n`` decodes runs in the smallest bucket ``B ≥ n``; rows ``n..B`` are
+padding: slot ``-1`` (``reshape_and_cache`` skips it), context length 1 over block 0 (finite values,
+no NaN), and their outputs are ignored.
+
+The attention metadata seen by the captured kernels is built on the static buffers with
+``max_seq_len = max_model_len`` (it only bounds the split-KV count, which therefore depends on the
+bucket alone) and every block table padded to ``max_model_len / block_size`` entries.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.worker.model_input import SequenceChunk
+
+logger = logging.getLogger("pagedllm")
+
+
+def capture_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Buckets 1, 2, 4, 8, then every multiple of 8, up to (and always including) max_num_seqs."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}.")
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def is_graphable(chunks: list[SequenceChunk], max_batch: int, max_blocks: int) -> bool:
+    """True for a pure decode step that fits the captured shapes."""
+    if not chunks or len(chunks) > max_batch:
+        return False
+    for c in chunks:
+        if len(c.token_ids) != 1 or not c.sample or c.all_logits or len(c.block_table) > max_blocks:
+            return False
+    return True
+
+
+class CUDAGraphRunner:
+    """Captures ``model(input_ids, positions, kv_caches, meta)`` for decode batches and replays it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_backend,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.attn_backend = attn_backend
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.batch_sizes = capture_batch_sizes(max_num_seqs)
+        self.max_batch = self.batch_sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        device = kv_caches[0][0].device
+        self.device = device
+        mb, nb = self.max_batch, self.max_blocks
+        # Host staging (pinned): int64 rows [input_ids, positions, slot_mapping]; int32 [seq_lens | tables].
+        self._host64 = torch.zeros((3, mb), dtype=torch.int64, pin_memory=True)
+        self._host32 = torch.zeros(mb + mb * nb, dtype=torch.int32, pin_memory=True)
+        self._np64 = self._host64.numpy()
+        self._np32 = self._host32.numpy()
+        self._dev64 = torch.zeros((3, mb), dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(mb + mb * nb, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
+        self.seq_lens = self._dev32[:mb]
+        self.block_tables = self._dev32[mb:].view(mb, nb)
+        self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self._copied = torch.cuda.Event()  # host staging may be rewritten once the last copies are done
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            seq_lens=self.seq_lens[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens_cpu=[self.max_model_len] * batch,
+            query_lens_cpu=[1] * batch,
+            num_decodes=batch,
+            max_seq_len=self.max_model_len,
+            max_query_len=1,
+            backend=self.attn_backend,
+        )
+
+    def _reset_padding(self) -> None:
+        """Every row a harmless padding row: token 0 at position 0, slot -1, one token of context in block 0."""
+        self._np64[:2] = 0
+        self._np64[2] = -1
+        self._np32[:] = 0
+        self._np32[: self.max_batch] = 1
+        self._dev64.copy_(self._host64)
+        self._dev32.copy_(self._host32)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared pool (warm-up run before each capture)."""
+        t0 = time.perf_counter()
+        self._reset_padding()
+        torch.cuda.synchronize(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.batch_sizes):
+            meta = self._meta(b)
+            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, meta)
+            self.model(*args)  # warm-up: Triton compilation, allocator caching
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[b] = self.model(*args)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) in %.2f s",
+                    len(self.batch_sizes), self.max_batch, time.perf_counter() - t0)
+
+    def bucket(self, n: int) -> int:
+        for b in self.batch_sizes:
+            if b >= n:
+                return b
+        raise ValueError(f"batch of {n} decodes exceeds the largest captured batch {self.max_batch}.")
+
+    def can_run(self, chunks: list[SequenceChunk]) -> bool:
+        return bool(self.graphs) and is_graphable(chunks, self.max_batch, self.max_blocks)
+
+    def run(self, chunks: list[SequenceChunk]) -> torch.Tensor:
+        """Fill the static buffers for `chunks` (padded to their bucket), replay, → hidden states [n, H]."""
+        n = len(chunks)
+        b = self.bucket(n)
+        self._copied.synchronize()
+        bs, nb, mb = self.block_size, self.max_blocks, self.max_batch
+        np64, np32 = self._np64, self._np32
+        pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n)
+        np64[0, :n] = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
+        np64[1, :n] = pos
+        tables = np32[mb: mb + b * nb].reshape(b, nb)
+        blk_of_pos = np.empty(n, dtype=np.int64)
+        for i, c in enumerate(chunks):
+            bt = c.block_table
+            tables[i, : len(bt)] = bt
+            blk_of_pos[i] = bt[pos[i] // bs]
+        np64[2, :n] = blk_of_pos * bs + pos % bs
+        np32[:n] = pos + 1
+        # Padding rows n..b (they may hold a previous step's values).
+        np64[:2, n:b] = 0
+        np64[2, n:b] = -1
+        np32[n:b] = 1
+        tables[n:b, 0] = 0
+        self._dev64[:, :b].copy_(self._host64[:, :b], non_blocking=True)
+        self._dev32[:b].copy_(self._host32[:b], non_blocking=True)
+        self._dev32[mb: mb + b * nb].copy_(self._host32[mb: mb + b * nb], non_blocking=True)
+        self._copied.record()
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
+
+
+def measure_capture_memory(
+    model: nn.Module, kv_caches, attn_backend, block_size: int, max_num_seqs: int, max_model_len: int
+) -> int:
+    """Device bytes that capturing every bucket keeps (graph pool + static buffers), measured by a
+    throw-away capture on `kv_caches` (a one-block cache will do: only shapes matter)."""
+    device = kv_caches[0][0].device
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    runner = CUDAGraphRunner(model, kv_caches, attn_backend, block_size, max_num_seqs, max_model_len)
+    runner.capture()
+    after = torch.cuda.memory_reserved(device)
+    del runner
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return max(0, after - before)

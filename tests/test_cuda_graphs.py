@@ -1,0 +1,114 @@
+"""CUDA graphs for decode steps (worker/cuda_graph.py) and the CUDA cache operations (copy, swap).
+
+The bucket / eligibility logic and the enforce_eager plumbing are checked everywhere; the engine
+runs (graphs vs eager, swap preemption, copy-on-write forks) need CUDA and are skipped without it.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.worker.cuda_graph import capture_batch_sizes, is_graphable
+from pagedllm.worker.model_input import SequenceChunk
+
+
+def test_capture_batch_sizes_are_buckets_up_to_max_num_seqs():
+    assert capture_batch_sizes(1) == [1]
+    assert capture_batch_sizes(5) == [1, 2, 4, 5]
+    assert capture_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    sizes = capture_batch_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    assert capture_batch_sizes(30)[-2:] == [24, 30]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_batch_sizes(0)
+
+
+def test_only_pure_decode_steps_that_fit_are_graphable():
+    dec = [SequenceChunk(i, [7], 20, [3, 4], sample=True) for i in range(3)]
+    assert is_graphable(dec, max_batch=4, max_blocks=2)
+    assert not is_graphable(dec, max_batch=2, max_blocks=2)  # too many sequences
+    assert not is_graphable(dec, max_batch=4, max_blocks=1)  # block table longer than captured
+    assert not is_graphable([], max_batch=4, max_blocks=2)
+    prefill = dec + [SequenceChunk(9, [1, 2, 3], 0, [5], sample=True)]
+    assert not is_graphable(prefill, max_batch=8, max_blocks=2)
+    assert not is_graphable([SequenceChunk(0, [7], 20, [3, 4], sample=True, all_logits=True)], 4, 2)
+    assert not is_graphable([SequenceChunk(0, [7], 20, [3, 4], sample=False)], 4, 2)
+
+
+def test_enforce_eager_reaches_the_model_config():
+    cfg = EngineArgs(enforce_eager=True).create_engine_config(2048)
+    assert cfg.model_config.enforce_eager is True
+    assert EngineArgs().create_engine_config(2048).model_config.enforce_eager is False
+
+
+def _tiny_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    for p in hf.parameters():
+        p.data.normal_(0, 0.08)
+    hf.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _generate(model_dir, prompts, params, **kw):
+    from pagedllm import LLM
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=256,
+              block_size=16, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    return [[list(c.token_ids) for c in o.outputs] for o in outs], runner
+
+
+@pytest.mark.cuda
+def test_graph_decode_equals_eager_with_padded_buckets(tmp_path):
+    """13 ragged prompts (buckets 16, then 8/4/2/1 as they finish) give the same greedy tokens with and
+    without graphs, and the graphs were actually replayed."""
+    from pagedllm import SamplingParams
+
+    model_dir = _tiny_llama(tmp_path)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(1, 60))] for _ in range(13)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 40), ignore_eos=True) for _ in prompts]
+    eager, eager_runner = _generate(model_dir, prompts, params, enforce_eager=True, num_gpu_blocks_override=256)
+    assert eager_runner.graph_runner is None
+    replays = []
+    from pagedllm.worker import cuda_graph
+
+    orig = cuda_graph.CUDAGraphRunner.run
+    cuda_graph.CUDAGraphRunner.run = lambda self, chunks: replays.append(len(chunks)) or orig(self, chunks)
+    try:
+        graphed, runner = _generate(model_dir, prompts, params, num_gpu_blocks_override=256, max_num_seqs=16)
+    finally:
+        cuda_graph.CUDAGraphRunner.run = orig
+    assert runner.graph_runner is not None and runner.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
+    assert replays and any(n not in (1, 2, 4, 8, 16) for n in replays)  # padded buckets were used
+    assert graphed == eager
+
+
+@pytest.mark.cuda
+def test_swap_preemption_and_cow_forks_on_cuda_match_unconstrained_run(tmp_path):
+    """A pool too small for the batch forces swap preemption (side-stream swaps through the pinned pool);
+    n=3 seeded sampling forks at a partial block (Triton copy_blocks). Tokens equal a roomy run's."""
+    from pagedllm import SamplingParams
+
+    model_dir = _tiny_llama(tmp_path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(20, 40))] for _ in range(8)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    roomy, _ = _generate(model_dir, prompts, greedy, num_gpu_blocks_override=512)
+    tight, _ = _generate(model_dir, prompts, greedy, num_gpu_blocks_override=24, preemption_mode="swap",
+                         swap_space=0.05)
+    assert tight == roomy
+    fork = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    a, _ = _generate(model_dir, [prompts[0][:21]], fork, num_gpu_blocks_override=512, enforce_eager=True)
+    b, _ = _generate(model_dir, [prompts[0][:21]], fork, num_gpu_blocks_override=512)
+    assert a == b and len(a[0]) == 3

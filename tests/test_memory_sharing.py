@@ -1,0 +1,241 @@
+"""Memory sharing on the real model: parallel sampling, mixed batches, prefix caching, swap/recompute."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+BLOCK = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+SYSTEM = (
+    "You are a careful assistant. Answer every question in one short sentence, "
+    "use plain words, and never invent facts you are not sure about.\n"
+)
+QUESTIONS = ["Q: What is the capital of Italy?\nA:", "Q: How many legs does a spider have?\nA:",
+             "Q: What color is grass?\nA:", "Q: Who wrote Hamlet?\nA:",
+             "Q: What is frozen water called?\nA:", "Q: What do bees make?\nA:"]
+
+
+def _make(**kw) -> LLM:
+    return LLM(block_size=BLOCK, max_model_len=512, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # 40 blocks × 8 = 320 token slots; 40 CPU swap blocks (~0.37 MB each).
+    return _make(num_gpu_blocks_override=40, swap_space=0.014)
+
+
+@pytest.fixture(scope="module")
+def llm_pc():
+    # Prefix caching on; a 2-block swap pool, too small to hold any beam group.
+    return _make(num_gpu_blocks_override=40, swap_space=0.0008, enable_prefix_caching=True)
+
+
+def _assert_all_free(llm: LLM) -> None:
+    eng = llm.llm_engine
+    bm = eng.scheduler.block_manager
+    bm.check_invariants()
+    assert not eng.has_unfinished_requests()
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    assert bm.get_num_free_cpu_blocks() == bm.num_cpu_blocks
+    assert all(c == 0 for c in bm.gpu_pool.ref_counts) and all(c == 0 for c in bm.cpu_pool.ref_counts)
+
+
+@pytest.fixture(autouse=True)
+def _all_blocks_free(request):
+    yield
+    for name in ("llm", "llm_pc"):
+        if name in request.fixturenames:
+            _assert_all_free(request.getfixturevalue(name))
+
+
+@pytest.fixture
+def mode(llm):
+    """Set llm's preemption mode for one test, restore it after."""
+    cc = llm.llm_engine.config.cache_config
+    old = cc.preemption_mode
+    yield lambda m: setattr(cc, "preemption_mode", m)
+    cc.preemption_mode = old
+
+
+def _ids(llm, texts):
+    tok = llm.get_tokenizer()
+    return [{"prompt_token_ids": tok.encode(t)} for t in texts]
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def _one_by_one(llm, prompts, params):
+    return [_tokens(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+
+
+def _delta(before, after, key):
+    return after[key] - before[key]
+
+
+# -- parallel sampling ----------------------------------------------------------------------
+def test_seeded_parallel_sampling_is_reproducible_and_diverse(llm):
+    p = _ids(llm, ["Write a short poem about the sea:"])[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10)
+    a = _tokens(llm.generate([p], params, use_tqdm=False))[0]
+    # Same request again, now batched with unrelated work: identical samples.
+    other = _ids(llm, ["The quick brown fox"])[0]
+    b = _tokens(llm.generate([other, p], [GREEDY, params], use_tqdm=False))[1]
+    assert a == b
+    assert len(a) == 3 and len({tuple(x) for x in a}) == 3  # the n samples differ
+    c = _tokens(llm.generate([p], SamplingParams(n=3, temperature=1.0, seed=8, max_tokens=10), use_tqdm=False))[0]
+    assert c != a
+
+
+def test_best_of_returns_top_n_by_cumulative_logprob_and_shares_prompt(llm):
+    p = _ids(llm, [SYSTEM + QUESTIONS[0]])[0]
+    n_prompt = len(p["prompt_token_ids"])
+    eng = llm.llm_engine
+    eng.add_request("bo", p, SamplingParams(n=2, best_of=4, temperature=0.8, seed=3, max_tokens=8))
+    eng.step()
+    s = llm.stats()
+    full_blocks = n_prompt // BLOCK
+    # 4 sequences forked from one prefill share every prompt block (no KV bytes copied).
+    assert s["kv_blocks_shared"] == -(-n_prompt // BLOCK)
+    assert s["kv_blocks_saved_by_sharing"] == 3 * -(-n_prompt // BLOCK)
+    eng.step()
+    s2 = llm.stats()
+    if n_prompt % BLOCK:  # the partly filled last block is copied on write by 3 of the 4 children
+        assert _delta(s, s2, "num_cow_copies") == 3
+        assert s2["kv_blocks_shared"] == full_blocks
+    group = eng.scheduler.running[0]
+    every = sorted(x.cumulative_logprob for x in group.seqs)
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            final = out if out.finished else final
+    every = sorted((x.cumulative_logprob for x in group.seqs), reverse=True)
+    assert len(every) == 4 and len(final.outputs) == 2
+    assert [c.cumulative_logprob for c in final.outputs] == every[:2]
+
+
+def test_mixed_decoding_methods_in_one_batch(llm):
+    prompts = _ids(llm, ["The capital of France is", "Once upon a time", "def add(a, b):"])
+    params = [
+        GREEDY,
+        SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=10),
+        SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0.0, max_tokens=8),
+    ]
+    alone = [_tokens(llm.generate([p], q, use_tqdm=False))[0] for p, q in zip(prompts, params)]
+    together = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert together == alone
+    assert [len(x) for x in together] == [1, 2, 2]
+
+
+# -- prefix caching -------------------------------------------------------------------------
+def test_greedy_same_with_and_without_prefix_caching_and_shared_prefix(llm, llm_pc):
+    prompts = _ids(llm, [SYSTEM + q for q in QUESTIONS[:4]])
+    n_sys_blocks = len(llm.get_tokenizer().encode(SYSTEM)) // BLOCK
+    reference = _one_by_one(llm, prompts, GREEDY)  # no caching, one at a time
+    llm_pc.llm_engine.scheduler.block_manager.gpu_pool.reset_prefix_cache()
+    before = llm_pc.stats()
+    first = llm_pc.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert first[0].num_cached_tokens == 0  # nothing cached yet
+    rest = llm_pc.generate(prompts[1:], GREEDY, use_tqdm=False)
+    # The shared system prompt hits the cache after its first use.
+    for out in rest:
+        assert out.num_cached_tokens >= n_sys_blocks * BLOCK
+    assert _tokens(first + rest) == reference
+    after = llm_pc.stats()
+    assert _delta(before, after, "prefix_cache_hits") == sum(o.num_cached_tokens for o in rest)
+    assert _delta(before, after, "prefix_cache_queries") == sum(len(p["prompt_token_ids"]) for p in prompts)
+    # Identical prompt again: everything but the last token's block comes from the cache.
+    again = llm_pc.generate(prompts[:1], GREEDY, use_tqdm=False)
+    n = len(prompts[0]["prompt_token_ids"])
+    assert again[0].num_cached_tokens == (n - 1) // BLOCK * BLOCK
+    assert _tokens(again) == reference[:1]
+
+
+def test_shared_prefix_blocks_are_never_written(llm_pc):
+    """Parallel samples on top of a cached prefix: CoW protects the cached blocks' contents."""
+    prompts = _ids(llm_pc, [SYSTEM + QUESTIONS[4]])
+    ref = _tokens(llm_pc.generate(prompts, GREEDY, use_tqdm=False))
+    llm_pc.generate(prompts, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=10), use_tqdm=False)
+    assert _tokens(llm_pc.generate(prompts, GREEDY, use_tqdm=False)) == ref
+
+
+# -- preemption -----------------------------------------------------------------------------
+def _crowd(llm):
+    # 6 prompts × ~45 tokens + 12 generated each overflow 320 slots when run together.
+    return _ids(llm, [SYSTEM + q for q in QUESTIONS])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_greedy_same_when_preempted(llm, mode, preemption):
+    prompts = _crowd(llm)
+    reference = _one_by_one(llm, prompts, GREEDY)
+    mode(preemption)
+    before = llm.stats()
+    got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    after = llm.stats()
+    assert got == reference
+    if preemption == "swap":
+        assert _delta(before, after, "num_swap_preemptions") > 0
+        assert _delta(before, after, "num_swap_outs") == _delta(before, after, "num_swap_ins") > 0
+        assert _delta(before, after, "num_swapped_out_blocks") > 0
+        assert _delta(before, after, "num_recompute_preemptions") == 0
+    else:
+        assert _delta(before, after, "num_recompute_preemptions") > 0
+        assert _delta(before, after, "num_swap_preemptions") == 0
+
+
+@pytest.mark.slow
+def test_auto_swaps_multi_sequence_groups(llm, mode):
+    """Under "auto", beam groups are swapped (not recomputed) and give the same beams."""
+    prompts = _crowd(llm)
+    beam = SamplingParams(use_beam_search=True, best_of=2, n=2, temperature=0.0, max_tokens=10)
+    reference = _one_by_one(llm, prompts, beam)
+    mode("auto")
+    before = llm.stats()
+    got = _tokens(llm.generate(prompts, beam, use_tqdm=False))
+    after = llm.stats()
+    assert got == reference
+    assert _delta(before, after, "num_swap_preemptions") > 0
+    assert _delta(before, after, "num_recompute_preemptions") == 0
+
+
+@pytest.mark.slow
+def test_swap_space_exhausted_falls_back_to_recompute(llm_pc):
+    """A 2-block swap pool cannot hold a beam group: it is recomputed instead, same beams."""
+    prompts = _ids(llm_pc, [q * 4 for q in QUESTIONS])  # distinct prompts: no prefix-cache sharing
+    beam = SamplingParams(use_beam_search=True, best_of=2, n=2, temperature=0.0, max_tokens=10)
+    reference = _one_by_one(llm_pc, prompts, beam)
+    before = llm_pc.stats()
+    got = _tokens(llm_pc.generate(prompts, beam, use_tqdm=False))
+    after = llm_pc.stats()
+    assert got == reference
+    assert _delta(before, after, "num_recompute_preemptions") > 0
+    assert _delta(before, after, "num_swap_preemptions") == 0
+    assert after["num_cpu_blocks_free"] == after["num_cpu_blocks_total"] == 2
+
+
+# -- stats ----------------------------------------------------------------------------------
+def test_sharing_stats_match_block_tables(llm):
+    """kv_blocks_shared / kv_blocks_saved_by_sharing recomputed from the tables at every step."""
+    eng = llm.llm_engine
+    prompts = _ids(llm, ["The capital of France is", "Once upon a time"])
+    eng.add_request("s1", prompts[0], SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=10))
+    eng.add_request("s2", prompts[1], SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, max_tokens=10))
+    seen_shared = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        bm = eng.scheduler.block_manager
+        refs: dict[int, int] = {}
+        for table in bm.block_tables.values():
+            for b in table:
+                refs[b] = refs.get(b, 0) + 1
+        s = llm.stats()
+        assert s["kv_blocks_shared"] == sum(1 for c in refs.values() if c > 1)
+        assert s["kv_blocks_saved_by_sharing"] == sum(c - 1 for c in refs.values())
+        assert s["kv_blocks_free"] == bm.num_gpu_blocks - len(refs)
+        seen_shared = max(seen_shared, s["kv_blocks_saved_by_sharing"])
+    assert seen_shared > 0

@@ -1,0 +1,200 @@
+"""The OpenAI-compatible server driven by the official `openai` client (real subprocess, real model)."""
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(SMALL_SERVER_ARGS)
+    yield srv
+    rc = srv.stop(signal.SIGTERM)
+    assert rc == 0, srv.logs()[-3000:]
+    logs = srv.logs()
+    assert "KV pool 256 blocks x 16 tokens = 4096 tokens" in logs
+    assert f"on http://127.0.0.1:{srv.port}" in logs and "dtype torch.float32" in logs
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm_greedy():
+    """The offline LLM's greedy completions of PROMPTS (the server must produce the same)."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(num_gpu_blocks_override=64, max_model_len=1024, swap_space=0.05)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert httpx.get(server.url("/version")).json()["version"]
+
+
+def test_greedy_completion_equals_llm_generate(client, llm_greedy):
+    for prompt, expected in zip(PROMPTS, llm_greedy):
+        resp = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0.0,
+                                         extra_body={"ignore_eos": True})
+        assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+        choice = resp.choices[0]
+        assert choice.text == expected.text
+        assert choice.finish_reason == "length"
+        assert resp.usage.completion_tokens == len(expected.token_ids) == 24
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + 24
+
+
+def test_batch_prompts_and_token_prompts(client, llm_greedy):
+    tok = httpx.post(client.base_url.join("/tokenize").__str__(), json={"prompt": PROMPTS[0]}).json()
+    resp = client.completions.create(model=MODEL_NAME, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=24,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.text for c in resp.choices] == [e.text for e in llm_greedy]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=tok["tokens"], max_tokens=24, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == llm_greedy[0].text
+    assert by_ids.usage.prompt_tokens == tok["count"]
+
+
+def test_completion_stream_matches_non_stream(client, llm_greedy):
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0.0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == llm_greedy[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert sum(1 for c in chunks if c.choices) > 3  # really streamed, not one blob
+
+
+def test_chat_and_chat_stream(client):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    assert full.usage.completion_tokens <= 16
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_raw_sse_ends_with_done(server):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url("/v1/chat/completions"), json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    payloads = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert payloads[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_n_greater_than_one(client):
+    resp = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=8, n=3,
+                                     temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert resp.usage.completion_tokens == 24
+    assert len({c.text for c in resp.choices}) > 1  # independent samples
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Name a color"}],
+                                          n=2, max_tokens=6, temperature=1.0, seed=3, stream=True)
+    seen: dict[int, str] = {}
+    finished = set()
+    for c in chat:
+        for ch in c.choices:
+            seen[ch.index] = seen.get(ch.index, "") + (ch.delta.content or "")
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert set(seen) == {0, 1} and finished == {0, 1}
+
+
+def test_seed_reproducibility(client):
+    kw = dict(model=MODEL_NAME, prompt="My favourite animal is", max_tokens=12, temperature=1.0, top_p=0.95)
+    a = client.completions.create(seed=1234, **kw).choices[0].text
+    b = client.completions.create(seed=1234, **kw).choices[0].text
+    c = client.completions.create(seed=99, **kw).choices[0].text
+    assert a == b
+    assert a != c
+
+
+def test_logprobs_completion_and_chat(client):
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == resp.choices[0].text
+    for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert tlp <= 0.0 and 3 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(tlp, abs=1e-4)  # greedy: the chosen token is the best
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_stop_strings_and_echo(client, llm_greedy):
+    full = llm_greedy[0].text
+    stop = full.strip().split()[1] if len(full.split()) > 1 else full.strip()[:2]
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop" and stop not in choice.text
+    assert full.startswith(choice.text)
+    echo = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith(PROMPTS[0])
+    assert full.startswith(echo.choices[0].text[len(PROMPTS[0]):])
+
+
+def test_tokenize_detokenize(server):
+    tok = httpx.post(server.url("/tokenize"), json={"prompt": "Hello world"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024
+    text = httpx.post(server.url("/detokenize"), json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text == "Hello world"
+    chat = httpx.post(server.url("/tokenize"), json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > 3
+
+
+def test_metrics_exposes_vllm_and_pagedllm_names(server, client):
+    before = server.metrics()
+    client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(server.url("/metrics")).text
+    for name in ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
+                 "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "pagedllm:kv_slot_utilization", "pagedllm:kv_blocks_saved_by_sharing"]:
+        assert name in text, name
+    m = server.metrics()
+    assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert m["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 1
+    assert m["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
+    assert m["pagedllm:kv_slot_utilization"] == 1.0  # idle: nothing allocated, nothing wasted
