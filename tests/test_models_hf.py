@@ -336,6 +336,21 @@ def test_registry_by_architecture_and_model_type() -> None:
         assert get_model_class(config).__name__ == ours
 
 
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_model_construction_draws_no_random_numbers(name: str) -> None:
+    """Parameters start as torch.empty: no wasted init at 13B shape, and no RNG use on CUDA, where a
+    draw during model construction can collide with CUDA-graph RNG state."""
+    from pagedllm.distributed.parallel_state import TensorParallelGroup
+
+    family = FAMILIES[name]
+    config = getattr(transformers, family.config_cls)(vocab_size=VOCAB, **family.kwargs)
+    cls = get_model_class(config)
+    state = torch.get_rng_state()
+    model = cls(config, TensorParallelGroup(), torch.float32)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert type(model).__name__ == family.ours
+
+
 def test_kv_geometry_reads_gpt2_and_opt_configs() -> None:
     """GPT-2 names its fields n_layer/n_head/n_embd/n_positions; transformers' attribute_map aliases them."""
     gpt2 = transformers.GPT2Config(n_embd=96, n_layer=5, n_head=6, n_positions=77)

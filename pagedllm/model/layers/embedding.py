@@ -50,3 +50,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight, self.bias)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
+
+
+class LearnedPositionalEmbedding(nn.Module):
+    """A learned position table, replicated on every rank; OPT shifts positions by `offset` (2)."""
+
+    def __init__(self, num_positions: int, hidden_size: int, dtype: torch.dtype, offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(num_positions + offset, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions + self.offset if self.offset else positions, self.weight)

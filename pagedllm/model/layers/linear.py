@@ -122,3 +122,15 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias  # added once, after the reduction
         return y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x Wᵀ + b with the full matrix on every rank (small projections such as OPT's project_in)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

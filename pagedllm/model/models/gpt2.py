@@ -16,7 +16,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.model.layers.activation import get_act_fn
 from pagedllm.model.layers.attention import Attention
-from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model.layers.embedding import LearnedPositionalEmbedding, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model.layers.norm import LayerNorm
 from pagedllm.model.models.weights import load_named_weights
@@ -80,9 +80,7 @@ class GPT2Model(nn.Module):
             raise ValueError("GPT-2 with add_cross_attention=True (an encoder-decoder) is not supported")
         hidden = config.hidden_size
         self.wte = VocabParallelEmbedding(config.vocab_size, hidden, tp, dtype)
-        # Small (n_positions × n_embd) and replicated on every rank.
-        self.wpe = nn.Embedding(config.max_position_embeddings, hidden, dtype=dtype)
-        self.wpe.weight.requires_grad_(False)
+        self.wpe = LearnedPositionalEmbedding(config.max_position_embeddings, hidden, dtype)
         self.h = nn.ModuleList([GPT2Block(config, i, tp, dtype) for i in range(config.num_hidden_layers)])
         self.ln_f = LayerNorm(hidden, float(getattr(config, "layer_norm_epsilon", 1e-5)), dtype)
 

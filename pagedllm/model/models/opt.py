@@ -12,8 +12,13 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.model.layers.activation import get_act_fn
 from pagedllm.model.layers.attention import Attention
-from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.model.layers.embedding import LearnedPositionalEmbedding, ParallelLMHead, VocabParallelEmbedding
+from pagedllm.model.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from pagedllm.model.layers.norm import LayerNorm
 from pagedllm.model.models.weights import load_named_weights
 
@@ -81,13 +86,13 @@ class OPTDecoder(nn.Module):
         hidden = config.hidden_size
         proj_dim = getattr(config, "word_embed_proj_dim", None) or hidden
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim, tp, dtype)
-        # Small (max_positions × hidden) and replicated on every rank.
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + POSITION_OFFSET, hidden, dtype=dtype)
-        self.embed_positions.weight.requires_grad_(False)
+        self.embed_positions = LearnedPositionalEmbedding(
+            config.max_position_embeddings, hidden, dtype, offset=POSITION_OFFSET
+        )
         self.project_in = self.project_out = None
         if proj_dim != hidden:
-            self.project_in = nn.Linear(proj_dim, hidden, bias=False, dtype=dtype).requires_grad_(False)
-            self.project_out = nn.Linear(hidden, proj_dim, bias=False, dtype=dtype).requires_grad_(False)
+            self.project_in = ReplicatedLinear(proj_dim, hidden, False, dtype)
+            self.project_out = ReplicatedLinear(hidden, proj_dim, False, dtype)
         self.final_layer_norm = None
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
             self.final_layer_norm = _layer_norm(config, dtype)
@@ -97,7 +102,7 @@ class OPTDecoder(nn.Module):
         embeds = self.embed_tokens(input_ids)
         if self.project_in is not None:
             embeds = self.project_in(embeds)
-        hidden = embeds + self.embed_positions(positions + POSITION_OFFSET)
+        hidden = embeds + self.embed_positions(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, kv_cache, meta)
         if self.final_layer_norm is not None:
