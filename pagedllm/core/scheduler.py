@@ -135,11 +135,13 @@ class Scheduler:
         # each, earliest arrival first. Victims are the latest-arrived groups not yet placed.
         by_arrival = sorted(self.running, key=lambda g: g.arrival_time)
         decodes = [g for g in by_arrival if not any(s.is_prefill for s in g.unfinished_seqs())]
-        prefills = [g for g in by_arrival if g not in decodes]
+        decode_ids = {id(g) for g in decodes}
+        prefills = [g for g in by_arrival if id(g) not in decode_ids]
         pending = decodes + prefills
         placed: list[SequenceGroup] = []
+        pending.reverse()  # pop() from the end is O(1); the earliest arrival is now last
         while pending:
-            group = pending.pop(0)
+            group = pending.pop()
             demand = self._demand(group, budget.tokens_left)
             num_seqs = group.max_num_running_seqs()
             if sum(n for _, n in demand) == 0 or not budget.can_add_seqs(num_seqs):
@@ -155,7 +157,8 @@ class Scheduler:
             else:
                 self._place(group, demand, out, budget)
                 placed.append(group)
-        self.running = [g for g in self.running if g in placed]
+        placed_ids = {id(g) for g in placed}
+        self.running = [g for g in self.running if id(g) in placed_ids]
 
     def _pick_victim(self, pending: list[SequenceGroup], current: SequenceGroup) -> SequenceGroup:
         if not pending:

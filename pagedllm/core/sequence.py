@@ -38,7 +38,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # an entity: two sequences are equal only if they are the same one
 class Sequence:
     """One token stream. Its KV cache covers `num_computed_tokens` of its tokens.
 
@@ -117,7 +117,7 @@ class Sequence:
         return child
 
 
-@dataclass
+@dataclass(eq=False)
 class SequenceGroup:
     """One request: a prompt and the 1..n sequences generated from it, scheduled as a unit."""
 
