@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo): mp and Ray executors against the single-process engine.
 
-Real processes, real collectives, real checkpoints: the bundled SmolLM2 (9 heads / 3 KV heads, so
-tp=3 is its smallest split) and a tiny random-weight Llama whose single KV head is replicated on
+Real processes, real collectives, real checkpoints: the bundled SmolLM2 (9 heads / 3 KV heads,
+split 6+3 query heads at tp=2) and a tiny random-weight Llama whose single KV head is replicated on
 both ranks at tp=2. Failure tests kill or stop a real worker process.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.parallel_state import shard_attention_heads
 from pagedllm.executor.distributed_base import TensorParallelWorkerError
 from pagedllm.executor.step_codec import decode_request, encode_request
 from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk
@@ -129,25 +130,38 @@ def test_tiny_model_kv_replication_tp2_matches_tp1(tiny_llama_dir, tiny_referenc
     assert _wait_gone(executor.worker_pids) == []
 
 
-@pytest.mark.slow
-def test_bundled_model_tp3_matches_tp1():
-    """SmolLM2-135M has 9 heads and 3 KV heads: tp=3 is its smallest tensor-parallel split."""
+def test_bundled_model_tp2_matches_tp1():
+    """SmolLM2-135M has 9 heads and 3 KV heads: at tp=2 rank 0 owns 2 KV heads (6 query heads), rank 1 one."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,"]
     kw = dict(num_gpu_blocks_override=48, swap_space=0.01, max_model_len=256)
     ref = LLM(**kw)
     expected = _tokens(ref.generate(prompts, GREEDY, use_tqdm=False))
     del ref
-    llm = LLM(tensor_parallel_size=3, **kw)  # backend defaults to mp
+    llm = LLM(tensor_parallel_size=2, **kw)  # backend defaults to mp
     try:
+        qkv = llm.llm_engine.executor.driver.worker.model.model.layers[0].self_attn.qkv_proj
+        assert tuple(qkv.weight.shape) == ((6 + 2 + 2) * 64, 576)
         got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
         llm.llm_engine.executor.shutdown()
     assert got == expected
 
 
+@pytest.mark.parametrize("heads,kv_heads,tp", [(9, 3, 2), (9, 3, 3), (4, 1, 2), (8, 2, 4), (32, 8, 3), (16, 4, 8)])
+def test_head_shards_cover_every_head_with_its_kv_head(heads, kv_heads, tp):
+    shards = [shard_attention_heads(heads, kv_heads, tp, r) for r in range(tp)]
+    q_heads = [h for s in shards for h in range(s.q_start, s.q_start + s.num_q_heads)]
+    assert q_heads == list(range(heads))  # each query head on exactly one rank, in order
+    group = heads // kv_heads
+    for s in shards:
+        needed = {h // group for h in range(s.q_start, s.q_start + s.num_q_heads)}
+        assert needed == set(range(s.kv_start, s.kv_start + s.num_kv_heads))
+    assert max(s.num_kv_heads for s in shards) - min(s.num_kv_heads for s in shards) <= 1
+
+
 def test_indivisible_heads_fail_before_any_process_starts():
-    with pytest.raises(ValueError, match="num_attention_heads \\(9\\) is not divisible by tensor_parallel_size \\(2\\)"):
-        LLM(tensor_parallel_size=2, num_gpu_blocks_override=8, swap_space=0.01, max_model_len=64)
+    with pytest.raises(ValueError, match="tensor_parallel_size \\(4\\) exceeds num_key_value_heads \\(3\\)"):
+        LLM(tensor_parallel_size=4, num_gpu_blocks_override=8, swap_space=0.01, max_model_len=64)
     with pytest.raises(ValueError, match="'uni' runs one process"):
         LLM(tensor_parallel_size=3, distributed_executor_backend="uni", num_gpu_blocks_override=8, swap_space=0.01)
 

@@ -83,7 +83,7 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
 def _one_block_cache(worker) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from pagedllm.worker.worker import kv_geometry
 
-    layers, kv_heads, head_dim = kv_geometry(worker.hf_config, worker.tp.size)
+    layers, kv_heads, head_dim = kv_geometry(worker.hf_config, worker.tp.size, worker.tp.rank)
     shape = (1, worker.config.cache_config.block_size, kv_heads, head_dim)
     return [
         (torch.empty(shape, dtype=worker.dtype, device=worker.device),

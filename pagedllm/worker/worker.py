@@ -7,7 +7,7 @@ import time
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
 from pagedllm.model import loader
 from pagedllm.model.layers.attention import TorchAttentionBackend, TritonAttentionBackend
 from pagedllm.model.models.registry import get_model_class
@@ -27,13 +27,13 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def kv_geometry(hf_config, tp_size: int) -> tuple[int, int, int]:
-    """(num_layers, kv heads on one rank, head_dim) from a HF config."""
+def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
+    """(num_layers, KV heads this rank holds, head_dim) from a HF config."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    per_rank = max(1, kv_heads // tp_size)
-    return hf_config.num_hidden_layers, per_rank, head_dim
+    shard = shard_attention_heads(heads, kv_heads, tp_size, rank)
+    return hf_config.num_hidden_layers, shard.num_kv_heads, head_dim
 
 
 class Worker:
@@ -67,7 +67,7 @@ class Worker:
         )
 
     def cache_block_size_bytes(self) -> int:
-        layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size)
+        layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
         return CacheEngine.get_cache_block_size(layers, kv_heads, head_dim, self.config.cache_config.block_size, self.dtype)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
@@ -90,7 +90,7 @@ class Worker:
         return min(budget // block_bytes, max_useful), num_cpu
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size)
+        layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
         self.cache_engine = CacheEngine(
             layers, kv_heads, head_dim, self.config.cache_config.block_size,
             num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from pagedllm.distributed.parallel_state import TensorParallelGroup, divide
+from pagedllm.distributed.parallel_state import TensorParallelGroup, divide, shard_attention_heads
 
 
 class ColumnParallelLinear(nn.Module):
@@ -70,13 +70,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp: TensorParallelGroup,
         dtype: torch.dtype,
     ) -> None:
-        self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
-        if num_kv_heads >= tp.size:
-            self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
-        else:
-            self.num_kv_heads = 1  # each rank keeps one replicated KV head
-            divide(tp.size, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
-        self.total_kv_heads = num_kv_heads
+        self.heads = shard_attention_heads(num_heads, num_kv_heads, tp.size, tp.rank)
+        self.num_heads = self.heads.num_q_heads
+        self.num_kv_heads = self.heads.num_kv_heads
         self.head_dim = head_dim
         full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         shards = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
@@ -85,21 +81,34 @@ class QKVParallelLinear(ColumnParallelLinear):
     def shard_range(self, shard_id: int) -> tuple[int, int, int]:
         offset = sum(self.shard_sizes[:shard_id])
         rows = self.shard_sizes[shard_id]
-        if shard_id == 0 or self.total_kv_heads >= self.tp.size:
-            return offset, self.tp.rank * rows, rows
-        ranks_per_kv_head = self.tp.size // self.total_kv_heads
-        return offset, (self.tp.rank // ranks_per_kv_head) * rows, rows
+        first_head = self.heads.q_start if shard_id == 0 else self.heads.kv_start
+        return offset, first_head * self.head_dim, rows
+
+    @property
+    def output_features(self) -> tuple[int, int]:
+        """(start, size) of this rank's attention output features: the row-parallel o_proj's input."""
+        return self.heads.q_start * self.head_dim, self.num_heads * self.head_dim
 
 
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ + b with W split by columns (input features); partial sums all-reduced."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, tp: TensorParallelGroup, dtype: torch.dtype
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        input_shard: tuple[int, int] | None = None,
     ) -> None:
+        """`input_shard` = (start, size) of this rank's input features when not an even split."""
         super().__init__()
         self.tp = tp
-        self.input_per_rank = divide(input_size, tp.size, "input features")
+        if input_shard is None:
+            per_rank = divide(input_size, tp.size, "input features")
+            input_shard = (tp.rank * per_rank, per_rank)
+        self.input_start, self.input_per_rank = input_shard
         self.weight = nn.Parameter(torch.empty(output_size, self.input_per_rank, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -109,7 +118,7 @@ class RowParallelLinear(nn.Module):
             self.bias = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        start = self.tp.rank * self.input_per_rank
+        start = self.input_start
         param.data.copy_(loaded[:, start : start + self.input_per_rank])
 
     @staticmethod

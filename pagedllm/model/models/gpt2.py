@@ -35,7 +35,7 @@ class GPT2Attention(nn.Module):
             raise ValueError(f"n_embd ({hidden}) must be divisible by n_head ({heads})")
         head_dim = hidden // heads
         self.c_attn = QKVParallelLinear(hidden, head_dim, heads, heads, True, tp, dtype)
-        self.c_proj = RowParallelLinear(hidden, hidden, True, tp, dtype)
+        self.c_proj = RowParallelLinear(hidden, hidden, True, tp, dtype, input_shard=self.c_attn.output_features)
         scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)

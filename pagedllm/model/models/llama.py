@@ -42,7 +42,9 @@ class LlamaAttention(nn.Module):
         head_dim = getattr(config, "head_dim", None) or hidden // num_heads
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, tp, dtype)
         o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, o_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(
+            num_heads * head_dim, hidden, o_bias, tp, dtype, input_shard=self.qkv_proj.output_features
+        )
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.head_dim = head_dim

@@ -44,7 +44,7 @@ class OPTAttention(nn.Module):
         head_dim = hidden // heads
         bias = bool(getattr(config, "enable_bias", True))
         self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, heads, bias, tp, dtype)
-        self.out_proj = RowParallelLinear(hidden, hidden, bias, tp, dtype)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias, tp, dtype, input_shard=self.qkv_proj.output_features)
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
