@@ -299,3 +299,47 @@ def test_no_orphans_when_the_engine_process_ends(tiny_llama_dir, tmp_path, how):
         for pid in pids:
             if _pid_running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _child_pids(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if ppid == pid and "spawn_main" in cmdline:
+                children.append(int(entry))
+    return children
+
+
+@pytest.mark.slow
+def test_server_health_goes_unhealthy_when_a_worker_dies():
+    """`pagedllm serve --tensor-parallel-size 2`: kill rank 1 and /health turns 503 within the bound."""
+    import httpx
+
+    from conftest_server import SMALL_SERVER_ARGS, RemoteServer
+
+    server = RemoteServer([*SMALL_SERVER_ARGS, "--tensor-parallel-size", "2"])
+    workers: list[int] = []
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4}
+        assert httpx.post(server.url("/v1/completions"), json=body, timeout=60).status_code == 200
+        workers = _child_pids(server.proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while httpx.get(server.url("/health"), timeout=10).status_code == 200:
+            assert time.monotonic() - t0 < FAILURE_BOUND_S, "/health still 200 after the worker died"
+            time.sleep(0.5)
+        health = httpx.get(server.url("/health"), timeout=10)
+        assert health.status_code == 503 and "worker rank 1" in health.text
+        failed = httpx.post(server.url("/v1/completions"), json=body, timeout=60)
+        assert failed.status_code >= 500 and "error" in failed.json()
+    finally:
+        server.stop()
+    assert _wait_gone(workers) == []

@@ -110,6 +110,7 @@ class AsyncLLMEngine:
         self._stats: dict[str, Any] = {}
         self.num_steps = 0
         self.num_step_faults = 0
+        self.health_check_interval_s = 5.0  # while idle, how often the workers are checked
         self._publish_stats()
 
     @classmethod
@@ -272,7 +273,11 @@ class AsyncLLMEngine:
     def _drain(self, block: bool) -> list:
         commands = []
         if block:
-            commands.append(self._commands.get())
+            try:
+                commands.append(self._commands.get(timeout=self.health_check_interval_s))
+            except queue.Empty:  # idle: make sure the workers are still there to serve
+                self._check_executor_health()
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -333,6 +338,17 @@ class AsyncLLMEngine:
             self._post(self._fail_all_streams, EngineDeadError(self._dead_reason))
             raise
         self._post(self._deliver, _Delivery(errors={rid: EngineStepError(message) for rid in ids}))
+        self._check_executor_health()  # a dead worker ends serving; a bad request does not
+
+    def _check_executor_health(self) -> None:
+        """Mark the engine dead if a worker (tensor-parallel rank) is gone or does not answer."""
+        try:
+            self.engine.executor.check_health()
+        except Exception as e:
+            if self._dead_reason is None:
+                logger.error("executor health check failed: %s", e)
+                self._dead_reason = f"executor unhealthy: {e}"
+                self._post(self._fail_all_streams, EngineDeadError(self._dead_reason))
 
     def _abort_everything(self) -> None:
         ids = [g.request_id for g in self.engine._all_groups()]
