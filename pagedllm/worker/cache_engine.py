@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import logging
+import math
 
+import numpy as np
 import torch
 
 from pagedllm.kernels import reference
@@ -27,16 +29,13 @@ class CacheEngine:
         self.block_size = block_size
         self.device = device
         shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        self.gpu_cache = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
+        self.gpu_cache = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = device.type == "cuda"
         self.cpu_cache = [
             (
-                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
-                torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin),
+                torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if pin else _zeros(cpu_shape, dtype, device),
+                torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if pin else _zeros(cpu_shape, dtype, device),
             )
             for _ in range(num_layers)
         ] if num_cpu_blocks else []
@@ -90,3 +89,13 @@ class CacheEngine:
             triton_cache_ops.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)
             return
         reference.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled pool. On the host it comes from calloc (via numpy), so the OS maps a page only
+    when a block is first written: an idle pool (or swap space never used) costs no RAM."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
