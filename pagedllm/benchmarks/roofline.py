@@ -18,23 +18,10 @@ import torch
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                  rope_theta=500000.0, tie_word_embeddings=False)
-
-
-def patch_gpu_dummy_init() -> None:
-    """Benchmarks only: draw dummy weights on the parameter's own device (an 8B model's CPU draw takes minutes)."""
-    from pagedllm.worker import worker as worker_mod
-
-    def init_on_device(model, seed: int = 0, scale: float = 0.02) -> None:
-        gens: dict = {}
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.data.fill_(1.0)
-                continue
-            dev = param.device
-            gen = gens.setdefault(dev, torch.Generator(device=dev).manual_seed(seed))
-            param.data.normal_(0.0, scale, generator=gen)
-
-    worker_mod.init_dummy_weights = init_on_device
+# The paper's 13B model (LLaMA-13B / Llama-2-13B shape): 13.0 B parameters, 40 heads, no GQA.
+LLAMA_13B = dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                 num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=4096,
+                 tie_word_embeddings=False)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -60,8 +47,6 @@ def run(args) -> int:
         return 1
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     bw = copy_bandwidth() if cuda else 1e11
-    if cuda:
-        patch_gpu_dummy_init()
     cfg = LlamaConfig(**{**LLAMA3_8B, "num_hidden_layers": args.layers})
     tmp = tempfile.mkdtemp(prefix="pagedllm-roofline-")
     cfg.save_pretrained(tmp)

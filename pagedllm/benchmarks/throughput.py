@@ -223,10 +223,6 @@ def run(args: argparse.Namespace) -> int:
         from pagedllm.model.loader import resolve_model
 
         engine_args.model = str(resolve_model(engine_args.model))
-        if engine_args.load_format == "dummy" and torch.cuda.is_available():
-            from pagedllm.benchmarks.roofline import patch_gpu_dummy_init
-
-            patch_gpu_dummy_init()  # the dummy draw is overwritten by the peer's weights: keep it on the GPU
         hf_cb = build_hf_cb_model(engine_args.model, args.dtype, engine_args.device if engine_args.device != "auto"
                                   else ("cuda" if torch.cuda.is_available() else "cpu"), args.hf_attn_implementation)
     hf_result = None

@@ -46,12 +46,18 @@ def load_named_weights(
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.02) -> None:
-    """Random weights for any config (load_format='dummy'); norms stay at 1 for stable outputs."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights for any config (load_format='dummy'); norms stay at 1 for stable outputs.
+
+    Drawn on each parameter's own device (one generator per device), so an 8B model's dummy init
+    on a GPU takes a second rather than minutes; the same seed gives the same weights per device.
+    """
+    gens: dict[torch.device, torch.Generator] = {}
     norm_weights = {f"{m}.weight" for m, mod in model.named_modules() if type(mod).__name__.endswith("Norm")}
     for name, param in model.named_parameters():
         if name in norm_weights or ("norm" in name and name.endswith("weight")):
             param.data.fill_(1.0)
-        else:
-            cpu = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
-            param.data.copy_(cpu.to(param.dtype))
+            continue
+        dev = param.device
+        gen = gens.setdefault(dev, torch.Generator(device=dev).manual_seed(seed))
+        draw = torch.empty(param.shape, dtype=torch.float32, device=dev).normal_(0.0, scale, generator=gen)
+        param.data.copy_(draw.to(param.dtype))
