@@ -54,11 +54,12 @@ def _run(model_dir: str, **kw) -> tuple[list[list[list[int]]], dict]:
 
 
 # (8 q heads, 2 KV heads): an even split; (12, 3): 2+1 KV heads per rank; (4, 1): the KV head replicated.
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (12, 3), (4, 1)])
-def test_tp2_nccl_matches_tp1(tmp_path_factory, heads, kv_heads):
+# Decode steps replay CUDA graphs (NCCL all-reduce captured inside) unless enforce_eager.
+@pytest.mark.parametrize("heads,kv_heads,enforce_eager", [(8, 2, False), (12, 3, False), (12, 3, True), (4, 1, False)])
+def test_tp2_nccl_matches_tp1(tmp_path_factory, heads, kv_heads, enforce_eager):
     model_dir = _llama_dir(tmp_path_factory, heads, kv_heads)
-    expected, ref_stats = _run(model_dir)
-    got, stats = _run(model_dir, tensor_parallel_size=2, distributed_executor_backend="mp")
+    expected, ref_stats = _run(model_dir, enforce_eager=True)
+    got, stats = _run(model_dir, tensor_parallel_size=2, distributed_executor_backend="mp", enforce_eager=enforce_eager)
     assert got == expected
     assert stats["num_swap_outs"] > 0 and stats["num_cow_copies"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

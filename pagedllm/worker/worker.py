@@ -101,8 +101,10 @@ class Worker:
             self.model_runner.capture_cuda_graphs(self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len)
 
     def use_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs on one CUDA device unless enforce_eager is set."""
-        return self.device.type == "cuda" and self.tp.size == 1 and not self.config.model_config.enforce_eager
+        """Decode steps replay CUDA graphs on CUDA unless enforce_eager is set. Under tensor parallelism
+        every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
+        graphs match up across ranks at replay, as they do in eager steps."""
+        return self.device.type == "cuda" and not self.config.model_config.enforce_eager
 
     def attn_backend(self):
         if self.device.type == "cuda":
