@@ -1,6 +1,6 @@
 """Memory sharing (paper Fig. 15) and prefix caching throughput (paper Fig. 16).
 
-    python benchmarks/sharing.py --plot sharing_fig15.png
+    python benchmarks/sharing.py --plot benchmarks/figures/sharing_fig15.png
 """
 import argparse
 import logging
