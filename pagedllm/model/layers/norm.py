@@ -5,6 +5,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from pagedllm.model.layers.activation import cuda_fused_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
@@ -13,7 +15,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalise x (after adding residual, if given); returns (out, new_residual) then."""
+        """Normalise x (after adding residual, if given); returns (out, new_residual) then.
+
+        On CUDA one fused Triton kernel (kernels/triton_fused_ops.py) with the same roundings; else torch ops.
+        """
+        if x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype and (ops := cuda_fused_ops()) is not None:
+            if residual is None:
+                return ops.rms_norm(x, self.weight, self.eps)
+            if residual.dtype == x.dtype and residual.shape == x.shape:
+                return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The plain-torch path (CPU, and the fused kernel's oracle)."""
         if residual is not None:
             x = x + residual
             residual = x

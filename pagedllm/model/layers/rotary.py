@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.model.layers.activation import cuda_fused_ops
+
 
 def rope_parameters(config: Any) -> dict:
     """Theta and scaling from a HF config, old (`rope_theta`/`rope_scaling`) or new (`rope_parameters`) style."""
@@ -61,10 +63,29 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D] → rotated copies."""
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, Hq, D], k: [T, Hk, D] → rotated copies, computed in the caches' precision (fp32 here)."""
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq·D], k [T, Hk·D] in the model's dtype (e.g. column slices of a fused qkv output) → rotated
+        q, k of the same shapes and dtype.
+
+        On CUDA one fused Triton kernel (kernels/triton_fused_ops.py) rotates q and k in place, in fp32 with one
+        final rounding to their dtype, and returns them; elsewhere ``forward_native`` returns new tensors.
+        """
+        if (q.is_cuda and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
+                and (ops := cuda_fused_ops()) is not None):
+            ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """The torch path of ``forward`` (CPU, and the kernel's oracle): float32 round trip; new tensors."""
+        t, dtype = q.shape[0], q.dtype
+        q, k = self._rotate(positions, q.reshape(t, -1, self.head_dim).float(), k.reshape(t, -1, self.head_dim).float())
+        return q.to(dtype).reshape(t, -1), k.to(dtype).reshape(t, -1)

@@ -55,11 +55,8 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
-        q, k = self.rotary_emb(
-            positions, q.reshape(t, -1, self.head_dim).float(), k.reshape(t, -1, self.head_dim).float()
-        )
-        q, k = q.to(x.dtype).reshape(t, -1), k.to(x.dtype).reshape(t, -1)
+        # CUDA: rotated in place in the qkv buffer by one fused kernel; CPU: the torch ops via float32.
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 

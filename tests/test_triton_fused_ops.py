@@ -1,0 +1,300 @@
+"""Fused Triton elementwise kernels (kernels/triton_fused_ops.py) against the torch code they replace on CUDA:
+``RMSNorm.forward_native``, ``RotaryEmbedding.forward_native`` and torch's ``silu(gate) * up``.
+
+On a CUDA machine the kernels run compiled, in float32 / float16 / bfloat16 and at Llama-3-8B sizes, plus
+the layers' CUDA dispatch and CUDA-graph capture. Without CUDA they run under Triton's interpreter
+(TRITON_INTERPRET=1) at small sizes in float32 / float16 (the interpreter truncates fp32 → bfloat16 casts
+instead of rounding to nearest, so bfloat16 is checked on CUDA only), or are skipped when Triton is missing.
+
+Rotary is exact (the same IEEE fp32 ops, no FMA, one rounding). RMSNorm and silu are held to at most one unit
+in the last place, and in 16-bit types to bit-exactness on almost every element: RMSNorm's sum of squares is
+reduced in another order than torch's, and under the interpreter numpy's exp / 1/sqrt stand in for the
+libdevice functions the compiled kernels share with PyTorch's CUDA kernels.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (read when @triton.jit runs)
+triton = pytest.importorskip("triton")
+
+from pagedllm.kernels import triton_fused_ops as ops  # noqa: E402
+from pagedllm.model.layers.norm import RMSNorm  # noqa: E402
+from pagedllm.model.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+
+def _interpreter_numpy_shim() -> None:
+    """Triton 3.6's interpreter turns a scalar into an index with int(1-element array), which numpy ≥ 2.4
+    refuses; give it the element instead (affects only TRITON_INTERPRET runs)."""
+    from triton.runtime import interpreter as ti
+
+    if getattr(ti, "_pagedllm_index_shim", False):
+        return
+    original = ti._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    ti._patch_lang_tensor = patched
+    ti._pagedllm_index_shim = True
+
+
+if not ON_CUDA:
+    _interpreter_numpy_shim()
+
+_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+_HIDDEN = [64, 96] + ([4096, 5120] if ON_CUDA else [])
+_TOKENS = 37 if ON_CUDA else 5
+# Least fraction of elements bit-identical to torch in 16-bit types (fp32 outputs only get the ulp bound).
+_MIN_EXACT = 0.99
+# fp32 bound: the CPU oracle's rsqrt / exp / summation differ from numpy's (interpreter) by a few ulps.
+_FP32_ULPS = 8
+
+
+def _ulps(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place of the dtype, elementwise (both tensors of one float dtype)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    int_t = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[out.dtype]
+    imin = torch.iinfo(int_t).min
+
+    def ordered(x):
+        v = x.contiguous().view(int_t).to(torch.int64)
+        return torch.where(v < 0, imin - v, v)  # monotone in the float's value; -0 and +0 both map to 0
+
+    return (ordered(out) - ordered(ref)).abs()
+
+
+def _check_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Every element within a few ulps; in 16-bit types also ≥ _MIN_EXACT of them bit-identical.
+
+    A 16-bit intermediate rounded one ulp the other way shows as up to 2 ulps after the following product
+    (weight * y, silu * up); a missing or extra intermediate rounding leaves only ~74% bit-identical.
+    """
+    assert out.dtype == ref.dtype and torch.isfinite(ref).all()
+    d = _ulps(out, ref)
+    exact = (d == 0).float().mean().item()
+    max_ulps = _FP32_ULPS if out.dtype == torch.float32 else 2
+    assert d.max().item() <= max_ulps, f"max {d.max().item()} ulps (exact {exact:.4f})"
+    if out.dtype != torch.float32:
+        assert exact >= _MIN_EXACT, f"only {exact:.4f} of elements bit-identical (max {d.max().item()} ulps)"
+
+
+# --------------------------------------------------------------------------------------------- RMSNorm
+
+
+def _norm(hidden: int, dtype, seed: int = 0) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5, dtype).to(DEVICE)
+    g = torch.Generator().manual_seed(seed)
+    norm.weight.data.copy_((1 + 0.5 * torch.randn(hidden, generator=g)).to(dtype))
+    return norm
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", _HIDDEN)
+def test_rms_norm_matches_torch(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    norm = _norm(hidden, dtype)
+    x = (3 * torch.randn(_TOKENS, hidden, generator=g)).to(DEVICE, dtype)
+    x[1] *= 1e-3  # rows of very different scales
+    x[2] *= 50
+    ref = norm.forward_native(x)
+    out = ops.rms_norm(x, norm.weight, norm.eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    _check_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", _HIDDEN)
+def test_fused_add_rms_norm_returns_summed_residual(dtype, hidden):
+    g = torch.Generator().manual_seed(7 * hidden)
+    norm = _norm(hidden, dtype, seed=1)
+    x = torch.randn(_TOKENS, hidden, generator=g).to(DEVICE, dtype)
+    residual = (4 * torch.randn(_TOKENS, hidden, generator=g)).to(DEVICE, dtype)
+    x0, r0 = x.clone(), residual.clone()
+    ref_out, ref_res = norm.forward_native(x, residual)
+    out, new_res = ops.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(x, x0) and torch.equal(residual, r0), "inputs must not be written"
+    assert new_res.dtype == dtype and torch.equal(new_res, ref_res), "residual must be x + residual in the dtype"
+    _check_close(out, ref_out)
+
+
+def test_rms_norm_strided_rows_and_empty_batch():
+    norm = _norm(96, torch.float32)
+    wide = torch.randn(4, 200, device=DEVICE)
+    x = wide[:, 10:106]  # row stride 200
+    _check_close(ops.rms_norm(x, norm.weight, norm.eps), norm.forward_native(x))
+    empty = torch.empty(0, 96, device=DEVICE)
+    assert ops.rms_norm(empty, norm.weight, norm.eps).shape == (0, 96)
+    out, res = ops.fused_add_rms_norm(empty, empty, norm.weight, norm.eps)
+    assert out.shape == res.shape == (0, 96)
+
+
+# ------------------------------------------------------------------------------------------------- RoPE
+
+_ROPE_SHAPES = [(16, 4, 2), (32, 4, 2), (24, 3, 1)] + ([(128, 32, 8), (64, 12, 4)] if ON_CUDA else [])
+_ROPE_PARAMS = {
+    "default": {"rope_theta": 10000.0, "rope_type": "default"},
+    "llama3": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+
+@pytest.mark.parametrize("rope", sorted(_ROPE_PARAMS))
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,hq,hk", _ROPE_SHAPES)
+def test_rotary_in_place_on_qkv_slices_matches_torch(head_dim, hq, hk, dtype, rope):
+    g = torch.Generator().manual_seed(head_dim * 100 + hq)
+    max_pos = 2048
+    emb = RotaryEmbedding(head_dim, max_pos, _ROPE_PARAMS[rope], torch.float32).to(DEVICE)
+    q_size, kv_size = hq * head_dim, hk * head_dim
+    # unsorted, repeated positions, including 0 and the last one
+    pos = [5, 0, 5, max_pos - 1, 3, 1000, 3, 17, 2, 640][:_TOKENS] + list(range(900, 900 + max(0, _TOKENS - 10)))
+    positions = torch.tensor(pos, dtype=torch.int64, device=DEVICE)
+    qkv = (2 * torch.randn(len(pos), q_size + 2 * kv_size, generator=g)).to(DEVICE, dtype)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    ref_q, ref_k = emb.forward_native(positions, q.clone(), k.clone())
+    v0 = v.clone()
+    ops.rotary_embedding(positions, q, k, emb.cos_cache, emb.sin_cache, head_dim)
+    assert torch.equal(q, ref_q), f"q: max {_ulps(q.contiguous(), ref_q).max().item()} ulps"
+    assert torch.equal(k, ref_k), f"k: max {_ulps(k.contiguous(), ref_k).max().item()} ulps"
+    assert torch.equal(v, v0), "v must be untouched"
+
+
+def test_rotary_three_dim_views_and_int32_positions():
+    head_dim, hq, hk, t = 32, 4, 2, 5
+    emb = RotaryEmbedding(head_dim, 64, _ROPE_PARAMS["default"], torch.float32).to(DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device=DEVICE, dtype=torch.float16)
+    positions = torch.tensor([9, 1, 63, 9, 0], dtype=torch.int32, device=DEVICE)
+    q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    ref_q, ref_k = emb.forward_native(positions.long(), q.clone(), k.clone())
+    ops.rotary_embedding(positions, q.view(t, hq, head_dim), k.view(t, hk, head_dim),
+                         emb.cos_cache, emb.sin_cache, head_dim)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+# ----------------------------------------------------------------------------------------------- SwiGLU
+
+_INTER = [96, 200, 1100] + ([14336] if ON_CUDA else [])
+
+
+def _silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreter only
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("inter", _INTER)
+def test_silu_and_mul_matches_torch(dtype, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = (3 * torch.randn(_TOKENS, 2 * inter, generator=g)).to(DEVICE, dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 20.0, -20.0], dtype=dtype)  # exp overflow / underflow
+    ref = _silu_and_mul_torch(x)
+    out = ops.silu_and_mul(x)
+    assert out.shape == (_TOKENS, inter) and out.dtype == dtype
+    _check_close(out, ref)
+
+
+def test_silu_and_mul_strided_rows_and_empty_batch():
+    wide = torch.randn(3, 300, device=DEVICE)
+    x = wide[:, 50:250]  # [3, 200] with row stride 300
+    _check_close(ops.silu_and_mul(x), _silu_and_mul_torch(x))
+    assert ops.silu_and_mul(torch.empty(0, 64, device=DEVICE)).shape == (0, 32)
+
+
+# ------------------------------------------------------------------------------------ layers' dispatch
+
+
+def test_cpu_layers_keep_the_torch_path():
+    """On CPU the layers never reach Triton: forward is forward_native, bit for bit."""
+    norm = _norm(64, torch.float32).cpu()
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    assert torch.equal(norm(x), norm.forward_native(x))
+    assert all(torch.equal(a, b) for a, b in zip(norm(x, r), norm.forward_native(x, r)))
+    emb = RotaryEmbedding(16, 32, _ROPE_PARAMS["default"], torch.float32)
+    qkv = torch.randn(3, 8 * 16, dtype=torch.bfloat16)
+    q, k, _ = qkv.split([4 * 16, 2 * 16, 2 * 16], dim=-1)
+    before = qkv.clone()
+    rq, rk = emb(torch.tensor([3, 0, 3]), q, k)
+    assert torch.equal(qkv, before), "the CPU path must not rotate in place"
+    eq, ek = emb.forward_native(torch.tensor([3, 0, 3]), q, k)
+    assert torch.equal(rq, eq) and torch.equal(rk, ek) and rq.dtype == torch.bfloat16
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_layers_dispatch_to_fused_kernels(dtype):
+    from pagedllm.model.layers.activation import silu_and_mul
+
+    t, hidden, head_dim, hq, hk = 9, 4096, 128, 32, 8
+    norm = _norm(hidden, dtype)
+    x = torch.randn(t, hidden, device="cuda", dtype=dtype)
+    r = torch.randn(t, hidden, device="cuda", dtype=dtype)
+    _check_close(norm(x), norm.forward_native(x))
+    (out, res), (ref, ref_res) = norm(x, r), norm.forward_native(x, r)
+    _check_close(out, ref)
+    assert torch.equal(res, ref_res)
+    emb = RotaryEmbedding(head_dim, 8192, _ROPE_PARAMS["llama3"], torch.float32).to("cuda")
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device="cuda", dtype=dtype)
+    q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    positions = torch.randint(0, 8192, (t,), device="cuda")
+    ref_q, ref_k = emb.forward_native(positions, q.clone(), k.clone())
+    rq, rk = emb(positions, q, k)
+    assert rq.data_ptr() == q.data_ptr() and rk.data_ptr() == k.data_ptr(), "CUDA rotates the qkv slices in place"
+    assert torch.equal(rq, ref_q) and torch.equal(rk, ref_k)
+    gu = torch.randn(t, 2 * 14336, device="cuda", dtype=dtype)
+    _check_close(silu_and_mul(gu), _silu_and_mul_torch(gu))
+
+
+@pytest.mark.cuda
+def test_fused_ops_capture_in_cuda_graph():
+    """All four wrappers replay from a CUDA graph on new inputs (no host syncs, one launch each)."""
+    dtype, t, hidden, head_dim, hq, hk, inter = torch.bfloat16, 16, 512, 64, 8, 2, 1024
+    norm = _norm(hidden, dtype)
+    emb = RotaryEmbedding(head_dim, 1024, _ROPE_PARAMS["default"], torch.float32).to("cuda")
+    x = torch.randn(t, hidden, device="cuda", dtype=dtype)
+    r = torch.randn(t, hidden, device="cuda", dtype=dtype)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, device="cuda", dtype=dtype)
+    gu = torch.randn(t, 2 * inter, device="cuda", dtype=dtype)
+    positions = torch.randint(0, 1024, (t,), device="cuda")
+
+    def step():
+        q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+        ops.rotary_embedding(positions, q, k, emb.cos_cache, emb.sin_cache, head_dim)
+        return ops.rms_norm(x, norm.weight, norm.eps), ops.fused_add_rms_norm(x, r, norm.weight, norm.eps), \
+            ops.silu_and_mul(gu)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        r.copy_(torch.randn_like(r))
+        gu.copy_(torch.randn_like(gu))
+        positions.copy_(torch.randint(0, 1024, (t,), device="cuda"))
+        qkv.copy_(torch.randn_like(qkv))
+        q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+        ref_q, ref_k = emb.forward_native(positions, q.clone(), k.clone())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+        _check_close(outs[0], norm.forward_native(x))
+        ref_out, ref_res = norm.forward_native(x, r)
+        _check_close(outs[1][0], ref_out)
+        assert torch.equal(outs[1][1], ref_res)
+        _check_close(outs[2], _silu_and_mul_torch(gu))
