@@ -7,42 +7,18 @@ under Triton's interpreter (TRITON_INTERPRET=1) at small sizes in float32 / floa
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (read when @triton.jit runs)
+from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # sets TRITON_INTERPRET without CUDA
+
 triton = pytest.importorskip("triton")
+interpreter_numpy_shim()
 
 from pagedllm.kernels import reference, triton_attention, triton_cache_ops  # noqa: E402
 from pagedllm.kernels.metadata import AttentionMetadata  # noqa: E402
-
-DEVICE = "cuda" if ON_CUDA else "cpu"
-
-
-def _interpreter_numpy_shim() -> None:
-    """Triton 3.6's interpreter turns a scalar into an index with int(1-element array), which numpy ≥ 2.4
-    refuses; give it the element instead (affects only TRITON_INTERPRET runs)."""
-    from triton.runtime import interpreter as ti
-
-    if getattr(ti, "_pagedllm_index_shim", False):
-        return
-    original = ti._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    ti._patch_lang_tensor = patched
-    ti._pagedllm_index_shim = True
-
-
-if not ON_CUDA:
-    _interpreter_numpy_shim()
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
