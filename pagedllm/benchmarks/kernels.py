@@ -21,7 +21,8 @@ SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "M
 # (tile, num_warps, num_stages, programs_per_sm, min_tiles_per_split) variants of the paged kernel;
 # the first is the default.
 VARIANTS = ((None, 4, 3, 2, 1), (32, 4, 3, 2, 4), (64, 4, 4, 2, 4), (64, 8, 3, 2, 4), (128, 8, 3, 2, 4),
-            (64, 4, 3, 4, 4), (64, 4, 3, 2, 4), (32, 4, 3, 2, 1), (64, 4, 3, 4, 1), (32, 4, 3, 4, 2), (64, 4, 3, 2, 2))
+            (64, 4, 3, 4, 4), (64, 4, 3, 2, 4), (32, 4, 3, 2, 1), (64, 4, 3, 4, 1), (32, 4, 3, 4, 2), (64, 4, 3, 2, 2),
+            (64, 4, 3, 1, 1), (64, 4, 3, 2, 8), (32, 4, 3, 2, 16), (64, 8, 3, 2, 8), (32, 2, 3, 2, 16), (16, 2, 3, 2, 32))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
