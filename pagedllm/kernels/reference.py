@@ -9,6 +9,8 @@ so slot ``s`` is ``cache.view(-1, H, D)[s]`` and a block is one contiguous run o
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -29,12 +31,16 @@ def reshape_and_cache(
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """[S, max_blocks] tables → contiguous [S, H, max_len, D] keys (or values)."""
-    num_blocks, block_size, heads, dim = cache.shape
+    block_size = cache.shape[1]
     n_blocks = -(-max_len // block_size)
-    ids = block_tables[:, :n_blocks].reshape(-1).long()
-    gathered = cache.index_select(0, ids)  # [S·nb, bs, H, D]
-    gathered = gathered.view(block_tables.shape[0], n_blocks * block_size, heads, dim)[:, :max_len]
-    return gathered.transpose(1, 2)
+    return gather_blocks(cache, block_tables[:, :n_blocks].reshape(-1).long(), block_tables.shape[0], max_len)
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int, max_len: int) -> torch.Tensor:
+    """Flat int64 block ids (num_seqs × blocks each) → [S, H, max_len, D] keys (or values)."""
+    num_blocks, block_size, heads, dim = cache.shape
+    gathered = cache.index_select(0, block_ids)  # [S·nb, bs, H, D]
+    return gathered.view(num_seqs, -1, heads, dim)[:, :max_len].transpose(1, 2)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool = False) -> torch.Tensor:
@@ -43,23 +49,44 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
-def _decode_buckets(meta: AttentionMetadata, min_bucket: int = 16, max_buckets: int = 4) -> list:
+@dataclass
+class DecodeBucket:
+    """Decodes of similar context length, batched into one padded SDPA call (derived once per step)."""
+
+    idx: torch.Tensor | None  # rows of the batch in this bucket (None: all decodes, in order)
+    block_ids: torch.Tensor  # flat int64 block ids, blocks_per_seq for each row
+    num_seqs: int
+    max_len: int
+    mask: torch.Tensor | None  # [b, 1, 1, max_len] key-is-real mask; None when all lengths are equal
+
+
+def _decode_buckets(meta: AttentionMetadata, block_size: int, min_bucket: int = 16, max_buckets: int = 4) -> list:
     """Group the decodes by context length (computed once per step, reused by every layer)."""
     if meta.decode_buckets is not None:
         return meta.decode_buckets
     nd = meta.num_decodes
     lens = meta.seq_lens_cpu[:nd]
     n_buckets = max(1, min(max_buckets, nd // min_bucket))
-    buckets: list = []
+    parts: list = []
     if nd and n_buckets == 1:
-        buckets.append((None, max(lens), min(lens)))
+        parts.append(None)
     elif nd:
         order = sorted(range(nd), key=lens.__getitem__)
         size = -(-nd // n_buckets)
-        for i in range(0, nd, size):
-            part = order[i : i + size]
-            idx = torch.tensor(part, dtype=torch.int64, device=meta.block_tables.device)
-            buckets.append((idx, lens[part[-1]], lens[part[0]]))
+        parts = [order[i : i + size] for i in range(0, nd, size)]
+    device = meta.block_tables.device
+    buckets = []
+    for part in parts:
+        idx = None if part is None else torch.tensor(part, dtype=torch.int64, device=device)
+        rows = range(nd) if part is None else part
+        max_len, min_len = max(lens[i] for i in rows), min(lens[i] for i in rows)
+        tables = meta.block_tables[:nd] if idx is None else meta.block_tables.index_select(0, idx)
+        block_ids = tables[:, : -(-max_len // block_size)].reshape(-1).long()
+        mask = None
+        if min_len != max_len:
+            seq_lens = meta.seq_lens[:nd] if idx is None else meta.seq_lens.index_select(0, idx)
+            mask = (torch.arange(max_len, device=device).unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+        buckets.append(DecodeBucket(idx, block_ids, tables.shape[0], max_len, mask))
     meta.decode_buckets = buckets
     return buckets
 
@@ -80,17 +107,12 @@ def paged_attention(
     """
     out = torch.empty_like(query)
     nd = meta.num_decodes
-    for idx, max_len, min_len in _decode_buckets(meta):
-        # Decodes of similar length share one gathered, padded SDPA call.
+    for bucket in _decode_buckets(meta, key_cache.shape[1]):
+        idx = bucket.idx
         q = (query[:nd] if idx is None else query.index_select(0, idx)).unsqueeze(2)  # [b, Hq, 1, D]
-        tables = meta.block_tables[:nd] if idx is None else meta.block_tables.index_select(0, idx)
-        k = gather_kv(key_cache, tables, max_len)
-        v = gather_kv(value_cache, tables, max_len)
-        mask = None
-        if min_len != max_len:
-            lens = meta.seq_lens[:nd] if idx is None else meta.seq_lens.index_select(0, idx)
-            mask = (torch.arange(max_len, device=q.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
-        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale).squeeze(2)
+        k = gather_blocks(key_cache, bucket.block_ids, bucket.num_seqs, bucket.max_len)
+        v = gather_blocks(value_cache, bucket.block_ids, bucket.num_seqs, bucket.max_len)
+        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), bucket.mask, scale).squeeze(2)
         if idx is None:
             out[:nd] = o
         else:
