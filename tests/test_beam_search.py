@@ -124,3 +124,21 @@ def test_beam_search_rejects_bad_params(llm):
         llm.generate("hi", SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, presence_penalty=0.5))
     with pytest.raises(ValueError, match="best_of"):
         llm.generate("hi", SamplingParams(use_beam_search=True, best_of=1000, temperature=0.0))
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_beam_search_stops_beams_at_stop_strings(llm, include):
+    """A beam whose text reaches a stop string becomes a finished hypothesis (vLLM semantics: the text
+    ends before the stop string unless include_stop_str_in_output)."""
+    tok = llm.get_tokenizer()
+    params = SamplingParams(use_beam_search=True, best_of=3, n=3, temperature=0.0, max_tokens=24, stop=[","],
+                            include_stop_str_in_output=include)
+    outs = llm.generate(["List three primary colors:", "The capital of France is"], params, use_tqdm=False)
+    colors, capital = outs
+    for c in colors.outputs:
+        assert c.finish_reason == "stop" and c.stop_reason == ","
+        full = tok.decode(c.token_ids)
+        assert "," in full and len(c.token_ids) < 24
+        assert c.text == (full[: full.index(",") + 1] if include else full[: full.index(",")])
+    # Beams that never produce the stop string run to the length limit, untouched.
+    assert all(c.finish_reason == "length" and "," not in c.text for c in capital.outputs)

@@ -66,6 +66,8 @@ class BeamContext:
     new_seq_id: Callable[[], int]
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    # Output token ids → the stop string their text contains, if any (None: the request has no stop strings).
+    find_stop_string: Callable[[list[int]], str | None] | None = None
 
 
 def beam_step(group: SequenceGroup, parents: list[Sequence], logprobs: torch.Tensor, ctx: BeamContext) -> None:
@@ -102,24 +104,30 @@ def beam_step(group: SequenceGroup, parents: list[Sequence], logprobs: torch.Ten
     for j in range(num_keep):
         flat, score, tok_lp, norm = int(host[0][j]), host[1][j], host[2][j], host[3][j]
         parent, tok = parents[flat // vocab], flat % vocab
+        stop_str = None
         if tok in stop_tokens and n_out + 1 >= params.min_tokens:
             status = SequenceStatus.FINISHED_STOPPED
+        elif (ctx.find_stop_string is not None and n_out + 1 >= params.min_tokens
+              and (stop_str := ctx.find_stop_string([*parent.output_token_ids, tok])) is not None):
+            status = SequenceStatus.FINISHED_STOPPED  # its text reached a stop string: a finished hypothesis
         elif length_capped:
             status = SequenceStatus.FINISHED_LENGTH_CAPPED
         else:
             status = None
-        cands.append((parent, tok, score, tok_lp, norm, status))
+        cands.append((parent, tok, score, tok_lp, norm, status, stop_str))
 
     # Finished hypotheses: only from the first k candidates, only while they can still matter.
     full_and_early = len(state.finished) == k and state.early_stopping is True
     if state.improvable and not full_and_early:
-        for parent, tok, score, tok_lp, norm, status in cands[:k]:
+        for parent, tok, score, tok_lp, norm, status, stop_str in cands[:k]:
             if status is None:
                 continue
             hyp = parent.fork(ctx.new_seq_id())
             _append(hyp, tok, tok_lp, score, params, lp, parents.index(parent))
             hyp.status = status
-            if status is SequenceStatus.FINISHED_STOPPED and tok in stop_ids and tok not in eos:
+            if stop_str is not None:
+                hyp.stop_reason = stop_str
+            elif status is SequenceStatus.FINISHED_STOPPED and tok in stop_ids and tok not in eos:
                 hyp.stop_reason = tok
             state.finished.append((norm, hyp))
         state.finished.sort(key=lambda x: x[0], reverse=True)
@@ -160,7 +168,7 @@ def beam_step(group: SequenceGroup, parents: list[Sequence], logprobs: torch.Ten
     for p in parents:
         if p.seq_id not in used:
             bm.free(p)
-    for seq, (parent, tok, score, tok_lp, _norm, _status) in new_seqs:
+    for seq, (parent, tok, score, tok_lp, _norm, _status, _stop_str) in new_seqs:
         _append(seq, tok, tok_lp, score, params, lp, parents.index(parent))
         seq.status = SequenceStatus.RUNNING
     group.seqs = [seq for seq, _ in new_seqs]

@@ -59,8 +59,22 @@ class OutputProcessor:
             self._new_seq_id,
             self.stop_config.eos_token_ids,
             self.stop_config.max_model_len,
+            self._stop_string_finder(group.sampling_params),
         )
         beam_search.beam_step(group, parents, logprobs, ctx)
+
+    def _stop_string_finder(self, params):
+        """For beams: output token ids → the first stop string their text contains (beams are not
+        detokenized incrementally, since they fork and die every step)."""
+        if not params.stop or self.tokenizer is None or not params.detokenize:
+            return None
+        tokenizer, stops, skip = self.tokenizer, list(params.stop), params.skip_special_tokens
+
+        def find(token_ids: list[int]) -> str | None:
+            text = tokenizer.decode(token_ids, skip_special_tokens=skip)
+            return next((s for s in stops if s in text), None)
+
+        return find
 
     def _beam_text(self, group: SequenceGroup, seq: Sequence) -> str:
         """Beams skip incremental detokenization while they run (they fork and die every step)."""
@@ -68,8 +82,7 @@ class OutputProcessor:
             if "beam_detok" not in seq.extra:
                 self.init_sequence(seq, group.sampling_params)
                 detok = seq.extra.pop("detok", None)
-                if detok is not None:
-                    detok.append(list(seq.output_token_ids))
+                if detok is not None and detok.append(list(seq.output_token_ids)).stop_str_matched is None:
                     detok.flush()
                 seq.extra["beam_detok"] = detok
             detok = seq.extra["beam_detok"]
