@@ -317,7 +317,6 @@ def test_top_logprobs_contain_top_k_and_sampled(device: str) -> None:
 
 
 def test_compute_prompt_logprobs(device: str) -> None:
-    mk = partial(_row, device=device)
     logits = _logits(4, vocab=10, seed=3, device=device)
     nxt = torch.tensor([1, 9, 0, 4])
     raw = torch.log_softmax(logits, -1)

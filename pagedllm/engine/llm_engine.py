@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
-from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.scheduler import ScheduledSequence, Scheduler
+from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig

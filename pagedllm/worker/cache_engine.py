@@ -31,13 +31,9 @@ class CacheEngine:
         shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
         self.gpu_cache = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        pin = device.type == "cuda"
+        host, pin = torch.device("cpu"), device.type == "cuda"  # pinned: async swaps on a side stream
         self.cpu_cache = [
-            (
-                torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if pin else _zeros(cpu_shape, dtype, device),
-                torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if pin else _zeros(cpu_shape, dtype, device),
-            )
-            for _ in range(num_layers)
+            (_zeros(cpu_shape, dtype, host, pin), _zeros(cpu_shape, dtype, host, pin)) for _ in range(num_layers)
         ] if num_cpu_blocks else []
         # CUDA: swaps run on a side stream (pinned host pool, no host sync); compute waits on it on the device.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -91,11 +87,11 @@ class CacheEngine:
         reference.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled pool. On the host it comes from calloc (via numpy), so the OS maps a page only
-    when a block is first written: an idle pool (or swap space never used) costs no RAM."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> torch.Tensor:
+    """A zero-filled pool. Unpinned on the host it comes from calloc (via numpy), so the OS maps a page
+    only when a block is first written: an idle pool (or swap space never used) costs no RAM."""
+    if device.type != "cpu" or pin_memory:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 

@@ -28,7 +28,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp = tp
         self.output_sizes = output_sizes
-        # Per sub-matrix, rows this rank keeps (may differ from size/tp for replicated KV heads).
+        # Per sub-matrix, rows this rank keeps (may differ from size/tp: uneven or replicated KV heads).
         self.shard_sizes = shard_sizes or [divide(s, tp.size, "output features") for s in output_sizes]
         out = sum(self.shard_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
@@ -50,7 +50,6 @@ class ColumnParallelLinear(nn.Module):
         full_rows = self.output_sizes[shard_id]
         if loaded.shape[0] != full_rows:
             raise ValueError(f"expected {full_rows} rows for shard {shard_id}, checkpoint has {loaded.shape[0]}")
-        start = start % full_rows  # replicated shards wrap around
         param.data[offset : offset + rows].copy_(loaded[start : start + rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
