@@ -51,3 +51,22 @@ def test_greedy_matches_hf_for_block_sizes(block_size, parity_prompts, hf_greedy
     num_blocks = 8192 // block_size
     llm = LLM(block_size=block_size, num_gpu_blocks_override=num_blocks, max_model_len=1024)
     _check(llm, parity_prompts, hf_greedy)
+
+
+@pytest.mark.parametrize("gemm,kernels", [("torch", "torch"), ("onednn", "torch"), ("torch", "native")])
+def test_greedy_matches_hf_on_every_cpu_path(gemm, kernels, monkeypatch, parity_prompts, hf_greedy):
+    """The default run above uses oneDNN GEMMs and the native kernels; the fallbacks equal HF too."""
+    from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", gemm)
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", kernels)
+    load_cpu_kernels.cache_clear()
+    try:
+        llm = LLM(num_gpu_blocks_override=512, max_model_len=1024)
+        worker = llm.llm_engine.executor.driver_worker
+        assert worker.model_runner.attn_backend.name == ("torch" if kernels == "torch" else "cpu-native")
+        packed = [m for m in worker.model.modules() if getattr(m, "packed_weight", None) is not None]
+        assert bool(packed) == (gemm == "onednn")
+        _check(llm, parity_prompts, hf_greedy)
+    finally:
+        load_cpu_kernels.cache_clear()

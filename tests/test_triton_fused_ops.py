@@ -192,20 +192,38 @@ def test_silu_and_mul_strided_rows_and_empty_batch():
 # ------------------------------------------------------------------------------------ layers' dispatch
 
 
-def test_cpu_layers_keep_the_torch_path():
-    """On CPU the layers never reach Triton: forward is forward_native, bit for bit."""
-    norm = _norm(64, torch.float32).cpu()
-    x, r = torch.randn(3, 64), torch.randn(3, 64)
-    assert torch.equal(norm(x), norm.forward_native(x))
-    assert all(torch.equal(a, b) for a, b in zip(norm(x, r), norm.forward_native(x, r)))
+def test_cpu_layers_never_reach_triton(monkeypatch):
+    """On CPU the layers never reach Triton. bfloat16, and float32 with the native CPU kernels turned off,
+    run forward_native bit for bit (RoPE not in place); float32 by default runs the native CPU kernels,
+    which tests/test_cpu_kernels.py holds to these same torch ops."""
+    from pagedllm.kernels import cpu_kernels
+    from pagedllm.model.layers.activation import fused_ops_for
+
+    x32, r32 = torch.randn(3, 64), torch.randn(3, 64)
+    assert fused_ops_for(x32) is cpu_kernels.load_cpu_kernels()
+    assert fused_ops_for(x32.bfloat16()) is None
+    norm16 = _norm(64, torch.bfloat16).cpu()
+    x, r = x32.bfloat16(), r32.bfloat16()
+    assert torch.equal(norm16(x), norm16.forward_native(x))
+    assert all(torch.equal(a, b) for a, b in zip(norm16(x, r), norm16.forward_native(x, r)))
     emb = RotaryEmbedding(16, 32, _ROPE_PARAMS["default"], torch.float32)
     qkv = torch.randn(3, 8 * 16, dtype=torch.bfloat16)
     q, k, _ = qkv.split([4 * 16, 2 * 16, 2 * 16], dim=-1)
     before = qkv.clone()
     rq, rk = emb(torch.tensor([3, 0, 3]), q, k)
-    assert torch.equal(qkv, before), "the CPU path must not rotate in place"
+    assert torch.equal(qkv, before), "the torch path must not rotate in place"
     eq, ek = emb.forward_native(torch.tensor([3, 0, 3]), q, k)
     assert torch.equal(rq, eq) and torch.equal(rk, ek) and rq.dtype == torch.bfloat16
+
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "torch")
+    cpu_kernels.load_cpu_kernels.cache_clear()
+    try:
+        norm32 = _norm(64, torch.float32).cpu()
+        assert fused_ops_for(x32) is None
+        assert torch.equal(norm32(x32), norm32.forward_native(x32))
+        assert all(torch.equal(a, b) for a, b in zip(norm32(x32, r32), norm32.forward_native(x32, r32)))
+    finally:
+        cpu_kernels.load_cpu_kernels.cache_clear()
 
 
 @pytest.mark.cuda

@@ -120,8 +120,7 @@ def build_hf_cb_model(model_dir: str, dtype: str, device: str, attn_implementati
 
 def copy_weights_to_pagedllm(llm, hf_model) -> None:
     """Same weights on both sides: load the HF state dict into pagedllm's (single-worker) model."""
-    worker = llm.llm_engine.executor.driver_worker
-    worker.model.load_weights(iter(hf_model.state_dict().items()))
+    llm.llm_engine.executor.driver_worker.load_weights(iter(hf_model.state_dict().items()))
 
 
 def run_hf_cb(model, wl: Workload, num_blocks: int | None = None) -> Result:

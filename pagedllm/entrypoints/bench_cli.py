@@ -1,11 +1,11 @@
-"""`pagedllm bench throughput` — wraps benchmarks/throughput.py's logic in the package."""
+"""`pagedllm bench throughput|serving|cpu-kernels` — the benchmarks/ scripts' logic, in the package."""
 from __future__ import annotations
 
 import argparse
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="Benchmarks (throughput).", description="Run pagedllm's benchmarks.")
+    p = sub.add_parser("bench", help="Benchmarks (throughput, serving, cpu-kernels).", description="Run pagedllm's benchmarks.")
     bench_sub = p.add_subparsers(dest="bench_cmd", required=True)
     from pagedllm.benchmarks import throughput
 
@@ -19,3 +19,9 @@ def add_bench_parser(sub) -> None:
                               description=serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serving.add_args(sv)
     sv.set_defaults(func=lambda args: serving.run(args))
+    from pagedllm.benchmarks import cpu_kernels
+
+    ck = bench_sub.add_parser("cpu-kernels", help="The CPU path's kernels against their torch peers.",
+                              description=cpu_kernels.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cpu_kernels.add_args(ck)
+    ck.set_defaults(func=lambda args: cpu_kernels.run(args))

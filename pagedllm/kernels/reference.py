@@ -117,8 +117,24 @@ def paged_attention(
             out[:nd] = o
         else:
             out.index_copy_(0, idx, o)
-    start = nd
-    for i in range(nd, meta.num_seqs):
+    prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out)
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Fill `out` for the prompt chunks (the rows after the decodes): causal over their own tokens,
+    plus their cached context read through the block table when they have one."""
+    start = meta.num_decodes
+    for i in range(meta.num_decodes, meta.num_seqs):
         qlen, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         end = start + qlen
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
@@ -136,7 +152,6 @@ def paged_attention(
             o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
         out[start:end] = o.squeeze(0).transpose(0, 1)
         start = end
-    return out
 
 
 def paged_attention_naive(

@@ -22,6 +22,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from pagedllm.cache_dir import pagedllm_cache_dir
+
 logger = logging.getLogger("pagedllm")
 
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
@@ -67,12 +69,7 @@ def is_gguf_file(path: str | os.PathLike[str]) -> bool:
 
 def gguf_cache_root() -> Path:
     """Root of converted GGUF caches: ``$PAGEDLLM_CACHE_DIR/gguf`` or ``~/.cache/pagedllm/gguf``."""
-    env = os.environ.get("PAGEDLLM_CACHE_DIR")
-    if env:
-        return Path(env).expanduser() / "gguf"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "pagedllm" / "gguf"
+    return pagedllm_cache_dir("gguf")
 
 
 def gguf_cache_dir(gguf_path: str | os.PathLike[str]) -> Path:

@@ -8,11 +8,18 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
+from pagedllm.kernels import cpu_kernels, cpu_linear
 from pagedllm.model import loader
-from pagedllm.model.layers.attention import TorchAttentionBackend, TritonAttentionBackend
+from pagedllm.model.layers.linear import pack_weights_for_cpu
+from pagedllm.model.layers.attention import (
+    NativeCpuAttentionBackend,
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+)
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -51,6 +58,8 @@ class Worker:
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
+        if self.device.type == "cpu":
+            keep_freed_memory_for_reuse()
         mc = self.config.model_config
         cls = get_model_class(self.hf_config)
         with torch.device(self.device):
@@ -60,11 +69,26 @@ class Worker:
         else:
             model.load_weights(loader.iterate_weights(self.model_dir, mc.load_format))
         self.model = model.eval()
+        gemm = self.process_weights_after_loading()
         n_params = sum(p.numel() for p in model.parameters())
         logger.info(
-            "Loaded %s (%.1fM params, %s, %s) in %.2f s",
-            type(model).__name__, n_params / 1e6, self.dtype, self.device, time.perf_counter() - t0,
+            "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",
+            type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,
         )
+
+    def load_weights(self, weights) -> None:
+        """Replace the loaded model's weights (name, tensor pairs in checkpoint naming)."""
+        self.model.load_weights(weights)
+        self.process_weights_after_loading()
+
+    def process_weights_after_loading(self) -> str:
+        """On CPU, pack the linear layers' weights for oneDNN; returns the GEMM path in use."""
+        if self.device.type != "cpu":
+            return "torch"
+        if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
+            return "torch"
+        pack_weights_for_cpu(self.model)
+        return "onednn (packed weights)"
 
     def cache_block_size_bytes(self) -> int:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
@@ -95,7 +119,9 @@ class Worker:
             layers, kv_heads, head_dim, self.config.cache_config.block_size,
             num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
         )
-        self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, self.attn_backend())
+        backend = self.attn_backend()
+        logger.info("Attention backend: %s", backend.name)
+        self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         if self.use_cuda_graphs():
             sc = self.config.scheduler_config
             self.model_runner.capture_cuda_graphs(self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len)
@@ -109,6 +135,10 @@ class Worker:
     def attn_backend(self):
         if self.device.type == "cuda":
             return TritonAttentionBackend()
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            kernels = cpu_kernels.load_cpu_kernels()
+            if kernels is not None:
+                return NativeCpuAttentionBackend(kernels)
         return TorchAttentionBackend()
 
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:

@@ -19,9 +19,21 @@ def cuda_fused_ops() -> ModuleType | None:
     return triton_fused_ops
 
 
+def fused_ops_for(x: torch.Tensor):
+    """The fused RMSNorm/RoPE/SiLU·mul ops for x's device and dtype: Triton on CUDA, the native CPU
+    kernels (kernels/cpu_kernels.py) for float32 on the CPU; None where neither applies (torch serves)."""
+    if x.is_cuda:
+        return cuda_fused_ops()
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+
+        return load_cpu_kernels()
+    return None
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dim → silu(gate) * up (one fused Triton kernel on CUDA)."""
-    if x.is_cuda and x.dim() == 2 and (ops := cuda_fused_ops()) is not None:
+    """x = [gate | up] along the last dim → silu(gate) * up (one fused kernel on CUDA and CPU)."""
+    if x.dim() == 2 and x.stride(-1) == 1 and (ops := fused_ops_for(x)) is not None:
         return ops.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -33,6 +33,28 @@ class TorchAttentionBackend:
         return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale)
 
 
+class NativeCpuAttentionBackend:
+    """The CPU path with native kernels (kernels/cpu_kernels.py): decodes read K/V straight through
+    their block tables in one call for the whole batch; prompt chunks use the torch reference."""
+
+    name = "cpu-native"
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def forward(self, query, key, value, kv_cache, meta, scale):
+        key_cache, value_cache = kv_cache
+        self.kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        nd = meta.num_decodes
+        if nd:
+            self.kernels.paged_decode_attention(out[:nd], query[:nd], key_cache, value_cache,
+                                                meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        if nd < meta.num_seqs:
+            reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out)
+        return out
+
+
 class TritonAttentionBackend:
     """Triton kernels (kernels/triton_*.py): the CUDA path. Same contract as TorchAttentionBackend."""
 

@@ -6,6 +6,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.layers.linear import PackableGemm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -33,7 +34,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, PackableGemm):
     """Logits = hidden · Wᵀ over this rank's vocabulary slice, gathered to full width."""
 
     def __init__(
@@ -47,7 +48,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.bias = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        logits = self.matmul(hidden, self.bias)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
 

@@ -11,9 +11,34 @@ from torch import nn
 import torch.nn.functional as F
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup, divide, shard_attention_heads
+from pagedllm.kernels import cpu_linear
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableGemm:
+    """A layer whose `weight` [out, in] may also be held packed for oneDNN (CPU path, see
+    kernels/cpu_linear.py). The packed copy is made after loading and on every reload; the dense
+    `weight` stays the one that loaders write and that tied embeddings read."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_weight_for_cpu(self) -> None:
+        self.packed_weight = cpu_linear.pack_linear_weight(self.weight)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_linear.packed_linear(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
+
+def pack_weights_for_cpu(model: nn.Module) -> int:
+    """Pack every PackableGemm layer's weight for oneDNN; returns how many were packed."""
+    layers = [m for m in model.modules() if isinstance(m, PackableGemm)]
+    for layer in layers:
+        layer.pack_weight_for_cpu()
+    return len(layers)
+
+
+class ColumnParallelLinear(nn.Module, PackableGemm):
     """y = x Wᵀ + b with W split by rows (output features) across ranks."""
 
     def __init__(
@@ -53,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + rows].copy_(loaded[start : start + rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -89,7 +114,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return self.heads.q_start * self.head_dim, self.num_heads * self.head_dim
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(nn.Module, PackableGemm):
     """y = x Wᵀ + b with W split by columns (input features); partial sums all-reduced."""
 
     def __init__(
@@ -125,14 +150,13 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(self.matmul(x, None))
         if self.bias is not None:
             y = y + self.bias  # added once, after the reduction
         return y
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(nn.Module, PackableGemm):
     """y = x Wᵀ + b with the full matrix on every rank (small projections such as OPT's project_in)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> None:
@@ -141,4 +165,4 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from pagedllm.model.layers.activation import cuda_fused_ops
+from pagedllm.model.layers.activation import fused_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -17,12 +17,14 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x (after adding residual, if given); returns (out, new_residual) then.
 
-        On CUDA one fused Triton kernel (kernels/triton_fused_ops.py) with the same roundings; else torch ops.
+        One fused kernel on CUDA (kernels/triton_fused_ops.py) and on the CPU in float32
+        (kernels/cpu_kernels.py), with the same roundings; else torch ops.
         """
-        if x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype and (ops := cuda_fused_ops()) is not None:
+        if (x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype
+                and (ops := fused_ops_for(x)) is not None):
             if residual is None:
                 return ops.rms_norm(x, self.weight, self.eps)
-            if residual.dtype == x.dtype and residual.shape == x.shape:
+            if residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1:
                 return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return self.forward_native(x, residual)
 

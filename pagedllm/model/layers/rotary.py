@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.model.layers.activation import cuda_fused_ops
+from pagedllm.model.layers.activation import fused_ops_for
 
 
 def rope_parameters(config: Any) -> dict:
@@ -75,11 +75,12 @@ class RotaryEmbedding(nn.Module):
         """q [T, Hq·D], k [T, Hk·D] in the model's dtype (e.g. column slices of a fused qkv output) → rotated
         q, k of the same shapes and dtype.
 
-        On CUDA one fused Triton kernel (kernels/triton_fused_ops.py) rotates q and k in place, in fp32 with one
-        final rounding to their dtype, and returns them; elsewhere ``forward_native`` returns new tensors.
+        On CUDA (kernels/triton_fused_ops.py) and on the CPU in float32 (kernels/cpu_kernels.py) one fused
+        kernel rotates q and k in place, in fp32 with one final rounding to their dtype, and returns them;
+        elsewhere ``forward_native`` returns new tensors.
         """
-        if (q.is_cuda and q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
-                and (ops := cuda_fused_ops()) is not None):
+        if (q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
+                and self.cos_cache.dtype == torch.float32 and (ops := fused_ops_for(q)) is not None):
             ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
             return q, k
         return self.forward_native(positions, q, k)

@@ -1,0 +1,145 @@
+"""The CPU path's kernels against their torch peers, on the bundled model's shapes, in one run.
+
+GEMMs: oneDNN with prepacked weights vs ``F.linear`` (torch's default BLAS). Decode attention: the
+native PagedAttention kernel vs the torch path (gather blocks + SDPA, kernels/reference.py) for one
+layer of a decode batch. Fused ops: the native RMSNorm/RoPE/SiLU·mul vs the layers' torch code.
+Each figure is the median of `--repeats` timed calls after warm-up; ratios are torch ÷ ours.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Callable
+
+# SmolLM2-135M: hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152.
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 576, 9, 3, 64, 1536, 49152
+GEMM_SHAPES = {"qkv": (HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM), "o": (HIDDEN, HIDDEN),
+               "gate_up": (HIDDEN, 2 * INTER), "down": (INTER, HIDDEN), "lm_head": (HIDDEN, VOCAB)}
+
+
+def median_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def bench_gemm(rows: list[int], repeats: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.kernels import cpu_linear
+
+    print("GEMM (float32)             torch F.linear     oneDNN packed     ratio")
+    for m in rows:
+        for name, (k, n) in GEMM_SHAPES.items():
+            x, w = torch.randn(m, k), torch.randn(n, k) / k**0.5
+            packed = cpu_linear.pack_linear_weight(w)
+            flop = 2 * m * k * n
+            t_torch = median_ms(lambda: F.linear(x, w), repeats)
+            t_ours = median_ms(lambda: cpu_linear.packed_linear(x, packed, None), repeats)
+            print(f"  M={m:<5d} {name:<8s} {k:>5d}x{n:<6d} {flop / t_torch / 1e6:8.1f} GFLOP/s  "
+                  f"{flop / t_ours / 1e6:8.1f} GFLOP/s  {t_torch / t_ours:6.2f}x")
+
+
+def bench_decode_attention(num_seqs: int, min_len: int, max_len: int, block_size: int, repeats: int) -> None:
+    import torch
+
+    from pagedllm.kernels import cpu_kernels, reference
+    from pagedllm.kernels.metadata import AttentionMetadata
+
+    kernels = cpu_kernels.load_cpu_kernels()
+    rng = random.Random(0)
+    lens = [rng.randint(min_len, max_len) for _ in range(num_seqs)]
+    width = -(-max_len // block_size)
+    num_blocks = 4 * num_seqs * width  # a pool 4x larger than used, blocks scattered over it
+    kc = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    vc = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM)
+    tables = torch.randperm(num_blocks)[: num_seqs * width].view(num_seqs, width).to(torch.int32)
+    query = torch.randn(num_seqs, Q_HEADS, HEAD_DIM)
+    fresh = torch.randn(num_seqs, KV_HEADS, HEAD_DIM)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((num_seqs,), -1), block_tables=tables, seq_lens=seq_lens,
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32), seq_lens_cpu=lens,
+        query_lens_cpu=[1] * num_seqs, num_decodes=num_seqs, max_seq_len=max(lens), max_query_len=1,
+    )
+    scale = HEAD_DIM**-0.5
+
+    def torch_path():
+        meta.decode_buckets = None  # derived once per step in the engine: count it once per call here
+        return reference.paged_attention(query, fresh, fresh, kc, vc, meta, scale)
+
+    out = torch.empty_like(query)
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 4
+    t_torch = median_ms(torch_path, repeats)
+    line = (f"Decode attention, one layer: {num_seqs} seqs, context {min_len}-{max_len}, block {block_size}, "
+            f"{Q_HEADS}q/{KV_HEADS}kv heads x {HEAD_DIM}, {kv_bytes / 1e6:.1f} MB of K/V\n"
+            f"  torch (gather + SDPA) {t_torch:7.3f} ms  {kv_bytes / t_torch / 1e6:6.1f} GB/s")
+    if kernels is None:
+        print(line + "\n  native: unavailable (no C compiler, or PAGEDLLM_CPU_KERNELS=torch)")
+        return
+    t_ours = median_ms(lambda: kernels.paged_decode_attention(out, query, kc, vc, tables, seq_lens, scale), repeats)
+    torch.testing.assert_close(out, torch_path(), atol=1e-5, rtol=1e-4)
+    print(line + f"\n  native PagedAttention  {t_ours:7.3f} ms  {kv_bytes / t_ours / 1e6:6.1f} GB/s   "
+          f"{t_torch / t_ours:.2f}x")
+
+
+def bench_fused_ops(rows: list[int], repeats: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from pagedllm.kernels import cpu_kernels
+    from pagedllm.model.layers.norm import RMSNorm
+    from pagedllm.model.layers.rotary import RotaryEmbedding
+
+    kernels = cpu_kernels.load_cpu_kernels()
+    if kernels is None:
+        print("Fused ops: native kernels unavailable")
+        return
+    norm = RMSNorm(HIDDEN, 1e-5, torch.float32)
+    rope = RotaryEmbedding(HEAD_DIM, 8192, {"rope_type": "default", "rope_theta": 100000.0}, torch.float32)
+    print("Fused ops (float32)               torch        native     ratio")
+    for t in rows:
+        x, res = torch.randn(t, HIDDEN), torch.randn(t, HIDDEN)
+        gate_up = torch.randn(t, 2 * INTER)
+        qkv = torch.randn(t, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        q, k = qkv[:, : Q_HEADS * HEAD_DIM], qkv[:, Q_HEADS * HEAD_DIM : (Q_HEADS + KV_HEADS) * HEAD_DIM]
+        pos = torch.randint(0, 8192, (t,))
+        cases = {
+            "add+rms_norm": (lambda: norm.forward_native(x, res),
+                             lambda: kernels.fused_add_rms_norm(x, res, norm.weight, norm.eps)),
+            "rotary": (lambda: rope.forward_native(pos, q, k),
+                       lambda: kernels.rotary_embedding(pos, q, k, rope.cos_cache, rope.sin_cache, HEAD_DIM)),
+            "silu_and_mul": (lambda: F.silu(gate_up[:, :INTER]) * gate_up[:, INTER:],
+                             lambda: kernels.silu_and_mul(gate_up)),
+        }
+        for name, (ref, ours) in cases.items():
+            t_ref, t_ours = median_ms(ref, repeats), median_ms(ours, repeats)
+            print(f"  T={t:<5d} {name:<14s} {1e3 * t_ref:9.1f} us  {1e3 * t_ours:9.1f} us  {t_ref / t_ours:6.2f}x")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gemm-rows", type=int, nargs="+", default=[1, 64, 2048], help="GEMM batch rows (M).")
+    p.add_argument("--num-seqs", type=int, default=64, help="Decode batch for the attention benchmark.")
+    p.add_argument("--min-context", type=int, default=150)
+    p.add_argument("--max-context", type=int, default=384)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--op-rows", type=int, nargs="+", default=[64, 2048], help="Token rows for the fused ops.")
+    p.add_argument("--repeats", type=int, default=30)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    print(f"threads={torch.get_num_threads()}")
+    bench_gemm(args.gemm_rows, args.repeats)
+    bench_decode_attention(args.num_seqs, args.min_context, args.max_context, args.block_size, args.repeats)
+    bench_fused_ops(args.op_rows, args.repeats)
+    return 0

@@ -1,0 +1,268 @@
+"""The CPU path's native kernels (kernels/cpu/cpu_ops.c): built on first use, called through ctypes.
+
+Plain torch cannot read K/V through a block table without first copying every sequence's blocks
+into a contiguous tensor, and its CPU SDPA then reads that copy again per query head: for a decode
+step that is ~10x the bytes a kernel walking the block table needs (BENCHMARKS.md, "CPU attention").
+So the CPU path, like the CUDA path, has a real PagedAttention kernel, and the same fused
+elementwise ops as `kernels/triton_fused_ops.py` (RMSNorm with the residual add, RoPE in place,
+SiLU·mul), with the same signatures; `kernels/reference.py` and the layers' torch code stay the
+oracles and the fallback.
+
+The C source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) into the pagedllm
+cache under a key of source, compiler, flags and CPU, so each machine builds it once (~1 s).
+``PAGEDLLM_CPU_KERNELS=torch`` skips them; without a compiler pagedllm logs why and uses torch.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pagedllm.cache_dir import pagedllm_cache_dir
+
+logger = logging.getLogger("pagedllm")
+
+KERNELS_ENV = "PAGEDLLM_CPU_KERNELS"
+KERNELS_CHOICES = ("native", "torch")
+SOURCE = Path(__file__).with_name("cpu") / "cpu_ops.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+
+_c_int64, _c_int, _c_float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+
+
+class CpuKernels:
+    """Typed wrappers over the built library; inputs are checked before any pointer is handed over."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._decode = lib.paged_decode_attention_f32
+        self._decode.restype = _c_int
+        self._decode.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr,
+                                 _c_int, _c_int, _c_int, _c_int, _c_int, _c_float]
+        self._cache = lib.reshape_and_cache_f32
+        self._cache.restype = None
+        self._cache.argtypes = [_ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64]
+        self._rms = lib.rms_norm_f32
+        self._rms.restype = None
+        self._rms.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64, _c_float]
+        self._rotary = lib.rotary_embedding_f32
+        self._rotary.restype = None
+        self._rotary.argtypes = [_ptr, _c_int64, _c_int, _ptr, _c_int64, _c_int, _ptr, _ptr, _ptr, _c_int64, _c_int]
+        self._silu = lib.silu_and_mul_f32
+        self._silu.restype = None
+        self._silu.argtypes = [_ptr, _ptr, _c_int64, _c_int64, _c_int64]
+
+    def paged_decode_attention(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """out/query [S, Hq, D]; caches [num_blocks, block_size, Hk, D]; tables [S, ≥ blocks] int32;
+        seq_lens [S] int32 (each ≥ 1). One query token per sequence; writes `out`."""
+        num_seqs, num_q_heads, head_dim = query.shape
+        num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
+        _check_rows(query, "query")
+        _check_rows(out, "out")
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            _check_f32_cpu(t, name)
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        if cache_dim != head_dim or num_q_heads % num_kv_heads or out.shape != query.shape:
+            raise ValueError(f"shapes do not agree: query {tuple(query.shape)}, out {tuple(out.shape)}, "
+                             f"cache {tuple(key_cache.shape)}")
+        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables and seq_lens must be int32 with contiguous rows")
+        if block_tables.shape[0] < num_seqs or seq_lens.shape[0] < num_seqs or not seq_lens.is_contiguous():
+            raise ValueError("block_tables and seq_lens need a row for every sequence")
+        if num_seqs:  # the C side trusts these indices: check them here (tiny tensors, a few µs)
+            lens = seq_lens[:num_seqs]
+            if int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size:
+                raise ValueError(f"seq_lens must be in [1, {block_tables.shape[1] * block_size}] for these block tables")
+            tables = block_tables[:num_seqs]
+            if int(tables.min()) < 0 or int(tables.max()) >= num_blocks:
+                raise ValueError(f"block_tables hold ids outside the pool of {num_blocks} blocks")
+        rc = self._decode(
+            out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
+            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+            seq_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+        )
+        if rc != 0:
+            raise MemoryError("paged_decode_attention_f32 could not allocate its scratch rows")
+
+    def reshape_and_cache(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """key/value [T, Hk, D] (token rows may be strided) → their slots; slots < 0 are skipped."""
+        _check_rows(key, "key")
+        _check_rows(value, "value")
+        if key.stride(0) != value.stride(0):
+            key, value = key.contiguous(), value.contiguous()
+        for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+            _check_f32_cpu(t, name)
+            if not t.is_contiguous() or t.shape[2:] != key.shape[1:]:
+                raise ValueError(f"{name} {tuple(t.shape)} does not hold rows of {tuple(key.shape[1:])}")
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.numel() != key.shape[0]:
+            raise ValueError("slot_mapping must be a contiguous int64 tensor with one slot per token")
+        if key.shape[0] and int(slot_mapping.max()) >= key_cache.shape[0] * key_cache.shape[1]:
+            raise ValueError(f"slot_mapping holds slots beyond the pool's {key_cache.shape[0] * key_cache.shape[1]}")
+        row = key.shape[1] * key.shape[2]
+        self._cache(key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+                    slot_mapping.data_ptr(), key.shape[0], row)
+
+
+    # The fused ops, with kernels/triton_fused_ops.py's signatures and contracts.
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * (x * rsqrt(mean(x²) + eps))`` per row of x [T, N]; a new tensor."""
+        return self._rms_norm(x, None, weight, eps)[0]
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """s = x + residual; returns (rms_norm(s), s), both new tensors (the inputs are not written)."""
+        return self._rms_norm(x, residual, weight, eps)
+
+    def _rms_norm(self, x, residual, weight, eps):
+        _check_matrix(x, "x")
+        t, n = x.shape
+        _check_f32_cpu(weight, "weight")
+        if not weight.is_contiguous() or weight.shape != (n,):
+            raise ValueError(f"weight must be a contiguous [{n}] tensor, got {tuple(weight.shape)}")
+        out = torch.empty((t, n), dtype=x.dtype)
+        new_residual = None
+        if residual is not None:
+            _check_matrix(residual, "residual")
+            if residual.shape != x.shape:
+                raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+            new_residual = torch.empty((t, n), dtype=x.dtype)
+        self._rms(out.data_ptr(), 0 if residual is None else new_residual.data_ptr(), x.data_ptr(), x.stride(0),
+                  0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+                  weight.data_ptr(), t, n, eps)
+        return out, new_residual
+
+    def rotary_embedding(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+        sin_cache: torch.Tensor, head_dim: int,
+    ) -> None:
+        """Rotate-half RoPE in place on q [T, Hq·D] and k [T, Hk·D] (rows may be strided) at `positions`."""
+        _check_matrix(q, "q")
+        _check_matrix(k, "k")
+        t = q.shape[0]
+        if k.shape[0] != t or q.shape[1] % head_dim or k.shape[1] % head_dim or head_dim % 2:
+            raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} are not rows of heads of {head_dim}")
+        if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != t:
+            raise ValueError("positions must be a contiguous int64 tensor with one position per token")
+        for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
+            _check_f32_cpu(c, name)
+            if not c.is_contiguous() or c.dim() != 2 or c.shape[1] != head_dim:
+                raise ValueError(f"{name} must be a contiguous [max_position, {head_dim}] tensor")
+        if t and (int(positions.max()) >= cos_cache.shape[0] or int(positions.min()) < 0):
+            raise ValueError(f"a position is beyond the rotary cache ({cos_cache.shape[0]} positions)")
+        self._rotary(q.data_ptr(), q.stride(0), q.shape[1] // head_dim, k.data_ptr(), k.stride(0),
+                     k.shape[1] // head_dim, positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
+                     t, head_dim)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] = [gate | up] → silu(gate) * up [T, I]; a new tensor."""
+        _check_matrix(x, "x")
+        t, two_i = x.shape
+        if two_i % 2:
+            raise ValueError(f"x must have an even number of columns ([gate | up]), got {two_i}")
+        out = torch.empty((t, two_i // 2), dtype=x.dtype)
+        self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), t, two_i // 2)
+        return out
+
+
+def _check_matrix(t: torch.Tensor, name: str) -> None:
+    """[rows, cols] float32 on the CPU with contiguous rows (the row stride is free)."""
+    _check_f32_cpu(t, name)
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be a [rows, cols] tensor with contiguous rows, got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+
+
+def _check_f32_cpu(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
+def _check_rows(t: torch.Tensor, name: str) -> None:
+    """[N, H, D] float32 with each token's H·D values contiguous (the token stride is free)."""
+    _check_f32_cpu(t, name)
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        raise ValueError(f"{name} must be [tokens, heads, head_dim] with contiguous heads, got "
+                         f"shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def kernels_choice() -> str:
+    choice = os.environ.get(KERNELS_ENV, "native").strip().lower()
+    if choice not in KERNELS_CHOICES:
+        raise ValueError(f"{KERNELS_ENV}={choice!r} is not one of {KERNELS_CHOICES}")
+    return choice
+
+
+@functools.cache
+def load_cpu_kernels() -> CpuKernels | None:
+    """The built kernels, or None (turned off, or no compiler: the reason is logged once)."""
+    if kernels_choice() == "torch":
+        return None
+    try:
+        path = build_library(SOURCE)
+        return CpuKernels(ctypes.CDLL(str(path)), path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        logger.warning("CPU kernels unavailable (%s); attention runs the plain-torch path", e)
+        return None
+
+
+def build_library(source: Path) -> Path:
+    """Compile `source` into the cache unless an identical build is there; returns the .so path."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()):
+        key.update(part)
+    out_dir = pagedllm_cache_dir("kernels")
+    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, "-lmvec", "-lm"], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders each land a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("Built CPU kernels %s", target)
+    return target
+
+
+def _cpu_signature() -> str:
+    """The CPU model and flags: -march=native output is only valid on the same kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        import platform
+
+        return platform.processor() + platform.machine()

@@ -1,0 +1,39 @@
+"""Keep the CPU path's per-step activations off the page-fault path.
+
+Each step allocates and frees the same large tensors (a 2048-token MLP activation is 25 MB, a
+64-row logits matrix 12.6 MB). glibc serves such sizes with fresh mmaps and trims its heap after
+frees, so every step page-faults and zeroes that memory again: a fifth of a CPU decode step on the
+bundled model (BENCHMARKS.md). A fixed mmap threshold at glibc's maximum and a high trim threshold
+keep freed blocks in the heap for the next step, as tcmalloc/jemalloc would.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger("pagedllm")
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value on 64-bit
+TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Set glibc's malloc thresholds (process-wide); False where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    if ok:
+        logger.info("malloc: mmap threshold %d MiB, trim threshold %d MiB (freed activations are reused)",
+                    MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20)
+    return ok

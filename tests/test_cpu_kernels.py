@@ -1,0 +1,236 @@
+"""The CPU path's native kernels (kernels/cpu/cpu_ops.c) and oneDNN GEMMs, each against its torch oracle.
+
+Decode attention is checked against eq. 4 token by token (``paged_attention_naive``) and against the
+torch backend on mixed decode + prefill batches; the fused ops against the layers' ``forward_native``.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.kernels import cpu_kernels, cpu_linear, reference
+from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.model.layers.attention import NativeCpuAttentionBackend, TorchAttentionBackend
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding
+
+KERNELS = cpu_kernels.load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the CPU path runs torch")
+
+
+def _pool(rng: torch.Generator, num_blocks: int, block_size: int, hk: int, d: int):
+    return (torch.randn(num_blocks, block_size, hk, d, generator=rng),
+            torch.randn(num_blocks, block_size, hk, d, generator=rng))
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("hq,hk", [(4, 4), (9, 3), (8, 2), (8, 1)])
+def test_decode_attention_matches_eq4_oracle(block_size, head_dim, hq, hk):
+    rng = torch.Generator().manual_seed(block_size * 1000 + head_dim + hq)
+    lens = [1, 2, block_size, block_size + 1, 57, 200, 3 * block_size - 1]
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = len(lens) * max_blocks + 5
+    kc, vc = _pool(rng, num_blocks, block_size, hk, head_dim)
+    perm = torch.randperm(num_blocks, generator=rng)[: len(lens) * max_blocks]  # shuffled tables
+    tables = perm.view(len(lens), max_blocks).to(torch.int32)
+    query = torch.randn(len(lens), hq, head_dim, generator=rng)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    KERNELS.paged_decode_attention(out, query, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), scale)
+    expected = reference.paged_attention_naive(query, kc, vc, tables.tolist(), lens, [1] * len(lens), scale)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+def _mixed_batch(seed: int, block_size: int, hq: int, hk: int, d: int):
+    """20 decodes of ragged length, then prompt chunks with and without cached context."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    query_lens = [1] * 20 + [7, 13, 5]
+    ctx_lens = [rng.randint(0, 90) for _ in range(20)] + [0, 9, 30]
+    num_blocks = sum(-(-(q + c) // block_size) for q, c in zip(query_lens, ctx_lens)) + 8
+    kc, vc = _pool(g, num_blocks, block_size, hk, d)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, seq_lens, slots = [], [], []
+    for q, c in zip(query_lens, ctx_lens):
+        table = [free.pop() for _ in range(-(-(q + c) // block_size))]
+        tables.append(table)
+        seq_lens.append(q + c)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + q)]
+    t = sum(query_lens)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)  # strided views, as the model hands them over
+    query = qkv[:, : hq * d].view(t, hq, d)
+    key = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    value = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    width = max(map(len, tables))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([tb + [0] * (width - len(tb)) for tb in tables],
+                                                                    dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
+        seq_lens_cpu=seq_lens, query_lens_cpu=query_lens, num_decodes=20, max_seq_len=max(seq_lens),
+        max_query_len=max(query_lens),
+    )
+    return query, key, value, kc, vc, meta
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (1, 4, 4, 32)])
+def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk, d):
+    query, key, value, kc, vc, meta = _mixed_batch(block_size + hq, block_size, hq, hk, d)
+    kc2, vc2 = kc.clone(), vc.clone()
+    expected = TorchAttentionBackend().forward(query, key, value, (kc, vc), meta, d**-0.5)
+    meta.decode_buckets = None
+    out = NativeCpuAttentionBackend(KERNELS).forward(query, key, value, (kc2, vc2), meta, d**-0.5)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc), "the native cache write must store the same rows"
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+@needs_kernels
+def test_reshape_and_cache_skips_padding_and_reads_strided_rows():
+    kc, vc = torch.zeros(4, 2, 2, 3), torch.zeros(4, 2, 2, 3)
+    rows = torch.arange(3 * 12, dtype=torch.float32).view(3, 12)
+    key, value = rows[:, :6].view(3, 2, 3), rows[:, 6:].view(3, 2, 3)
+    KERNELS.reshape_and_cache(key, value, kc, vc, torch.tensor([5, -1, 0]))
+    assert torch.equal(kc.view(-1, 2, 3)[5], key[0]) and torch.equal(vc.view(-1, 2, 3)[0], value[2])
+    assert kc.view(-1, 2, 3)[[1, 2, 3, 4, 6, 7]].abs().sum() == 0, "slot -1 must not be written"
+
+
+@needs_kernels
+def test_kernels_reject_what_they_cannot_read():
+    kc, vc = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
+    q = torch.zeros(1, 1, 8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="query must be a float32 CPU tensor"):
+        KERNELS.paged_decode_attention(q.clone(), q.double(), kc, vc, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="block_tables and seq_lens must be int32"):
+        KERNELS.paged_decode_attention(q.clone(), q, kc, vc, tables.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="query must be .* contiguous heads"):
+        KERNELS.paged_decode_attention(q.clone(), torch.zeros(1, 8, 2)[:, :, :1].transpose(1, 2), kc, vc, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="slot_mapping must be a contiguous int64"):
+        KERNELS.reshape_and_cache(q, q, kc, vc, torch.zeros(1, dtype=torch.int32))
+    # Indices the C code would follow out of the pool are refused before any pointer is handed over.
+    with pytest.raises(ValueError, match="block_tables hold ids outside the pool of 4 blocks"):
+        KERNELS.paged_decode_attention(q.clone(), q, kc, vc, torch.full((1, 1), 4, dtype=torch.int32), lens, 1.0)
+    with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 2\]"):
+        KERNELS.paged_decode_attention(q.clone(), q, kc, vc, tables, torch.full((1,), 3, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="slot_mapping holds slots beyond the pool's 8"):
+        KERNELS.reshape_and_cache(q, q, kc, vc, torch.tensor([8]))
+
+
+# ------------------------------------------------------------------------------------ fused elementwise ops
+
+
+def _ulp_close(out: torch.Tensor, ref: torch.Tensor, max_ulps: int = 8) -> None:
+    """float32 results within a few ulps of the torch ops (only the summation order / FMA contraction differ)."""
+    diff = (out - ref).abs()
+    ulp = torch.finfo(torch.float32).eps * ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert (diff <= max_ulps * ulp + 1e-30).all(), f"max {(diff / ulp).max().item():.1f} ulps"
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens,hidden", [(1, 576), (37, 96), (300, 576), (5, 17)])
+def test_rms_norm_and_fused_add_match_torch(tokens, hidden):
+    g = torch.Generator().manual_seed(hidden + tokens)
+    norm = RMSNorm(hidden, 1e-5, torch.float32)
+    norm.weight.data.copy_(1 + 0.5 * torch.randn(hidden, generator=g))
+    wide = 3 * torch.randn(tokens, hidden + 7, generator=g)
+    x = wide[:, 3 : 3 + hidden]  # strided rows
+    residual = 4 * torch.randn(tokens, hidden, generator=g)
+    x0, r0 = x.clone(), residual.clone()
+    _ulp_close(KERNELS.rms_norm(x, norm.weight, norm.eps), norm.forward_native(x))
+    out, new_res = KERNELS.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    ref_out, ref_res = norm.forward_native(x, residual)
+    assert torch.equal(x, x0) and torch.equal(residual, r0), "inputs must not be written"
+    assert torch.equal(new_res, ref_res)
+    _ulp_close(out, ref_out)
+
+
+@needs_kernels
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+def test_rotary_in_place_matches_torch(hq, hk, d):
+    g = torch.Generator().manual_seed(hq * d)
+    rope = RotaryEmbedding(d, 4096, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32)
+    t = 41
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    q, k = qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d]
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    ref_q, ref_k = rope.forward_native(positions, q, k)
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    KERNELS.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, d)
+    torch.testing.assert_close(q, ref_q, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(k, ref_k, atol=2e-6, rtol=1e-5)
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "V columns must be untouched"
+    with pytest.raises(ValueError, match="beyond the rotary cache"):
+        KERNELS.rotary_embedding(torch.full((t,), 4096), q, k, rope.cos_cache, rope.sin_cache, d)
+
+
+@needs_kernels
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (64, 1536), (7, 100)])
+def test_silu_and_mul_matches_torch(tokens, inter):
+    g = torch.Generator().manual_seed(inter)
+    x = 4 * torch.randn(tokens, 2 * inter, generator=g)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(KERNELS.silu_and_mul(x), F.silu(gate) * up, atol=1e-6, rtol=4e-6)
+
+
+# ------------------------------------------------------------------------------------------ build and opt-out
+
+
+def test_opt_out_and_missing_compiler_fall_back_to_torch(monkeypatch, tmp_path, caplog):
+    try:
+        monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "torch")
+        cpu_kernels.load_cpu_kernels.cache_clear()
+        assert cpu_kernels.load_cpu_kernels() is None
+        monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "native")
+        monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+        monkeypatch.setenv("CC", "/bin/false")
+        cpu_kernels.load_cpu_kernels.cache_clear()
+        with caplog.at_level("WARNING", logger="pagedllm"):
+            assert cpu_kernels.load_cpu_kernels() is None
+        assert "CPU kernels unavailable" in caplog.text and "failed" in caplog.text
+        monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "fast")
+        with pytest.raises(ValueError, match="PAGEDLLM_CPU_KERNELS='fast' is not one of"):
+            cpu_kernels.kernels_choice()
+    finally:
+        cpu_kernels.load_cpu_kernels.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------------ oneDNN GEMM
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_matches_f_linear(dtype, tol, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 80, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 80, generator=g).to(dtype)
+    packed = cpu_linear.pack_linear_weight(w)
+    out = cpu_linear.packed_linear(x, packed, b)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), atol=tol * 10, rtol=tol)
+    with pytest.raises(ValueError, match="oneDNN packing takes a CPU weight"):
+        cpu_linear.pack_linear_weight(w.half())
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
+def test_reloaded_weights_are_repacked(hf_model):
+    """Worker.load_weights repacks: the oneDNN copy never goes stale (the throughput benchmark reloads)."""
+    from pagedllm import LLM
+
+    llm = LLM(num_gpu_blocks_override=64, max_model_len=256)
+    worker = llm.llm_engine.executor.driver_worker
+    down = worker.model.model.layers[0].mlp.down_proj
+    assert down.packed_weight is not None
+    x = torch.randn(5, down.weight.shape[1])
+    new = torch.randn_like(down.weight)
+    weights = dict(hf_model.state_dict())
+    weights["model.layers.0.mlp.down_proj.weight"] = new
+    worker.load_weights(iter(weights.items()))
+    torch.testing.assert_close(down.matmul(x, None), F.linear(x, new), atol=1e-4, rtol=1e-4)
