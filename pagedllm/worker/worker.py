@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Iterable
 
 import torch
 
@@ -10,12 +11,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
 from pagedllm.kernels import cpu_kernels, cpu_linear
 from pagedllm.model import loader
-from pagedllm.model.layers.linear import pack_weights_for_cpu
 from pagedllm.model.layers.attention import (
     NativeCpuAttentionBackend,
     TorchAttentionBackend,
     TritonAttentionBackend,
 )
+from pagedllm.model.layers.linear import pack_weights_for_cpu
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
@@ -76,7 +77,7 @@ class Worker:
             type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,
         )
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the loaded model's weights (name, tensor pairs in checkpoint naming)."""
         self.model.load_weights(weights)
         self.process_weights_after_loading()
