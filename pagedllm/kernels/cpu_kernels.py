@@ -245,7 +245,8 @@ def build_library(source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, "-lmvec", "-lm"], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, *_link_libraries()], capture_output=True, text=True,
+                              timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each land a whole file
@@ -254,6 +255,13 @@ def build_library(source: Path) -> Path:
             os.unlink(tmp)
     logger.info("Built CPU kernels %s", target)
     return target
+
+
+def _link_libraries() -> list[str]:
+    """libm, plus glibc's vector math library where the AVX-512 path can call it (x86-64 only)."""
+    import platform
+
+    return ["-lmvec", "-lm"] if platform.machine().lower() in ("x86_64", "amd64") else ["-lm"]
 
 
 def _cpu_signature() -> str:
