@@ -41,7 +41,8 @@ def test_decode_attention_matches_eq4_oracle(block_size, head_dim, hq, hk):
     query = torch.randn(len(lens), hq, head_dim, generator=rng)
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
-    KERNELS.paged_decode_attention(out, query, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), scale)
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)  # one query token per sequence
+    KERNELS.paged_attention(out, query, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), qsl, scale)
     expected = reference.paged_attention_naive(query, kc, vc, tables.tolist(), lens, [1] * len(lens), scale)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
 
@@ -79,13 +80,30 @@ def _mixed_batch(seed: int, block_size: int, hq: int, hk: int, d: int):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (1, 4, 4, 32), (32, 8, 1, 80)])
+def test_mixed_batch_matches_eq4_oracle(block_size, hq, hk, d):
+    """One call for decodes, fresh prompt chunks and chunks with cached context (causal per chunk)."""
+    query, key, value, kc, vc, meta = _mixed_batch(block_size * 7 + hq, block_size, hq, hk, d)
+    KERNELS.reshape_and_cache(key, value, kc, vc, meta.slot_mapping)
+    out = torch.full_like(query, float("nan"))
+    KERNELS.paged_attention(out, query, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5)
+    tables = [row[: -(-n // block_size)] for row, n in zip(meta.block_tables.tolist(), meta.seq_lens_cpu)]
+    expected = reference.paged_attention_naive(query, kc, vc, tables, meta.seq_lens_cpu, meta.query_lens_cpu,
+                                               d**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("max_native_query_len", [512, 4], ids=["all-native", "long-chunks-to-torch"])
 @pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (1, 4, 4, 32)])
-def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk, d):
+def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk, d, max_native_query_len):
     query, key, value, kc, vc, meta = _mixed_batch(block_size + hq, block_size, hq, hk, d)
     kc2, vc2 = kc.clone(), vc.clone()
     expected = TorchAttentionBackend().forward(query, key, value, (kc, vc), meta, d**-0.5)
     meta.decode_buckets = None
-    out = NativeCpuAttentionBackend(KERNELS).forward(query, key, value, (kc2, vc2), meta, d**-0.5)
+    backend = NativeCpuAttentionBackend(KERNELS)
+    backend.max_native_query_len = max_native_query_len  # 4: the 5-13 token chunks take the torch path
+    out = backend.forward(query, key, value, (kc2, vc2), meta, d**-0.5)
     assert torch.equal(kc2, kc) and torch.equal(vc2, vc), "the native cache write must store the same rows"
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
 
@@ -100,24 +118,32 @@ def test_reshape_and_cache_skips_padding_and_reads_strided_rows():
     assert kc.view(-1, 2, 3)[[1, 2, 3, 4, 6, 7]].abs().sum() == 0, "slot -1 must not be written"
 
 
+ONE_ROW = torch.tensor([0, 1], dtype=torch.int32)
+
+
 @needs_kernels
 def test_kernels_reject_what_they_cannot_read():
     kc, vc = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
     q = torch.zeros(1, 1, 8)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="query must be a float32 CPU tensor"):
-        KERNELS.paged_decode_attention(q.clone(), q.double(), kc, vc, tables, lens, 1.0)
-    with pytest.raises(ValueError, match="block_tables and seq_lens must be int32"):
-        KERNELS.paged_decode_attention(q.clone(), q, kc, vc, tables.long(), lens, 1.0)
+        KERNELS.paged_attention(q.clone(), q.double(), kc, vc, tables, lens, ONE_ROW, 1.0)
+    with pytest.raises(ValueError, match="block_tables must be int32"):
+        KERNELS.paged_attention(q.clone(), q, kc, vc, tables.long(), lens, ONE_ROW, 1.0)
     with pytest.raises(ValueError, match="query must be .* contiguous heads"):
-        KERNELS.paged_decode_attention(q.clone(), torch.zeros(1, 8, 2)[:, :, :1].transpose(1, 2), kc, vc, tables, lens, 1.0)
+        KERNELS.paged_attention(q.clone(), torch.zeros(1, 8, 2)[:, :, :1].transpose(1, 2), kc, vc, tables, lens, ONE_ROW, 1.0)
     with pytest.raises(ValueError, match="slot_mapping must be a contiguous int64"):
         KERNELS.reshape_and_cache(q, q, kc, vc, torch.zeros(1, dtype=torch.int32))
     # Indices the C code would follow out of the pool are refused before any pointer is handed over.
     with pytest.raises(ValueError, match="block_tables hold ids outside the pool of 4 blocks"):
-        KERNELS.paged_decode_attention(q.clone(), q, kc, vc, torch.full((1, 1), 4, dtype=torch.int32), lens, 1.0)
+        KERNELS.paged_attention(q.clone(), q, kc, vc, torch.full((1, 1), 4, dtype=torch.int32), lens, ONE_ROW, 1.0)
     with pytest.raises(ValueError, match=r"seq_lens must be in \[1, 2\]"):
-        KERNELS.paged_decode_attention(q.clone(), q, kc, vc, tables, torch.full((1,), 3, dtype=torch.int32), 1.0)
+        KERNELS.paged_attention(q.clone(), q, kc, vc, tables, torch.full((1,), 3, dtype=torch.int32), ONE_ROW, 1.0)
+    with pytest.raises(ValueError, match="query_start_loc must rise from 0 to the 1 query rows"):
+        KERNELS.paged_attention(q.clone(), q, kc, vc, tables, lens, torch.tensor([0, 2], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="at least each sequence's query length"):
+        q2 = torch.zeros(2, 1, 8)
+        KERNELS.paged_attention(q2.clone(), q2, kc, vc, tables, lens, torch.tensor([0, 2], dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="slot_mapping holds slots beyond the pool's 8"):
         KERNELS.reshape_and_cache(q, q, kc, vc, torch.tensor([8]))
 

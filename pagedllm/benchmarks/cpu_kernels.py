@@ -1,8 +1,8 @@
 """The CPU path's kernels against their torch peers, on the bundled model's shapes, in one run.
 
-GEMMs: oneDNN with prepacked weights vs ``F.linear`` (torch's default BLAS). Decode attention: the
-native PagedAttention kernel vs the torch path (gather blocks + SDPA, kernels/reference.py) for one
-layer of a decode batch. Fused ops: the native RMSNorm/RoPE/SiLU·mul vs the layers' torch code.
+GEMMs: oneDNN with prepacked weights vs ``F.linear`` (torch's default BLAS). Attention: the native
+PagedAttention kernel vs the torch path (gather blocks + SDPA, kernels/reference.py) for one layer of
+a decode batch and of prompt chunks with and without cached context. Fused ops: the native RMSNorm/RoPE/SiLU·mul vs the layers' torch code.
 Each figure is the median of `--repeats` timed calls after warm-up; ratios are torch ÷ ours.
 """
 from __future__ import annotations
@@ -85,10 +85,60 @@ def bench_decode_attention(num_seqs: int, min_len: int, max_len: int, block_size
     if kernels is None:
         print(line + "\n  native: unavailable (no C compiler, or PAGEDLLM_CPU_KERNELS=torch)")
         return
-    t_ours = median_ms(lambda: kernels.paged_decode_attention(out, query, kc, vc, tables, seq_lens, scale), repeats)
+    qsl = meta.query_start_loc
+    t_ours = median_ms(lambda: kernels.paged_attention(out, query, kc, vc, tables, seq_lens, qsl, scale), repeats)
     torch.testing.assert_close(out, torch_path(), atol=1e-5, rtol=1e-4)
     print(line + f"\n  native PagedAttention  {t_ours:7.3f} ms  {kv_bytes / t_ours / 1e6:6.1f} GB/s   "
           f"{t_torch / t_ours:.2f}x")
+
+
+PREFILL_CASES = {  # name: (query tokens per chunk, cached context per chunk)
+    "13 fresh prompts, 16-256 tokens": ([random.Random(1).randint(16, 256) for _ in range(13)], [0] * 13),
+    "1 fresh prompt, 2048 tokens": ([2048], [0]),
+    "1 chunk of 512 after 1536 cached": ([512], [1536]),
+    "8 chunks of 8 after 1000 cached": ([8] * 8, [1000] * 8),
+}
+
+
+def bench_prefill_attention(block_size: int, repeats: int) -> None:
+    """Prompt chunks, one layer: the torch path (per-sequence SDPA, gathering any cached context) vs one
+    native call. The engine sends a step to the native kernel when no chunk exceeds 512 tokens."""
+    import torch
+
+    from pagedllm.kernels import cpu_kernels, reference
+    from pagedllm.kernels.metadata import AttentionMetadata
+
+    kernels = cpu_kernels.load_cpu_kernels()
+    if kernels is None:
+        print("Prefill attention: native kernels unavailable")
+        return
+    print("Prefill attention, one layer (torch -> native)")
+    for name, (qlens, ctxs) in PREFILL_CASES.items():
+        lens = [q + c for q, c in zip(qlens, ctxs)]
+        width = max(-(-n // block_size) for n in lens)
+        num_blocks = 2 * len(lens) * width
+        kc = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM)
+        vc = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM)
+        tables = torch.randperm(num_blocks)[: len(lens) * width].view(len(lens), width).to(torch.int32)
+        qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
+        num_tokens = int(qsl[-1])
+        query = torch.randn(num_tokens, Q_HEADS, HEAD_DIM)
+        rows = torch.cat([torch.arange(c, c + q) for q, c in zip(qlens, ctxs)])  # this step's K/V = cache rows
+        seq_of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(qlens))
+        blocks = tables.long()[seq_of, rows // block_size]
+        key, value = kc[blocks, rows % block_size], vc[blocks, rows % block_size]
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1), block_tables=tables,
+            seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=qsl, seq_lens_cpu=lens,
+            query_lens_cpu=qlens, num_decodes=0, max_seq_len=max(lens), max_query_len=max(qlens),
+        )
+        out_torch, out_native, scale = torch.empty_like(query), torch.empty_like(query), HEAD_DIM**-0.5
+        t_torch = median_ms(lambda: reference.prefill_attention(query, key, value, kc, vc, meta, scale, out_torch),
+                            repeats)
+        t_ours = median_ms(lambda: kernels.paged_attention(out_native, query, kc, vc, tables, meta.seq_lens, qsl,
+                                                           scale), repeats)
+        torch.testing.assert_close(out_native, out_torch, atol=1e-5, rtol=1e-4)
+        print(f"  {name:<34s} {t_torch:8.2f} ms -> {t_ours:8.2f} ms   {t_torch / t_ours:5.2f}x")
 
 
 def bench_fused_ops(rows: list[int], repeats: int) -> None:
@@ -141,5 +191,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"threads={torch.get_num_threads()}")
     bench_gemm(args.gemm_rows, args.repeats)
     bench_decode_attention(args.num_seqs, args.min_context, args.max_context, args.block_size, args.repeats)
+    bench_prefill_attention(args.block_size, max(3, args.repeats // 3))
     bench_fused_ops(args.op_rows, args.repeats)
     return 0

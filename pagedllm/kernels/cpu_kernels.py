@@ -43,10 +43,10 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._decode = lib.paged_decode_attention_f32
-        self._decode.restype = _c_int
-        self._decode.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr,
-                                 _c_int, _c_int, _c_int, _c_int, _c_int, _c_float]
+        self._attention = lib.paged_attention_f32
+        self._attention.restype = _c_int
+        self._attention.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr,
+                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float]
         self._cache = lib.reshape_and_cache_f32
         self._cache.restype = None
         self._cache.argtypes = [_ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64]
@@ -60,7 +60,7 @@ class CpuKernels:
         self._silu.restype = None
         self._silu.argtypes = [_ptr, _ptr, _c_int64, _c_int64, _c_int64]
 
-    def paged_decode_attention(
+    def paged_attention(
         self,
         out: torch.Tensor,
         query: torch.Tensor,
@@ -68,12 +68,16 @@ class CpuKernels:
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
         scale: float,
     ) -> None:
-        """out/query [S, Hq, D]; caches [num_blocks, block_size, Hk, D]; tables [S, ≥ blocks] int32;
-        seq_lens [S] int32 (each ≥ 1). One query token per sequence; writes `out`."""
-        num_seqs, num_q_heads, head_dim = query.shape
+        """Attention for a flat batch whose K/V are already in the cache. out/query [T, Hq, D]; caches
+        [num_blocks, block_size, Hk, D]; block_tables [S, ≥ blocks] int32; seq_lens [S] int32 (context
+        after this step); query_start_loc [S + 1] int32 (sequence s owns query rows qsl[s]:qsl[s+1], the
+        last at position seq_lens[s] - 1; decodes have one row). Causal within each chunk; writes `out`."""
+        num_tokens, num_q_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
+        num_seqs = query_start_loc.numel() - 1
         _check_rows(query, "query")
         _check_rows(out, "out")
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -83,24 +87,30 @@ class CpuKernels:
         if cache_dim != head_dim or num_q_heads % num_kv_heads or out.shape != query.shape:
             raise ValueError(f"shapes do not agree: query {tuple(query.shape)}, out {tuple(out.shape)}, "
                              f"cache {tuple(key_cache.shape)}")
-        if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(1) != 1:
-            raise ValueError("block_tables and seq_lens must be int32 with contiguous rows")
-        if block_tables.shape[0] < num_seqs or seq_lens.shape[0] < num_seqs or not seq_lens.is_contiguous():
-            raise ValueError("block_tables and seq_lens need a row for every sequence")
+        for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+            if t.dtype != torch.int32 or t.stride(-1) != 1:
+                raise ValueError(f"{name} must be int32 with contiguous rows, got {t.dtype}")
+        if num_seqs < 0 or block_tables.shape[0] < num_seqs or seq_lens.shape[0] < num_seqs:
+            raise ValueError("block_tables and seq_lens need a row for every sequence of query_start_loc")
         if num_seqs:  # the C side trusts these indices: check them here (tiny tensors, a few µs)
-            lens = seq_lens[:num_seqs]
-            if int(lens.min()) < 1 or int(lens.max()) > block_tables.shape[1] * block_size:
-                raise ValueError(f"seq_lens must be in [1, {block_tables.shape[1] * block_size}] for these block tables")
+            qsl = query_start_loc
+            qlens, lens = qsl[1:] - qsl[:-1], seq_lens[:num_seqs]
+            if int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens or int(qlens.min()) < 0:
+                raise ValueError(f"query_start_loc must rise from 0 to the {num_tokens} query rows")
+            if int(lens.max()) > block_tables.shape[1] * block_size or bool((lens < qlens).any()) or int(lens.min()) < 1:
+                raise ValueError(f"seq_lens must be in [1, {block_tables.shape[1] * block_size}] for these block "
+                                 "tables and at least each sequence's query length")
             tables = block_tables[:num_seqs]
             if int(tables.min()) < 0 or int(tables.max()) >= num_blocks:
                 raise ValueError(f"block_tables hold ids outside the pool of {num_blocks} blocks")
-        rc = self._decode(
+        rc = self._attention(
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            seq_lens.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+            seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
+            block_size, scale,
         )
         if rc != 0:
-            raise MemoryError("paged_decode_attention_f32 could not allocate its scratch rows")
+            raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

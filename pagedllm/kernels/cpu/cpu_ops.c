@@ -1,5 +1,6 @@
-/* The CPU path's native kernels (float32): PagedAttention for decode tokens, the cache write, and the
- * fused elementwise ops (RMSNorm, RoPE, SiLU·mul) that kernels/triton_fused_ops.py provides on CUDA.
+/* The CPU path's native kernels (float32): PagedAttention for a flat batch of decodes and prompt
+ * chunks, the cache write, and the fused elementwise ops (RMSNorm, RoPE, SiLU·mul) that
+ * kernels/triton_fused_ops.py provides on CUDA.
  *
  * Built on first use by pagedllm/kernels/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes with raw pointers. The OpenMP runtime it links is libgomp.so.1, which resolves to the
@@ -146,18 +147,22 @@ static inline void prefetch_block(const float *block, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 3);
 }
 
-/* One decode token per sequence: out[s, h*group + g] = softmax(q·Kᵀ·scale) V over the sequence's
- * seq_lens[s] cached tokens, read block by block through block_tables[s]. One work item is one
- * sequence: its blocks are walked once for K and once for V, whole token rows (all KV heads) at a
- * time, the next block prefetched while this one is computed; each K/V row serves all `group`
- * query heads that share it (GQA). Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_decode_attention_f32(float *out, int64_t out_seq_stride, const float *q, int64_t q_seq_stride,
-                               const float *key_cache, const float *value_cache, const int32_t *block_tables,
-                               int64_t table_stride, const int32_t *seq_lens, int num_seqs, int num_q_heads,
-                               int num_kv_heads, int head_dim, int block_size, float scale) {
+/* PagedAttention for a flat batch of query tokens (decodes and prompt chunks alike): sequence s owns
+ * tokens query_start_loc[s] .. query_start_loc[s+1]-1, the last of them at position seq_lens[s] - 1,
+ * and token i of its chunk attends causally to the first seq_lens[s] - qlen + i + 1 cached tokens
+ * (this step's K/V are already in the cache), read block by block through block_tables[s]:
+ * out[t, h*group + g] = softmax(q_t·Kᵀ·scale) V. One work item is one query token: its blocks are
+ * walked once for K and once for V, whole token rows (all KV heads) at a time, the next block
+ * prefetched while this one is computed; each K/V row serves all `group` query heads that share it
+ * (GQA). Returns 0, or -1 when scratch memory could not be allocated. */
+int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
+                        const float *key_cache, const float *value_cache, const int32_t *block_tables,
+                        int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
+                        int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
+    const int64_t num_tokens = num_seqs > 0 ? query_start_loc[num_seqs] : 0;
     int max_len = 1;
     for (int s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
@@ -172,12 +177,19 @@ int paged_decode_attention_f32(float *out, int64_t out_seq_stride, const float *
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int s = 0; s < num_seqs; ++s) {
+        for (int64_t t = 0; t < num_tokens; ++t) {
             if (scores == NULL || acc == NULL) continue;
-            const int len = seq_lens[s];
+            int s = 0, hi = num_seqs - 1; /* the last sequence whose chunk starts at or before t */
+            while (s < hi) {
+                const int mid = (s + hi + 1) / 2;
+                if (query_start_loc[mid] <= t) s = mid;
+                else hi = mid - 1;
+            }
+            const int qlen = query_start_loc[s + 1] - query_start_loc[s];
+            const int len = seq_lens[s] - qlen + (int)(t - query_start_loc[s]) + 1;
             const int num_blocks = (len + block_size - 1) / block_size;
             const int32_t *table = block_tables + s * table_stride;
-            const float *qs = q + s * q_seq_stride;
+            const float *qs = q + t * q_token_stride;
 
             for (int b = 0; b < num_blocks; ++b) { /* pass 1: scaled scores */
                 const float *kb = key_cache + (int64_t)table[b] * block_stride;
@@ -211,7 +223,7 @@ int paged_decode_attention_f32(float *out, int64_t out_seq_stride, const float *
                     group_block_axpy(scores + (int64_t)h * group * max_len + t0, max_len, vb + (int64_t)h * head_dim,
                                      token_stride, n, group, head_dim, acc + (int64_t)h * group * head_dim);
             }
-            float *os = out + s * out_seq_stride;
+            float *os = out + t * out_token_stride;
             memcpy(os, acc, sizeof(float) * (size_t)num_q_heads * head_dim);
         }
         free(scores);

@@ -34,10 +34,13 @@ class TorchAttentionBackend:
 
 
 class NativeCpuAttentionBackend:
-    """The CPU path with native kernels (kernels/cpu_kernels.py): decodes read K/V straight through
-    their block tables in one call for the whole batch; prompt chunks use the torch reference."""
+    """The CPU path with native kernels (kernels/cpu_kernels.py): decodes and prompt chunks read K/V
+    straight through their block tables, the whole step in one call per layer. Steps with a chunk
+    longer than `max_native_query_len` send their prompt chunks to the torch reference instead: torch's
+    SDPA, blocked like a GEMM, is faster on long fresh prompts (BENCHMARKS.md §1)."""
 
     name = "cpu-native"
+    max_native_query_len = 512
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
@@ -46,11 +49,14 @@ class NativeCpuAttentionBackend:
         key_cache, value_cache = kv_cache
         self.kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        nd = meta.num_decodes
-        if nd:
-            self.kernels.paged_decode_attention(out[:nd], query[:nd], key_cache, value_cache,
-                                                meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-        if nd < meta.num_seqs:
+        all_native = meta.max_query_len <= self.max_native_query_len
+        num_native = meta.num_seqs if all_native else meta.num_decodes
+        if num_native:
+            rows = query.shape[0] if all_native else num_native
+            self.kernels.paged_attention(out[:rows], query[:rows], key_cache, value_cache,
+                                         meta.block_tables[:num_native], meta.seq_lens[:num_native],
+                                         meta.query_start_loc[: num_native + 1], scale)
+        if num_native < meta.num_seqs:
             reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out)
         return out
 
