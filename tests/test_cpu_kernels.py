@@ -109,6 +109,20 @@ def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk
 
 
 @needs_kernels
+def test_backend_checks_each_steps_indices_once_and_refuses_bad_ones():
+    """Indices are checked once per step (not per layer), and a new step's bad block id is still refused."""
+    query, key, value, kc, vc, meta = _mixed_batch(3, 16, 9, 3, 64)
+    backend = NativeCpuAttentionBackend(KERNELS)
+    first = backend.forward(query, key, value, (kc, vc), meta, 0.125)
+    assert backend._checked_meta is meta
+    torch.testing.assert_close(backend.forward(query, key, value, (kc, vc), meta, 0.125), first)  # layer 2
+    _, _, _, _, _, bad = _mixed_batch(3, 16, 9, 3, 64)
+    bad.block_tables[0, 0] = kc.shape[0]  # one past the pool
+    with pytest.raises(ValueError, match="block_tables hold ids outside the pool"):
+        backend.forward(query, key, value, (kc, vc), bad, 0.125)
+
+
+@needs_kernels
 def test_reshape_and_cache_skips_padding_and_reads_strided_rows():
     kc, vc = torch.zeros(4, 2, 2, 3), torch.zeros(4, 2, 2, 3)
     rows = torch.arange(3 * 12, dtype=torch.float32).view(3, 12)

@@ -70,11 +70,14 @@ class CpuKernels:
         seq_lens: torch.Tensor,
         query_start_loc: torch.Tensor,
         scale: float,
+        indices_checked: bool = False,
     ) -> None:
         """Attention for a flat batch whose K/V are already in the cache. out/query [T, Hq, D]; caches
         [num_blocks, block_size, Hk, D]; block_tables [S, ≥ blocks] int32; seq_lens [S] int32 (context
         after this step); query_start_loc [S + 1] int32 (sequence s owns query rows qsl[s]:qsl[s+1], the
-        last at position seq_lens[s] - 1; decodes have one row). Causal within each chunk; writes `out`."""
+        last at position seq_lens[s] - 1; decodes have one row). Causal within each chunk; writes `out`.
+        `indices_checked`: these index tensors already passed `check_attention_indices` (the engine
+        checks a step's once, not once per layer)."""
         num_tokens, num_q_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
         num_seqs = query_start_loc.numel() - 1
@@ -87,22 +90,8 @@ class CpuKernels:
         if cache_dim != head_dim or num_q_heads % num_kv_heads or out.shape != query.shape:
             raise ValueError(f"shapes do not agree: query {tuple(query.shape)}, out {tuple(out.shape)}, "
                              f"cache {tuple(key_cache.shape)}")
-        for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
-            if t.dtype != torch.int32 or t.stride(-1) != 1:
-                raise ValueError(f"{name} must be int32 with contiguous rows, got {t.dtype}")
-        if num_seqs < 0 or block_tables.shape[0] < num_seqs or seq_lens.shape[0] < num_seqs:
-            raise ValueError("block_tables and seq_lens need a row for every sequence of query_start_loc")
-        if num_seqs:  # the C side trusts these indices: check them here (tiny tensors, a few µs)
-            qsl = query_start_loc
-            qlens, lens = qsl[1:] - qsl[:-1], seq_lens[:num_seqs]
-            if int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens or int(qlens.min()) < 0:
-                raise ValueError(f"query_start_loc must rise from 0 to the {num_tokens} query rows")
-            if int(lens.max()) > block_tables.shape[1] * block_size or bool((lens < qlens).any()) or int(lens.min()) < 1:
-                raise ValueError(f"seq_lens must be in [1, {block_tables.shape[1] * block_size}] for these block "
-                                 "tables and at least each sequence's query length")
-            tables = block_tables[:num_seqs]
-            if int(tables.min()) < 0 or int(tables.max()) >= num_blocks:
-                raise ValueError(f"block_tables hold ids outside the pool of {num_blocks} blocks")
+        if not indices_checked:
+            self.check_attention_indices(block_tables, seq_lens, query_start_loc, num_tokens, num_blocks, block_size)
         rc = self._attention(
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
@@ -111,6 +100,31 @@ class CpuKernels:
         )
         if rc != 0:
             raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
+
+    @staticmethod
+    def check_attention_indices(
+        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int,
+        num_blocks: int, block_size: int,
+    ) -> None:
+        """The C side follows these indices without bounds checks: refuse any that leave the pool."""
+        for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+            if t.dtype != torch.int32 or t.stride(-1) != 1:
+                raise ValueError(f"{name} must be int32 with contiguous rows, got {t.dtype}")
+        num_seqs = query_start_loc.numel() - 1
+        if num_seqs < 0 or block_tables.shape[0] < num_seqs or seq_lens.shape[0] < num_seqs:
+            raise ValueError("block_tables and seq_lens need a row for every sequence of query_start_loc")
+        if num_seqs == 0:
+            return
+        qsl = query_start_loc
+        qlens, lens = qsl[1:] - qsl[:-1], seq_lens[:num_seqs]
+        if int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens or int(qlens.min()) < 0:
+            raise ValueError(f"query_start_loc must rise from 0 to the {num_tokens} query rows")
+        if int(lens.max()) > block_tables.shape[1] * block_size or bool((lens < qlens).any()) or int(lens.min()) < 1:
+            raise ValueError(f"seq_lens must be in [1, {block_tables.shape[1] * block_size}] for these block "
+                             "tables and at least each sequence's query length")
+        tables = block_tables[:num_seqs]
+        if int(tables.min()) < 0 or int(tables.max()) >= num_blocks:
+            raise ValueError(f"block_tables hold ids outside the pool of {num_blocks} blocks")
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -132,7 +146,6 @@ class CpuKernels:
         row = key.shape[1] * key.shape[2]
         self._cache(key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                     slot_mapping.data_ptr(), key.shape[0], row)
-
 
     # The fused ops, with kernels/triton_fused_ops.py's signatures and contracts.
 

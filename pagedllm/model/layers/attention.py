@@ -44,6 +44,7 @@ class NativeCpuAttentionBackend:
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
+        self._checked_meta: AttentionMetadata | None = None  # the step whose indices passed the check
 
     def forward(self, query, key, value, kv_cache, meta, scale):
         key_cache, value_cache = kv_cache
@@ -55,7 +56,9 @@ class NativeCpuAttentionBackend:
             rows = query.shape[0] if all_native else num_native
             self.kernels.paged_attention(out[:rows], query[:rows], key_cache, value_cache,
                                          meta.block_tables[:num_native], meta.seq_lens[:num_native],
-                                         meta.query_start_loc[: num_native + 1], scale)
+                                         meta.query_start_loc[: num_native + 1], scale,
+                                         indices_checked=meta is self._checked_meta)
+            self._checked_meta = meta  # every layer of a step shares its metadata: checked once
         if num_native < meta.num_seqs:
             reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out)
         return out
