@@ -82,6 +82,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Fraction of the pool kept free when admitting new prompts, so admission does not thrash.
     watermark: float = 0.01
+    # Overlap scheduling of step t+1 with the device running step t; None: the engine decides.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)

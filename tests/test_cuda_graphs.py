@@ -84,7 +84,8 @@ def test_graph_decode_equals_eager_with_padded_buckets(tmp_path):
     from pagedllm.worker import cuda_graph
 
     orig = cuda_graph.CUDAGraphRunner.run
-    cuda_graph.CUDAGraphRunner.run = lambda self, chunks: replays.append(len(chunks)) or orig(self, chunks)
+    cuda_graph.CUDAGraphRunner.run = (
+        lambda self, chunks, pending=None: replays.append(len(chunks)) or orig(self, chunks, pending))
     try:
         graphed, runner = _generate(model_dir, prompts, params, num_gpu_blocks_override=256, max_num_seqs=16)
     finally:
@@ -112,3 +113,48 @@ def test_swap_preemption_and_cow_forks_on_cuda_match_unconstrained_run(tmp_path)
     a, _ = _generate(model_dir, [prompts[0][:21]], fork, num_gpu_blocks_override=512, enforce_eager=True)
     b, _ = _generate(model_dir, [prompts[0][:21]], fork, num_gpu_blocks_override=512)
     assert a == b and len(a[0]) == 3
+
+
+@pytest.mark.cuda
+def test_async_scheduling_on_cuda_equals_sync_and_launches_never_wait(tmp_path):
+    """Asynchronous scheduling (the CUDA default) with graphs and eager prefill steps: same tokens as the
+    synchronous engine for greedy, seeded-random, stop-token and swap-preempted requests, and launching a
+    step never synchronises with the device (torch's sync debug mode turns any such wait into an error)."""
+    from pagedllm import LLM, SamplingParams
+
+    model_dir = _tiny_llama(tmp_path)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(1, 70))] for _ in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 48), ignore_eos=True) for _ in range(6)]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    params += [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[rng.randrange(1, 1024) for _ in range(40)])
+               for _ in range(3)]
+    kw = dict(num_gpu_blocks_override=40, preemption_mode="swap", swap_space=0.05, max_num_seqs=16)
+    sync, _ = _generate(model_dir, prompts, params, async_scheduling=False, **kw)
+    default, _ = _generate(model_dir, prompts, params, **kw)
+    assert default == sync
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=256,
+              block_size=16, num_gpu_blocks_override=256)
+    engine = llm.llm_engine
+    assert engine.async_scheduling
+    launch = engine._launch_step
+
+    def checked_launch(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    engine._launch_step = checked_launch
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = [list(c.token_ids) for c in out.outputs]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref, _ = _generate(model_dir, prompts, greedy, async_scheduling=False, num_gpu_blocks_override=256)
+    assert [done[i] for i in range(len(prompts))] == ref

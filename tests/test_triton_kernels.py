@@ -118,6 +118,70 @@ def test_decode_split_kv_is_exact_reduction(num_splits):
     assert _rel_err(out, ref) < 2e-5
 
 
+def _decode(query, kc, vc, meta, **kw) -> torch.Tensor:
+    out = torch.full_like(query, float("nan"))  # every element must be written
+    return triton_attention.paged_decode_attention(query, kc, vc, meta.block_tables, meta.seq_lens, 0.125,
+                                                   max(meta.seq_lens_cpu), out=out, **kw)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
+def test_fused_reduction_matches_separate_and_resets_its_counters(num_splits):
+    """The single-launch merge (last split to finish) equals the two-kernel one; empty splits add nothing."""
+    rng = random.Random(100 + num_splits)
+    seq_lens = [3, 77, 200, 129] if ON_CUDA else [3, 77, 50]
+    query, kc, vc, meta = _make_batch(rng, torch.float32, 16, 64, 2, 4, seq_lens, [1] * len(seq_lens))
+    ws = triton_attention.DecodeWorkspace.allocate(DEVICE)
+    fused = _decode(query, kc, vc, meta, num_splits=num_splits, workspace=ws)
+    separate = _decode(query, kc, vc, meta, num_splits=num_splits, reduce="separate")
+    assert not fused.isnan().any()
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-6)
+    assert _rel_err(fused, _reference(query, kc, vc, meta, 0.125)) < 2e-5
+    if num_splits > 1:
+        assert ws.counters.numel() >= len(seq_lens) * 2 and not ws.counters.any()
+    # Merging two splits at a time gives the same result; the counters are zero again after each launch.
+    again = _decode(query, kc, vc, meta, num_splits=num_splits, workspace=ws, merge_chunk=2)
+    torch.testing.assert_close(again, fused, rtol=1e-5, atol=1e-6)
+    assert not ws.counters.any()
+
+
+def test_decode_workspace_is_reused_and_grows():
+    rng = random.Random(5)
+    small = _make_batch(rng, torch.float32, 16, 64, 2, 4, [40, 90], [1, 1])
+    large = _make_batch(rng, torch.float32, 16, 64, 2, 4, [33, 70, 5, 61, 88], [1] * 5)
+    ws = triton_attention.DecodeWorkspace.allocate(DEVICE)
+
+    def check(batch) -> None:
+        query, kc, vc, meta = batch
+        out = _decode(query, kc, vc, meta, num_splits=4, workspace=ws)
+        assert _rel_err(out, _reference(query, kc, vc, meta, 0.125)) < 2e-5
+        assert not ws.counters.any()
+
+    check(small)
+    check(small)
+    buffers = (ws.counters, ws.part_out, ws.part_ml)
+    assert ws.counters.numel() >= 2 * 2 and ws.part_out.numel() >= 2 * 8 * 4 * 64 and not ws.retired
+    check(large)  # more sequences: counters (zeroed) and partials grow
+    assert ws.counters.numel() >= 5 * 2 and ws.part_out.numel() >= 5 * 8 * 4 * 64
+    assert all(a is b for a, b in zip(ws.retired, buffers))  # kept alive for graphs captured before
+    grown = (ws.counters, ws.part_out, ws.part_ml)
+    check(small)  # fewer sequences: the same buffers, never shrunk
+    assert all(a is b for a, b in zip((ws.counters, ws.part_out, ws.part_ml), grown))
+
+
+def test_triton_backend_owns_one_workspace_per_device():
+    from pagedllm.model.layers.attention import TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    rng = random.Random(6)
+    for seq_lens in ([90, 7], [50, 3, 100]):  # two splits each (CPU: 4 "SMs")
+        query, kc, vc, meta = _make_batch(rng, torch.float32, 16, 64, 2, 4, seq_lens, [1] * len(seq_lens))
+        no_tokens = torch.empty(0, 2, 64, device=DEVICE)  # nothing to cache: K/V are already in kc / vc
+        out = backend.forward(query, no_tokens, no_tokens, (kc, vc), meta, 0.125)
+        assert _rel_err(out, _reference(query, kc, vc, meta, 0.125)) < 2e-5
+    (ws,) = backend.workspaces.values()
+    assert ws.device == query.device and ws.counters.numel() >= 3 * 2 and not ws.counters.any()
+
+
 def test_choose_num_splits_fills_the_device_without_sync():
     dev = torch.device(DEVICE)
     few = triton_attention.choose_num_splits(1, 1, 8192, 64, dev)
@@ -161,6 +225,9 @@ def test_kernels_reject_bad_shapes():
     bt = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="multiple"):
         triton_attention.paged_decode_attention(q, kc, kc, bt, torch.ones(2, dtype=torch.int32, device=DEVICE), 1.0, 1)
+    with pytest.raises(ValueError, match="reduce"):
+        triton_attention.paged_decode_attention(q[:, :4], kc, kc, bt, torch.ones(2, dtype=torch.int32, device=DEVICE),
+                                                1.0, 1, reduce="twice")
     with pytest.raises(ValueError, match="slot_mapping"):
         k = torch.randn(3, 4, 64, device=DEVICE)
         triton_cache_ops.reshape_and_cache(k, k, kc, kc.clone(), torch.zeros(2, dtype=torch.int64, device=DEVICE))

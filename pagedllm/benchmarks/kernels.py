@@ -2,7 +2,8 @@
 
 Llama-3-8B head shape by default (32 query heads, 8 KV heads, head dim 128), bf16, block size 16.
 For each batch × context point: median latency of a CUDA-graph replay of one call, L2 flushed before each
-(eager do_bench time of the paged call is kept too, as `paged_ms_eager`),
+(eager do_bench time of the paged call is kept too, as `paged_ms_eager`; the paged call is the default
+single-launch split-KV, `--variants` adds the two-kernel reduction and other split counts),
 achieved K/V bandwidth, and paged ÷ best contiguous. The device-to-device copy bandwidth is measured
 in the same run as the ceiling. Needs CUDA.
 """
@@ -18,11 +19,28 @@ import torch
 import torch.nn.functional as F
 
 SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-# (tile, num_warps, num_stages, programs_per_sm, min_tiles_per_split) variants of the paged kernel;
-# the first is the default.
+# (tile, num_warps, num_stages, programs_per_sm, min_tiles_per_split) variants of the paged kernel
+# (fused reduction); the first is the default.
 VARIANTS = ((None, 4, 3, 2, 1), (32, 4, 3, 2, 4), (64, 4, 4, 2, 4), (64, 8, 3, 2, 4), (128, 8, 3, 2, 4),
             (64, 4, 3, 4, 4), (64, 4, 3, 2, 4), (32, 4, 3, 2, 1), (64, 4, 3, 4, 1), (32, 4, 3, 4, 2), (64, 4, 3, 2, 2),
             (64, 4, 3, 1, 1), (64, 4, 3, 2, 8), (32, 4, 3, 2, 16), (64, 8, 3, 2, 8), (32, 2, 3, 2, 16), (16, 2, 3, 2, 32))
+# Named variants: keyword overrides of the default call (split-KV merged in the same launch, "fused").
+REDUCE_VARIANTS = {
+    "reduce_separate": {"reduce": "separate"},
+    "reduce_separate_pps4": {"reduce": "separate", "programs_per_sm": 4},
+    "fused_pps3_mt1": {"programs_per_sm": 3, "min_tiles_per_split": 1},
+    "fused_pps4": {"programs_per_sm": 4},
+    "fused_pps4_tile32": {"programs_per_sm": 4, "tile": 32},
+    "fused_merge_chunk2": {"merge_chunk": 2},
+    "fused_pps4_merge_chunk8": {"programs_per_sm": 4, "merge_chunk": 8},
+    "fused_merge_chunk4": {"merge_chunk": 4},
+    "fused_warps2": {"num_warps": 2},
+    "fused_stages2": {"num_stages": 2},
+    "fused_tile32_warps2": {"tile": 32, "num_warps": 2},
+    "fused_pps3_tile32": {"programs_per_sm": 3, "tile": 32},
+    "fused_mt2_merge_chunk16": {"min_tiles_per_split": 2, "merge_chunk": 16},
+    "fused_pps1_merge_chunk16": {"programs_per_sm": 1, "merge_chunk": 16},
+}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -99,7 +117,7 @@ def bench_point(batch: int, ctx: int, args, dtype, variants: bool) -> dict:
     from triton.testing import do_bench
 
     from pagedllm.kernels.reference import gather_kv
-    from pagedllm.kernels.triton_attention import paged_decode_attention
+    from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
     hq, hk, d, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     nb_seq = -(-ctx // bs)
@@ -120,7 +138,9 @@ def bench_point(batch: int, ctx: int, args, dtype, variants: bool) -> dict:
     row: dict = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "sdpa": {}, "variants": {}}
 
     out = torch.empty_like(q)
-    paged = lambda **kw: paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, scale, ctx, out=out, **kw)  # noqa: E731
+    ws = DecodeWorkspace.allocate("cuda")  # owned by the caller, as the engine's backend does: no per-call memset
+    paged = lambda **kw: paged_decode_attention(q, key_cache, value_cache, tables, seq_lens, scale, ctx, out=out,  # noqa: E731
+                                                workspace=ws, **kw)
     paged()
     ref = None
     for backend in SDPA_BACKENDS:
@@ -147,6 +167,8 @@ def bench_point(batch: int, ctx: int, args, dtype, variants: bool) -> dict:
             row["variants"][name] = bench_graph(
                 lambda: paged(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps,
                               min_tiles_per_split=mt))[0]
+        for name, kw in REDUCE_VARIANTS.items():
+            row["variants"][name] = bench_graph(lambda: paged(**kw))[0]
     times = [t for t in row["sdpa"].values() if t is not None]
     row["best_contig_ms"] = min(times) if times else None
     row["best_contig_backend"] = min((t, b) for b, t in row["sdpa"].items() if t is not None)[1] if times else None

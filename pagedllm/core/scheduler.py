@@ -24,7 +24,7 @@ class ScheduledSequence:
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so the step samples for it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.get_len()
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.get_len_with_pending()
 
 
 @dataclass
@@ -124,11 +124,7 @@ class Scheduler:
                 n = 0
             demand.append((seq, n))
             token_budget -= n
-        if len(demand) > 1 and any(n < s.num_uncomputed_tokens for s, n in demand):
-            # A multi-sequence group samples in lockstep (beam search needs every beam's next-token
-            # distribution in the same step): chunks may run now, but none completes before all can.
-            demand = [(s, min(n, s.num_uncomputed_tokens - 1)) for s, n in demand]
-        return demand
+        return _in_lockstep(demand)
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> None:
         # Decodes first so a long prompt chunk never stalls them, then prefill chunks; within
@@ -179,6 +175,11 @@ class Scheduler:
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.RUNNING
             demand = self._demand(group, budget.tokens_left)
+            needed = sum(self.block_manager.num_blocks_to_grow(s, n) for s, n in demand if n)
+            if not self.block_manager.can_allocate(needed, for_new_request=False):
+                # The check above reserved one block per sequence: enough for one token each. A group
+                # swapped out in the middle of its prompt continues with one-token chunks until room frees.
+                demand = _in_lockstep([(s, min(n, 1)) for s, n in demand])
             self._place(group, demand, out, budget)
             self.running.append(group)
 
@@ -265,6 +266,14 @@ class Scheduler:
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_computed_blocks(item.seq)
+
+
+def _in_lockstep(demand: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+    """A multi-sequence group samples in lockstep (beam search needs every beam's next-token
+    distribution in the same step): chunks may run now, but none completes before all can."""
+    if len(demand) > 1 and any(n < s.num_uncomputed_tokens for s, n in demand):
+        return [(s, min(n, s.num_uncomputed_tokens - 1)) for s, n in demand]
+    return demand
 
 
 @dataclass

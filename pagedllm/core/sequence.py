@@ -44,6 +44,10 @@ class Sequence:
 
     The engine computes tokens ``[num_computed_tokens, len(token_ids))`` in one or more steps
     (chunked prefill); only when every token is computed does a step sample a new one.
+
+    Under asynchronous scheduling a step's sampled token stays on the device while the next step is
+    scheduled: it counts in `num_pending_tokens` (and so in `num_uncomputed_tokens`) until the
+    engine appends it, and the worker takes it as the next step's input straight from the device.
     """
 
     seq_id: int
@@ -55,6 +59,8 @@ class Sequence:
     stop_reason: int | str | None = None
     # Per-token logprob dicts (when the request asked for logprobs).
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Sampled by a launched step, not appended yet (asynchronous scheduling); see the class docstring.
+    num_pending_tokens: int = 0
     # Free-form per-sequence state owned by the engine (detokenizer, generator, ...).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,9 +89,13 @@ class Sequence:
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
+    def get_len_with_pending(self) -> int:
+        """Tokens the scheduler plans with: the known ones plus those still on the device."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.get_len() - self.num_computed_tokens
+        return self.get_len_with_pending() - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:

@@ -37,6 +37,8 @@ _HELP = {
     "tensor_parallel_size": "Number of tensor-parallel ranks.",
     "distributed_executor_backend": "Executor for tensor parallelism: mp or ray.",
     "enforce_eager": "Disable CUDA graphs.",
+    "async_scheduling": "Schedule and launch step t+1 while the device still runs step t (outputs arrive one "
+                        "step later); default: on for CUDA with one process, off otherwise.",
 }
 
 
@@ -63,6 +65,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -101,6 +104,7 @@ class EngineArgs:
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+            async_scheduling=self.async_scheduling,
         )
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device))
@@ -113,7 +117,7 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             help_text = _HELP.get(f.name, "") + f" (default: {f.default})"
             hint = hints[f.name]
-            if hint is bool:
+            if hint is bool or _base_type(hint) is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
             base = _base_type(hint)

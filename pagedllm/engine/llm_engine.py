@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
-from pagedllm.core.scheduler import ScheduledSequence, Scheduler
+from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
+from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.model import loader
 from pagedllm.model.models.registry import get_model_max_len
@@ -40,6 +42,7 @@ class LLMEngine:
         if not mc.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(str(self.model_dir), mc.tokenizer)
         torch.manual_seed(mc.seed)
+        self._check_async_scheduling()
         self.executor = self._make_executor()
         num_gpu, num_cpu = self.executor.determine_num_available_blocks()
         if num_gpu < 1:
@@ -65,6 +68,9 @@ class LLMEngine:
         )
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.async_scheduling = self._resolve_async_scheduling()
+        self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
+        logger.info("Asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -79,6 +85,24 @@ class LLMEngine:
         from pagedllm.executor import get_distributed_executor  # tensor parallelism
 
         return get_distributed_executor(self.config, str(self.model_dir), self.hf_config)
+
+    def _check_async_scheduling(self) -> None:
+        """The next step reads the sampled tokens from the device, so every rank must share the sampler's
+        memory: tensor-parallel executors run synchronously."""
+        pc = self.config.parallel_config
+        single = pc.tensor_parallel_size == 1 and pc.distributed_executor_backend in (None, "uni")
+        if self.config.scheduler_config.async_scheduling and not single:
+            raise ValueError(
+                "async_scheduling needs the single-process executor (tensor_parallel_size=1, "
+                "distributed_executor_backend None or 'uni'); turn it off for tensor parallelism."
+            )
+
+    def _resolve_async_scheduling(self) -> bool:
+        """On by default for CUDA in one process: where the host can run ahead of the device."""
+        wanted = self.config.scheduler_config.async_scheduling
+        if wanted is None:
+            return getattr(self.executor, "supports_async_scheduling", False) and self.executor.device.type == "cuda"
+        return wanted
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
@@ -189,7 +213,7 @@ class LLMEngine:
             self.scheduler.abort_seq_group(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        return self.scheduler.has_unfinished_seqs() or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
@@ -200,11 +224,33 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, and return outputs of groups that progressed."""
+        """Schedule, run the model once, sample, and return outputs of groups that progressed.
+
+        With asynchronous scheduling the step launched here stays in flight: the next call schedules
+        and launches its successor first (the new tokens are fed to it on the device), then waits for
+        this one and returns its outputs, so the host's scheduling overlaps the device's compute.
+        """
+        outputs: list[RequestOutput] = []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and prev.needs_host_results:
+            outputs.extend(self._complete_step(prev))
+            prev = None
         sched = self.scheduler.schedule()
-        outputs = [self._finish_ignored(g) for g in sched.ignored_groups]
-        if sched.is_empty():
-            return outputs
+        outputs.extend(self._finish_ignored(g) for g in sched.ignored_groups)
+        cur = None if sched.is_empty() else self._launch_step(sched, prev)
+        if prev is not None:
+            outputs.extend(self._complete_step(prev))
+        if cur is not None:
+            # After prev completed: a block filled by prev's token is hashed with its real id.
+            self.scheduler.mark_computed(cur.scheduled)
+            if self.async_scheduling and not cur.needs_host_results:
+                self._inflight = cur
+            else:
+                outputs.extend(self._complete_step(cur))
+        return outputs
+
+    def _launch_step(self, sched: SchedulerOutputs, prev: LaunchedStep | None) -> LaunchedStep:
+        """Run the model and queue sampling for the scheduled chunks, without waiting for the device."""
         now = time.monotonic()
         # Query-length-1 chunks first: attention batches them as decodes.
         scheduled = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -212,71 +258,96 @@ class LLMEngine:
             if item.group.first_scheduled_time is None:
                 item.group.first_scheduled_time = now
         chunks = [self._chunk(item) for item in scheduled]
+        # A token prev sampled and the host has not seen yet: the worker takes it from prev's output.
+        pending = [(i, prev.row_of_seq[item.seq.seq_id]) for i, item in enumerate(scheduled)
+                   if item.seq.num_pending_tokens and item.completes]
         req = ExecuteModelRequest(chunks, sched.blocks_to_swap_in, sched.blocks_to_swap_out, sched.blocks_to_copy)
-        self.num_prompt_tokens_total += sum(
-            i.num_new_tokens for i in scheduled if not (i.num_new_tokens == 1 and i.seq.output_token_ids)
-        )
+        if pending:
+            req.pending_inputs = pending
+            req.prev_sampled_token_ids = prev.sampler_output.sampled_token_ids
+        for item in scheduled:
+            n_prompt = len(item.seq.prompt_token_ids)
+            start = item.seq.num_computed_tokens
+            self.num_prompt_tokens_total += max(0, min(start + item.num_new_tokens, n_prompt) - start)
         logits = self.executor.execute_model(req)
-        self.scheduler.mark_computed(scheduled)
-        touched = self._process_logits(scheduled, chunks, logits)
-        for group in self.scheduler.free_finished_seq_groups():
-            touched[group.request_id] = group
-        outputs.extend(self.output_processor.make_output(g) for g in touched.values())
-        return outputs
+        return self._launch_sampling(scheduled, chunks, logits)
 
     def _chunk(self, item: ScheduledSequence) -> SequenceChunk:
         seq = item.seq
         start = seq.num_computed_tokens
+        token_ids = seq.tokens_slice(start, start + item.num_new_tokens)
+        if len(token_ids) < item.num_new_tokens:  # ends with a token still on the device
+            token_ids.append(0)
         wants_prompt_logprobs = (
             item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
         )
         return SequenceChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.tokens_slice(start, start + item.num_new_tokens),
+            token_ids=token_ids,
             start_pos=start,
             block_table=list(self.scheduler.block_manager.get_block_table(seq)),
             sample=item.completes,
             all_logits=wants_prompt_logprobs,
         )
 
-    def _process_logits(self, scheduled, chunks, logits) -> dict[str, SequenceGroup]:
+    def _launch_sampling(self, scheduled, chunks, logits) -> LaunchedStep:
+        step = LaunchedStep(scheduled, chunks, logits)
         layout = logits_row_layout(chunks)
         rows: list[SamplingRow] = []
         row_idx: list[int] = []
-        owners: list[ScheduledSequence] = []
         for item, chunk, (lo, hi) in zip(scheduled, chunks, layout):
-            if chunk.all_logits:
-                self._record_prompt_logprobs(item, chunk, logits[lo:hi])
             if not chunk.sample:
                 continue
             group, seq = item.group, item.seq
             params = group.sampling_params
-            fork_at_prompt_end = not seq.output_token_ids and len(group.seqs) == 1 and "beam" not in group.extra
+            fork_at_prompt_end = (not seq.output_token_ids and not seq.num_pending_tokens and len(group.seqs) == 1
+                                  and "beam" not in group.extra)
+            num_samples = group.extra["best_of"] if fork_at_prompt_end else 1
             rows.append(
                 SamplingRow(
                     params=params,
                     prompt_token_ids=seq.prompt_token_ids,
                     output_token_ids=seq.output_token_ids,
                     generator=seq.extra.get("generator"),
-                    num_samples=group.extra["best_of"] if fork_at_prompt_end else 1,
+                    num_samples=num_samples,
                     eos_token_ids=self.eos_token_ids,
                 )
             )
+            step.row_of_seq[seq.seq_id] = len(row_idx)
             row_idx.append(hi - 1)
-            owners.append(item)
+            step.owners.append(item)
+            seq.num_pending_tokens += 1
+            step.needs_host_results |= num_samples > 1 or "beam" in group.extra or _samples_from_history(params)
+        if rows:
+            if row_idx != list(range(logits.shape[0])):
+                logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
+            has_beam = any("beam" in item.group.extra for item in step.owners)
+            step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam)
+        return step
+
+    def _complete_step(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs."""
+        layout = logits_row_layout(step.chunks)
+        for item, chunk, (lo, hi) in zip(step.scheduled, step.chunks, layout):
+            if chunk.all_logits:
+                self._record_prompt_logprobs(item, chunk, step.logits[lo:hi])
         touched: dict[str, SequenceGroup] = {}
-        if not rows:
-            return touched
-        sample_logits = logits[torch.tensor(row_idx, device=logits.device)]
-        has_beam = any("beam" in item.group.extra for item in owners)
-        samples, full_logprobs = self.sampler(sample_logits, rows, return_logprobs_tensor=has_beam)
+        if step.sampler_output is not None:
+            samples, full_logprobs = step.sampler_output.result()
+            self._append_samples(step.owners, samples, full_logprobs, touched)
+        for group in self.scheduler.free_finished_seq_groups():
+            touched[group.request_id] = group
+        return [self.output_processor.make_output(g) for g in touched.values()]
+
+    def _append_samples(self, owners, samples, full_logprobs, touched: dict[str, SequenceGroup]) -> None:
         now = time.monotonic()
         beams: dict[str, tuple[SequenceGroup, list[Sequence], list[int]]] = {}
         for row, (item, sample) in enumerate(zip(owners, samples)):
             group, seq = item.group, item.seq
+            seq.num_pending_tokens -= 1
             if group.first_token_time is None:
                 group.first_token_time = now
-            if seq.is_finished():  # aborted meanwhile
+            if seq.is_finished():  # aborted, or stopped by the step before while this one ran
                 continue
             if "beam" in group.extra:
                 entry = beams.setdefault(group.request_id, (group, [], []))
@@ -297,7 +368,6 @@ class LLMEngine:
             self.output_processor.beam_step(group, parents, full_logprobs[beam_rows])
             self.num_generation_tokens_total += len(parents)
             touched[group.request_id] = group
-        return touched
 
     def _record_prompt_logprobs(self, item: ScheduledSequence, chunk: SequenceChunk, logits: torch.Tensor) -> None:
         group, seq = item.group, item.seq
@@ -355,6 +425,13 @@ class LLMEngine:
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
         }
+
+
+def _samples_from_history(params: SamplingParams) -> bool:
+    """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens),
+    so its next step cannot be launched before the host has them."""
+    return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0 or params.min_tokens > 0)
 
 
 def _load_generation_config(model_dir) -> Any:

@@ -9,6 +9,7 @@ from pagedllm.worker.worker import Worker
 
 
 class UniProcExecutor:
+    supports_async_scheduling = True  # the worker shares the sampler's device tensors
     def __init__(self, config: EngineConfig, model_dir: str, hf_config) -> None:
         self.config = config
         self.driver_worker = Worker(config, model_dir, hf_config)

@@ -7,7 +7,13 @@ span several blocks of any size, and use an online softmax (eq. 4 of the paper).
 * Decode: one program per (sequence, KV head, split). All query heads sharing the KV head form the
   rows of one tile (padded to ≥ 16 so ``tl.dot`` uses tensor cores); each split covers an equal share
   of the sequence's context, computed in-kernel from ``seq_lens``, so the split count depends only on
-  host-known numbers and the launch is CUDA-graph safe. A second kernel merges the splits.
+  host-known numbers and the launch is CUDA-graph safe. The splits are merged in the same launch: each
+  program writes its partial (unnormalised output, max, sum), then takes a ticket from an int32
+  counter of its (sequence, KV head) with an acq_rel atomic; the program drawing the last ticket
+  resets the counter to zero and merges every split's partial into the output. Counters and partials
+  live in a caller-owned ``DecodeWorkspace`` that only grows and is always zero between launches, so
+  one workspace serves all layers and every captured graph. ``reduce="separate"`` keeps the former
+  second merge kernel instead.
 * Prefill: one program per (sequence, query tile, query head) attends causally to the sequence's
   cached context and its own new tokens, all read through the block table (chunked prefill and
   prefix caching both reduce to this).
@@ -15,6 +21,7 @@ span several blocks of any size, and use an online softmax (eq. 4 of the paper).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -22,9 +29,48 @@ import triton.language as tl
 
 
 @triton.jit
+def _merge_splits(
+    part_out_ptr, part_ml_ptr, out_ptr, stride_oh, first_head, num_splits,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    """Merges the split partials of flat heads first_head .. first_head+GROUP-1 into out_ptr (their first
+    head's row), SPLIT_CHUNK splits at a time, rescaling to a running max (log2 units) as _reduce_kernel does.
+    Loads bypass L1 (.cg), which is not coherent across SMs: a line cached here by an earlier merge of a
+    neighbouring (sequence, KV head) may predate the other splits' stores."""
+    rows = tl.arange(0, GROUP_P2)
+    dims = tl.arange(0, DIM_PAD)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    base = (first_head + rows) * num_splits
+    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+    l_run = tl.zeros([GROUP_P2], tl.float32)
+    o = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        sp = s0 + tl.arange(0, SPLIT_CHUNK)
+        ok = row_ok[:, None] & (sp < num_splits)[None, :]
+        idx = base[:, None] + sp[None, :]
+        m = tl.load(part_ml_ptr + idx * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_ml_ptr + idx * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = tl.load(part_out_ptr + idx[:, :, None] * HEAD_DIM + dims[None, None, :],
+                      mask=ok[:, :, None] & dim_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        # While every split so far is empty (max -inf) rescale against 0: the weights exp2(-inf) are 0, not NaN.
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m - m_ref[:, None])
+        l_run = l_run * alpha + tl.sum(l * w, 1)
+        o = o * alpha[:, None] + tl.sum(acc * w[:, :, None], 1)
+        m_run = m_new
+    o = o / l_run[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_ml_ptr,
+    out_ptr, part_out_ptr, part_ml_ptr, counters_ptr,
     scale,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh,
@@ -32,8 +78,8 @@ def _decode_kernel(
     stride_bt,
     stride_ot, stride_oh,
     num_splits,
-    WRITE_PARTIAL: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -91,6 +137,18 @@ def _decode_kernel(
                  mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(part_ml_ptr + idx * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + idx * 2 + 1, l_i, mask=row_ok)
+        if FUSED_REDUCE:
+            # The last split of this (sequence, KV head) to finish merges all of them. The barrier puts
+            # every thread's partial stores before the atomic's release; its acquire (in the last
+            # program) puts the other programs' stores before the loads of the merge.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kvh
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel")
+            if ticket == num_splits - 1:
+                tl.store(counter, 0)  # every program has drawn its ticket: zero again for the next launch
+                _merge_splits(part_out_ptr, part_ml_ptr, out_ptr + seq * stride_ot + kvh * GROUP * stride_oh,
+                              stride_oh, (seq * tl.num_programs(1) + kvh) * GROUP, num_splits,
+                              GROUP, GROUP_P2, HEAD_DIM, DIM_PAD, SPLIT_CHUNK)
 
 
 @triton.jit
@@ -210,6 +268,70 @@ def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     return hq // hk, d
 
 
+_REDUCE_MODES = ("fused", "separate")
+# Splits the fused merge reads in one step, at most: every split at once up to this many. Each step
+# is a dependent L2 round trip; on an H200 reading all 32 splits of a batch-1 decode at once took
+# 12.9 µs against 14.8 µs in steps of 4 (BENCHMARKS.md §6). Many splits only occur at small batches,
+# where the merge's extra registers cost no occupancy.
+_MAX_MERGE_CHUNK = 32
+
+
+def _pow2_at_least(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(eq=False)
+class DecodeWorkspace:
+    """Scratch of the split-KV decode, owned by the caller and reused by every call on one device.
+
+    ``counters``: one int32 ticket counter per (sequence, KV head), zero between launches (the fused
+    kernel's last split resets its own). ``part_out`` / ``part_ml``: flat float32 buffers for the
+    per-split partials. Buffers only grow (to powers of two), and not during CUDA-graph capture; a
+    replaced buffer is kept in ``retired`` because a graph captured before the growth still uses it.
+    """
+
+    counters: torch.Tensor
+    part_out: torch.Tensor
+    part_ml: torch.Tensor
+    retired: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def allocate(cls, device: torch.device | str, num_counters: int = 0, num_partials: int = 0,
+                 head_dim: int = 0) -> DecodeWorkspace:
+        """A workspace of at least these sizes, counters zeroed (under capture the memset joins the graph)."""
+        rows = _pow2_at_least(num_partials) if num_partials else 0
+        return cls(torch.zeros(_pow2_at_least(num_counters) if num_counters else 0, dtype=torch.int32, device=device),
+                   torch.empty(rows * head_dim, dtype=torch.float32, device=device),
+                   torch.empty(rows * 2, dtype=torch.float32, device=device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.counters.device
+
+    def reserve(self, num_counters: int, num_partials: int, head_dim: int) -> None:
+        """Grow to at least `num_counters` counters and `num_partials` partial rows of `head_dim`."""
+        grow_counters = self.counters.numel() < num_counters
+        grow_partials = self.part_ml.numel() < 2 * num_partials or self.part_out.numel() < num_partials * head_dim
+        if not (grow_counters or grow_partials):
+            return
+        if _capturing(self.device):
+            # Counters zeroed here would only be zeroed at replay; eager calls would read garbage.
+            raise RuntimeError("a DecodeWorkspace cannot grow during CUDA-graph capture: run the same call "
+                               "once before capturing it (the capture warm-up does).")
+        new = DecodeWorkspace.allocate(self.device, num_counters if grow_counters else 0,
+                                       num_partials if grow_partials else 0, head_dim)
+        if grow_counters:
+            self.retired += [self.counters] if self.counters.numel() else []
+            self.counters = new.counters
+        if grow_partials:
+            self.retired += [t for t in (self.part_out, self.part_ml) if t.numel()]
+            self.part_out, self.part_ml = new.part_out, new.part_ml
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_seq_len: int, tile: int, device: torch.device, programs_per_sm: int = 2,
     min_tiles_per_split: int = 1,
@@ -236,11 +358,24 @@ def paged_decode_attention(
     num_stages: int = 3,
     programs_per_sm: int = 2,
     min_tiles_per_split: int = 1,
+    reduce: str = "fused",
+    workspace: DecodeWorkspace | None = None,
+    merge_chunk: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] → [S, Hq, D] over each sequence's seq_lens[i] keys.
 
     `max_seq_len` (a host int, e.g. max_model_len under CUDA graphs) only bounds the split count.
+    `reduce` merges the splits in the same launch ("fused") or in a second kernel ("separate").
+    `workspace` holds the counters and partials (grown as needed); without one, a zeroed one is
+    allocated for this call. `merge_chunk` (a power of two): splits the fused merge reads per step;
+    by default all of them, up to 32.
     """
+    if reduce not in _REDUCE_MODES:
+        raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}.")
+    if merge_chunk is not None and (merge_chunk < 1 or merge_chunk & (merge_chunk - 1)):
+        raise ValueError(f"merge_chunk must be a power of two, got {merge_chunk}.")
+    if workspace is not None and workspace.device != query.device:
+        raise ValueError(f"workspace is on {workspace.device}, query on {query.device}.")
     group, d = _check_shapes(query, key_cache, value_cache)
     num_seqs, hq = query.shape[0], query.shape[1]
     hk, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -255,25 +390,35 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, hk, max_seq_len, tile, query.device, programs_per_sm,
                                        min_tiles_per_split)
+    fused = reduce == "fused"
+    part_out = part_ml = counters = out  # unused with a single split
     if num_splits > 1:
-        part_out = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=query.device)
-        part_ml = torch.empty((num_seqs, hq, num_splits, 2), dtype=torch.float32, device=query.device)
-    else:
-        part_out = part_ml = out  # unused
+        sizes = (num_seqs * hk if fused else 0, num_seqs * hq * num_splits, d)
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(query.device, *sizes)
+        else:
+            workspace.reserve(*sizes)
+        part_out, part_ml = workspace.part_out, workspace.part_ml
+        counters = workspace.counters if fused else out
+    group_p2 = triton.next_power_of_2(group)
+    if merge_chunk is None:
+        merge_chunk = min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_splits))
     _decode_kernel[(num_seqs, hk, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
-        out, part_out, part_ml,
+        out, part_out, part_ml, counters,
         scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        num_splits, WRITE_PARTIAL=num_splits > 1, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        num_splits, WRITE_PARTIAL=num_splits > 1, FUSED_REDUCE=fused and num_splits > 1,
+        GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
+        SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), merge_chunk),
         HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile, PREC=_precision(query),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _reduce_kernel[(num_seqs, hq)](
             part_out, part_ml, out, out.stride(0), out.stride(1),
             num_splits, SPLIT_PAD=triton.next_power_of_2(num_splits),
@@ -327,15 +472,17 @@ def paged_attention(
     meta,
     scale: float,
     out: torch.Tensor | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``reference.paged_attention`` (K/V already cached): decodes, then prefill chunks."""
+    """Same contract as ``reference.paged_attention`` (K/V already cached): decodes, then prefill chunks.
+    `workspace`: the decode's scratch, reused across calls (see ``paged_decode_attention``)."""
     if out is None:
         out = torch.empty_like(query)
     nd = meta.num_decodes
     if nd:
         max_len = max(meta.seq_lens_cpu[:nd])
         paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                               scale, max_len, out=out[:nd])
+                               scale, max_len, out=out[:nd], workspace=workspace)
     n_prefill = meta.num_seqs - nd
     if n_prefill:
         max_q = max(meta.query_lens_cpu[nd:])

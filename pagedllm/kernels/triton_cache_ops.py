@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.device_utils import async_tensor_h2d
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -92,7 +94,7 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     deltas = [c.data_ptr() - first.data_ptr() for c in caches]
     if any(x % elem for x in deltas):
         raise ValueError("cache tensors are not aligned to their element size.")
-    offsets = torch.tensor([x // elem for x in deltas], dtype=torch.int64, device=first.device)
+    offsets = async_tensor_h2d([x // elem for x in deltas], torch.int64, first.device)
     mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
     numel = first[0].numel()
     _copy_blocks_kernel[(mapping.shape[0], len(caches))](

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels import reference
 
 logger = logging.getLogger("pagedllm")
@@ -78,7 +79,7 @@ class CacheEngine:
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return
-        m = torch.tensor(mapping, dtype=torch.int64, device=self.device)
+        m = async_tensor_h2d(mapping, torch.int64, self.device)
         if self.device.type == "cuda":
             from pagedllm.kernels import triton_cache_ops  # needs triton: imported on use
 

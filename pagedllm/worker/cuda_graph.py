@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.worker.model_runner import fill_pending_tokens
 from pagedllm.worker.model_input import SequenceChunk
 
 logger = logging.getLogger("pagedllm")
@@ -135,8 +136,11 @@ class CUDAGraphRunner:
     def can_run(self, chunks: list[SequenceChunk]) -> bool:
         return bool(self.graphs) and is_graphable(chunks, self.max_batch, self.max_blocks)
 
-    def run(self, chunks: list[SequenceChunk]) -> torch.Tensor:
-        """Fill the static buffers for `chunks` (padded to their bucket), replay, → hidden states [n, H]."""
+    def run(self, chunks: list[SequenceChunk], pending=None) -> torch.Tensor:
+        """Fill the static buffers for `chunks` (padded to their bucket), replay, → hidden states [n, H].
+
+        `pending` = (rows, sampler rows, sampled token ids): tokens taken from the device (see
+        `model_runner.fill_pending_tokens`)."""
         n = len(chunks)
         b = self.bucket(n)
         self._copied.synchronize()
@@ -162,6 +166,8 @@ class CUDAGraphRunner:
         self._dev32[:b].copy_(self._host32[:b], non_blocking=True)
         self._dev32[mb: mb + b * nb].copy_(self._host32[mb: mb + b * nb], non_blocking=True)
         self._copied.record()
+        if pending is not None:
+            fill_pending_tokens(self.input_ids, *pending)
         self.graphs[b].replay()
         return self.outputs[b][:n]
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -22,6 +23,10 @@ class ExecuteModelRequest:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Asynchronous scheduling (single process only): chunk i's last token is row r of the previous
+    # step's sampled token ids, still on the device, for each (i, r).
+    pending_inputs: list[tuple[int, int]] = field(default_factory=list)
+    prev_sampled_token_ids: Any = None  # torch.Tensor [num_samples] int64 on the device
 
 
 def logits_row_layout(chunks: list[SequenceChunk]) -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.worker.model_input import SequenceChunk
 
@@ -75,20 +76,44 @@ class ModelRunner:
             max_query_len=int(qlens.max()) if num_seqs else 0,
             backend=self.attn_backend,
         )
-        logits_indices = torch.tensor(logits_idx, dtype=torch.int64, device=dev)
+        logits_indices = async_tensor_h2d(logits_idx, torch.int64, dev)
         return to(token_ids, torch.int64), to(positions, torch.int64), meta, logits_indices
 
     @torch.inference_mode()
-    def execute_model(self, chunks: list[SequenceChunk], kv_caches) -> torch.Tensor | None:
-        """Run one step; returns float32 logits for the rows the chunks asked for (or None)."""
+    def execute_model(
+        self,
+        chunks: list[SequenceChunk],
+        kv_caches,
+        pending_inputs: list[tuple[int, int]] | None = None,
+        prev_sampled_token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """Run one step; returns float32 logits for the rows the chunks asked for (or None).
+
+        `pending_inputs` (asynchronous scheduling): chunk i's last token is `prev_sampled_token_ids[r]`
+        for each (i, r); it is copied on the device, so the host never waits for it.
+        """
         if not chunks:
             return None
         gr = self.graph_runner
         if gr is not None and kv_caches is gr.kv_caches and gr.can_run(chunks):
-            hidden = gr.run(chunks)  # decode rows, in chunk order: each samples its one token
+            pending = None
+            if pending_inputs:  # graph row i holds chunk i's one token
+                pending = ([i for i, _ in pending_inputs], [r for _, r in pending_inputs], prev_sampled_token_ids)
+            hidden = gr.run(chunks, pending)  # decode rows, in chunk order: each samples its one token
             return self.model.compute_logits(hidden).float()
         input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
+        if pending_inputs:
+            ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
+            fill_pending_tokens(input_ids, [int(ends[i]) for i, _ in pending_inputs],
+                                [r for _, r in pending_inputs], prev_sampled_token_ids)
         hidden = self.model(input_ids, positions, kv_caches, meta)
         if logits_indices.numel() == 0:
             return None
         return self.model.compute_logits(hidden[logits_indices]).float()
+
+
+def fill_pending_tokens(input_ids: torch.Tensor, positions: list[int], rows: list[int], sampled: torch.Tensor) -> None:
+    """input_ids[positions[j]] = sampled[rows[j]], on the device (no host sync)."""
+    dev = input_ids.device
+    src = sampled.index_select(0, async_tensor_h2d(rows, torch.long, dev))
+    input_ids.index_copy_(0, async_tensor_h2d(positions, torch.long, dev), src.to(input_ids.dtype))

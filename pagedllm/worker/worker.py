@@ -147,7 +147,8 @@ class Worker:
         ce.swap_out(req.blocks_to_swap_out)
         ce.swap_in(req.blocks_to_swap_in)
         ce.copy(req.blocks_to_copy)
-        return self.model_runner.execute_model(req.chunks, ce.gpu_cache)
+        return self.model_runner.execute_model(req.chunks, ce.gpu_cache, req.pending_inputs,
+                                               req.prev_sampled_token_ids)
 
 
 def _available_ram_bytes() -> int:

@@ -1,13 +1,16 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends through it."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from pagedllm.kernels import reference
 from pagedllm.kernels.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.triton_attention import DecodeWorkspace
 
 
 class AttentionBackend(Protocol):
@@ -65,16 +68,25 @@ class NativeCpuAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """Triton kernels (kernels/triton_*.py): the CUDA path. Same contract as TorchAttentionBackend."""
+    """Triton kernels (kernels/triton_*.py): the CUDA path. Same contract as TorchAttentionBackend.
+
+    Owns one split-KV decode workspace per device, shared by every layer and every captured CUDA graph;
+    it grows when a call needs more (the capture warm-up sizes it before each capture)."""
 
     name = "triton"
+
+    def __init__(self) -> None:
+        self.workspaces: dict[torch.device, DecodeWorkspace] = {}
 
     def forward(self, query, key, value, kv_cache, meta, scale):
         from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
 
         key_cache, value_cache = kv_cache
         triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-        return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale)
+        workspace = self.workspaces.get(query.device)
+        if workspace is None:
+            workspace = self.workspaces[query.device] = triton_attention.DecodeWorkspace.allocate(query.device)
+        return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, workspace=workspace)
 
 
 class Attention(nn.Module):

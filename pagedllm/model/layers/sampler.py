@@ -12,7 +12,8 @@ Pipeline per call (stages are skipped entirely when no row needs them):
    the row's history, never on the rest of the batch.
 
 Log-probs are computed from the *raw* logits (before any processing).
-All device -> host traffic happens in a single ``.tolist()`` at the end.
+All device -> host traffic is one non-blocking copy into pinned memory, read by
+``SamplerOutput.result()``: ``Sampler.launch`` never waits for the device.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -74,7 +76,7 @@ def _flat_index(seqs: list[list[int]], vocab: int) -> np.ndarray:
 
 def _col(values: list[float], device: torch.device) -> torch.Tensor:
     """Per-row float32 column ``[B, 1]``."""
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return async_tensor_h2d(values, torch.float32, device).unsqueeze(1)
 
 
 def apply_penalties(
@@ -95,14 +97,14 @@ def apply_penalties(
     """
     num_rows, vocab = logits.shape
     device = logits.device
-    out_lin = torch.from_numpy(_flat_index(output_ids, vocab)).to(device)
+    out_lin = torch.from_numpy(_flat_index(output_ids, vocab)).to(device, non_blocking=True)
     counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
     counts.scatter_add_(0, out_lin, torch.ones(out_lin.shape, dtype=torch.float32, device=device))
     counts = counts.view(num_rows, vocab)
     seen_out = counts > 0
 
     if any(r != 1.0 for r in repetition):
-        prompt_lin = torch.from_numpy(_flat_index(prompt_ids, vocab)).to(device)
+        prompt_lin = torch.from_numpy(_flat_index(prompt_ids, vocab)).to(device, non_blocking=True)
         seen = torch.zeros(num_rows * vocab, dtype=torch.bool, device=device)
         seen[prompt_lin] = True
         seen = seen.view(num_rows, vocab) | seen_out
@@ -133,18 +135,14 @@ def apply_top_k_top_p(
         max_k = max(ks)
         if max_k == 0:
             return logits
-        k_t = torch.tensor(ks, dtype=torch.long, device=device).unsqueeze(1)
+        k_t = async_tensor_h2d(ks, torch.long, device).unsqueeze(1)
         top_v = logits.topk(max_k, dim=-1).values
         kth = top_v.gather(1, (k_t - 1).clamp_(min=0))
         kth = kth.masked_fill(k_t == 0, _NEG_INF)
         return logits.masked_fill(logits < kth, _NEG_INF)
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
     if top_k is not None:
-        k = torch.tensor(
-            [vocab if (x <= 0 or x > vocab) else x for x in top_k],
-            dtype=torch.long,
-            device=device,
-        )
+        k = async_tensor_h2d([vocab if (x <= 0 or x > vocab) else x for x in top_k], torch.long, device)
         kth = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
         sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
     if top_p is not None:
@@ -163,6 +161,68 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
+class SamplerOutput:
+    """A launched sampling call: its device work is queued; `result()` waits for it and reads it back.
+
+    `sampled_token_ids` (one per sample, on the logits' device) can feed the next step's input
+    before the host has seen them (asynchronous scheduling).
+    """
+
+    def __init__(self, rows: list[SamplingRow], num_samples: list[int], k_top: int, vocab: int,
+                 sampled_token_ids: torch.Tensor | None, packed: torch.Tensor | None,
+                 full: torch.Tensor | None) -> None:
+        self.rows = rows
+        self.num_samples = num_samples
+        self.k_top = k_top
+        self.vocab = vocab
+        self.sampled_token_ids = sampled_token_ids
+        self.full = full
+        self._event = None
+        self._host = packed
+        if packed is not None and packed.device.type == "cuda":
+            # Copy into pinned memory without waiting; result() waits on this event only.
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> tuple[list[RowSample], torch.Tensor | None]:
+        """Per-row results and the raw log_softmax (when it was asked for); blocks until the device is done."""
+        if self._event is not None:
+            self._event.synchronize()
+        if not self.rows:
+            return [], self.full
+        host = self._host.tolist()
+        total, num_rows, k_top = sum(self.num_samples), len(self.rows), self.k_top
+        tok_list = host[:total]
+        lp_list = host[total : 2 * total]
+        top_i_list = host[2 * total : 2 * total + num_rows * max(k_top, 0)]
+        top_v_list = host[2 * total + num_rows * max(k_top, 0) :]
+        results: list[RowSample] = []
+        pos = 0
+        for i, row in enumerate(self.rows):
+            s = self.num_samples[i]
+            ids = [int(t) for t in tok_list[pos : pos + s]]
+            lps = lp_list[pos : pos + s]
+            tops: list[dict[int, float]] | None = None
+            k = row.params.logprobs
+            if k is not None:
+                k = min(k, self.vocab)
+                base = i * k_top
+                top_pairs = [
+                    (int(top_i_list[base + j]), top_v_list[base + j]) for j in range(k)
+                ]
+                tops = []
+                for tok, lp in zip(ids, lps):
+                    d = {tok: lp}
+                    for t, v in top_pairs:
+                        d.setdefault(t, v)
+                    tops.append(d)
+            results.append(RowSample(token_ids=ids, logprobs=lps, top_logprobs=tops))
+            pos += s
+        return results, self.full
+
+
 class Sampler:
     """Samples one or more next tokens per row of a logits batch."""
 
@@ -177,6 +237,16 @@ class Sampler:
         Returns per-row results and, if ``return_logprobs_tensor``, the raw
         ``log_softmax`` of ``logits`` (``[len(rows), vocab]`` float32).
         """
+        return self.launch(logits, rows, return_logprobs_tensor).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        return_logprobs_tensor: bool = False,
+    ) -> SamplerOutput:
+        """Queue the sampling of ``logits`` ``[len(rows), vocab]`` on its device without waiting for it
+        (nothing here synchronises with the device); `SamplerOutput.result()` reads it back."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must have shape [len(rows)={len(rows)}, vocab], got "
@@ -184,7 +254,7 @@ class Sampler:
             )
         if not rows:
             empty = logits.float().log_softmax(-1) if return_logprobs_tensor else None
-            return [], empty
+            return SamplerOutput([], [], 0, logits.shape[-1], None, None, empty)
         device = logits.device
         num_rows, vocab = logits.shape
         raw = logits.float()  # never modified in place
@@ -249,9 +319,9 @@ class Sampler:
         if ban_rows:
             if x is raw:
                 x = raw.clone()
-            idx_r = torch.tensor(ban_rows, dtype=torch.long, device=device)
-            idx_t = torch.tensor(ban_toks, dtype=torch.long, device=device)
-            x.index_put_((idx_r, idx_t), torch.tensor(_NEG_INF, device=device))
+            idx_r = async_tensor_h2d(ban_rows, torch.long, device)
+            idx_t = async_tensor_h2d(ban_toks, torch.long, device)
+            x[idx_r, idx_t] = _NEG_INF
         if need_temp:
             x = x / _col(temps, device)
         if need_topk or need_topp:
@@ -268,7 +338,7 @@ class Sampler:
         for i, s in enumerate(num_samples):
             flat_rows.extend([i] * s)
         flat_rows_t = (
-            torch.tensor(flat_rows, dtype=torch.long, device=device) if expanded else None
+            async_tensor_h2d(flat_rows, torch.long, device) if expanded else None
         )
 
         n_greedy = sum(greedy)
@@ -303,15 +373,13 @@ class Sampler:
             if n_rand == total:  # every row is random
                 xr = x.index_select(0, flat_rows_t) if flat_rows_t is not None else x
             else:
-                xr = x.index_select(
-                    0, torch.tensor(rand_rows, dtype=torch.long, device=device)
-                )
+                xr = x.index_select(0, async_tensor_h2d(rand_rows, torch.long, device))
             probs = xr.softmax(dim=-1)
             q = torch.empty_like(probs)
             if len(unseeded) == n_rand:
                 q.exponential_()
             elif unseeded:
-                q[torch.tensor(unseeded, dtype=torch.long, device=device)] = torch.empty(
+                q[async_tensor_h2d(unseeded, torch.long, device)] = torch.empty(
                     (len(unseeded), vocab), dtype=q.dtype, device=device
                 ).exponential_()
             for start, count, gen in seeded:
@@ -323,7 +391,7 @@ class Sampler:
                 tokens = sampled
             else:
                 tokens = tokens.clone()
-                tokens[torch.tensor(rand_pos, dtype=torch.long, device=device)] = sampled
+                tokens[async_tensor_h2d(rand_pos, torch.long, device)] = sampled
         if tokens is None:  # unreachable: every row is greedy or random
             raise RuntimeError("sampler produced no tokens")
 
@@ -345,36 +413,9 @@ class Sampler:
         if full is not None and k_top > 0:
             top_v, top_i = full.topk(k_top, dim=-1)
             parts += [top_i.to(torch.float64).flatten(), top_v.to(torch.float64).flatten()]
-        host = torch.cat(parts).tolist()  # the single device -> host sync
-
-        # ---- assemble ------------------------------------------------------ #
-        tok_list = host[:total]
-        lp_list = host[total : 2 * total]
-        top_i_list = host[2 * total : 2 * total + num_rows * max(k_top, 0)]
-        top_v_list = host[2 * total + num_rows * max(k_top, 0) :]
-        results: list[RowSample] = []
-        pos = 0
-        for i, row in enumerate(rows):
-            s = num_samples[i]
-            ids = [int(t) for t in tok_list[pos : pos + s]]
-            lps = lp_list[pos : pos + s]
-            tops: list[dict[int, float]] | None = None
-            k = row.params.logprobs
-            if k is not None:
-                k = min(k, vocab)
-                base = i * k_top
-                top_pairs = [
-                    (int(top_i_list[base + j]), top_v_list[base + j]) for j in range(k)
-                ]
-                tops = []
-                for tok, lp in zip(ids, lps):
-                    d = {tok: lp}
-                    for t, v in top_pairs:
-                        d.setdefault(t, v)
-                    tops.append(d)
-            results.append(RowSample(token_ids=ids, logprobs=lps, top_logprobs=tops))
-            pos += s
-        return results, (full if return_logprobs_tensor else None)
+        # The single device -> host transfer, read back by SamplerOutput.result().
+        return SamplerOutput(rows, num_samples, k_top, vocab, tokens, torch.cat(parts),
+                             full if return_logprobs_tensor else None)
 
 
 def compute_prompt_logprobs(
@@ -417,6 +458,7 @@ def compute_prompt_logprobs(
 __all__ = [
     "RowSample",
     "Sampler",
+    "SamplerOutput",
     "SamplingRow",
     "apply_min_p",
     "apply_penalties",

@@ -1,0 +1,21 @@
+"""A step whose model run and sampling are queued on the device but not yet read back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.scheduler import ScheduledSequence
+from pagedllm.model.layers.sampler import SamplerOutput
+from pagedllm.worker.model_input import SequenceChunk
+
+
+@dataclass
+class LaunchedStep:
+    scheduled: list[ScheduledSequence]  # in chunk order: decodes first
+    chunks: list[SequenceChunk]
+    logits: Any  # torch.Tensor | None: rows the chunks asked for
+    owners: list[ScheduledSequence] = field(default_factory=list)  # the sampled items, in sampler row order
+    row_of_seq: dict[int, int] = field(default_factory=dict)  # seq_id → sampler row
+    sampler_output: SamplerOutput | None = None
+    # The next schedule must wait for this step's tokens: forks (n > 1), beam search, penalties, min_tokens.
+    needs_host_results: bool = False
