@@ -127,6 +127,6 @@ def test_async_scheduling_refuses_tensor_parallelism():
         LLM(async_scheduling=True, tensor_parallel_size=2, num_gpu_blocks_override=16)
 
 
-def test_async_scheduling_is_off_by_default_on_cpu(pair):
+def test_async_scheduling_is_off_by_default_on_cpu():
     llm = LLM(num_gpu_blocks_override=16, max_model_len=256)
     assert llm.llm_engine.async_scheduling is False

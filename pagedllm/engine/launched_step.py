@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+import torch
 
 from pagedllm.core.scheduler import ScheduledSequence
 from pagedllm.model.layers.sampler import SamplerOutput
@@ -13,7 +14,7 @@ from pagedllm.worker.model_input import SequenceChunk
 class LaunchedStep:
     scheduled: list[ScheduledSequence]  # in chunk order: decodes first
     chunks: list[SequenceChunk]
-    logits: Any  # torch.Tensor | None: rows the chunks asked for
+    logits: torch.Tensor | None  # the rows the chunks asked for
     owners: list[ScheduledSequence] = field(default_factory=list)  # the sampled items, in sampler row order
     row_of_seq: dict[int, int] = field(default_factory=dict)  # seq_id → sampler row
     sampler_output: SamplerOutput | None = None
