@@ -144,6 +144,23 @@ def test_fused_reduction_matches_separate_and_resets_its_counters(num_splits):
     assert not ws.counters.any()
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_preloaded_table_row_equals_per_tile_table_loads(num_splits):
+    """Loading the whole block-table row up front reads the same blocks as loading each tile's entries;
+    padding past a sequence's blocks (-1 here, as garbage) is never used either way."""
+    rng = random.Random(300 + num_splits)
+    seq_lens = [3, 77, 200, 129] if ON_CUDA else [3, 77, 50]
+    query, kc, vc, meta = _make_batch(rng, torch.float32, 16, 64, 2, 4, seq_lens, [1] * len(seq_lens))
+    ref = _reference(query, kc, vc, meta, 0.125)
+    for row, n in enumerate(seq_lens):
+        meta.block_tables[row, -(-n // 16):] = -1
+    preloaded = _decode(query, kc, vc, meta, num_splits=num_splits, preload_table=True)
+    per_tile = _decode(query, kc, vc, meta, num_splits=num_splits, preload_table=False)
+    assert not preloaded.isnan().any()
+    torch.testing.assert_close(preloaded, per_tile, rtol=1e-6, atol=1e-7)
+    assert _rel_err(preloaded, ref) < 2e-5
+
+
 def test_decode_workspace_is_reused_and_grows():
     rng = random.Random(5)
     small = _make_batch(rng, torch.float32, 16, 64, 2, 4, [40, 90], [1, 1])

@@ -20,26 +20,20 @@ import torch.nn.functional as F
 
 SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 # (tile, num_warps, num_stages, programs_per_sm, min_tiles_per_split) variants of the paged kernel
-# (fused reduction); the first is the default.
-VARIANTS = ((None, 4, 3, 2, 1), (32, 4, 3, 2, 4), (64, 4, 4, 2, 4), (64, 8, 3, 2, 4), (128, 8, 3, 2, 4),
-            (64, 4, 3, 4, 4), (64, 4, 3, 2, 4), (32, 4, 3, 2, 1), (64, 4, 3, 4, 1), (32, 4, 3, 4, 2), (64, 4, 3, 2, 2),
-            (64, 4, 3, 1, 1), (64, 4, 3, 2, 8), (32, 4, 3, 2, 16), (64, 8, 3, 2, 8), (32, 2, 3, 2, 16), (16, 2, 3, 2, 32))
-# Named variants: keyword overrides of the default call (split-KV merged in the same launch, "fused").
+# (fused reduction); the first is the default (None: chosen by the kernel's wrapper).
+VARIANTS = ((None, 4, None, 2, 1), (32, 4, None, 2, 1), (64, 4, None, 2, 2))
+# Named variants: keyword overrides of the default call (split-KV merged in the same launch, "fused";
+# block-table row preloaded with 2 pipeline stages where the table has at most 256 columns, else
+# per-tile table loads with 3 stages).
 REDUCE_VARIANTS = {
     "reduce_separate": {"reduce": "separate"},
-    "reduce_separate_pps4": {"reduce": "separate", "programs_per_sm": 4},
-    "fused_pps3_mt1": {"programs_per_sm": 3, "min_tiles_per_split": 1},
-    "fused_pps4": {"programs_per_sm": 4},
-    "fused_pps4_tile32": {"programs_per_sm": 4, "tile": 32},
-    "fused_merge_chunk2": {"merge_chunk": 2},
-    "fused_pps4_merge_chunk8": {"programs_per_sm": 4, "merge_chunk": 8},
-    "fused_merge_chunk4": {"merge_chunk": 4},
-    "fused_warps2": {"num_warps": 2},
-    "fused_stages2": {"num_stages": 2},
-    "fused_tile32_warps2": {"tile": 32, "num_warps": 2},
-    "fused_pps3_tile32": {"programs_per_sm": 3, "tile": 32},
-    "fused_mt2_merge_chunk16": {"min_tiles_per_split": 2, "merge_chunk": 16},
-    "fused_pps1_merge_chunk16": {"programs_per_sm": 1, "merge_chunk": 16},
+    "table_per_tile_stages3": {"preload_table": False, "num_stages": 3},
+    "table_per_tile_stages2": {"preload_table": False, "num_stages": 2},
+    "preload_stages3": {"preload_table": True, "num_stages": 3},
+    "preload_stages2": {"preload_table": True, "num_stages": 2},
+    "pps1": {"programs_per_sm": 1},
+    "pps3": {"programs_per_sm": 3},
+    "pps3_tile32": {"programs_per_sm": 3, "tile": 32},
 }
 
 
@@ -163,7 +157,7 @@ def bench_point(batch: int, ctx: int, args, dtype, variants: bool) -> dict:
     row["paged_ms_eager"] = do_bench(paged, warmup=25, rep=100, return_mode="median")  # host launch included
     if variants:
         for tile, warps, stages, pps, mt in VARIANTS[1:]:
-            name = f"tile{tile}_w{warps}_s{stages}_pps{pps}_mt{mt}"
+            name = f"tile{tile}_w{warps}_s{stages or 'auto'}_pps{pps}_mt{mt}"
             row["variants"][name] = bench_graph(
                 lambda: paged(tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps,
                               min_tiles_per_split=mt))[0]

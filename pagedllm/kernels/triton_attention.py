@@ -13,7 +13,9 @@ span several blocks of any size, and use an online softmax (eq. 4 of the paper).
   resets the counter to zero and merges every split's partial into the output. Counters and partials
   live in a caller-owned ``DecodeWorkspace`` that only grows and is always zero between launches, so
   one workspace serves all layers and every captured graph. ``reduce="separate"`` keeps the former
-  second merge kernel instead.
+  second merge kernel instead. Where the block table is at most 256 columns wide, each program loads
+  its whole table row up front, next to ``seq_len``, so the first K/V loads wait for one memory
+  round trip rather than two.
 * Prefill: one program per (sequence, query tile, query head) attends causally to the sequence's
   cached context and its own new tokens, all read through the block table (chunked prefill and
   prefix caching both reduce to this).
@@ -75,10 +77,10 @@ def _decode_kernel(
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh,
     stride_vb, stride_vo, stride_vh,
-    stride_bt,
+    stride_bt, table_width,
     stride_ot, stride_oh,
     num_splits,
-    WRITE_PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, TABLE_ROW: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
@@ -86,6 +88,12 @@ def _decode_kernel(
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if TABLE_ROW > 0:
+        # The whole block-table row, loaded alongside seq_len rather than after it: the K/V addresses
+        # then wait for one memory round trip instead of two (seq_len → table → K/V).
+        cols = tl.arange(0, TABLE_ROW)
+        table_row = tl.load(table + cols, mask=cols < table_width, other=0)
     seq_len = tl.load(seq_lens_ptr + seq)
 
     # This split's share of the context, in whole tiles.
@@ -107,11 +115,13 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     offs = tl.arange(0, TILE)
     qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x·log2 e)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(start, end, TILE):
         pos = tile_start + offs
         ok = pos < end
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        if TABLE_ROW > 0:
+            blk = tl.gather(table_row, tl.minimum(pos // BLOCK_SIZE, TABLE_ROW - 1), 0).to(tl.int64)
+        else:
+            blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ko + kvh * stride_kh + dims[None, :],
                     mask=ok[:, None] & dim_ok[None, :], other=0.0)
@@ -274,6 +284,8 @@ _REDUCE_MODES = ("fused", "separate")
 # 12.9 µs against 14.8 µs in steps of 4 (BENCHMARKS.md §6). Many splits only occur at small batches,
 # where the merge's extra registers cost no occupancy.
 _MAX_MERGE_CHUNK = 32
+# Widest block-table row a decode program loads whole at its start (1 KiB of int32).
+_MAX_TABLE_ROW = 256
 
 
 def _pow2_at_least(n: int) -> int:
@@ -355,12 +367,13 @@ def paged_decode_attention(
     num_splits: int | None = None,
     tile: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     programs_per_sm: int = 2,
     min_tiles_per_split: int = 1,
     reduce: str = "fused",
     workspace: DecodeWorkspace | None = None,
     merge_chunk: int | None = None,
+    preload_table: bool | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] → [S, Hq, D] over each sequence's seq_lens[i] keys.
 
@@ -368,7 +381,10 @@ def paged_decode_attention(
     `reduce` merges the splits in the same launch ("fused") or in a second kernel ("separate").
     `workspace` holds the counters and partials (grown as needed); without one, a zeroed one is
     allocated for this call. `merge_chunk` (a power of two): splits the fused merge reads per step;
-    by default all of them, up to 32.
+    by default all of them, up to 32. `preload_table`: each program loads its sequence's whole block-table
+    row up front (default: when the table has at most 256 columns). `num_stages`: software-pipeline depth;
+    by default 2 with a preloaded row and 3 without (the faster pair at every benchmarked point on an
+    H200, BENCHMARKS.md §7).
     """
     if reduce not in _REDUCE_MODES:
         raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}.")
@@ -400,6 +416,12 @@ def paged_decode_attention(
             workspace.reserve(*sizes)
         part_out, part_ml = workspace.part_out, workspace.part_ml
         counters = workspace.counters if fused else out
+    table_width = block_tables.shape[1]
+    if preload_table is None:
+        preload_table = table_width <= _MAX_TABLE_ROW
+    table_row = triton.next_power_of_2(table_width) if preload_table and table_width else 0
+    if num_stages is None:
+        num_stages = 2 if table_row else 3
     group_p2 = triton.next_power_of_2(group)
     if merge_chunk is None:
         merge_chunk = min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_splits))
@@ -410,9 +432,9 @@ def paged_decode_attention(
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), table_width,
         out.stride(0), out.stride(1),
-        num_splits, WRITE_PARTIAL=num_splits > 1, FUSED_REDUCE=fused and num_splits > 1,
+        num_splits, WRITE_PARTIAL=num_splits > 1, FUSED_REDUCE=fused and num_splits > 1, TABLE_ROW=table_row,
         GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), merge_chunk),
         HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile, PREC=_precision(query),
