@@ -270,7 +270,9 @@ _ORPHAN_SCRIPT = textwrap.dedent(
         print("PIDS", *llm.llm_engine.executor.worker_pids, flush=True)
         if sys.argv[2] == "hang":
             time.sleep(600)
-        # "exit": leave without shutdown(); the executor's finalizer must reap the workers
+        # "exit": once the test has seen the worker alive, leave without shutdown(); the executor's
+        # finalizer must reap the workers
+        sys.stdin.readline()
     """
 )
 
@@ -281,7 +283,7 @@ def test_no_orphans_when_the_engine_process_ends(tiny_llama_dir, tmp_path, how):
     script.write_text(_ORPHAN_SCRIPT)
     proc = subprocess.Popen(
         [sys.executable, str(script), tiny_llama_dir, "hang" if how == "sigkill" else "exit"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     pids: list[int] = []
     try:
@@ -292,6 +294,9 @@ def test_no_orphans_when_the_engine_process_ends(tiny_llama_dir, tmp_path, how):
         assert len(pids) == 1 and _pid_running(pids[0])
         if how == "sigkill":
             proc.kill()  # no finalizer runs: the worker must notice on its own
+        else:
+            proc.stdin.write("exit\n")
+            proc.stdin.flush()
         assert proc.wait(timeout=60) is not None
         assert _wait_gone(pids) == []
     finally:
