@@ -161,6 +161,17 @@ def test_decode_preloaded_table_row_equals_per_tile_table_loads(num_splits):
     assert _rel_err(preloaded, ref) < 2e-5
 
 
+def test_decode_without_tl_gather_falls_back_to_per_tile_table_loads(monkeypatch):
+    """Triton < 3.2 has no tl.gather: the default reads the table per tile; asking for the preload says why not."""
+    rng = random.Random(400)
+    query, kc, vc, meta = _make_batch(rng, torch.float32, 16, 64, 2, 4, [3, 77, 50], [1, 1, 1])
+    monkeypatch.delattr(triton_attention.tl, "gather")
+    out = _decode(query, kc, vc, meta, num_splits=2)
+    assert _rel_err(out, _reference(query, kc, vc, meta, 0.125)) < 2e-5
+    with pytest.raises(ValueError, match="tl.gather"):
+        _decode(query, kc, vc, meta, preload_table=True)
+
+
 def test_decode_workspace_is_reused_and_grows():
     rng = random.Random(5)
     small = _make_batch(rng, torch.float32, 16, 64, 2, 4, [40, 90], [1, 1])

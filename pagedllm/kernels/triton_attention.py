@@ -381,10 +381,10 @@ def paged_decode_attention(
     `reduce` merges the splits in the same launch ("fused") or in a second kernel ("separate").
     `workspace` holds the counters and partials (grown as needed); without one, a zeroed one is
     allocated for this call. `merge_chunk` (a power of two): splits the fused merge reads per step;
-    by default all of them, up to 32. `preload_table`: each program loads its sequence's whole block-table
-    row up front (default: when the table has at most 256 columns). `num_stages`: software-pipeline depth;
-    by default 2 with a preloaded row and 3 without (the faster pair at every benchmarked point on an
-    H200, BENCHMARKS.md §7).
+    by default all of them, up to 32. `preload_table`: each program loads its sequence's whole
+    block-table row up front (default: when the table has at most 256 columns and Triton has
+    ``tl.gather``, 3.2+). `num_stages`: software-pipeline depth; by default 2 with a preloaded row and
+    3 without (the faster pair at every benchmarked point on an H200, BENCHMARKS.md §7).
     """
     if reduce not in _REDUCE_MODES:
         raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}.")
@@ -417,8 +417,11 @@ def paged_decode_attention(
         part_out, part_ml = workspace.part_out, workspace.part_ml
         counters = workspace.counters if fused else out
     table_width = block_tables.shape[1]
+    can_gather = hasattr(tl, "gather")  # Triton >= 3.2
     if preload_table is None:
-        preload_table = table_width <= _MAX_TABLE_ROW
+        preload_table = can_gather and table_width <= _MAX_TABLE_ROW
+    elif preload_table and not can_gather:
+        raise ValueError(f"preload_table=True needs tl.gather (Triton >= 3.2); this is Triton {triton.__version__}.")
     table_row = triton.next_power_of_2(table_width) if preload_table and table_width else 0
     if num_stages is None:
         num_stages = 2 if table_row else 3
