@@ -31,6 +31,9 @@ def test_lower_bound_batch_is_capped_by_max_num_seqs_and_requests_and_checks_inp
     shape = ModelShape(1, 4, 8, 2, 1, 2, 10)
     assert lower_bound(shape, [3] * 10, [5] * 10, 4, 10**6, 1.0, 1.0).decode_batch == 4
     assert lower_bound(shape, [3] * 2, [5] * 2, 4, 10**6, 1.0, 1.0).decode_batch == 2
+    # One long request: its 99 decode tokens need 99 sequential steps whatever the batch.
+    chain = lower_bound(shape, [3, 3, 3], [100, 2, 2], 4, 10**6, 1.0, 1.0)
+    assert chain.decode_batch == 3 and chain.decode_steps == 99
     with pytest.raises(ValueError, match="equal length"):
         lower_bound(shape, [3], [], 4, 100, 1.0, 1.0)
     with pytest.raises(ValueError, match="bandwidth"):

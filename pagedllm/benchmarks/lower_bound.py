@@ -13,7 +13,8 @@ Prefill (compute-bound)::
 Decode (memory-bound: weights once per step at the largest batch, every token's KV read)::
 
     B      = min(max_num_seqs, num_requests, pool_tokens // mean(p_i + o_i))
-    steps  = ceil(Σ_i (o_i − 1) / B)
+    steps  = max( ceil(Σ_i (o_i − 1) / B),  max_i (o_i − 1) )     (a request's decode tokens are sequential:
+                                                                  the longest one alone needs o_i − 1 steps)
     KV     = Σ_i Σ_{j=1}^{o_i−1} (p_i + j) · kv_bytes_per_token
     T_dec  = max( (steps·W + KV) / BW ,  2·(N_mm + H·V)·Σ_i (o_i − 1) / P )
 
@@ -107,7 +108,7 @@ def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int
     dec_tokens = sum(max(0, o - 1) for o in output_lens)
     mean_len = sum(p + o for p, o in zip(prompt_lens, output_lens)) / len(prompt_lens)
     batch = max(1, min(max_num_seqs, len(prompt_lens), int(pool_tokens // mean_len)))
-    steps = math.ceil(dec_tokens / batch)
+    steps = max(math.ceil(dec_tokens / batch), max(o - 1 for o in output_lens))
     # Σ_{j=1}^{o-1} (p + j) = (o-1)·p + (o-1)·o/2
     kv_tokens = sum((o - 1) * p + (o - 1) * o / 2 for p, o in zip(prompt_lens, output_lens) if o > 1)
     w = steps * shape.step_weight_bytes
