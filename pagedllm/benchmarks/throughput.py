@@ -266,9 +266,12 @@ def run(args: argparse.Namespace) -> int:
 
         bandwidth, peak = copy_bandwidth(), measure_matmul_peak()
         print(f"measured here: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+        extra_ttft = probe_first_request(llm, wl.prompts[0])
         stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
     results = [run_pagedllm(llm, wl)]
     extra = {"engine_init_s": t_init}
+    if cuda_bound:
+        extra["first_request_ttft_s"] = extra_ttft
     if cuda_bound:
         extra.update(report_bound(llm, wl, results[0].elapsed_s, bandwidth, peak, stats))
     if args.compare == "hf":
@@ -315,3 +318,20 @@ def report_bound(llm, wl: Workload, elapsed_s: float, bandwidth: float, peak: fl
               f"mean of its kind {summary[first['kind']]['mean_ms']:.2f} ms")
     print(format_summary(summary))
     return {"lower_bound": lb.as_dict(), "efficiency": lb.total_s / elapsed_s, "steps": summary, "first_step": first}
+
+
+def probe_first_request(llm, prompt: list[int], repeats: int = 4) -> list[float]:
+    """TTFT of one request (its prompt, one output token) sent to the fresh engine, then `repeats` - 1
+    more times: the first is what a fresh engine's first user sees, the others the steady state."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    steady = min(times[1:])
+    print(f"first request TTFT ({len(prompt)} prompt tokens, 1 output token): fresh engine {times[0] * 1e3:.1f} ms, "
+          f"steady {steady * 1e3:.1f} ms → {times[0] / steady:.2f}x", flush=True)
+    return times
