@@ -148,3 +148,23 @@ def test_warm_start_first_step_costs_a_steady_step(tmp_path):
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     assert times[0] <= 3 * min(times[1:]) + 0.005, times
+
+
+def test_warm_up_steps_leave_greedy_outputs_unchanged(tmp_path):
+    """The warm-up steps (run at engine start on CUDA) write KV block 0 before any request owns it:
+    requests that later get block 0 produce the same greedy tokens as on a fresh engine."""
+    from pagedllm import LLM, SamplingParams
+
+    model_dir = _tiny_llama(tmp_path)
+    rng = random.Random(7)
+    prompts = [{"prompt_token_ids": [rng.randrange(1, 1024) for _ in range(rng.randint(3, 40))]} for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = []
+    for warm in (False, True):
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cpu", max_model_len=128,
+                  block_size=8, num_gpu_blocks_override=64, max_num_seqs=4)
+        if warm:
+            worker = llm.llm_engine.executor.driver_worker
+            assert worker.model_runner.warm_up_steps(worker.cache_engine.gpu_cache)
+        outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outs[0] == outs[1]

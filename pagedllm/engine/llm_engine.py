@@ -17,7 +17,7 @@ from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.model import loader
 from pagedllm.model.models.registry import get_model_max_len
-from pagedllm.model.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from pagedllm.model.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, warm_up_sampler
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_tokenizer
@@ -58,6 +58,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler()
+        if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
+            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device)
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         self.output_processor = OutputProcessor(

@@ -62,8 +62,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         done = warm_up_attention(self.attn_backend, kv_caches[0], pw.static_q, pw.static_k, pw.static_v,
                                  pw.static_out, self.table_width, attn[3])
-        log_warm_up(done, time.perf_counter() - t0)
         self.piecewise_runner = pw
+        done += self.warm_up_steps(kv_caches)
+        log_warm_up(done, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def warm_up_steps(self, kv_caches) -> list[str]:
+        """Run a prefill-only, a mixed and a decode-only step end to end (input staging, graphs, attention,
+        lm_head on 1–2 rows) so the first request loads no kernel. They write KV block 0 only, which no
+        request owns yet (its first owner overwrites it before reading)."""
+        pre = SequenceChunk(-1, [1] * 8, 0, [0], sample=True)
+        dec = SequenceChunk(-2, [1], 7, [0], sample=True)
+        for chunks in ([pre], [dec, pre], [dec], [dec, dec]):
+            self.execute_model(chunks, kv_caches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return ["steps prefill/mixed/decode"]
 
     def prepare_inputs(self, chunks: list[SequenceChunk]):
         """→ (input_ids, positions, AttentionMetadata, logits_indices), built with vectorised numpy."""

@@ -465,3 +465,15 @@ __all__ = [
     "apply_top_k_top_p",
     "compute_prompt_logprobs",
 ]
+
+
+def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device) -> None:
+    """Sample once from dummy logits with a greedy row and a random row (temperature, top-k, top-p,
+    min-p, penalties), so the first request loads none of the sampler's kernels (CUDA loads a kernel
+    module on its first use)."""
+    logits = torch.zeros((2, vocab_size), dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves the default generator's state alone
+    rows = [SamplingRow(SamplingParams(temperature=0.0, max_tokens=1), [1], []),
+            SamplingRow(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.1,
+                                       repetition_penalty=1.1, max_tokens=1), [1], [2], generator=gen)]
+    sampler.launch(logits, rows).result()
