@@ -83,5 +83,5 @@ def warm_up_attention(backend, kv_cache, query: torch.Tensor, key: torch.Tensor,
 
 
 def log_warm_up(what: list[str], seconds: float) -> None:
-    logger.info("Warm start: compiled %d attention variants (%s) in %.2f s", len(what), ", ".join(what), seconds)
+    logger.info("Warm start: ran %d attention variants and warm-up steps (%s) in %.2f s", len(what), ", ".join(what), seconds)
 
