@@ -35,8 +35,11 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    max_capture_tokens: int = 8192  # piecewise graphs for steps up to this many tokens (0: none)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_capture_tokens, int) or self.max_capture_tokens < 0:
+            raise ValueError(f"max_capture_tokens must be an int >= 0, got {self.max_capture_tokens!r}.")
         _check_choice("dtype", self.dtype, _DTYPES)
         _check_choice("load_format", self.load_format, _LOAD_FORMATS)
         _check_positive_int("max_model_len", self.max_model_len, allow_none=True)

@@ -206,6 +206,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=64, help="Static batch size for the HF peer.")
     p.add_argument("--hf-num-prompts", type=int, default=None, help="Run the HF peer on only the first N prompts.")
     p.add_argument("--output-json", default=None, help="Write the figures to this JSON file.")
+    p.add_argument("--lower-bound", action=argparse.BooleanOptionalAction, default=True,
+                   help="On CUDA: measure copy bandwidth and bf16 matmul peak here and print the run's efficiency "
+                        "against the lower bound of benchmarks/lower_bound.py, plus a step-time breakdown.")
     EngineArgs.add_cli_args(p)
     p.set_defaults(dtype="float32")
 
@@ -239,7 +242,10 @@ def run(args: argparse.Namespace) -> int:
 
         gc.collect()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    t_init = time.perf_counter()
     llm = LLM(**vars(engine_args))
+    t_init = time.perf_counter() - t_init
+    print(f"engine init (LLM() incl. warm start): {t_init:.2f} s", flush=True)
     if hf_cb is not None:
         copy_weights_to_pagedllm(llm, hf_cb)
     vocab = int(llm.llm_engine.hf_config.vocab_size)
@@ -252,7 +258,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
           f"{sum(wl.output_len)} output tokens; device={device} dtype={llm.llm_engine.executor.dtype} "
           f"threads={torch.get_num_threads()}")
+    cuda_bound = args.lower_bound and device.startswith("cuda")
+    stats = None
+    if cuda_bound:
+        from pagedllm.benchmarks.kernels import copy_bandwidth
+        from pagedllm.benchmarks.lower_bound import measure_matmul_peak
+
+        bandwidth, peak = copy_bandwidth(), measure_matmul_peak()
+        print(f"measured here: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+        extra_ttft = probe_first_request(llm, wl.prompts[0])
+        stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
     results = [run_pagedllm(llm, wl)]
+    extra = {"engine_init_s": t_init}
+    if cuda_bound:
+        extra["first_request_ttft_s"] = extra_ttft
+    if cuda_bound:
+        extra.update(report_bound(llm, wl, results[0].elapsed_s, bandwidth, peak, stats))
     if args.compare == "hf":
         del llm
         hf = load_hf_reference(engine_args.model, args.dtype, device)
@@ -270,5 +291,47 @@ def run(args: argparse.Namespace) -> int:
               f"total tok/s {ours.total_tokens_per_s / peer.total_tokens_per_s:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results], f, indent=2)
+            json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results] + [extra], f,
+                      indent=2)
     return 0
+
+
+def report_bound(llm, wl: Workload, elapsed_s: float, bandwidth: float, peak: float, stats) -> dict:
+    """Print the efficiency against the lower bound and the step-time breakdown; → figures for the JSON."""
+    from pagedllm.benchmarks.lower_bound import ModelShape, format_bound, lower_bound
+    from pagedllm.worker.step_stats import format_summary
+
+    eng = llm.llm_engine
+    cc, sc = eng.config.cache_config, eng.config.scheduler_config
+    shape = ModelShape.from_hf_config(eng.hf_config, dtype_bytes=eng.executor.dtype.itemsize)
+    lb = lower_bound(shape, list(map(len, wl.prompts)), wl.output_len, sc.max_num_seqs,
+                     cc.num_gpu_blocks * cc.block_size, bandwidth, peak)
+    print(format_bound(lb, elapsed_s))
+    first = None
+    if stats.records:
+        kind, path, n, a, b = stats.records[0]
+        first = {"kind": f"{kind}/{path}", "tokens": n}
+    summary = stats.summary()
+    if first is not None:
+        first["ms"] = stats.records[0][3].elapsed_time(stats.records[0][4])
+        print(f"first step: {first['kind']} ({first['tokens']} tokens) {first['ms']:.2f} ms; "
+              f"mean of its kind {summary[first['kind']]['mean_ms']:.2f} ms")
+    print(format_summary(summary))
+    return {"lower_bound": lb.as_dict(), "efficiency": lb.total_s / elapsed_s, "steps": summary, "first_step": first}
+
+
+def probe_first_request(llm, prompt: list[int], repeats: int = 4) -> list[float]:
+    """TTFT of one request (its prompt, one output token) sent to the fresh engine, then `repeats` - 1
+    more times: the first is what a fresh engine's first user sees, the others the steady state."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    steady = min(times[1:])
+    print(f"first request TTFT ({len(prompt)} prompt tokens, 1 output token): fresh engine {times[0] * 1e3:.1f} ms, "
+          f"steady {steady * 1e3:.1f} ms → {times[0] / steady:.2f}x", flush=True)
+    return times

@@ -37,6 +37,8 @@ _HELP = {
     "tensor_parallel_size": "Number of tensor-parallel ranks.",
     "distributed_executor_backend": "Executor for tensor parallelism: mp or ray.",
     "enforce_eager": "Disable CUDA graphs.",
+    "max_capture_tokens": "Steps with prefill chunks of up to this many tokens replay piecewise CUDA graphs "
+                          "(split at attention); 0: only decode-only steps are captured.",
     "async_scheduling": "Schedule and launch step t+1 while the device still runs step t (outputs arrive one "
                         "step later); default: on for CUDA with one process, off otherwise.",
 }
@@ -66,6 +68,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
+    max_capture_tokens: int = 8192
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -94,6 +97,7 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             max_model_len=max_model_len, load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
+            max_capture_tokens=self.max_capture_tokens,
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,

@@ -173,16 +173,21 @@ class CUDAGraphRunner:
 
 
 def measure_capture_memory(
-    model: nn.Module, kv_caches, attn_backend, block_size: int, max_num_seqs: int, max_model_len: int
+    model: nn.Module, kv_caches, attn_backend, block_size: int, max_num_seqs: int, max_model_len: int,
+    max_num_batched_tokens: int | None = None, max_capture_tokens: int = 0,
 ) -> int:
-    """Device bytes that capturing every bucket keeps (graph pool + static buffers), measured by a
-    throw-away capture on `kv_caches` (a one-block cache will do: only shapes matter)."""
+    """Device bytes that capturing every bucket keeps (graph pool + static buffers; with
+    `max_capture_tokens` > 0 the piecewise graphs too), measured by a throw-away capture on `kv_caches`
+    (a one-block cache will do: only shapes matter)."""
+    from pagedllm.worker.model_runner import ModelRunner
+
     device = kv_caches[0][0].device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
-    runner = CUDAGraphRunner(model, kv_caches, attn_backend, block_size, max_num_seqs, max_model_len)
-    runner.capture()
+    runner = ModelRunner(model, device, block_size, attn_backend)
+    runner.capture_cuda_graphs(kv_caches, max_num_seqs, max_model_len, max_num_batched_tokens,
+                               piecewise=max_capture_tokens > 0, max_capture_tokens=max_capture_tokens or None)
     after = torch.cuda.memory_reserved(device)
     del runner
     torch.cuda.synchronize(device)

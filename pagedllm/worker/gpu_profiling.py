@@ -54,8 +54,10 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     if worker.use_cuda_graphs():
         from pagedllm.worker.cuda_graph import measure_capture_memory
 
+        mct = cfg.model_config.max_capture_tokens
         graph_bytes = measure_capture_memory(worker.model, tmp_cache, worker.attn_backend(), cc.block_size,
-                                             sc.max_num_seqs, sc.max_model_len)
+                                             sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
+                                             max_capture_tokens=mct)
     del tmp_cache
     torch.cuda.empty_cache()
 

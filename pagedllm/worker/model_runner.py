@@ -1,9 +1,13 @@
 """Turns a step's chunks into one flat, unpadded batch of tensors and runs the model.
 
 On CUDA (unless ``enforce_eager``), decode-only steps replay a captured CUDA graph instead
-(``worker/cuda_graph.py``); everything else runs eagerly.
+(``worker/cuda_graph.py``); steps with prefill chunks (and decode steps the decode graphs cannot take)
+replay piecewise graphs split at attention (``worker/piecewise_graph.py``); steps larger than the
+largest token bucket, or with a chunk asking for every token's logits, run eagerly.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -12,6 +16,7 @@ from torch import nn
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.worker.model_input import SequenceChunk
+from pagedllm.worker.step_stats import StepStats, step_kind
 
 
 class ModelRunner:
@@ -21,17 +26,44 @@ class ModelRunner:
         self.block_size = block_size
         self.attn_backend = attn_backend
         self.graph_runner = None  # a CUDAGraphRunner once capture_cuda_graphs ran
+        self.piecewise_runner = None  # a PiecewiseGraphRunner once capture_cuda_graphs ran (piecewise=True)
+        self.table_width: int | None = None  # pad every block table to this width (fixed kernel variants)
+        self.step_stats: StepStats | None = None
 
-    def capture_cuda_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture decode-step graphs over `kv_caches` (CUDA only) for bucketed batches up to max_num_seqs."""
+    def enable_step_stats(self) -> StepStats:
+        """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
+        self.step_stats = StepStats()
+        return self.step_stats
+
+    def capture_cuda_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int,
+                            max_num_batched_tokens: int | None = None, piecewise: bool = True,
+                            max_capture_tokens: int | None = None) -> None:
+        """Warm start (CUDA only): capture decode-step graphs for bucketed batches up to max_num_seqs,
+        piecewise graphs for token buckets up to max_num_batched_tokens, and compile every Triton
+        attention variant the steps can reach, so that no step pays for a compilation."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
+        from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
         from pagedllm.worker.cuda_graph import CUDAGraphRunner
+        from pagedllm.worker.piecewise_graph import DEFAULT_MAX_CAPTURE_TOKENS, PiecewiseGraphRunner
 
         runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size, max_num_seqs,
                                  max_model_len)
         runner.capture()
         self.graph_runner = runner
+        self.table_width = runner.max_blocks
+        if not piecewise:
+            return
+        attn = attention_geometry(self.model)
+        pw = PiecewiseGraphRunner(self.model, kv_caches, self.attn_backend, *attn[:3],
+                                  max_num_batched_tokens or max_model_len,
+                                  max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
+        pw.capture()
+        t0 = time.perf_counter()
+        done = warm_up_attention(self.attn_backend, kv_caches[0], pw.static_q, pw.static_k, pw.static_v,
+                                 pw.static_out, self.table_width, attn[3])
+        log_warm_up(done, time.perf_counter() - t0)
+        self.piecewise_runner = pw
 
     def prepare_inputs(self, chunks: list[SequenceChunk]):
         """→ (input_ids, positions, AttentionMetadata, logits_indices), built with vectorised numpy."""
@@ -45,6 +77,8 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(num_seqs), qlens)
         positions = starts[seq_of_token] + (np.arange(num_tokens) - cu[:-1][seq_of_token])
         max_blocks = max((len(c.block_table) for c in chunks), default=1) or 1
+        if self.table_width is not None:
+            max_blocks = max(max_blocks, self.table_width)
         tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
         for i, c in enumerate(chunks):
             tables[i, : len(c.block_table)] = c.block_table
@@ -94,22 +128,36 @@ class ModelRunner:
         """
         if not chunks:
             return None
+        stats = self.step_stats
+        start = stats.start(self.device) if stats is not None else None
         gr = self.graph_runner
         if gr is not None and kv_caches is gr.kv_caches and gr.can_run(chunks):
             pending = None
             if pending_inputs:  # graph row i holds chunk i's one token
                 pending = ([i for i, _ in pending_inputs], [r for _, r in pending_inputs], prev_sampled_token_ids)
             hidden = gr.run(chunks, pending)  # decode rows, in chunk order: each samples its one token
-            return self.model.compute_logits(hidden).float()
+            logits = self.model.compute_logits(hidden).float()
+            if stats is not None:
+                stats.stop(step_kind(chunks), "graph", len(chunks), start)
+            return logits
         input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
         if pending_inputs:
             ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
             fill_pending_tokens(input_ids, [int(ends[i]) for i, _ in pending_inputs],
                                 [r for _, r in pending_inputs], prev_sampled_token_ids)
-        hidden = self.model(input_ids, positions, kv_caches, meta)
-        if logits_indices.numel() == 0:
-            return None
-        return self.model.compute_logits(hidden[logits_indices]).float()
+        pw = self.piecewise_runner
+        if pw is not None and kv_caches is pw.kv_caches and pw.can_run(chunks):
+            path = "piecewise"
+            hidden = pw.run(input_ids, positions, meta)
+        else:
+            path = "eager"
+            hidden = self.model(input_ids, positions, kv_caches, meta)
+        logits = None
+        if logits_indices.numel():
+            logits = self.model.compute_logits(hidden[logits_indices]).float()
+        if stats is not None:
+            stats.stop(step_kind(chunks), path, int(input_ids.shape[0]), start)
+        return logits
 
 
 def fill_pending_tokens(input_ids: torch.Tensor, positions: list[int], rows: list[int], sampled: torch.Tensor) -> None:
@@ -117,3 +165,13 @@ def fill_pending_tokens(input_ids: torch.Tensor, positions: list[int], rows: lis
     dev = input_ids.device
     src = sampled.index_select(0, async_tensor_h2d(rows, torch.long, dev))
     input_ids.index_copy_(0, async_tensor_h2d(positions, torch.long, dev), src.to(input_ids.dtype))
+
+
+def attention_geometry(model: nn.Module) -> tuple[int, int, int, float]:
+    """(query heads, KV heads, head_dim, scale) of this rank's attention layers."""
+    from pagedllm.model.layers.attention import Attention
+
+    for m in model.modules():
+        if isinstance(m, Attention):
+            return m.num_heads, m.num_kv_heads, m.head_dim, m.scale
+    raise ValueError(f"{type(model).__name__} has no Attention layer to capture around.")

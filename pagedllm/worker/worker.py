@@ -124,8 +124,12 @@ class Worker:
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         if self.use_cuda_graphs():
-            sc = self.config.scheduler_config
-            self.model_runner.capture_cuda_graphs(self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len)
+            sc, mc = self.config.scheduler_config, self.config.model_config
+            t0 = time.perf_counter()
+            self.model_runner.capture_cuda_graphs(
+                self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
+                piecewise=mc.max_capture_tokens > 0, max_capture_tokens=mc.max_capture_tokens or None)
+            logger.info("Warm start (graphs captured, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
 
     def use_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs on CUDA unless enforce_eager is set. Under tensor parallelism

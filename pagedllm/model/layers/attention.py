@@ -78,7 +78,8 @@ class TritonAttentionBackend:
     def __init__(self) -> None:
         self.workspaces: dict[torch.device, DecodeWorkspace] = {}
 
-    def forward(self, query, key, value, kv_cache, meta, scale):
+    def forward(self, query, key, value, kv_cache, meta, scale, out=None):
+        """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor."""
         from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
 
         key_cache, value_cache = kv_cache
@@ -86,7 +87,7 @@ class TritonAttentionBackend:
         workspace = self.workspaces.get(query.device)
         if workspace is None:
             workspace = self.workspaces[query.device] = triton_attention.DecodeWorkspace.allocate(query.device)
-        return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, workspace=workspace)
+        return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace)
 
 
 class Attention(nn.Module):

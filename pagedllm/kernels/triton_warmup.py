@@ -1,0 +1,87 @@
+"""Compile, at engine start, every Triton attention variant that eager attention calls can reach.
+
+Triton compiles a kernel once per combination of constexpr values and integer-argument
+specialisations (an int equal to 1, or divisible by 16, gets its own binary). The non-attention
+kernels are compiled by the graph captures (every bucket runs once eagerly before capture); what
+varies from step to step is the attention call that runs between the pieces (and in eager steps):
+
+- decode: the split count picks ``WRITE_PARTIAL``, ``SPLIT_CHUNK`` (next power of two, at most 32)
+  and the ``num_splits`` specialisation (1 / multiple of 16 / other). The block-table width is fixed
+  (every table is padded to ``max_model_len / block_size`` columns under graphs), so ``TABLE_ROW`` is
+  one value;
+- prefill: ``first_seq`` (the number of decodes before the chunks) is 0 or a multiple of 16, 1, or other.
+
+``warm_up_attention`` runs each such variant once on tiny inputs (no KV write: slots are -1).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger("pagedllm")
+
+# Split counts covering every SPLIT_CHUNK (1..32) × num_splits specialisation (1 / %16 / other).
+WARMUP_SPLITS = (1, 2, 3, 5, 9, 16, 17, 32)
+# Decodes before the prefill chunks: first_seq 0 (%16), 1, 3 (other).
+WARMUP_NUM_DECODES = (0, 1, 3)
+
+
+def warmup_metas(num_decodes: int, prefill_len: int, table_width: int, decode_len: int, device,
+                 backend) -> AttentionMetadata:
+    """A step of `num_decodes` one-token decodes over `decode_len` tokens of context, then one prefill
+    chunk of `prefill_len` tokens; every table points at block 0, no slot is written."""
+    n = num_decodes + (1 if prefill_len else 0)
+    qlens = [1] * num_decodes + ([prefill_len] if prefill_len else [])
+    cu = [0]
+    for q in qlens:
+        cu.append(cu[-1] + q)
+    t = cu[-1]
+    seq_lens = [decode_len] * num_decodes + ([prefill_len] if prefill_len else [])
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros((n, table_width), **i32),
+        seq_lens=torch.tensor(seq_lens, **i32),
+        query_start_loc=torch.tensor(cu, **i32),
+        seq_lens_cpu=seq_lens, query_lens_cpu=qlens, num_decodes=num_decodes,
+        max_seq_len=max(seq_lens), max_query_len=max(qlens), backend=backend,
+    )
+
+
+@torch.inference_mode()
+def warm_up_attention(backend, kv_cache, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor, table_width: int, scale: float) -> list[str]:
+    """Run every decode / prefill attention variant once through `backend` on rows of the given static
+    buffers (the same layout the steps use); returns what was compiled, for the log."""
+    from pagedllm.kernels import triton_attention
+
+    device = query.device
+    done = []
+    key_cache, value_cache = kv_cache
+    decode_len = table_width * key_cache.shape[1]
+    workspace = backend.workspaces.get(device)
+    if workspace is None:
+        workspace = backend.workspaces[device] = triton_attention.DecodeWorkspace.allocate(device)
+    for splits in WARMUP_SPLITS:
+        n = 2
+        meta = warmup_metas(n, 0, table_width, decode_len, device, backend)
+        triton_attention.paged_decode_attention(
+            query[:n], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, decode_len,
+            out=out[:n], num_splits=splits, workspace=workspace)
+        done.append(f"decode splits={splits}")
+    for nd in WARMUP_NUM_DECODES:
+        meta = warmup_metas(nd, 5, table_width, decode_len, device, backend)
+        t = nd + 5
+        backend.forward(query[:t], key[:t], value[:t], kv_cache, meta, scale, out=out[:t])
+        done.append(f"mixed decodes={nd}")
+    torch.cuda.synchronize(device)
+    out.zero_()
+    return done
+
+
+def log_warm_up(what: list[str], seconds: float) -> None:
+    logger.info("Warm start: compiled %d attention variants (%s) in %.2f s", len(what), ", ".join(what), seconds)
+

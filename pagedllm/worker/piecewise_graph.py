@@ -1,0 +1,196 @@
+"""Piecewise CUDA graphs for steps that carry prefill chunks (mixed prefill + decode, prefill-only).
+
+A step of ``T`` tokens runs in the smallest captured token bucket ``B >= T``. For each bucket the model
+forward is captured as ``num_layers + 1`` graphs split at the attention calls (vLLM splits a
+torch.compile graph at attention; here the split happens by hand, at the attention backend): piece 0
+is the embedding and layer 0 up to its attention, piece i the rest of layer i-1 and layer i up to its
+attention, the last piece ends with the final norm. Each piece copies its layer's rotated q, k, v into
+static buffers; between pieces the attention backend runs eagerly on the first ``T`` rows with the
+step's own metadata (any mix of decodes and prefill chunks, any context length) and writes the static
+output buffer the next piece reads. Rows ``T..B`` are padding: stale but valid token ids and positions,
+never written to the KV cache (attention never sees them), outputs ignored.
+
+So a mixed step costs ``num_layers + 1`` graph replays plus the attention launches instead of a few
+hundred eager launches, and the graphs never bake in the sequence layout.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.worker.model_input import SequenceChunk
+
+logger = logging.getLogger("pagedllm")
+
+DEFAULT_MAX_CAPTURE_TOKENS = 8192
+
+
+def capture_token_counts(max_num_batched_tokens: int, max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS) -> list[int]:
+    """Token buckets: 8, 16, 32, 64, then every 64 up to 512, every 128 up to 2048, every 256 up to 4096,
+    every 512 beyond; up to min(max_num_batched_tokens, max_capture_tokens), which is always included.
+    Padding: at most 50 % from 128 tokens, 25 % from 512."""
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}.")
+    if max_capture_tokens < 1:
+        raise ValueError(f"max_capture_tokens must be >= 1, got {max_capture_tokens}.")
+    top = min(max_num_batched_tokens, max_capture_tokens)
+    sizes = [8, 16, 32, 64]
+    for step, end in ((64, 512), (128, 2048), (256, 4096), (512, top)):
+        sizes += range(sizes[-1] + step, end + 1, step)
+    return sorted({s for s in sizes if s < top} | {top})
+
+
+def bucket_for(num_tokens: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding `num_tokens` tokens, or None when none does."""
+    for b in buckets:
+        if b >= num_tokens:
+            return b
+    return None
+
+
+def is_piecewise_graphable(chunks: list[SequenceChunk], max_tokens: int) -> bool:
+    """Any step whose token count fits the largest bucket (decode-only steps too, when the decode
+    graphs cannot take them)."""
+    return bool(chunks) and sum(len(c.token_ids) for c in chunks) <= max_tokens
+
+
+@dataclass
+class _Site:
+    """One attention call of the captured forward: where its inputs sit and its output goes."""
+
+    kv_index: int
+    scale: float
+
+
+class _SplitRecorder:
+    """The attention backend the model sees while a bucket is captured: it ends the current piece,
+    remembers the call, starts the next piece, and hands back the static output buffer."""
+
+    name = "piecewise-capture"
+
+    def __init__(self, runner: "PiecewiseGraphRunner", num_tokens: int, capturing: bool) -> None:
+        self.runner = runner
+        self.t = num_tokens
+        self.capturing = capturing
+        self.sites: list[_Site] = []
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        if self.capturing:
+            self.graph = torch.cuda.CUDAGraph()
+            self.graph.capture_begin(pool=self.runner.pool)
+
+    def end(self) -> None:
+        if self.capturing:
+            self.graph.capture_end()
+            self.graphs.append(self.graph)
+            self.graph = None
+
+    def forward(self, query, key, value, kv_cache, meta, scale):
+        r, t = self.runner, self.t
+        if query.shape[0] != t:
+            raise ValueError(f"piecewise capture: attention saw {query.shape[0]} tokens, the bucket has {t}.")
+        r.static_q[:t].copy_(query)
+        r.static_k[:t].copy_(key)
+        r.static_v[:t].copy_(value)
+        self.end()
+        kv_index = next(i for i, c in enumerate(r.kv_caches) if c is kv_cache)
+        self.sites.append(_Site(kv_index, scale))
+        self.begin()
+        return r.static_out[:t]
+
+
+class PiecewiseGraphRunner:
+    """Captures the model forward per token bucket in pieces split at attention, and replays it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_backend,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_num_batched_tokens: int,
+        max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS,
+        pool=None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.attn_backend = attn_backend
+        self.buckets = capture_token_counts(max_num_batched_tokens, max_capture_tokens)
+        self.max_tokens = self.buckets[-1]
+        device = kv_caches[0][0].device
+        dtype = kv_caches[0][0].dtype
+        self.device = device
+        mt = self.max_tokens
+        self.input_ids = torch.zeros(mt, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(mt, dtype=torch.int64, device=device)
+        self.static_q = torch.zeros((mt, num_heads, head_dim), dtype=dtype, device=device)
+        self.static_k = torch.zeros((mt, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.static_v = torch.zeros((mt, num_kv_heads, head_dim), dtype=dtype, device=device)
+        self.static_out = torch.zeros((mt, num_heads, head_dim), dtype=dtype, device=device)
+        self.pool = pool
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.sites: dict[int, list[_Site]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _capture_meta(self, t: int, backend) -> AttentionMetadata:
+        # Only the backend is read during capture (attention itself runs at replay).
+        return AttentionMetadata(
+            slot_mapping=self.positions[:t], block_tables=self.positions[:1].view(1, 1), seq_lens=self.positions[:1],
+            query_start_loc=self.positions[:2], seq_lens_cpu=[t], query_lens_cpu=[t], num_decodes=0,
+            max_seq_len=t, max_query_len=t, backend=backend,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first, into one shared memory pool."""
+        t0 = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for t in reversed(self.buckets):
+                ids, pos = self.input_ids[:t], self.positions[:t]
+                warm = _SplitRecorder(self, t, capturing=False)
+                self.model(ids, pos, self.kv_caches, self._capture_meta(t, warm))  # compiles, sizes the allocator
+                stream.synchronize()
+                rec = _SplitRecorder(self, t, capturing=True)
+                rec.begin()
+                out = self.model(ids, pos, self.kv_caches, self._capture_meta(t, rec))
+                rec.end()
+                self.graphs[t], self.sites[t], self.outputs[t] = rec.graphs, rec.sites, out
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.static_out.zero_()
+        n_pieces = sum(len(g) for g in self.graphs.values())
+        logger.info("Captured piecewise CUDA graphs for %d token buckets (%d..%d tokens, %d pieces) in %.2f s",
+                    len(self.buckets), self.buckets[0], self.max_tokens, n_pieces, time.perf_counter() - t0)
+
+    def can_run(self, chunks: list[SequenceChunk]) -> bool:
+        return bool(self.graphs) and is_piecewise_graphable(chunks, self.max_tokens)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the bucket of len(input_ids) tokens, attention eagerly in between → hidden states [T, H]."""
+        t = input_ids.shape[0]
+        b = bucket_for(t, self.buckets)
+        if b is None:
+            raise ValueError(f"a step of {t} tokens exceeds the largest captured bucket {self.max_tokens}.")
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        graphs, sites = self.graphs[b], self.sites[b]
+        for i, graph in enumerate(graphs):
+            graph.replay()
+            if i < len(sites):
+                site = sites[i]
+                self.attn_backend.forward(self.static_q[:t], self.static_k[:t], self.static_v[:t],
+                                          self.kv_caches[site.kv_index], meta, site.scale, out=self.static_out[:t])
+        return self.outputs[b][:t]

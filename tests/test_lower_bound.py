@@ -1,0 +1,40 @@
+"""The offline lower bound's arithmetic (pagedllm/benchmarks/lower_bound.py) on a hand-computed case."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.benchmarks.lower_bound import ModelShape, format_bound, lower_bound
+
+
+def test_lower_bound_matches_a_hand_computed_case():
+    # 1 layer, hidden 4, 2 heads (1 KV head) of dim 2, intermediate 8, vocab 10, gated MLP, 2 bytes.
+    shape = ModelShape(num_layers=1, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2, vocab=10)
+    # qkv 4·(2+2)·2 = 32, o 2·2·4 = 16, mlp 3·4·8 = 96 → 144 matmul params; + lm_head 40 → W = 368 bytes.
+    assert shape.matmul_params == 144 and shape.step_weight_bytes == 368
+    assert shape.kv_bytes_per_token == 2 * 1 * 1 * 2 * 2 == 8
+    # Two requests: (p=3, o=2) and (p=1, o=3). Pool of 8 tokens, mean length 4.5 → batch 1 (8 // 4.5).
+    lb = lower_bound(shape, [3, 1], [2, 3], max_num_seqs=4, pool_tokens=8, bandwidth=100.0, matmul_peak=1000.0)
+    # prefill FLOPs: 2·144·4 tokens = 1152; attention 1·4·2·2 = 16 per p(p+1)/2: (6 + 1)·16 = 112; lm 2·40 = 80 each.
+    assert lb.prefill_flops == 1152 + 112 + 160
+    assert lb.prefill_s == pytest.approx(1424 / 1000)
+    # decode tokens: 1 + 2 = 3 at batch 1 → 3 steps of 368 bytes; KV tokens: (3+1) + (1+1)+(1+2) = 9 → 72 bytes.
+    assert lb.decode_batch == 1 and lb.decode_steps == 3
+    assert lb.decode_weight_bytes == 3 * 368 and lb.decode_kv_bytes == 72
+    # decode FLOPs 2·184·3 = 1104 → 1.104 s at 1000 FLOP/s; bytes (1104 + 72) / 100 = 11.76 s: memory wins.
+    assert lb.decode_flops == 1104
+    assert lb.decode_s == pytest.approx(11.76)
+    assert lb.total_s == pytest.approx(1.424 + 11.76)
+    assert "efficiency 50.0 %" in format_bound(lb, 2 * lb.total_s)
+
+
+def test_lower_bound_batch_is_capped_by_max_num_seqs_and_requests_and_checks_input():
+    shape = ModelShape(1, 4, 8, 2, 1, 2, 10)
+    assert lower_bound(shape, [3] * 10, [5] * 10, 4, 10**6, 1.0, 1.0).decode_batch == 4
+    assert lower_bound(shape, [3] * 2, [5] * 2, 4, 10**6, 1.0, 1.0).decode_batch == 2
+    # One long request: its 99 decode tokens need 99 sequential steps whatever the batch.
+    chain = lower_bound(shape, [3, 3, 3], [100, 2, 2], 4, 10**6, 1.0, 1.0)
+    assert chain.decode_batch == 3 and chain.decode_steps == 99
+    with pytest.raises(ValueError, match="equal length"):
+        lower_bound(shape, [3], [], 4, 100, 1.0, 1.0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        lower_bound(shape, [3], [2], 4, 100, 0.0, 1.0)

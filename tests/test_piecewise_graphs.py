@@ -1,0 +1,150 @@
+"""Piecewise CUDA graphs for steps with prefill chunks (worker/piecewise_graph.py), the warm start and
+the per-step statistics.
+
+Bucket selection, step kinds and block-table padding are checked everywhere; greedy parity of the
+captured paths against eager and the warm start need CUDA and are skipped without it.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.worker.model_input import SequenceChunk
+from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.piecewise_graph import bucket_for, capture_token_counts, is_piecewise_graphable
+from pagedllm.worker.step_stats import StepStats, format_summary, step_kind
+
+
+def test_token_buckets_are_fine_then_coarse_and_end_at_the_step_limit():
+    b = capture_token_counts(2048)
+    assert b[:6] == [8, 16, 32, 64, 128, 192] and b[-1] == 2048
+    assert 512 in b and 640 in b and 576 not in b  # every 64 up to 512, every 128 after
+    assert all(x < y for x, y in zip(b, b[1:]))
+    assert all((y - x) / x <= 0.5 for x, y in zip(b[4:], b[5:]))  # at most 50 % padding from 128 tokens
+    assert all((y - x) / x <= 0.25 for x, y in zip(b, b[1:]) if x >= 512)
+    assert capture_token_counts(100) == [8, 16, 32, 64, 100]
+    assert capture_token_counts(5) == [5]
+    assert capture_token_counts(16384)[-1] == 8192  # capped by max_capture_tokens
+    assert capture_token_counts(16384, 4096)[-3:] == [3584, 3840, 4096]
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        capture_token_counts(0)
+    assert bucket_for(1, b) == 8 and bucket_for(65, b) == 128 and bucket_for(2048, b) == 2048
+    assert bucket_for(2049, b) is None
+
+
+def test_piecewise_takes_any_step_that_fits_the_largest_bucket():
+    dec = [SequenceChunk(i, [7], 20, [3, 4], sample=True) for i in range(3)]
+    pre = SequenceChunk(9, list(range(100)), 0, [5] * 7, sample=True)
+    assert is_piecewise_graphable(dec + [pre], 103) and not is_piecewise_graphable(dec + [pre], 102)
+    assert is_piecewise_graphable([SequenceChunk(0, [1, 2], 0, [1], sample=False, all_logits=True)], 8)
+    assert not is_piecewise_graphable([], 8)
+
+
+def test_step_kinds_and_summary():
+    dec = SequenceChunk(0, [7], 20, [3, 4], sample=True)
+    pre = SequenceChunk(1, [1, 2, 3], 0, [5], sample=True)
+    assert step_kind([dec, dec]) == "decode"
+    assert step_kind([dec, pre]) == "mixed"
+    assert step_kind([pre]) == "prefill"
+    stats = StepStats()
+    assert stats.start(torch.device("cpu")) is None  # no events off CUDA
+    stats.stop("decode", "eager", 3, None)
+    assert stats.summary() == {} and "count" in format_summary({})
+
+
+def test_block_tables_are_padded_to_the_fixed_width_under_graphs():
+    """With graphs, every step's table has max_model_len / block_size columns (one kernel variant)."""
+    from pagedllm.model.layers.attention import TorchAttentionBackend
+
+    runner = ModelRunner(torch.nn.Identity(), torch.device("cpu"), 16, TorchAttentionBackend())
+    chunks = [SequenceChunk(0, [7], 20, [3, 4], sample=True), SequenceChunk(1, [1, 2, 3], 0, [5], sample=True)]
+    _, _, meta, _ = runner.prepare_inputs(chunks)
+    assert tuple(meta.block_tables.shape) == (2, 2)
+    runner.table_width = 8
+    ids, pos, meta, logits_idx = runner.prepare_inputs(chunks)
+    assert tuple(meta.block_tables.shape) == (2, 8)
+    assert meta.block_tables[0].tolist() == [3, 4, 0, 0, 0, 0, 0, 0]
+    assert pos.tolist() == [20, 0, 1, 2] and meta.slot_mapping.tolist() == [4 * 16 + 4, 80, 81, 82]
+    assert logits_idx.tolist() == [0, 3]
+
+
+def test_max_capture_tokens_reaches_the_model_config_and_is_checked():
+    assert EngineArgs().create_engine_config(2048).model_config.max_capture_tokens == 8192
+    assert EngineArgs(max_capture_tokens=0).create_engine_config(2048).model_config.max_capture_tokens == 0
+    with pytest.raises(ValueError, match="max_capture_tokens"):
+        EngineArgs(max_capture_tokens=-1).create_engine_config(2048)
+
+
+def _tiny_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    for p in hf.parameters():
+        p.data.normal_(0, 0.08)
+    hf.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def _run(model_dir, prompts, params, **kw):
+    from pagedllm import LLM
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
+              block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    stats = runner.enable_step_stats()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs], runner, stats.summary()
+
+
+@pytest.mark.cuda
+def test_piecewise_mixed_steps_equal_eager_greedy(tmp_path):
+    """Ragged prompts (chunked at 256 tokens, so prefill-only, mixed and decode steps all occur) give
+    the same greedy tokens through decode + piecewise graphs as eagerly, and the piecewise graphs ran
+    for mixed and prefill steps."""
+    from pagedllm import SamplingParams
+
+    model_dir = _tiny_llama(tmp_path)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(1, 300))] for _ in range(20)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 40), ignore_eos=True) for _ in prompts]
+    eager, eager_runner, eager_stats = _run(model_dir, prompts, params, enforce_eager=True)
+    assert eager_runner.piecewise_runner is None and all(k.endswith("/eager") for k in eager_stats)
+    decode_only, _, dec_stats = _run(model_dir, prompts, params, max_capture_tokens=0)
+    graphed, runner, stats = _run(model_dir, prompts, params)
+    assert runner.piecewise_runner is not None and runner.piecewise_runner.max_tokens == 256
+    assert "mixed/piecewise" in stats and "prefill/piecewise" in stats and "decode/graph" in stats
+    assert not any(k.endswith("/eager") for k in stats)
+    assert "mixed/eager" in dec_stats
+    assert graphed == eager
+    assert decode_only == eager
+
+
+@pytest.mark.cuda
+def test_warm_start_first_step_costs_a_steady_step(tmp_path):
+    """After LLM() returns, the first mixed step compiles nothing: it takes about what the same step
+    takes later (generous 3x bound, plus 5 ms of slack for timer noise)."""
+    from pagedllm import LLM, SamplingParams
+
+    model_dir = _tiny_llama(tmp_path)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
+              block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256,
+              async_scheduling=False)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rng = random.Random(1)
+    times = []
+    for _ in range(4):
+        prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(20, 60))] for _ in range(3)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    assert times[0] <= 3 * min(times[1:]) + 0.005, times
