@@ -8,19 +8,21 @@ set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR=/tmp/triton-cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/gpu.txt
 python3 -c "from transformers import LlamaConfig; LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, tie_word_embeddings=False).save_pretrained('/tmp/l7b')"
-cp .tok/* /tmp/l7b/
-ENGINE="--model /tmp/l7b --load-format dummy --device cuda --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256"
+cp .tok/* /tmp/l7b/ 2>/dev/null
+ENGINE=${ENGINE:-"--model /tmp/l7b --load-format dummy --device cuda --dtype bfloat16 --max-model-len 2048 --max-num-seqs 256"}
 t0=$(date +%s)
 python3 -m pagedllm.entrypoints.cli serve $ENGINE --port 8300 > $OUT/serve.log 2>&1 &
 SERVER=$!
-until curl -sf localhost:8300/health >/dev/null; do sleep 1; kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 $OUT/serve.log; exit 1; }; done
+get() { python3 -c "import sys,urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8300'+sys.argv[1], timeout=5).read().decode())" "$1"; }
+until get /health >/dev/null 2>&1; do sleep 1; [ $(( $(date +%s) - t0 )) -gt ${TS:-240} ] && { echo "server not healthy in time"; tail -30 $OUT/serve.log; exit 1; }; kill -0 $SERVER 2>/dev/null || { echo "server died"; tail -30 $OUT/serve.log; exit 1; }; done
 echo "server healthy after $(( $(date +%s) - t0 )) s"
-for spec in ${RATES:-8:160 14:280 18:400 22:400}; do rate=${spec%%:*}; n=${spec##*:}
-  timeout ${TR:-100} python3 -m pagedllm.entrypoints.cli bench serving --port 8300 --num-prompts $n --request-rate $rate \
+for spec in ${RATES:-14:200 18:360 22:360}; do rate=${spec%%:*}; n=${spec##*:}
+  timeout ${TR:-90} python3 -m pagedllm.entrypoints.cli bench serving --port 8300 --num-prompts $n --request-rate $rate \
     --input-len 160 --output-len 340 --range-ratio 0.9 --seed 0 --result-json $OUT/rate_$rate.json > /tmp/rate_$rate.log 2>&1
-  echo "== rate $rate ($n prompts) rc=$?"; grep -v "it/s\]\|s/it\]" /tmp/rate_$rate.log | tail -22 | tee -a $OUT/sweep.log
+  echo "== rate $rate ($n prompts) rc=$?"; grep -v "it/s\]\|s/it\]" /tmp/rate_$rate.log | tail -27 | tee -a $OUT/sweep.log
 done
-curl -s localhost:8300/metrics | grep -E "^(vllm:num_requests_running|pagedllm:kv_blocks_free|pagedllm:kv_blocks_total|pagedllm:request_aborted_total)" | tee -a $OUT/sweep.log
+get /metrics | grep -E "^(vllm:num_requests_running|pagedllm:kv_blocks_free|pagedllm:kv_blocks_total|pagedllm:request_aborted_total)" | tee -a $OUT/sweep.log
 kill -TERM $SERVER; wait $SERVER; echo "server exit rc=$?"
-timeout ${TH:-220} python3 -m pagedllm.entrypoints.cli bench http-overhead $ENGINE --repeats ${REPEATS:-3} \
+[ "${SKIP_HTTP:-0}" = 1 ] && exit 0
+timeout ${TH:-260} python3 -m pagedllm.entrypoints.cli bench http-overhead $ENGINE --repeats ${REPEATS:-2} \
   --output-json $OUT/http_overhead.json 2>&1 | grep -v "it/s\]\|s/it\]" | tail -20 | tee $OUT/http_overhead.log
