@@ -6,6 +6,10 @@
 # (the bundled SmolLM2 tokenizer saved with save_pretrained; only ids < 32000 are ever decoded).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR=/tmp/triton-cache
+# The server's extras (uvicorn, fastapi, starlette, pydantic, opentelemetry-api) travel as wheels in .whl/.
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PWD:/tmp/site || exit 1; fi
+python3 -c "import uvicorn, fastapi, pagedllm.entrypoints.openai.server" || exit 1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/sweep.log
 python3 -c "from transformers import LlamaConfig; LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, tie_word_embeddings=False).save_pretrained('/tmp/l7b')"
 cp .tok/* /tmp/l7b/ 2>/dev/null
