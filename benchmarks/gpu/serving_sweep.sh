@@ -32,5 +32,5 @@ one warm  # the same request on the idle server after the sweep
 get /metrics | grep -E "^(vllm:num_requests_running|pagedllm:kv_blocks_free|pagedllm:kv_blocks_total|pagedllm:request_aborted_total)" | tee -a $OUT/sweep.log
 kill -TERM $SERVER; wait $SERVER; echo "server exit rc=$?"
 [ "${SKIP_HTTP:-0}" = 1 ] && exit 0
-timeout ${TH:-260} python3 -m pagedllm.entrypoints.cli bench http-overhead $ENGINE --repeats ${REPEATS:-2} \
+timeout ${TH:-260} python3 -m pagedllm.entrypoints.cli bench http-overhead $ENGINE --repeats ${REPEATS:-3} --server-arg=--gpu-memory-utilization=0.4 \
   --output-json $OUT/http_overhead.json 2>&1 | grep -v "it/s\]\|s/it\]" | tail -20 | tee $OUT/http_overhead.log

@@ -1,14 +1,18 @@
 """What the HTTP path costs: the same batch through `LLM.generate` and through a real `pagedllm serve`.
 
 One run times N concurrent requests (default 64 × 50 random prompt tokens, greedy, ignore_eos) for each
-output length (default 8 and 64): first through a `pagedllm serve` process this benchmark starts with the
-same engine flags (every request streamed over its own new HTTP connection, all sent at once), then, after
-that server has exited, through `LLM.generate` in this process. Each measurement is the median of
---repeats timed rounds after one warm-up round. It prints both times, their ratio (the target is
-≤ 1.3×), the first request's time to first token, and whether the greedy texts are identical.
+output length (default 8 and 64) through a `pagedllm serve` process this benchmark starts with the same
+engine flags (every request streamed over its own new HTTP connection, all sent at once) and through
+`LLM.generate` in this process, both engines up at once and the rounds alternating (HTTP, offline, HTTP,
+...), so a change in the machine's load hits both alike. Each figure is the median of --repeats timed
+rounds after one warm-up round of each. It prints both times, their ratio (the target is ≤ 1.3×), the
+first request's time to first token, and whether the greedy texts are identical. On a GPU give the
+server part of the memory (--server-arg=--gpu-memory-utilization=0.4): the in-process engine sizes its
+pool from what is left.
 
     pagedllm bench http-overhead --num-gpu-blocks-override 512                       # CPU, bundled model
-    pagedllm bench http-overhead --model DIR --load-format dummy --device cuda --dtype bfloat16
+    pagedllm bench http-overhead --model DIR --load-format dummy --device cuda --dtype bfloat16 \\
+        --server-arg=--gpu-memory-utilization=0.4
 """
 from __future__ import annotations
 
@@ -183,52 +187,60 @@ async def _http_round(client, url: str, model: str, prompts: list[list[int]], ou
     return Round(time.perf_counter() - t0, first_ttft[0], list(texts))
 
 
-async def _http_all(base_url: str, prompts, output_lens, repeats: int, stream: bool) -> dict[int, list[Round]]:
-    """One fresh client per round (each request opens its connection, as independent clients do)."""
+def _client(n: int):
     import httpx
 
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-
-    def client() -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits)
-
-    async with client() as c:
-        model = (await c.get(base_url + "/v1/models")).json()["data"][0]["id"]
-    url = base_url + "/v1/completions"
-    out: dict[int, list[Round]] = {}
-    for n_out in output_lens:
-        async with client() as c:
-            await _http_round(c, url, model, prompts, n_out, stream)  # warm-up
-        out[n_out] = []
-        for k in range(repeats):
-            async with client() as c:
-                r = await _http_round(c, url, model, prompts, n_out, stream)
-            logger.info("http   out=%d round %d: %.3f s (first TTFT %.1f ms)", n_out, k, r.seconds,
-                        r.first_ttft * 1e3)
-            out[n_out].append(r)
-    return out
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits)
 
 
-def _offline_all(engine_args: EngineArgs, prompts, output_lens, repeats: int) -> dict[int, list[Round]]:
-    from pagedllm import LLM, SamplingParams
+async def _model_name(base_url: str) -> str:
+    async with _client(1) as c:
+        return (await c.get(base_url + "/v1/models")).json()["data"][0]["id"]
 
+
+def _http_once(base_url: str, model: str, prompts, n_out: int, stream: bool) -> Round:
+    """One round on a fresh client (each request opens its own connection, as independent clients do)."""
+
+    async def go() -> Round:
+        async with _client(len(prompts)) as c:
+            return await _http_round(c, base_url + "/v1/completions", model, prompts, n_out, stream)
+
+    return asyncio.run(go())
+
+
+def _offline_once(llm, prompts, n_out: int) -> Round:
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    m = res[0].metrics
+    # arrival_time is monotonic; generate() added request 0 right after t0.
+    ttft = (m["first_token_time"] - m["arrival_time"]) if m.get("first_token_time") else float("nan")
+    return Round(seconds, ttft, [o.outputs[0].text for o in res])
+
+
+def _measure(server: ServerProcess, engine_args: EngineArgs, prompts, output_lens, repeats: int,
+             stream: bool) -> dict[int, Measurement]:
+    """Rounds alternate HTTP / LLM.generate, so a change in the machine's load hits both alike."""
+    from pagedllm import LLM
+
+    model = asyncio.run(_model_name(server.base_url))
     llm = LLM(**dataclasses.asdict(engine_args))
-    out: dict[int, list[Round]] = {}
-    inputs = [{"prompt_token_ids": p} for p in prompts]
+    out: dict[int, Measurement] = {}
     for n_out in output_lens:
-        params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-        llm.generate(inputs, params, use_tqdm=False)  # warm-up
-        out[n_out] = []
+        _http_once(server.base_url, model, prompts, n_out, stream)  # warm-up
+        _offline_once(llm, prompts, n_out)
+        m = out[n_out] = Measurement(n_out)
         for k in range(repeats):
-            t0 = time.perf_counter()
-            res = llm.generate(inputs, params, use_tqdm=False)
-            seconds = time.perf_counter() - t0
-            m = res[0].metrics
-            # arrival_time is monotonic; generate() added request 0 right after t0.
-            ttft = (m["first_token_time"] - m["arrival_time"]) if m.get("first_token_time") else float("nan")
-            r = Round(seconds, ttft, [o.outputs[0].text for o in res])
-            logger.info("offline out=%d round %d: %.3f s (first TTFT %.1f ms)", n_out, k, seconds, ttft * 1e3)
-            out[n_out].append(r)
+            for kind, rounds, fn in (("http", m.http, lambda: _http_once(server.base_url, model, prompts, n_out, stream)),
+                                     ("offline", m.offline, lambda: _offline_once(llm, prompts, n_out))):
+                r = fn()
+                rounds.append(r)
+                logger.info("%-7s out=%d round %d: %.3f s (first TTFT %.1f ms)", kind, n_out, k, r.seconds,
+                            r.first_ttft * 1e3)
     del llm
     return out
 
@@ -240,20 +252,19 @@ def run(args: argparse.Namespace) -> int:
     flags = engine_cli_flags(engine_args) + list(args.server_arg)
     server = ServerProcess(flags, args.server_startup_timeout)
     try:
-        http = asyncio.run(_http_all(server.base_url, prompts, args.output_lens, args.repeats, not args.no_stream))
+        measured = _measure(server, engine_args, prompts, args.output_lens, args.repeats, not args.no_stream)
     except BaseException:
         print(server.tail(), file=sys.stderr)
         raise
     finally:
         server.stop()
-    offline = _offline_all(engine_args, prompts, args.output_lens, args.repeats)
     results = []
     print(f"{args.num_requests} concurrent requests, {args.input_len} prompt tokens, greedy, ignore_eos; "
           f"median of {args.repeats} rounds after a warm-up; HTTP {'streamed' if not args.no_stream else 'whole'}")
     print(f"{'out tok':>8} {'LLM.generate s':>15} {'HTTP s':>9} {'ratio':>7} {'TTFT#0 offline ms':>18} "
           f"{'TTFT#0 HTTP ms':>15} {'same text':>10}")
     for n_out in args.output_lens:
-        s = Measurement(n_out, offline[n_out], http[n_out]).summary()
+        s = measured[n_out].summary()
         results.append(s)
         print(f"{n_out:>8} {s['offline_s']:>15.3f} {s['http_s']:>9.3f} {s['ratio']:>6.2f}x "
               f"{s['offline_first_ttft_s'] * 1e3:>18.1f} {s['http_first_ttft_s'] * 1e3:>15.1f} "
