@@ -3,7 +3,10 @@
 # dummy bf16 weights) with `pagedllm bench serving` at several Poisson rates on the issue's ShareGPT-like
 # lengths (prompts 16-304, outputs 34-646 tokens: mean 160 / 340, range ratio 0.9), then the HTTP-overhead
 # benchmark (64 concurrent short requests, HTTP vs LLM.generate in the same run). Needs a tokenizer in .tok/
-# (the bundled SmolLM2 tokenizer saved with save_pretrained; only ids < 32000 are ever decoded).
+# (the bundled SmolLM2 tokenizer saved with save_pretrained; only ids < 32000 are ever decoded):
+#   python -c "from pagedllm.tokenizer import get_tokenizer; get_tokenizer(None).save_pretrained('.tok')"
+# and, where the device lacks them, the server extras as wheels in .whl/ (pip download --no-deps for cp312
+# manylinux: uvicorn fastapi starlette pydantic pydantic_core annotated-types typing-inspection opentelemetry-api).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR=/tmp/triton-cache
 # The server's extras (uvicorn, fastapi, starlette, pydantic, opentelemetry-api) travel as wheels in .whl/.
