@@ -235,10 +235,13 @@ def _measure(server: ServerProcess, engine_args: EngineArgs, prompts, output_len
         _offline_once(llm, prompts, n_out)
         m = out[n_out] = Measurement(n_out)
         for k in range(repeats):
-            for kind, rounds, fn in (("http", m.http, lambda: _http_once(server.base_url, model, prompts, n_out, stream)),
-                                     ("offline", m.offline, lambda: _offline_once(llm, prompts, n_out))):
-                r = fn()
-                rounds.append(r)
+            for kind in ("http", "offline"):
+                if kind == "http":
+                    r = _http_once(server.base_url, model, prompts, n_out, stream)
+                    m.http.append(r)
+                else:
+                    r = _offline_once(llm, prompts, n_out)
+                    m.offline.append(r)
                 logger.info("%-7s out=%d round %d: %.3f s (first TTFT %.1f ms)", kind, n_out, k, r.seconds,
                             r.first_ttft * 1e3)
     del llm
@@ -276,4 +279,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_args", "run", "engine_cli_flags", "make_prompts"]
+__all__ = ["add_args", "engine_cli_flags", "make_prompts", "run"]
