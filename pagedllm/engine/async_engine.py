@@ -1,14 +1,19 @@
 """AsyncLLMEngine: one engine thread runs `LLMEngine.step()`; coroutines await per-request streams.
 
 `LLMEngine` is not thread-safe, so every engine call (add, abort, step, stats) happens on ONE
-background thread. That thread drains a queue of add/abort commands, steps while there is work and
-blocks on the queue when idle (no spinning). Outputs go back to the asyncio loop with
-`loop.call_soon_threadsafe`; a stats snapshot is published after every step for /metrics, so
-nothing outside the engine thread ever touches the engine.
+background thread. That thread drains a queue of add/abort commands once per step, steps while there
+is work and blocks on the queue when idle (no spinning). Adding a request never waits for that thread:
+it is checked on the caller's side (`LLMEngine.check_request` reads only the configuration) and
+queued, so requests that arrive during a step all join the next one. When the engine is idle, the
+first request waits up to `admission_window_s` for others arriving right behind it (a burst of HTTP
+requests then starts in one step, as an `LLM.generate` batch does). All the outputs of a step go back
+to the asyncio loop in ONE `loop.call_soon_threadsafe`; a stats snapshot is published after every step
+for /metrics, so nothing outside the engine thread ever touches the engine.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -41,28 +46,54 @@ class StepObserver(Protocol):
 
 
 class AsyncStream:
-    """The outputs of one request, consumed by one coroutine."""
+    """The outputs of one request, consumed by one coroutine (fed on the event loop's thread).
 
-    def __init__(self, request_id: str) -> None:
+    Outputs are cumulative, so with `coalesce=True` an output not yet read is replaced by the next
+    one: a consumer that falls behind (a slow client, a busy loop) reads only the latest state
+    instead of formatting every step it missed (what vLLM's output collector does).
+    """
+
+    def __init__(self, request_id: str, coalesce: bool = False) -> None:
         self.request_id = request_id
-        self._queue: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
+        self.coalesce = coalesce
+        self._items: collections.deque[RequestOutput | BaseException | None] = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if not self.finished:
-            self._queue.put_nowait(item)
+        if self.finished:
+            return
+        if (self.coalesce and self._items and isinstance(item, RequestOutput)
+                and isinstance(self._items[-1], RequestOutput)):
+            self._items[-1] = item
+        else:
+            self._items.append(item)
+        self._wake()
 
     def finish(self) -> None:
         if not self.finished:
             self.finished = True
-            self._queue.put_nowait(None)
+            self._items.append(None)
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> AsyncStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if item is None:
+            self._items.append(None)  # stays ended for any later read
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
@@ -75,7 +106,6 @@ class _Add:
     prompt: PromptType
     params: SamplingParams
     arrival_time: float
-    accepted: asyncio.Future
 
 
 @dataclass
@@ -99,8 +129,12 @@ class _Delivery:
 class AsyncLLMEngine:
     """Async front of an `LLMEngine`: `generate()` streams `RequestOutput`s (cumulative, like vLLM)."""
 
-    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None,
+                 admission_window_s: float = 0.002) -> None:
         self.engine = engine
+        # Idle engine: after a request arrives, wait until none has come for this long (at most
+        # 10x this) before the first step, so a burst starts together.
+        self.admission_window_s = admission_window_s
         self.observer = observer
         self._commands: queue.Queue[_Add | _Abort | _Stop] = queue.Queue()
         self._streams: dict[str, AsyncStream] = {}
@@ -157,27 +191,23 @@ class AsyncLLMEngine:
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+        coalesce: bool = False,
     ) -> AsyncStream:
-        """Queue a request; raises what `LLMEngine.add_request` raises (ValueError, ...) on bad input."""
+        """Queue a request for the next step, without waiting for the engine thread.
+
+        Raises what `LLMEngine.add_request` raises (ValueError, TypeError) on bad input; a text
+        prompt is tokenized on the engine thread, and an error there ends the stream with it.
+        `coalesce`: see `AsyncStream`."""
         if not self.is_healthy:
             raise EngineDeadError(self._dead_reason or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        loop = asyncio.get_running_loop()
-        stream = AsyncStream(request_id)
+        self.engine.check_request(prompt, params)
+        stream = AsyncStream(request_id, coalesce)
         self._streams[request_id] = stream
-        accepted = loop.create_future()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(_Add(request_id, prompt, params, arrival, accepted))
-        try:
-            await accepted
-        except asyncio.CancelledError:
-            self.abort(request_id)
-            raise
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
+        self._commands.put(_Add(request_id, prompt, params, arrival))
         return stream
 
     async def generate(
@@ -227,14 +257,6 @@ class AsyncLLMEngine:
                 stream.put(exc)
                 stream.finish()
 
-    def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(exc)
-
     def _post(self, callback, *args) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
@@ -263,8 +285,9 @@ class AsyncLLMEngine:
                     return
                 self._apply(commands)
                 if self.engine.has_unfinished_requests():
-                    self._step()
-                self._publish_stats()
+                    self._step()  # publishes the stats
+                else:
+                    self._publish_stats()
         except BaseException as e:  # the thread must never die silently
             logger.exception("engine thread crashed")
             self._dead_reason = f"engine thread crashed: {type(e).__name__}: {e}"
@@ -278,6 +301,16 @@ class AsyncLLMEngine:
             except queue.Empty:  # idle: make sure the workers are still there to serve
                 self._check_executor_health()
                 return commands
+            if self.admission_window_s > 0 and isinstance(commands[0], _Add):
+                deadline = time.monotonic() + 10 * self.admission_window_s
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        cmd = self._commands.get(timeout=min(self.admission_window_s, left))
+                    except queue.Empty:
+                        break
+                    commands.append(cmd)
+                    if isinstance(cmd, _Stop):
+                        return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -286,16 +319,17 @@ class AsyncLLMEngine:
 
     def _apply(self, commands: list) -> None:
         aborts: list[str] = []
+        errors: dict[str, BaseException] = {}
         for cmd in commands:
             if isinstance(cmd, _Add):
                 try:
                     self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
                 except Exception as e:  # bad input: the engine is untouched
-                    self._post(self._resolve, cmd.accepted, e)
-                else:
-                    self._post(self._resolve, cmd.accepted, None)
+                    errors[cmd.request_id] = e
             elif isinstance(cmd, _Abort):
                 aborts.extend(cmd.request_ids)
+        if errors:
+            self._post(self._deliver, _Delivery(errors=errors))
         if aborts:
             self.engine.abort_request(aborts)
             if self.observer is not None:

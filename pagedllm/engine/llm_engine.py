@@ -134,23 +134,10 @@ class LLMEngine:
     ) -> SequenceGroup:
         """Validate and queue a request; raises ValueError (engine untouched) on bad input."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self._check_params(params)
         text, token_ids = self._tokenize(prompt)
-        if len(token_ids) == 0:
-            raise ValueError("the prompt is empty: give at least one token.")
-        vocab = int(self.hf_config.vocab_size)
-        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        self._check_prompt_ids(token_ids)
         limit = self.max_seq_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but this engine fits at most {limit - 1} "
-                f"prompt tokens (max_model_len={self.config.scheduler_config.max_model_len}, "
-                f"KV pool={self.config.cache_config.num_gpu_blocks} blocks) plus one generated token."
-            )
-        self._check_multi_seq(params)
         if any(g.request_id == request_id for g in self._all_groups()):
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
@@ -170,6 +157,36 @@ class LLMEngine:
         self.output_processor.init_sequence(seq, params)
         self.scheduler.add_seq_group(group)
         return group
+
+    def check_request(self, prompt: PromptType, params: SamplingParams | None) -> None:
+        """The checks `add_request` makes, reading only the configuration (safe from another thread).
+
+        A text prompt's ids are checked by `add_request` once tokenized."""
+        self._check_params(params or SamplingParams())
+        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt
+                                       and isinstance(prompt.get("prompt"), str)):
+            return
+        self._check_prompt_ids(self._tokenize(prompt)[1])
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        self._check_multi_seq(params)
+
+    def _check_prompt_ids(self, token_ids: list[int]) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token.")
+        vocab = int(self.hf_config.vocab_size)
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        limit = self.max_seq_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but this engine fits at most {limit - 1} "
+                f"prompt tokens (max_model_len={self.config.scheduler_config.max_model_len}, "
+                f"KV pool={self.config.cache_config.num_gpu_blocks} blocks) plus one generated token."
+            )
 
     def _check_multi_seq(self, params: SamplingParams) -> None:
         """A group's sequences run in lockstep, so all of them must fit in one step."""

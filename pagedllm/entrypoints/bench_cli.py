@@ -25,3 +25,9 @@ def add_bench_parser(sub) -> None:
                               description=cpu_kernels.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cpu_kernels.add_args(ck)
     ck.set_defaults(func=lambda args: cpu_kernels.run(args))
+    from pagedllm.benchmarks import http_overhead
+
+    ho = bench_sub.add_parser("http-overhead", help="The same batch through LLM.generate and through HTTP.",
+                              description=http_overhead.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    http_overhead.add_args(ho)
+    ho.set_defaults(func=lambda args: http_overhead.run(args))

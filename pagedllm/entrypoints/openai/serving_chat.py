@@ -9,10 +9,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
-    DeltaMessage,
     UsageInfo,
     dump,
 )
@@ -25,6 +23,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     random_id,
     sse,
 )
+from pagedllm.entrypoints.openai.stream_format import ChatChunker
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import apply_chat_template
 
@@ -109,15 +108,11 @@ class OpenAIServingChat:
         done: set[int] = set()
         final: RequestOutput | None = None
 
-        def chunk(index: int, delta: DeltaMessage, logprobs=None, finish=None, stop_reason=None) -> str:
-            body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[
-                ChatCompletionStreamChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish,
-                                           stop_reason=stop_reason)])
-            return sse(dump(body))
+        chunk = ChatChunker(request_id, created, model).chunk
 
         try:
             for i in range(req.n):
-                yield chunk(i, DeltaMessage(role=ROLE, content=""))
+                yield chunk(i, ROLE, "")
             async for _, out in merge_streams([s for _, s in streams]):
                 final = out
                 for comp in out.outputs:
@@ -132,10 +127,10 @@ class OpenAIServingChat:
                             comp.token_ids[lo:], (comp.logprobs or [])[lo:], top_k))
                     sent_text[idx], sent_toks[idx] = len(comp.text), n_tok
                     if delta or lp is not None:
-                        yield chunk(idx, DeltaMessage(content=delta), lp)
+                        yield chunk(idx, None, delta, lp)
                     if comp.finish_reason is not None:
                         done.add(idx)
-                        yield chunk(idx, DeltaMessage(), None, comp.finish_reason, comp.stop_reason)
+                        yield chunk(idx, None, None, None, comp.finish_reason, comp.stop_reason)
             if include_usage and final is not None:
                 n_out = sum(len(c.token_ids) for c in final.outputs)
                 usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)

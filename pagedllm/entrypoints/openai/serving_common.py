@@ -155,7 +155,7 @@ class ServingContext:
         try:
             for i, ids in enumerate(prompts):
                 rid = f"{prefix}-{i}"
-                added.append((rid, await self.engine.add_request(rid, {"prompt_token_ids": ids}, params)))
+                added.append((rid, await self.engine.add_request(rid, {"prompt_token_ids": ids}, params, coalesce=True)))
         except BaseException as e:
             self.engine.abort([rid for rid, _ in added])
             if isinstance(e, Exception):

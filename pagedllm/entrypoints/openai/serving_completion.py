@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     random_id,
     sse,
 )
+from pagedllm.entrypoints.openai.stream_format import CompletionChunker
 from pagedllm.outputs import RequestOutput
 
 
@@ -114,11 +115,7 @@ class OpenAIServingCompletion:
         finals: list[RequestOutput | None] = [None] * len(streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def chunk(index: int, text: str, logprobs=None, finish=None, stop_reason=None) -> str:
-            body = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[
-                CompletionResponseChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
-                                         stop_reason=stop_reason)])
-            return sse(dump(body))
+        chunk = CompletionChunker(request_id, created, model).chunk
 
         try:
             async for i, out in merge_streams([s for _, s in streams]):
