@@ -1,0 +1,37 @@
+"""`pagedllm bench paper <figure>`: the paper's Figures 2 and 12–19 (Kwon et al., SOSP 2023), one command each.
+
+Each writes DIR/<fig>.json, DIR/<fig>.png and DIR/<fig>.md. ``--scale small``: the bundled model on
+CPU, lengths ×1/8, block size 2, a 256-block pool (the paper's workload measured in blocks).
+``--scale paper``: OPT-13B (or ``--model llama-13b``) config with dummy weights on CUDA, block size 16,
+max_model_len 2048 and 12 GB of KV (Table 1). Rate sweeps resume from an existing DIR/<fig>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import time
+
+from pagedllm.benchmarks.paper import common
+
+FIGURES = ["fig2", "fig12", "fig13", "fig14", "fig15", "fig16", "fig17", "fig18", "fig19"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("figure", choices=FIGURES + ["all"])
+    common.add_common_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("pagedllm").setLevel(logging.WARNING)
+    logging.getLogger("pagedllm.bench.paper").setLevel(logging.INFO)
+    os.makedirs(args.output_dir, exist_ok=True)
+    for fig in FIGURES if args.figure == "all" else [args.figure]:
+        t0 = time.perf_counter()
+        module = importlib.import_module(f"pagedllm.benchmarks.paper.{'fig12' if fig == 'fig13' else fig}")
+        module.run(args)
+        logging.getLogger("pagedllm.bench.paper").info("%s done in %.0f s → %s", fig, time.perf_counter() - t0,
+                                                      args.output_dir)
+    return 0
