@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.kv_accounting import KVMemoryBreakdown, kv_memory_breakdown
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.device_utils import async_tensor_h2d
@@ -388,6 +389,16 @@ class LLMEngine:
         return self.output_processor.make_output(group)
 
     # -- observability ----------------------------------------------------------------------
+    def kv_memory_breakdown(self) -> KVMemoryBreakdown:
+        """Where the device KV pool's token slots go now (the paper's Fig. 2; see core/kv_accounting.py)."""
+        s = self.scheduler
+        return kv_memory_breakdown(
+            s.block_manager,
+            s.running,
+            max_model_len=self.config.scheduler_config.max_model_len,
+            head_of_line=s.waiting[0] if s.waiting else None,
+        )
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
         bm = s.block_manager
@@ -424,6 +435,7 @@ class LLMEngine:
             "prefix_cache_hits": st.prefix_cache_hits,
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
+            **{f"kv_frac_{k}": v for k, v in self.kv_memory_breakdown().fractions().items()},
         }
 
 
