@@ -11,9 +11,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for cfg in "paged:1 2 3 4 6" "orca-oracle:1 2 3 4" "orca-max:1 1.5 2" "request-level:1"; do
   sys=${cfg%%:*}; rates=${cfg#*:}
   echo "=== $sys rates $rates"
-  timeout ${T:-200} python3 -m pagedllm.entrypoints.cli bench paper fig12 $COMMON --systems $sys --rates $rates \
-    > $D.$sys.log 2>&1; echo rc=$?
-  grep "req/s: normalized\|blocks\|Error\|error" $D.$sys.log | tail -8
+  timeout ${T:-135} python3 -m pagedllm.entrypoints.cli bench paper fig12 $COMMON --systems $sys --rates $rates \
+    > $D.log 2>&1; echo rc=$?; cat $D.log >> $OUT/fig12_run.log
+  grep "req/s: normalized\|Error\|error" $D.log | tail -8
 done
 # final outputs with all systems (re-reads fig12.json; every point is there, nothing reruns)
-python3 -m pagedllm.entrypoints.cli bench paper fig12 $COMMON --rates 1 > $D.final.log 2>&1; tail -20 $D.final.log
+python3 -m pagedllm.entrypoints.cli bench paper fig12 $COMMON --rates 1 > $D.log 2>&1; tail -20 $D.log; rm -f $D.log

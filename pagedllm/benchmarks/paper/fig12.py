@@ -56,6 +56,9 @@ def run(args, fig: str = "fig12") -> dict:
             engine = engine or common.make_engine(args, system)
             reqs = trace_requests(args, engine, trace)
             data["traces"][trace]["num_requests"] = len(reqs)
+            cc = engine.config.cache_config
+            data["kv_pool"] = {"num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
+                               "model": args.model or ("tiny" if args.scale == "small" else "opt-13b")}
             data["traces"][trace]["mean_input"] = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
             data["traces"][trace]["mean_output"] = sum(r.output_len for r in reqs) / len(reqs)
 
