@@ -27,6 +27,10 @@ def sweep_system(engine, requests: list[TraceRequest], rates: list[float], make_
     threshold (higher rates can only be worse). `done` holds points of an earlier, interrupted run."""
     out = done or {"rates": [], "normalized_latency": [], "mean_batched_requests": [], "throughput_tok_s": [],
                    "num_preemptions": [], "completed": []}
+    if any(r not in out["rates"] for r in rates):
+        # warm-up (kernel compilation, CUDA-graph capture, allocator): otherwise the first, lowest rate pays it
+        # and the unloaded latency that every sustained rate is measured against comes out too high
+        run_trace(engine, with_arrivals(requests[:4], float("inf"), seed), make_params, record_breakdown=False)
     for rate in tqdm(sorted(rates), desc=label, leave=False):
         if rate in out["rates"]:
             continue
