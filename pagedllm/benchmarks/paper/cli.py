@@ -25,6 +25,9 @@ FIGURES = ["fig2", "fig12", "fig13"]  # Figs. 14-19 are not implemented yet (iss
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("figure", choices=FIGURES + ["all"])
     common.add_common_args(p)
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads on --device cpu (default 1: on a shared CPU, OpenMP barriers across busy "
+                        "cores cost a scheduler quantum per op and swamp a small model's steps)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("pagedllm").setLevel(logging.WARNING)
     logging.getLogger("pagedllm.bench.paper").setLevel(logging.INFO)
     os.makedirs(args.output_dir, exist_ok=True)
+    if (args.device or common.SCALES[args.scale].device) == "cpu":
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
     for fig in FIGURES if args.figure == "all" else [args.figure]:
         t0 = time.perf_counter()
         module = importlib.import_module(f"pagedllm.benchmarks.paper.{'fig12' if fig == 'fig13' else fig}")

@@ -95,7 +95,7 @@ class Scale:
 
 SCALES = {
     # lengths ×1/8 with block 2 and max_model_len 256: the paper's workload in units of blocks; 256 blocks.
-    "small": Scale("small", 1 / 8, 2, 256, 256, None, 24, "cpu", "float32"),
+    "small": Scale("small", 1 / 8, 2, 256, 256, None, 100, "cpu", "float32"),
     "paper": Scale("paper", 1.0, 16, 2048, None, TABLE1_KV_BYTES, 400, "cuda", "float16"),
 }
 

@@ -18,8 +18,8 @@ from pagedllm.benchmarks.paper.workloads import TRACES, make_trace
 
 logger = logging.getLogger("pagedllm.bench.paper")
 RATES = {  # default request rates (req/s) per scale and trace
-    ("small", "sharegpt"): [2, 8, 32],
-    ("small", "alpaca"): [4, 16, 64],
+    ("small", "sharegpt"): [4, 8, 16, 32, 64, 128],
+    ("small", "alpaca"): [16, 32, 64, 128, 256, 512],
     ("paper", "sharegpt"): [0.5, 1, 2, 3, 4, 6, 8],
     ("paper", "alpaca"): [2, 5, 10, 20, 30, 40, 60],
 }
