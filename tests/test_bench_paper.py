@@ -9,7 +9,12 @@ import random
 import pytest
 
 from pagedllm.benchmarks.paper import cli, common
-from pagedllm.benchmarks.paper.workloads import TRACES, clipped_lognormal_mean, make_trace, poisson_arrivals
+from pagedllm.benchmarks.paper.workloads import (
+    TRACES,
+    clipped_lognormal_mean,
+    make_trace,
+    poisson_arrivals,
+)
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:

@@ -25,16 +25,16 @@ STYLE = {"paged": ("tab:red", "o"), "orca-oracle": ("tab:blue", "s"), "orca-pow2
          "orca-max": ("tab:purple", "v"), "request-level": ("tab:gray", "x")}
 
 SUSTAINED_FACTOR = 2.0
-OPT_13B = dict(hidden_size=5120, num_hidden_layers=40, ffn_dim=20480, num_attention_heads=40, vocab_size=50272,
-               max_position_embeddings=2048, word_embed_proj_dim=5120, do_layer_norm_before=True)
-LLAMA_13B = dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                 num_attention_heads=40, num_key_value_heads=40, max_position_embeddings=2048,
-                 tie_word_embeddings=False)
+OPT_13B = {"hidden_size": 5120, "num_hidden_layers": 40, "ffn_dim": 20480, "num_attention_heads": 40, "vocab_size": 50272,
+               "max_position_embeddings": 2048, "word_embed_proj_dim": 5120, "do_layer_norm_before": True}
+LLAMA_13B = {"vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                 "num_attention_heads": 40, "num_key_value_heads": 40, "max_position_embeddings": 2048,
+                 "tie_word_embeddings": False}
 # --scale small: a tiny Llama with random weights. The figures compare KV memory management, which does not
 # depend on the model's size; a tiny model keeps a 2-core CPU run to minutes (steps cost ~ms, not ~0.5 s).
-TINY_LLAMA = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                  tie_word_embeddings=False)
+TINY_LLAMA = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
+                  "tie_word_embeddings": False}
 TABLE1_KV_BYTES = 12 * 10**9  # Table 1: OPT-13B on one A100-40GB leaves 12 GB for the KV cache
 
 
@@ -151,12 +151,12 @@ def make_engine(args, system: str, *, block_size: int | None = None, prefix_cach
     scale = SCALES[args.scale]
     path, dummy = model_dir(args.model, scale)
     manager, batching = SYSTEMS[system]
-    kw: dict[str, Any] = dict(
-        model=path, device=args.device or scale.device, dtype=scale.dtype if (args.device or scale.device) != "cpu" else "float32",
-        block_size=block_size or scale.block_size, max_model_len=scale.max_model_len, max_num_seqs=max_num_seqs,
-        enable_prefix_caching=prefix_caching, preemption_mode=preemption_mode, swap_space=0.5 if scale.name == "small" else 4,
-        seed=args.seed,
-    )
+    kw: dict[str, Any] = {
+        "model": path, "device": args.device or scale.device, "dtype": scale.dtype if (args.device or scale.device) != "cpu" else "float32",
+        "block_size": block_size or scale.block_size, "max_model_len": scale.max_model_len, "max_num_seqs": max_num_seqs,
+        "enable_prefix_caching": prefix_caching, "preemption_mode": preemption_mode, "swap_space": 0.5 if scale.name == "small" else 4,
+        "seed": args.seed,
+    }
     blocks = num_blocks or args.num_blocks or scale.num_blocks
     if blocks and not (scale.name == "paper" and args.num_blocks is None and num_blocks is None):
         kw["num_gpu_blocks_override"] = blocks

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pagedllm.benchmarks.paper.workloads import TraceRequest
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from tqdm import tqdm
 
