@@ -272,3 +272,20 @@ def test_core_stays_free_of_torch():
             "pagedllm.core.kv_accounting; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_cli_flags_document_and_check_the_choices(capsys):
+    import argparse
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    text = " ".join(parser.format_help().split())
+    assert "--kv-cache-manager {paged,orca-oracle,orca-pow2,orca-max}" in text
+    assert "--batching {iteration,request}" in text and "ignore_eos" in text
+    args = EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-manager", "orca-max", "--batching", "request"]))
+    config = args.create_engine_config(2048)
+    assert config.cache_config.kv_cache_manager == "orca-max" and config.scheduler_config.batching == "request"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-manager", "orca"])
+    assert "invalid choice" in capsys.readouterr().err
