@@ -165,6 +165,19 @@ class ContiguousBlockManager:
             return AllocStatus.NEVER
         return AllocStatus.LATER
 
+    def check_admissible(self, group: SequenceGroup) -> None:
+        """Raise ValueError when the group's reservation cannot fit even in an empty pool."""
+        tokens, blocks, region = self.reservation_for(group)
+        k = max(1, group.max_num_running_seqs())
+        if self.allocator.num_fitting_when_empty(blocks) < k:
+            raise ValueError(
+                f"kv_cache_manager={self.policy!r} reserves {tokens} tokens per sequence for this request "
+                f"(a buddy region of {region} blocks of {self.block_size} tokens) for each of its {k} "
+                f"sequences (n / best_of / beam width), but the KV pool of {self.num_gpu_blocks} blocks holds "
+                f"{self.allocator.num_fitting_when_empty(blocks)} such regions; lower max_tokens, n or "
+                "best_of, or enlarge the pool."
+            )
+
     def group_demand_blocks(self, group: SequenceGroup) -> int:
         """Blocks the group asks for (before buddy rounding), all its sequences together."""
         _, blocks, _ = self.reservation_for(group)

@@ -82,6 +82,9 @@ class BlockManager:
             return AllocStatus.NEVER
         return AllocStatus.LATER
 
+    def check_admissible(self, group: SequenceGroup) -> None:
+        """Paged memory admits any request whose prompt fits max_model_len (checked by the engine)."""
+
     def admit(self, group: SequenceGroup) -> None:
         """Paged memory reserves nothing at admission: blocks come as tokens are computed."""
 

@@ -42,8 +42,8 @@ _HELP = {
     "async_scheduling": "Schedule and launch step t+1 while the device still runs step t (outputs arrive one "
                         "step later); default: on for CUDA with one process, off otherwise.",
     "kv_cache_manager": "KV memory management: paged (PagedAttention) or the paper's contiguous-reservation "
-                        "baselines on a buddy allocator: orca-oracle (prompt + true output length, i.e. "
-                        "max_tokens), orca-pow2 (output length rounded up to a power of two), orca-max "
+                        "baselines on a buddy allocator: orca-oracle (prompt + true output length, taken from "
+                        "max_tokens: exact when the request sets ignore_eos, as the benchmarks do), orca-pow2 (output length rounded up to a power of two), orca-max "
                         "(max_model_len). Contiguous managers share, swap and cache nothing.",
     "batching": "iteration (requests join and leave every step) or request (a batch runs until all its requests "
                 "finish before others join: FasterTransformer-style with --kv-cache-manager orca-max).",

@@ -166,6 +166,7 @@ class LLMEngine:
         if params.use_beam_search:
             group.extra["beam"] = new_beam_state(params, max_tokens)
         seq.extra["generator"] = self._make_generator(params, 0)
+        self.scheduler.block_manager.check_admissible(group)  # a contiguous reservation may never fit
         self.output_processor.init_sequence(seq, params)
         self.scheduler.add_seq_group(group)
         return group
