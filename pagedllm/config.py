@@ -8,6 +8,9 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 _PREEMPTION_MODES = ("recompute", "swap", "auto")
+# "paged": PagedAttention's BlockManager; the others: the paper's Orca baselines (core/baselines.py).
+KV_CACHE_MANAGERS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
+BATCHING_MODES = ("iteration", "request")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -58,6 +61,7 @@ class CacheConfig:
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
+    kv_cache_manager: str = "paged"
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
@@ -73,6 +77,18 @@ class CacheConfig:
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
         _check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+        _check_choice("kv_cache_manager", self.kv_cache_manager, KV_CACHE_MANAGERS)
+        if self.kv_cache_manager != "paged":
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    f"enable_prefix_caching needs kv_cache_manager='paged': {self.kv_cache_manager!r} "
+                    "reserves one contiguous region per sequence and shares nothing."
+                )
+            if self.preemption_mode == "swap":
+                raise ValueError(
+                    f"preemption_mode='swap' needs kv_cache_manager='paged': {self.kv_cache_manager!r} "
+                    "reserves memory up front and never preempts; use 'auto' or 'recompute'."
+                )
 
 
 @dataclass
@@ -87,9 +103,13 @@ class SchedulerConfig:
     watermark: float = 0.01
     # Overlap scheduling of step t+1 with the device running step t; None: the engine decides.
     async_scheduling: bool | None = None
+    # "iteration": requests join and leave the batch every step (Orca, vLLM); "request": a batch of
+    # requests runs until all of them finish before any other joins (FasterTransformer, paper §6.1).
+    batching: str = "iteration"
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_choice("batching", self.batching, BATCHING_MODES)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}.")

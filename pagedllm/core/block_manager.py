@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool, hash_block_tokens
+from pagedllm.core.interfaces import AllocStatus
 from pagedllm.core.sequence import Sequence, SequenceGroup
 
 
@@ -72,6 +73,20 @@ class BlockManager:
         """Whether `num_blocks` can be taken now; new requests must leave the watermark free."""
         reserve = self.watermark_blocks if for_new_request else 0
         return self.get_num_free_gpu_blocks() - num_blocks >= reserve
+
+    def can_admit(self, group: SequenceGroup, num_blocks: int) -> AllocStatus:
+        """Whether a waiting group whose first step needs `num_blocks` blocks can start now."""
+        if self.can_allocate(num_blocks, for_new_request=True):
+            return AllocStatus.OK
+        if num_blocks > self.num_gpu_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.LATER
+
+    def check_admissible(self, group: SequenceGroup) -> None:
+        """Paged memory admits any request whose prompt fits max_model_len (checked by the engine)."""
+
+    def admit(self, group: SequenceGroup) -> None:
+        """Paged memory reserves nothing at admission: blocks come as tokens are computed."""
 
     # -- allocate / append with copy-on-write -----------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:

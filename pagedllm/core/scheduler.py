@@ -4,6 +4,18 @@ Every step forms one flat batch: one token for each decoding sequence, then prom
 a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). When the block
 pool runs dry, the most recently arrived running group is preempted — swapped to the CPU pool or
 dropped to be recomputed — until the earlier ones fit.
+
+The KV manager is the paged `BlockManager` or, for the paper's Orca baselines, a
+`ContiguousBlockManager` (`cache_config.kv_cache_manager`); the loop is the same for all of them.
+
+With ``scheduler_config.batching == "request"`` (the paper's FasterTransformer baseline, §6.1) new
+requests are admitted only when no request is running, swapped or preempted: the earliest-arrived
+waiting requests that fit, up to ``max_num_seqs`` sequences, form one batch (each one's whole prompt
+is given KV memory at once, whatever this step's token budget), and no other request joins until
+every request of that batch has finished. Prompts are still computed in chunks under the token
+budget. The recommended FasterTransformer-style configuration is ``batching="request"`` with
+``kv_cache_manager="orca-max"`` (FasterTransformer reserves the maximum length per sequence);
+``batching="request"`` with ``"paged"`` isolates the effect of request-level batching alone.
 """
 from __future__ import annotations
 
@@ -11,7 +23,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.baselines import ContiguousBlockManager
 from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.interfaces import AllocStatus, KVCacheManager
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -51,14 +65,10 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.block_manager = BlockManager(
-            block_size=cache_config.block_size,
-            num_gpu_blocks=cache_config.num_gpu_blocks,
-            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
-            enable_caching=cache_config.enable_prefix_caching,
-            watermark=scheduler_config.watermark,
-        )
+        self.block_manager = make_kv_cache_manager(scheduler_config, cache_config)
         self.waiting: deque[SequenceGroup] = deque()
+        # Request-level batching: ids of the current batch's requests that have not finished.
+        self._batch: set[str] = set()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = 0
@@ -85,6 +95,7 @@ class Scheduler:
             for group in queue:
                 if group.request_id == request_id:
                     queue.remove(group)
+                    self._batch.discard(request_id)
                     for seq in group.seqs:
                         if not seq.is_finished():
                             seq.status = SequenceStatus.FINISHED_ABORTED
@@ -100,6 +111,8 @@ class Scheduler:
         finished = [g for g in self.running if g.is_finished()]
         if finished:
             self.running = [g for g in self.running if not g.is_finished()]
+            for group in finished:
+                self._batch.discard(group.request_id)
         return finished
 
     # -- the step decision ------------------------------------------------------------------
@@ -111,7 +124,10 @@ class Scheduler:
             self._schedule_swapped(out, budget)
         # Paper §4.5: while any preempted group sits in swap, admit no new requests.
         if not self.swapped:
-            self._schedule_waiting(out, budget)
+            if self.config.batching == "request":
+                self._schedule_waiting_request_level(out, budget)
+            else:
+                self._schedule_waiting(out, budget)
         out.num_batched_tokens = budget.tokens_used
         return out
 
@@ -183,11 +199,28 @@ class Scheduler:
             self._place(group, demand, out, budget)
             self.running.append(group)
 
-    def _schedule_waiting(self, out: SchedulerOutputs, budget: _Budget) -> None:
+    def _schedule_waiting_request_level(self, out: SchedulerOutputs, budget: _Budget) -> None:
+        if self._batch and not self.running and not self.swapped and not any(
+            g.request_id in self._batch for g in self.waiting
+        ):
+            self._batch.clear()  # every member finished or left
+        if self._batch:
+            # Members of the running batch that were preempted (recompute) may come back; nobody else.
+            self._schedule_waiting(out, budget, members_only=True)
+        else:
+            self._schedule_waiting(out, budget, new_batch=True)
+
+    def _schedule_waiting(
+        self, out: SchedulerOutputs, budget: _Budget, new_batch: bool = False, members_only: bool = False
+    ) -> None:
+        """Admit waiting groups FCFS. `new_batch` (request-level batching): admit regardless of this
+        step's token budget and give each admitted prompt all its KV memory at once."""
         while self.waiting:
             group = self.waiting[0]
+            if members_only and group.request_id not in self._batch:
+                break
             num_seqs = group.max_num_running_seqs()
-            if not budget.can_add_seqs(max(num_seqs, 1)) or budget.tokens_left == 0:
+            if not budget.can_add_seqs(max(num_seqs, 1)) or (budget.tokens_left == 0 and not new_batch):
                 break
             bm = self.block_manager
             fresh = all(s.seq_id not in bm.block_tables for s in group.unfinished_seqs())
@@ -199,11 +232,14 @@ class Scheduler:
                 if group.first_scheduled_time is None:
                     group.num_cached_tokens = group.unfinished_seqs()[0].num_computed_tokens
             demand = self._demand(group, budget.tokens_left)
-            needed = sum(bm.num_blocks_to_grow(s, n) for s, n in demand if n)
-            if sum(n for _, n in demand) == 0 or not bm.can_allocate(needed, for_new_request=True):
-                if not self.running and not self.swapped and not out.scheduled and (
-                    needed > bm.num_gpu_blocks - bm.watermark_blocks
-                ):
+            if new_batch:
+                needed = sum(bm.num_blocks_to_grow(s, s.num_uncomputed_tokens) for s in group.unfinished_seqs())
+            else:
+                needed = sum(bm.num_blocks_to_grow(s, n) for s, n in demand if n)
+            status = bm.can_admit(group, needed)
+            idle = sum(n for _, n in demand) == 0 and not new_batch
+            if idle or status is not AllocStatus.OK:
+                if status is AllocStatus.NEVER and not self.running and not self.swapped and not out.scheduled:
                     self.waiting.popleft()
                     for seq in group.unfinished_seqs():
                         bm.free(seq)
@@ -217,10 +253,15 @@ class Scheduler:
                         seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            bm.admit(group)
             for seq in group.unfinished_seqs():
                 if fresh:
                     bm.record_prefix_lookup(seq, seq.num_computed_tokens)
                 seq.status = SequenceStatus.RUNNING
+                if new_batch:
+                    out.blocks_to_copy.extend(bm.allocate_slots(seq, seq.num_uncomputed_tokens))
+            if new_batch:
+                self._batch.add(group.request_id)
             self._place(group, demand, out, budget)
             self.running.append(group)
 
@@ -266,6 +307,24 @@ class Scheduler:
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.cache_computed_blocks(item.seq)
+
+
+def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> KVCacheManager:
+    """The KV manager `cache_config.kv_cache_manager` names, over `cache_config.num_gpu_blocks` blocks."""
+    if cache_config.kv_cache_manager == "paged":
+        return BlockManager(
+            block_size=cache_config.block_size,
+            num_gpu_blocks=cache_config.num_gpu_blocks,
+            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
+            enable_caching=cache_config.enable_prefix_caching,
+            watermark=scheduler_config.watermark,
+        )
+    return ContiguousBlockManager(
+        block_size=cache_config.block_size,
+        num_gpu_blocks=cache_config.num_gpu_blocks,
+        policy=cache_config.kv_cache_manager,
+        max_model_len=scheduler_config.max_model_len,
+    )
 
 
 def _in_lockstep(demand: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
 from pagedllm.config import (
+    BATCHING_MODES,
+    KV_CACHE_MANAGERS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -41,7 +43,15 @@ _HELP = {
                           "(split at attention); 0: only decode-only steps are captured.",
     "async_scheduling": "Schedule and launch step t+1 while the device still runs step t (outputs arrive one "
                         "step later); default: on for CUDA with one process, off otherwise.",
+    "kv_cache_manager": "KV memory management: paged (PagedAttention) or the paper's contiguous-reservation "
+                        "baselines on a buddy allocator: orca-oracle (prompt + true output length, taken from "
+                        "max_tokens: exact when the request sets ignore_eos, as the benchmarks do), orca-pow2 (output length rounded up to a power of two), orca-max "
+                        "(max_model_len). Contiguous managers share, swap and cache nothing.",
+    "batching": "iteration (requests join and leave every step) or request (a batch runs until all its requests "
+                "finish before others join: FasterTransformer-style with --kv-cache-manager orca-max).",
 }
+
+_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES}
 
 
 @dataclass
@@ -69,6 +79,8 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     max_capture_tokens: int = 8192
+    kv_cache_manager: str = "paged"
+    batching: str = "iteration"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -104,11 +116,12 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching, preemption_mode=self.preemption_mode,
+            kv_cache_manager=self.kv_cache_manager,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-            async_scheduling=self.async_scheduling,
+            async_scheduling=self.async_scheduling, batching=self.batching,
         )
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device))
@@ -125,7 +138,8 @@ class EngineArgs:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
             base = _base_type(hint)
-            parser.add_argument(flag, type=base, default=f.default, help=help_text)
+            choices = _CHOICES.get(f.name)
+            parser.add_argument(flag, type=base, default=f.default, help=help_text, choices=choices)
         return parser
 
     @classmethod

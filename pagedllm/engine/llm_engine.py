@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.kv_accounting import KVMemoryBreakdown, kv_memory_breakdown
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.device_utils import async_tensor_h2d
@@ -154,6 +155,7 @@ class LLMEngine:
         if params.use_beam_search:
             group.extra["beam"] = new_beam_state(params, max_tokens)
         seq.extra["generator"] = self._make_generator(params, 0)
+        self.scheduler.block_manager.check_admissible(group)  # a contiguous reservation may never fit
         self.output_processor.init_sequence(seq, params)
         self.scheduler.add_seq_group(group)
         return group
@@ -407,6 +409,16 @@ class LLMEngine:
         return self.output_processor.make_output(group)
 
     # -- observability ----------------------------------------------------------------------
+    def kv_memory_breakdown(self) -> KVMemoryBreakdown:
+        """Where the device KV pool's token slots go now (the paper's Fig. 2; see core/kv_accounting.py)."""
+        s = self.scheduler
+        return kv_memory_breakdown(
+            s.block_manager,
+            s.running,
+            max_model_len=self.config.scheduler_config.max_model_len,
+            head_of_line=s.waiting[0] if s.waiting else None,
+        )
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
         bm = s.block_manager
@@ -443,6 +455,7 @@ class LLMEngine:
             "prefix_cache_hits": st.prefix_cache_hits,
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
+            **{f"kv_frac_{k}": v for k, v in self.kv_memory_breakdown().fractions().items()},
         }
 
 

@@ -1,0 +1,133 @@
+"""Open-loop trace driver over one LLMEngine, in one process.
+
+Each request is added once its arrival time has passed; the engine is stepped; per request the
+arrival, first-token and finish times and the output length are recorded, and per step the number
+of batched (running) requests, the waiting queue and the KV memory breakdown.
+
+Clock: an event-driven clock, not a sleep. Time advances by each step's measured wall time; when
+the engine is idle the clock jumps to the next arrival instead of sleeping. Latencies are the same
+as a real-time open-loop client would see (the engine does nothing while idle), but an idle gap
+costs no benchmark time.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pagedllm.benchmarks.paper.workloads import TraceRequest
+
+logger = logging.getLogger("pagedllm.bench.paper")
+BREAKDOWN_KEYS = ("token_states", "reservation", "internal_fragmentation", "external_fragmentation", "free")
+
+
+@dataclass
+class RequestRecord:
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+    output_len: int = 0
+
+
+@dataclass
+class StepRecord:
+    time: float
+    num_running: int
+    num_waiting: int
+    breakdown: dict[str, float] | None  # fractions of the pool
+
+
+@dataclass
+class TraceResult:
+    requests: dict[str, RequestRecord]
+    steps: list[StepRecord] = field(default_factory=list)
+    completed: bool = True  # False: stopped at the wall-time limit (overloaded)
+    wall_s: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def normalized_latency(self) -> float:
+        """The paper's metric: mean over requests of end-to-end latency ÷ output length (s/token)."""
+        done = [r for r in self.requests.values() if r.finish is not None and r.output_len]
+        if not self.completed or not done:
+            return math.inf
+        return sum((r.finish - r.arrival) / r.output_len for r in done) / len(done)
+
+    @property
+    def mean_batched_requests(self) -> float:
+        busy = [s.num_running for s in self.steps if s.num_running]
+        return sum(busy) / len(busy) if busy else 0.0
+
+    @property
+    def duration(self) -> float:
+        return self.steps[-1].time if self.steps else 0.0
+
+    def output_tokens_per_s(self) -> float:
+        return sum(r.output_len for r in self.requests.values()) / self.duration if self.duration else 0.0
+
+    def mean_breakdown(self, only_when_waiting: bool = True) -> dict[str, float]:
+        """Time-weighted mean KV breakdown over the steps where a request waits (memory binds)."""
+        sel = [(i, s) for i, s in enumerate(self.steps) if s.breakdown and (s.num_waiting or not only_when_waiting)]
+        tot = {k: 0.0 for k in BREAKDOWN_KEYS}
+        weight = 0.0
+        for i, s in sel:
+            dt = s.time - (self.steps[i - 1].time if i else 0.0)
+            weight += dt
+            for k in BREAKDOWN_KEYS:
+                tot[k] += dt * s.breakdown.get(k, 0.0)
+        return {k: v / weight for k, v in tot.items()} if weight else {}
+
+
+def kv_breakdown(engine) -> dict[str, float] | None:
+    """The engine's KV breakdown as fractions of the pool (None if the engine has no breakdown)."""
+    fn = getattr(engine, "kv_memory_breakdown", None)
+    if fn is None:
+        return None
+    b = fn()
+    b = b if isinstance(b, dict) else vars(b)
+    total = b.get("total") or 1
+    scale = 1.0 / total if total > 1 else 1.0
+    return {k: float(b.get(k, 0)) * scale for k in BREAKDOWN_KEYS}
+
+
+def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceRequest], object],
+              max_wall_s: float = math.inf, record_breakdown: bool = True) -> TraceResult:
+    """Replay `trace` (sorted by arrival) open-loop on `engine`; returns per-request and per-step records."""
+    trace = sorted(trace, key=lambda r: r.arrival)
+    res = TraceResult({r.request_id: RequestRecord(r.arrival) for r in trace})
+    pre0 = engine.stats()["num_preemptions"]
+    clock, i, n = 0.0, 0, len(trace)
+    t_start = time.perf_counter()
+    while i < n or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and trace[i].arrival > clock:
+            clock = trace[i].arrival  # idle: jump to the next arrival
+        while i < n and trace[i].arrival <= clock:
+            r = trace[i]
+            engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, make_params(r))
+            i += 1
+        t0 = time.perf_counter()
+        outs = engine.step()
+        clock += time.perf_counter() - t0
+        st = engine.stats()
+        res.steps.append(StepRecord(clock, st["num_running"], st["num_waiting"] + st.get("num_swapped", 0),
+                                    kv_breakdown(engine) if record_breakdown else None))
+        for o in outs:
+            rec = res.requests[o.request_id]
+            n_out = max((len(c.token_ids) for c in o.outputs), default=0)
+            if rec.first_token is None and n_out:
+                rec.first_token = clock
+            if o.finished:
+                rec.finish, rec.output_len = clock, n_out
+        if time.perf_counter() - t_start > max_wall_s:
+            logger.warning("stopping a trace at the %.0f s wall limit: %d of %d requests unfinished", max_wall_s,
+                           sum(r.finish is None for r in res.requests.values()), n)
+            engine.abort_request([r for r, rec in res.requests.items() if rec.finish is None])
+            while engine.has_unfinished_requests():
+                engine.step()
+            res.completed = False
+            break
+    res.wall_s = time.perf_counter() - t_start
+    res.num_preemptions = engine.stats()["num_preemptions"] - pre0
+    return res
