@@ -178,6 +178,7 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_in_an_unguarded_script_works(tiny_dir, tmp_path):
     """A TP script without a __main__ guard: workers are forked (no re-import) and the tokens equal tp=1's."""
     script = tmp_path / "unguarded.py"
