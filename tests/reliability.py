@@ -189,8 +189,11 @@ class LoadResult:
 def _plan(i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
     """Request i of the load: a mix of streams and whole responses, n, best_of, stop strings, aborts."""
     prompt = PROMPTS[i % len(PROMPTS)]
-    kind = rng.choice(["greedy", "greedy", "sampled_n2", "best_of", "stop", "chat", "disconnect", "abort"])
+    kind = rng.choice(["greedy", "greedy", "sampled_n2", "best_of", "stop", "chat", "disconnect", "abort", "bad"])
     base = {"prompt": prompt, "max_tokens": max_tokens}
+    if kind == "bad":  # refused with a 400 while the rest run
+        wrong = rng.choice([{"temprature": 0.5}, {"max_tokens": -1}, {"n": "2"}, {"logit_bias": {"x": 1}}])
+        return {"kind": kind, "stream": rng.random() < 0.5, "body": {**base, **wrong}}
     if kind == "greedy":
         return {"kind": kind, "stream": True, "body": {**base, "temperature": 0, "ignore_eos": True}}
     if kind == "sampled_n2":
@@ -289,6 +292,10 @@ async def _one(client: httpx.AsyncClient, plan: dict[str, Any], refs: dict[str, 
 
 def _judge_whole(r: httpx.Response, plan, n, tag, res: LoadResult, latency: float, content: bytes | None = None) -> None:
     content = r.content if content is None else content
+    if plan["kind"] == "bad" and r.status_code != 400:
+        res.outcomes["lost"] += 1
+        res.problems.append(f"{tag}: a bad request got {r.status_code}, not 400: {content[:160]!r}")
+        return
     if r.status_code != 200:
         problem = error_body_problem(r.status_code, content)
         if problem:
