@@ -1,7 +1,8 @@
 """Faults in a real `pagedllm serve` process: an exception inside one engine step (injected by a
 wrapper script around the CLI) ends the requests of that step visibly (a stream gets an OpenAI error
 event then one [DONE], a whole response a 500 `engine_error`), frees their blocks, and the server
-keeps serving: requests sent afterwards get the same greedy output as before the fault."""
+keeps serving. A request still queued (no step had started it) is not failed: it runs after the fault,
+and it and requests sent afterwards get the same greedy output as before the fault."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,7 @@ pytest.importorskip("fastapi")
 from conftest_server import RemoteServer  # noqa: E402
 from reliability import error_body_problem  # noqa: E402
 
-ARGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256", "--swap-space", "0.05", "--max-num-seqs", "8"]
+ARGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256", "--swap-space", "0.05", "--max-num-seqs", "3"]
 
 # Raises once inside the model call of the next step after the test creates the arm file.
 WRAPPER = '''
@@ -50,9 +51,11 @@ def faulty(tmp_path_factory):
     assert srv.stop(signal.SIGTERM) == 0, srv.logs()[-3000:]
 
 
+GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
 def _greedy(srv: RemoteServer) -> str:
-    r = httpx.post(srv.url("/v1/completions"), timeout=60,
-                   json={"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(srv.url("/v1/completions"), timeout=60, json=GREEDY)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -80,12 +83,15 @@ def test_step_exception_ends_in_flight_requests_visibly_and_server_recovers(faul
                                             {"messages": [{"role": "user", "content": "Hi"}], **long})),
                 asyncio.create_task(client.post("/v1/completions", json={"prompt": "Tell me", **long})),
             ]
-            while srv.metrics()["vllm:num_requests_running"] < 3:
+            while srv.metrics()["vllm:num_requests_running"] < 3:  # --max-num-seqs 3: all slots taken
+                await asyncio.sleep(0.05)
+            tasks.append(asyncio.create_task(client.post("/v1/completions", json=GREEDY)))
+            while srv.metrics()["vllm:num_requests_waiting"] < 1:
                 await asyncio.sleep(0.05)
             arm.touch()
             return await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-    stream_a, stream_b, whole = asyncio.run(scenario())
+    stream_a, stream_b, whole, queued = asyncio.run(scenario())
     assert not arm.exists(), "the fault never fired"
     for events in (stream_a, stream_b):
         assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
@@ -97,6 +103,9 @@ def test_step_exception_ends_in_flight_requests_visibly_and_server_recovers(faul
     assert whole.status_code == 500, whole.text
     assert error_body_problem(500, whole.content) is None
     assert whole.json()["error"]["code"] == "engine_error"
+
+    assert queued.status_code == 200, queued.text  # not started by the failed step: it kept its place
+    assert queued.json()["choices"][0]["text"] == before
 
     m = srv.wait_idle(30)
     assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"], "KV blocks leaked by the fault"
