@@ -326,6 +326,8 @@ class AsyncLLMEngine:
         groups = list(self.engine._all_groups())
         ids = [g.request_id for g in groups if g.first_scheduled_time is not None]
         untouched = [g.request_id for g in groups if g.first_scheduled_time is None]
+        if not ids:  # the fault is not in a started request (e.g. scheduling): keeping the queue could loop
+            ids, untouched = untouched, []
         message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
         try:
             self._abort_for_fault(ids)
@@ -347,6 +349,8 @@ class AsyncLLMEngine:
             logger.warning("%d queued request(s) that no step had started keep their place", len(groups) - len(ids))
         self._post(self._deliver, _Delivery(errors={rid: EngineStepError(message) for rid in ids}))
         self._check_executor_health()  # a dead worker ends serving; a bad request does not
+        if self._dead_reason is not None:
+            self._abort_everything()  # the queue's streams were failed with EngineDeadError
 
     def _abort_for_fault(self, ids: list[str]) -> None:
         self.engine.abort_request(ids)
