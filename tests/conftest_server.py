@@ -26,11 +26,12 @@ def free_port() -> int:
 class RemoteServer:
     """`pagedllm serve ARGS` on 127.0.0.1:<free port>; waits until /health answers 200."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 240.0) -> None:
+    def __init__(self, args: list[str], startup_timeout: float = 240.0, launcher: list[str] | None = None) -> None:
+        """`launcher` replaces `-m pagedllm.entrypoints.cli` (a script that wraps the CLI, e.g. to inject faults)."""
         self.port = free_port()
         self.host = "127.0.0.1"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", self.host,
+        cmd = [sys.executable, *(launcher or ["-m", "pagedllm.entrypoints.cli"]), "serve", "--host", self.host,
                "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

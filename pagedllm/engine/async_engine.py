@@ -350,17 +350,25 @@ class AsyncLLMEngine:
             self._post(self._deliver, _Delivery(outputs=outputs))
 
     def _handle_step_fault(self, exc: Exception) -> None:
-        """Fail every in-flight request, free its blocks, and keep serving only if the pool is sound."""
+        """Fail the requests the failed step may have touched, free their blocks, keep serving if the pool is sound.
+
+        Requests still queued that no step has scheduled yet hold no KV state and stay queued; if the
+        pool is not whole after aborting the others, they are failed too (the pool must be sound).
+        """
         self.num_step_faults += 1
-        logger.exception("engine step failed; aborting all in-flight requests")
-        ids = [g.request_id for g in self.engine._all_groups()]
+        logger.exception("engine step failed; aborting the requests it may have touched")
+        groups = list(self.engine._all_groups())
+        ids = [g.request_id for g in groups if g.first_scheduled_time is not None]
+        untouched = [g.request_id for g in groups if g.first_scheduled_time is None]
+        if not ids:  # the fault is not in a started request (e.g. scheduling): keeping the queue could loop
+            ids, untouched = untouched, []
         message = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
         try:
-            self.engine.abort_request(ids)
-            if self.observer is not None:
-                for rid in ids:
-                    self.observer.on_abort(rid)
+            self._abort_for_fault(ids)
             bm = self.engine.scheduler.block_manager
+            if untouched and bm.get_num_free_gpu_blocks() != bm.num_gpu_blocks:
+                self._abort_for_fault(untouched)
+                ids += untouched
             bm.check_invariants()
             if bm.get_num_free_gpu_blocks() != bm.num_gpu_blocks:
                 raise RuntimeError(
@@ -371,8 +379,18 @@ class AsyncLLMEngine:
             self._dead_reason = f"step failed ({exc}) and recovery failed ({cleanup_error})"
             self._post(self._fail_all_streams, EngineDeadError(self._dead_reason))
             raise
+        if len(ids) < len(groups):
+            logger.warning("%d queued request(s) that no step had started keep their place", len(groups) - len(ids))
         self._post(self._deliver, _Delivery(errors={rid: EngineStepError(message) for rid in ids}))
         self._check_executor_health()  # a dead worker ends serving; a bad request does not
+        if self._dead_reason is not None:
+            self._abort_everything()  # the queue's streams were failed with EngineDeadError
+
+    def _abort_for_fault(self, ids: list[str]) -> None:
+        self.engine.abort_request(ids)
+        if self.observer is not None:
+            for rid in ids:
+                self.observer.on_abort(rid)
 
     def _check_executor_health(self) -> None:
         """Mark the engine dead if a worker (tensor-parallel rank) is gone or does not answer."""

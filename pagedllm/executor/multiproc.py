@@ -8,8 +8,8 @@ Each worker process owns a duplex pipe to the engine. Messages are one tag byte 
 A worker replies ("ok", result) or ("err", traceback); after an error in a step it exits, which
 breaks the other ranks' collectives at once. Workers exit on EOF (the engine process died) and
 are terminated by `shutdown()`, by garbage collection of the executor, or at interpreter exit.
-Workers are started with "spawn", so a script that builds an engine with tensor_parallel_size > 1
-must do so under `if __name__ == "__main__":`.
+Workers are started with "spawn"; a script that builds the engine at top level without an
+`if __name__ == "__main__":` guard gets "fork" instead (see executor/start_method.py).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.process_group import DistributedInitInfo
+from pagedllm.executor.start_method import worker_start_method
 from pagedllm.executor.distributed_base import TIMEOUT_ENV, DistributedExecutorBase, TensorParallelWorkerError
 
 logger = logging.getLogger("pagedllm")
@@ -43,7 +44,7 @@ class MultiprocExecutor(DistributedExecutorBase):
         return "127.0.0.1", True
 
     def _start_workers(self, config: EngineConfig, model_dir: str, hf_config, info: DistributedInitInfo) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context(worker_start_method())
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._conns: list[Connection] = []
         self._errors: dict[int, str] = {}

@@ -27,8 +27,28 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
                         "(default: 5).")
+    _add_limit_args(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai import limits as L
+
+    g = p.add_argument_group("request limits and security")
+    g.add_argument("--max-prompts-per-request", type=int, default=L.DEFAULT_MAX_PROMPTS,
+                   help=f"Most prompts in one /v1/completions request; more is a 413 (default: {L.DEFAULT_MAX_PROMPTS}).")
+    g.add_argument("--max-total-prompt-tokens", type=int, default=L.DEFAULT_MAX_TOTAL_PROMPT_TOKENS,
+                   help="Most prompt tokens in one request, all prompts together; more is a 413 "
+                        f"(default: {L.DEFAULT_MAX_TOTAL_PROMPT_TOKENS}).")
+    g.add_argument("--max-n", type=int, default=L.DEFAULT_MAX_N,
+                   help=f"Most completions per prompt (n, best_of), also capped by --max-num-seqs "
+                        f"(default: {L.DEFAULT_MAX_N}).")
+    g.add_argument("--max-request-body-bytes", type=int, default=L.DEFAULT_MAX_BODY_BYTES,
+                   help="Request bodies above this size get a 413 before they are parsed "
+                        f"(default: {L.DEFAULT_MAX_BODY_BYTES}, 8 MiB).")
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="With --api-key, require the key on /metrics too (default: /metrics and /health are open).")
 
 
 def _default_name(model: str | None) -> str:
@@ -52,12 +72,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.metrics import EngineMetrics
-    from pagedllm.entrypoints.openai.serving_common import MAX_N, ServingContext
+    from pagedllm.entrypoints.openai.limits import RequestLimits
+    from pagedllm.entrypoints.openai.serving_common import ServingContext
     from pagedllm.entrypoints.openai.server import GracefulServer, build_app
     from pagedllm.tokenizer import get_tokenizer
 
     if args.model_tag is not None:
         args.model = args.model_tag
+    limits = RequestLimits(max_prompts_per_request=args.max_prompts_per_request,
+                           max_total_prompt_tokens=args.max_total_prompt_tokens, max_n=args.max_n,
+                           max_request_body_bytes=args.max_request_body_bytes)
+    if args.protect_metrics and not args.api_key:
+        raise ValueError("--protect-metrics needs --api-key (there is no key to protect /metrics with).")
     engine_args = EngineArgs.from_cli_args(args)
     names = args.served_model_name or [_default_name(engine_args.model)]
     metrics = EngineMetrics(names[0])
@@ -71,10 +97,11 @@ def run_serve(args: argparse.Namespace) -> int:
     cc = core.config.cache_config
     ctx = ServingContext(
         engine=engine, tokenizer=tokenizer, served_model_names=names, model_path=str(core.model_dir),
-        max_model_len=core.max_seq_len, max_n=min(MAX_N, core.config.scheduler_config.max_num_seqs),
-        chat_template=_chat_template(args.chat_template),
+        max_model_len=core.max_seq_len, max_n=min(limits.max_n, core.config.scheduler_config.max_num_seqs),
+        chat_template=_chat_template(args.chat_template), limits=limits,
+        block_size=cc.block_size, num_gpu_blocks=cc.num_gpu_blocks,
     )
-    app = build_app(ctx, metrics, api_key=args.api_key)
+    app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], core.model_dir, core.executor.device, core.executor.dtype, cc.num_gpu_blocks, cc.block_size,

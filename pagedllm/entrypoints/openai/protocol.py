@@ -2,14 +2,42 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored (the official clients send fields we do not use).
+    """Base of the response models."""
+
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(OpenAIBaseModel):
+    """Base of the request models: the contract is exact, as OpenAI's.
+
+    Unknown fields are a 400 naming the field (a client asking for something we do not do must hear
+    so); types are strict (``"stream": "yes"`` and ``"n": "2"`` are errors; an int is still a valid
+    float); NaN and infinities are refused.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _valid_unicode(value: str) -> str:
+    # JSON can carry lone UTF-16 surrogates ("\ud800"); they are not text and no tokenizer takes them.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text contains a lone UTF-16 surrogate ({value[e.start]!r} at index {e.start}), "
+                         f"which is not valid Unicode") from None
+    return value
+
+
+#: A string that is valid Unicode (no lone surrogates).
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+#: Seeds span a 64-bit signed integer, as vLLM's.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -25,7 +53,7 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 # -- shared pieces -----------------------------------------------------------------------------------
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
@@ -36,7 +64,7 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingExtras(OpenAIBaseModel):
+class SamplingExtras(RequestModel):
     """vLLM's extra sampling parameters, accepted by both endpoints."""
 
     top_k: int | None = None
@@ -48,15 +76,28 @@ class SamplingExtras(OpenAIBaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    #: OpenAI's token-id → bias map; validated (keys are token ids, values in [-100, 100]).
+    logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids written as decimal strings (e.g. \"50256\"), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
 
 
 # -- completions ----------------------------------------------------------------------------------------
 class CompletionRequest(SamplingExtras):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    #: Absent: 16 (OpenAI's and vLLM's default); explicit null: up to the context limit (as vLLM).
     max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
@@ -66,12 +107,24 @@ class CompletionRequest(SamplingExtras):
     stream_options: StreamOptions | None = None
     logprobs: int | None = None
     echo: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, value: Any) -> Any:
+        if isinstance(value, list) and value:
+            kinds = {"text" if isinstance(x, str) else "token ids" if isinstance(x, (int, list)) else "other"
+                     for x in value}
+            nested = {isinstance(x, list) for x in value if not isinstance(x, str)}
+            if len(kinds) > 1 or len(nested) > 1:
+                raise ValueError("a prompt list must be all strings, all token ids, or all lists of token ids; "
+                                 "this one mixes them")
+        return value
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -103,22 +156,40 @@ class CompletionStreamResponse(CompletionResponse):
 
 
 # -- chat -----------------------------------------------------------------------------------------------------
-class ChatContentPart(OpenAIBaseModel):
+class ChatContentPart(RequestModel):
+    # Other part types (image_url, input_audio, ...) carry their own fields; they are refused later
+    # with a clear "only text" error.
     model_config = ConfigDict(extra="allow")
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
-class ChatMessageParam(OpenAIBaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[ChatContentPart] | None = None
-    name: str | None = None
+#: OpenAI's message roles ("function" is its deprecated predecessor of "tool").
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class ChatMessageParam(RequestModel):
+    role: ChatRole
+    content: Text | list[ChatContentPart] | None = None
+    name: Text | None = None
+    # Accepted so a conversation replayed from an OpenAI client validates; passed to the template.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessageParam":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs `content`")
+        if self.content is None and not (self.tool_calls or self.refusal):
+            raise ValueError("an 'assistant' message needs `content` (or `tool_calls`)")
+        return self
 
 
 class ChatCompletionRequest(SamplingExtras):
     model: str | None = None
     messages: list[ChatMessageParam]
+    #: Absent: up to the context limit (vLLM's chat default; OpenAI's models likewise have none).
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None
@@ -129,13 +200,13 @@ class ChatCompletionRequest(SamplingExtras):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    seed: Seed | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
     add_generation_prompt: bool = True
-    chat_template: str | None = None
+    chat_template: Text | None = None
 
 
 class ChatTopLogprob(OpenAIBaseModel):
@@ -211,9 +282,9 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -225,7 +296,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -25,58 +25,16 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     dump,
 )
+from pagedllm.entrypoints.openai.request_errors import validation_error
+from pagedllm.entrypoints.openai.security import ApiKeyAuth, ApiKeyMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("pagedllm.server")
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
-
-
 def error_response(err: OpenAIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
-
-
-def _param_of(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc[1:] if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "-" in p))]
-    return ".".join(parts) or None
-
-
-def validation_error(exc: RequestValidationError) -> OpenAIError:
-    errors = list(exc.errors())
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return OpenAIError("The request body is not valid JSON.", code="invalid_json")
-    if not errors:
-        return OpenAIError("The request body is invalid.")
-    first_param = _param_of(tuple(errors[0].get("loc", ())))
-    seen, parts = set(), []
-    for e in errors:
-        param = _param_of(tuple(e.get("loc", ()))) or "body"
-        msg = f"{param}: {e.get('msg', 'invalid value')}"
-        if msg not in seen:
-            seen.add(msg)
-            parts.append(msg)
-    code = "missing" if errors[0].get("type") == "missing" else "invalid_type"
-    return OpenAIError("; ".join(parts[:4]), param=first_param, code=code)
-
-
-class ApiKeyMiddleware:
-    """Every /v1/* route needs `Authorization: Bearer <key>`; /health and /metrics stay open."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self.api_key = app, api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
-            headers = dict(scope.get("headers") or [])
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if auth != f"Bearer {self.api_key}":
-                err = OpenAIError("Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                                  code="invalid_api_key", status=401)
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -124,7 +82,8 @@ class GracefulServer(uvicorn.Server):
             logger.info("aborted %d request(s) still running at shutdown", n)
 
 
-def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None) -> FastAPI:
+def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
+              protect_metrics: bool = False) -> FastAPI:
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
 
@@ -139,8 +98,11 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             await ctx.engine.shutdown()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    # Added last = outermost: the size limit, then the key, are checked before anything reads the body.
+    app.state.auth = ApiKeyAuth(api_key, protect_metrics) if api_key else None
+    if app.state.auth is not None:
+        app.add_middleware(ApiKeyMiddleware, auth=app.state.auth)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.limits.max_request_body_bytes)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
@@ -152,7 +114,7 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        kind = {404: "not_found", 413: "request_too_large"}.get(exc.status_code, "invalid_request_error")
         return error_response(OpenAIError(str(exc.detail), code=kind, status=exc.status_code))
 
     @app.exception_handler(Exception)

@@ -66,8 +66,10 @@ class OpenAIServingChat:
         if req.logprobs:
             logprobs = req.top_logprobs or 0
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
+        self.ctx.check_logit_bias(req.logit_bias)
         ids = render_messages(self.ctx, req.messages, req.add_generation_prompt, req.chat_template)
         self.ctx.check_length(len(ids), max_tokens, "messages", max_param)
+        self.ctx.check_fits_pool(len(ids), max_tokens, req, max_param)
         return model, ids, max_tokens, logprobs
 
     async def create_chat_completion(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:

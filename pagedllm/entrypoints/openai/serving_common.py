@@ -5,7 +5,7 @@ import asyncio
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, AsyncStream, EngineDeadError
@@ -82,6 +82,16 @@ class ServingContext:
     max_model_len: int
     max_n: int
     chat_template: str | None = None
+    limits: Any = None  # RequestLimits (limits.py imports this module); None: the defaults
+    #: The KV pool, for the admission check that a request can ever fit (None: not checked).
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            from pagedllm.entrypoints.openai.limits import RequestLimits
+
+            self.limits = RequestLimits()
 
     @property
     def model_name(self) -> str:
@@ -99,6 +109,56 @@ class ServingContext:
         bad = [t for t in token_ids if t < 0 or t >= vocab]
         if bad:
             raise OpenAIError(f"token ids must be in [0, {vocab}), got {bad[:5]}", param=param)
+
+    def completion_prompts(self, prompt: Any) -> tuple[list[str | None], list[list[int]]]:
+        """(texts, token ids) of a completion request's prompt(s), within the request limits."""
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif len(prompt) == 0:
+            raise OpenAIError("prompt must not be empty: give a string, a list of strings, or token ids.",
+                              param="prompt")
+        elif all(isinstance(x, int) for x in prompt):
+            items = [list(prompt)]
+        else:
+            items = list(prompt)
+        self.limits.check_prompt_count(len(items))
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
+        total = 0
+        for item in items:
+            if isinstance(item, str):
+                texts.append(item)
+                ids.append(list(self.tokenizer.encode(item)))
+            else:
+                self.check_ids(item, "prompt")
+                texts.append(None)
+                ids.append(list(item))
+            total += len(ids[-1])
+            self.limits.check_total_tokens(total)
+        return texts, ids
+
+    def check_logit_bias(self, logit_bias: dict[str, float] | None) -> None:
+        """Keys were checked to be decimal token ids by the protocol; here: inside the vocabulary.
+
+        The engine has no logit-bias support yet, so a valid non-empty map is refused (never ignored).
+        """
+        if not logit_bias:
+            return
+        self.check_ids([int(k) for k in logit_bias], "logit_bias")
+        raise OpenAIError("logit_bias is not supported by this server yet.", param="logit_bias",
+                          code="not_implemented")
+
+    def check_fits_pool(self, n_prompt: int, max_tokens: int | None, req: Any, max_tokens_param: str) -> None:
+        """400 for a request that could never finish in the KV pool, even alone (instead of a livelock)."""
+        if self.block_size is None or self.num_gpu_blocks is None:
+            return
+        from pagedllm.entrypoints.openai.limits import check_fits_pool
+
+        max_len = self.max_model_len if max_tokens is None else min(self.max_model_len, n_prompt + max_tokens)
+        num_seqs = req.best_of if req.best_of is not None else req.n
+        if req.use_beam_search:
+            num_seqs = 2 * num_seqs
+        check_fits_pool(n_prompt, max_len, num_seqs, self.block_size, self.num_gpu_blocks, max_tokens_param)
 
     def check_length(self, n_prompt: int, max_tokens: int | None, prompt_param: str, max_tokens_param: str) -> None:
         limit = self.max_model_len

@@ -29,29 +29,6 @@ class OpenAIServingCompletion:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _prompts(self, req: CompletionRequest) -> tuple[list[str | None], list[list[int]]]:
-        p = req.prompt
-        if isinstance(p, str):
-            items: list = [p]
-        elif len(p) == 0:
-            raise OpenAIError("prompt must not be empty: give a string, a list of strings, or token ids.",
-                              param="prompt")
-        elif all(isinstance(x, int) for x in p):
-            items = [list(p)]
-        else:
-            items = list(p)
-        texts: list[str | None] = []
-        ids: list[list[int]] = []
-        for item in items:
-            if isinstance(item, str):
-                texts.append(item)
-                ids.append(list(self.ctx.tokenizer.encode(item)))
-            else:
-                self.ctx.check_ids(item, "prompt")
-                texts.append(None)
-                ids.append(list(item))
-        return texts, ids
-
     def _validate(self, req: CompletionRequest) -> tuple[str, list[str | None], list[list[int]]]:
         model = self.ctx.check_model(req.model)
         if req.suffix:
@@ -59,9 +36,11 @@ class OpenAIServingCompletion:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise OpenAIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.", param="logprobs")
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
-        texts, ids = self._prompts(req)
+        self.ctx.check_logit_bias(req.logit_bias)
+        texts, ids = self.ctx.completion_prompts(req.prompt)
         for prompt_ids in ids:
             self.ctx.check_length(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
+            self.ctx.check_fits_pool(len(prompt_ids), req.max_tokens, req, "max_tokens")
         return model, texts, ids
 
     async def create_completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:

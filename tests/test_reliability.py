@@ -1,0 +1,114 @@
+"""Reliability suite, fast subset (the 1 000-stream version is benchmarks/soak.py): schema fuzzing and
+hostile bodies never give a 5xx or a dropped connection; a load of concurrent streams with mixed n,
+best_of, stop strings, prefix caching, disconnects and aborts ends every request exactly once; the pool
+comes back whole; SIGTERM lets in-flight requests finish or ends them visibly."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("schemathesis")
+
+from conftest_server import RemoteServer  # noqa: E402
+from reliability import fuzz_schema, run_load, send_hostile  # noqa: E402
+
+KEY = "rel-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SHUTDOWN_TIMEOUT = 2.0
+# A pool of 32 blocks x 16 tokens under 32 concurrent sequences: preemption is routine. A short
+# context keeps every valid fuzzed request (max_tokens null = up to the context) quick.
+ARGS = ["--num-gpu-blocks-override", "32", "--max-model-len", "128", "--swap-space", "0.05", "--max-num-seqs", "32",
+        "--enable-prefix-caching", "--api-key", KEY, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer(ARGS)
+    yield srv
+    assert srv.stop(signal.SIGTERM) == 0, srv.logs()[-3000:]
+
+
+def _assert_idle(server: RemoteServer) -> None:
+    m = server.wait_idle(60)
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+    assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"], "KV blocks leaked"
+
+
+def _serves_normally(server: RemoteServer) -> None:
+    r = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=60,
+                   json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+def test_schema_fuzz_never_5xx(server):
+    statuses, failures = fuzz_schema(server.base_url, AUTH, max_examples=12, seed=17)
+    print("schemathesis statuses:", dict(statuses))
+    assert sum(statuses.values()) >= 100
+    assert failures == [], "\n".join(failures[:10])
+    _assert_idle(server)
+    _serves_normally(server)
+
+
+def test_hostile_bodies_are_clean_4xx(server):
+    statuses, failures = send_hostile(server.base_url, AUTH)
+    print("hostile statuses:", dict(statuses))
+    assert failures == [], "\n".join(failures)
+    assert statuses[413] >= 1 and statuses[400] >= 20
+    _assert_idle(server)
+    _serves_normally(server)
+
+
+def test_load_every_request_ends_exactly_once(server):
+    before = server.metrics()
+    res = asyncio.run(run_load(server.base_url, AUTH, n_requests=150, max_tokens=6, seed=17))
+    after = server.wait_idle(60)
+    print("load outcomes:", dict(res.outcomes), "p99 %.2f s" % res.p(0.99),
+          "preemptions", after["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"])
+    assert res.lost == 0 and res.problems == [], "\n".join(res.problems[:10])
+    assert sum(res.outcomes.values()) == res.sent
+    assert res.outcomes["completed"] >= res.sent // 2
+    _assert_idle(server)
+    _serves_normally(server)
+
+
+def test_sigterm_in_flight_finish_or_end_visibly(server):
+    """Runs last on the module's server: short streams finish, long ones end with a visible error."""
+    async def one(client, max_tokens):
+        body = {"prompt": "Tell me a story.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        events = []
+        async with client.stream("POST", server.url("/v1/completions"), json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        return events
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
+            tasks = [asyncio.create_task(one(client, m)) for m in (4, 4, 120, 120)]
+            while server.metrics()["vllm:num_requests_running"] < 4:
+                await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            results = await asyncio.gather(*tasks)
+            return results, time.monotonic() - t0
+
+    results, elapsed = asyncio.run(scenario())
+    assert elapsed < SHUTDOWN_TIMEOUT + 10
+    for events, max_tokens in zip(results, (4, 4, 120, 120)):
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        objs = [json.loads(e) for e in events[:-1]]
+        finished = [c["finish_reason"] for o in objs for c in o.get("choices", []) if c.get("finish_reason")]
+        errors = [o["error"] for o in objs if "error" in o]
+        if max_tokens == 4:
+            assert finished == ["length"] and not errors  # in flight and short: finished
+        else:
+            # Cut by the shutdown: the client is told, never a bare [DONE].
+            assert not finished and errors and "shutting down" in errors[0]["message"]
+    assert server.proc.wait(30) == 0, server.logs()[-3000:]
