@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     dump,
 )
+from pagedllm.entrypoints.openai.dashboard import register_dashboard
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -124,23 +125,31 @@ class GracefulServer(uvicorn.Server):
             logger.info("aborted %d request(s) still running at shutdown", n)
 
 
-def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None) -> FastAPI:
+def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
+              dashboard: bool = True) -> FastAPI:
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
+    board = None  # the live KV-cache dashboard (set below unless turned off)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.engine.start()
         logger.info("engine loop started")
+        if board is not None:
+            board.start()
         try:
             yield
         finally:
             logger.info("shutting down: aborting %d in-flight request(s)", ctx.engine.num_in_flight)
+            if board is not None:
+                await board.stop()
             await ctx.engine.shutdown()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if dashboard:
+        board = register_dashboard(app, ctx.engine, api_key)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
