@@ -1,0 +1,187 @@
+"""The live KV-cache dashboard in a real headless Chromium against a real `pagedllm serve` process.
+
+Requests with n=4 and a shared prefix (prefix caching on) must show shared blocks on the page; the
+page's cells and counters must equal the snapshot it drew, that snapshot's engine stats (same step
+boundary), and, once the requests are done, /dashboard/snapshot and /metrics with the pool all free.
+
+Needs Debian's Chromium and its driver (`apt-get install -y chromium chromium-driver`) and
+`pip install selenium`; skipped with that message otherwise. Saves a screenshot of the page while the
+blocks are shared to $PAGEDLLM_DASHBOARD_SCREENSHOT (default: the test's tmp dir).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer  # noqa: E402
+
+INSTALL = ("needs Chromium + chromedriver and selenium: `apt-get update && apt-get install -y chromium "
+           "chromium-driver && pip install selenium`")
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+KEY = "dash-key"
+PREFIX = ("You are a helpful assistant. You answer questions about geography, history and science "
+          "carefully, in full sentences, and you never make up facts. ") * 2
+
+# One JS call: what the page shows and the snapshot it was drawn from, read atomically.
+READ_PAGE = """
+const s = window.pagedllmDashboard, cells = (cls) => document.querySelectorAll('#gpu-grid .cell.' + cls).length;
+const txt = (id) => document.getElementById(id).textContent;
+return {renders: s.renders, error: s.error, snap: s.last,
+        dom: {free: cells('free'), cached_free: cells('cached_free'), used: cells('used'), shared: cells('shared'),
+              cells: document.querySelectorAll('#gpu-grid .cell').length,
+              cpu_used: document.querySelectorAll('#cpu-grid .cell.used, #cpu-grid .cell.shared').length},
+        text: {free: txt('n-free'), cached_free: txt('n-cached_free'), used: txt('n-used'), shared: txt('n-shared'),
+               saved: txt('n-saved'), queues: txt('n-queues'), frag: txt('n-frag')}};
+"""
+SAME_AS_STATS = ["kv_blocks_total", "kv_blocks_free", "kv_blocks_shared", "kv_blocks_saved_by_sharing",
+                 "kv_slots_allocated", "kv_slots_filled", "num_running", "num_waiting", "num_swapped"]
+
+
+def _browser():
+    if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
+        pytest.skip(INSTALL)
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.skip(INSTALL)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    profile = tempfile.mkdtemp(prefix="pagedllm-chromium-")
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1500,1250"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    driver.set_script_timeout(20)
+    return driver, profile
+
+
+@pytest.fixture(scope="module")
+def browser():
+    driver, profile = _browser()
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-prefix-caching", "--api-key", KEY])
+    yield srv
+    assert srv.stop(signal.SIGTERM) == 0, srv.logs()[-3000:]
+
+
+def _wait(pred, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _check_page_matches_its_snapshot(page: dict) -> None:
+    """Cells and counters on screen == the snapshot drawn == the engine's stats of that instant."""
+    snap = page["snap"]
+    c, dom, text = snap["counts"], page["dom"], page["text"]
+    assert dom["cells"] == snap["gpu"]["num_blocks"] == c["kv_blocks_total"]
+    assert dom["shared"] == c["kv_blocks_shared"]
+    assert dom["used"] == c["kv_blocks_used"]
+    assert dom["cached_free"] == c["kv_blocks_cached_free"]
+    assert dom["free"] == c["kv_blocks_free_uncached"]
+    assert dom["cpu_used"] == c["cpu_blocks_used"]
+    for key, field in (("free", "kv_blocks_free_uncached"), ("cached_free", "kv_blocks_cached_free"),
+                       ("used", "kv_blocks_used"), ("shared", "kv_blocks_shared"),
+                       ("saved", "kv_blocks_saved_by_sharing")):
+        assert text[key].replace(",", "") == str(c[field]), (key, text[key], c[field])
+    assert text["queues"] == f"{c['num_running']} / {c['num_waiting']} / {c['num_swapped']}"
+    for key in SAME_AS_STATS:
+        assert c[key] == snap["stats"][key], (key, c[key], snap["stats"][key])
+    assert c["cpu_blocks_free"] == snap["stats"]["num_cpu_blocks_free"]
+
+
+def _send_requests(server: RemoteServer, results: list) -> None:
+    def one(i: int) -> None:
+        body = {"model": MODEL_NAME, "prompt": PREFIX + f"Question {i}: name the largest city of country {i}.",
+                "max_tokens": 96, "n": 4, "temperature": 0.8, "seed": i, "ignore_eos": True}
+        r = httpx.post(server.url("/v1/completions"), json=body, timeout=300,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        results.append(r.status_code)
+
+    # The first request fills the prefix cache; the next two arrive later and reuse its blocks.
+    threads = [threading.Thread(target=one, args=(0,))]
+    threads[0].start()
+    time.sleep(1.5)
+    threads += [threading.Thread(target=one, args=(i,)) for i in (1, 2)]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_page_shows_shared_blocks_and_matches_snapshot_and_stats(server, browser, tmp_path):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    browser.get(server.url(f"/dashboard?api_key={KEY}"))
+    page = _wait(lambda: (p := browser.execute_script(READ_PAGE)) and (p["renders"] >= 2 or p["error"]) and p,
+                 30, "the page's first snapshots")
+    assert page["error"] is None, page["error"]
+    _check_page_matches_its_snapshot(page)
+    assert page["snap"]["counts"]["kv_blocks_free"] == page["snap"]["counts"]["kv_blocks_total"]
+
+    results: list[int] = []
+    sender = threading.Thread(target=_send_requests, args=(server, results))
+    sender.start()
+    try:
+        # Shared blocks appear: n=4 forks share the prompt, later requests share the cached prefix.
+        page = _wait(lambda: (p := browser.execute_script(READ_PAGE)) and p["dom"]["shared"] >= 4
+                     and p["snap"]["counts"]["num_running"] >= 2 and p, 120, "shared blocks on the page")
+        _check_page_matches_its_snapshot(page)
+        snap = page["snap"]
+        shared = [b for b, rc in enumerate(snap["gpu"]["ref_counts"]) if rc > 1]
+        assert snap["counts"]["kv_blocks_saved_by_sharing"] == sum(snap["gpu"]["ref_counts"][b] - 1 for b in shared)
+        # Hovering a shared cell names the block, its refcount and its owners.
+        cell = browser.find_elements(By.CSS_SELECTOR, "#gpu-grid .cell.shared")[0]
+        ActionChains(browser).move_to_element(cell).perform()
+        tip = browser.find_element(By.ID, "tip")
+        _wait(lambda: tip.is_displayed() and "refcount" in tip.text, 5, "the tooltip")
+        assert "owners: cmpl-" in tip.text and "shared" in tip.text, tip.text
+        shot = Path(os.environ.get("PAGEDLLM_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
+        time.sleep(1.2)  # let a few more frames land so the charts have a trace
+        browser.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        # Several more frames while running: each one drawn faithfully.
+        for _ in range(5):
+            _check_page_matches_its_snapshot(browser.execute_script(READ_PAGE))
+            time.sleep(0.3)
+    finally:
+        sender.join(300)
+    assert results == [200, 200, 200]
+
+    # Back to all free (the prefix stays as cached-free blocks), on the page and everywhere else.
+    page = _wait(lambda: (p := browser.execute_script(READ_PAGE))
+                 and p["snap"]["counts"]["kv_blocks_free"] == p["snap"]["counts"]["kv_blocks_total"] and p,
+                 60, "the pool to be all free on the page")
+    _check_page_matches_its_snapshot(page)
+    assert page["dom"]["used"] == page["dom"]["shared"] == 0
+    assert page["dom"]["cached_free"] > 0  # the prefix cache kept full blocks
+    snap = httpx.get(server.url("/dashboard/snapshot"), headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert snap["counts"] == page["snap"]["counts"]
+    assert snap["gpu"]["cached_free"] == page["snap"]["gpu"]["cached_free"]
+    metrics = server.wait_idle()
+    assert metrics["pagedllm:kv_blocks_free"] == metrics["pagedllm:kv_blocks_total"] == page["dom"]["cells"]
+    assert snap["stats"]["prefix_cache_hits"] > 0
