@@ -60,7 +60,7 @@ def _browser():
     profile = tempfile.mkdtemp(prefix="pagedllm-chromium-")
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1500,1250"):
+                 "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1500,1300"):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
     driver.set_script_timeout(20)
@@ -116,7 +116,7 @@ def _check_page_matches_its_snapshot(page: dict) -> None:
 def _send_requests(server: RemoteServer, results: list) -> None:
     def one(i: int) -> None:
         body = {"model": MODEL_NAME, "prompt": PREFIX + f"Question {i}: name the largest city of country {i}.",
-                "max_tokens": 96, "n": 4, "temperature": 0.8, "seed": i, "ignore_eos": True}
+                "max_tokens": 64, "n": 4, "temperature": 0.8, "seed": i, "ignore_eos": True}
         r = httpx.post(server.url("/v1/completions"), json=body, timeout=300,
                        headers={"Authorization": f"Bearer {KEY}"})
         results.append(r.status_code)
@@ -161,7 +161,7 @@ def test_page_shows_shared_blocks_and_matches_snapshot_and_stats(server, browser
         _wait(lambda: tip.is_displayed() and "refcount" in tip.text, 5, "the tooltip")
         assert "owners: cmpl-" in tip.text and "shared" in tip.text, tip.text
         shot = Path(os.environ.get("PAGEDLLM_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
-        time.sleep(1.2)  # let a few more frames land so the charts have a trace
+        time.sleep(2.0)  # let a few more frames land so the charts have a trace
         browser.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000
         # Several more frames while running: each one drawn faithfully.

@@ -125,7 +125,7 @@ class Dashboard:
                               type="server_error") from None
         snap = build_kv_snapshot(cap)
         self._snapshot_id += 1
-        snap.update(snapshot_id=self._snapshot_id, time=time.time(), stats=stats,
+        snap.update(snapshot_id=self._snapshot_id, time=time.time(), num_steps=self.engine.num_steps, stats=stats,
                     history_point=self.history[-1] if self.history else None)
         return snap
 

@@ -26,11 +26,12 @@
   function blockState(rc, cached) { return rc > 1 ? "shared" : rc === 1 ? "used" : cached ? "cached_free" : "free"; }
 
   // -- the block grids --------------------------------------------------------------------------
-  function makeGrid(el, numBlocks) {
+  function makeGrid(el, numBlocks, cols) {
     const group = Math.max(1, Math.ceil(numBlocks / MAX_CELLS));
     const numCells = Math.ceil(numBlocks / group);
     el.textContent = "";
-    el.style.setProperty("--cols", String(Math.max(16, Math.min(64, Math.ceil(Math.sqrt(numCells * 2.2))))));
+    cols = cols || Math.max(16, Math.min(64, Math.ceil(Math.sqrt(numCells * 4))));
+    el.style.setProperty("--cols", String(cols));
     const cells = [];
     const frag = document.createDocumentFragment();
     for (let i = 0; i < numCells; i++) {
@@ -44,7 +45,7 @@
       cells.push({ el: c, fill: f, cls: "free", bg: "", w: "" });
     }
     el.appendChild(frag);
-    return { el, group, numBlocks, cells };
+    return { el, group, numBlocks, cells, cols };
   }
 
   function paintGrid(grid, pool, cachedSet, blockSize) {
@@ -145,11 +146,14 @@
       const v = (max * k) / 2;
       g.fillText(v >= 100 ? Math.round(v).toString() : v.toFixed(v >= 10 ? 0 : 1), 2, y + 3);
     }
-    g.fillText("-5 min", left, h - 3); g.fillText("now", right - 18, h - 3);
-    const x = (t) => right - ((now - t) / WINDOW_S) * (right - left);
+    const first = state.history.length ? state.history[0].t : now;
+    const span = Math.max(30, Math.min(WINDOW_S, now - first));  // up to five minutes, as far back as known
+    g.fillText(span >= 120 ? "-" + Math.round(span / 60) + " min" : "-" + Math.round(span) + " s", left, h - 3);
+    g.fillText("now", right - 18, h - 3);
+    const x = (t) => right - ((now - t) / span) * (right - left);
     const y = (v) => bottom - (v / max) * (bottom - top);
     for (const s of series) {
-      const pts = s.points.filter((p) => now - p[0] <= WINDOW_S);
+      const pts = s.points.filter((p) => now - p[0] <= span);
       if (!pts.length) continue;
       g.strokeStyle = s.color; g.lineWidth = 1.6; g.beginPath();
       pts.forEach((p, i) => (i ? g.lineTo(x(p[0]), y(p[1])) : g.moveTo(x(p[0]), y(p[1]))));
@@ -182,7 +186,7 @@
   // -- one snapshot on screen ------------------------------------------------------------------------
   function render(snap) {
     if (!state.gpu || state.gpu.numBlocks !== snap.gpu.num_blocks) state.gpu = makeGrid($("gpu-grid"), snap.gpu.num_blocks);
-    if (!state.cpu || state.cpu.numBlocks !== snap.cpu.num_blocks) state.cpu = makeGrid($("cpu-grid"), snap.cpu.num_blocks);
+    if (!state.cpu || state.cpu.numBlocks !== snap.cpu.num_blocks) state.cpu = makeGrid($("cpu-grid"), snap.cpu.num_blocks, state.gpu.cols);
     paintGrid(state.gpu, snap.gpu, new Set(snap.gpu.cached_free), snap.block_size);
     paintGrid(state.cpu, snap.cpu, new Set(), snap.block_size);
     const c = snap.counts, st = snap.stats || {};
@@ -207,7 +211,7 @@
     drawCharts();
     state.last = snap;
     state.renders++;
-    setStatus("live · snapshot #" + snap.snapshot_id + " · step " + fmt(st.num_steps) + " · " +
+    setStatus("live · snapshot #" + snap.snapshot_id + " · step " + fmt(snap.num_steps) + " · " +
       new Date(snap.time * 1000).toLocaleTimeString());
   }
 
