@@ -1,7 +1,7 @@
 """The live KV-cache dashboard in a real headless Chromium against a real `pagedllm serve` process.
 
-Requests with n=4 and a shared prefix (prefix caching on) must show shared blocks on the page; the
-page's cells and counters must equal the snapshot it drew, that snapshot's engine stats (same step
+Requests with n=4 and a shared prefix (prefix caching on), and one n=2 request, must show shared blocks
+on the page (darker with the refcount); the page's cells (one by one), queues and counters must equal the snapshot it drew, that snapshot's engine stats (same step
 boundary), and, once the requests are done, /dashboard/snapshot and /metrics with the pool all free.
 
 Needs Debian's Chromium and its driver (`apt-get install -y chromium chromium-driver`) and
@@ -31,6 +31,8 @@ DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 KEY = "dash-key"
 PREFIX = ("You are a helpful assistant. You answer questions about geography, history and science "
           "carefully, in full sentences, and you never make up facts. ") * 2
+PAIR_PROMPT = ("Write a short poem about the sea, the wind over the harbour, the gulls above the boats and "
+               "the old lighthouse keeper who watches the ships come home every evening before the storm. ") * 2
 
 # One JS call: what the page shows and the snapshot it was drawn from, read atomically.
 READ_PAGE = """
@@ -39,7 +41,13 @@ const txt = (id) => document.getElementById(id).textContent;
 return {renders: s.renders, error: s.error, snap: s.last,
         dom: {free: cells('free'), cached_free: cells('cached_free'), used: cells('used'), shared: cells('shared'),
               cells: document.querySelectorAll('#gpu-grid .cell').length,
-              cpu_used: document.querySelectorAll('#cpu-grid .cell.used, #cpu-grid .cell.shared').length},
+              cpu_used: document.querySelectorAll('#cpu-grid .cell.used, #cpu-grid .cell.shared').length,
+              gpu_states: Array.from(document.querySelectorAll('#gpu-grid .cell'), (c) => c.classList[1]),
+              cpu_states: Array.from(document.querySelectorAll('#cpu-grid .cell'), (c) => c.classList[1]),
+              gpu_colors: Array.from(document.querySelectorAll('#gpu-grid .cell'), (c) => getComputedStyle(c).backgroundColor),
+              queues: Object.fromEntries(['running', 'waiting', 'swapped'].map((q) => [q,
+                Array.from(document.querySelectorAll('#q-' + q + ' .req'), (r) => ({id: r.dataset.request,
+                  seqs: Array.from(r.querySelectorAll('.seqrow'), (row) => row.querySelectorAll('.chip').length)}))]))},
         text: {free: txt('n-free'), cached_free: txt('n-cached_free'), used: txt('n-used'), shared: txt('n-shared'),
                saved: txt('n-saved'), queues: txt('n-queues'), frag: txt('n-frag')}};
 """
@@ -103,6 +111,27 @@ def _check_page_matches_its_snapshot(page: dict) -> None:
     assert dom["cached_free"] == c["kv_blocks_cached_free"]
     assert dom["free"] == c["kv_blocks_free_uncached"]
     assert dom["cpu_used"] == c["cpu_blocks_used"]
+    # Cell by cell, against the states computed here from the snapshot's refcounts (one cell per block).
+    cached = set(snap["gpu"]["cached_free"])
+    want = ["shared" if rc > 1 else "used" if rc == 1 else "cached_free" if b in cached else "free"
+            for b, rc in enumerate(snap["gpu"]["ref_counts"])]
+    assert dom["gpu_states"] == want
+    assert dom["cpu_states"] == ["used" if rc == 1 else "shared" if rc > 1 else "free"
+                                 for rc in snap["cpu"]["ref_counts"]]
+    # Shared cells get darker with the refcount.
+    lum: dict[int, set[float]] = {}
+    for b, rc in enumerate(snap["gpu"]["ref_counts"]):
+        if rc > 1:
+            lum.setdefault(rc, set()).add(_luminance(dom["gpu_colors"][b]))
+    assert all(len(v) == 1 for v in lum.values()), lum  # one colour per refcount
+    by_rc = [next(iter(lum[rc])) for rc in sorted(lum)]
+    assert by_rc == sorted(by_rc, reverse=True), lum
+    if 2 in lum and max(lum) >= 4:
+        assert lum[2] != lum[max(lum)]
+    # The queues on the page: the same requests, each with one row per sequence and one chip per block.
+    for q, reqs in snap["queues"].items():
+        assert dom["queues"][q] == [{"id": r["request_id"], "seqs": [len(s["blocks"]) + len(s["cpu_blocks"])
+                                                                      for s in r["seqs"]]} for r in reqs[:60]], q
     for key, field in (("free", "kv_blocks_free_uncached"), ("cached_free", "kv_blocks_cached_free"),
                        ("used", "kv_blocks_used"), ("shared", "kv_blocks_shared"),
                        ("saved", "kv_blocks_saved_by_sharing")):
@@ -113,6 +142,11 @@ def _check_page_matches_its_snapshot(page: dict) -> None:
     assert c["cpu_blocks_free"] == snap["stats"]["num_cpu_blocks_free"]
 
 
+def _luminance(css: str) -> float:
+    r, g, b = (float(x) for x in css[css.index("(") + 1:css.index(")")].split(",")[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
 def _send_requests(server: RemoteServer, results: list) -> None:
     def one(i: int) -> None:
         body = {"model": MODEL_NAME, "prompt": PREFIX + f"Question {i}: name the largest city of country {i}.",
@@ -121,11 +155,18 @@ def _send_requests(server: RemoteServer, results: list) -> None:
                        headers={"Authorization": f"Bearer {KEY}"})
         results.append(r.status_code)
 
+    def pair() -> None:  # n=2 on a prompt of its own: its full prompt blocks stay at refcount 2
+        body = {"model": MODEL_NAME, "prompt": PAIR_PROMPT, "max_tokens": 64, "n": 2, "temperature": 0.8,
+                "seed": 9, "ignore_eos": True}
+        r = httpx.post(server.url("/v1/completions"), json=body, timeout=300,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        results.append(r.status_code)
+
     # The first request fills the prefix cache; the next two arrive later and reuse its blocks.
     threads = [threading.Thread(target=one, args=(0,))]
     threads[0].start()
     time.sleep(1.5)
-    threads += [threading.Thread(target=one, args=(i,)) for i in (1, 2)]
+    threads += [threading.Thread(target=one, args=(i,)) for i in (1, 2)] + [threading.Thread(target=pair)]
     for t in threads[1:]:
         t.start()
     for t in threads:
@@ -149,7 +190,8 @@ def test_page_shows_shared_blocks_and_matches_snapshot_and_stats(server, browser
     try:
         # Shared blocks appear: n=4 forks share the prompt, later requests share the cached prefix.
         page = _wait(lambda: (p := browser.execute_script(READ_PAGE)) and p["dom"]["shared"] >= 4
-                     and p["snap"]["counts"]["num_running"] >= 2 and p, 120, "shared blocks on the page")
+                     and p["snap"]["counts"]["num_running"] >= 3 and 2 in p["snap"]["gpu"]["ref_counts"]
+                     and max(p["snap"]["gpu"]["ref_counts"]) >= 8 and p, 120, "shared blocks on the page")
         _check_page_matches_its_snapshot(page)
         snap = page["snap"]
         shared = [b for b, rc in enumerate(snap["gpu"]["ref_counts"]) if rc > 1]
@@ -160,6 +202,9 @@ def test_page_shows_shared_blocks_and_matches_snapshot_and_stats(server, browser
         tip = browser.find_element(By.ID, "tip")
         _wait(lambda: tip.is_displayed() and "refcount" in tip.text, 5, "the tooltip")
         assert "owners: cmpl-" in tip.text and "shared" in tip.text, tip.text
+        block = int(cell.get_attribute("data-cell"))
+        rc = int(tip.text.split("refcount ")[1].split()[0])
+        assert tip.text.startswith(f"block {block} ") and rc > 1, tip.text
         shot = Path(os.environ.get("PAGEDLLM_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
         time.sleep(2.0)  # let a few more frames land so the charts have a trace
         browser.save_screenshot(str(shot))
@@ -170,7 +215,7 @@ def test_page_shows_shared_blocks_and_matches_snapshot_and_stats(server, browser
             time.sleep(0.3)
     finally:
         sender.join(300)
-    assert results == [200, 200, 200]
+    assert results == [200, 200, 200, 200]
 
     # Back to all free (the prefix stays as cached-free blocks), on the page and everywhere else.
     page = _wait(lambda: (p := browser.execute_script(READ_PAGE))
