@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -100,6 +101,43 @@ def test_capture_is_a_copy():
     assert build_kv_snapshot(cap) == before  # later changes do not leak into a taken capture
     after = build_kv_snapshot(capture_kv_state(sched))
     assert after["counts"]["kv_blocks_used"] == after["counts"]["kv_blocks_shared"] == 0
+
+
+def test_broadcaster_slows_down_on_large_pools():
+    """Build + JSON of an 8k-block snapshot takes milliseconds: the stream stretches its interval so
+    that this work stays under `max_duty` of the time (here 5 %), instead of the nominal 0.05 s."""
+    import asyncio
+
+    pytest.importorskip("fastapi")
+    from pagedllm.benchmarks.dashboard_overhead import _synthetic_scheduler
+    from pagedllm.entrypoints.openai.dashboard import Dashboard, DashboardConfig
+
+    class Engine:  # the AsyncLLMEngine surface the dashboard uses
+        scheduler, num_steps, is_healthy = _synthetic_scheduler(8192), 0, True
+
+        def stats(self):
+            return {}
+
+        async def call_between_steps(self, fn):
+            return fn(self)
+
+    async def three_snapshots():
+        board = Dashboard(Engine(), config=DashboardConfig(events_interval_s=0.05, max_duty=0.05))
+        stream = board.events()
+        got = []
+        async for message in stream:
+            if message.startswith("event: snapshot"):
+                got.append((time.monotonic(), json.loads(message.split("data: ", 1)[1])))
+                if len(got) == 3:
+                    break
+        await stream.aclose()
+        await board.stop()
+        return got
+
+    got = asyncio.run(three_snapshots())
+    for (t0, s0), (t1, _) in zip(got, got[1:]):
+        assert s0["counts"]["kv_blocks_total"] == 8192
+        assert t1 - t0 >= 0.9 * s0["cost_ms"]["build"] / 1e3 / 0.05 > 0.05
 
 
 # -- the routes, on a real server -----------------------------------------------------------------------

@@ -3,8 +3,9 @@
 A snapshot is captured on the engine thread between two steps (`AsyncLLMEngine.call_between_steps`
 copies refcounts and block tables: O(blocks + sequences)) and built into JSON here, on the event
 loop. One broadcaster takes ~4 snapshots a second while at least one `/dashboard/events` client is
-connected and nothing otherwise; a 1 Hz history of the engine's published counters (tokens/s, KV
-usage, fragmentation, saved by sharing, preemptions, prefix-cache hit rate) feeds the charts.
+connected (fewer on pools so large that this would cost over 2 % of the time) and nothing
+otherwise; a 1 Hz history of the engine's published counters (tokens/s, KV usage, fragmentation,
+saved by sharing, preemptions, prefix-cache hit rate) feeds the charts.
 
 With `--api-key`, the data routes need the key like /v1/*: `Authorization: Bearer KEY`, or
 `?api_key=KEY` (EventSource cannot send headers). The page itself holds no data; it reads the key
@@ -41,14 +42,20 @@ _STATIC = {
 @dataclass
 class DashboardConfig:
     events_interval_s: float = 0.25  # ~4 Hz
+    # Building + serializing a snapshot runs in the server process (holding the GIL): on large pools
+    # (~16k+ blocks, tens of ms each) the broadcaster slows down so that it stays under this share.
+    max_duty: float = 0.02
     history_interval_s: float = 1.0
     history_len: int = 600  # ten minutes of 1 s points
     call_timeout_s: float = 10.0
 
 
-def _capture(engine) -> tuple[KVCapture, dict[str, Any]]:
-    """Runs on the engine thread: the raw copy and the engine's own counters of the same instant."""
-    return capture_kv_state(engine.scheduler), engine.stats()
+def _capture(engine) -> tuple[KVCapture, dict[str, Any], float]:
+    """Runs on the engine thread: the raw copy, the engine's own counters of the same instant, and
+    the seconds this took (the time the step loop was held up)."""
+    t0 = time.perf_counter()
+    cap, stats = capture_kv_state(engine.scheduler), engine.stats()
+    return cap, stats, time.perf_counter() - t0
 
 
 def history_point(stats: dict[str, Any], prev: dict[str, Any] | None, now: float) -> dict[str, Any]:
@@ -116,17 +123,21 @@ class Dashboard:
     async def snapshot(self) -> dict[str, Any]:
         """A consistent snapshot: captured between two steps, built here (off the engine thread)."""
         try:
-            cap, stats = await asyncio.wait_for(self.engine.call_between_steps(_capture), self.config.call_timeout_s)
+            cap, stats, capture_s = await asyncio.wait_for(self.engine.call_between_steps(_capture),
+                                                           self.config.call_timeout_s)
         except asyncio.TimeoutError:
             raise OpenAIError("the engine did not answer in time", code="engine_unavailable", status=503,
                               type="server_error") from None
         except Exception as e:  # EngineDeadError and the like
             raise OpenAIError(f"the engine is not available: {e}", code="engine_unavailable", status=503,
                               type="server_error") from None
+        t0 = time.perf_counter()
         snap = build_kv_snapshot(cap)
+        build_s = time.perf_counter() - t0
         self._snapshot_id += 1
         snap.update(snapshot_id=self._snapshot_id, time=time.time(), num_steps=self.engine.num_steps, stats=stats,
-                    history_point=self.history[-1] if self.history else None)
+                    history_point=self.history[-1] if self.history else None,
+                    cost_ms={"capture": 1e3 * capture_s, "build": 1e3 * build_s})
         return snap
 
     def subscribe(self) -> asyncio.Queue:
@@ -140,11 +151,16 @@ class Dashboard:
         self._subscribers.discard(q)
 
     async def _broadcast(self) -> None:
-        """While anyone listens: one snapshot per interval, serialized once, sent to every subscriber."""
+        """While anyone listens: one snapshot per interval, serialized once, sent to every subscriber.
+
+        The interval stretches to keep the work under `max_duty` of the time (large pools)."""
         while self._subscribers:
-            started = time.monotonic()
+            started, cost = time.monotonic(), 0.0
             try:
-                message = f"event: snapshot\ndata: {json.dumps(await self.snapshot(), separators=(',', ':'))}\n\n"
+                snap = await self.snapshot()
+                t0 = time.perf_counter()
+                message = f"event: snapshot\ndata: {json.dumps(snap, separators=(',', ':'))}\n\n"
+                cost = time.perf_counter() - t0 + snap["cost_ms"]["build"] / 1e3  # synchronous work here
             except OpenAIError as e:
                 message = f"event: failure\ndata: {json.dumps(e.body())}\n\n"
             for q in list(self._subscribers):
@@ -152,7 +168,8 @@ class Dashboard:
                     with contextlib.suppress(asyncio.QueueEmpty):
                         q.get_nowait()
                 q.put_nowait(message)
-            await asyncio.sleep(max(0.0, self.config.events_interval_s - (time.monotonic() - started)))
+            interval = max(self.config.events_interval_s, cost / self.config.max_duty)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def events(self) -> AsyncIterator[str]:
         """The SSE stream of one client: the chart history first, then a snapshot per interval.
