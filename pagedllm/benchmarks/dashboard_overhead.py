@@ -171,9 +171,9 @@ def _round_with_dashboard(args) -> tuple[dict, dict]:
 
 def _cost_summary(client: dict) -> dict:
     """Per-snapshot costs the server reported (capture, build) and the JSON cost reproduced by the client."""
-    out = {}
+    out = {k: client[k] for k in ("events", "bytes", "seconds")}
     for k in ("capture", "build", "json"):
-        v = client.pop(f"{k}_ms") or [0.0]
+        v = client[f"{k}_ms"] or [0.0]
         out[f"{k}_ms_mean"], out[f"{k}_ms_max"] = statistics.mean(v), max(v)
     per_s = client["events"] / client["seconds"]
     out["engine_thread_pct"] = 100 * out["capture_ms_mean"] * per_s / 1e3
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
                 extra = ""
                 if client:
                     rate = client["events"] / client["seconds"]
-                    row["client"] = client = {**client, **_cost_summary(client)}
+                    row["client"] = client = _cost_summary(client)
                     extra = (f", dashboard client got {client['events']} events ({rate:.1f}/s, "
                              f"{client['bytes'] / max(1, client['events']) / 1024:.1f} KiB each); engine thread "
                              f"held {client['capture_ms_mean']:.2f} ms per snapshot ({client['engine_thread_pct']:.3f} "
