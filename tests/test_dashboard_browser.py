@@ -4,9 +4,13 @@ Requests with n=4 and a shared prefix (prefix caching on), and one n=2 request, 
 on the page (darker with the refcount); the page's cells (one by one), queues and counters must equal the snapshot it drew, that snapshot's engine stats (same step
 boundary), and, once the requests are done, /dashboard/snapshot and /metrics with the pool all free.
 
+A second test runs a server whose pool holds one of two n=4 requests at a time: the swapped one's
+blocks must show in the CPU grid and the swapped queue, then leave.
+
 Needs Debian's Chromium and its driver (`apt-get install -y chromium chromium-driver`) and
 `pip install selenium`; skipped with that message otherwise. Saves a screenshot of the page while the
-blocks are shared to $PAGEDLLM_DASHBOARD_SCREENSHOT (default: the test's tmp dir).
+blocks are shared to $PAGEDLLM_DASHBOARD_SCREENSHOT and one while a request is swapped out to
+$PAGEDLLM_DASHBOARD_SWAP_SCREENSHOT (default: the tests' tmp dirs; docs/*.png were made so).
 """
 from __future__ import annotations
 
@@ -230,3 +234,60 @@ def test_page_shows_shared_blocks_and_matches_snapshot_and_stats(server, browser
     metrics = server.wait_idle()
     assert metrics["pagedllm:kv_blocks_free"] == metrics["pagedllm:kv_blocks_total"] == page["dom"]["cells"]
     assert snap["stats"]["prefix_cache_hits"] > 0
+
+
+# -- swapping: a pool too small for two n=4 requests --------------------------------------------------------
+SWAP_ARGS = ["--num-gpu-blocks-override", "24", "--max-model-len", "1024", "--swap-space", "0.05",
+             "--preemption-mode", "swap", "--max-num-seqs", "8"]
+
+
+def test_page_shows_swapped_blocks_in_the_cpu_grid(browser, tmp_path):
+    """Two n=4 requests that fit one at a time (about 20 of 24 blocks each): the later one is swapped out;
+    its blocks must appear in the CPU grid and the swapped queue, cell by cell, then leave."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+
+    srv = RemoteServer(SWAP_ARGS + ["--api-key", KEY])
+    try:
+        browser.get(srv.url(f"/dashboard?api_key={KEY}"))
+        _wait(lambda: (p := browser.execute_script(READ_PAGE)) and (p["renders"] >= 1 or p["error"]) and p,
+              30, "the page's first snapshot")
+        results: list[int] = []
+
+        def one(i: int) -> None:
+            body = {"model": MODEL_NAME, "prompt": f"Story {i}: once upon a time, in a small village,",
+                    "max_tokens": 64, "n": 4, "temperature": 0.8, "seed": i, "ignore_eos": True}
+            results.append(httpx.post(srv.url("/v1/completions"), json=body, timeout=300,
+                                      headers={"Authorization": f"Bearer {KEY}"}).status_code)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        try:
+            page = _wait(lambda: (p := browser.execute_script(READ_PAGE)) and p["snap"]["counts"]["num_swapped"] >= 1
+                         and p, 120, "a swapped request on the page")
+            _check_page_matches_its_snapshot(page)  # includes the CPU grid cell by cell and the swapped queue
+            snap = page["snap"]
+            swapped = snap["queues"]["swapped"][0]
+            cpu_blocks = sorted({b for s in swapped["seqs"] for b in s["cpu_blocks"]})
+            assert cpu_blocks and page["dom"]["cpu_used"] == len(cpu_blocks) == snap["counts"]["cpu_blocks_used"]
+            assert all(s["blocks"] == [] and s["status"] == "swapped" for s in swapped["seqs"])
+            assert page["dom"]["queues"]["swapped"][0]["id"] == swapped["request_id"]
+            cell = browser.find_elements(By.CSS_SELECTOR, f'#cpu-grid .cell[data-cell="{cpu_blocks[0]}"]')[0]
+            ActionChains(browser).move_to_element(cell).perform()
+            tip = browser.find_element(By.ID, "tip")
+            _wait(lambda: tip.is_displayed() and "CPU block" in tip.text, 5, "the CPU tooltip")
+            assert tip.text.startswith(f"CPU block {cpu_blocks[0]} · swapped out"), tip.text
+            assert f"owners: {swapped['request_id']}" in tip.text, tip.text
+            browser.save_screenshot(str(os.environ.get("PAGEDLLM_DASHBOARD_SWAP_SCREENSHOT", tmp_path / "swap.png")))
+        finally:
+            for t in threads:
+                t.join(300)
+        assert results == [200, 200]
+        page = _wait(lambda: (p := browser.execute_script(READ_PAGE)) and p["snap"]["counts"]["num_swapped"] == 0
+                     and p["snap"]["counts"]["kv_blocks_free"] == p["snap"]["counts"]["kv_blocks_total"] and p,
+                     60, "the pools to be all free on the page")
+        _check_page_matches_its_snapshot(page)
+        assert page["dom"]["cpu_used"] == 0 and page["snap"]["stats"]["num_swap_preemptions"] >= 1
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0, srv.logs()[-3000:]
