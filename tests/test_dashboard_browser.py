@@ -1,8 +1,9 @@
 """The live KV-cache dashboard in a real headless Chromium against a real `pagedllm serve` process.
 
-Requests with n=4 and a shared prefix (prefix caching on), and one n=2 request, must show shared blocks
-on the page (darker with the refcount); the page's cells (one by one), queues and counters must equal the snapshot it drew, that snapshot's engine stats (same step
-boundary), and, once the requests are done, /dashboard/snapshot and /metrics with the pool all free.
+Requests with n=4 and a shared prefix (prefix caching on), and one n=2 request, must show shared
+blocks on the page (darker with the refcount); the page's cells (one by one), queues and counters
+must equal the snapshot it drew and that snapshot's engine stats (same step boundary); once the
+requests are done, the page, /dashboard/snapshot and /metrics must show the pool all free.
 
 A second test runs a server whose pool holds one of two n=4 requests at a time: the swapped one's
 blocks must show in the CPU grid and the swapped queue, then leave.
