@@ -6,12 +6,14 @@ Two halves, so the thread that owns the scheduler pays as little as possible:
   both pools' refcount lists, the prefix cache's cached-free blocks, and each queued request's
   block tables and token counts. O(blocks + sequences), no derived figures.
 - `build_kv_snapshot(capture)` runs anywhere else and turns the copy into a JSON-ready dict: per
-  block refcount, state, owning request ids and filled slots; the queues with each request's
-  blocks; and the counts the engine's `stats()` reports (free, shared, saved by sharing, slots).
+  block refcount, owning request ids and filled slots, the cached-free block ids; the queues with
+  each request's blocks; and the counts the engine's `stats()` reports (free, shared, saved by
+  sharing, slots).
 
-Block states (paper Figs. 6–9): ``free`` (refcount 0, nothing cached), ``cached_free`` (refcount 0
-but still holding a full prefix-cache block, reusable by a lookup until evicted), ``used`` (one
-reference) and ``shared`` (refcount > 1: forked sequences or requests sharing a cached prefix).
+Block states (paper Figs. 6–9), which a reader derives from the refcount and the cached-free set:
+``free`` (refcount 0, nothing cached), ``cached_free`` (refcount 0 but still holding a full
+prefix-cache block, reusable by a lookup until evicted), ``used`` (one reference) and ``shared``
+(refcount > 1: forked sequences or requests sharing a cached prefix).
 """
 from __future__ import annotations
 
