@@ -140,7 +140,7 @@ def test_api_key_auth_unit():
     auth = ApiKeyAuth("k3y")
     assert auth.authorized(b"Bearer k3y")
     assert not auth.authorized(b"Bearer k3") and not auth.authorized(None) and not auth.authorized(b"k3y")
-    assert auth.protects("/v1/models") and auth.protects("/dashboard") and auth.protects("/dashboard/x")
+    assert auth.protects("/v1/models") and auth.protects("/tokenize") and not auth.protects("/health")
     assert not auth.protects("/v1x") and not auth.protects("/health") and not auth.protects("/metrics")
     assert ApiKeyAuth("k3y", protect_metrics=True).protects("/metrics")
 

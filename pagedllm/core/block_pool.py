@@ -115,6 +115,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._block_hash)
 
+    def cached_free_blocks(self) -> list[int]:
+        """Free blocks still holding a cached prefix (reusable by a lookup), LRU order."""
+        return list(self._evictable)
+
     def check_invariants(self) -> None:
         """Raise if the free lists and refcounts disagree (used by tests)."""
         free = set(self._free_uncached) | set(self._evictable)

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -27,6 +27,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.async_engine")
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -119,6 +121,14 @@ class _Stop:
 
 
 @dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between two steps (a consistent view of its state)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
+
+
+@dataclass
 class _Delivery:
     """What the engine thread hands to the loop after one round."""
 
@@ -189,6 +199,18 @@ class AsyncLLMEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    async def call_between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between two steps and return its result.
+
+        For readers that need a consistent view (the dashboard's block snapshot): `fn` must be
+        quick (it delays the next step) and must not change the engine.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(self._dead_reason or "the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, done))
+        return await done
+
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
@@ -256,6 +278,14 @@ class AsyncLLMEngine:
             if stream is not None:
                 stream.put(exc)
                 stream.finish()
+
+    def _resolve(self, fut: asyncio.Future, exc: BaseException | None, result: Any = None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(result)
+        else:
+            fut.set_exception(exc)
 
     def _post(self, callback, *args) -> None:
         loop = self._loop
@@ -328,6 +358,13 @@ class AsyncLLMEngine:
                     errors[cmd.request_id] = e
             elif isinstance(cmd, _Abort):
                 aborts.extend(cmd.request_ids)
+            elif isinstance(cmd, _Call):
+                try:
+                    result = cmd.fn(self.engine)
+                except Exception as e:
+                    self._post(self._resolve, cmd.done, e)
+                else:
+                    self._post(self._resolve, cmd.done, None, result)
         if errors:
             self._post(self._deliver, _Delivery(errors=errors))
         if aborts:

@@ -28,6 +28,8 @@ def add_serve_parser(sub) -> None:
                    help="Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
                         "(default: 5).")
     _add_limit_args(p)
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="Turn off the live KV-cache dashboard (/dashboard, /dashboard/snapshot, /dashboard/events).")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 
@@ -101,7 +103,8 @@ def run_serve(args: argparse.Namespace) -> int:
         chat_template=_chat_template(args.chat_template), limits=limits,
         block_size=cc.block_size, num_gpu_blocks=cc.num_gpu_blocks,
     )
-    app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics)
+    app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
+                    dashboard=not args.no_dashboard)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], core.model_dir, core.executor.device, core.executor.dtype, cc.num_gpu_blocks, cc.block_size,
@@ -117,6 +120,8 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda s, f: received.append(s))
     logger.info("serving %s on http://%s:%d (auth %s)", names[0], args.host, args.port,
                 "on" if args.api_key else "off")
+    if not args.no_dashboard:
+        logger.info("live KV-cache dashboard: http://%s:%d/dashboard", args.host, args.port)
     server.run()
     if not server.started:
         logger.error("the server could not start (is %s:%d free?)", args.host, args.port)

@@ -1,5 +1,6 @@
 """API-key authentication and the request-body size limit, as plain ASGI middleware plus a
-FastAPI dependency (for routes added later, e.g. /dashboard)."""
+FastAPI dependency (for routes added later). The dashboard checks the same key itself, since a
+browser's EventSource can only send it as ?api_key=."""
 from __future__ import annotations
 
 import hmac
@@ -13,7 +14,7 @@ from pagedllm.entrypoints.openai.serving_common import OpenAIError
 
 #: Routes that serve or reveal the model. /health, /version, /docs and /openapi.json stay open
 #: (as in vLLM, whose key guards /v1 only); /metrics is open unless `protect_metrics`.
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard")
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 #: A body above the limit is read and dropped up to this many bytes (so the client, which is
 #: still sending, gets the 413 instead of a reset connection); beyond it the connection is closed.
 _DRAIN_LIMIT = 64 * 1024 * 1024

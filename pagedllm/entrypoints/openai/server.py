@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.request_errors import validation_error
 from pagedllm.entrypoints.openai.security import ApiKeyAuth, ApiKeyMiddleware, BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.dashboard import register_dashboard
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -83,18 +84,23 @@ class GracefulServer(uvicorn.Server):
 
 
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
-              protect_metrics: bool = False) -> FastAPI:
+              protect_metrics: bool = False, dashboard: bool = True) -> FastAPI:
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
+    board = None  # the live KV-cache dashboard (set below unless turned off)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         ctx.engine.start()
         logger.info("engine loop started")
+        if board is not None:
+            board.start()
         try:
             yield
         finally:
             logger.info("shutting down: aborting %d in-flight request(s)", ctx.engine.num_in_flight)
+            if board is not None:
+                await board.stop()
             await ctx.engine.shutdown()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
@@ -103,6 +109,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     if app.state.auth is not None:
         app.add_middleware(ApiKeyMiddleware, auth=app.state.auth)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.limits.max_request_body_bytes)
+    if dashboard:  # its data routes check the key themselves (EventSource can only send ?api_key=)
+        board = register_dashboard(app, ctx.engine, api_key)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
