@@ -39,6 +39,7 @@ _HELP = {
     "enforce_eager": "Disable CUDA graphs.",
     "async_scheduling": "Schedule and launch step t+1 while the device still runs step t (outputs arrive one "
                         "step later); default: on for CUDA with one process, off otherwise.",
+    "structured_outputs_backend": "Grammar engine for structured outputs: xgrammar or guidance (llguidance).",
 }
 
 
@@ -66,6 +67,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     enforce_eager: bool = False
     async_scheduling: bool | None = None
+    structured_outputs_backend: str = "xgrammar"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -78,6 +80,9 @@ class EngineArgs:
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """Validated configs; `model_max_len` is the model's own context length."""
         max_model_len = self.max_model_len or model_max_len
+        if self.structured_outputs_backend not in ("xgrammar", "guidance"):
+            raise ValueError(f"structured_outputs_backend must be 'xgrammar' or 'guidance', got "
+                             f"{self.structured_outputs_backend!r}.")
         if max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context length ({model_max_len})."
