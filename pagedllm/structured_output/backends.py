@@ -50,7 +50,7 @@ class XgrammarBackend:
             if kind == "grammar":
                 return xgr.Grammar.from_ebnf(spec)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise ValueError(f"invalid structured_outputs.{kind}: {_clean(e)}") from None
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_clean(e)}") from None
         raise ValueError(f"unknown structured output kind {kind!r}")
 
     def compile(self, built: Any) -> Any:
@@ -109,10 +109,10 @@ class GuidanceBackend:
             else:
                 raise ValueError(f"unknown structured output kind {kind!r}")
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"invalid structured_outputs.{kind}: {_clean(e)}") from None
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_clean(e)}") from None
         is_error, msgs = M.validate_grammar_with_warnings(grammar, self._tok)
         if is_error:
-            raise ValueError(f"invalid structured_outputs.{kind}: {msgs[0] if msgs else 'rejected'}")
+            raise ValueError(f"structured_outputs.{kind} is invalid: {msgs[0] if msgs else 'rejected'}")
         return grammar
 
     def compile(self, built: Any) -> Any:
