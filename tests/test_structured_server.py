@@ -88,6 +88,10 @@ def test_bad_constraints_are_400s_naming_the_field(client, server):
         ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "exactly one of"),
         ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
     ]
+    # A constrained request streams while the bad ones arrive: it must finish intact.
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Count:", max_tokens=30, stream=True,
+                                       temperature=0, extra_body={"guided_regex": r"[0-9]{200}"})
+    first = next(iter(stream))
     for body, needle in cases:
         r = httpx.post(server.url("/v1/completions"), json={"prompt": "x", "max_tokens": 5, **body}, timeout=60)
         assert r.status_code == 400, (body, r.text)
@@ -95,8 +99,13 @@ def test_bad_constraints_are_400s_naming_the_field(client, server):
     r = httpx.post(server.url("/v1/chat/completions"), timeout=60, json={
         "messages": MESSAGES, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
-    # The engine still serves.
+    chunks = [first] + list(stream)
+    text = "".join(c.choices[0].text for c in chunks)
+    assert text.isdigit() and chunks[-1].choices[0].finish_reason == "length", text
+    # The engine still serves, and no KV block leaked.
     assert client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=3).choices[0].text
+    m = server.wait_idle()
+    assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"]
 
 
 def test_tools_named_required_auto(client):
