@@ -162,31 +162,26 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Structured outputs: in place, push ``logits[rows[i], t]`` to the lowest float wherever bit ``t`` of
-    the packed int32 row ``bitmask[i]`` is 0 (xgrammar/llguidance layout: bit ``t % 32`` of word ``t // 32``).
+    """Structured outputs: in place, set ``logits[rows[i], t]`` to -inf wherever bit ``t`` of the packed
+    int32 row ``bitmask[i]`` is 0 (xgrammar/llguidance layout: bit ``t % 32`` of word ``t // 32``).
 
-    CPU: the bits are unpacked by numpy and added as a 0 / -FLT_MAX bias (a bool ``masked_fill_`` is
-    ~10x slower there); CUDA: xgrammar's one-kernel apply. Masked tokens get probability 0 downstream.
+    One xgrammar kernel on either device (its CPU kernel is ~6x faster than unpacking the bits in numpy and
+    adding a bias). Masked tokens get probability 0 downstream.
     """
+    import xgrammar
+
     with torch.inference_mode():  # the model's logits are inference tensors
-        _apply_token_bitmask(logits, bitmask, rows)
-
-
-def _apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    vocab = logits.shape[1]
-    if logits.device.type == "cuda":
-        import xgrammar
-
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                             vocab_size=vocab, indices=rows)
-        return
-    n = len(rows)
-    allowed = np.unpackbits(bitmask[:n].numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    bias = torch.from_numpy(allowed).to(logits.dtype).sub_(1.0).mul_(torch.finfo(logits.dtype).max)
-    if rows == list(range(logits.shape[0])):
-        logits.add_(bias)
-    else:
-        logits.index_add_(0, torch.tensor(rows, dtype=torch.long), bias)
+        n, batch = len(rows), logits.shape[0]
+        mask = bitmask[:n]
+        indices = None
+        if rows != list(range(batch)):
+            # xgrammar's `indices` pick rows of both tensors: scatter the compact rows to their logits rows.
+            full = torch.full((batch, mask.shape[1]), -1, dtype=torch.int32)
+            full[torch.tensor(rows, dtype=torch.long)] = mask
+            mask, indices = full, rows
+        if logits.device.type != "cpu":
+            mask = mask.to(logits.device, non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices)
 
 
 class SamplerOutput:
