@@ -85,6 +85,51 @@ def _end_to_end(llm: LLM, n: int) -> dict:
             "unconstrained_tok_s": tokens / t_plain, "ratio": t_plain / t_cons}
 
 
+def _ttft_while_compiling(llm: LLM, n_plain: int = 8) -> dict:
+    """Plain requests decode; a request with a never-seen schema arrives. Its TTFT vs a plain request's TTFT
+    plus its compile time, and the plain requests' step time (TPOT) before vs while it compiles."""
+    eng = llm.llm_engine
+    for i in range(n_plain):
+        eng.add_request(f"plain{i}", f"Story {i}:", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+
+    def step_times(k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            eng.step()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    step_times(3)
+    before = step_times(8)
+    # A fresh schema (a unique property name defeats the cache), and a plain twin for the TTFT reference.
+    schema = {"type": "object", "properties": {f"k{time.time_ns()}": {"type": "array", "items": SCHEMAS[9]}},
+              "required": []}
+    t_add = time.perf_counter()
+    group = eng.add_request("new_schema", "JSON:", SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema)))
+    eng.add_request("plain_twin", "JSON:", SamplingParams(temperature=0, max_tokens=8))
+    fut = group.extra["structured_output"]
+    during, ttft = [], {}
+    while len(ttft) < 2:
+        t0 = time.perf_counter()
+        compiling = not fut.done()
+        outs = eng.step()
+        if compiling:
+            during.append(time.perf_counter() - t0)
+        for o in outs:
+            if o.request_id in ("new_schema", "plain_twin") and o.outputs[0].token_ids and o.request_id not in ttft:
+                ttft[o.request_id] = time.perf_counter() - t_add
+    eng.abort_request([f"plain{i}" for i in range(n_plain)] + ["new_schema", "plain_twin"])
+    while eng.has_unfinished_requests():
+        eng.step()
+    compile_s = eng.structured_output.compile_seconds[StructuredOutputsParams(json=schema).cache_key()]
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    return {"ttft_new_ms": 1e3 * ttft["new_schema"], "ttft_plain_ms": 1e3 * ttft["plain_twin"],
+            "compile_ms": 1e3 * compile_s, "tpot_before_ms": 1e3 * med(before), "tpot_during_ms": 1e3 * med(during),
+            "steps_during": len(during)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=16)
@@ -97,6 +142,11 @@ def main() -> None:
         print(f"[{backend}] backend init {r['init_ms']:.0f} ms; compile {r['compile_ms_mean']:.1f} ms mean / {r['compile_ms_max']:.1f} ms max over "
               f"{len(SCHEMAS)} schemas; mask fill {r['fill_us_per_seq']:.1f} µs/seq + apply "
               f"{r['apply_us_per_seq']:.1f} µs/seq (batch {args.mask_batch}, {r['rows']} rows)", flush=True)
+    t = _ttft_while_compiling(llm)
+    print(f"[new schema] TTFT {t['ttft_new_ms']:.0f} ms vs plain twin {t['ttft_plain_ms']:.0f} ms + compile "
+          f"{t['compile_ms']:.0f} ms = {t['ttft_plain_ms'] + t['compile_ms']:.0f} ms bound; others' step time "
+          f"{t['tpot_before_ms']:.0f} ms before vs {t['tpot_during_ms']:.0f} ms while it compiled "
+          f"({t['steps_during']} steps)", flush=True)
     e = _end_to_end(llm, args.num_requests)
     print(f"[end-to-end xgrammar] {e['requests']} JSON-schema requests, {e['output_tokens']} tokens: constrained "
           f"{e['constrained_tok_s']:.1f} tok/s vs unconstrained {e['unconstrained_tok_s']:.1f} tok/s "
