@@ -317,7 +317,9 @@ class LLMEngine:
                     so_rows.append(row)
                     so_seqs.append((item.seq, item.group.extra["structured_output"].result()))
                 row += 1
-        mask_job = self.structured_output.start_fill(so_seqs) if so_seqs else None
+        # On CPU the forward pass already uses every core: a concurrent fill only contends with it (OpenMP).
+        overlap = self.executor.device.type != "cpu"
+        mask_job = self.structured_output.start_fill(so_seqs, overlap) if so_seqs else None
         logits = self.executor.execute_model(req)
         return self._launch_sampling(scheduled, chunks, logits, (so_rows, mask_job))
 

@@ -125,8 +125,13 @@ class StructuredOutputManager:
             child.extra["grammar"] = SeqGrammar(self.backend.fork(state.matcher), state.num_tokens, state.failed)
 
     # -- the step's bitmask -------------------------------------------------------------------
-    def start_fill(self, seqs_and_grammars: list[tuple[Any, Any]]) -> Future:
-        """Fill one bitmask row per (sequence, compiled grammar) on the mask thread → Future[int32 tensor]."""
+    def start_fill(self, seqs_and_grammars: list[tuple[Any, Any]], overlap: bool = True) -> Future:
+        """Fill one bitmask row per (sequence, compiled grammar) → Future[int32 tensor]: on the mask thread
+        (overlapping the device's forward pass) or, with ``overlap=False``, right here (already done)."""
+        if not overlap:
+            fut: Future = Future()
+            fut.set_result(self.fill(seqs_and_grammars))
+            return fut
         _, mask_pool = self._pools()
         return mask_pool.submit(self.fill, seqs_and_grammars)
 
