@@ -192,7 +192,13 @@ def test_llguidance_backend():
     pytest.importorskip("llguidance")
     g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="guidance")
     prompts, params = _schema_batch(1)
-    params = params[:4] + [SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs=SO(regex=r"[a-c]{3}-\d\d"))]
-    outs = g.generate(prompts[:4] + ["x"], params, use_tqdm=False)
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    params = params[:4] + [SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs=SO(regex=r"[a-c]{3}-\d\d")),
+                           SamplingParams(temperature=0.8, seed=2, max_tokens=40, structured_outputs=SO(grammar=grammar))]
+    outs = g.generate(prompts[:4] + ["x", "Sum:"], params, use_tqdm=False)
     _assert_all_valid(outs[:4], params[:4])
     assert re.fullmatch(r"[a-c]{3}-\d\d", outs[4].outputs[0].text)
+    c = outs[5].outputs[0]
+    assert c.finish_reason == "length" or re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", c.text), c.text
+    with pytest.raises(ValueError, match="grammar is invalid"):
+        g.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=SO(grammar="root ::= missing")), use_tqdm=False)

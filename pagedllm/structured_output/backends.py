@@ -97,7 +97,7 @@ class GuidanceBackend:
         opts = {"whitespace_flexible": not compact}
         try:
             if kind == "json":
-                grammar = M.grammar_from_json_schema(spec, defaults=opts)
+                grammar = M.grammar_from_json_schema(json.dumps(_closed(json.loads(spec))), defaults=opts)
             elif kind == "json_object":
                 grammar = M.grammar_from_json_schema('{"type": "object"}', defaults=opts)
             elif kind == "regex":
@@ -105,7 +105,13 @@ class GuidanceBackend:
             elif kind == "choice":
                 grammar = M.grammar_from_lark(_choice_ebnf(json.loads(spec), "start: "))
             elif kind == "grammar":
-                grammar = M.grammar_from_lark(self._llg.gbnf_to_lark(spec))
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                try:
+                    lark = gbnf_to_lark(spec)
+                except Exception as e:  # the converter raises bare Exceptions for undefined rules etc.
+                    raise ValueError(str(e)) from None
+                grammar = M.grammar_from_lark(lark)
             else:
                 raise ValueError(f"unknown structured output kind {kind!r}")
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
@@ -139,6 +145,19 @@ class GuidanceBackend:
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
         self._fill(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` wherever an object lists its properties and says
+    nothing else, as xgrammar's strict mode does (so both backends produce the same outputs' shape)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _clean(exc: BaseException) -> str:
