@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineArgs": "pagedllm.engine.arg_utils",
     "SamplingParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
 }

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 #: Temperatures below this are treated as greedy (argmax) decoding.
 SAMPLING_EPS = 1e-5
 
@@ -159,6 +161,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    #: Constrain the output to a JSON schema / regex / choice / grammar (see StructuredOutputsParams).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise_and_check_types()
@@ -214,6 +218,8 @@ class SamplingParams:
             "spaces_between_special_tokens", self.spaces_between_special_tokens
         )
         self.detokenize = _check_bool("detokenize", self.detokenize)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
     def _verify_args(self) -> None:
         if self.n < 1:
@@ -386,4 +392,4 @@ class BeamSearchParams:
         return copy.deepcopy(self)
 
 
-__all__ = ["SAMPLING_EPS", "BeamSearchParams", "SamplingParams", "SamplingType"]
+__all__ = ["SAMPLING_EPS", "BeamSearchParams", "SamplingParams", "SamplingType", "StructuredOutputsParams"]

@@ -67,7 +67,8 @@ def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def render_chat_template(
-    tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool = True, chat_template: str | None = None
+    tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool = True, chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """The prompt text produced by the chat template (the model's own unless ``chat_template`` is given)."""
     msgs = _normalize_messages(messages)
@@ -77,7 +78,8 @@ def render_chat_template(
             "or use a plain completion prompt instead"
         )
     text = tokenizer.apply_chat_template(
-        msgs, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        msgs, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+        **({"tools": tools} if tools else {}),
     )
     if not isinstance(text, str):
         raise ValueError(f"Chat template rendering returned {type(text).__name__}, expected str")
@@ -85,10 +87,12 @@ def render_chat_template(
 
 
 def apply_chat_template(
-    tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Render ``messages`` with the chat template and tokenize (special tokens in the text are parsed)."""
-    text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template)
+    """Render ``messages`` (and ``tools``, OpenAI function specs) with the chat template and tokenize
+    (special tokens in the text are parsed)."""
+    text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -49,6 +49,7 @@ _HELP = {
                         "(max_model_len). Contiguous managers share, swap and cache nothing.",
     "batching": "iteration (requests join and leave every step) or request (a batch runs until all its requests "
                 "finish before others join: FasterTransformer-style with --kv-cache-manager orca-max).",
+    "structured_outputs_backend": "Grammar engine for structured outputs: xgrammar or guidance (llguidance).",
 }
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES}
@@ -81,6 +82,7 @@ class EngineArgs:
     max_capture_tokens: int = 8192
     kv_cache_manager: str = "paged"
     batching: str = "iteration"
+    structured_outputs_backend: str = "xgrammar"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -93,6 +95,9 @@ class EngineArgs:
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """Validated configs; `model_max_len` is the model's own context length."""
         max_model_len = self.max_model_len or model_max_len
+        if self.structured_outputs_backend not in ("xgrammar", "guidance"):
+            raise ValueError(f"structured_outputs_backend must be 'xgrammar' or 'guidance', got "
+                             f"{self.structured_outputs_backend!r}.")
         if max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context length ({model_max_len})."

@@ -4,13 +4,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
 
 from pagedllm.core.kv_accounting import KVMemoryBreakdown, kv_memory_breakdown
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
-from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
@@ -18,9 +20,16 @@ from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.model import loader
 from pagedllm.model.models.registry import get_model_max_len
-from pagedllm.model.layers.sampler import Sampler, SamplingRow, compute_prompt_logprobs, warm_up_sampler
+from pagedllm.model.layers.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_token_bitmask_,
+    compute_prompt_logprobs,
+    warm_up_sampler,
+)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk, logits_row_layout
 
@@ -63,11 +72,15 @@ class LLMEngine:
             warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device)
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
+        self.structured_output = StructuredOutputManager(
+            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids)
+        self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
         self.output_processor = OutputProcessor(
             self.scheduler,
             self.tokenizer,
             StopConfig(self.eos_token_ids, self.max_seq_len),
             lambda: next(self._seq_counter),
+            self.structured_output,
         )
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -141,6 +154,8 @@ class LLMEngine:
         limit = self.max_seq_len
         if any(g.request_id == request_id for g in self._all_groups()):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        # Validated here (ValueError naming the problem); compiled on a thread, cached by (kind, spec).
+        grammar = None if params.structured_outputs is None else self.structured_output.request(params.structured_outputs)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
         seq = Sequence(next(self._seq_counter), list(token_ids))
         group = SequenceGroup(
@@ -157,6 +172,11 @@ class LLMEngine:
         seq.extra["generator"] = self._make_generator(params, 0)
         self.scheduler.block_manager.check_admissible(group)  # a contiguous reservation may never fit
         self.output_processor.init_sequence(seq, params)
+        if grammar is not None:
+            group.extra["structured_output"] = grammar
+            if not grammar.done():  # stays unscheduled until its grammar is ready; others keep running
+                self._awaiting_grammar.append(group)
+                return group
         self.scheduler.add_seq_group(group)
         return group
 
@@ -232,16 +252,42 @@ class LLMEngine:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             self.scheduler.abort_seq_group(rid)
+            for group in [g for g in self._awaiting_grammar if g.request_id == rid]:
+                self._awaiting_grammar.remove(group)
+                for seq in group.seqs:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs() or self._inflight is not None
+        return self.scheduler.has_unfinished_seqs() or self._inflight is not None or bool(self._awaiting_grammar)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_seq_groups()
+        return self.scheduler.get_num_unfinished_seq_groups() + len(self._awaiting_grammar)
 
     def _all_groups(self):
         s = self.scheduler
-        return itertools.chain(s.waiting, s.running, s.swapped)
+        return itertools.chain(s.waiting, s.running, s.swapped, self._awaiting_grammar)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar finished compiling into the scheduler (a failed compile ends the
+        request as aborted; validation already caught bad input in add_request)."""
+        if not self._awaiting_grammar:
+            return []
+        if not self.scheduler.has_unfinished_seqs() and self._inflight is None:  # nothing else to do: wait a bit
+            wait_futures([g.extra["structured_output"] for g in self._awaiting_grammar], 0.05, FIRST_COMPLETED)
+        outputs, still = [], []
+        for group in self._awaiting_grammar:
+            fut = group.extra["structured_output"]
+            if not fut.done():
+                still.append(group)
+            elif fut.exception() is not None:
+                logger.error("request %s: its grammar failed to compile: %s", group.request_id, fut.exception())
+                for seq in group.seqs:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                outputs.append(self.output_processor.make_output(group))
+            else:
+                self.scheduler.add_seq_group(group)
+        self._awaiting_grammar = still
+        return outputs
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -251,7 +297,7 @@ class LLMEngine:
         and launches its successor first (the new tokens are fed to it on the device), then waits for
         this one and returns its outputs, so the host's scheduling overlaps the device's compute.
         """
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._admit_compiled()
         prev, self._inflight = self._inflight, None
         if prev is not None and prev.needs_host_results:
             outputs.extend(self._complete_step(prev))
@@ -290,8 +336,19 @@ class LLMEngine:
             n_prompt = len(item.seq.prompt_token_ids)
             start = item.seq.num_computed_tokens
             self.num_prompt_tokens_total += max(0, min(start + item.num_new_tokens, n_prompt) - start)
+        # Constrained rows: their bitmask is filled on the manager's thread while the model runs.
+        so_rows, so_seqs, row = [], [], 0
+        for item, chunk in zip(scheduled, chunks):
+            if chunk.sample:
+                if "structured_output" in item.group.extra:
+                    so_rows.append(row)
+                    so_seqs.append((item.seq, item.group.extra["structured_output"].result()))
+                row += 1
+        # On CPU the forward pass already uses every core: a concurrent fill only contends with it (OpenMP).
+        overlap = self.executor.device.type != "cpu"
+        mask_job = self.structured_output.start_fill(so_seqs, overlap) if so_seqs else None
         logits = self.executor.execute_model(req)
-        return self._launch_sampling(scheduled, chunks, logits)
+        return self._launch_sampling(scheduled, chunks, logits, (so_rows, mask_job))
 
     def _chunk(self, item: ScheduledSequence) -> SequenceChunk:
         seq = item.seq
@@ -311,7 +368,7 @@ class LLMEngine:
             all_logits=wants_prompt_logprobs,
         )
 
-    def _launch_sampling(self, scheduled, chunks, logits) -> LaunchedStep:
+    def _launch_sampling(self, scheduled, chunks, logits, mask=None) -> LaunchedStep:
         step = LaunchedStep(scheduled, chunks, logits)
         layout = logits_row_layout(chunks)
         rows: list[SamplingRow] = []
@@ -338,10 +395,13 @@ class LLMEngine:
             row_idx.append(hi - 1)
             step.owners.append(item)
             seq.num_pending_tokens += 1
-            step.needs_host_results |= num_samples > 1 or "beam" in group.extra or _samples_from_history(params)
+            step.needs_host_results |= (num_samples > 1 or "beam" in group.extra or _samples_from_history(params)
+                                        or "structured_output" in group.extra)  # the matcher needs each token
         if rows:
             if row_idx != list(range(logits.shape[0])):
                 logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
+            if mask is not None and mask[1] is not None:
+                apply_token_bitmask_(logits, mask[1].result(), mask[0])
             has_beam = any("beam" in item.group.extra for item in step.owners)
             step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam)
         return step

@@ -22,8 +22,10 @@ class StopConfig:
 
 
 class OutputProcessor:
-    def __init__(self, scheduler: Scheduler, tokenizer: Any, stop_config: StopConfig, new_seq_id) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer: Any, stop_config: StopConfig, new_seq_id,
+                 structured_output: Any = None) -> None:
         self.scheduler = scheduler
+        self.structured_output = structured_output  # StructuredOutputManager: grammar matchers per sequence
         self.tokenizer = tokenizer
         self.stop_config = stop_config
         self._new_seq_id = new_seq_id  # callable → fresh int
@@ -43,6 +45,8 @@ class OutputProcessor:
     def fork(self, group: SequenceGroup, parent: Sequence, make_generator) -> Sequence:
         child = parent.fork(self._new_seq_id())
         self.scheduler.block_manager.fork(parent, child)
+        if "structured_output" in group.extra:
+            self.structured_output.fork(parent, child)
         self.init_sequence(child, group.sampling_params)
         detok = child.extra.get("detok")
         if detok is not None and parent.output_token_ids:
@@ -104,6 +108,11 @@ class OutputProcessor:
         if detok is not None:
             stop_str = detok.append([token_id]).stop_str_matched
         self._check_stop(group, seq, token_id, stop_str)
+        if "structured_output" in group.extra:
+            # The grammar reached its end (its stop token accepted, even under ignore_eos) or was broken.
+            grammar_done = self.structured_output.accept(seq, group.extra["structured_output"].result())
+            if grammar_done and not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_STOPPED
         if seq.is_finished():
             self.scheduler.free_seq(seq)
             if detok is not None and stop_str is None:

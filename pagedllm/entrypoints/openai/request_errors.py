@@ -9,12 +9,11 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
 
 #: OpenAI fields this server knows of but does not implement: refused with the reason, never ignored.
 UNSUPPORTED_FIELDS = {
-    "response_format": "structured outputs (JSON mode, json_schema) are not supported by this server",
-    "tools": "tool calling is not supported by this server",
-    "tool_choice": "tool calling is not supported by this server",
-    "parallel_tool_calls": "tool calling is not supported by this server",
-    "functions": "function calling is not supported by this server",
-    "function_call": "function calling is not supported by this server",
+    "tools": "tool calling is available on /v1/chat/completions",
+    "tool_choice": "tool calling is available on /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is available on /v1/chat/completions",
+    "functions": "the deprecated `functions` is not supported; use `tools`",
+    "function_call": "the deprecated `function_call` is not supported; use `tool_choice`",
     "modalities": "only text output is supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",

@@ -10,10 +10,10 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     UsageInfo,
     dump,
 )
+from pagedllm.entrypoints.openai.serving_tools import ChatTools
 from pagedllm.entrypoints.openai.serving_common import (
     MAX_LOGPROBS,
     OpenAIError,
@@ -31,7 +31,7 @@ ROLE = "assistant"
 
 
 def render_messages(ctx: ServingContext, messages: list, add_generation_prompt: bool,
-                    chat_template: str | None) -> list[int]:
+                    chat_template: str | None, tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation under the chat template; bad messages are a 400 naming `messages`."""
     if not messages:
         raise OpenAIError("messages must contain at least one message.", param="messages")
@@ -39,7 +39,8 @@ def render_messages(ctx: ServingContext, messages: list, add_generation_prompt: 
     for m in plain:
         m.setdefault("content", "")
     try:
-        return apply_chat_template(ctx.tokenizer, plain, add_generation_prompt, chat_template or ctx.chat_template)
+        return apply_chat_template(ctx.tokenizer, plain, add_generation_prompt, chat_template or ctx.chat_template,
+                                   tools)
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from None
     except Exception as e:  # a template that fails to render on these messages (jinja raise_exception, ...)
@@ -50,8 +51,12 @@ class OpenAIServingChat:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _validate(self, req: ChatCompletionRequest) -> tuple[str, list[int], int | None, int | None]:
+    def _validate(self, req: ChatCompletionRequest) -> tuple[str, list[int], int | None, int | None, ChatTools]:
         model = self.ctx.check_model(req.model)
+        try:
+            tools = ChatTools(req)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tool_choice") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
@@ -67,18 +72,19 @@ class OpenAIServingChat:
             logprobs = req.top_logprobs or 0
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_bias(req.logit_bias)
-        ids = render_messages(self.ctx, req.messages, req.add_generation_prompt, req.chat_template)
+        ids = render_messages(self.ctx, req.messages, req.add_generation_prompt, req.chat_template,
+                              tools.template_tools())
         self.ctx.check_length(len(ids), max_tokens, "messages", max_param)
         self.ctx.check_fits_pool(len(ids), max_tokens, req, max_param)
-        return model, ids, max_tokens, logprobs
+        return model, ids, max_tokens, logprobs, tools
 
     async def create_chat_completion(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
-        model, ids, max_tokens, logprobs = self._validate(req)
-        params = self.ctx.sampling_params(req, max_tokens, logprobs)
+        model, ids, max_tokens, logprobs, tools = self._validate(req)
+        params = self.ctx.sampling_params(req, max_tokens, logprobs, structured_outputs=tools.constraint)
         request_id = random_id("chatcmpl")
         streams = await self.ctx.add_all([ids], params, request_id)
         if req.stream:
-            return self._stream(req, model, request_id, ids, streams)
+            return self._stream(req, model, request_id, ids, streams, tools)
         final: RequestOutput | None = None
         try:
             async for _, out in merge_streams([s for _, s in streams]):
@@ -95,13 +101,13 @@ class OpenAIServingChat:
             lp = None
             if logprobs is not None:
                 lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(comp.token_ids, comp.logprobs or [], logprobs))
+            message, finish = tools.message(comp.text, comp.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=comp.index, message=ChatMessage(role=ROLE, content=comp.text), logprobs=lp,
-                finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+                index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
         return dump(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage))
 
-    async def _stream(self, req, model, request_id, ids, streams) -> AsyncIterator[str]:
+    async def _stream(self, req, model, request_id, ids, streams, tools: ChatTools) -> AsyncIterator[str]:
         created = int(time.time())
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -110,7 +116,8 @@ class OpenAIServingChat:
         done: set[int] = set()
         final: RequestOutput | None = None
 
-        chunk = ChatChunker(request_id, created, model).chunk
+        chunker = ChatChunker(request_id, created, model)
+        chunk, delta_chunk = chunker.chunk, chunker.delta_chunk
 
         try:
             for i in range(req.n):
@@ -128,11 +135,19 @@ class OpenAIServingChat:
                         lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(
                             comp.token_ids[lo:], (comp.logprobs or [])[lo:], top_k))
                     sent_text[idx], sent_toks[idx] = len(comp.text), n_tok
-                    if delta or lp is not None:
+                    finish = comp.finish_reason
+                    if tools.mode is not None:  # tool calls: deltas from the tool handler
+                        for d in tools.deltas(idx, comp.text, finish is not None):
+                            yield delta_chunk(idx, d, lp)
+                            lp = None
+                        if lp is not None:
+                            yield chunk(idx, None, None, lp)
+                        finish = tools.stream_finish_reason(idx, finish)
+                    elif delta or lp is not None:
                         yield chunk(idx, None, delta, lp)
                     if comp.finish_reason is not None:
                         done.add(idx)
-                        yield chunk(idx, None, None, None, comp.finish_reason, comp.stop_reason)
+                        yield chunk(idx, None, None, None, finish, comp.stop_reason)
             if include_usage and final is not None:
                 n_out = sum(len(c.token_ids) for c in final.outputs)
                 usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)

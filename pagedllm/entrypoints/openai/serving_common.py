@@ -17,8 +17,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ErrorResponse,
     dump,
 )
+from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 #: Most log-probs per token a request may ask for (vLLM's max_logprobs default).
 MAX_LOGPROBS = 20
@@ -187,8 +188,19 @@ class ServingContext:
             raise OpenAIError(f"best_of ({best_of}) must equal n ({n}) when streaming.", param="best_of")
 
     def sampling_params(self, req: Any, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams from a request; its ValueErrors become 400s naming the field."""
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """SamplingParams from a request; its ValueErrors become 400s naming the field.
+        `structured_outputs` (from tool_choice) replaces the request's own constraint fields."""
+        try:
+            so, field = structured_outputs_from_request(req)
+        except ValueError as e:
+            raise OpenAIError(str(e), param=str(e).split(":")[0].split(" ")[0]) from None
+        if structured_outputs is not None:
+            if so is not None:
+                raise OpenAIError(f"{field} cannot be combined with tool_choice 'required' or a named function.",
+                                  param=field)
+            so = structured_outputs
         try:
             return SamplingParams(
                 n=req.n, best_of=req.best_of, presence_penalty=req.presence_penalty,
@@ -204,6 +216,7 @@ class ServingContext:
                 max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
+                structured_outputs=so,
             )
         except ValueError as e:
             raise error_from_exception(e) from None

@@ -42,3 +42,10 @@ class ChatChunker:
         choice = {"index": index, "delta": {"role": role, "content": content}, "logprobs": _plain(logprobs),
                   "finish_reason": finish, "stop_reason": stop_reason}
         return sse({**self._head, "choices": [choice], "usage": None})
+
+    def delta_chunk(self, index: int, delta: BaseModel, logprobs: BaseModel | None = None,
+                    finish: str | None = None, stop_reason: int | str | None = None) -> str:
+        """A chunk whose delta is a model (tool-call deltas: rare, so pydantic's dump is fine)."""
+        choice = {"index": index, "delta": dump(delta), "logprobs": _plain(logprobs),
+                  "finish_reason": finish, "stop_reason": stop_reason}
+        return sse({**self._head, "choices": [choice], "usage": None})

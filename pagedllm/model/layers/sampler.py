@@ -161,6 +161,29 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _NEG_INF)
 
 
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Structured outputs: in place, set ``logits[rows[i], t]`` to -inf wherever bit ``t`` of the packed
+    int32 row ``bitmask[i]`` is 0 (xgrammar/llguidance layout: bit ``t % 32`` of word ``t // 32``).
+
+    One xgrammar kernel on either device (its CPU kernel is ~6x faster than unpacking the bits in numpy and
+    adding a bias). Masked tokens get probability 0 downstream.
+    """
+    import xgrammar
+
+    with torch.inference_mode():  # the model's logits are inference tensors
+        n, batch = len(rows), logits.shape[0]
+        mask = bitmask[:n]
+        indices = None
+        if rows != list(range(batch)):
+            # xgrammar's `indices` pick rows of both tensors: scatter the compact rows to their logits rows.
+            full = torch.full((batch, mask.shape[1]), -1, dtype=torch.int32)
+            full[torch.tensor(rows, dtype=torch.long)] = mask
+            mask, indices = full, rows
+        if logits.device.type != "cpu":
+            mask = mask.to(logits.device, non_blocking=True)
+        xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices)
+
+
 class SamplerOutput:
     """A launched sampling call: its device work is queued; `result()` waits for it and reads it back.
 
@@ -462,6 +485,7 @@ __all__ = [
     "SamplingRow",
     "apply_min_p",
     "apply_penalties",
+    "apply_token_bitmask_",
     "apply_top_k_top_p",
     "compute_prompt_logprobs",
 ]

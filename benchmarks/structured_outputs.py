@@ -1,0 +1,160 @@
+"""Structured outputs: cost of the grammar constraint, measured against the unconstrained peer in one run.
+
+    python benchmarks/structured_outputs.py --num-requests 16
+
+1. Compile time of the 20 sample schemas under each backend (xgrammar, llguidance).
+2. Per-step mask cost: fill the packed bitmask for a batch of live matchers + apply it to the logits,
+   in µs per sequence, for each backend.
+3. End-to-end: a batch of JSON-schema requests vs the same prompts unconstrained, each unconstrained request
+   forced (ignore_eos) to produce exactly as many tokens as its constrained twin; ratio of throughputs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import torch
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.model.layers.sampler import apply_token_bitmask_
+from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for
+
+
+def _compile_and_mask(llm: LLM, backend: str, batch: int, steps: int) -> dict:
+    eng = llm.llm_engine
+    mgr = StructuredOutputManager(backend, eng.tokenizer, int(eng.hf_config.vocab_size), eng.eos_token_ids)
+    t0 = time.perf_counter()
+    _ = mgr.backend  # tokenizer tables: once per engine, not per grammar
+    init_ms = 1e3 * (time.perf_counter() - t0)
+    compile_ms = []
+    compiled = []
+    for schema in SCHEMAS:
+        t0 = time.perf_counter()
+        compiled.append(mgr.request(StructuredOutputsParams(json=schema)).result())
+        compile_ms.append(1e3 * (time.perf_counter() - t0))
+    # Live matchers advanced by real tokens: drive each with greedy choices from its own mask.
+    seqs = [SimpleNamespace(extra={}, output_token_ids=[], seq_id=i) for i in range(batch)]
+    pairs = [(s, compiled[i % len(compiled)]) for i, s in enumerate(seqs)]
+    vocab = int(eng.hf_config.vocab_size)
+    logits = torch.randn(batch, vocab)
+    fill_s = apply_s = 0.0
+    n_rows = 0
+    for _ in range(steps):
+        live = [(s, c) for s, c in pairs if not mgr.backend.is_terminated(mgr.sync(s, c).matcher)]
+        if not live:
+            break
+        t0 = time.perf_counter()
+        mask = mgr.fill(live)
+        t1 = time.perf_counter()
+        lg = logits[: len(live)].clone()
+        t2 = time.perf_counter()
+        apply_token_bitmask_(lg, mask, list(range(len(live))))
+        t3 = time.perf_counter()
+        fill_s += t1 - t0
+        apply_s += t3 - t2
+        n_rows += len(live)
+        for (s, _), tok in zip(live, lg.argmax(dim=1).tolist()):
+            s.output_token_ids.append(tok)
+    mgr.shutdown()
+    return {"backend": backend, "init_ms": init_ms, "compile_ms_mean": sum(compile_ms) / len(compile_ms),
+            "compile_ms_max": max(compile_ms), "fill_us_per_seq": 1e6 * fill_s / n_rows,
+            "apply_us_per_seq": 1e6 * apply_s / n_rows, "rows": n_rows}
+
+
+def _end_to_end(llm: LLM, n: int) -> dict:
+    prompts = [f"Reply with JSON matching {json.dumps(SCHEMAS[i % len(SCHEMAS)])[:60]}\n" for i in range(n)]
+    cons = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens_for(SCHEMAS[i % len(SCHEMAS)]),
+                           structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]))
+            for i in range(n)]
+    llm.generate(prompts, cons, use_tqdm=False)  # compile + warm-up (grammars are cached afterwards)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, cons, use_tqdm=False)
+    t_cons = time.perf_counter() - t0
+    lens = [len(o.outputs[0].token_ids) for o in outs]
+    plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=lens[i], ignore_eos=True) for i in range(n)]
+    llm.generate(prompts, plain, use_tqdm=False)
+    t0 = time.perf_counter()
+    pouts = llm.generate(prompts, plain, use_tqdm=False)
+    t_plain = time.perf_counter() - t0
+    assert [len(o.outputs[0].token_ids) for o in pouts] == lens
+    tokens = sum(lens)
+    return {"requests": n, "output_tokens": tokens, "constrained_tok_s": tokens / t_cons,
+            "unconstrained_tok_s": tokens / t_plain, "ratio": t_plain / t_cons}
+
+
+def _ttft_while_compiling(llm: LLM, n_plain: int = 8) -> dict:
+    """Plain requests decode; a request with a never-seen schema arrives. Its TTFT vs a plain request's TTFT
+    plus its compile time, and the plain requests' step time (TPOT) before vs while it compiles."""
+    eng = llm.llm_engine
+    for i in range(n_plain):
+        eng.add_request(f"plain{i}", f"Story {i}:", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+
+    def step_times(k: int) -> list[float]:
+        out = []
+        for _ in range(k):
+            t0 = time.perf_counter()
+            eng.step()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    step_times(3)
+    before = step_times(8)
+    # A fresh schema (a unique property name defeats the cache), and a plain twin for the TTFT reference.
+    schema = {"type": "object", "properties": {f"k{time.time_ns()}": {"type": "array", "items": SCHEMAS[9]}},
+              "required": []}
+    t_add = time.perf_counter()
+    group = eng.add_request("new_schema", "JSON:", SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema)))
+    eng.add_request("plain_twin", "JSON:", SamplingParams(temperature=0, max_tokens=8))
+    fut = group.extra["structured_output"]
+    during, ttft = [], {}
+    while len(ttft) < 2:
+        t0 = time.perf_counter()
+        compiling = not fut.done()
+        outs = eng.step()
+        if compiling:
+            during.append(time.perf_counter() - t0)
+        for o in outs:
+            if o.request_id in ("new_schema", "plain_twin") and o.outputs[0].token_ids and o.request_id not in ttft:
+                ttft[o.request_id] = time.perf_counter() - t_add
+    eng.abort_request([f"plain{i}" for i in range(n_plain)] + ["new_schema", "plain_twin"])
+    while eng.has_unfinished_requests():
+        eng.step()
+    compile_s = eng.structured_output.compile_seconds[StructuredOutputsParams(json=schema).cache_key()]
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
+    return {"ttft_new_ms": 1e3 * ttft["new_schema"], "ttft_plain_ms": 1e3 * ttft["plain_twin"],
+            "compile_ms": 1e3 * compile_s, "tpot_before_ms": 1e3 * med(before), "tpot_during_ms": 1e3 * med(during),
+            "steps_during": len(during)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--mask-batch", type=int, default=64)
+    ap.add_argument("--mask-steps", type=int, default=30)
+    ap.add_argument("--backend", default="xgrammar", choices=["xgrammar", "guidance"],
+                    help="the engine's backend for the TTFT and end-to-end parts")
+    args = ap.parse_args()
+    llm = LLM(num_gpu_blocks_override=1024, max_num_seqs=max(64, args.num_requests), max_model_len=1024,
+              structured_outputs_backend=args.backend)
+    for backend in ("xgrammar", "guidance"):
+        r = _compile_and_mask(llm, backend, args.mask_batch, args.mask_steps)
+        print(f"[{backend}] backend init {r['init_ms']:.0f} ms; compile {r['compile_ms_mean']:.1f} ms mean / {r['compile_ms_max']:.1f} ms max over "
+              f"{len(SCHEMAS)} schemas; mask fill {r['fill_us_per_seq']:.1f} µs/seq + apply "
+              f"{r['apply_us_per_seq']:.1f} µs/seq (batch {args.mask_batch}, {r['rows']} rows)", flush=True)
+    t = _ttft_while_compiling(llm)
+    print(f"[new schema] TTFT {t['ttft_new_ms']:.0f} ms vs plain twin {t['ttft_plain_ms']:.0f} ms + compile "
+          f"{t['compile_ms']:.0f} ms = {t['ttft_plain_ms'] + t['compile_ms']:.0f} ms bound; others' step time "
+          f"{t['tpot_before_ms']:.0f} ms before vs {t['tpot_during_ms']:.0f} ms while it compiled "
+          f"({t['steps_during']} steps)", flush=True)
+    e = _end_to_end(llm, args.num_requests)
+    print(f"[end-to-end {args.backend}] {e['requests']} JSON-schema requests, {e['output_tokens']} tokens: constrained "
+          f"{e['constrained_tok_s']:.1f} tok/s vs unconstrained {e['unconstrained_tok_s']:.1f} tok/s "
+          f"-> {100 * e['ratio']:.1f} % (target >= 85 % on CPU)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

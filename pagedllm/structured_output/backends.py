@@ -1,0 +1,182 @@
+"""Grammar engines behind one small interface: xgrammar (default) and llguidance.
+
+A backend turns a `(kind, spec, compact)` key into a grammar in two stages: `build` (fast; parses and
+validates, raises ValueError naming what is wrong; runs in `add_request`) and `compile` (slow: the
+token-mask tables; runs on the manager's thread pool). Matchers are per sequence; `fill_bitmask`
+writes one packed int32 row (bit set = token allowed) per matcher, in parallel in native code.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+BACKENDS = ("xgrammar", "guidance")
+
+
+def _choice_ebnf(choices: list[str], root: str = "root ::= ") -> str:
+    # JSON string literals are valid EBNF/Lark string literals (same escapes).
+    return root + " | ".join(json.dumps(c) for c in choices)
+
+
+class XgrammarBackend:
+    """xgrammar: grammars compiled to an adaptive token-mask cache; batch fill on native threads."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(eos_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
+
+    def build(self, kind: str, spec: str, compact: bool) -> Any:
+        xgr = self._xgr
+        try:
+            if kind == "json":
+                return xgr.Grammar.from_json_schema(spec, any_whitespace=not compact, strict_mode=True)
+            if kind == "json_object":
+                return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not compact,
+                                                    strict_mode=False)
+            if kind == "regex":
+                return xgr.Grammar.from_regex(spec)
+            if kind == "choice":
+                return xgr.Grammar.from_ebnf(_choice_ebnf(json.loads(spec)))
+            if kind == "grammar":
+                return xgr.Grammar.from_ebnf(spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_clean(e)}") from None
+        raise ValueError(f"unknown structured output kind {kind!r}")
+
+    def compile(self, built: Any) -> Any:
+        return self._compiler.compile_grammar(built)
+
+    def new_matcher(self, compiled: Any) -> Any:
+        return self._xgr.GrammarMatcher(compiled)
+
+    @staticmethod
+    def accept(matcher: Any, token_id: int) -> bool:
+        return matcher.accept_token(token_id)
+
+    @staticmethod
+    def is_terminated(matcher: Any) -> bool:
+        return matcher.is_terminated()
+
+    @staticmethod
+    def fork(matcher: Any) -> Any:
+        return matcher.fork()
+
+    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+
+
+class GuidanceBackend:
+    """llguidance: lazy Earley/derivative parser; nothing to precompile beyond the parser itself."""
+
+    name = "guidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self._llg = llguidance
+        self._fill = llguidance.torch.fill_next_token_bitmask_par
+        self.vocab_size = vocab_size
+        self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                 eos_token=list(eos_token_ids)[0] if eos_token_ids else None)
+        self._executor = llguidance.LLExecutor(num_threads=num_threads)
+
+    def build(self, kind: str, spec: str, compact: bool) -> Any:
+        M = self._llg.LLMatcher
+        opts = {"whitespace_flexible": not compact}
+        try:
+            if kind == "json":
+                grammar = M.grammar_from_json_schema(json.dumps(_closed(json.loads(spec))), defaults=opts)
+            elif kind == "json_object":
+                grammar = M.grammar_from_json_schema('{"type": "object"}', defaults=opts)
+            elif kind == "regex":
+                grammar = M.grammar_from_regex(spec)
+            elif kind == "choice":
+                grammar = M.grammar_from_lark(_choice_ebnf(json.loads(spec), "start: "))
+            elif kind == "grammar":
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                try:
+                    lark = gbnf_to_lark(spec)
+                except Exception as e:  # the converter raises bare Exceptions for undefined rules etc.
+                    raise ValueError(str(e)) from None
+                grammar = M.grammar_from_lark(lark)
+            else:
+                raise ValueError(f"unknown structured output kind {kind!r}")
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"structured_outputs.{kind} is invalid: {_clean(e)}") from None
+        is_error, msgs = M.validate_grammar_with_warnings(grammar, self._tok)
+        if is_error:
+            raise ValueError(f"structured_outputs.{kind} is invalid: {msgs[0] if msgs else 'rejected'}")
+        return grammar
+
+    def compile(self, built: Any) -> Any:
+        matcher = self._llg.LLMatcher(self._tok, built)
+        if matcher.is_error():
+            raise ValueError(f"grammar failed to compile: {matcher.get_error()}")
+        return matcher  # a template: sequences get deep copies
+
+    @staticmethod
+    def new_matcher(compiled: Any) -> Any:
+        return compiled.deep_copy()
+
+    @staticmethod
+    def accept(matcher: Any, token_id: int) -> bool:
+        return matcher.consume_token(token_id) and not matcher.is_error()
+
+    @staticmethod
+    def is_terminated(matcher: Any) -> bool:
+        return matcher.is_stopped()
+
+    @staticmethod
+    def fork(matcher: Any) -> Any:
+        return matcher.deep_copy()
+
+    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+        self._fill(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` wherever an object lists its properties and says
+    nothing else, as xgrammar's strict mode does (so both backends produce the same outputs' shape)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _clean(exc: BaseException) -> str:
+    """The engine's message without its C++ source location prefix."""
+    text = str(exc).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    if first.startswith("[") and "] " in first:  # "[hh:mm:ss] /project/cpp/x.cc:12: message"
+        first = first.split("] ", 1)[1]
+        parts = first.split(": ", 1)
+        if len(parts) == 2 and ".cc:" in parts[0]:
+            first = parts[1]
+    return first
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 num_threads: int = 2) -> XgrammarBackend | GuidanceBackend:
+    if name == "xgrammar":
+        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids, num_threads)
+    if name == "guidance":
+        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids, num_threads)
+    raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {name!r}.")

@@ -1,0 +1,149 @@
+"""StructuredOutputManager: compiles grammars off the step loop, keeps one matcher per sequence,
+and fills the step's packed token bitmask (on its own thread, while the model runs).
+
+A sequence's matcher lives in ``seq.extra["grammar"]`` and always describes exactly
+``seq.output_token_ids``: it advances as tokens are appended, is forked with the sequence (n > 1),
+and is rebuilt by replaying the outputs for any sequence that has none (beam-search forks) or whose
+history it no longer matches. Preemption keeps the output tokens (recompute re-prefills them, swap
+keeps them), so the matcher needs nothing there.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedllm.structured_output.backends import make_backend
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm")
+
+#: Most compiled grammars kept (least recently used ones are dropped).
+CACHE_SIZE = 512
+
+
+@dataclass
+class SeqGrammar:
+    """A sequence's matcher and how many of its output tokens it has accepted."""
+
+    matcher: Any
+    num_tokens: int = 0
+    failed: bool = False  # a token the grammar rejects was appended (a bug elsewhere): the sequence stops
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 num_threads: int = 2) -> None:
+        self.backend_name = backend
+        self._init_args = (tokenizer, vocab_size, eos_token_ids, num_threads)
+        self.vocab_size = vocab_size
+        self._backend = None
+        self._backend_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._compile_pool: ThreadPoolExecutor | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
+        self._bitmask: torch.Tensor | None = None
+        self.compile_seconds: dict[tuple, float] = {}
+
+    # -- setup --------------------------------------------------------------------------------
+    @property
+    def backend(self):
+        """The grammar engine, created at the first constrained request (its tokenizer tables take ~0.1-1 s)."""
+        if self._backend is None:
+            with self._backend_lock:
+                if self._backend is None:
+                    if self._init_args[0] is None:
+                        raise ValueError("structured outputs need a tokenizer; this engine has skip_tokenizer_init=True.")
+                    self._backend = make_backend(self.backend_name, *self._init_args)
+        return self._backend
+
+    def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        if self._compile_pool is None:
+            self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar-compile")
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar-mask")
+        return self._compile_pool, self._mask_pool  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        for pool in (self._compile_pool, self._mask_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- compilation --------------------------------------------------------------------------
+    def request(self, params: StructuredOutputsParams) -> Future:
+        """Validate now (ValueError naming what is wrong) and compile on the pool; cached by (kind, spec)."""
+        key = params.cache_key()
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            return fut
+        built = self.backend.build(*key)
+        compile_pool, _ = self._pools()
+        fut = compile_pool.submit(self._compile, key, built)
+        self._cache[key] = fut
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return fut
+
+    def _compile(self, key: tuple, built: Any) -> Any:
+        import time
+
+        t0 = time.perf_counter()
+        compiled = self.backend.compile(built)
+        self.compile_seconds[key] = time.perf_counter() - t0
+        logger.info("compiled a %s grammar in %.1f ms", key[0], 1e3 * self.compile_seconds[key])
+        return compiled
+
+    # -- per-sequence state -------------------------------------------------------------------
+    def sync(self, seq: Any, compiled: Any) -> SeqGrammar:
+        """The sequence's matcher, advanced over any output token it has not accepted yet."""
+        state: SeqGrammar | None = seq.extra.get("grammar")
+        out = seq.output_token_ids
+        if state is None or state.num_tokens > len(out):
+            state = SeqGrammar(self.backend.new_matcher(compiled))
+            seq.extra["grammar"] = state
+        be = self.backend
+        while state.num_tokens < len(out) and not state.failed:
+            if not be.accept(state.matcher, out[state.num_tokens]):
+                state.failed = True
+                logger.error("sequence %s: token %d is not allowed by its grammar", seq.seq_id, out[state.num_tokens])
+            state.num_tokens += 1
+        return state
+
+    def accept(self, seq: Any, compiled: Any) -> bool:
+        """After a token was appended: advance; → True when the sequence must stop (grammar finished or broken)."""
+        state = self.sync(seq, compiled)
+        return state.failed or self.backend.is_terminated(state.matcher)
+
+    def fork(self, parent: Any, child: Any) -> None:
+        state: SeqGrammar | None = parent.extra.get("grammar")
+        if state is not None:
+            child.extra["grammar"] = SeqGrammar(self.backend.fork(state.matcher), state.num_tokens, state.failed)
+
+    # -- the step's bitmask -------------------------------------------------------------------
+    def start_fill(self, seqs_and_grammars: list[tuple[Any, Any]], overlap: bool = True) -> Future:
+        """Fill one bitmask row per (sequence, compiled grammar) → Future[int32 tensor]: on the mask thread
+        (overlapping the device's forward pass) or, with ``overlap=False``, right here (already done)."""
+        if not overlap:
+            fut: Future = Future()
+            fut.set_result(self.fill(seqs_and_grammars))
+            return fut
+        _, mask_pool = self._pools()
+        return mask_pool.submit(self.fill, seqs_and_grammars)
+
+    def fill(self, seqs_and_grammars: list[tuple[Any, Any]]) -> torch.Tensor:
+        n = len(seqs_and_grammars)
+        words = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            self._bitmask = torch.empty((max(n, 64), words), dtype=torch.int32)
+        bitmask = self._bitmask[:n]
+        states = [self.sync(seq, compiled) for seq, compiled in seqs_and_grammars]
+        self.backend.fill_bitmask([s.matcher for s in states], bitmask)
+        for i, s in enumerate(states):
+            if s.failed:
+                bitmask[i].fill_(-1)  # the sequence stops at its next append; let it sample anything
+        return bitmask

@@ -1,0 +1,203 @@
+"""Structured outputs in the engine (bundled model, CPU): JSON schema / regex / choice / grammar constraints
+always hold, leave unconstrained neighbours untouched, survive n > 1, beam search and preemption."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for  # noqa: E402
+
+SO = StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(num_gpu_blocks_override=512, max_num_seqs=64, max_model_len=1024)
+
+
+def _schema_batch(samples_per_schema: int, seed0: int = 0):
+    prompts, params = [], []
+    for i, schema in enumerate(SCHEMAS):
+        for k in range(samples_per_schema):
+            prompts.append(f"Reply with JSON matching {json.dumps(schema)[:60]}\n")
+            params.append(SamplingParams(temperature=1.0, seed=seed0 + 100 * i + k, max_tokens=max_tokens_for(schema),
+                                         structured_outputs=SO(json=schema)))
+    return prompts, params
+
+
+def _assert_all_valid(outs, params):
+    for out, p in zip(outs, params):
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (c.finish_reason, c.text)
+            jsonschema.validate(json.loads(c.text), p.structured_outputs.json)
+
+
+def test_json_schemas_20_generations(llm):
+    """20 schemas x 1 seeded sample at temperature 1 (compiles all 20; the 200-generation run is below)."""
+    prompts, params = _schema_batch(1)
+    _assert_all_valid(llm.generate(prompts, params, use_tqdm=False), params)
+
+
+def test_json_schemas_200_generations(llm):
+    prompts, params = _schema_batch(10, seed0=7)
+    assert len(prompts) == 200
+    _assert_all_valid(llm.generate(prompts, params, use_tqdm=False), params)
+
+
+def test_regex_choice_grammar_always_match(llm):
+    regex = r"(\+33|0)[1-9]( \d\d){4}"
+    grammar = 'root ::= "(" expr ")"\nexpr ::= num ("+" num)*\nnum ::= [1-9] [0-9]?'
+    choices = ["red", "green", "light blue"]
+    params = ([SamplingParams(temperature=1.0, seed=i, max_tokens=30, structured_outputs=SO(regex=regex))
+               for i in range(8)]
+              + [SamplingParams(temperature=1.0, seed=i, max_tokens=10, structured_outputs=SO(choice=choices))
+                 for i in range(8)]
+              + [SamplingParams(temperature=0.8, seed=i, max_tokens=60, structured_outputs=SO(grammar=grammar))
+                 for i in range(4)])
+    outs = llm.generate(["A phone number or a colour:"] * len(params), params, use_tqdm=False)
+    for out in outs[:8]:
+        assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+    assert all(o.outputs[0].text in choices for o in outs[8:16])
+    for out in outs[16:]:
+        c = out.outputs[0]
+        assert c.finish_reason == "length" or re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", c.text), c.text
+
+
+def test_unconstrained_rows_unchanged_by_constrained_neighbours(llm):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    plain = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0.9, seed=5, max_tokens=16),
+             SamplingParams(temperature=0, max_tokens=16)]
+    alone = llm.generate(prompts, plain, use_tqdm=False)
+    mixed_prompts = [prompts[0], "JSON:", prompts[1], "Pick:", prompts[2]]
+    mixed_params = [plain[0], SamplingParams(temperature=1.0, max_tokens=60, structured_outputs=SO(json=SCHEMAS[0])),
+                    plain[1], SamplingParams(temperature=0, max_tokens=5, structured_outputs=SO(choice=["a", "b"])),
+                    plain[2]]
+    mixed = llm.generate(mixed_prompts, mixed_params, use_tqdm=False)
+    for a, m in zip(alone, [mixed[0], mixed[2], mixed[4]]):
+        assert a.outputs[0].token_ids == m.outputs[0].token_ids
+    assert mixed[3].outputs[0].text in ("a", "b")
+
+
+def test_n_best_of_and_beam_search_stay_valid(llm):
+    schema = SCHEMAS[2]
+    outs = llm.generate(["Colour JSON:"] * 2, [
+        SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=max_tokens_for(schema), structured_outputs=SO(json=schema)),
+        SamplingParams(n=2, best_of=3, temperature=1.0, seed=2, max_tokens=max_tokens_for(schema),
+                       structured_outputs=SO(json=schema))], use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [4, 2]
+    for o in outs:
+        for c in o.outputs:
+            jsonschema.validate(json.loads(c.text), schema)
+    beam = llm.generate(["Answer:"], SamplingParams(use_beam_search=True, best_of=3, n=3, temperature=0, max_tokens=12,
+                                                    structured_outputs=SO(regex=r"(yes|no), [0-9]{1,3}")),
+                        use_tqdm=False)[0]
+    assert len(beam.outputs) == 3
+    for c in beam.outputs:
+        assert re.fullmatch(r"(yes|no), [0-9]{1,3}", c.text), c.text
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_valid(mode):
+    small = LLM(num_gpu_blocks_override=12, max_model_len=256, preemption_mode=mode, swap_space=0.05)
+    schema = SCHEMAS[9]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens_for(schema), n=2 if i % 3 == 0 else 1,
+                             structured_outputs=SO(json=schema)) for i in range(8)]
+    outs = small.generate([f"Steps {i} as JSON:" for i in range(8)], params, use_tqdm=False)
+    st = small.stats()
+    assert st["num_preemptions"] > 0
+    _assert_all_valid(outs, params)
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_bad_inputs_are_clear_errors_and_the_engine_keeps_working(llm):
+    with pytest.raises(ValueError, match="exactly one of"):
+        SO(json={"type": "object"}, regex="a")
+    with pytest.raises(ValueError, match="exactly one of"):
+        SO()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SO(json="{nope")
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        SO(choice=[])
+    with pytest.raises(ValueError, match="unknown field"):
+        SamplingParams(structured_outputs={"jsn": {}})
+    for bad, needle in ((SO(regex="a(b"), "regex is invalid"), (SO(json={"type": "objectx"}), "json is invalid"),
+                        (SO(grammar="root ::= missing"), "grammar is invalid")):
+        with pytest.raises(ValueError, match=needle):
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=bad), use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, structured_outputs=SO(choice=["hi", "yo"])),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].text in ("hi", "yo")
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_grammar_that_cannot_finish_ends_with_length(llm):
+    out = llm.generate(["Digits:"], SamplingParams(temperature=0, max_tokens=8,
+                                                    structured_outputs=SO(regex=r"[0-9]{50}")), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 8 and c.text.isdigit()
+    # ignore_eos cannot push a finished grammar past its end.
+    out = llm.generate(["Pick:"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                  structured_outputs=SO(choice=["alpha", "beta"])), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text.rstrip("<|im_end|>") in ("alpha", "beta")
+
+
+def test_compiling_request_waits_without_stalling_others(llm):
+    """While a new grammar compiles (slowed down here), other requests keep decoding; the constrained one is
+    not scheduled, then runs once its grammar is ready."""
+    engine = llm.llm_engine
+    manager = engine.structured_output
+    real_compile = manager.backend.compile
+    release = threading.Event()
+
+    def slow_compile(built):
+        release.wait(30)
+        return real_compile(built)
+
+    manager.backend.compile = slow_compile
+    try:
+        engine.add_request("plain", "Tell me a story", SamplingParams(temperature=0, max_tokens=12))
+        engine.add_request("json", "JSON:", SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
+            json={"type": "object", "properties": {"waited": {"type": "boolean"}}, "required": ["waited"]})))
+        finished: dict[str, object] = {}
+        while "plain" not in finished:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        assert "json" not in finished and any(g.request_id == "json" for g in engine._awaiting_grammar)
+        release.set()
+        deadline = time.monotonic() + 60
+        while "json" not in finished and time.monotonic() < deadline:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        manager.backend.compile = real_compile
+        release.set()
+    assert json.loads(finished["json"].outputs[0].text) in ({"waited": True}, {"waited": False})
+
+
+def test_llguidance_backend():
+    pytest.importorskip("llguidance")
+    g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="guidance")
+    prompts, params = _schema_batch(1)
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    params = params[:4] + [SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs=SO(regex=r"[a-c]{3}-\d\d")),
+                           SamplingParams(temperature=0.8, seed=2, max_tokens=40, structured_outputs=SO(grammar=grammar))]
+    outs = g.generate(prompts[:4] + ["x", "Sum:"], params, use_tqdm=False)
+    _assert_all_valid(outs[:4], params[:4])
+    assert re.fullmatch(r"[a-c]{3}-\d\d", outs[4].outputs[0].text)
+    c = outs[5].outputs[0]
+    assert c.finish_reason == "length" or re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", c.text), c.text
+    with pytest.raises(ValueError, match="grammar is invalid"):
+        g.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=SO(grammar="root ::= missing")), use_tqdm=False)
