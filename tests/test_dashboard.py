@@ -235,7 +235,9 @@ def test_no_dashboard_flag_removes_the_routes():
     assert args.no_dashboard is True
     from pagedllm.entrypoints.openai.server import build_app
 
-    ctx = SimpleNamespace(engine=None)
+    from pagedllm.entrypoints.openai.limits import RequestLimits
+
+    ctx = SimpleNamespace(engine=None, limits=RequestLimits())
     paths = {r.path for r in build_app(ctx, metrics=None, dashboard=False).routes}
     assert "/v1/completions" in paths and not any(p.startswith("/dashboard") for p in paths)
     paths = {r.path for r in build_app(ctx, metrics=None).routes}

@@ -39,7 +39,8 @@ class ChatChunker:
 
     def chunk(self, index: int, role: str | None, content: str | None, logprobs: BaseModel | None = None,
               finish: str | None = None, stop_reason: int | str | None = None) -> str:
-        choice = {"index": index, "delta": {"role": role, "content": content}, "logprobs": _plain(logprobs),
+        choice = {"index": index, "delta": {"role": role, "content": content, "tool_calls": None},
+                  "logprobs": _plain(logprobs),
                   "finish_reason": finish, "stop_reason": stop_reason}
         return sse({**self._head, "choices": [choice], "usage": None})
 
