@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
+from tiny_models import save_tiny_llama
 from pagedllm.worker.cuda_graph import capture_batch_sizes, is_graphable
 from pagedllm.worker.model_input import SequenceChunk
 
@@ -44,20 +45,6 @@ def test_enforce_eager_reaches_the_model_config():
     assert EngineArgs().create_engine_config(2048).model_config.enforce_eager is False
 
 
-def _tiny_llama(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    hf = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    for p in hf.parameters():
-        p.data.normal_(0, 0.08)
-    hf.save_pretrained(tmp_path)
-    return str(tmp_path)
-
-
 def _generate(model_dir, prompts, params, **kw):
     from pagedllm import LLM
 
@@ -74,7 +61,7 @@ def test_graph_decode_equals_eager_with_padded_buckets(tmp_path):
     without graphs, and the graphs were actually replayed."""
     from pagedllm import SamplingParams
 
-    model_dir = _tiny_llama(tmp_path)
+    model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(3)
     prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(1, 60))] for _ in range(13)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 40), ignore_eos=True) for _ in prompts]
@@ -101,7 +88,7 @@ def test_swap_preemption_and_cow_forks_on_cuda_match_unconstrained_run(tmp_path)
     n=3 seeded sampling forks at a partial block (Triton copy_blocks). Tokens equal a roomy run's."""
     from pagedllm import SamplingParams
 
-    model_dir = _tiny_llama(tmp_path)
+    model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(20, 40))] for _ in range(8)]
     greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
@@ -122,7 +109,7 @@ def test_async_scheduling_on_cuda_equals_sync_and_launches_never_wait(tmp_path):
     step never synchronises with the device (torch's sync debug mode turns any such wait into an error)."""
     from pagedllm import LLM, SamplingParams
 
-    model_dir = _tiny_llama(tmp_path)
+    model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(9)
     prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(1, 70))] for _ in range(12)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 48), ignore_eos=True) for _ in range(6)]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
+from tiny_models import save_tiny_llama
 from pagedllm.worker.model_input import SequenceChunk
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.piecewise_graph import bucket_for, capture_token_counts, is_piecewise_graphable
@@ -79,20 +80,6 @@ def test_max_capture_tokens_reaches_the_model_config_and_is_checked():
         EngineArgs(max_capture_tokens=-1).create_engine_config(2048)
 
 
-def _tiny_llama(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
-    hf = LlamaForCausalLM(cfg).to(torch.float32).eval()
-    for p in hf.parameters():
-        p.data.normal_(0, 0.08)
-    hf.save_pretrained(tmp_path)
-    return str(tmp_path)
-
-
 def _run(model_dir, prompts, params, **kw):
     from pagedllm import LLM
 
@@ -111,7 +98,7 @@ def test_piecewise_mixed_steps_equal_eager_greedy(tmp_path):
     for mixed and prefill steps."""
     from pagedllm import SamplingParams
 
-    model_dir = _tiny_llama(tmp_path)
+    model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(4)
     prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(1, 300))] for _ in range(20)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 40), ignore_eos=True) for _ in prompts]
@@ -133,7 +120,7 @@ def test_warm_start_first_step_costs_a_steady_step(tmp_path):
     takes later (generous 3x bound, plus 5 ms of slack for timer noise)."""
     from pagedllm import LLM, SamplingParams
 
-    model_dir = _tiny_llama(tmp_path)
+    model_dir = save_tiny_llama(tmp_path)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
               block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256,
               async_scheduling=False)
@@ -155,7 +142,7 @@ def test_warm_up_steps_leave_greedy_outputs_unchanged(tmp_path):
     requests that later get block 0 produce the same greedy tokens as on a fresh engine."""
     from pagedllm import LLM, SamplingParams
 
-    model_dir = _tiny_llama(tmp_path)
+    model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(7)
     prompts = [{"prompt_token_ids": [rng.randrange(1, 1024) for _ in range(rng.randint(3, 40))]} for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -1,39 +1,26 @@
-"""`pagedllm bench throughput|serving|cpu-kernels` — the benchmarks/ scripts' logic, in the package."""
+"""`pagedllm bench <name>` — the benchmarks/ scripts' logic, in the package."""
 from __future__ import annotations
 
 import argparse
+import importlib
+
+#: (subcommand, module with `add_args(parser)` / `run(args)` and a docstring, one-line help).
+BENCHMARKS: tuple[tuple[str, str, str], ...] = (
+    ("throughput", "pagedllm.benchmarks.throughput", "Offline throughput on a fixed, seeded workload."),
+    ("serving", "pagedllm.benchmarks.serving", "Online serving latency/throughput against a running server."),
+    ("cpu-kernels", "pagedllm.benchmarks.cpu_kernels", "The CPU path's kernels against their torch peers."),
+    ("http-overhead", "pagedllm.benchmarks.http_overhead", "The same batch through LLM.generate and through HTTP."),
+    ("paper", "pagedllm.benchmarks.paper.cli", "The paper's Figures 2, 12 and 13, one command each."),
+)
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="Benchmarks (throughput, serving, cpu-kernels).", description="Run pagedllm's benchmarks.")
+    names = ", ".join(name for name, _, _ in BENCHMARKS)
+    p = sub.add_parser("bench", help=f"Benchmarks ({names}).", description="Run pagedllm's benchmarks.")
     bench_sub = p.add_subparsers(dest="bench_cmd", required=True)
-    from pagedllm.benchmarks import throughput
-
-    t = bench_sub.add_parser("throughput", help="Offline throughput on a fixed, seeded workload.",
-                             description=throughput.__doc__)
-    throughput.add_args(t)
-    t.set_defaults(func=lambda args: throughput.run(args))
-    from pagedllm.benchmarks import serving
-
-    sv = bench_sub.add_parser("serving", help="Online serving latency/throughput against a running server.",
-                              description=serving.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serving.add_args(sv)
-    sv.set_defaults(func=lambda args: serving.run(args))
-    from pagedllm.benchmarks import cpu_kernels
-
-    ck = bench_sub.add_parser("cpu-kernels", help="The CPU path's kernels against their torch peers.",
-                              description=cpu_kernels.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cpu_kernels.add_args(ck)
-    ck.set_defaults(func=lambda args: cpu_kernels.run(args))
-    from pagedllm.benchmarks import http_overhead
-
-    ho = bench_sub.add_parser("http-overhead", help="The same batch through LLM.generate and through HTTP.",
-                              description=http_overhead.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    http_overhead.add_args(ho)
-    ho.set_defaults(func=lambda args: http_overhead.run(args))
-    from pagedllm.benchmarks.paper import cli as paper_cli
-
-    pp = bench_sub.add_parser("paper", help="The paper's Figures 2, 12 and 13, one command each.",
-                              description=paper_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    paper_cli.add_args(pp)
-    pp.set_defaults(func=lambda args: paper_cli.run(args))
+    for name, module_name, help_text in BENCHMARKS:
+        module = importlib.import_module(module_name)
+        bp = bench_sub.add_parser(name, help=help_text, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_args(bp)
+        bp.set_defaults(func=module.run)

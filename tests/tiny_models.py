@@ -1,0 +1,19 @@
+"""Small random-weight HF models saved to a directory, for tests that need an architecture other than the bundled model."""
+from __future__ import annotations
+
+import torch
+
+
+def save_tiny_llama(path) -> str:
+    """A 3-layer GQA Llama (hidden 256, 8 q / 2 KV heads, vocab 1024), weights N(0, 0.08), saved to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    for p in hf.parameters():
+        p.data.normal_(0, 0.08)
+    hf.save_pretrained(path)
+    return str(path)
