@@ -115,8 +115,26 @@ def add_common_args(p) -> None:
     p.add_argument("--systems", nargs="+", default=None, choices=list(SYSTEMS))
     p.add_argument("--max-point-seconds", type=float, default=math.inf,
                    help="wall limit per trace point; a point that hits it counts as not sustained")
+    p.add_argument("--rates-for", nargs="+", default=[], metavar="SYSTEM=R1,R2",
+                   help="per-system rates (req/s), e.g. paged=4,6,8 orca-max=1,2; overrides --rates for that system")
+    p.add_argument("--point-slack-seconds", type=float, default=math.inf,
+                   help="a point also stops (not sustained) this long after its trace's last arrival")
+    p.add_argument("--give-up-early", action="store_true",
+                   help="stop a point once its normalized latency is sure to end over the sustained threshold "
+                        "(saves GPU time; the point then shows no latency, only 'not sustained')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True)
+
+
+def rates_for(args, system: str) -> list[float] | None:
+    """The rates `--rates-for` gives `system`, else `--rates` (None: the figure's defaults)."""
+    for item in getattr(args, "rates_for", None) or []:
+        name, _, vals = item.partition("=")
+        if name not in SYSTEMS or not vals:
+            raise ValueError(f"--rates-for takes SYSTEM=R1,R2 with SYSTEM in {list(SYSTEMS)}, got {item!r}")
+        if name == system:
+            return [float(v) for v in vals.split(",")]
+    return args.rates
 
 
 CONFIGS = {"opt-13b": OPT_13B, "llama-13b": LLAMA_13B, "tiny": TINY_LLAMA}
@@ -169,6 +187,24 @@ def make_engine(args, system: str, *, block_size: int | None = None, prefix_cach
     if batching != "iteration":
         kw["batching"] = batching
     return LLMEngine.from_engine_args(EngineArgs(**kw))
+
+
+def switch_system(engine, system: str) -> None:
+    """Turn an idle engine into `system`: a fresh KV manager of that kind over the same pool, and its batching.
+
+    The model, kernels, pool and scheduler loop stay; only memory management (and batching) change, which is
+    what §6.1 compares. Saves reloading the model per system (a 13B dummy load costs ~30 s of GPU time).
+    """
+    from pagedllm.core.scheduler import make_kv_cache_manager
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("switch_system needs an idle engine (requests are still running)")
+    manager, batching = SYSTEMS[system]
+    cc, sc = engine.config.cache_config, engine.config.scheduler_config
+    if manager != "paged" and cc.enable_prefix_caching:
+        raise ValueError(f"{system!r} cannot run with prefix caching on (contiguous reservations share nothing)")
+    cc.kv_cache_manager, sc.batching = manager, batching
+    engine.scheduler.block_manager = make_kv_cache_manager(sc, cc)
 
 
 def release(engine) -> None:

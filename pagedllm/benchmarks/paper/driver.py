@@ -93,8 +93,15 @@ def kv_breakdown(engine) -> dict[str, float] | None:
 
 
 def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceRequest], object],
-              max_wall_s: float = math.inf, record_breakdown: bool = True) -> TraceResult:
-    """Replay `trace` (sorted by arrival) open-loop on `engine`; returns per-request and per-step records."""
+              max_wall_s: float = math.inf, record_breakdown: bool = True,
+              give_up_above: float = math.inf) -> TraceResult:
+    """Replay `trace` (sorted by arrival) open-loop on `engine`; returns per-request and per-step records.
+
+    `give_up_above`: stop (not completed) once a lower bound of the trace's normalized latency exceeds it:
+    finished requests count exactly, unfinished ones as (now − arrival) ÷ true output length, which their
+    final value can only exceed, and requests not yet arrived as 0. The point is then past the sustained
+    threshold whatever happens next, so running it to the end would only spend time.
+    """
     trace = sorted(trace, key=lambda r: r.arrival)
     res = TraceResult({r.request_id: RequestRecord(r.arrival) for r in trace})
     pre0 = engine.stats()["num_preemptions"]
@@ -120,8 +127,12 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
                 rec.first_token = clock
             if o.finished:
                 rec.finish, rec.output_len = clock, n_out
-        if time.perf_counter() - t_start > max_wall_s:
-            logger.warning("stopping a trace at the %.0f s wall limit: %d of %d requests unfinished", max_wall_s,
+        over = math.isfinite(give_up_above) and len(res.steps) % 16 == 0 and \
+            _latency_lower_bound(res, trace[:i], clock) > give_up_above
+        if over or time.perf_counter() - t_start > max_wall_s:
+            logger.warning("stopping a trace %s: %d of %d requests unfinished",
+                           f"whose normalized latency is already > {give_up_above:.3g} s/token" if over else
+                           f"at the {max_wall_s:.0f} s wall limit",
                            sum(r.finish is None for r in res.requests.values()), n)
             engine.abort_request([r for r, rec in res.requests.items() if rec.finish is None])
             while engine.has_unfinished_requests():
@@ -131,3 +142,13 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
     res.wall_s = time.perf_counter() - t_start
     res.num_preemptions = engine.stats()["num_preemptions"] - pre0
     return res
+
+
+def _latency_lower_bound(res: TraceResult, arrived: list[TraceRequest], clock: float) -> float:
+    """A lower bound of the final normalized latency (see run_trace's `give_up_above`)."""
+    tot = 0.0
+    for r in arrived:
+        rec = res.requests[r.request_id]
+        end = rec.finish if rec.finish is not None else clock
+        tot += (end - rec.arrival) / max(1, rec.output_len if rec.finish is not None else r.output_len)
+    return tot / len(res.requests)

@@ -45,15 +45,16 @@ def run(args, fig: str = "fig12") -> dict:
     data["sustained_rule"] = (f"highest rate with normalized latency <= {common.SUSTAINED_FACTOR}x the trace's unloaded "
                               "latency (min over systems of the lowest-rate value)")
     traces = args.traces or ["sharegpt", "alpaca"]
+    engine = None  # one engine for every system: common.switch_system swaps the KV manager, not the model
     for system in args.systems or list(common.SYSTEMS):
-        engine = None
         for trace in traces:
-            rates = args.rates or RATES[(args.scale, trace)]
+            rates = common.rates_for(args, system) or RATES[(args.scale, trace)]
             prev = data["traces"].setdefault(trace, {}).get(system)
             if prev and (all(r in prev["rates"] for r in rates) or
                          prev.get("sustained_rate", 0) < max(prev["rates"])):
                 continue
             engine = engine or common.make_engine(args, system)
+            common.switch_system(engine, system)
             reqs = trace_requests(args, engine, trace)
             data["traces"][trace]["num_requests"] = len(reqs)
             cc = engine.config.cache_config
@@ -67,10 +68,14 @@ def run(args, fig: str = "fig12") -> dict:
                 common.write_json(path, data)
 
             res = sweep_system(engine, reqs, rates, seed=args.seed, done=prev, max_point_seconds=args.max_point_seconds,
-                               on_point=save, label=f"{trace}/{system}")
+                               on_point=save, label=f"{trace}/{system}",
+                               point_slack_seconds=getattr(args, "point_slack_seconds", float("inf")),
+                               reference=common.unloaded_latency(
+                                   {s: d for s, d in data["traces"][trace].items() if s in common.SYSTEMS}),
+                               give_up_early=getattr(args, "give_up_early", False))
             save(res)
-        if engine is not None:
-            common.release(engine)
+    if engine is not None:
+        common.release(engine)
     for trace in data["traces"].values():
         trace["unloaded_normalized_latency"] = common.apply_common_rule(
             {s: d for s, d in trace.items() if s in common.SYSTEMS})
