@@ -88,7 +88,9 @@ def test_fig2_tiny(tmp_path):
         parts = data["systems"][s]
         assert sum(parts[k] for k in ("token_states", "reservation", "internal_fragmentation",
                                       "external_fragmentation", "free")) == pytest.approx(1.0, abs=1e-6)
-        assert all(0.0 <= parts[k] <= 1.0 for k in parts if k not in ("mean_batched_requests", "num_steps"))
+        assert all(0.0 <= parts[k] <= 1.0 for k in ("token_states", "reservation", "internal_fragmentation",
+                                                     "external_fragmentation", "free"))
+        assert 0 < parts["num_averaged_steps"] <= parts["num_steps"]
     assert data["systems"]["paged"]["external_fragmentation"] == 0.0
     assert data["systems"]["paged"]["token_states"] > 2 * data["systems"]["orca-max"]["token_states"]
     assert (tmp_path / "fig2.png").stat().st_size > 0 and "Orca (Max)" in (tmp_path / "fig2.md").read_text()

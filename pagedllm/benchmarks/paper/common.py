@@ -36,6 +36,9 @@ TINY_LLAMA = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "
                   "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
                   "tie_word_embeddings": False}
 TABLE1_KV_BYTES = 12 * 10**9  # Table 1: OPT-13B on one A100-40GB leaves 12 GB for the KV cache
+# That budget in blocks of 16 tokens (K and V, 40 layers x 5120 fp16 values each per token): 915. With the
+# small scale's lengths x1/8 and block 2, a 915-block pool holds the same number of requests as the paper's.
+PAPER_POOL_BLOCKS = TABLE1_KV_BYTES // (2 * 40 * 5120 * 2 * 16)
 
 
 def sustained_rate(rates: list[float], normalized_latency: list[float], factor: float = SUSTAINED_FACTOR,

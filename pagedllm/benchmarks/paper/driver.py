@@ -94,17 +94,22 @@ def kv_breakdown(engine) -> dict[str, float] | None:
 
 def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceRequest], object],
               max_wall_s: float = math.inf, record_breakdown: bool = True,
-              give_up_above: float = math.inf) -> TraceResult:
+              give_up_above: float = math.inf, breakdown_at: str = "step_end") -> TraceResult:
     """Replay `trace` (sorted by arrival) open-loop on `engine`; returns per-request and per-step records.
 
     `give_up_above`: stop (not completed) once a lower bound of the trace's normalized latency exceeds it:
     finished requests count exactly, unfinished ones as (now − arrival) ÷ true output length, which their
     final value can only exceed, and requests not yet arrived as 0. The point is then past the sustained
     threshold whatever happens next, so running it to the end would only spend time.
+    `breakdown_at`: "step_end" reads the KV breakdown after each step (after finished requests freed their
+    memory, before the next step admits anyone); "schedule" reads it right after each scheduling decision,
+    with the tokens of the step being launched counted as computed: the memory that step computes with.
     """
     trace = sorted(trace, key=lambda r: r.arrival)
     res = TraceResult({r.request_id: RequestRecord(r.arrival) for r in trace})
     pre0 = engine.stats()["num_preemptions"]
+    at_schedule: list[tuple[int, dict[str, float] | None]] = []  # (num_waiting after the decision, breakdown)
+    restore = _sample_at_schedule(engine, at_schedule) if record_breakdown and breakdown_at == "schedule" else None
     clock, i, n = 0.0, 0, len(trace)
     t_start = time.perf_counter()
     while i < n or engine.has_unfinished_requests():
@@ -118,8 +123,13 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
         outs = engine.step()
         clock += time.perf_counter() - t0
         st = engine.stats()
-        res.steps.append(StepRecord(clock, st["num_running"], st["num_waiting"] + st.get("num_swapped", 0),
-                                    kv_breakdown(engine) if record_breakdown else None))
+        if restore is not None and at_schedule:
+            waiting, b = at_schedule.pop()
+            at_schedule.clear()
+            res.steps.append(StepRecord(clock, st["num_running"], waiting, b))
+        else:
+            res.steps.append(StepRecord(clock, st["num_running"], st["num_waiting"] + st.get("num_swapped", 0),
+                                        kv_breakdown(engine) if record_breakdown and restore is None else None))
         for o in outs:
             rec = res.requests[o.request_id]
             n_out = max((len(c.token_ids) for c in o.outputs), default=0)
@@ -139,6 +149,8 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
                 engine.step()
             res.completed = False
             break
+    if restore is not None:
+        restore()
     res.wall_s = time.perf_counter() - t_start
     res.num_preemptions = engine.stats()["num_preemptions"] - pre0
     return res
@@ -152,3 +164,24 @@ def _latency_lower_bound(res: TraceResult, arrived: list[TraceRequest], clock: f
         end = rec.finish if rec.finish is not None else clock
         tot += (end - rec.arrival) / max(1, rec.output_len if rec.finish is not None else r.output_len)
     return tot / len(res.requests)
+
+
+def _sample_at_schedule(engine, sink: list) -> Callable[[], None]:
+    """Wrap the engine's scheduler so every decision appends (requests still waiting, KV breakdown with the
+    launched step's tokens counted as computed) to `sink`; returns the function that unwraps it."""
+    sched = engine.scheduler
+    orig = sched.schedule
+
+    def schedule():
+        out = orig()
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        try:
+            sink.append((len(sched.waiting) + len(sched.swapped), kv_breakdown(engine)))
+        finally:
+            for item in out.scheduled:
+                item.seq.num_computed_tokens -= item.num_new_tokens
+        return out
+
+    sched.schedule = schedule
+    return lambda: delattr(sched, "schedule")

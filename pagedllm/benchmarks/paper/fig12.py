@@ -30,10 +30,10 @@ PAPER = {  # §6.2 / Fig. 12-13 (OPT-13B): sustained-rate ratios paged ÷ baseli
 }
 
 
-def trace_requests(args, engine, trace: str):
+def trace_requests(args, engine, trace: str, default_n: int | None = None):
     scale = common.SCALES[args.scale]
     spec = TRACES[trace].scaled(scale.length_scale)
-    n = args.num_requests or scale.num_requests
+    n = args.num_requests or default_n or scale.num_requests
     return make_trace(spec, n, float("inf"), common.vocab_of(engine), args.seed, scale.max_model_len)
 
 
