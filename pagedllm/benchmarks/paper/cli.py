@@ -19,12 +19,16 @@ import time
 
 from pagedllm.benchmarks.paper import common
 
-FIGURES = ["fig2", "fig12", "fig13"]  # Figs. 14-19 are not implemented yet (issue #15)
+FIGURES = ["fig2", "fig12", "fig13", "fig14", "fig15", "fig16", "fig17", "fig18", "fig19"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("figure", choices=FIGURES + ["all"])
     common.add_common_args(p)
+    p.add_argument("--widths", type=int, nargs="+", default=None,
+                   help="fig14/fig15: n of parallel sampling and beam widths (default 2 4 6)")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                   help="fig18/fig19: block sizes to sweep (default: small 1..32, paper 1..256)")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads on --device cpu (default 1: on a shared CPU, OpenMP barriers across busy "
                         "cores cost a scheduler quantum per op and swamp a small model's steps)")
@@ -46,3 +50,14 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("pagedllm.bench.paper").info("%s done in %.0f s → %s", fig, time.perf_counter() - t0,
                                                       args.output_dir)
     return 0
+
+
+def main() -> int:
+    """`python -m pagedllm.benchmarks.paper.cli <figure> ...`: the same without the server's imports (GPU boxes)."""
+    p = argparse.ArgumentParser(prog="pagedllm bench paper", description=__doc__.split("\n")[0])
+    add_args(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

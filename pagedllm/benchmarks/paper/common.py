@@ -25,6 +25,8 @@ STYLE = {"paged": ("tab:red", "o"), "orca-oracle": ("tab:blue", "s"), "orca-pow2
          "orca-max": ("tab:purple", "v"), "request-level": ("tab:gray", "x")}
 
 SUSTAINED_FACTOR = 2.0
+SUSTAINED_RULE = (f"highest rate with normalized latency <= {SUSTAINED_FACTOR:g}x the unloaded latency (min over "
+                  "the compared systems of their lowest-rate value)")
 OPT_13B = {"hidden_size": 5120, "num_hidden_layers": 40, "ffn_dim": 20480, "num_attention_heads": 40, "vocab_size": 50272,
                "max_position_embeddings": 2048, "word_embed_proj_dim": 5120, "do_layer_norm_before": True}
 LLAMA_13B = {"vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from pagedllm.benchmarks.paper import common
 from pagedllm.benchmarks.paper.sweep import sweep_system
@@ -53,7 +54,11 @@ def run(args, fig: str = "fig12") -> dict:
             if prev and (all(r in prev["rates"] for r in rates) or
                          prev.get("sustained_rate", 0) < max(prev["rates"])):
                 continue
-            engine = engine or common.make_engine(args, system)
+            if engine is None:
+                t0 = time.perf_counter()
+                engine = common.make_engine(args, system)
+                logger.info("engine ready in %.1f s (%d KV blocks)", time.perf_counter() - t0,
+                            engine.config.cache_config.num_gpu_blocks)
             common.switch_system(engine, system)
             reqs = trace_requests(args, engine, trace)
             data["traces"][trace]["num_requests"] = len(reqs)

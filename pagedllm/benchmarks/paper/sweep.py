@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 
 from tqdm import tqdm
@@ -35,7 +36,9 @@ def sweep_system(engine, requests: list[TraceRequest], rates: list[float], make_
     if any(r not in out["rates"] for r in rates):
         # warm-up (kernel compilation, CUDA-graph capture, allocator): otherwise the first, lowest rate pays it
         # and the unloaded latency that every sustained rate is measured against comes out too high
+        t0 = time.perf_counter()
         run_trace(engine, with_arrivals(requests[:4], float("inf"), seed), make_params, record_breakdown=False)
+        logger.info("%s warm-up (4 requests) in %.1f s", label, time.perf_counter() - t0)
     for rate in tqdm(sorted(rates), desc=label, leave=False):
         if rate in out["rates"]:
             continue
@@ -46,6 +49,8 @@ def sweep_system(engine, requests: list[TraceRequest], rates: list[float], make_
         refs = [x for x in ([reference] + out["normalized_latency"][:1]) if x is not None and math.isfinite(x)]
         give_up = common.SUSTAINED_FACTOR * min(refs) if refs and give_up_early else math.inf
         res = run_trace(engine, timed, make_params, max_wall_s=cap, record_breakdown=False, give_up_above=give_up)
+        logger.info("%s rate %.3g: %d steps, trace clock %.1f s, wall %.1f s", label, rate, len(res.steps),
+                    res.duration, res.wall_s)
         for k, v in (("rates", rate), ("normalized_latency", res.normalized_latency),
                      ("mean_batched_requests", res.mean_batched_requests),
                      ("throughput_tok_s", res.output_tokens_per_s()), ("num_preemptions", res.num_preemptions),
