@@ -125,7 +125,14 @@ def write_outputs(out_dir: str, data: dict) -> None:
                          ", ".join(f"{r:g}: {common.fmt(y)}" for r, y in zip(d["rates"], d["normalized_latency"])),
                          ", ".join(f"{b:.1f}" for b in d["mean_batched_requests"])])
         rat = ratios(per)
-        ax.set_title(f"{trace} ({per.get('num_requests', '?')} requests)")
+        top = ax.get_ylim()[1]
+        for s in common.SYSTEMS:  # points stopped over the threshold (no latency): hollow, at the top
+            bad = [r for r, y in zip(per.get(s, {}).get("rates", []), per.get(s, {}).get("normalized_latency", []))
+                   if common.finite(y) is None]
+            if bad:
+                color, marker = common.STYLE[s]
+                ax.scatter(bad, [top] * len(bad), marker=marker, facecolors="none", edgecolors=color, clip_on=False)
+        ax.set_title(f"{trace} ({per.get('num_requests', '?')} requests; hollow: stopped, not sustained)", fontsize=9)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("normalized latency (s/token)")
         ax.set_yscale("log")
