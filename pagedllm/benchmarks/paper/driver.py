@@ -145,8 +145,13 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
                            f"at the {max_wall_s:.0f} s wall limit",
                            sum(r.finish is None for r in res.requests.values()), n)
             engine.abort_request([r for r, rec in res.requests.items() if rec.finish is None])
-            while engine.has_unfinished_requests():
+            for _ in range(1000):  # an aborted engine drains in a step or two; say so if it does not
+                if not engine.has_unfinished_requests():
+                    break
                 engine.step()
+            else:
+                raise RuntimeError(f"the engine still has unfinished requests 1000 steps after aborting them all: "
+                                   f"{engine.stats()['num_running']} running, {engine.stats()['num_waiting']} waiting")
             res.completed = False
             break
     if restore is not None:
