@@ -4,10 +4,13 @@ Each request is added once its arrival time has passed; the engine is stepped; p
 arrival, first-token and finish times and the output length are recorded, and per step the number
 of batched (running) requests, the waiting queue and the KV memory breakdown.
 
-Clock: an event-driven clock, not a sleep. Time advances by each step's measured wall time; when
+Clock: an event-driven clock, not a sleep. Time advances by each step's measured duration; when
 the engine is idle the clock jumps to the next arrival instead of sleeping. Latencies are the same
 as a real-time open-loop client would see (the engine does nothing while idle), but an idle gap
-costs no benchmark time.
+costs no benchmark time. A step's duration is its wall time on a GPU, and on a CPU the CPU time of
+this process (`time.process_time`; the figures run one torch thread): on a shared machine, time the
+process spends descheduled while other jobs run is not the engine's, and would otherwise land on
+whichever system happened to run then (measured: a concurrent job made every latency ~2.5x larger).
 """
 from __future__ import annotations
 
@@ -111,6 +114,7 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
     at_schedule: list[tuple[int, dict[str, float] | None]] = []  # (num_waiting after the decision, breakdown)
     restore = _sample_at_schedule(engine, at_schedule) if record_breakdown and breakdown_at == "schedule" else None
     clock, i, n = 0.0, 0, len(trace)
+    step_timer = time.process_time if str(engine.executor.device) == "cpu" else time.perf_counter
     t_start = time.perf_counter()
     while i < n or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests() and trace[i].arrival > clock:
@@ -119,9 +123,9 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
             r = trace[i]
             engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, make_params(r))
             i += 1
-        t0 = time.perf_counter()
+        t0 = step_timer()
         outs = engine.step()
-        clock += time.perf_counter() - t0
+        clock += step_timer() - t0
         st = engine.stats()
         if restore is not None and at_schedule:
             waiting, b = at_schedule.pop()
