@@ -64,8 +64,9 @@ def write_outputs(out_dir: str, data: dict) -> None:
     rated.plot_panels(os.path.join(out_dir, "fig14.png"), panels,
                       f"Fig. 14: parallel sampling and beam search ({data['trace']}-like, {data['scale']} scale)",
                       common.STYLE, common.LABELS)
-    lines = [f"# fig14\n\n{data['trace']}-like trace, {data['num_requests']} requests per point, {data['scale']} "
-             f"scale. Sustained rate: {data['sustained_rule']}, per panel.\n\n",
+    head = (f"# fig14\n\n{data['trace']}-like trace, {data['num_requests']} requests per point, {data['scale']} "
+            f"scale. Sustained rate: {data['sustained_rule']}, per panel.\n\n")
+    lines = [head,
              common.md_table(["panel", "paged sustained (req/s)", "Orca (Oracle) sustained", "paged ÷ Oracle"],
                              [[n, common.fmt(p["systems"]["paged"]["sustained_rate"]),
                                common.fmt(p["systems"]["orca-oracle"]["sustained_rate"]), p["paged_over_oracle"] + "×"]

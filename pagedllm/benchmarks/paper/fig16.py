@@ -48,7 +48,7 @@ def run(args) -> dict:
                 "orca-oracle": rated.Config("orca-oracle", {"block_size": bs})}
         per = rated.sweep_configs(args, cfgs, reqs, args.rates or RATES[args.scale], f"fig16 {shots}-shot")
         data["panels"][f"{shots}-shot"] = {
-            "prefix_len": len(reqs[0].prompt_token_ids) - 0, "num_requests": len(reqs), "systems": per,
+            "prefix_len": max(1, round(SHOTS[shots] * scale)), "num_requests": len(reqs), "systems": per,
             "caching_over_oracle": rated.ratio(per, "prefix-caching", "orca-oracle"),
             "caching_over_paged": rated.ratio(per, "prefix-caching", "paged"), "paper_over_oracle": PAPER[shots]}
         common.write_json(os.path.join(args.output_dir, "fig16.json"), data)
@@ -62,8 +62,9 @@ def write_outputs(out_dir: str, data: dict) -> None:
     rated.plot_panels(os.path.join(out_dir, "fig16.png"), panels,
                       f"Fig. 16: shared prefix ({data['scale']} scale, lengths x{data['length_scale']:g}, block "
                       f"{data['block_size']})", styles, LABELS)
-    lines = [f"# fig16\n\nShared few-shot prefix, {data['scale']} scale (lengths x{data['length_scale']:g}, block "
-             f"{data['block_size']}). Sustained rate: {data['sustained_rule']}, per panel.\n\n",
+    head = (f"# fig16\n\nShared few-shot prefix, {data['scale']} scale (lengths x{data['length_scale']:g}, block "
+            f"{data['block_size']}). Sustained rate: {data['sustained_rule']}, per panel.\n\n")
+    lines = [head,
              common.md_table(["prefix", "caching on", "caching off", "Orca (Oracle)", "on ÷ Oracle", "on ÷ off",
                               "paper: vLLM ÷ Oracle"],
                              [[n, *(common.fmt(p["systems"][c]["sustained_rate"]) for c in LABELS),

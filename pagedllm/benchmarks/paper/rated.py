@@ -3,7 +3,6 @@ same requests at the same Poisson rates; each gets a sustained rate under the on
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +87,3 @@ def rate_rows(per: dict[str, dict], labels: dict[str, str] | None = None) -> lis
 
 RATE_HEADER = ["configuration", "sustained rate (req/s)", "normalized latency (s/token) by rate",
                "mean batched requests by rate"]
-
-
-def finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
