@@ -33,7 +33,7 @@ def add_bench_parser(sub) -> None:
     ho.set_defaults(func=lambda args: http_overhead.run(args))
     from pagedllm.benchmarks.paper import cli as paper_cli
 
-    pp = bench_sub.add_parser("paper", help="The paper's Figures 2, 12 and 13, one command each.",
+    pp = bench_sub.add_parser("paper", help="The paper's Figures 2 and 12-19, one command each.",
                               description=paper_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     paper_cli.add_args(pp)
     pp.set_defaults(func=lambda args: paper_cli.run(args))
