@@ -90,8 +90,11 @@ def kernel_points(args) -> list[dict]:
 
     from pagedllm.benchmarks import kernels
 
-    kargs = SimpleNamespace(num_heads=40, num_kv_heads=40, head_dim=128, block_size=16)
-    return [kernels.bench_point(b, c, kargs, torch.float16, False) for b in BATCHES for c in CONTEXTS]
+    kargs = SimpleNamespace(num_heads=40, num_kv_heads=40, head_dim=128, block_size=16)  # OPT-13B's attention
+    rows = [kernels.bench_point(b, c, kargs, torch.float16, False) for b in BATCHES for c in CONTEXTS]
+    for r in rows:  # the Triton paged kernel vs the best contiguous SDPA backend (benchmarks/kernels.py)
+        r.update(contiguous_ms=r["best_contig_ms"], paged_over_contiguous=r["ratio"])
+    return rows
 
 
 def run(args) -> dict:
