@@ -114,7 +114,7 @@ def run_trace(engine, trace: list[TraceRequest], make_params: Callable[[TraceReq
     at_schedule: list[tuple[int, dict[str, float] | None]] = []  # (num_waiting after the decision, breakdown)
     restore = _sample_at_schedule(engine, at_schedule) if record_breakdown and breakdown_at == "schedule" else None
     clock, i, n = 0.0, 0, len(trace)
-    step_timer = time.process_time if str(engine.executor.device) == "cpu" else time.perf_counter
+    step_timer = time.process_time if str(getattr(engine.executor, "device", "")) == "cpu" else time.perf_counter
     t_start = time.perf_counter()
     while i < n or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests() and trace[i].arrival > clock:
