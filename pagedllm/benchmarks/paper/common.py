@@ -25,6 +25,8 @@ STYLE = {"paged": ("tab:red", "o"), "orca-oracle": ("tab:blue", "s"), "orca-pow2
          "orca-max": ("tab:purple", "v"), "request-level": ("tab:gray", "x")}
 
 SUSTAINED_FACTOR = 2.0
+SUSTAINED_RULE = (f"highest rate with normalized latency <= {SUSTAINED_FACTOR:g}x the unloaded latency (min over "
+                  "the compared systems of their lowest-rate value)")
 OPT_13B = {"hidden_size": 5120, "num_hidden_layers": 40, "ffn_dim": 20480, "num_attention_heads": 40, "vocab_size": 50272,
                "max_position_embeddings": 2048, "word_embed_proj_dim": 5120, "do_layer_norm_before": True}
 LLAMA_13B = {"vocab_size": 32000, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
@@ -36,6 +38,9 @@ TINY_LLAMA = {"vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128, "
                   "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
                   "tie_word_embeddings": False}
 TABLE1_KV_BYTES = 12 * 10**9  # Table 1: OPT-13B on one A100-40GB leaves 12 GB for the KV cache
+# That budget in blocks of 16 tokens (K and V, 40 layers x 5120 fp16 values each per token): 915. With the
+# small scale's lengths x1/8 and block 2, a 915-block pool holds the same number of requests as the paper's.
+PAPER_POOL_BLOCKS = TABLE1_KV_BYTES // (2 * 40 * 5120 * 2 * 16)
 
 
 def sustained_rate(rates: list[float], normalized_latency: list[float], factor: float = SUSTAINED_FACTOR,
@@ -115,8 +120,26 @@ def add_common_args(p) -> None:
     p.add_argument("--systems", nargs="+", default=None, choices=list(SYSTEMS))
     p.add_argument("--max-point-seconds", type=float, default=math.inf,
                    help="wall limit per trace point; a point that hits it counts as not sustained")
+    p.add_argument("--rates-for", nargs="+", default=[], metavar="SYSTEM=R1,R2",
+                   help="per-system rates (req/s), e.g. paged=4,6,8 orca-max=1,2; overrides --rates for that system")
+    p.add_argument("--point-slack-seconds", type=float, default=math.inf,
+                   help="a point also stops (not sustained) this long after its trace's last arrival")
+    p.add_argument("--give-up-early", action="store_true",
+                   help="stop a point once its normalized latency is sure to end over the sustained threshold "
+                        "(saves GPU time; the point then shows no latency, only 'not sustained')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", required=True)
+
+
+def rates_for(args, system: str) -> list[float] | None:
+    """The rates `--rates-for` gives `system`, else `--rates` (None: the figure's defaults)."""
+    for item in getattr(args, "rates_for", None) or []:
+        name, _, vals = item.partition("=")
+        if name not in SYSTEMS or not vals:
+            raise ValueError(f"--rates-for takes SYSTEM=R1,R2 with SYSTEM in {list(SYSTEMS)}, got {item!r}")
+        if name == system:
+            return [float(v) for v in vals.split(",")]
+    return args.rates
 
 
 CONFIGS = {"opt-13b": OPT_13B, "llama-13b": LLAMA_13B, "tiny": TINY_LLAMA}
@@ -169,6 +192,24 @@ def make_engine(args, system: str, *, block_size: int | None = None, prefix_cach
     if batching != "iteration":
         kw["batching"] = batching
     return LLMEngine.from_engine_args(EngineArgs(**kw))
+
+
+def switch_system(engine, system: str) -> None:
+    """Turn an idle engine into `system`: a fresh KV manager of that kind over the same pool, and its batching.
+
+    The model, kernels, pool and scheduler loop stay; only memory management (and batching) change, which is
+    what §6.1 compares. Saves reloading the model per system (a 13B dummy load costs ~30 s of GPU time).
+    """
+    from pagedllm.core.scheduler import make_kv_cache_manager
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("switch_system needs an idle engine (requests are still running)")
+    manager, batching = SYSTEMS[system]
+    cc, sc = engine.config.cache_config, engine.config.scheduler_config
+    if manager != "paged" and cc.enable_prefix_caching:
+        raise ValueError(f"{system!r} cannot run with prefix caching on (contiguous reservations share nothing)")
+    cc.kv_cache_manager, sc.batching = manager, batching
+    engine.scheduler.block_manager = make_kv_cache_manager(sc, cc)
 
 
 def release(engine) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from pagedllm.benchmarks.paper import common
 from pagedllm.benchmarks.paper.sweep import sweep_system
@@ -30,10 +31,10 @@ PAPER = {  # §6.2 / Fig. 12-13 (OPT-13B): sustained-rate ratios paged ÷ baseli
 }
 
 
-def trace_requests(args, engine, trace: str):
+def trace_requests(args, engine, trace: str, default_n: int | None = None):
     scale = common.SCALES[args.scale]
     spec = TRACES[trace].scaled(scale.length_scale)
-    n = args.num_requests or scale.num_requests
+    n = args.num_requests or default_n or scale.num_requests
     return make_trace(spec, n, float("inf"), common.vocab_of(engine), args.seed, scale.max_model_len)
 
 
@@ -45,15 +46,20 @@ def run(args, fig: str = "fig12") -> dict:
     data["sustained_rule"] = (f"highest rate with normalized latency <= {common.SUSTAINED_FACTOR}x the trace's unloaded "
                               "latency (min over systems of the lowest-rate value)")
     traces = args.traces or ["sharegpt", "alpaca"]
+    engine = None  # one engine for every system: common.switch_system swaps the KV manager, not the model
     for system in args.systems or list(common.SYSTEMS):
-        engine = None
         for trace in traces:
-            rates = args.rates or RATES[(args.scale, trace)]
+            rates = common.rates_for(args, system) or RATES[(args.scale, trace)]
             prev = data["traces"].setdefault(trace, {}).get(system)
             if prev and (all(r in prev["rates"] for r in rates) or
                          prev.get("sustained_rate", 0) < max(prev["rates"])):
                 continue
-            engine = engine or common.make_engine(args, system)
+            if engine is None:
+                t0 = time.perf_counter()
+                engine = common.make_engine(args, system)
+                logger.info("engine ready in %.1f s (%d KV blocks)", time.perf_counter() - t0,
+                            engine.config.cache_config.num_gpu_blocks)
+            common.switch_system(engine, system)
             reqs = trace_requests(args, engine, trace)
             data["traces"][trace]["num_requests"] = len(reqs)
             cc = engine.config.cache_config
@@ -67,10 +73,14 @@ def run(args, fig: str = "fig12") -> dict:
                 common.write_json(path, data)
 
             res = sweep_system(engine, reqs, rates, seed=args.seed, done=prev, max_point_seconds=args.max_point_seconds,
-                               on_point=save, label=f"{trace}/{system}")
+                               on_point=save, label=f"{trace}/{system}",
+                               point_slack_seconds=getattr(args, "point_slack_seconds", float("inf")),
+                               reference=common.unloaded_latency(
+                                   {s: d for s, d in data["traces"][trace].items() if s in common.SYSTEMS}),
+                               give_up_early=getattr(args, "give_up_early", False))
             save(res)
-        if engine is not None:
-            common.release(engine)
+    if engine is not None:
+        common.release(engine)
     for trace in data["traces"].values():
         trace["unloaded_normalized_latency"] = common.apply_common_rule(
             {s: d for s, d in trace.items() if s in common.SYSTEMS})
@@ -115,7 +125,14 @@ def write_outputs(out_dir: str, data: dict) -> None:
                          ", ".join(f"{r:g}: {common.fmt(y)}" for r, y in zip(d["rates"], d["normalized_latency"])),
                          ", ".join(f"{b:.1f}" for b in d["mean_batched_requests"])])
         rat = ratios(per)
-        ax.set_title(f"{trace} ({per.get('num_requests', '?')} requests)")
+        top = ax.get_ylim()[1]
+        for s in common.SYSTEMS:  # points stopped over the threshold (no latency): hollow, at the top
+            bad = [r for r, y in zip(per.get(s, {}).get("rates", []), per.get(s, {}).get("normalized_latency", []))
+                   if common.finite(y) is None]
+            if bad:
+                color, marker = common.STYLE[s]
+                ax.scatter(bad, [top] * len(bad), marker=marker, facecolors="none", edgecolors=color, clip_on=False)
+        ax.set_title(f"{trace} ({per.get('num_requests', '?')} requests; hollow: stopped, not sustained)", fontsize=9)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("normalized latency (s/token)")
         ax.set_yscale("log")

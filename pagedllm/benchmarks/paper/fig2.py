@@ -1,8 +1,16 @@
 """Fig. 2: where the KV pool's memory goes — token states, reservation, internal and external fragmentation.
 
 Paged and the three Orca managers serve the same ShareGPT-like requests, all arriving at once, so memory
-binds; the breakdown (core/kv_accounting.py) is read after every step and time-averaged over the steps in
-which a request waits for memory. Paper (Fig. 2, OPT-13B): paged 96.3 % token states, Orca 20.4-38.2 %.
+binds. The breakdown (core/kv_accounting.py) is read right after every scheduling decision, with the tokens
+of the step being launched counted as computed (the memory that step computes with), and time-averaged
+over the steps after whose decision a request still waits: the scheduler could not admit it, the pool is
+as full as the system can make it. Same rule for every system.
+
+Pool: at small scale 915 blocks of 2 (PAPER_POOL_BLOCKS: the paper's 12 GB of OPT-13B KV is 915 blocks
+of 16, and lengths are x1/8), so the pool holds as many requests as the paper's; at paper scale 12 GB.
+Why not the fig12 small pool (256 blocks): there the head-of-line request's prompt is ~9 % of the pool, and
+the gap it leaves while it cannot be admitted sat in "free" (measured: 7.2 % free at step end, 4.8 % at
+the decision). Paper (Fig. 2, OPT-13B): paged 96.3 % token states, Orca 20.4-38.2 %.
 """
 from __future__ import annotations
 
@@ -17,24 +25,30 @@ from pagedllm.benchmarks.paper.workloads import with_arrivals
 
 logger = logging.getLogger("pagedllm.bench.paper")
 FIG2_SYSTEMS = ["paged", "orca-oracle", "orca-pow2", "orca-max"]
+FIG2_REQUESTS = {"small": 300}  # a 915-block pool holds ~31 of them: ~10 waves, a long full-pool average
 PAPER = {"paged": 0.963, "orca-oracle": 0.382, "orca-pow2": 0.265, "orca-max": 0.204}  # token-state shares
 
 
 def run(args) -> dict:
     trace = (args.traces or ["sharegpt"])[0]
-    data: dict = {"scale": args.scale, "trace": trace, "averaged_over": "steps with a waiting request",
+    data: dict = {"scale": args.scale, "trace": trace, "averaged_over": "steps after whose scheduling decision a request still waits "
+                  "(read at the decision, the launched step's tokens counted as computed)",
                   "paper_token_states": PAPER, "systems": {}}
     for system in [s for s in (args.systems or FIG2_SYSTEMS) if s in FIG2_SYSTEMS]:
-        engine = common.make_engine(args, system)
-        reqs = with_arrivals(trace_requests(args, engine, trace), float("inf"), args.seed)
-        res = run_trace(engine, reqs, greedy_params, max_wall_s=args.max_point_seconds)
+        blocks = None if args.num_blocks or args.scale == "paper" else common.PAPER_POOL_BLOCKS
+        engine = common.make_engine(args, system, num_blocks=blocks)
+        data["num_gpu_blocks"] = engine.config.cache_config.num_gpu_blocks
+        reqs = with_arrivals(trace_requests(args, engine, trace, FIG2_REQUESTS.get(args.scale)), float("inf"),
+                             args.seed)
+        res = run_trace(engine, reqs, greedy_params, max_wall_s=args.max_point_seconds, breakdown_at="schedule")
         common.release(engine)
         b = res.mean_breakdown()
         if not b:  # no request ever waited: memory did not bind, so average over every step
             b = res.mean_breakdown(only_when_waiting=False)
             data.setdefault("averaged_over_all_steps", []).append(system)
         data["systems"][system] = {k: b.get(k, 0.0) for k in BREAKDOWN_KEYS} | {
-            "mean_batched_requests": res.mean_batched_requests, "num_steps": len(res.steps)}
+            "mean_batched_requests": res.mean_batched_requests, "num_steps": len(res.steps),
+            "num_averaged_steps": sum(1 for st in res.steps if st.num_waiting), "num_requests": len(reqs)}
         logger.info("fig2 %s: token states %.1f %%, %.1f batched requests", system, 100 * b.get("token_states", 0),
                     res.mean_batched_requests)
     common.write_json(os.path.join(args.output_dir, "fig2.json"), data)
@@ -63,7 +77,7 @@ def write_outputs(out_dir: str, data: dict) -> None:
     rows = [[common.LABELS[s]] + [f"{100 * data['systems'][s][k]:.1f}" for k in BREAKDOWN_KEYS] +
             [f"{100 * PAPER[s]:.1f}"] for s in names]
     text = (f"# fig2\n\nKV pool use (%), time-averaged over the {data['averaged_over']}, {data['trace']}-like "
-            f"trace, {data['scale']} scale.\n\n" +
+            f"trace, {data['scale']} scale, {data.get('num_gpu_blocks')}-block pool.\n\n" +
             common.md_table(["system", *BREAKDOWN_KEYS, "paper: token states"], rows))
     with open(os.path.join(out_dir, "fig2.md"), "w") as f:
         f.write(text)
