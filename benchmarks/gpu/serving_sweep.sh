@@ -27,6 +27,9 @@ one() { timeout 60 python3 -m pagedllm.entrypoints.cli bench serving --port 8300
   --output-len 32 --range-ratio 0 --seed 1 2>&1 | grep -E "Mean TTFT|Failed" | sed "s/^/$1 request: /" | tee -a $OUT/sweep.log; }
 one fresh  # the first request a fresh server sees
 for spec in ${RATES:-14:200 18:360 22:360}; do rate=${spec%%:*}; n=${spec##*:}
+  # PROFILE_RATE=<rate>: py-spy (a wheel in .whl/) samples the server's threads for PROFILE_S seconds of that rate.
+  if [ "$rate" = "${PROFILE_RATE:-}" ] && [ -x /tmp/site/bin/py-spy ]; then (sleep 4; /tmp/site/bin/py-spy record -p $SERVER \
+    -d ${PROFILE_S:-12} -r 250 --threads --nonblocking -f raw -o $OUT/pyspy_rate_$rate.txt > $OUT/pyspy.log 2>&1) & fi
   timeout ${TR:-90} python3 -m pagedllm.entrypoints.cli bench serving --port 8300 --num-prompts $n --request-rate $rate \
     --input-len 160 --output-len 340 --range-ratio 0.9 --seed 0 --result-json $OUT/rate_$rate.json > /tmp/rate_$rate.log 2>&1
   echo "== rate $rate ($n prompts) rc=$?"; grep -v "it/s\]\|s/it\]" /tmp/rate_$rate.log | tail -27 | tee -a $OUT/sweep.log

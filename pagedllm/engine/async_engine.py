@@ -7,8 +7,10 @@ it is checked on the caller's side (`LLMEngine.check_request` reads only the con
 queued, so requests that arrive during a step all join the next one. When the engine is idle, the
 first request waits up to `admission_window_s` for others arriving right behind it (a burst of HTTP
 requests then starts in one step, as an `LLM.generate` batch does). All the outputs of a step go back
-to the asyncio loop in ONE `loop.call_soon_threadsafe`; a stats snapshot is published after every step
-for /metrics, so nothing outside the engine thread ever touches the engine.
+to the asyncio loop in ONE `loop.call_soon_threadsafe`; a stats snapshot for /metrics is published after
+a step that finished a request, when the engine goes idle, and otherwise at most every
+`stats_interval_s` (building it walks every block table: ~15 % of the step thread's CPU at 18 req/s on
+an H100 when it ran after every step), so nothing outside the engine thread ever touches the engine.
 """
 from __future__ import annotations
 
@@ -155,6 +157,8 @@ class AsyncLLMEngine:
         self.num_steps = 0
         self.num_step_faults = 0
         self.health_check_interval_s = 5.0  # while idle, how often the workers are checked
+        self.stats_interval_s = 0.05  # while busy, the most a /metrics snapshot lags the engine
+        self._stats_time = 0.0
         self._publish_stats()
 
     @classmethod
@@ -382,7 +386,10 @@ class AsyncLLMEngine:
         self.num_steps += 1
         if self.observer is not None:
             self.observer.on_outputs(outputs, time.monotonic())
-        self._publish_stats()  # before delivery: a consumer that sees an output sees the stats after it
+        # Before delivery: a consumer that sees a request finish sees the stats after it.
+        if (time.monotonic() - self._stats_time >= self.stats_interval_s or not self.engine.has_unfinished_requests()
+                or any(o.finished for o in outputs)):
+            self._publish_stats()
         if outputs:
             self._post(self._deliver, _Delivery(outputs=outputs))
 
@@ -450,3 +457,4 @@ class AsyncLLMEngine:
         stats["num_step_faults"] = self.num_step_faults
         stats["healthy"] = self._dead_reason is None
         self._stats = stats  # one reference swap: readers see a whole snapshot
+        self._stats_time = time.monotonic()

@@ -30,6 +30,9 @@ def add_serve_parser(sub) -> None:
     _add_limit_args(p)
     p.add_argument("--no-dashboard", action="store_true",
                    help="Turn off the live KV-cache dashboard (/dashboard, /dashboard/snapshot, /dashboard/events).")
+    p.add_argument("--no-warm-up-request", action="store_true",
+                   help="Skip the one short streamed request sent through the app before the server binds "
+                        "(it warms what the first client request would otherwise pay for).")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 
@@ -104,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=cc.block_size, num_gpu_blocks=cc.num_gpu_blocks,
     )
     app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
-                    dashboard=not args.no_dashboard)
+                    dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], core.model_dir, core.executor.device, core.executor.dtype, cc.num_gpu_blocks, cc.block_size,

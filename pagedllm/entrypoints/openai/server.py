@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.dashboard import register_dashboard
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.warm_up import warm_up_request
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -84,7 +85,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
-              protect_metrics: bool = False, dashboard: bool = True) -> FastAPI:
+              protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True) -> FastAPI:
+    """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py)."""
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     board = None  # the live KV-cache dashboard (set below unless turned off)
@@ -93,6 +95,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     async def lifespan(app: FastAPI):
         ctx.engine.start()
         logger.info("engine loop started")
+        if warm_up:
+            await warm_up_request(app, ctx.served_model_names[0], api_key)
         if board is not None:
             board.start()
         try:

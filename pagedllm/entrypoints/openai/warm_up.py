@@ -1,0 +1,66 @@
+"""Warm the serving path before the server accepts connections.
+
+The engine's warm start (graphs, Triton variants, one step of each kind, the sampler) runs on the main
+thread inside `LLM`/`AsyncLLMEngine` construction. A fresh server's first request still paid for what that
+does not cover: the first step on the engine thread, the event loop's first tokenize / detokenize, FastAPI's
+first validation and routing, the first streaming response. `warm_up_request` sends one short streamed
+completion through the ASGI app itself (every middleware, the route, the engine, SSE) during lifespan
+startup, i.e. before uvicorn binds its socket, so no client request and no `/health` probe ever sees it.
+The prompt is shorter than one KV block, so nothing of it stays in the prefix cache.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger("pagedllm.server")
+
+WARM_UP_PROMPT = "Hello"
+
+
+async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_tokens: int = 2) -> float:
+    """Run one streamed /v1/completions request through `app` in-process; return its seconds.
+
+    Raises RuntimeError when the request does not end in a 200 with a `[DONE]` event (the server would
+    not serve requests either, so it must not report ready)."""
+    body = json.dumps({"model": model, "prompt": WARM_UP_PROMPT, "max_tokens": max_tokens,
+                       "stream": True, "ignore_eos": True, "temperature": 0.0}).encode()
+    headers = [(b"host", b"warm-up"), (b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    if api_key:
+        headers.append((b"authorization", b"Bearer " + api_key.encode("utf-8")))
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "root_path": "", "query_string": b"", "headers": headers, "client": ("127.0.0.1", 0),
+             "server": ("127.0.0.1", 0), "state": {}}
+    sent = False
+    status: list[int] = []
+    chunks: list[bytes] = []
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        # The request is over once the response is complete; until then the disconnect watcher waits here.
+        await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            status.append(message["status"])
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    t0 = time.perf_counter()
+    await app(scope, receive, send)
+    seconds = time.perf_counter() - t0
+    text = b"".join(chunks)
+    if status != [200] or b"[DONE]" not in text:
+        raise RuntimeError(f"the warm-up request failed (status {status}): {text[:300]!r}")
+    logger.info("warm-up request through the serving path: %.1f ms", seconds * 1e3)
+    return seconds
+
