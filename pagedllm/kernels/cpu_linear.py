@@ -8,6 +8,13 @@ model's float32 GEMMs at 2-3.7x the rate of ``F.linear`` (BENCHMARKS.md, "CPU GE
 stays float32 (bfloat16 for bfloat16 weights); only the summation order differs from ``F.linear``.
 
 ``PAGEDLLM_CPU_GEMM=torch`` turns packing off (every linear then runs ``F.linear``), for comparison.
+
+Row buckets: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it in its
+primitive cache (1 024 entries by default), about 0.6 MiB each whatever the shape. A server's steps
+have every row count from 1 to the batched-token limit, so exact shapes fill that cache with up to
+~620 MiB of native memory over hours of serving and then churn it (BENCHMARKS.md, soak). Row counts
+above `EXACT_ROWS` are padded up to one of 8 sizes per octave (at most 1/8 more rows, zeros, sliced
+off), so a model sees at most 16 + 8·log2(max_rows/16) shapes per weight.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import torch
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 GEMM_ENV = "PAGEDLLM_CPU_GEMM"
 GEMM_CHOICES = ("onednn", "torch")
+EXACT_ROWS = 16  # decode-sized GEMMs keep their exact shape (no wasted rows where steps are shortest)
+BUCKETS_PER_OCTAVE = 8
 
 
 def cpu_gemm_backend() -> str:
@@ -47,6 +56,27 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def gemm_rows_bucket(rows: int) -> int:
+    """The row count a GEMM of `rows` rows runs at: `rows` up to EXACT_ROWS, then the next of
+    BUCKETS_PER_OCTAVE evenly spaced sizes per power of two (at most rows/8 of padding)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = (1 << (rows.bit_length() - 1)) // BUCKETS_PER_OCTAVE  # the octave [2^k, 2^k+1) in 8 steps
+    return -(-rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x Wᵀ + b with W from `pack_linear_weight`; x is [..., in] in W's dtype."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """y = x Wᵀ + b with W from `pack_linear_weight`; x is [..., in] in W's dtype.
+
+    Rows are padded to `gemm_rows_bucket` (the padding's outputs are dropped) so that oneDNN
+    compiles and caches a bounded set of shapes."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    padded = gemm_rows_bucket(rows)
+    if padded != rows:
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - rows))
+    y = torch.ops.mkldnn._linear_pointwise(x2, packed_weight, bias, "none", [], "")
+    if padded != rows:
+        y = y[:rows]
+    return y.reshape(*lead, y.shape[-1])

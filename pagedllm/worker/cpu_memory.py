@@ -20,6 +20,36 @@ MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value on 64-bit
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def glibc_mallinfo_available() -> bool:
+    """Whether this C library has glibc's mallinfo2 (glibc >= 2.33)."""
+    libc = _libc()
+    return libc is not None and hasattr(libc, "mallinfo2")
+
+
+def malloc_in_use_bytes() -> int:
+    """Bytes the C allocator has handed out and not got back, over all arenas (glibc mallinfo2):
+    native memory in use, without the freed memory the thresholds above keep for reuse."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        raise RuntimeError("malloc_in_use_bytes needs glibc's mallinfo2 (glibc >= 2.33)")
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
 def keep_freed_memory_for_reuse() -> bool:
     """Set glibc's malloc thresholds (process-wide); False where the C library is not glibc."""
     name = ctypes.util.find_library("c")
