@@ -107,6 +107,7 @@ def main() -> int:
             output_problems=len(total.problems), blocks_leaked=max(leaked_per_round), running_after=m["vllm:num_requests_running"],
             preemptions=m["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"],
             server_rss_mib=rss_mb, rss_growth_mib=rss_growth,
+            rss_growth_per_round_mib=[round(b - a, 1) for a, b in zip(rss_mb[1:], rss_mb[2:])],
             wall_s=round(wall, 1), p50_s=round(total.p(0.5), 2), p99_s=round(total.p(0.99), 2),
         )
         for prob in total.problems[:20]:
