@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 logger = logging.getLogger("pagedllm")
 
@@ -67,3 +68,26 @@ def keep_freed_memory_for_reuse() -> bool:
         logger.info("malloc: mmap threshold %d MiB, trim threshold %d MiB (freed activations are reused)",
                     MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20)
     return ok
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_free_memory() -> float | None:
+    """Give the C allocator's free pages back to the OS (glibc malloc_trim(0), every arena).
+
+    The thresholds above keep freed activations resident while steps run; once the engine is idle
+    that memory (tens of MiB after a burst of varied batch shapes, more in a fragmented heap) is
+    only RSS. Returns the MiB of RSS released, None where the C library is not glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    before = _rss_bytes()
+    libc.malloc_trim(0)
+    return max(before - _rss_bytes(), 0) / 2**20
