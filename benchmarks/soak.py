@@ -48,6 +48,12 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def _idle_rss_mib(server: RemoteServer) -> float:
+    """RSS once the engine has been idle past its release of freed memory (`idle_release_s`, 1 s)."""
+    time.sleep(2.0)
+    return _rss_mib(server.proc.pid)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=1000)
@@ -79,7 +85,7 @@ def main() -> int:
             log.error("  %s", f)
         m = server.wait_idle(120)
         fuzz_leaked = int(m["pagedllm:kv_blocks_total"] - m["pagedllm:kv_blocks_free"])
-        rss_mb = [_rss_mib(server.proc.pid)]  # after the fuzz, before any load
+        rss_mb = [_idle_rss_mib(server)]  # after the fuzz, before any load
         before = server.metrics()
         total = LoadResult()
         leaked_per_round: list[int] = []
@@ -90,7 +96,7 @@ def main() -> int:
             wall += time.monotonic() - t0
             m = server.wait_idle(120)
             leaked_per_round.append(int(m["pagedllm:kv_blocks_total"] - m["pagedllm:kv_blocks_free"]))
-            rss_mb.append(_rss_mib(server.proc.pid))
+            rss_mb.append(_idle_rss_mib(server))
             total.sent += res.sent
             total.outcomes.update(res.outcomes)
             total.problems += res.problems
@@ -107,6 +113,7 @@ def main() -> int:
             output_problems=len(total.problems), blocks_leaked=max(leaked_per_round), running_after=m["vllm:num_requests_running"],
             preemptions=m["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"],
             server_rss_mib=rss_mb, rss_growth_mib=rss_growth,
+            rss_growth_per_round_mib=[round(b - a, 1) for a, b in zip(rss_mb[1:], rss_mb[2:])],
             wall_s=round(wall, 1), p50_s=round(total.p(0.5), 2), p99_s=round(total.p(0.99), 2),
         )
         for prob in total.problems[:20]:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_kernels, cpu_linear, reference
+from pagedllm.worker import cpu_memory
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.model.layers.attention import NativeCpuAttentionBackend, TorchAttentionBackend
 from pagedllm.model.layers.norm import RMSNorm
@@ -257,6 +258,48 @@ def test_packed_linear_matches_f_linear(dtype, tol, rows):
     torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), atol=tol * 10, rtol=tol)
     with pytest.raises(ValueError, match="oneDNN packing takes a CPU weight"):
         cpu_linear.pack_linear_weight(w.half())
+
+
+def test_gemm_row_plan_uses_few_shapes_and_wastes_little():
+    """Exact up to 16 rows, then 8 sizes per octave; padding at most 1/8 of the rows (1 % from 512 rows)."""
+    plan = cpu_linear.gemm_row_plan
+    assert [plan(r) for r in (0, 1, 16, 17)] == [[], [(1, 1)], [(16, 16)], [(17, 18)]]
+    assert plan(1151) == [(1024, 1024), (127, 128)]
+    sizes = set()
+    for rows in range(1, 4097):
+        p = plan(rows)
+        assert sum(n for n, _ in p) == rows and len(p) <= 2
+        assert all(run >= n and run - n <= n / 8 for n, run in p)
+        assert sum(run for _, run in p) <= rows * (1.01 if rows >= cpu_linear.SPLIT_ROWS else 1.125)
+        sizes.update(run for _, run in p)
+    assert len(sizes) == 16 + 8 * 8  # 16 exact + 8 octaves (16..4096) of 8
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("shape", [(17, 80), (100, 80), (3, 37, 80), (1151, 80)], ids=str)
+def test_padded_packed_linear_matches_f_linear(shape):
+    """Padded and split row counts (and [..., in] inputs) give the same rows as F.linear, in x's shape."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(*shape, generator=g)
+    out = cpu_linear.packed_linear(x, cpu_linear.pack_linear_weight(w), b)
+    assert out.shape == (*shape[:-1], 96) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
+@pytest.mark.skipif(not cpu_memory.glibc_mallinfo_available(), reason="needs glibc's mallinfo2")
+def test_packed_linear_native_memory_is_bounded_over_row_counts():
+    """Every row count 1..600 through one weight: oneDNN caches one ~0.6 MiB primitive per shape, so
+    exact shapes held 308 MiB here, the bucket sizes 31 MiB (the soak: server memory stays flat)."""
+    w = cpu_linear.pack_linear_weight(torch.randn(40, 72))  # a shape no other test uses: a cold cache
+    x = torch.randn(600, 72)
+    cpu_linear.packed_linear(x[:1], w, None)
+    before = cpu_memory.malloc_in_use_bytes()
+    for rows in range(1, 601):
+        cpu_linear.packed_linear(x[:rows], w, None)
+    grown_mib = (cpu_memory.malloc_in_use_bytes() - before) / 2**20
+    assert grown_mib < 120, f"native memory grew {grown_mib:.0f} MiB over 600 row counts"
 
 
 @pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")

@@ -113,3 +113,25 @@ def test_step_fault_fails_requests_and_engine_recovers(core_engine, monkeypatch)
     assert again[-1].finished and len(again[-1].outputs[0].token_ids) == 20
     assert stats["num_step_faults"] == 1
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_idle_engine_releases_freed_memory_once(core_engine, monkeypatch):
+    """After work, once idle for `idle_release_s`, the executor is asked once to return freed host memory."""
+    calls = []
+    real = core_engine.executor.release_free_memory
+    monkeypatch.setattr(core_engine.executor, "release_free_memory", lambda: calls.append(1) or real())
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def body(engine):
+        engine.idle_release_s = 0.2
+        await asyncio.sleep(0.6)
+        assert calls == []  # never before any work
+        outs = [o async for o in engine.generate("Hello", params, "idle0")]
+        assert outs[-1].finished
+        await asyncio.sleep(0.8)
+        assert calls == [1]  # once per idle period, not every timeout
+        outs = [o async for o in engine.generate("Hello", params, "idle1")]
+        await asyncio.sleep(0.8)
+        assert calls == [1, 1]
+
+    _run(core_engine, body)

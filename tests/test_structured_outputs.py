@@ -201,3 +201,16 @@ def test_llguidance_backend():
     assert c.finish_reason == "length" or re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", c.text), c.text
     with pytest.raises(ValueError, match="grammar is invalid"):
         g.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=SO(grammar="root ::= missing")), use_tqdm=False)
+
+
+def test_grammar_caches_stay_bounded(llm, monkeypatch):
+    """Every distinct schema a client sends is a cache key: compiled grammars and their compile times keep
+    only the most recent CACHE_SIZE (a server fed unique schemas must not grow without bound)."""
+    from pagedllm.structured_output import manager as manager_mod
+
+    monkeypatch.setattr(manager_mod, "CACHE_SIZE", 3)
+    mgr = llm.llm_engine.structured_output
+    for i in range(6):
+        mgr.request(SO(regex=f"bounded{i}[a-z]")).result(timeout=60)
+    assert len(mgr._cache) <= 3 and len(mgr.compile_seconds) <= 3
+    assert SO(regex="bounded5[a-z]").cache_key() in mgr.compile_seconds

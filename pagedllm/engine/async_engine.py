@@ -159,6 +159,10 @@ class AsyncLLMEngine:
         self.health_check_interval_s = 5.0  # while idle, how often the workers are checked
         self.stats_interval_s = 0.05  # while busy, the most a /metrics snapshot lags the engine
         self._stats_time = 0.0
+        # After work, once idle this long, the workers return freed host memory to the OS (CPU path:
+        # the heap keeps every step's freed activations; BENCHMARKS.md, soak). None: never.
+        self.idle_release_s: float | None = 1.0
+        self._release_pending = False
         self._publish_stats()
 
     @classmethod
@@ -330,10 +334,16 @@ class AsyncLLMEngine:
     def _drain(self, block: bool) -> list:
         commands = []
         if block:
+            release = self._release_pending and self.idle_release_s is not None
             try:
-                commands.append(self._commands.get(timeout=self.health_check_interval_s))
+                commands.append(self._commands.get(
+                    timeout=self.idle_release_s if release else self.health_check_interval_s))
             except queue.Empty:  # idle: make sure the workers are still there to serve
-                self._check_executor_health()
+                if release:
+                    self._release_pending = False
+                    self._release_free_memory()
+                else:
+                    self._check_executor_health()
                 return commands
             if self.admission_window_s > 0 and isinstance(commands[0], _Add):
                 deadline = time.monotonic() + 10 * self.admission_window_s
@@ -384,6 +394,7 @@ class AsyncLLMEngine:
             self._handle_step_fault(e)
             return
         self.num_steps += 1
+        self._release_pending = True
         if self.observer is not None:
             self.observer.on_outputs(outputs, time.monotonic())
         # Before delivery: a consumer that sees a request finish sees the stats after it.
@@ -445,6 +456,16 @@ class AsyncLLMEngine:
                 logger.error("executor health check failed: %s", e)
                 self._dead_reason = f"executor unhealthy: {e}"
                 self._post(self._fail_all_streams, EngineDeadError(self._dead_reason))
+
+    def _release_free_memory(self) -> None:
+        release = getattr(self.engine.executor, "release_free_memory", None)
+        if release is None:
+            return
+        try:
+            release()
+        except Exception as e:  # a dead worker is the health check's business, not a reason to stop
+            logger.warning("releasing idle memory failed: %s", e)
+            self._check_executor_health()
 
     def _abort_everything(self) -> None:
         ids = [g.request_id for g in self.engine._all_groups()]

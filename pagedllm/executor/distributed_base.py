@@ -177,6 +177,10 @@ class DistributedExecutorBase(ABC):
             except BaseException as e:
                 raise self._fail(f"a model step failed: {e!r}") from e
 
+    def release_free_memory(self) -> None:
+        """The engine is idle: every rank returns its freed host memory to the OS."""
+        self._run_workers("release_free_memory")
+
     def check_health(self) -> None:
         """Raise TensorParallelWorkerError unless every rank is alive (and, between steps, answers)."""
         self._raise_if_failed()

@@ -35,5 +35,9 @@ class UniProcExecutor:
     def check_health(self) -> None:
         return None
 
+    def release_free_memory(self) -> None:
+        """The engine is idle: let the worker return freed host memory to the OS."""
+        self.driver_worker.release_free_memory()
+
     def shutdown(self) -> None:
         return None

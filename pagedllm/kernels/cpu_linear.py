@@ -8,6 +8,15 @@ model's float32 GEMMs at 2-3.7x the rate of ``F.linear`` (BENCHMARKS.md, "CPU GE
 stays float32 (bfloat16 for bfloat16 weights); only the summation order differs from ``F.linear``.
 
 ``PAGEDLLM_CPU_GEMM=torch`` turns packing off (every linear then runs ``F.linear``), for comparison.
+
+Row buckets: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it in its
+primitive cache (1 024 entries by default), about 0.6 MiB each whatever the shape. A server's steps
+have every row count from 1 to the batched-token limit, so exact shapes fill that cache with up to
+~620 MiB of native memory over hours of serving and then churn it (BENCHMARKS.md, soak). So GEMMs run
+only at bucket sizes: exact up to `EXACT_ROWS`, then 8 sizes per octave, at most 16 + 8·log2(max_rows/16)
+shapes per weight. Below `SPLIT_ROWS` the rows are padded up to the next size (at most 1/8 more); from
+there on the largest size that fits runs on a view of x and only the remainder is padded (1151 rows →
+1024 + 127 padded to 128), which keeps the wasted arithmetic small for long prefills.
 """
 from __future__ import annotations
 
@@ -18,6 +27,9 @@ import torch
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 GEMM_ENV = "PAGEDLLM_CPU_GEMM"
 GEMM_CHOICES = ("onednn", "torch")
+EXACT_ROWS = 16  # decode-sized GEMMs keep their exact shape (no wasted rows where steps are shortest)
+BUCKETS_PER_OCTAVE = 8
+SPLIT_ROWS = 512  # from here a remainder GEMM (one more read of the weight) costs less than padding
 
 
 def cpu_gemm_backend() -> str:
@@ -47,6 +59,54 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def _octave_step(rows: int) -> int:
+    return (1 << (rows.bit_length() - 1)) // BUCKETS_PER_OCTAVE  # the octave [2^k, 2^k+1) in 8 steps
+
+
+def gemm_rows_bucket(rows: int) -> int:
+    """The smallest bucket size >= `rows`: `rows` itself up to EXACT_ROWS, then one of
+    BUCKETS_PER_OCTAVE evenly spaced sizes per power of two."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = _octave_step(rows)
+    return -(-rows // step) * step
+
+
+def gemm_row_plan(rows: int) -> list[tuple[int, int]]:
+    """(rows, bucket size it runs at) per GEMM for `rows` rows: whole buckets while at least
+    SPLIT_ROWS are left, then the rest padded up to its bucket."""
+    plan = []
+    while rows >= SPLIT_ROWS:
+        step = _octave_step(rows)
+        plan.append((rows // step * step,) * 2)
+        rows -= plan[-1][0]
+    if rows:
+        plan.append((rows, gemm_rows_bucket(rows)))
+    return plan
+
+
+def _gemm(x: torch.Tensor, rows_run: int, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    if rows_run != rows:
+        x = torch.nn.functional.pad(x, (0, 0, 0, rows_run - rows))
+    y = torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    return y[:rows] if rows_run != rows else y
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x Wᵀ + b with W from `pack_linear_weight`; x is [..., in] in W's dtype."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+    """y = x Wᵀ + b with W from `pack_linear_weight`; x is [..., in] in W's dtype.
+
+    Runs as `gemm_row_plan` (padding's outputs dropped, pieces concatenated) so that oneDNN
+    compiles and caches a bounded set of shapes."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    plan = gemm_row_plan(x2.shape[0])
+    if len(plan) <= 1:
+        y = _gemm(x2, plan[0][1], packed_weight, bias) if plan else _gemm(x2, 0, packed_weight, bias)
+    else:
+        outs, start = [], 0
+        for rows, rows_run in plan:
+            outs.append(_gemm(x2[start:start + rows], rows_run, packed_weight, bias))
+            start += rows
+        y = torch.cat(outs)
+    return y.reshape(*lead, y.shape[-1])

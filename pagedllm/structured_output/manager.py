@@ -48,7 +48,8 @@ class StructuredOutputManager:
         self._compile_pool: ThreadPoolExecutor | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
         self._bitmask: torch.Tensor | None = None
-        self.compile_seconds: dict[tuple, float] = {}
+        # Compile time of the most recent CACHE_SIZE grammars (bounded: keys hold whole schemas).
+        self.compile_seconds: OrderedDict[tuple, float] = OrderedDict()
 
     # -- setup --------------------------------------------------------------------------------
     @property
@@ -95,6 +96,8 @@ class StructuredOutputManager:
         t0 = time.perf_counter()
         compiled = self.backend.compile(built)
         self.compile_seconds[key] = time.perf_counter() - t0
+        while len(self.compile_seconds) > CACHE_SIZE:  # only this (single) compile thread writes it
+            self.compile_seconds.popitem(last=False)
         logger.info("compiled a %s grammar in %.1f ms", key[0], 1e3 * self.compile_seconds[key])
         return compiled
 

@@ -20,7 +20,7 @@ from pagedllm.model.layers.linear import pack_weights_for_cpu
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
-from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse
+from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -153,6 +153,17 @@ class Worker:
         ce.copy(req.blocks_to_copy)
         return self.model_runner.execute_model(req.chunks, ce.gpu_cache, req.pending_inputs,
                                                req.prev_sampled_token_ids)
+
+    def release_free_memory(self) -> float | None:
+        """CPU path, engine idle: return freed heap pages to the OS; MiB released (None: nothing to do)."""
+        if self.device.type != "cpu":
+            return None
+        t0 = time.perf_counter()
+        released = release_free_memory()
+        if released is not None and released >= 1:
+            logger.info("engine idle: malloc_trim returned %.0f MiB of freed memory to the OS in %.1f ms",
+                        released, 1e3 * (time.perf_counter() - t0))
+        return released
 
 
 def _available_ram_bytes() -> int:
