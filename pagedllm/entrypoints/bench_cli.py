@@ -31,6 +31,12 @@ def add_bench_parser(sub) -> None:
                               description=http_overhead.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     http_overhead.add_args(ho)
     ho.set_defaults(func=lambda args: http_overhead.run(args))
+    from pagedllm.benchmarks import spec_decode
+
+    sd = bench_sub.add_parser("spec-decode", help="Speculative decoding on vs off: input-copying and ShareGPT-like.",
+                              description=spec_decode.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    spec_decode.add_args(sd)
+    sd.set_defaults(func=lambda args: spec_decode.run(args))
     from pagedllm.benchmarks.paper import cli as paper_cli
 
     pp = bench_sub.add_parser("paper", help="The paper's Figures 2, 12 and 13, one command each.",
