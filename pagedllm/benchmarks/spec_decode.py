@@ -16,12 +16,15 @@ whether greedy outputs were token-for-token identical.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import random
 import time
 from collections import deque
 from pathlib import Path
+
+import torch
 
 from pagedllm.benchmarks.throughput import make_sharegpt_like
 from pagedllm.engine.arg_utils import EngineArgs
@@ -123,6 +126,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharegpt-concurrency", type=int, default=64)
     p.add_argument("--sharegpt-max-out", type=int, default=None, help="cap ShareGPT-like output lengths")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (two are built in turn)")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -136,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         eargs = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                            max_model_len=args.max_model_len,
                            max_num_seqs=max([*args.concurrency, args.sharegpt_concurrency]),
-                           num_gpu_blocks_override=args.num_gpu_blocks, speculative_config=spec, seed=args.seed)
+                           num_gpu_blocks_override=args.num_gpu_blocks, speculative_config=spec, seed=args.seed,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
         engine = LLMEngine(eargs)
         tok = engine.tokenizer
         prompts = make_copy_prompts(tok, args.num_prompts, args.seed)
@@ -165,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
             logger.info("sharegpt-like c=%d spec %s: %d output tokens in %.1f s = %.1f tok/s", args.sharegpt_concurrency,
                         label, n_out, dt, n_out / dt)
         del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     print(f"\n{'workload':<22}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'accept':>8}{'acc.len':>8}{'identical':>11}")
     for c, e in results["copy"].items():
         same = sum(a == b for a, b in zip(outputs[f"copy{c}"]["off"], outputs[f"copy{c}"]["on"]))
