@@ -432,9 +432,13 @@ class LLMEngine:
         """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs."""
         layout = logits_row_layout(step.chunks)
         touched: dict[str, SequenceGroup] = {}
+        greedy = None
+        if step.spec_drafts:  # plain greedy verification for the whole step: one device→host copy
+            greedy = self.spec_decoder.batch_greedy(step.logits)
         for item, chunk, (lo, hi) in zip(step.scheduled, step.chunks, layout):
             if item.seq.seq_id in step.spec_drafts:
-                self._complete_spec(item, step.spec_drafts[item.seq.seq_id], step.logits[lo:hi], touched)
+                fast = (greedy[0][lo:hi], greedy[1][lo:hi]) if self.spec_decoder.plain_greedy(item) else None
+                self._complete_spec(item, step.spec_drafts[item.seq.seq_id], step.logits[lo:hi], touched, fast)
             elif chunk.all_logits:
                 self._record_prompt_logprobs(item, chunk, step.logits[lo:hi])
         if step.sampler_output is not None:
@@ -475,18 +479,26 @@ class LLMEngine:
             touched[group.request_id] = group
 
     def _complete_spec(self, item: ScheduledSequence, drafts: list[int], logits: torch.Tensor,
-                       touched: dict[str, SequenceGroup]) -> None:
+                       touched: dict[str, SequenceGroup], fast: tuple[list[int], list[float]] | None = None) -> None:
         """Verify one sequence's drafts, append the accepted ones and the target's token, roll back the rest."""
         group, seq = item.group, item.seq
         if group.first_token_time is None:
             group.first_token_time = time.monotonic()
         if seq.is_finished():  # aborted while the step ran: its blocks are already free
             return
-        res = self.spec_decoder.verify_seq(item, drafts, logits, self.eos_token_ids)
+        res = self.spec_decoder.verify_seq(item, drafts, logits, self.eos_token_ids, fast[0] if fast else None)
         num_kv_valid = seq.get_len()  # the last token's KV was written by this step
         k_top = group.sampling_params.logprobs
-        raw_lp = logits.float().log_softmax(dim=-1)
+        raw_lp = None if fast else logits.float().log_softmax(dim=-1)
         for i, tok in enumerate(res.token_ids):
+            if fast:  # emitted tokens are the rows' argmax
+                self.output_processor.append_token(group, seq, tok, fast[1][i], None)
+                self.num_generation_tokens_total += 1
+                if seq.is_finished():
+                    break
+                if i < len(res.token_ids) - 1:
+                    num_kv_valid += 1
+                continue
             top = None
             if k_top is not None:
                 top = {tok: float(raw_lp[i, tok])}

@@ -25,7 +25,7 @@ from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from pagedllm.model.layers.sampler import SamplingRow
 from pagedllm.spec_decode.metrics import SpecDecodeStats
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
-from pagedllm.spec_decode.rejection_sampler import VerifyResult, verify
+from pagedllm.spec_decode.rejection_sampler import VerifyResult, is_greedy, verify
 from pagedllm.worker.model_input import SequenceChunk
 
 logger = logging.getLogger("pagedllm")
@@ -119,14 +119,36 @@ class SpecDecoder:
         ce.copy(sched.blocks_to_copy)
         sched.blocks_to_swap_in, sched.blocks_to_swap_out, sched.blocks_to_copy = [], [], []
 
+    @staticmethod
+    def plain_greedy(item: ScheduledSequence) -> bool:
+        """Greedy with raw logits (no penalty, no min_tokens ban, no top logprobs): verified in one batch."""
+        p = item.group.sampling_params
+        return (is_greedy(p) and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and len(item.seq.output_token_ids) >= p.min_tokens and p.logprobs is None)
+
+    @staticmethod
+    def batch_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Argmax and its raw logprob for every row, in one device→host transfer."""
+        lg = logits.float()
+        best, idx = lg.max(dim=-1)
+        both = torch.stack([idx.to(torch.float64), (best - lg.logsumexp(dim=-1)).to(torch.float64)]).tolist()
+        return [int(t) for t in both[0]], both[1]
+
     def verify_seq(self, item: ScheduledSequence, drafts: list[int], logits: torch.Tensor,
-                   eos_token_ids: tuple[int, ...]) -> VerifyResult:
-        """Accept a prefix of `drafts` for one sequence from its k+1 target rows."""
+                   eos_token_ids: tuple[int, ...], greedy: list[int] | None = None) -> VerifyResult:
+        """Accept a prefix of `drafts` for one sequence from its k+1 target rows (`greedy`: their argmax,
+        already on the host, for plain greedy sequences)."""
         seq, params = item.seq, item.group.sampling_params
-        out = seq.output_token_ids
-        rows = [SamplingRow(params, seq.prompt_token_ids, out + drafts[:i], eos_token_ids=eos_token_ids)
-                for i in range(len(drafts) + 1)]
-        res = verify(logits, rows, drafts, generator=seq.extra.get("generator"))
+        if greedy is not None:
+            n = 0
+            while n < len(drafts) and drafts[n] == greedy[n]:
+                n += 1
+            res = VerifyResult(drafts[:n] + [greedy[n]], n)
+        else:
+            out = seq.output_token_ids
+            rows = [SamplingRow(params, seq.prompt_token_ids, out + drafts[:i], eos_token_ids=eos_token_ids)
+                    for i in range(len(drafts) + 1)]
+            res = verify(logits, rows, drafts, generator=seq.extra.get("generator"))
         self.stats.record(len(drafts), res.num_accepted)
         rate = res.num_accepted / len(drafts)
         ema = seq.extra.get("spec_ema", 1.0) * (1 - _EMA) + rate * _EMA
