@@ -215,3 +215,40 @@ def test_engine_sampling_distribution_on_off(tiny_model):
         table = np.stack([a, b])
         table = table[:, table.sum(0) > 0]
         assert chi2_contingency(table).pvalue > 0.01
+
+
+def test_metrics_render_spec_decode():
+    from pagedllm.engine.metrics import EngineMetrics
+    from pagedllm.spec_decode.metrics import SpecDecodeStats
+
+    st = SpecDecodeStats(3)
+    st.record(3, 2)
+    st.record(2, 0)
+    d = st.as_dict()
+    assert d["spec_decode_num_draft_tokens"] == 5 and d["spec_decode_num_accepted_tokens"] == 2
+    assert d["spec_decode_acceptance_rate_pos_0"] == 0.5 and d["spec_decode_acceptance_rate_pos_2"] == 0.0
+    text = EngineMetrics("m", lambda: d).render().decode()
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_acceptance_rate_per_pos{model_name="m",position="1"} 0.5' in text
+
+
+def test_penalties_min_tokens_logprobs_keep_meaning(reference):
+    """Greedy with a repetition penalty, min_tokens and top-2 logprobs: the same tokens and logprobs on/off
+    (verification applies the penalty over the history including the accepted drafts)."""
+    prompts, _ = reference
+    params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.05, min_tokens=4, logprobs=2)
+    res = {}
+    for name, spec in (("off", None), ("on", NGRAM)):
+        llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        res[name] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        if spec:
+            assert llm.stats()["spec_decode_num_drafts"] > 0
+    for (t_off, lp_off), (t_on, lp_on) in zip(res["off"], res["on"]):
+        assert t_on == t_off
+        for a, b in zip(lp_off, lp_on):
+            assert set(a) == set(b)
+            for tok in a:
+                va = a[tok].logprob if hasattr(a[tok], "logprob") else a[tok]
+                vb = b[tok].logprob if hasattr(b[tok], "logprob") else b[tok]
+                assert abs(va - vb) < 1e-3

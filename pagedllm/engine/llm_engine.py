@@ -491,22 +491,18 @@ class LLMEngine:
         k_top = group.sampling_params.logprobs
         raw_lp = None if fast else logits.float().log_softmax(dim=-1)
         for i, tok in enumerate(res.token_ids):
-            if fast:  # emitted tokens are the rows' argmax
-                self.output_processor.append_token(group, seq, tok, fast[1][i], None)
-                self.num_generation_tokens_total += 1
-                if seq.is_finished():
-                    break
-                if i < len(res.token_ids) - 1:
-                    num_kv_valid += 1
-                continue
             top = None
-            if k_top is not None:
-                top = {tok: float(raw_lp[i, tok])}
-                if k_top > 0:
-                    v, ix = raw_lp[i].topk(min(k_top, raw_lp.shape[-1]))
-                    for t, lp in zip(ix.tolist(), v.tolist()):
-                        top.setdefault(int(t), lp)
-            self.output_processor.append_token(group, seq, tok, float(raw_lp[i, tok]), top)
+            if fast:  # plain greedy: the emitted tokens are the rows' argmax, their logprobs came with it
+                lp = fast[1][i]
+            else:
+                lp = float(raw_lp[i, tok])
+                if k_top is not None:
+                    top = {tok: lp}
+                    if k_top > 0:
+                        v, ix = raw_lp[i].topk(min(k_top, raw_lp.shape[-1]))
+                        for t, tlp in zip(ix.tolist(), v.tolist()):
+                            top.setdefault(int(t), tlp)
+            self.output_processor.append_token(group, seq, tok, lp, top)
             self.num_generation_tokens_total += 1
             if seq.is_finished():
                 break
