@@ -199,7 +199,7 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")  # noqa: TRY004
         names = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(value) - names)
         if unknown:

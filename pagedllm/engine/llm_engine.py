@@ -19,7 +19,6 @@ from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.model import loader
-from pagedllm.model.models.registry import get_model_max_len
 from pagedllm.model.layers.sampler import (
     Sampler,
     SamplingRow,
@@ -27,11 +26,16 @@ from pagedllm.model.layers.sampler import (
     compute_prompt_logprobs,
     warm_up_sampler,
 )
+from pagedllm.model.models.registry import get_model_max_len
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
-from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk, logits_row_layout
+from pagedllm.worker.model_input import (
+    ExecuteModelRequest,
+    SequenceChunk,
+    logits_row_layout,
+)
 
 logger = logging.getLogger("pagedllm")
 

@@ -7,7 +7,8 @@ thread as outputs come out of `step()` (prometheus_client objects are thread-saf
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -118,7 +119,7 @@ class EngineMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._labels = {"model_name": model_name}
-        self._snapshot = snapshot or (lambda: {})
+        self._snapshot = snapshot or (dict)
         self.registry.register(_SnapshotCollector(lambda: self._snapshot(), self._labels))
         names = list(self._labels)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", names,

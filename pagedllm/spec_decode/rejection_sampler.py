@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.model.layers.sampler import SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p
+from pagedllm.model.layers.sampler import (
+    SamplingRow,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+)
 from pagedllm.sampling_params import SAMPLING_EPS
 
 
