@@ -10,21 +10,20 @@ Workloads:
 - ShareGPT-like (random token ids with the paper's Fig. 11 length fits, ignore_eos) at
   --sharegpt-concurrency (64) in flight: speculation must cost nothing here (it turns itself off).
 
+Both engines (off and on, same settings) live in one process; each workload runs on both in interleaved
+slices (off, on, off, on, ... `--rounds`), so that a change in the machine's load hits both alike.
 Prints output tok/s on and off and their ratio, the acceptance rate and mean acceptance length, and
 whether greedy outputs were token-for-token identical.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import random
 import time
 from collections import deque
 from pathlib import Path
-
-import torch
 
 from pagedllm.benchmarks.throughput import make_sharegpt_like
 from pagedllm.engine.arg_utils import EngineArgs
@@ -126,53 +125,66 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sharegpt-concurrency", type=int, default=64)
     p.add_argument("--sharegpt-max-out", type=int, default=None, help="cap ShareGPT-like output lengths")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (two are built in turn)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (both live at once)")
+    p.add_argument("--rounds", type=int, default=5, help="copy workload: interleaved off/on slices")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _measure(engines: dict, name: str, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
+             rounds: int, results: dict, outputs: dict) -> None:
+    """Run the workload on both engines in `rounds` interleaved slices (off, on, off, on, ...) so that a
+    change in the machine's load hits both sides alike; sums the times."""
+    n = len(prompts)
+    cuts = [n * r // rounds for r in range(rounds + 1)]
+    for label, engine in engines.items():
+        results[label] = {"seconds": 0.0, "output_tokens": 0, "_before": engine.stats()}
+        outputs[label] = []
+    for r in range(rounds):
+        lo, hi = cuts[r], cuts[r + 1]
+        if lo == hi:
+            continue
+        for label, engine in engines.items():
+            dt, outs = run_closed_loop(engine, prompts[lo:hi], params[lo:hi], concurrency, f"{name}{label}r{r}")
+            results[label]["seconds"] += dt
+            results[label]["output_tokens"] += sum(len(o) for o in outs)
+            outputs[label] += outs
+    for label, engine in engines.items():
+        e = results[label]
+        e["output_tok_s"] = e["output_tokens"] / e["seconds"]
+        e.update(_spec_delta(e.pop("_before"), engine.stats()))
+        logger.info("%s c=%d spec %s: %d output tokens in %.1f s = %.1f tok/s, acceptance %.2f, length %.2f", name,
+                    concurrency, label, e["output_tokens"], e["seconds"], e["output_tok_s"], e["acceptance_rate"],
+                    e["mean_acceptance_length"])
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     results: dict = {"speculative_config": json.loads(args.speculative_config), "copy": {}, "sharegpt": {}}
     outputs: dict[str, dict] = {}
+    engines = {}
     for label, spec in (("off", None), ("on", args.speculative_config)):
         eargs = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
                            max_model_len=args.max_model_len,
                            max_num_seqs=max([*args.concurrency, args.sharegpt_concurrency]),
                            num_gpu_blocks_override=args.num_gpu_blocks, speculative_config=spec, seed=args.seed,
                            gpu_memory_utilization=args.gpu_memory_utilization)
-        engine = LLMEngine(eargs)
-        tok = engine.tokenizer
-        prompts = make_copy_prompts(tok, args.num_prompts, args.seed)
-        greedy = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
-        run_closed_loop(engine, prompts[:2], [SamplingParams(temperature=0, max_tokens=8)] * 2, 2, f"warm{label}")
-        for c in args.concurrency:
-            before = engine.stats()
-            dt, outs = run_closed_loop(engine, prompts, greedy, c, f"copy{c}{label}")
-            n_out = sum(len(o) for o in outs)
-            outputs.setdefault(f"copy{c}", {})[label] = outs
-            entry = {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
-                     **_spec_delta(before, engine.stats())}
-            results["copy"].setdefault(str(c), {})[label] = entry
-            logger.info("copy c=%d spec %s: %d output tokens in %.1f s = %.1f tok/s, acceptance %.2f, length %.2f",
-                        c, label, n_out, dt, n_out / dt, entry["acceptance_rate"], entry["mean_acceptance_length"])
-        if args.sharegpt_prompts:
-            wl = make_sharegpt_like(args.sharegpt_prompts, int(engine.hf_config.vocab_size), args.seed,
-                                    max_prompt=args.max_model_len // 2, max_total=args.max_model_len)
-            outs_len = [min(o, args.sharegpt_max_out or o) for o in wl.output_len]
-            params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs_len]
-            before = engine.stats()
-            dt, outs = run_closed_loop(engine, wl.prompts, params, args.sharegpt_concurrency, f"sg{label}")
-            n_out = sum(len(o) for o in outs)
-            results["sharegpt"][label] = {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt,
-                                          **_spec_delta(before, engine.stats())}
-            logger.info("sharegpt-like c=%d spec %s: %d output tokens in %.1f s = %.1f tok/s", args.sharegpt_concurrency,
-                        label, n_out, dt, n_out / dt)
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        engines[label] = LLMEngine(eargs)
+    engine = engines["off"]
+    prompts = make_copy_prompts(engine.tokenizer, args.num_prompts, args.seed)
+    greedy = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
+    for label, eng in engines.items():
+        run_closed_loop(eng, prompts[:2], [SamplingParams(temperature=0, max_tokens=8)] * 2, 2, f"warm{label}")
+    for c in args.concurrency:
+        _measure(engines, f"copy{c}", prompts, greedy, c, args.rounds, results["copy"].setdefault(str(c), {}),
+                 outputs.setdefault(f"copy{c}", {}))
+    if args.sharegpt_prompts:
+        wl = make_sharegpt_like(args.sharegpt_prompts, int(engine.hf_config.vocab_size), args.seed,
+                                max_prompt=args.max_model_len // 2, max_total=args.max_model_len)
+        outs_len = [min(o, args.sharegpt_max_out or o) for o in wl.output_len]
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs_len]
+        _measure(engines, "sharegpt", wl.prompts, params, args.sharegpt_concurrency, 1, results["sharegpt"], {})
     print(f"\n{'workload':<22}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'accept':>8}{'acc.len':>8}{'identical':>11}")
     for c, e in results["copy"].items():
         same = sum(a == b for a, b in zip(outputs[f"copy{c}"]["off"], outputs[f"copy{c}"]["on"]))
