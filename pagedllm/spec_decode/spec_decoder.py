@@ -98,6 +98,7 @@ class SpecDecoder:
                 continue
             sched.blocks_to_copy.extend(bm.allocate_slots(item.seq, 1 + k))
             token_room -= k
+            sched.num_batched_tokens += k
             chosen.append((item, k, drafts))
         if self.draft is not None and chosen:
             chunks = [SequenceChunk(it.seq.seq_id, [it.seq.last_token_id], it.seq.num_computed_tokens,
