@@ -145,6 +145,68 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's names). `ngram`: prompt lookup; `draft_model`: the target's own first
+    `draft_num_layers` layers (self-speculation, sharing its embeddings, lm_head and paged KV)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None  # draft model; only the target itself (None) is supported
+    draft_num_layers: int | None = None  # self-speculation depth (default: a quarter of the layers)
+    # Speculation is off for a step with more running sequences than this (decode is no longer
+    # bandwidth-bound; measured in BENCHMARKS.md, see the README section).
+    disable_by_batch_size: int = 16
+    # A sequence whose recent acceptance rate (exponential average) falls below this stops
+    # speculating for `cooldown_steps` steps, then tries again.
+    min_acceptance_rate: float = 0.2
+    cooldown_steps: int = 16
+
+    def __post_init__(self) -> None:
+        _check_choice("speculative_config.method", self.method, SPEC_METHODS)
+        _check_positive_int("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive_int("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
+        _check_positive_int("speculative_config.prompt_lookup_max", self.prompt_lookup_max)
+        _check_positive_int("speculative_config.draft_num_layers", self.draft_num_layers, allow_none=True)
+        _check_positive_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size)
+        _check_positive_int("speculative_config.cooldown_steps", self.cooldown_steps)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max}).")
+        if not 0.0 <= self.min_acceptance_rate <= 1.0:
+            raise ValueError(f"speculative_config.min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}.")
+        if self.model is not None:
+            raise ValueError("speculative_config.model: only self-speculation is supported (leave it unset and "
+                             "choose draft_num_layers).")
+
+    @classmethod
+    def from_json(cls, value: Any) -> SpeculativeConfig | None:
+        """From a dict or a JSON string (the CLI's --speculative-config); None/empty stays None."""
+        import json
+
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")  # noqa: TRY004
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -152,3 +214,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    speculative_config: SpeculativeConfig | None = None

@@ -15,6 +15,7 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 _HELP = {
@@ -49,6 +50,12 @@ _HELP = {
                         "(max_model_len). Contiguous managers share, swap and cache nothing.",
     "batching": "iteration (requests join and leave every step) or request (a batch runs until all its requests "
                 "finish before others join: FasterTransformer-style with --kv-cache-manager orca-max).",
+    "speculative_config": "Speculative decoding, a JSON object like vLLM's: "
+                          '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
+                          '{"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 8} '
+                          "(self-speculation: the model's first layers draft); also disable_by_batch_size, "
+                          "prompt_lookup_min, min_acceptance_rate, cooldown_steps. Greedy outputs are unchanged; "
+                          "sampled ones keep their distribution.",
     "structured_outputs_backend": "Grammar engine for structured outputs: xgrammar or guidance (llguidance).",
 }
 
@@ -83,6 +90,7 @@ class EngineArgs:
     kv_cache_manager: str = "paged"
     batching: str = "iteration"
     structured_outputs_backend: str = "xgrammar"
+    speculative_config: str | dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -129,7 +137,10 @@ class EngineArgs:
             async_scheduling=self.async_scheduling, batching=self.batching,
         )
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
-        return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device))
+        spec = SpeculativeConfig.from_json(self.speculative_config)
+        if spec is not None and self.kv_cache_manager != "paged":
+            raise ValueError("speculative decoding needs kv_cache_manager='paged' (it rolls back rejected slots).")
+        return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device), spec)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -20,3 +20,5 @@ class LaunchedStep:
     sampler_output: SamplerOutput | None = None
     # The next schedule must wait for this step's tokens: forks (n > 1), beam search, penalties, min_tokens.
     needs_host_results: bool = False
+    # Speculative decoding: seq_id → the drafts this step verifies (their chunks carry every row's logits).
+    spec_drafts: dict[int, list[int]] = field(default_factory=dict)

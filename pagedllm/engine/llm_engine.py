@@ -19,7 +19,6 @@ from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.model import loader
-from pagedllm.model.models.registry import get_model_max_len
 from pagedllm.model.layers.sampler import (
     Sampler,
     SamplingRow,
@@ -27,11 +26,16 @@ from pagedllm.model.layers.sampler import (
     compute_prompt_logprobs,
     warm_up_sampler,
 )
+from pagedllm.model.models.registry import get_model_max_len
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
-from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk, logits_row_layout
+from pagedllm.worker.model_input import (
+    ExecuteModelRequest,
+    SequenceChunk,
+    logits_row_layout,
+)
 
 logger = logging.getLogger("pagedllm")
 
@@ -82,6 +86,12 @@ class LLMEngine:
             lambda: next(self._seq_counter),
             self.structured_output,
         )
+        self.spec_decoder = None
+        if self.config.speculative_config is not None:
+            from pagedllm.spec_decode.spec_decoder import SpecDecoder
+
+            self.spec_decoder = SpecDecoder(self.config.speculative_config, self.scheduler, self.executor,
+                                            self.max_seq_len)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.async_scheduling = self._resolve_async_scheduling()
@@ -299,12 +309,15 @@ class LLMEngine:
         """
         outputs: list[RequestOutput] = self._admit_compiled()
         prev, self._inflight = self._inflight, None
-        if prev is not None and prev.needs_host_results:
+        spec = self.spec_decoder
+        if prev is not None and (prev.needs_host_results or (spec is not None and spec.wants_sync())):
             outputs.extend(self._complete_step(prev))
             prev = None
         sched = self.scheduler.schedule()
         outputs.extend(self._finish_ignored(g) for g in sched.ignored_groups)
-        cur = None if sched.is_empty() else self._launch_step(sched, prev)
+        # Speculation needs every input token on the host: only when no step is in flight.
+        drafts = spec.plan(sched) if spec is not None and prev is None else {}
+        cur = None if sched.is_empty() else self._launch_step(sched, prev, drafts)
         if prev is not None:
             outputs.extend(self._complete_step(prev))
         if cur is not None:
@@ -316,15 +329,20 @@ class LLMEngine:
                 outputs.extend(self._complete_step(cur))
         return outputs
 
-    def _launch_step(self, sched: SchedulerOutputs, prev: LaunchedStep | None) -> LaunchedStep:
-        """Run the model and queue sampling for the scheduled chunks, without waiting for the device."""
+    def _launch_step(self, sched: SchedulerOutputs, prev: LaunchedStep | None,
+                     drafts: dict[int, list[int]] | None = None) -> LaunchedStep:
+        """Run the model and queue sampling for the scheduled chunks, without waiting for the device.
+
+        `drafts` (speculative decoding): seq_id → proposed tokens, verified after the step."""
         now = time.monotonic()
+        drafts = drafts or {}
         # Query-length-1 chunks first: attention batches them as decodes.
-        scheduled = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        scheduled = sorted(sched.scheduled,
+                           key=lambda s: s.num_new_tokens != 1 or s.seq.seq_id in drafts)
         for item in scheduled:
             if item.group.first_scheduled_time is None:
                 item.group.first_scheduled_time = now
-        chunks = [self._chunk(item) for item in scheduled]
+        chunks = [self._chunk(item, drafts.get(item.seq.seq_id)) for item in scheduled]
         # A token prev sampled and the host has not seen yet: the worker takes it from prev's output.
         pending = [(i, prev.row_of_seq[item.seq.seq_id]) for i, item in enumerate(scheduled)
                    if item.seq.num_pending_tokens and item.completes]
@@ -348,14 +366,22 @@ class LLMEngine:
         overlap = self.executor.device.type != "cpu"
         mask_job = self.structured_output.start_fill(so_seqs, overlap) if so_seqs else None
         logits = self.executor.execute_model(req)
-        return self._launch_sampling(scheduled, chunks, logits, (so_rows, mask_job))
+        step = self._launch_sampling(scheduled, chunks, logits, (so_rows, mask_job))
+        if drafts:
+            step.spec_drafts = drafts
+            step.needs_host_results = True
+        return step
 
-    def _chunk(self, item: ScheduledSequence) -> SequenceChunk:
+    def _chunk(self, item: ScheduledSequence, drafts: list[int] | None = None) -> SequenceChunk:
         seq = item.seq
         start = seq.num_computed_tokens
         token_ids = seq.tokens_slice(start, start + item.num_new_tokens)
         if len(token_ids) < item.num_new_tokens:  # ends with a token still on the device
             token_ids.append(0)
+        if drafts:  # verification: the last token and the drafts, a logits row for each
+            return SequenceChunk(seq.seq_id, token_ids + list(drafts), start,
+                                 list(self.scheduler.block_manager.get_block_table(seq)), sample=False,
+                                 all_logits=True)
         wants_prompt_logprobs = (
             item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
         )
@@ -409,10 +435,16 @@ class LLMEngine:
     def _complete_step(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs."""
         layout = logits_row_layout(step.chunks)
-        for item, chunk, (lo, hi) in zip(step.scheduled, step.chunks, layout):
-            if chunk.all_logits:
-                self._record_prompt_logprobs(item, chunk, step.logits[lo:hi])
         touched: dict[str, SequenceGroup] = {}
+        greedy = None
+        if step.spec_drafts:  # plain greedy verification for the whole step: one device→host copy
+            greedy = self.spec_decoder.batch_greedy(step.logits)
+        for item, chunk, (lo, hi) in zip(step.scheduled, step.chunks, layout):
+            if item.seq.seq_id in step.spec_drafts:
+                fast = (greedy[0][lo:hi], greedy[1][lo:hi]) if self.spec_decoder.plain_greedy(item) else None
+                self._complete_spec(item, step.spec_drafts[item.seq.seq_id], step.logits[lo:hi], touched, fast)
+            elif chunk.all_logits:
+                self._record_prompt_logprobs(item, chunk, step.logits[lo:hi])
         if step.sampler_output is not None:
             samples, full_logprobs = step.sampler_output.result()
             self._append_samples(step.owners, samples, full_logprobs, touched)
@@ -449,6 +481,39 @@ class LLMEngine:
             self.output_processor.beam_step(group, parents, full_logprobs[beam_rows])
             self.num_generation_tokens_total += len(parents)
             touched[group.request_id] = group
+
+    def _complete_spec(self, item: ScheduledSequence, drafts: list[int], logits: torch.Tensor,
+                       touched: dict[str, SequenceGroup], fast: tuple[list[int], list[float]] | None = None) -> None:
+        """Verify one sequence's drafts, append the accepted ones and the target's token, roll back the rest."""
+        group, seq = item.group, item.seq
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        if seq.is_finished():  # aborted while the step ran: its blocks are already free
+            return
+        res = self.spec_decoder.verify_seq(item, drafts, logits, self.eos_token_ids, fast[0] if fast else None)
+        num_kv_valid = seq.get_len()  # the last token's KV was written by this step
+        k_top = group.sampling_params.logprobs
+        raw_lp = None if fast else logits.float().log_softmax(dim=-1)
+        for i, tok in enumerate(res.token_ids):
+            top = None
+            if fast:  # plain greedy: the emitted tokens are the rows' argmax, their logprobs came with it
+                lp = fast[1][i]
+            else:
+                lp = float(raw_lp[i, tok])
+                if k_top is not None:
+                    top = {tok: lp}
+                    if k_top > 0:
+                        v, ix = raw_lp[i].topk(min(k_top, raw_lp.shape[-1]))
+                        for t, tlp in zip(ix.tolist(), v.tolist()):
+                            top.setdefault(int(t), tlp)
+            self.output_processor.append_token(group, seq, tok, lp, top)
+            self.num_generation_tokens_total += 1
+            if seq.is_finished():
+                break
+            if i < len(res.token_ids) - 1:
+                num_kv_valid += 1  # an accepted draft: its KV is the target's
+        self.spec_decoder.roll_back(item, num_kv_valid)
+        touched[group.request_id] = group
 
     def _record_prompt_logprobs(self, item: ScheduledSequence, chunk: SequenceChunk, logits: torch.Tensor) -> None:
         group, seq = item.group, item.seq
@@ -515,6 +580,7 @@ class LLMEngine:
             "prefix_cache_hits": st.prefix_cache_hits,
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
+            **(self.spec_decoder.stats.as_dict() if self.spec_decoder is not None else {}),
             **{f"kv_frac_{k}": v for k, v in self.kv_memory_breakdown().fractions().items()},
         }
 

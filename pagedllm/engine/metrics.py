@@ -7,7 +7,8 @@ thread as outputs come out of `step()` (prometheus_client objects are thread-saf
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -84,6 +85,32 @@ class _SnapshotCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, float(stats.get(key, 0)))
             yield c
+        if "spec_decode_num_draft_tokens" in stats:  # speculative decoding is configured
+            yield from _spec_decode_metrics(stats, names, values)
+
+
+_SPEC_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("vllm:spec_decode_num_drafts", "Sequences that speculated, summed over steps.", "spec_decode_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Proposed tokens.", "spec_decode_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens the target accepted.", "spec_decode_num_accepted_tokens"),
+)
+
+
+def _spec_decode_metrics(stats: dict[str, Any], names: list[str], values: list[str]) -> Iterable:
+    for name, doc, key in _SPEC_COUNTERS:
+        c = CounterMetricFamily(name, doc, labels=names)
+        c.add_metric(values, float(stats.get(key, 0)))
+        yield c
+    g = GaugeMetricFamily("vllm:spec_decode_draft_acceptance_rate", "Accepted / proposed tokens.", labels=names)
+    g.add_metric(values, float(stats.get("spec_decode_acceptance_rate", 0.0)))
+    yield g
+    per_pos = GaugeMetricFamily("vllm:spec_decode_acceptance_rate_per_pos",
+                                "Acceptance rate of the draft token at each position.", labels=[*names, "position"])
+    pos = 0
+    while f"spec_decode_acceptance_rate_pos_{pos}" in stats:
+        per_pos.add_metric([*values, str(pos)], float(stats[f"spec_decode_acceptance_rate_pos_{pos}"]))
+        pos += 1
+    yield per_pos
 
 
 class EngineMetrics:
@@ -92,7 +119,7 @@ class EngineMetrics:
     def __init__(self, model_name: str, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._labels = {"model_name": model_name}
-        self._snapshot = snapshot or (lambda: {})
+        self._snapshot = snapshot or (dict)
         self.registry.register(_SnapshotCollector(lambda: self._snapshot(), self._labels))
         names = list(self._labels)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", names,

@@ -10,6 +10,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("serving", "pagedllm.benchmarks.serving", "Online serving latency/throughput against a running server."),
     ("cpu-kernels", "pagedllm.benchmarks.cpu_kernels", "The CPU path's kernels against their torch peers."),
     ("http-overhead", "pagedllm.benchmarks.http_overhead", "The same batch through LLM.generate and through HTTP."),
+    ("spec-decode", "pagedllm.benchmarks.spec_decode", "Speculative decoding on vs off: input-copying and ShareGPT-like."),
     ("paper", "pagedllm.benchmarks.paper.cli", "The paper's Figures 2 and 12-19, one command each."),
 )
 

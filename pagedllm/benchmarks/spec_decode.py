@@ -1,0 +1,214 @@
+"""Speculative decoding on vs off, same engine settings, same requests, same run.
+
+Workloads:
+- input-copying (default 100 prompts, chat template of the bundled model, greedy): three kinds in turn,
+  built deterministically from this repository's own text: (1) "repeat this code exactly" over a 12-30
+  line window of a pagedllm/*.py file, (2) "rename function X to X_v2 and output the whole code" over
+  a window that defines a function, (3) "summarize this text quoting its key sentences verbatim" over
+  a README.md / ARCHITECTURE.md passage. Run closed-loop at each --concurrency (1 and 4 by default):
+  that many requests in flight, a new one joins when one finishes.
+- ShareGPT-like (random token ids with the paper's Fig. 11 length fits, ignore_eos) at
+  --sharegpt-concurrency (64) in flight: speculation must cost nothing here (it turns itself off).
+
+Both engines (off and on, same settings) live in one process; each workload runs on both in interleaved
+slices (off, on, off, on, ... `--rounds`), so that a change in the machine's load hits both alike.
+Prints output tok/s on and off and their ratio, the acceptance rate and mean acceptance length, and
+whether greedy outputs were token-for-token identical.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import time
+from collections import deque
+from pathlib import Path
+
+from pagedllm.benchmarks.throughput import make_sharegpt_like
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedllm.bench")
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _code_windows(rng: random.Random, n: int, need_def: bool) -> list[tuple[str, str | None]]:
+    files = sorted((_ROOT / "pagedllm").rglob("*.py"))
+    out: list[tuple[str, str | None]] = []
+    while len(out) < n:
+        lines = rng.choice(files).read_text().splitlines()
+        if len(lines) < 40:
+            continue
+        size = rng.randint(12, 30)
+        start = rng.randrange(0, len(lines) - size)
+        window = lines[start:start + size]
+        name = next((ln.split("def ", 1)[1].split("(")[0] for ln in window if ln.lstrip().startswith("def ")), None)
+        if need_def and name is None:
+            continue
+        out.append(("\n".join(window), name))
+    return out
+
+
+def _doc_passages(rng: random.Random, n: int) -> list[str]:
+    paras = []
+    for name in ("README.md", "ARCHITECTURE.md"):
+        for path in (_ROOT / name, _ROOT.parent / "shared" / name):
+            if path.exists():
+                paras += [p for p in path.read_text().split("\n\n") if 300 < len(p) < 1500]
+    return [rng.choice(paras) for _ in range(n)] if paras else []
+
+
+def make_copy_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
+    """`num` input-copying prompts (see the module docstring), as chat-templated token ids."""
+    rng = random.Random(seed)
+    per = num // 3 + 1
+    copies = _code_windows(rng, per, need_def=False)
+    edits = _code_windows(rng, per, need_def=True)
+    docs = _doc_passages(rng, per)
+    texts = []
+    for i in range(num):
+        kind, j = i % 3, i // 3
+        if kind == 0 or (kind == 2 and not docs):
+            texts.append(f"Repeat the following code exactly, with nothing else.\n\n{copies[j][0]}")
+        elif kind == 1:
+            code, name = edits[j]
+            texts.append(f"Rename the function `{name}` to `{name}_v2` in this code and output the whole "
+                         f"updated code.\n\n{code}")
+        else:
+            texts.append(f"Summarize this text, quoting its key sentences verbatim.\n\n{docs[j]}")
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=False) for t in texts]
+    return [tokenizer.encode(c, add_special_tokens=False) for c in chats]
+
+
+def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
+                    concurrency: int, tag: str) -> tuple[float, list[list[int]]]:
+    """Keep `concurrency` requests in flight until all are done → (seconds, output token ids per prompt)."""
+    todo = deque(range(len(prompts)))
+    results: dict[int, list[int]] = {}
+    active = 0
+    t0 = time.perf_counter()
+    while todo or engine.has_unfinished_requests():
+        while todo and active < concurrency:
+            i = todo.popleft()
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompts[i]}, params[i])
+            active += 1
+        for out in engine.step():
+            if out.finished:
+                results[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
+                active -= 1
+    return time.perf_counter() - t0, [results[i] for i in range(len(prompts))]
+
+
+def _spec_delta(before: dict, after: dict) -> dict:
+    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+            "spec_decode_num_emitted_tokens")
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+    d["acceptance_rate"] = d[keys[2]] / d[keys[1]] if d[keys[1]] else 0.0
+    d["mean_acceptance_length"] = d[keys[3]] / d[keys[0]] if d[keys[0]] else 0.0
+    return d
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (then acceptance means little)")
+    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                                                   '"prompt_lookup_max": 4}')
+    p.add_argument("--num-prompts", type=int, default=100, help="input-copying prompts")
+    p.add_argument("--max-tokens", type=int, default=128, help="input-copying: output cap (stops at EOS)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--sharegpt-prompts", type=int, default=128, help="0: skip the ShareGPT-like part")
+    p.add_argument("--sharegpt-concurrency", type=int, default=64)
+    p.add_argument("--sharegpt-max-out", type=int, default=None, help="cap ShareGPT-like output lengths")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (both live at once)")
+    p.add_argument("--rounds", type=int, default=5, help="copy workload: interleaved off/on slices")
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _measure(engines: dict, name: str, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
+             rounds: int, results: dict, outputs: dict) -> None:
+    """Run the workload on both engines in `rounds` interleaved slices (off, on, off, on, ...) so that a
+    change in the machine's load hits both sides alike; sums the times."""
+    n = len(prompts)
+    cuts = [n * r // rounds for r in range(rounds + 1)]
+    for label, engine in engines.items():
+        results[label] = {"seconds": 0.0, "output_tokens": 0, "_before": engine.stats()}
+        outputs[label] = []
+    for r in range(rounds):
+        lo, hi = cuts[r], cuts[r + 1]
+        if lo == hi:
+            continue
+        for label, engine in engines.items():
+            dt, outs = run_closed_loop(engine, prompts[lo:hi], params[lo:hi], concurrency, f"{name}{label}r{r}")
+            results[label]["seconds"] += dt
+            results[label]["output_tokens"] += sum(len(o) for o in outs)
+            outputs[label] += outs
+    for label, engine in engines.items():
+        e = results[label]
+        e["output_tok_s"] = e["output_tokens"] / e["seconds"]
+        e.update(_spec_delta(e.pop("_before"), engine.stats()))
+        logger.info("%s c=%d spec %s: %d output tokens in %.1f s = %.1f tok/s, acceptance %.2f, length %.2f", name,
+                    concurrency, label, e["output_tokens"], e["seconds"], e["output_tok_s"], e["acceptance_rate"],
+                    e["mean_acceptance_length"])
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    results: dict = {"speculative_config": json.loads(args.speculative_config), "copy": {}, "sharegpt": {}}
+    outputs: dict[str, dict] = {}
+    engines = {}
+    for label, spec in (("off", None), ("on", args.speculative_config)):
+        eargs = EngineArgs(model=args.model, device=args.device, dtype=args.dtype, load_format=args.load_format,
+                           max_model_len=args.max_model_len,
+                           max_num_seqs=max([*args.concurrency, args.sharegpt_concurrency]),
+                           num_gpu_blocks_override=args.num_gpu_blocks, speculative_config=spec, seed=args.seed,
+                           gpu_memory_utilization=args.gpu_memory_utilization)
+        engines[label] = LLMEngine(eargs)
+    engine = engines["off"]
+    prompts = make_copy_prompts(engine.tokenizer, args.num_prompts, args.seed)
+    greedy = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
+    for label, eng in engines.items():
+        run_closed_loop(eng, prompts[:2], [SamplingParams(temperature=0, max_tokens=8)] * 2, 2, f"warm{label}")
+    for c in args.concurrency:
+        _measure(engines, f"copy{c}", prompts, greedy, c, args.rounds, results["copy"].setdefault(str(c), {}),
+                 outputs.setdefault(f"copy{c}", {}))
+    if args.sharegpt_prompts:
+        wl = make_sharegpt_like(args.sharegpt_prompts, int(engine.hf_config.vocab_size), args.seed,
+                                max_prompt=args.max_model_len // 2, max_total=args.max_model_len)
+        outs_len = [min(o, args.sharegpt_max_out or o) for o in wl.output_len]
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs_len]
+        _measure(engines, "sharegpt", wl.prompts, params, args.sharegpt_concurrency, 1, results["sharegpt"], {})
+    print(f"\n{'workload':<22}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'accept':>8}{'acc.len':>8}{'identical':>11}")
+    for c, e in results["copy"].items():
+        same = sum(a == b for a, b in zip(outputs[f"copy{c}"]["off"], outputs[f"copy{c}"]["on"]))
+        e["ratio"] = e["on"]["output_tok_s"] / e["off"]["output_tok_s"]
+        e["identical"] = f"{same}/{len(outputs[f'copy{c}']['off'])}"
+        print(f"{'copy, ' + c + ' concurrent':<22}{e['off']['output_tok_s']:>11.1f}{e['on']['output_tok_s']:>11.1f}"
+              f"{e['ratio']:>7.2f}x{e['on']['acceptance_rate']:>8.2f}{e['on']['mean_acceptance_length']:>8.2f}"
+              f"{e['identical']:>11}")
+    if results["sharegpt"]:
+        e = results["sharegpt"]
+        e["ratio"] = e["on"]["output_tok_s"] / e["off"]["output_tok_s"]
+        print(f"{'sharegpt-like, ' + str(args.sharegpt_concurrency):<22}{e['off']['output_tok_s']:>11.1f}"
+              f"{e['on']['output_tok_s']:>11.1f}{e['ratio']:>7.2f}x{e['on']['acceptance_rate']:>8.2f}"
+              f"{e['on']['mean_acceptance_length']:>8.2f}{'':>11}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    raise SystemExit(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

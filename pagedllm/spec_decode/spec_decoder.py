@@ -1,0 +1,174 @@
+"""Engine side of speculative decoding: per step, pick the sequences that speculate, give their drafts
+slots, and after the target's pass verify, append and roll back.
+
+Per step: off when more sequences run than `disable_by_batch_size` (decode is no longer memory-bound,
+so verifying k+1 tokens per sequence costs real compute), and off for a sequence whose recent acceptance
+is low (it retries after `cooldown_steps`). A sequence speculates only when it is decoding one token
+whose input is on the host (not pending on the device), is not beam search or grammar-constrained, and
+its k draft slots fit in the pool (leaving the watermark free: speculation never preempts anyone) and
+in the step's token budget.
+
+Rollback: the scheduler already counted the sequence's one decode token; verification sets
+`num_computed_tokens` to the tokens whose KV is now valid (the old ones plus the accepted drafts),
+frees the blocks that held only rejected tokens, and only then hashes newly full blocks for prefix
+caching, so a rejected token never reaches the prefix cache.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.core.block_manager import cdiv
+from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
+from pagedllm.model.layers.sampler import SamplingRow
+from pagedllm.spec_decode.metrics import SpecDecodeStats
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.rejection_sampler import VerifyResult, is_greedy, verify
+from pagedllm.worker.model_input import SequenceChunk
+
+logger = logging.getLogger("pagedllm")
+
+_EMA = 0.5  # weight of the newest step in a sequence's acceptance average
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, executor, max_seq_len: int) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.max_seq_len = max_seq_len
+        self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        if config.method == "ngram":
+            self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                       config.prompt_lookup_max)
+            self.draft = None
+        else:
+            from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
+
+            self.ngram = None
+            self.draft = DraftModelProposer(executor, config.draft_num_layers)
+            logger.info("Self-speculation: %d draft layers, %d tokens per step", self.draft.num_layers,
+                        config.num_speculative_tokens)
+
+    def wants_sync(self) -> bool:
+        """Whether this step may speculate: verification needs the previous step's tokens on the host."""
+        s = self.scheduler
+        return sum(g.num_unfinished_seqs() for g in s.running) + len(s.waiting) <= self.config.disable_by_batch_size
+
+    def _eligible(self, item: ScheduledSequence) -> bool:
+        seq, group = item.seq, item.group
+        if item.num_new_tokens != 1 or not item.completes or seq.num_pending_tokens or not seq.output_token_ids:
+            return False
+        if "beam" in group.extra or "structured_output" in group.extra:
+            return False
+        cool = seq.extra.get("spec_cooldown", 0)
+        if cool:
+            seq.extra["spec_cooldown"] = cool - 1
+            return False
+        return True
+
+    def _max_k(self, item: ScheduledSequence) -> int:
+        seq = item.seq
+        left = item.group.extra["max_tokens"] - len(seq.output_token_ids) - 1  # the bonus token is extra
+        return max(0, min(self.config.num_speculative_tokens, left, self.max_seq_len - 1 - seq.get_len()))
+
+    def plan(self, sched: SchedulerOutputs) -> dict[int, list[int]]:
+        """Drafts (seq_id → tokens) for this step; their slots are allocated here (CoW copies appended)."""
+        num_seqs = len(sched.scheduled)
+        if num_seqs == 0 or num_seqs > self.config.disable_by_batch_size:
+            if num_seqs:
+                self.stats.num_steps_off_by_batch += 1
+            return {}
+        bm = self.scheduler.block_manager
+        token_room = self.scheduler.max_num_batched_tokens - sched.num_batched_tokens
+        chosen: list[tuple[ScheduledSequence, int, list[int]]] = []
+        for item in sched.scheduled:
+            if not self._eligible(item):
+                continue
+            k = min(self._max_k(item), token_room)
+            if k <= 0:
+                continue
+            drafts = self.ngram.propose(item.seq.token_ids, k) if self.ngram is not None else []
+            if self.ngram is not None and not drafts:
+                continue
+            k = len(drafts) if drafts else k
+            need = bm.num_blocks_to_grow(item.seq, 1 + k)
+            if not bm.can_allocate(need, for_new_request=True):
+                continue
+            sched.blocks_to_copy.extend(bm.allocate_slots(item.seq, 1 + k))
+            token_room -= k
+            sched.num_batched_tokens += k
+            chosen.append((item, k, drafts))
+        if self.draft is not None and chosen:
+            chunks = [SequenceChunk(it.seq.seq_id, [it.seq.last_token_id], it.seq.num_computed_tokens,
+                                    list(bm.get_block_table(it.seq)), sample=True) for it, _, _ in chosen]
+            if sched.blocks_to_copy or sched.blocks_to_swap_in or sched.blocks_to_swap_out:
+                # The draft reads the cache before the step's block moves would run: do them first.
+                self.scheduler_moves(sched)
+            proposals = self.draft.propose(chunks, [k for _, k, _ in chosen])
+            chosen = [(it, k, p) for (it, k, _), p in zip(chosen, proposals)]
+        if chosen:
+            self.stats.num_spec_steps += 1
+        return {it.seq.seq_id: drafts for it, _, drafts in chosen}
+
+    def scheduler_moves(self, sched: SchedulerOutputs) -> None:
+        """Run the step's swap/copy block moves now (the draft reads the cache before the step runs)."""
+        ce = self.draft.worker.cache_engine
+        ce.swap_out(sched.blocks_to_swap_out)  # the worker's order
+        ce.swap_in(sched.blocks_to_swap_in)
+        ce.copy(sched.blocks_to_copy)
+        sched.blocks_to_swap_in, sched.blocks_to_swap_out, sched.blocks_to_copy = [], [], []
+
+    @staticmethod
+    def plain_greedy(item: ScheduledSequence) -> bool:
+        """Greedy with raw logits (no penalty, no min_tokens ban, no top logprobs): verified in one batch."""
+        p = item.group.sampling_params
+        return (is_greedy(p) and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and len(item.seq.output_token_ids) >= p.min_tokens and p.logprobs is None)
+
+    @staticmethod
+    def batch_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Argmax and its raw logprob for every row, in one device→host transfer."""
+        lg = logits.float()
+        best, idx = lg.max(dim=-1)
+        both = torch.stack([idx.to(torch.float64), (best - lg.logsumexp(dim=-1)).to(torch.float64)]).tolist()
+        return [int(t) for t in both[0]], both[1]
+
+    def verify_seq(self, item: ScheduledSequence, drafts: list[int], logits: torch.Tensor,
+                   eos_token_ids: tuple[int, ...], greedy: list[int] | None = None) -> VerifyResult:
+        """Accept a prefix of `drafts` for one sequence from its k+1 target rows (`greedy`: their argmax,
+        already on the host, for plain greedy sequences)."""
+        seq, params = item.seq, item.group.sampling_params
+        if greedy is not None:
+            n = 0
+            while n < len(drafts) and drafts[n] == greedy[n]:
+                n += 1
+            res = VerifyResult(drafts[:n] + [greedy[n]], n)
+        else:
+            out = seq.output_token_ids
+            rows = [SamplingRow(params, seq.prompt_token_ids, out + drafts[:i], eos_token_ids=eos_token_ids)
+                    for i in range(len(drafts) + 1)]
+            res = verify(logits, rows, drafts, generator=seq.extra.get("generator"))
+        self.stats.record(len(drafts), res.num_accepted)
+        rate = res.num_accepted / len(drafts)
+        ema = seq.extra.get("spec_ema", 1.0) * (1 - _EMA) + rate * _EMA
+        seq.extra["spec_ema"] = ema
+        if ema < self.config.min_acceptance_rate:
+            seq.extra["spec_cooldown"] = self.config.cooldown_steps
+            seq.extra["spec_ema"] = 1.0  # a fresh start after the cooldown
+        return res
+
+    def roll_back(self, item: ScheduledSequence, num_kv_valid: int) -> None:
+        """After the accepted tokens were appended: the KV of the first `num_kv_valid` tokens is valid;
+        drop blocks holding only rejected drafts, then hash newly full blocks."""
+        seq = item.seq
+        seq.num_computed_tokens = num_kv_valid
+        bm = self.scheduler.block_manager
+        table = bm.block_tables.get(seq.seq_id)
+        if table is None:  # finished and freed
+            return
+        keep = cdiv(num_kv_valid, bm.block_size)
+        while len(table) > keep:
+            bm.gpu_pool.decref(table.pop())
+        bm.cache_computed_blocks(seq)

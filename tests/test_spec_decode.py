@@ -1,0 +1,254 @@
+"""Speculative decoding: proposers, the rejection sampler's distribution, and exact engine outputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import SpeculativeConfig
+from pagedllm.model.layers.sampler import SamplingRow
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.rejection_sampler import processed_logits, verify
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 20}
+
+
+# -- proposer and config -------------------------------------------------------------------------
+def test_ngram_proposes_continuation_of_latest_match():
+    p = NgramProposer(3, 1, 3)
+    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]
+    assert p.propose([1, 2, 3, 7, 2, 3, 8, 9, 2, 3]) == [8, 9, 2]  # the latest earlier match
+    assert p.propose([5, 6, 7]) == []  # nothing recurs
+    assert p.propose([1, 2, 1], k=1) == [2]
+
+
+def test_speculative_config_errors():
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="unknown speculative_config"):
+        SpeculativeConfig.from_json('{"method": "ngram", "k": 3}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SpeculativeConfig.from_json("{method")
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=2)
+    assert SpeculativeConfig.from_json('{"num_speculative_tokens": 2}').num_speculative_tokens == 2
+
+
+# -- the rejection sampler: output distribution equals the target's ------------------------------
+@pytest.mark.parametrize("top_p,random_q", [(1.0, False), (0.8, False), (1.0, True)])
+def test_rejection_sampler_distribution_chi_square(top_p, random_q):
+    """20 000 verifications of 2 drafts on a 6-token vocabulary, temperature 1: the first emitted token
+    follows the target's (top-p processed) distribution, and so does the second once the first draft is
+    accepted; with a one-hot q (the proposers here) and with a random q the drafts are drawn from."""
+    g = torch.Generator().manual_seed(1234)
+    vocab, k, draws = 6, 2, 20_000
+    logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    drafts = [int(logits[0].argmax()), 3]
+    rows = [SamplingRow(params, [0], drafts[:i]) for i in range(k + 1)]
+    p = processed_logits(logits, rows).softmax(-1)
+    q = torch.softmax(torch.randn(k, vocab, generator=g), -1) if random_q else None
+    first = np.zeros(vocab, dtype=np.int64)
+    second = np.zeros(vocab, dtype=np.int64)  # given the first draft was emitted
+    for _ in range(draws):
+        if q is not None:  # drafts are drawn from q
+            drafts = torch.multinomial(q, 1, generator=g).flatten().tolist()
+        res = verify(logits, rows, drafts, q, generator=g)
+        first[res.token_ids[0]] += 1
+        if len(res.token_ids) > 1:  # the first draft was accepted: the second token is drawn afresh
+            second[res.token_ids[1]] += 1
+    for counts, probs in ((first, p[0]), (second, p[1])):
+        probs = probs.double().numpy()
+        keep = probs > 0
+        assert counts[~keep].sum() == 0  # nothing outside top-p
+        expected = probs[keep] / probs[keep].sum() * counts.sum()
+        assert chisquare(counts[keep], expected).pvalue > 0.01
+
+
+def test_rejection_sampler_greedy_is_argmax():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    rows = [SamplingRow(SamplingParams(temperature=0), [0], [])] * 3
+    assert verify(logits, rows, [1, 0]).token_ids == [1, 0, 2]  # both accepted + bonus
+    assert verify(logits, rows, [1, 2]).token_ids == [1, 0]  # second rejected, replaced by argmax
+    assert verify(logits, rows, [2, 0]).num_accepted == 0
+
+
+# -- the engine: exact greedy outputs --------------------------------------------------------------
+def _prompts(tokenizer) -> list[list[int]]:
+    texts = [
+        "Copy the list exactly: apples, pears, plums, figs, dates, limes, kiwis. Copy: apples, pears,",
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+        "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    ]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def _run(prompts, params, **kw):
+    llm = LLM(max_model_len=256, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    eng = llm.llm_engine
+    bm = eng.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks  # nothing leaked
+    bm.check_invariants()
+    return [[list(c.token_ids) for c in o.outputs] for o in outs], eng.stats()
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer):
+    prompts = _prompts(tokenizer)
+    outs, _ = _run(prompts, SamplingParams(temperature=0, max_tokens=20), num_gpu_blocks_override=64)
+    return prompts, outs
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
+def test_greedy_identical_on_off(reference, spec):
+    prompts, ref = reference
+    outs, st = _run(prompts, SamplingParams(temperature=0, max_tokens=20), num_gpu_blocks_override=64,
+                    speculative_config=spec)
+    assert outs == ref
+    assert st["spec_decode_num_draft_tokens"] > 0
+    if spec is NGRAM:
+        assert st["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_identical_under_preemption(reference, mode):
+    """6 blocks of 16 tokens for three ~25-token prompts growing by 20: sequences get preempted."""
+    prompts, ref = reference
+    outs, st = _run(prompts, SamplingParams(temperature=0, max_tokens=20), num_gpu_blocks_override=6,
+                    preemption_mode=mode, speculative_config=NGRAM)
+    assert st["num_preemptions"] > 0
+    assert st["spec_decode_num_accepted_tokens"] > 0
+    assert outs == ref
+
+
+def test_greedy_identical_with_prefix_caching_and_n2(reference):
+    """Prefix caching on, each prompt twice, and n=2 (top_k=1: both samples are the greedy path)."""
+    prompts, ref = reference
+    llm = LLM(max_model_len=256, num_gpu_blocks_override=64, enable_prefix_caching=True, block_size=8,
+              speculative_config=NGRAM)
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
+                            use_tqdm=False)
+        assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
+    st = llm.stats()
+    assert st["prefix_cache_hits"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
+    outs = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=20),
+                        use_tqdm=False)
+    assert [list(c.token_ids) for c in outs[0].outputs] == [ref[0][0]] * 2
+    bm = llm.llm_engine.scheduler.block_manager
+    bm.check_invariants()
+    # Every block still referenced is a cached, freed one: no sequence holds any.
+    assert not bm.block_tables
+
+
+@pytest.mark.slow
+def test_beam_search_unaffected(reference):
+    prompts, _ = reference
+    params = SamplingParams(use_beam_search=True, best_of=2, temperature=0, max_tokens=8)
+    off, _ = _run(prompts[:1], params, num_gpu_blocks_override=64)
+    on, st = _run(prompts[:1], params, num_gpu_blocks_override=64, speculative_config=NGRAM)
+    assert on == off and st["spec_decode_num_drafts"] == 0  # beams never speculate
+
+
+def test_abort_mid_speculation_frees_blocks(reference):
+    prompts, _ = reference
+    llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=NGRAM)
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=40))
+    while eng.stats()["spec_decode_num_drafts"] == 0:
+        eng.step()
+    eng.abort_request(["0", "1", "2"])
+    while eng.has_unfinished_requests():
+        eng.step()
+    bm = eng.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    bm.check_invariants()
+
+
+@pytest.mark.slow
+def test_off_for_large_batches(reference):
+    prompts, ref = reference
+    outs, st = _run(prompts, SamplingParams(temperature=0, max_tokens=20), num_gpu_blocks_override=64,
+                    speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    assert outs == ref
+    assert st["spec_decode_num_steps_off_by_batch"] > 0
+
+
+# -- the engine: sampled outputs keep their distribution (small random model) ----------------------
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).eval()
+    for p in hf.parameters():
+        p.data.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("tiny_spec")
+    hf.save_pretrained(path)
+    return str(path)
+
+
+def test_engine_sampling_distribution_on_off(tiny_model):
+    """1 500 requests of 4 tokens at temperature 1 on a random 8-token model with a repetitive prompt (the
+    n-gram proposer always proposes): the 2nd..4th tokens' joint counts match speculation off (chi-square
+    test of homogeneity on the 3rd token and on the 4th)."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    counts = {}
+    for name, spec in (("off", None), ("on", {**NGRAM, "disable_by_batch_size": 4096})):
+        llm = LLM(model=tiny_model, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=2048,
+                  block_size=4, max_num_seqs=512, speculative_config=spec, seed=7)
+        outs = llm.generate([{"prompt_token_ids": prompt}] * 1500, params, use_tqdm=False)
+        toks = np.array([o.outputs[0].token_ids for o in outs])
+        counts[name] = [np.bincount(toks[:, j], minlength=8) for j in (2, 3)]
+        if spec:
+            assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    for a, b in zip(counts["off"], counts["on"]):
+        table = np.stack([a, b])
+        table = table[:, table.sum(0) > 0]
+        assert chi2_contingency(table).pvalue > 0.01
+
+
+def test_metrics_render_spec_decode():
+    from pagedllm.engine.metrics import EngineMetrics
+    from pagedllm.spec_decode.metrics import SpecDecodeStats
+
+    st = SpecDecodeStats(3)
+    st.record(3, 2)
+    st.record(2, 0)
+    d = st.as_dict()
+    assert d["spec_decode_num_draft_tokens"] == 5 and d["spec_decode_num_accepted_tokens"] == 2
+    assert d["spec_decode_acceptance_rate_pos_0"] == 0.5 and d["spec_decode_acceptance_rate_pos_2"] == 0.0
+    text = EngineMetrics("m", lambda: d).render().decode()
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_acceptance_rate_per_pos{model_name="m",position="1"} 0.5' in text
+
+
+def test_penalties_min_tokens_logprobs_keep_meaning(reference):
+    """Greedy with a repetition penalty, min_tokens and top-2 logprobs: the same tokens and logprobs on/off
+    (verification applies the penalty over the history including the accepted drafts)."""
+    prompts, _ = reference
+    params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.05, min_tokens=4, logprobs=2)
+    res = {}
+    for name, spec in (("off", None), ("on", NGRAM)):
+        llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        res[name] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        if spec:
+            assert llm.stats()["spec_decode_num_drafts"] > 0
+    for (t_off, lp_off), (t_on, lp_on) in zip(res["off"], res["on"]):
+        assert t_on == t_off
+        for a, b in zip(lp_off, lp_on):
+            assert set(a) == set(b)
+            for tok in a:
+                va = a[tok].logprob if hasattr(a[tok], "logprob") else a[tok]
+                vb = b[tok].logprob if hasattr(b[tok], "logprob") else b[tok]
+                assert abs(va - vb) < 1e-3
