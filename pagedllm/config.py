@@ -11,6 +11,8 @@ _PREEMPTION_MODES = ("recompute", "swap", "auto")
 # "paged": PagedAttention's BlockManager; the others: the paper's Orca baselines (core/baselines.py).
 KV_CACHE_MANAGERS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 BATCHING_MODES = ("iteration", "request")
+# KV pool element type: "auto" = the model dtype; "fp8" = fp8_e4m3 (vLLM's names).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -62,6 +64,7 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
     kv_cache_manager: str = "paged"
+    cache_dtype: str = "auto"  # --kv-cache-dtype
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
@@ -78,6 +81,7 @@ class CacheConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
         _check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _check_choice("kv_cache_manager", self.kv_cache_manager, KV_CACHE_MANAGERS)
+        _check_choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
         if self.kv_cache_manager != "paged":
             if self.enable_prefix_caching:
                 raise ValueError(

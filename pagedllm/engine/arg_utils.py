@@ -8,6 +8,7 @@ from typing import Any, get_type_hints
 
 from pagedllm.config import (
     BATCHING_MODES,
+    KV_CACHE_DTYPES,
     KV_CACHE_MANAGERS,
     CacheConfig,
     DeviceConfig,
@@ -49,10 +50,12 @@ _HELP = {
                         "(max_model_len). Contiguous managers share, swap and cache nothing.",
     "batching": "iteration (requests join and leave every step) or request (a batch runs until all its requests "
                 "finish before others join: FasterTransformer-style with --kv-cache-manager orca-max).",
+    "kv_cache_dtype": "KV pool element type: auto (the model dtype), fp8 / fp8_e4m3, or fp8_e5m2 (CUDA only; "
+                      "per-layer scales k_scale = v_scale = 1.0).",
     "structured_outputs_backend": "Grammar engine for structured outputs: xgrammar or guidance (llguidance).",
 }
 
-_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES}
+_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "kv_cache_dtype": KV_CACHE_DTYPES}
 
 
 @dataclass
@@ -83,6 +86,7 @@ class EngineArgs:
     kv_cache_manager: str = "paged"
     batching: str = "iteration"
     structured_outputs_backend: str = "xgrammar"
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -121,7 +125,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching, preemption_mode=self.preemption_mode,
-            kv_cache_manager=self.kv_cache_manager,
+            kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
