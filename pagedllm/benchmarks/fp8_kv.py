@@ -16,7 +16,7 @@ from pagedllm.benchmarks.kernels import bench_graph, copy_bandwidth
 from pagedllm.kernels import kv_quant
 
 
-def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int) -> dict:
+def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int, fp8_tiles: list[int]) -> dict:
     from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
     nb_seq = -(-ctx // bs)
@@ -29,12 +29,15 @@ def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int) -> dict
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     row: dict = {"batch": batch, "context": ctx}
     outs = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp8", torch.float8_e4m3fn)):
+    runs = [("bf16", torch.bfloat16, None), ("fp8", torch.float8_e4m3fn, None)]
+    runs += [(f"fp8_tile{t}", torch.float8_e4m3fn, t) for t in fp8_tiles]
+    for name, dtype, tile in runs:
         k = kc if dtype == torch.bfloat16 else kv_quant.quantize(kc, dtype)
         v = vc if dtype == torch.bfloat16 else kv_quant.quantize(vc, dtype)
         out = torch.empty_like(q)
         ws = DecodeWorkspace.allocate("cuda")
-        fn = lambda: paged_decode_attention(q, k, v, tables, seq_lens, d**-0.5, ctx, out=out, workspace=ws)  # noqa: E731
+        fn = lambda: paged_decode_attention(q, k, v, tables, seq_lens, d**-0.5, ctx, out=out, workspace=ws,  # noqa: E731
+                                            tile=tile)
         fn()
         ms, _ = bench_graph(fn)
         kv_bytes = 2 * batch * ctx * hk * d * k.element_size()
@@ -54,6 +57,7 @@ def main() -> int:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--fp8-tiles", type=int, nargs="*", default=[], help="also time the FP8 pool with these tiles")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     bw = copy_bandwidth()
@@ -62,13 +66,14 @@ def main() -> int:
     rows = []
     for b in a.batches:
         for c in a.contexts:
-            r = bench_point(b, c, a.num_heads, a.num_kv_heads, a.head_dim, a.block_size)
-            for n in ("bf16", "fp8"):
+            r = bench_point(b, c, a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.fp8_tiles)
+            for n in ["bf16", "fp8"] + [f"fp8_tile{t}" for t in a.fp8_tiles]:
                 r[n]["frac_of_copy_bw"] = r[n]["kv_bytes_per_s"] / bw
             rows.append(r)
             print(f"batch {b:4d} ctx {c:5d}: bf16 {r['bf16']['ms']:.3f} ms ({r['bf16']['frac_of_copy_bw']:.0%} of copy bw)"
                   f"  fp8 {r['fp8']['ms']:.3f} ms ({r['fp8']['frac_of_copy_bw']:.0%})  fp8/bf16 "
-                  f"{r['fp8_over_bf16_latency']:.2f}  rel err {r['fp8_rel_err_vs_bf16']:.3f}", flush=True)
+                  f"{r['fp8_over_bf16_latency']:.2f}  rel err {r['fp8_rel_err_vs_bf16']:.3f}  "
+                  + " ".join(f"tile{t} {r[f'fp8_tile{t}']['ms']:.3f} ms" for t in a.fp8_tiles), flush=True)
             torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:

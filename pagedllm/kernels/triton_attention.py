@@ -404,8 +404,8 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     dim_pad = triton.next_power_of_2(d)
-    if tile is None:
-        tile = max(16, min(64, 8192 // dim_pad))
+    if tile is None:  # 16 KiB of bf16 K per tile; an FP8 pool reads twice the keys for the same bytes
+        tile = max(16, min(64, 8192 // dim_pad)) * (2 if key_cache.element_size() == 1 else 1)
     tile = max(tile, triton.next_power_of_2(block_size))
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, hk, max_seq_len, tile, query.device, programs_per_sm,
