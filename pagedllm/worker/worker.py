@@ -16,7 +16,7 @@ from pagedllm.model.layers.attention import (
     TorchAttentionBackend,
     TritonAttentionBackend,
 )
-from pagedllm.model.layers.linear import pack_weights_for_cpu
+from pagedllm.model.layers.linear import pack_weights_for_cpu, quantize_weights_fp8
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
@@ -56,6 +56,9 @@ class Worker:
         # The KV pool's element type (--kv-cache-dtype); FP8 pools use fixed scales of 1.0 (kv_quant.py says why).
         self.kv_spec = kv_quant.KVCacheSpec(kv_quant.resolve_cache_dtype(config.cache_config.cache_dtype,
                                                                          self.dtype, device))
+        if config.model_config.quantization == "fp8" and device != "cuda":
+            raise ValueError(f"quantization='fp8' needs a CUDA device (torch._scaled_mm on Hopper); this engine "
+                             f"runs on {device!r}: leave quantization unset.")
         self.model = None
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
@@ -86,7 +89,11 @@ class Worker:
         self.process_weights_after_loading()
 
     def process_weights_after_loading(self) -> str:
-        """On CPU, pack the linear layers' weights for oneDNN; returns the GEMM path in use."""
+        """On CPU, pack the linear layers' weights for oneDNN; with --quantization fp8, quantize them;
+        returns the GEMM path in use."""
+        if self.config.model_config.quantization == "fp8":
+            n = quantize_weights_fp8(self.model)
+            return f"fp8 _scaled_mm ({n} layers)"
         if self.device.type != "cpu":
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
