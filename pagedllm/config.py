@@ -11,6 +11,10 @@ _PREEMPTION_MODES = ("recompute", "swap", "auto")
 # "paged": PagedAttention's BlockManager; the others: the paper's Orca baselines (core/baselines.py).
 KV_CACHE_MANAGERS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 BATCHING_MODES = ("iteration", "request")
+# KV pool element type: "auto" = the model dtype; "fp8" = fp8_e4m3 (vLLM's names).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Weight quantization: "fp8" = e4m3 weights, per-channel scales, torch._scaled_mm (CUDA).
+QUANTIZATION_METHODS = ("fp8",)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -39,12 +43,15 @@ class ModelConfig:
     trust_remote_code: bool = False
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     max_capture_tokens: int = 8192  # piecewise graphs for steps up to this many tokens (0: none)
+    quantization: str | None = None  # --quantization: None or one of QUANTIZATION_METHODS
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_capture_tokens, int) or self.max_capture_tokens < 0:
             raise ValueError(f"max_capture_tokens must be an int >= 0, got {self.max_capture_tokens!r}.")
         _check_choice("dtype", self.dtype, _DTYPES)
         _check_choice("load_format", self.load_format, _LOAD_FORMATS)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
 
 
@@ -62,6 +69,7 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
     kv_cache_manager: str = "paged"
+    cache_dtype: str = "auto"  # --kv-cache-dtype
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
@@ -78,6 +86,7 @@ class CacheConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
         _check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _check_choice("kv_cache_manager", self.kv_cache_manager, KV_CACHE_MANAGERS)
+        _check_choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
         if self.kv_cache_manager != "paged":
             if self.enable_prefix_caching:
                 raise ValueError(

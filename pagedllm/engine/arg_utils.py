@@ -8,6 +8,8 @@ from typing import Any, get_type_hints
 
 from pagedllm.config import (
     BATCHING_MODES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
     KV_CACHE_MANAGERS,
     CacheConfig,
     DeviceConfig,
@@ -56,10 +58,15 @@ _HELP = {
                           "(self-speculation: the model's first layers draft); also disable_by_batch_size, "
                           "prompt_lookup_min, min_acceptance_rate, cooldown_steps. Greedy outputs are unchanged; "
                           "sampled ones keep their distribution.",
+    "kv_cache_dtype": "KV pool element type: auto (the model dtype), fp8 / fp8_e4m3, or fp8_e5m2 (CUDA only; "
+                      "per-layer scales k_scale = v_scale = 1.0).",
+    "quantization": "Weight quantization: fp8 (bf16 linear weights → e4m3 per output channel at load, "
+                    "per-token activation scales, torch._scaled_mm; CUDA only).",
     "structured_outputs_backend": "Grammar engine for structured outputs: xgrammar or guidance (llguidance).",
 }
 
-_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES}
+_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "kv_cache_dtype": KV_CACHE_DTYPES,
+            "quantization": QUANTIZATION_METHODS}
 
 
 @dataclass
@@ -91,6 +98,8 @@ class EngineArgs:
     batching: str = "iteration"
     structured_outputs_backend: str = "xgrammar"
     speculative_config: str | dict | None = None
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -122,14 +131,14 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             max_model_len=max_model_len, load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
-            max_capture_tokens=self.max_capture_tokens,
+            max_capture_tokens=self.max_capture_tokens, quantization=self.quantization,
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching, preemption_mode=self.preemption_mode,
-            kv_cache_manager=self.kv_cache_manager,
+            kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,

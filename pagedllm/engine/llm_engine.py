@@ -67,8 +67,10 @@ class LLMEngine:
         cc.num_gpu_blocks, cc.num_cpu_blocks = num_gpu, num_cpu
         self.executor.initialize_cache(num_gpu, num_cpu)
         logger.info(
-            "KV cache: %d blocks × %d tokens = %d token slots on %s (%d CPU swap blocks); max_model_len=%d",
-            num_gpu, cc.block_size, num_gpu * cc.block_size, self.executor.device, num_cpu, sc.max_model_len,
+            "KV cache: %d blocks × %d tokens = %d token slots on %s (%d CPU swap blocks, kv_cache_dtype=%s); "
+            "max_model_len=%d",
+            num_gpu, cc.block_size, num_gpu * cc.block_size, self.executor.device, num_cpu, cc.cache_dtype,
+            sc.max_model_len,
         )
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler()
@@ -559,6 +561,7 @@ class LLMEngine:
         st = bm.stats
         return {
             "kv_blocks_total": bm.num_gpu_blocks,
+            "kv_cache_dtype": self.config.cache_config.cache_dtype,
             "kv_blocks_free": bm.get_num_free_gpu_blocks(),
             "kv_slots_allocated": used * bs,
             "kv_slots_filled": sum(filled.values()),

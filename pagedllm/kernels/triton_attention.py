@@ -73,7 +73,7 @@ def _merge_splits(
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_ml_ptr, counters_ptr,
-    scale,
+    scale, k_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh,
     stride_vb, stride_vo, stride_vh,
@@ -114,7 +114,8 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     offs = tl.arange(0, TILE)
-    qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x·log2 e)
+    # exp(x) = exp2(x·log2 e); an FP8 cache's k_scale folds in here, its v_scale into the result.
+    qk_scale = scale * k_scale * 1.4426950408889634
     for tile_start in range(start, end, TILE):
         pos = tile_start + offs
         ok = pos < end
@@ -133,8 +134,9 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
+    acc = acc * v_scale
 
     if not WRITE_PARTIAL:
         o = acc / l_i[:, None]
@@ -189,7 +191,7 @@ def _reduce_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
-    scale, seq_offset,
+    scale, k_scale, v_scale, seq_offset,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh,
     stride_vb, stride_vo, stride_vh,
@@ -222,7 +224,7 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * k_scale * 1.4426950408889634
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys up to the last row's position (causal), never past the sequence.
     kv_end = tl.minimum(seq_len, ctx + (m_tile + 1) * BLOCK_M)
@@ -243,9 +245,9 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
-    o = acc / l_i[:, None]
+    o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -374,6 +376,8 @@ def paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     merge_chunk: int | None = None,
     preload_table: bool | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] → [S, Hq, D] over each sequence's seq_lens[i] keys.
 
@@ -400,8 +404,8 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     dim_pad = triton.next_power_of_2(d)
-    if tile is None:
-        tile = max(16, min(64, 8192 // dim_pad))
+    if tile is None:  # 16 KiB of bf16 K per tile; an FP8 pool reads twice the keys for the same bytes
+        tile = max(16, min(64, 8192 // dim_pad)) * (2 if key_cache.element_size() == 1 else 1)
     tile = max(tile, triton.next_power_of_2(block_size))
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, hk, max_seq_len, tile, query.device, programs_per_sm,
@@ -431,7 +435,7 @@ def paged_decode_attention(
     _decode_kernel[(num_seqs, hk, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
         out, part_out, part_ml, counters,
-        scale,
+        scale, k_scale, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -464,6 +468,8 @@ def paged_prefill_attention(
     num_seqs: int,
     max_query_len: int,
     out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Sequences first_seq .. first_seq+num_seqs-1 of a flat batch: causal attention of their query tokens
     (rows query_start_loc[i]:query_start_loc[i+1] of `query`) over all seq_lens[i] cached keys; writes `out`."""
@@ -478,7 +484,7 @@ def paged_prefill_attention(
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), hq)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        scale, first_seq,
+        scale, k_scale, v_scale, first_seq,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -498,19 +504,23 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     workspace: DecodeWorkspace | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention`` (K/V already cached): decodes, then prefill chunks.
-    `workspace`: the decode's scratch, reused across calls (see ``paged_decode_attention``)."""
+    `workspace`: the decode's scratch, reused across calls (see ``paged_decode_attention``).
+    FP8 caches are read as fp8 · k_scale / v_scale (``kv_quant.dequantize``)."""
     if out is None:
         out = torch.empty_like(query)
     nd = meta.num_decodes
     if nd:
         max_len = max(meta.seq_lens_cpu[:nd])
         paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                               scale, max_len, out=out[:nd], workspace=workspace)
+                               scale, max_len, out=out[:nd], workspace=workspace,
+                               k_scale=k_scale, v_scale=v_scale)
     n_prefill = meta.num_seqs - nd
     if n_prefill:
         max_q = max(meta.query_lens_cpu[nd:])
         paged_prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, scale, nd, n_prefill, max_q, out)
+                                meta.query_start_loc, scale, nd, n_prefill, max_q, out, k_scale, v_scale)
     return out

@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.device_utils import async_tensor_h2d
+from pagedllm.kernels import kv_quant
 
 
 @triton.jit
@@ -13,7 +14,8 @@ def _reshape_and_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_co, stride_ch,
-    BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    inv_k_scale, inv_v_scale,
+    FP8_MAX: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
@@ -27,16 +29,21 @@ def _reshape_and_cache_kernel(
     mask = (h[:, None] < HEADS) & (d[None, :] < HEAD_DIM)
     k = tl.load(key_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if FP8_MAX > 0:  # FP8 pool: scale, saturate (a plain cast would overflow to NaN), then cast on store
+        k = tl.clamp(k.to(tl.float32) * inv_k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) * inv_v_scale, -FP8_MAX, FP8_MAX)
     dst = blk * stride_cb + off * stride_co + h[:, None] * stride_ch + d[None, :]
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """Write each token's K/V [T, H, D] into its slot of the [num_blocks, block_size, H, D] caches; slots < 0 are skipped.
 
+    FP8 caches store clamp(x / scale, ±max) (``kv_quant.quantize``); other caches ignore the scales.
     One launch for keys and values together; no host sync (the skip is decided on the device).
     """
     t, heads, dim = key.shape
@@ -57,7 +64,8 @@ def reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        BLOCK_SIZE=key_cache.shape[1], HEADS=heads, HEAD_DIM=dim,
+        1.0 / k_scale, 1.0 / v_scale,
+        FP8_MAX=kv_quant.fp8_max(key_cache.dtype), BLOCK_SIZE=key_cache.shape[1], HEADS=heads, HEAD_DIM=dim,
         HEADS_PAD=triton.next_power_of_2(heads), DIM_PAD=triton.next_power_of_2(dim),
         num_warps=4,
     )

@@ -127,7 +127,7 @@ class PiecewiseGraphRunner:
         self.buckets = capture_token_counts(max_num_batched_tokens, max_capture_tokens)
         self.max_tokens = self.buckets[-1]
         device = kv_caches[0][0].device
-        dtype = kv_caches[0][0].dtype
+        dtype = next(model.parameters()).dtype  # activations: not the KV pool's (an FP8 pool stores fp8)
         self.device = device
         mt = self.max_tokens
         self.input_ids = torch.zeros(mt, dtype=torch.int64, device=device)

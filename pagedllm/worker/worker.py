@@ -9,14 +9,14 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
-from pagedllm.kernels import cpu_kernels, cpu_linear
+from pagedllm.kernels import cpu_kernels, cpu_linear, kv_quant
 from pagedllm.model import loader
 from pagedllm.model.layers.attention import (
     NativeCpuAttentionBackend,
     TorchAttentionBackend,
     TritonAttentionBackend,
 )
-from pagedllm.model.layers.linear import pack_weights_for_cpu
+from pagedllm.model.layers.linear import pack_weights_for_cpu, quantize_weights_fp8
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
@@ -53,6 +53,12 @@ class Worker:
         device = config.device_config.resolve()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.model_config.dtype, device)
+        # The KV pool's element type (--kv-cache-dtype); FP8 pools use fixed scales of 1.0 (kv_quant.py says why).
+        self.kv_spec = kv_quant.KVCacheSpec(kv_quant.resolve_cache_dtype(config.cache_config.cache_dtype,
+                                                                         self.dtype, device))
+        if config.model_config.quantization == "fp8" and device != "cuda":
+            raise ValueError(f"quantization='fp8' needs a CUDA device (torch._scaled_mm on Hopper); this engine "
+                             f"runs on {device!r}: leave quantization unset.")
         self.model = None
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
@@ -83,7 +89,11 @@ class Worker:
         self.process_weights_after_loading()
 
     def process_weights_after_loading(self) -> str:
-        """On CPU, pack the linear layers' weights for oneDNN; returns the GEMM path in use."""
+        """On CPU, pack the linear layers' weights for oneDNN; with --quantization fp8, quantize them;
+        returns the GEMM path in use."""
+        if self.config.model_config.quantization == "fp8":
+            n = quantize_weights_fp8(self.model)
+            return f"fp8 _scaled_mm ({n} layers)"
         if self.device.type != "cpu":
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
@@ -93,7 +103,8 @@ class Worker:
 
     def cache_block_size_bytes(self) -> int:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
-        return CacheEngine.get_cache_block_size(layers, kv_heads, head_dim, self.config.cache_config.block_size, self.dtype)
+        return CacheEngine.get_cache_block_size(layers, kv_heads, head_dim, self.config.cache_config.block_size,
+                                              self.kv_spec.dtype)
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) this worker can hold under the cache config."""
@@ -118,8 +129,9 @@ class Worker:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
         self.cache_engine = CacheEngine(
             layers, kv_heads, head_dim, self.config.cache_config.block_size,
-            num_gpu_blocks, num_cpu_blocks, self.dtype, self.device,
+            num_gpu_blocks, num_cpu_blocks, self.kv_spec.dtype, self.device,
         )
+        logger.info("KV pool dtype %s (%d bytes per block)", self.kv_spec.dtype, self.cache_block_size_bytes())
         backend = self.attn_backend()
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
@@ -139,7 +151,7 @@ class Worker:
 
     def attn_backend(self):
         if self.device.type == "cuda":
-            return TritonAttentionBackend()
+            return TritonAttentionBackend(self.kv_spec.k_scale, self.kv_spec.v_scale)
         if self.device.type == "cpu" and self.dtype == torch.float32:
             kernels = cpu_kernels.load_cpu_kernels()
             if kernels is not None:

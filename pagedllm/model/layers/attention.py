@@ -75,19 +75,22 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         self.workspaces: dict[torch.device, DecodeWorkspace] = {}
+        self.k_scale, self.v_scale = k_scale, v_scale  # FP8 KV pools: stored = x / scale; plain pools ignore them
 
     def forward(self, query, key, value, kv_cache, meta, scale, out=None):
         """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor."""
         from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
 
         key_cache, value_cache = kv_cache
-        triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                                           self.k_scale, self.v_scale)
         workspace = self.workspaces.get(query.device)
         if workspace is None:
             workspace = self.workspaces[query.device] = triton_attention.DecodeWorkspace.allocate(query.device)
-        return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace)
+        return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace,
+                                                k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 class Attention(nn.Module):

@@ -20,14 +20,38 @@ class PackableGemm:
     `weight` stays the one that loaders write and that tied embeddings read."""
 
     packed_weight: torch.Tensor | None = None
+    fp8_weight: torch.Tensor | None = None  # --quantization fp8: [out, in] e4m3 and its [1, out] scales
+    fp8_scale: torch.Tensor | None = None
 
     def pack_weight_for_cpu(self) -> None:
         self.packed_weight = cpu_linear.pack_linear_weight(self.weight)
 
+    def quantize_weight_fp8(self) -> bool:
+        """Quantize `weight` to e4m3 (per output channel); the bf16 copy is dropped. False if the shape
+        does not suit _scaled_mm (the layer then stays bf16)."""
+        from pagedllm.kernels import fp8_linear
+
+        if not fp8_linear.can_quantize(self.weight):
+            return False
+        self.fp8_weight, self.fp8_scale = fp8_linear.quantize_weight(self.weight)
+        self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+        return True
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8_weight is not None:
+            from pagedllm.kernels import fp8_linear
+
+            return fp8_linear.fp8_linear(x, self.fp8_weight, self.fp8_scale, bias, x.dtype)
         if self.packed_weight is not None:
             return cpu_linear.packed_linear(x, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
+
+
+def quantize_weights_fp8(model: nn.Module) -> int:
+    """--quantization fp8: every PackableGemm layer whose shape suits _scaled_mm, except the LM head (kept
+    in bf16 as in vLLM; it may share its weight with the embeddings); returns how many."""
+    return sum(layer.quantize_weight_fp8() for name, layer in model.named_modules()
+               if isinstance(layer, PackableGemm) and not name.endswith("lm_head"))
 
 
 def pack_weights_for_cpu(model: nn.Module) -> int:

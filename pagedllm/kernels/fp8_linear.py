@@ -1,0 +1,40 @@
+"""FP8 weights (``--quantization fp8``): bf16 linear weights quantized once after loading to e4m3 with one
+scale per output channel; activations quantized per token at run time; the GEMM is ``torch._scaled_mm``
+(row-wise scaling: scale_a [M, 1], scale_b [1, N], fp32; bf16 out; Hopper)."""
+from __future__ import annotations
+
+import torch
+
+_E4M3 = torch.float8_e4m3fn
+_MAX = float(torch.finfo(_E4M3).max)  # 448
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] → (fp8 [N, K], fp32 scale [1, N]) with weight ≈ fp8 · scale row by row."""
+    amax = weight.float().abs().amax(dim=1).clamp(min=1e-12)
+    scale = amax / _MAX
+    q = (weight.float() / scale[:, None]).clamp(-_MAX, _MAX).to(_E4M3)
+    return q, scale[None, :].contiguous()
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] → (fp8 [M, K], fp32 scale [M, 1]): one dynamic scale per token."""
+    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / _MAX
+    return (x.float() / scale).clamp(-_MAX, _MAX).to(_E4M3), scale
+
+
+def can_quantize(weight: torch.Tensor) -> bool:
+    """_scaled_mm needs K and N multiples of 16."""
+    n, k = weight.shape
+    return n % 16 == 0 and k % 16 == 0
+
+
+def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """y = x Wᵀ + b with W [N, K] in fp8 (per-channel scales) and x quantized per token."""
+    shape = x.shape
+    xq, xs = quantize_activation(x.reshape(-1, shape[-1]))
+    y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=xs, scale_b=weight_scale, out_dtype=out_dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], y.shape[-1])
