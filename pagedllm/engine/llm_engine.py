@@ -73,7 +73,12 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         self.structured_output = StructuredOutputManager(
-            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids)
+            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids,
+            pin_memory=str(self.executor.device).startswith("cuda"))
+        if self.executor.device.type != "cpu":
+            # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU
+            # host that thread would contend with the forward pass of every engine, most never constrained.
+            self.structured_output.start_backend_init()
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
         self.output_processor = OutputProcessor(
             self.scheduler,
@@ -346,7 +351,7 @@ class LLMEngine:
                 row += 1
         # On CPU the forward pass already uses every core: a concurrent fill only contends with it (OpenMP).
         overlap = self.executor.device.type != "cpu"
-        mask_job = self.structured_output.start_fill(so_seqs, overlap) if so_seqs else None
+        mask_job = self.structured_output.start_fill(so_seqs, overlap, so_rows, row) if so_seqs else None
         logits = self.executor.execute_model(req)
         return self._launch_sampling(scheduled, chunks, logits, (so_rows, mask_job))
 
