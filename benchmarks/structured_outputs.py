@@ -25,7 +25,8 @@ from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for
 
 def _compile_and_mask(llm: LLM, backend: str, batch: int, steps: int) -> dict:
     eng = llm.llm_engine
-    mgr = StructuredOutputManager(backend, eng.tokenizer, int(eng.hf_config.vocab_size), eng.eos_token_ids)
+    mgr = StructuredOutputManager(backend, eng.tokenizer, int(eng.hf_config.vocab_size), eng.eos_token_ids,
+                                  pin_memory=eng.executor.device.type == "cuda")
     t0 = time.perf_counter()
     _ = mgr.backend  # tokenizer tables: once per engine, not per grammar
     init_ms = 1e3 * (time.perf_counter() - t0)
@@ -39,7 +40,10 @@ def _compile_and_mask(llm: LLM, backend: str, batch: int, steps: int) -> dict:
     seqs = [SimpleNamespace(extra={}, output_token_ids=[], seq_id=i) for i in range(batch)]
     pairs = [(s, compiled[i % len(compiled)]) for i, s in enumerate(seqs)]
     vocab = int(eng.hf_config.vocab_size)
-    logits = torch.randn(batch, vocab)
+    # The engine's own logits device: on CUDA the apply is the pinned copy + one kernel, timed to completion.
+    device = eng.executor.device
+    logits = torch.randn(batch, vocab, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fill_s = apply_s = 0.0
     n_rows = 0
     for _ in range(steps):
@@ -50,8 +54,10 @@ def _compile_and_mask(llm: LLM, backend: str, batch: int, steps: int) -> dict:
         mask = mgr.fill(live)
         t1 = time.perf_counter()
         lg = logits[: len(live)].clone()
+        sync()
         t2 = time.perf_counter()
         apply_token_bitmask_(lg, mask, list(range(len(live))))
+        sync()
         t3 = time.perf_counter()
         fill_s += t1 - t0
         apply_s += t3 - t2
@@ -61,7 +67,8 @@ def _compile_and_mask(llm: LLM, backend: str, batch: int, steps: int) -> dict:
     mgr.shutdown()
     return {"backend": backend, "init_ms": init_ms, "compile_ms_mean": sum(compile_ms) / len(compile_ms),
             "compile_ms_max": max(compile_ms), "fill_us_per_seq": 1e6 * fill_s / n_rows,
-            "apply_us_per_seq": 1e6 * apply_s / n_rows, "rows": n_rows}
+            "apply_us_per_seq": 1e6 * apply_s / n_rows, "rows": n_rows, "threads": mgr.num_threads,
+            "device": str(device)}
 
 
 def _end_to_end(llm: LLM, n: int) -> dict:
@@ -144,7 +151,12 @@ def main() -> None:
         r = _compile_and_mask(llm, backend, args.mask_batch, args.mask_steps)
         print(f"[{backend}] backend init {r['init_ms']:.0f} ms; compile {r['compile_ms_mean']:.1f} ms mean / {r['compile_ms_max']:.1f} ms max over "
               f"{len(SCHEMAS)} schemas; mask fill {r['fill_us_per_seq']:.1f} µs/seq + apply "
-              f"{r['apply_us_per_seq']:.1f} µs/seq (batch {args.mask_batch}, {r['rows']} rows)", flush=True)
+              f"{r['apply_us_per_seq']:.1f} µs/seq on {r['device']} (batch {args.mask_batch}, {r['rows']} rows, "
+              f"{r['threads']} fill threads)", flush=True)
+    so = llm.llm_engine.structured_output
+    _ = so.backend  # started at engine start-up on a device; waits for it (or builds it, on CPU) here
+    print(f"[engine] {args.backend} tokenizer tables built in "
+          f"{1e3 * (so.init_seconds or 0):.0f} ms at start-up, before any request", flush=True)
     t = _ttft_while_compiling(llm)
     print(f"[new schema] TTFT {t['ttft_new_ms']:.0f} ms vs plain twin {t['ttft_plain_ms']:.0f} ms + compile "
           f"{t['compile_ms']:.0f} ms = {t['ttft_plain_ms'] + t['compile_ms']:.0f} ms bound; others' step time "
@@ -153,7 +165,7 @@ def main() -> None:
     e = _end_to_end(llm, args.num_requests)
     print(f"[end-to-end {args.backend}] {e['requests']} JSON-schema requests, {e['output_tokens']} tokens: constrained "
           f"{e['constrained_tok_s']:.1f} tok/s vs unconstrained {e['unconstrained_tok_s']:.1f} tok/s "
-          f"-> {100 * e['ratio']:.1f} % (target >= 85 % on CPU)", flush=True)
+          f"-> {100 * e['ratio']:.1f} % (target >= 85 % on CPU, >= 90 % on a GPU)", flush=True)
 
 
 if __name__ == "__main__":

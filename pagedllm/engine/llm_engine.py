@@ -79,7 +79,16 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         self.structured_output = StructuredOutputManager(
-            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids)
+            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids,
+            pin_memory=str(self.executor.device).startswith("cuda"))
+        if self.executor.device.type != "cpu":
+            # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU
+            # host that thread would contend with the forward pass of every engine, most never constrained.
+            self.structured_output.start_backend_init()
+            # xgrammar's apply kernel is built at its first use (~0.3 s): not in the first constrained TTFT.
+            vocab = int(self.hf_config.vocab_size)
+            apply_token_bitmask_(torch.zeros((1, vocab), device=self.executor.device),
+                                 torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32), [0])
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
         self.output_processor = OutputProcessor(
             self.scheduler,
@@ -366,7 +375,7 @@ class LLMEngine:
                 row += 1
         # On CPU the forward pass already uses every core: a concurrent fill only contends with it (OpenMP).
         overlap = self.executor.device.type != "cpu"
-        mask_job = self.structured_output.start_fill(so_seqs, overlap) if so_seqs else None
+        mask_job = self.structured_output.start_fill(so_seqs, overlap, so_rows, row) if so_seqs else None
         logits = self.executor.execute_model(req)
         step = self._launch_sampling(scheduled, chunks, logits, (so_rows, mask_job))
         if drafts:

@@ -3,7 +3,8 @@
 A backend turns a `(kind, spec, compact)` key into a grammar in two stages: `build` (fast; parses and
 validates, raises ValueError naming what is wrong; runs in `add_request`) and `compile` (slow: the
 token-mask tables; runs on the manager's thread pool). Matchers are per sequence; `fill_bitmask`
-writes one packed int32 row (bit set = token allowed) per matcher, in parallel in native code.
+writes one packed int32 row (bit set = token allowed) per matcher into the given rows of a batch-sized
+buffer, in parallel on native threads.
 """
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ class XgrammarBackend:
     def fork(matcher: Any) -> Any:
         return matcher.fork()
 
-    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
 
 
 class GuidanceBackend:
@@ -143,8 +144,8 @@ class GuidanceBackend:
     def fork(matcher: Any) -> Any:
         return matcher.deep_copy()
 
-    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
-        self._fill(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+    def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
+        self._fill(self._executor, list(zip(matchers, rows)), bitmask)
 
 
 def _closed(schema: Any) -> Any:
@@ -174,7 +175,7 @@ def _clean(exc: BaseException) -> str:
 
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 num_threads: int = 2) -> XgrammarBackend | GuidanceBackend:
+                 num_threads: int = 8) -> XgrammarBackend | GuidanceBackend:
     if name == "xgrammar":
         return XgrammarBackend(tokenizer, vocab_size, eos_token_ids, num_threads)
     if name == "guidance":

@@ -10,6 +10,7 @@ keeps them), so the matcher needs nothing there.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,13 @@ logger = logging.getLogger("pagedllm")
 
 #: Most compiled grammars kept (least recently used ones are dropped).
 CACHE_SIZE = 512
+#: Most native threads filling one step's bitmasks (64 JSON rows cost ~12 ms on one core; 8 cores → ~2 ms).
+MAX_FILL_THREADS = 8
+
+
+def default_num_threads() -> int:
+    """Threads for the batch fill and compiles: the host's cores, at most MAX_FILL_THREADS, at least 2."""
+    return max(2, min(MAX_FILL_THREADS, os.cpu_count() or 2))
 
 
 @dataclass
@@ -38,18 +46,24 @@ class SeqGrammar:
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 num_threads: int = 2) -> None:
+                 num_threads: int | None = None, pin_memory: bool = False) -> None:
         self.backend_name = backend
-        self._init_args = (tokenizer, vocab_size, eos_token_ids, num_threads)
+        self.num_threads = num_threads or default_num_threads()
+        self._init_args = (tokenizer, vocab_size, eos_token_ids, self.num_threads)
         self.vocab_size = vocab_size
         self._backend = None
         self._backend_lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._compile_pool: ThreadPoolExecutor | None = None
         self._mask_pool: ThreadPoolExecutor | None = None
-        self._bitmask: torch.Tensor | None = None
+        # Two host buffers used in turn: a step's non-blocking copy to the device may still read the
+        # previous one. Pinned on CUDA so that copy is truly asynchronous.
+        self.pin_memory = pin_memory
+        self._bitmasks: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
         # Compile time of the most recent CACHE_SIZE grammars (bounded: keys hold whole schemas).
         self.compile_seconds: OrderedDict[tuple, float] = OrderedDict()
+        self.init_seconds: float | None = None
 
     # -- setup --------------------------------------------------------------------------------
     @property
@@ -60,8 +74,22 @@ class StructuredOutputManager:
                 if self._backend is None:
                     if self._init_args[0] is None:
                         raise ValueError("structured outputs need a tokenizer; this engine has skip_tokenizer_init=True.")
+                    import time
+
+                    t0 = time.perf_counter()
                     self._backend = make_backend(self.backend_name, *self._init_args)
+                    self.init_seconds = time.perf_counter() - t0
+                    logger.info("structured outputs: %s ready in %.0f ms (%d fill threads)", self.backend_name,
+                                1e3 * self.init_seconds, self.num_threads)
         return self._backend
+
+    def start_backend_init(self) -> Future | None:
+        """Build the backend's tokenizer tables now, on the compile thread (~1 s for a 49k vocabulary), so
+        the first constrained request does not pay for it in its TTFT. None without a tokenizer."""
+        if self._init_args[0] is None:
+            return None
+        compile_pool, _ = self._pools()
+        return compile_pool.submit(lambda: self.backend)
 
     def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         if self._compile_pool is None:
@@ -128,25 +156,37 @@ class StructuredOutputManager:
             child.extra["grammar"] = SeqGrammar(self.backend.fork(state.matcher), state.num_tokens, state.failed)
 
     # -- the step's bitmask -------------------------------------------------------------------
-    def start_fill(self, seqs_and_grammars: list[tuple[Any, Any]], overlap: bool = True) -> Future:
-        """Fill one bitmask row per (sequence, compiled grammar) → Future[int32 tensor]: on the mask thread
-        (overlapping the device's forward pass) or, with ``overlap=False``, right here (already done)."""
+    def start_fill(self, seqs_and_grammars: list[tuple[Any, Any]], overlap: bool = True,
+                   rows: list[int] | None = None, batch: int | None = None) -> Future:
+        """Fill the bitmask rows ``rows`` (default 0..n-1) of a ``batch``-row buffer, one per (sequence,
+        compiled grammar) → Future[int32 tensor]: on the mask thread (overlapping the device's forward
+        pass) or, with ``overlap=False``, right here (already done). Other rows are left as they are."""
         if not overlap:
             fut: Future = Future()
-            fut.set_result(self.fill(seqs_and_grammars))
+            fut.set_result(self.fill(seqs_and_grammars, rows, batch))
             return fut
         _, mask_pool = self._pools()
-        return mask_pool.submit(self.fill, seqs_and_grammars)
+        return mask_pool.submit(self.fill, seqs_and_grammars, rows, batch)
 
-    def fill(self, seqs_and_grammars: list[tuple[Any, Any]]) -> torch.Tensor:
-        n = len(seqs_and_grammars)
+    def _buffer(self, batch: int) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < n:
-            self._bitmask = torch.empty((max(n, 64), words), dtype=torch.int32)
-        bitmask = self._bitmask[:n]
+        self._turn ^= 1
+        buf = self._bitmasks[self._turn]
+        if buf is None or buf.shape[0] < batch:
+            buf = torch.empty((max(batch, 64), words), dtype=torch.int32, pin_memory=self.pin_memory)
+            self._bitmasks[self._turn] = buf
+        return buf[:batch]
+
+    def fill(self, seqs_and_grammars: list[tuple[Any, Any]], rows: list[int] | None = None,
+             batch: int | None = None) -> torch.Tensor:
+        n = len(seqs_and_grammars)
+        rows = list(range(n)) if rows is None else rows
+        if len(rows) != n:
+            raise ValueError(f"fill got {n} sequences but {len(rows)} rows")
+        bitmask = self._buffer(max(batch or 0, max(rows, default=-1) + 1))
         states = [self.sync(seq, compiled) for seq, compiled in seqs_and_grammars]
-        self.backend.fill_bitmask([s.matcher for s in states], bitmask)
-        for i, s in enumerate(states):
+        self.backend.fill_bitmask([s.matcher for s in states], bitmask, rows)
+        for r, s in zip(rows, states):
             if s.failed:
-                bitmask[i].fill_(-1)  # the sequence stops at its next append; let it sample anything
+                bitmask[r].fill_(-1)  # the sequence stops at its next append; let it sample anything
         return bitmask

@@ -162,25 +162,27 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Structured outputs: in place, set ``logits[rows[i], t]`` to -inf wherever bit ``t`` of the packed
-    int32 row ``bitmask[i]`` is 0 (xgrammar/llguidance layout: bit ``t % 32`` of word ``t // 32``).
+    """Structured outputs: in place, for each ``r`` in ``rows`` set ``logits[r, t]`` to -inf wherever bit
+    ``t`` of the packed int32 row ``bitmask[r]`` is 0 (xgrammar/llguidance layout: bit ``t % 32`` of word
+    ``t // 32``). ``bitmask`` has a row per logits row (at least); rows not listed are neither read nor
+    touched, so unconstrained rows cost nothing.
 
-    One xgrammar kernel on either device (its CPU kernel is ~6x faster than unpacking the bits in numpy and
-    adding a bias). Masked tokens get probability 0 downstream.
+    One xgrammar kernel for the batch on either device (on CUDA the host bitmask, pinned by the manager,
+    is copied without blocking; its CPU kernel is ~6x faster than unpacking the bits in numpy). Masked
+    tokens get probability 0 downstream.
     """
     import xgrammar
 
+    if not rows:
+        return
+    batch = logits.shape[0]
+    if bitmask.shape[0] < batch:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {batch} logits rows")
     with torch.inference_mode():  # the model's logits are inference tensors
-        n, batch = len(rows), logits.shape[0]
-        mask = bitmask[:n]
-        indices = None
-        if rows != list(range(batch)):
-            # xgrammar's `indices` pick rows of both tensors: scatter the compact rows to their logits rows.
-            full = torch.full((batch, mask.shape[1]), -1, dtype=torch.int32)
-            full[torch.tensor(rows, dtype=torch.long)] = mask
-            mask, indices = full, rows
+        mask = bitmask[:batch]
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)
+        indices = None if len(rows) == batch else rows
         xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=logits.shape[1], indices=indices)
 
 
