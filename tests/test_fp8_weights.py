@@ -24,10 +24,12 @@ def test_weight_quantization_is_per_channel_and_within_half_a_step():
 
 
 def test_fp8_linear_matches_float_matmul():
+    # torch 2.11's CPU _scaled_mm takes only per-tensor scales (2.13's takes row-wise): CUDA where there is one.
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 7, 64, generator=g).to(torch.bfloat16)
-    w = (torch.randn(32, 64, generator=g) * 0.05).to(torch.bfloat16)
-    b = torch.randn(32, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 7, 64, generator=g).to(dev, torch.bfloat16)
+    w = (torch.randn(32, 64, generator=g) * 0.05).to(dev, torch.bfloat16)
+    b = torch.randn(32, generator=g).to(dev, torch.bfloat16)
     q, s = fp8_linear.quantize_weight(w)
     y = fp8_linear.fp8_linear(x, q, s, b, torch.bfloat16)
     ref = x.float() @ w.float().t() + b.float()
