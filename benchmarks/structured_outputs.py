@@ -155,8 +155,9 @@ def main() -> None:
               f"{r['threads']} fill threads)", flush=True)
     so = llm.llm_engine.structured_output
     _ = so.backend  # started at engine start-up on a device; waits for it (or builds it, on CPU) here
+    when = "at start-up" if llm.llm_engine.executor.device.type != "cpu" else "here (lazily on CPU)"
     print(f"[engine] {args.backend} tokenizer tables built in "
-          f"{1e3 * (so.init_seconds or 0):.0f} ms at start-up, before any request", flush=True)
+          f"{1e3 * (so.init_seconds or 0):.0f} ms {when}, before any request", flush=True)
     t = _ttft_while_compiling(llm)
     print(f"[new schema] TTFT {t['ttft_new_ms']:.0f} ms vs plain twin {t['ttft_plain_ms']:.0f} ms + compile "
           f"{t['compile_ms']:.0f} ms = {t['ttft_plain_ms'] + t['compile_ms']:.0f} ms bound; others' step time "
