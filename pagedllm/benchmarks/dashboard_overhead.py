@@ -20,6 +20,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+from pagedllm.benchmarks.server_process import ServerProcess
+
 logger = logging.getLogger("pagedllm.bench.dashboard")
 
 
@@ -123,25 +125,10 @@ def cost_at_scale(sizes: list[int], reps: int = 10) -> list[dict]:
     return rows
 
 
-def _start_server(args) -> subprocess.Popen:
-    import httpx
-
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(args.port),
-           "--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-model-len", "1024", "--seed", str(args.seed)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy in 300 s")
+def _start_server(args) -> ServerProcess:
+    return ServerProcess(["--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-num-seqs",
+                          str(args.max_num_seqs), "--max-model-len", "1024", "--seed", str(args.seed)],
+                         startup_timeout=300, port=args.port)
 
 
 def _one_round(args, num_prompts: int) -> dict:
@@ -213,8 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 logger.warning("round %d %-6s: %.1f output tok/s in %.1f s%s", r, mode, row["out_tok_s"],
                                row["duration_s"], extra)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        server.stop()
     ratios = []
     for r in range(args.rounds):
         pair = {row["mode"]: row["out_tok_s"] for row in rows if row["round"] == r}

@@ -21,17 +21,13 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field, fields
 
+from pagedllm.benchmarks.server_process import ServerProcess
 from pagedllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("pagedllm.bench.http_overhead")
@@ -99,56 +95,6 @@ class Measurement:
             "http_first_ttft_s": statistics.median(r.first_ttft for r in self.http),
             "identical_texts": same, "num_requests": len(self.offline[-1].texts),
         }
-
-
-# -- the server ---------------------------------------------------------------------------------
-class ServerProcess:
-    """`pagedllm serve` on a free loopback port; ready once /health answers 200."""
-
-    def __init__(self, flags: list[str], timeout: float) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-http-overhead-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
-               "--port", str(self.port), *flags]
-        logger.info("starting: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self._wait_ready(timeout)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _wait_ready(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pagedllm serve exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"pagedllm serve was not healthy after {timeout} s:\n{self.tail()}")
-
-    def tail(self, n: int = 4000) -> str:
-        with open(self.log.name) as f:
-            return f.read()[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
 
 
 async def _http_round(client, url: str, model: str, prompts: list[list[int]], output_len: int,
