@@ -353,7 +353,11 @@ async def run_load(base_url: str, headers: dict[str, str], n_requests: int, max_
     rng = random.Random(seed)
     plans = [_plan(i, rng, max_tokens) for i in range(n_requests)]
     res = LoadResult(sent=n_requests)
-    limits = httpx.Limits(max_connections=n_requests + 8, max_keepalive_connections=n_requests + 8)
+    # An idle keep-alive connection is dropped by the client after 1 s, well before uvicorn's 5 s server-side
+    # timeout: with equal timeouts a request sent on a connection the server is closing at that moment ends
+    # in a ReadError that no server can prevent (HTTP/1.1 keep-alive race), and would count as lost.
+    limits = httpx.Limits(max_connections=n_requests + 8, max_keepalive_connections=n_requests + 8,
+                          keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as client:
         refs = await _references(client, plans, res)
         await asyncio.gather(*(_one(client, p, refs, res) for p in plans))
