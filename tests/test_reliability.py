@@ -47,9 +47,9 @@ def _serves_normally(server: RemoteServer) -> None:
 
 
 def test_schema_fuzz_never_5xx(server):
-    statuses, failures = fuzz_schema(server.base_url, AUTH, max_examples=12, seed=17)
+    statuses, failures = fuzz_schema(server.base_url, AUTH, max_examples=30, seed=17)
     print("schemathesis statuses:", dict(statuses))
-    assert sum(statuses.values()) >= 100
+    assert sum(statuses.values()) >= 250  # the issue asks CI for "a few hundred" cases
     assert failures == [], "\n".join(failures[:10])
     _assert_idle(server)
     _serves_normally(server)
