@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # noqa: I001  (sets TRITON_INTERPRET first)
+from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # sets TRITON_INTERPRET without CUDA
 from pagedllm.kernels import fp8_linear
 from pagedllm.kernels.triton_fp8_quant import quantize_activation_rows
 

@@ -128,24 +128,26 @@ def run(args) -> int:
     if len(text_ids) + 1 > args.max_model_len:
         raise ValueError(f"--max-model-len {args.max_model_len} is below the text's {len(text_ids)} tokens + 1.")
     prompts = make_prompts(text_ids, args.num_prompts)
-    results = {name: run_config(name, args, prompts, text_ids) for name in args.configs}
-    base = results[baseline]
+    order = [baseline] + [c for c in args.configs if c != baseline]
+    results: dict[str, dict] = {}
     summary = []
     print(f"{'config':<12} {'agree all':>9} {'agree prefix':>12} {'identical':>9} {'ppl':>9} {'ppl rel':>8} "
-          f"{'|dNLL|':>7}")
-    for name, r in results.items():
+          f"{'|dNLL|':>7}", flush=True)
+    for name in order:  # one row as soon as each configuration is done (and the JSON rewritten)
+        r = results[name] = run_config(name, args, prompts, text_ids)
+        base = results[baseline]
         ag = agreement(r["tokens"], base["tokens"])
         rel = r["perplexity"] / base["perplexity"] - 1.0
         dnll = sum(abs(a - b) for a, b in zip(r["nll"], base["nll"])) / len(base["nll"])
-        row = {"config": name, "baseline": baseline, **ag, "perplexity": r["perplexity"], "ppl_rel_diff": rel,
-               "mean_abs_nll_diff": dnll, "num_gpu_blocks": r["num_gpu_blocks"], "engine_args": r["engine_args"]}
-        summary.append(row)
+        summary.append({"config": name, "baseline": baseline, **ag, "perplexity": r["perplexity"],
+                        "ppl_rel_diff": rel, "mean_abs_nll_diff": dnll, "num_gpu_blocks": r["num_gpu_blocks"],
+                        "engine_args": r["engine_args"]})
         print(f"{name:<12} {ag['agreement_all']:>9.2%} {ag['agreement_prefix']:>12.2%} "
               f"{ag['identical_requests']:>4}/{ag['num_requests']:<4} {r['perplexity']:>9.4f} {rel:>+8.3%} "
-              f"{dnll:>7.4f}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"summary": summary, "text_tokens": len(text_ids), "num_prompts": len(prompts),
-                       "max_tokens": args.max_tokens,
-                       "tokens": {n: r["tokens"] for n, r in results.items()}}, f, indent=1)
+              f"{dnll:>7.4f}", flush=True)
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump({"summary": summary, "text_tokens": len(text_ids), "num_prompts": len(prompts),
+                           "max_tokens": args.max_tokens,
+                           "tokens": {n: x["tokens"] for n, x in results.items()}}, f, indent=1)
     return 0
