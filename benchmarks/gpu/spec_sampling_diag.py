@@ -114,12 +114,57 @@ def verify_on_device(draws: int, top_p: float) -> list[float]:
     return out
 
 
+def bundled_divergence(dtype: str, num_prompts: int = 32, max_tokens: int = 48) -> dict:
+    """The bundled model, greedy with n-gram speculation off and on (windows of the fixed evaluation text):
+    identical requests, and for each request that differs the off run's gap between its top-2 logprobs at
+    the first divergence (a near-tie flipped by rounding has a gap near 0)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.fp8_accuracy import eval_text, make_prompts
+    from pagedllm.model.loader import prepare_model_dir
+    from pagedllm.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(str(prepare_model_dir(None)))
+    prompts = make_prompts(tok.encode(eval_text()), num_prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    runs = {}
+    for mode, spec in (("off", None), ("on", {**NGRAM, "disable_by_batch_size": 64})):
+        llm = LLM(dtype=dtype, device=DEV, max_model_len=1024, kv_cache_memory_bytes=1 << 30,
+                  speculative_config=spec, seed=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[mode] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+        if spec:
+            st = llm.stats()
+            accepted, drafted = st["spec_decode_num_accepted_tokens"], st["spec_decode_num_draft_tokens"]
+        del llm
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    gaps = []
+    for (a, lps), (b, _) in zip(runs["off"], runs["on"]):
+        i = next((j for j in range(len(a)) if a[j] != b[j]), None)
+        if i is not None:
+            v = sorted((float(getattr(x, "logprob", x)) for x in lps[i].values()), reverse=True)
+            gaps.append(v[0] - v[1])
+    same = sum(a == b for (a, _), (b, _) in zip(runs["off"], runs["on"]))
+    print(f"bundled model {dtype}: greedy identical on/off {same}/{len(prompts)}, accepted {accepted}/{drafted} "
+          f"drafts; top-2 logprob gap of the off run at each first divergence: {[round(g, 4) for g in gaps]}",
+          flush=True)
+    return {"identical": same, "total": len(prompts), "gaps_at_divergence": gaps, "accepted": accepted,
+            "drafted": drafted}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=3000)
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--out", default="spec_diag.json")
+    ap.add_argument("--bundled", action="store_true", help="also the bundled model's greedy on/off per dtype")
     args = ap.parse_args()
+    report: dict = {"bundled": {}}
+    if args.bundled:
+        for dtype in args.dtypes:
+            report["bundled"][dtype] = bundled_divergence(dtype)
+            with open(args.out, "w") as f:
+                json.dump(report, f)
     path = tempfile.mkdtemp(prefix="tiny_spec_")
     build_model(path)
     exact = {"float32": exact_marginals(path, torch.float32), "bfloat16": exact_marginals(path, torch.bfloat16)}
@@ -129,8 +174,8 @@ def main() -> int:
     print(f"rejection sampler alone on {DEV}: p (first, second) per top_p: {report_verify}")
     rng = random.Random(0)
     greedy_prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 20))] for _ in range(32)]
-    report: dict = {"exact_fp32": exact["float32"].tolist(), "exact_bf16_hf": exact["bfloat16"].tolist(), "runs": {},
-                    "verify_alone_p": report_verify}
+    report.update({"exact_fp32": exact["float32"].tolist(), "exact_bf16_hf": exact["bfloat16"].tolist(), "runs": {},
+                   "verify_alone_p": report_verify})
     for dtype in args.dtypes:
         runs = {}
         for mode, spec in (("off", None), ("on", NGRAM)):
@@ -156,6 +201,8 @@ def main() -> int:
               f"greedy identical {same}/{len(greedy_prompts)}")
         report["runs"][dtype] = {"off": runs["off"], "on": runs["on"], "homogeneity_p": homog,
                                  "greedy_identical": same, "greedy_total": len(greedy_prompts)}
+        with open(args.out, "w") as f:
+            json.dump(report, f)
     with open(args.out, "w") as f:
         json.dump(report, f)
     return 0
