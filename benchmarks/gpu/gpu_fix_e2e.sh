@@ -5,7 +5,8 @@
 #     bf16 vs --quantization fp8 --kv-cache-dtype fp8, long (96 × 2000-6000 in) and ShareGPT-like (200).
 #  B. A pool-bound run: decode-heavy (128 × 1024 in, 512 out) at --gpu-memory-utilization 0.32, where the
 #     bf16 pool holds only ~40 of the 128 sequences at full length: bf16 vs fp8 KV vs fp8 KV + fp8 weights.
-# Logs tarred into $OUT after each run, JSON per run in $OUT/json.tar.gz.
+# Logs tarred into $OUT after each run, JSON per run in $OUT/json.tar.gz. The engine imports xgrammar: install
+# the .snap-so wheels into a --target dir on PYTHONPATH in the same call (see BENCHMARKS §20).
 set -u
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; R=/tmp/r; J=/tmp/j; mkdir -p "$OUT" $R $J

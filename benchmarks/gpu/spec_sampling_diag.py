@@ -7,7 +7,7 @@ enumerating every path with HF transformers in float32 (and in bf16, to show how
 move it), plus the on-vs-off homogeneity test the unit test makes, and greedy on/off identity on random
 prompts. Tells a sampler bug (on ≠ exact while off = exact, in fp32 too) from numerics (bf16 only).
 
-    python benchmarks/gpu/spec_sampling_diag.py --out diag.json
+    python benchmarks/gpu/spec_sampling_diag.py --bundled --n 3000 --out diag.json   (H100 run: BENCHMARKS §20.2)
 """
 from __future__ import annotations
 
