@@ -45,6 +45,19 @@ def test_enforce_eager_reaches_the_model_config():
     assert EngineArgs().create_engine_config(2048).model_config.enforce_eager is False
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_warm_up_steps_run_with_any_block_size(tmp_path, block_size):
+    """The warm start's prefill/mixed/decode steps (8 tokens) fit blocks of fewer than 8 tokens (they
+    raised IndexError on CUDA with block_size 4 before); device-independent, so checked on CPU too."""
+    from pagedllm import LLM
+
+    model_dir = save_tiny_llama(tmp_path)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=64,
+              block_size=block_size, num_gpu_blocks_override=64, enforce_eager=True)
+    worker = llm.llm_engine.executor.driver_worker
+    assert worker.model_runner.warm_up_steps(worker.cache_engine.gpu_cache) == ["steps prefill/mixed/decode"]
+
+
 def _generate(model_dir, prompts, params, **kw):
     from pagedllm import LLM
 

@@ -13,6 +13,11 @@ from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import processed_logits, verify
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# float32 everywhere (CPU's default already): exactness is a property of the algorithm, checked without
+# bf16 rounding. In bf16 on CUDA the verification pass (k+1 query tokens per sequence, other GEMM shapes
+# and attention kernels) rounds differently from a decode step, so near-tie argmaxes can flip and greedy
+# outputs on/off may differ (measured: BENCHMARKS.md, spec-decode section of the gpu-fix session).
+F32 = "float32"
 DRAFT = {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 20}
 
 
@@ -87,7 +92,7 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def _run(prompts, params, **kw):
-    llm = LLM(max_model_len=256, **kw)
+    llm = LLM(max_model_len=256, dtype=F32, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     eng = llm.llm_engine
     bm = eng.scheduler.block_manager
@@ -129,7 +134,7 @@ def test_greedy_identical_with_prefix_caching_and_n2(reference):
     """Prefix caching on, each prompt twice, and n=2 (top_k=1: both samples are the greedy path)."""
     prompts, ref = reference
     llm = LLM(max_model_len=256, num_gpu_blocks_override=64, enable_prefix_caching=True, block_size=8,
-              speculative_config=NGRAM)
+              speculative_config=NGRAM, dtype=F32)
     for _ in range(2):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
                             use_tqdm=False)
@@ -156,7 +161,7 @@ def test_beam_search_unaffected(reference):
 
 def test_abort_mid_speculation_frees_blocks(reference):
     prompts, _ = reference
-    llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=NGRAM)
+    llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=NGRAM, dtype=F32)
     eng = llm.llm_engine
     for i, p in enumerate(prompts):
         eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=40))
@@ -205,7 +210,7 @@ def test_engine_sampling_distribution_on_off(tiny_model):
     counts = {}
     for name, spec in (("off", None), ("on", {**NGRAM, "disable_by_batch_size": 4096})):
         llm = LLM(model=tiny_model, skip_tokenizer_init=True, max_model_len=64, num_gpu_blocks_override=2048,
-                  block_size=4, max_num_seqs=512, speculative_config=spec, seed=7)
+                  block_size=4, max_num_seqs=512, speculative_config=spec, seed=7, dtype=F32)
         outs = llm.generate([{"prompt_token_ids": prompt}] * 1500, params, use_tqdm=False)
         toks = np.array([o.outputs[0].token_ids for o in outs])
         counts[name] = [np.bincount(toks[:, j], minlength=8) for j in (2, 3)]
@@ -239,7 +244,7 @@ def test_penalties_min_tokens_logprobs_keep_meaning(reference):
     params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.05, min_tokens=4, logprobs=2)
     res = {}
     for name, spec in (("off", None), ("on", NGRAM)):
-        llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=spec)
+        llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=spec, dtype=F32)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         res[name] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
         if spec:

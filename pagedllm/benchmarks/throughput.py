@@ -270,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
         stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
     results = [run_pagedllm(llm, wl)]
     extra = {"engine_init_s": t_init}
+    st = llm.stats()  # pool-bound runs: how often the pool forced a preemption
+    extra.update({k: st[k] for k in ("num_preemptions", "kv_blocks_total") if k in st})
+    print(f"pool: {st.get('kv_blocks_total')} blocks, {st.get('num_preemptions')} preemptions", flush=True)
     if cuda_bound:
         extra["first_request_ttft_s"] = extra_ttft
     if cuda_bound:

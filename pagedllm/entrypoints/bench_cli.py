@@ -12,6 +12,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("http-overhead", "pagedllm.benchmarks.http_overhead", "The same batch through LLM.generate and through HTTP."),
     ("spec-decode", "pagedllm.benchmarks.spec_decode", "Speculative decoding on vs off: input-copying and ShareGPT-like."),
     ("paper", "pagedllm.benchmarks.paper.cli", "The paper's Figures 2 and 12-19, one command each."),
+    ("fp8-accuracy", "pagedllm.benchmarks.fp8_accuracy", "FP8 KV / weights vs bf16 on the bundled model: agreement, ppl."),
 )
 
 

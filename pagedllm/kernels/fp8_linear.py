@@ -1,6 +1,7 @@
 """FP8 weights (``--quantization fp8``): bf16 linear weights quantized once after loading to e4m3 with one
-scale per output channel; activations quantized per token at run time; the GEMM is ``torch._scaled_mm``
-(row-wise scaling: scale_a [M, 1], scale_b [1, N], fp32; bf16 out; Hopper)."""
+scale per output channel; activations quantized per token at run time (one fused Triton kernel on CUDA,
+``triton_fp8_quant``; plain torch elsewhere); the GEMM is ``torch._scaled_mm`` (row-wise scaling:
+scale_a [M, 1], scale_b [1, N], fp32; bf16 out; Hopper)."""
 from __future__ import annotations
 
 import torch
@@ -18,7 +19,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] → (fp8 [M, K], fp32 scale [M, 1]): one dynamic scale per token."""
+    """[M, K] → (fp8 [M, K], fp32 scale [M, 1]): one dynamic scale per token (plain torch: the oracle of
+    the fused kernel, and the path off CUDA)."""
     scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / _MAX
     return (x.float() / scale).clamp(-_MAX, _MAX).to(_E4M3), scale
 
@@ -33,7 +35,13 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """y = x Wᵀ + b with W [N, K] in fp8 (per-channel scales) and x quantized per token."""
     shape = x.shape
-    xq, xs = quantize_activation(x.reshape(-1, shape[-1]))
+    x2 = x.reshape(-1, shape[-1])
+    if x2.is_cuda:
+        from pagedllm.kernels.triton_fp8_quant import quantize_activation_rows
+
+        xq, xs = quantize_activation_rows(x2)
+    else:
+        xq, xs = quantize_activation(x2)
     y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=xs, scale_b=weight_scale, out_dtype=out_dtype)
     if bias is not None:
         y = y + bias

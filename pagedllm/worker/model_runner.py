@@ -70,9 +70,11 @@ class ModelRunner:
     def warm_up_steps(self, kv_caches) -> list[str]:
         """Run a prefill-only, a mixed and a decode-only step end to end (input staging, graphs, attention,
         lm_head on 1–2 rows) so the first request loads no kernel. They write KV block 0 only, which no
-        request owns yet (its first owner overwrites it before reading)."""
-        pre = SequenceChunk(-1, [1] * 8, 0, [0], sample=True)
-        dec = SequenceChunk(-2, [1], 7, [0], sample=True)
+        request owns yet (its first owner overwrites it before reading): with blocks of fewer than 8 tokens
+        the table repeats block 0, so every position still has an entry."""
+        table = [0] * -(-8 // self.block_size)
+        pre = SequenceChunk(-1, [1] * 8, 0, table, sample=True)
+        dec = SequenceChunk(-2, [1], 7, table, sample=True)
         for chunks in ([pre], [dec, pre], [dec], [dec, dec]):
             self.execute_model(chunks, kv_caches)
         if self.device.type == "cuda":
