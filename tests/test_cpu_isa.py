@@ -218,3 +218,24 @@ def test_bf16_pack_refused_clearly_when_unsupported(forced_isa):
         cpu_linear.pack_linear_weight(torch.randn(8, 8))  # float32 packs on every level
     forced_isa(None)
     assert (torch.bfloat16 in cpu_linear.packable_dtypes()) == (cpu_linear.bf16_packing_unsupported_reason() is None)
+
+
+# ------------------------------------------------------------------- GFLOP/s against the FMA peak
+
+
+def test_fma_peak_and_step_flops_count():
+    """The FMA loop builds and runs at every level; a step's FLOP count follows its chunks and the model
+    shape (benchmarks/cpu_flops.py)."""
+    from pagedllm.benchmarks import cpu_flops
+    from pagedllm.benchmarks.lower_bound import ModelShape
+    from pagedllm.worker.model_input import SequenceChunk
+    from pagedllm.worker.step_stats import StepWork
+
+    peaks = {isa: cpu_flops.measure_fma_peak(isa, repeats=2, seconds=0.02) for isa in RUNNABLE}
+    assert all(p > 1e8 for p in peaks.values()), peaks
+    chunks = [SequenceChunk(0, [5], 9, [0], True), SequenceChunk(1, [1, 2, 3], 4, [1], True)]
+    work = StepWork.of(chunks, logits_rows=2)
+    assert work == StepWork(10 + (3 * 4 + 6), 2)  # decode at position 9 attends 10; chunk 4..6 attends 5+6+7
+    shape = ModelShape(num_layers=2, hidden=8, intermediate=16, num_heads=2, num_kv_heads=1, head_dim=4, vocab=50)
+    n_mm = 2 * (8 * 4 * 4 + 2 * 4 * 8 + 3 * 8 * 16)
+    assert cpu_flops.step_flops(shape, 4, work.attended, 2) == 2 * n_mm * 4 + 4 * 2 * 2 * 4 * 28 + 2 * 8 * 50 * 2

@@ -1,0 +1,127 @@
+"""Achieved float32 GFLOP/s of a CPU run against the machine's FMA peak, both measured in the same run.
+
+Peak: kernels/cpu/fma_peak.c (independent vector FMA chains on every thread, built for the ISA level in
+use, so a forced AVX2 level is measured at the AVX2 width), best of a few short runs. Also printed for
+reference: the best rate of a large float32 ``torch.mm`` on the same threads (what a tuned GEMM gets).
+
+Work, per step (benchmarks/lower_bound.py's shape, worker/step_stats.py's per-step records)::
+
+    F = 2·N_mm·tokens  +  4·L·Hq·D·attended  +  2·H·V·logits_rows
+
+(decoder-layer matmuls for every token; QKᵀ and PV over the context each query token attends to; the
+lm_head only for the rows that produce logits). Elementwise ops, norms and softmax are not counted.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedllm.benchmarks.lower_bound import ModelShape
+
+FMA_SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "fma_peak.c"
+
+
+@dataclass(frozen=True)
+class CpuPeak:
+    isa: str
+    threads: int
+    fma_flops: float  # FLOP/s of the FMA loop
+    matmul_flops: float  # FLOP/s of torch.mm (float32)
+
+    def line(self) -> str:
+        return (f"measured here ({self.threads} threads): fp32 FMA peak {self.fma_flops / 1e9:.1f} GFLOP/s "
+                f"({self.isa} vectors), torch.mm fp32 {self.matmul_flops / 1e9:.1f} GFLOP/s")
+
+
+@functools.cache
+def _fma_lib(isa: str):
+    from pagedllm.kernels.cpu_kernels import build_library
+
+    lib = ctypes.CDLL(str(build_library(FMA_SOURCE, isa)))
+    lib.fma_peak_f32.restype = ctypes.c_double
+    lib.fma_peak_f32.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_float)]
+    return lib
+
+
+def measure_fma_peak(isa: str | None = None, repeats: int = 5, seconds: float = 0.2) -> float:
+    """Best FLOP/s of the FMA loop over `repeats` runs of about `seconds` each."""
+    from pagedllm.kernels import cpu_isa
+
+    lib = _fma_lib(isa or cpu_isa.detect_cpu_isa().name)
+    sink = ctypes.c_float()
+    iters, best = 1 << 16, 0.0
+    for _ in range(30):  # calibrate to ~`seconds`
+        t0 = time.perf_counter()
+        lib.fma_peak_f32(iters, ctypes.byref(sink))
+        if time.perf_counter() - t0 > seconds / 4:
+            break
+        iters *= 2
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        flops = lib.fma_peak_f32(iters * 4, ctypes.byref(sink))
+        best = max(best, flops / (time.perf_counter() - t0))
+    return best
+
+
+def measure_matmul_peak_cpu(n: int = 1536, repeats: int = 5) -> float:
+    """Best FLOP/s of an n×n×n float32 torch.mm."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def measure_cpu_peak() -> CpuPeak:
+    import torch
+
+    from pagedllm.kernels import cpu_isa
+
+    isa = cpu_isa.detect_cpu_isa().name
+    return CpuPeak(isa, torch.get_num_threads(), measure_fma_peak(isa), measure_matmul_peak_cpu())
+
+
+def step_flops(shape: ModelShape, num_tokens: int, attended: int, logits_rows: int) -> float:
+    return (2.0 * shape.matmul_params * num_tokens + 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended
+            + 2.0 * shape.hidden * shape.vocab * logits_rows)
+
+
+def flops_by_kind(shape: ModelShape, stats) -> dict[str, dict[str, float]]:
+    """{step kind: {steps, flops, seconds, gflops}} over the CPU steps `stats` recorded, plus "all"."""
+    acc: dict[str, list[float]] = {}
+    for (kind, _path, n, a, b), work in zip(stats.records, stats.work):
+        if work is None:
+            continue
+        f = step_flops(shape, n, work.attended, work.logits_rows)
+        for key in (kind, "all"):
+            row = acc.setdefault(key, [0, 0.0, 0.0])
+            row[0] += 1
+            row[1] += f
+            row[2] += a.elapsed_time(b) / 1e3
+    return {k: {"steps": c, "flops": f, "seconds": s, "gflops": f / s / 1e9 if s else 0.0}
+            for k, (c, f, s) in acc.items()}
+
+
+def report(shape: ModelShape, stats, peak: CpuPeak, elapsed_s: float) -> dict:
+    """Print GFLOP/s by step kind and for the whole run, each as a fraction of the FMA peak; → JSON figures."""
+    kinds = flops_by_kind(shape, stats)
+    total = kinds.get("all", {"flops": 0.0})["flops"]
+    print(f"{'steps':<10}{'count':>7}{'TFLOP':>9}{'model s':>9}{'GFLOP/s':>10}{'of FMA peak':>13}")
+    for k in ("decode", "mixed", "prefill", "all"):
+        if k in kinds:
+            v = kinds[k]
+            print(f"{k:<10}{v['steps']:>7}{v['flops'] / 1e12:>9.3f}{v['seconds']:>9.2f}{v['gflops']:>10.1f}"
+                  f"{v['gflops'] * 1e9 / peak.fma_flops:>12.1%}")
+    run = total / elapsed_s
+    print(f"whole run: {total / 1e12:.3f} TFLOP in {elapsed_s:.2f} s = {run / 1e9:.1f} GFLOP/s = "
+          f"{run / peak.fma_flops:.1%} of the fp32 FMA peak ({peak.fma_flops / 1e9:.1f} GFLOP/s)")
+    return {"cpu_peak": peak.__dict__, "steps_flops": kinds, "run_gflops": run / 1e9,
+            "run_fraction_of_fma_peak": run / peak.fma_flops}
