@@ -31,6 +31,7 @@ typedef __m512 vec;
 #define v_sub _mm512_sub_ps
 #define v_mul _mm512_mul_ps
 #define v_div _mm512_div_ps
+#define v_max _mm512_max_ps
 #define v_reduce _mm512_reduce_add_ps
 __m512 _ZGVeN16v_expf(__m512); /* glibc's libmvec: expf on 16 lanes (≤ 4 ulp) */
 #define v_exp _ZGVeN16v_expf
@@ -61,6 +62,7 @@ typedef __m256 vec;
 #define v_sub _mm256_sub_ps
 #define v_mul _mm256_mul_ps
 #define v_div _mm256_div_ps
+#define v_max _mm256_max_ps
 __m256 _ZGVdN8v_expf(__m256); /* glibc's libmvec: expf on 8 lanes (AVX2) */
 #define v_exp _ZGVdN8v_expf
 #define VECTOR_PATH 1
@@ -167,6 +169,24 @@ static inline void group_block_axpy(const float *restrict p, int64_t stride, con
         }
 }
 
+/* max(row[0:n]), n ≥ 1 (vector lanes: a scalar chain of compares is latency-bound). */
+static inline float row_max(const float *row, int n) {
+    float m = row[0];
+    int t = 0;
+#if VECTOR_PATH
+    if (n >= VW) {
+        vec vm = v_load(row);
+        for (t = VW; t + VW <= n; t += VW) vm = v_max(vm, v_load(row + t));
+        float lanes[VW];
+        v_store(lanes, vm);
+        m = lanes[0];
+        for (int i = 1; i < VW; ++i) m = lanes[i] > m ? lanes[i] : m;
+    }
+#endif
+    for (; t < n; ++t) m = row[t] > m ? row[t] : m;
+    return m;
+}
+
 /* row[0:n] = exp(row[0:n] - m); returns their sum. */
 static inline float exp_shifted(float *row, int n, float m) {
     float sum = 0.f;
@@ -254,8 +274,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             if (num_blocks > 0) prefetch_block(value_cache + (int64_t)table[0] * block_stride, block_stride);
             for (int qh = 0; qh < num_q_heads; ++qh) { /* softmax, normalised in place */
                 float *row = scores + (int64_t)qh * max_len;
-                float m = row[0];
-                for (int t = 1; t < len; ++t) m = row[t] > m ? row[t] : m;
+                const float m = row_max(row, len);
                 const float inv = 1.f / exp_shifted(row, len, m);
                 for (int t = 0; t < len; ++t) row[t] *= inv;
             }
