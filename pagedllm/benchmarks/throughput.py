@@ -277,14 +277,16 @@ def run(args: argparse.Namespace) -> int:
         print(peak.line(), flush=True)
         stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
         shape = cpu_flops.ModelShape.from_hf_config(llm.llm_engine.hf_config, dtype_bytes=4)
+    cpu0 = time.process_time()
     results = [run_pagedllm(llm, wl)]
+    run_cpu_s = time.process_time() - cpu0
     extra = {"engine_init_s": t_init}
     if cuda_bound:
         extra["first_request_ttft_s"] = extra_ttft
     if cuda_bound:
         extra.update(report_bound(llm, wl, results[0].elapsed_s, bandwidth, peak, stats))
     if cpu_work:
-        extra.update(cpu_flops.report(shape, stats, peak, results[0].elapsed_s))
+        extra.update(cpu_flops.report(shape, stats, peak, results[0].elapsed_s, run_cpu_s))
     if args.compare == "hf":
         del llm
         hf = load_hf_reference(engine_args.model, args.dtype, device)

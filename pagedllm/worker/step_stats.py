@@ -45,15 +45,21 @@ class StepWork:
 
 
 class WallClock:
-    """A CPU step's host time stamp, with the CUDA event interface the records use."""
+    """A CPU step's host time stamp, with the CUDA event interface the records use; it also reads the
+    process's CPU time, which excludes the time other processes had the cores (shared machines)."""
 
-    __slots__ = ("t",)
+    __slots__ = ("t", "cpu")
 
     def __init__(self) -> None:
         self.t = time.perf_counter()
+        self.cpu = time.process_time()
 
     def elapsed_time(self, end: "WallClock") -> float:
         return (end.t - self.t) * 1e3
+
+    def cpu_time(self, end: "WallClock") -> float:
+        """Seconds of CPU time, all threads, between the two stamps."""
+        return end.cpu - self.cpu
 
 
 @dataclass
