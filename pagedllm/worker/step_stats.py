@@ -39,7 +39,7 @@ class StepWork:
     logits_rows: int
 
     @classmethod
-    def of(cls, chunks: list[SequenceChunk], logits_rows: int) -> "StepWork":
+    def of(cls, chunks: list[SequenceChunk], logits_rows: int) -> StepWork:
         n = sum(len(c.token_ids) * c.start_pos + len(c.token_ids) * (len(c.token_ids) + 1) // 2 for c in chunks)
         return cls(n, logits_rows)
 
@@ -48,16 +48,16 @@ class WallClock:
     """A CPU step's host time stamp, with the CUDA event interface the records use; it also reads the
     process's CPU time, which excludes the time other processes had the cores (shared machines)."""
 
-    __slots__ = ("t", "cpu")
+    __slots__ = ("cpu", "t")
 
     def __init__(self) -> None:
         self.t = time.perf_counter()
         self.cpu = time.process_time()
 
-    def elapsed_time(self, end: "WallClock") -> float:
+    def elapsed_time(self, end: WallClock) -> float:
         return (end.t - self.t) * 1e3
 
-    def cpu_time(self, end: "WallClock") -> float:
+    def cpu_time(self, end: WallClock) -> float:
         """Seconds of CPU time, all threads, between the two stamps."""
         return end.cpu - self.cpu
 
