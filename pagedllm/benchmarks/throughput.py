@@ -208,7 +208,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="Write the figures to this JSON file.")
     p.add_argument("--lower-bound", action=argparse.BooleanOptionalAction, default=True,
                    help="On CUDA: measure copy bandwidth and bf16 matmul peak here and print the run's efficiency "
-                        "against the lower bound of benchmarks/lower_bound.py, plus a step-time breakdown.")
+                        "against the lower bound of benchmarks/lower_bound.py, plus a step-time breakdown. On CPU: "
+                        "measure the fp32 FMA peak here and print the run's GFLOP/s against it (benchmarks/cpu_flops.py).")
     EngineArgs.add_cli_args(p)
     p.set_defaults(dtype="float32")
 
@@ -268,7 +269,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"measured here: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
         extra_ttft = probe_first_request(llm, wl.prompts[0])
         stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
+    cpu_work = args.lower_bound and device == "cpu"
+    if cpu_work:
+        from pagedllm.benchmarks import cpu_flops
+
+        peak = cpu_flops.measure_cpu_peak()
+        print(peak.line(), flush=True)
+        stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
+        shape = cpu_flops.ModelShape.from_hf_config(llm.llm_engine.hf_config, dtype_bytes=4)
+    cpu0 = time.process_time()
     results = [run_pagedllm(llm, wl)]
+    run_cpu_s = time.process_time() - cpu0
     extra = {"engine_init_s": t_init}
     st = llm.stats()  # pool-bound runs: how often the pool forced a preemption
     extra.update({k: st[k] for k in ("num_preemptions", "kv_blocks_total") if k in st})
@@ -277,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         extra["first_request_ttft_s"] = extra_ttft
     if cuda_bound:
         extra.update(report_bound(llm, wl, results[0].elapsed_s, bandwidth, peak, stats))
+    if cpu_work:
+        extra.update(cpu_flops.report(shape, stats, peak, results[0].elapsed_s, run_cpu_s))
     if args.compare == "hf":
         del llm
         hf = load_hf_reference(engine_args.model, args.dtype, device)
@@ -288,6 +301,11 @@ def run(args: argparse.Namespace) -> int:
         results.append(hf_result)
     for r in results:
         print(r.row())
+    if cpu_work and len(results) == 2 and results[1].num_requests == results[0].num_requests:
+        useful = extra["steps_flops"]["all"]["flops"]
+        print(f"same useful work ({useful / 1e12:.3f} TFLOP) per system: " + ", ".join(
+            f"{r.system} {useful / r.elapsed_s / 1e9:.1f} GFLOP/s ({useful / r.elapsed_s / peak.fma_flops:.1%} "
+            f"of peak)" for r in results))
     if len(results) == 2:
         ours, peer = results
         print(f"ratio pagedllm/hf: output tok/s {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x, "

@@ -8,9 +8,11 @@ elementwise ops as `kernels/triton_fused_ops.py` (RMSNorm with the residual add,
 SiLU·mul), with the same signatures; `kernels/reference.py` and the layers' torch code stay the
 oracles and the fallback.
 
-The C source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) into the pagedllm
-cache under a key of source, compiler, flags and CPU, so each machine builds it once (~1 s).
-``PAGEDLLM_CPU_KERNELS=torch`` skips them; without a compiler pagedllm logs why and uses torch.
+The C source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) for the ISA level of
+kernels/cpu_isa.py (AVX-512, AVX2+FMA, or portable scalar code; ``PAGEDLLM_CPU_ISA`` forces a lower
+one) into the pagedllm cache under a key of source, compiler, flags and ISA, so each machine builds each
+level once (~1 s). ``PAGEDLLM_CPU_KERNELS=torch`` skips them; without a compiler pagedllm logs why and
+uses torch.
 """
 from __future__ import annotations
 
@@ -27,13 +29,14 @@ from pathlib import Path
 import torch
 
 from pagedllm.cache_dir import pagedllm_cache_dir
+from pagedllm.kernels import cpu_isa
 
 logger = logging.getLogger("pagedllm")
 
 KERNELS_ENV = "PAGEDLLM_CPU_KERNELS"
 KERNELS_CHOICES = ("native", "torch")
 SOURCE = Path(__file__).with_name("cpu") / "cpu_ops.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+BUILD_FLAGS = ("-fopenmp", "-fPIC", "-shared", "-std=c11")  # on top of cpu_isa.c_compile_flags(isa)
 
 _c_int64, _c_int, _c_float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -41,8 +44,9 @@ _c_int64, _c_int, _c_float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float,
 class CpuKernels:
     """Typed wrappers over the built library; inputs are checked before any pointer is handed over."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str) -> None:
         self.path = path
+        self.isa = isa
         self._attention = lib.paged_attention_f32
         self._attention.restype = _c_int
         self._attention.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr,
@@ -239,61 +243,58 @@ def kernels_choice() -> str:
 
 
 @functools.cache
-def load_cpu_kernels() -> CpuKernels | None:
-    """The built kernels, or None (turned off, or no compiler: the reason is logged once)."""
+def load_cpu_kernels(isa: str | None = None) -> CpuKernels | None:
+    """The kernels built for `isa` (default: `cpu_isa.detect_cpu_isa()`, which honours PAGEDLLM_CPU_ISA),
+    or None (turned off, or no compiler: the reason is logged once). Cached per argument: after changing
+    PAGEDLLM_CPU_KERNELS / PAGEDLLM_CPU_ISA in-process call `load_cpu_kernels.cache_clear()`. ValueError
+    for a level this CPU cannot run."""
     if kernels_choice() == "torch":
         return None
+    detected = cpu_isa.detect_cpu_isa()
+    if isa is None:
+        isa = detected.name
+    elif isa not in cpu_isa.ISA_LEVELS or cpu_isa.ISA_LEVELS.index(isa) > cpu_isa.ISA_LEVELS.index(detected.detected):
+        allowed = cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(detected.detected) + 1]
+        raise ValueError(f"cannot build CPU kernels for {isa!r} on this CPU: it runs {allowed}")
     try:
-        path = build_library(SOURCE)
-        return CpuKernels(ctypes.CDLL(str(path)), path)
+        path = build_library(SOURCE, isa)
+        return CpuKernels(ctypes.CDLL(str(path)), path, isa)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable (%s); attention runs the plain-torch path", e)
         return None
 
 
-def build_library(source: Path) -> Path:
-    """Compile `source` into the cache unless an identical build is there; returns the .so path."""
+def compile_command(cc: str, source: Path, isa: str, output: str) -> list[str]:
+    """The compiler command line for `source` at ISA level `isa`; libmvec is linked only where the
+    vector code calls it (AVX2 and above on x86-64)."""
+    libs = ["-lmvec", "-lm"] if cpu_isa.uses_libmvec(isa) else ["-lm"]
+    return [cc, *cpu_isa.c_compile_flags(isa), *BUILD_FLAGS, str(source), "-o", output, *libs]
+
+
+def build_library(source: Path, isa: str) -> Path:
+    """Compile `source` for `isa` into the cache unless an identical build is there; returns the .so path."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()):
+    for part in (source.read_bytes(), version.encode(), " ".join(compile_command(cc, source, isa, "")).encode()):
         key.update(part)
     out_dir = pagedllm_cache_dir("kernels")
-    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"{source.stem}-{isa}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, *_link_libraries()], capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(compile_command(cc, source, isa, tmp), capture_output=True, text=True, timeout=300,
+                              check=False)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {source.name} for {isa}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: concurrent builders each land a whole file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("Built CPU kernels %s", target)
+    logger.info("Built CPU kernels for %s: %s", isa, target)
     return target
-
-
-def _link_libraries() -> list[str]:
-    """libm, plus glibc's vector math library where the AVX-512 path can call it (x86-64 only)."""
-    import platform
-
-    return ["-lmvec", "-lm"] if platform.machine().lower() in ("x86_64", "amd64") else ["-lm"]
-
-
-def _cpu_signature() -> str:
-    """The CPU model and flags: -march=native output is only valid on the same kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        import platform
-
-        return platform.processor() + platform.machine()

@@ -9,6 +9,11 @@ stays float32 (bfloat16 for bfloat16 weights); only the summation order differs 
 
 ``PAGEDLLM_CPU_GEMM=torch`` turns packing off (every linear then runs ``F.linear``), for comparison.
 
+bfloat16 packing needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT): without it torch's reorder raises inside
+oneDNN. Where the CPU, or the level forced by ``PAGEDLLM_CPU_ISA`` (kernels/cpu_isa.py), lacks them,
+`packable_dtypes()` leaves bfloat16 out and bfloat16 layers run ``F.linear`` (the worker logs why).
+float32 packing works on every x86-64 CPU (oneDNN has SSE4.1/AVX2/AVX-512 kernels).
+
 Row buckets: oneDNN builds (JIT-compiles) one primitive per input shape and keeps it in its
 primitive cache (1 024 entries by default), about 0.6 MiB each whatever the shape. A server's steps
 have every row count from 1 to the batched-token limit, so exact shapes fill that cache with up to
@@ -20,11 +25,14 @@ there on the largest size that fits runs on a view of x and only the remainder i
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+from pagedllm.kernels import cpu_isa
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN can pack on some CPU; see packable_dtypes()
 GEMM_ENV = "PAGEDLLM_CPU_GEMM"
 GEMM_CHOICES = ("onednn", "torch")
 EXACT_ROWS = 16  # decode-sized GEMMs keep their exact shape (no wasted rows where steps are shortest)
@@ -50,12 +58,40 @@ def onednn_linear_available() -> bool:
     return hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
 
 
+def bf16_packing_unsupported_reason() -> str | None:
+    """None where bfloat16 weights can be packed here, else why not (the missing CPU feature)."""
+    isa = cpu_isa.detect_cpu_isa()
+    if not isa.at_least("avx512"):
+        missing = ", ".join(cpu_isa.missing_flags(isa.flags, "avx512")) or "none (forced lower)"
+        return (f"oneDNN's bfloat16 GEMM needs AVX-512 BW/VL/DQ; the CPU ISA level in use is {isa.name} "
+                f"(missing CPU flags: {missing})")
+    if not _onednn_bf16_ok():
+        return "oneDNN reports no bfloat16 support on this CPU (ONEDNN_MAX_CPU_ISA, or no AVX-512 BW/VL/DQ)"
+    return None
+
+
+@functools.cache
+def _onednn_bf16_ok() -> bool:
+    """torch's own check (the one its reorder raises on); it follows ONEDNN_MAX_CPU_ISA."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def packable_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes `pack_linear_weight` takes on this CPU: float32, plus bfloat16 where supported."""
+    return PACKABLE_DTYPES if bf16_packing_unsupported_reason() is None else (torch.float32,)
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A [out, in] CPU weight → oneDNN's blocked layout (an opaque mkldnn tensor, a copy)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
         raise ValueError(
             f"oneDNN packing takes a CPU weight in {PACKABLE_DTYPES}, got {weight.dtype} on {weight.device}"
         )
+    if weight.dtype == torch.bfloat16 and (reason := bf16_packing_unsupported_reason()) is not None:
+        raise ValueError(f"cannot pack a bfloat16 weight here: {reason}; use F.linear, or float32 weights")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.worker.model_input import SequenceChunk
-from pagedllm.worker.step_stats import StepStats, step_kind
+from pagedllm.worker.step_stats import StepStats, StepWork, step_kind
 
 
 class ModelRunner:
@@ -172,7 +172,8 @@ class ModelRunner:
         if logits_indices.numel():
             logits = self.model.compute_logits(hidden[logits_indices]).float()
         if stats is not None:
-            stats.stop(step_kind(chunks), path, int(input_ids.shape[0]), start)
+            stats.stop(step_kind(chunks), path, int(input_ids.shape[0]), start,
+                       StepWork.of(chunks, int(logits_indices.numel())))
         return logits
 
 

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
-from pagedllm.kernels import cpu_kernels, cpu_linear, kv_quant
+from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, kv_quant
 from pagedllm.model import loader
 from pagedllm.model.layers.attention import (
     NativeCpuAttentionBackend,
@@ -67,6 +67,7 @@ class Worker:
         t0 = time.perf_counter()
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
+            cpu_isa.detect_cpu_isa()  # logs the ISA level once; a bad PAGEDLLM_CPU_ISA fails here, before loading
         mc = self.config.model_config
         cls = get_model_class(self.hf_config)
         with torch.device(self.device):
@@ -98,6 +99,10 @@ class Worker:
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
             return "torch"
+        if self.dtype == torch.bfloat16 and (why := cpu_linear.bf16_packing_unsupported_reason()) is not None:
+            logger.warning("bfloat16 weights: %s; the linear layers fall back to F.linear in bfloat16 (slow "
+                           "here: --dtype float32 runs packed oneDNN GEMMs and the native kernels)", why)
+            return "torch (bfloat16 without AVX-512: see the warning above)"
         pack_weights_for_cpu(self.model)
         return "onednn (packed weights)"
 

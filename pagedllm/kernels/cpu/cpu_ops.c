@@ -2,8 +2,8 @@
  * chunks, the cache write, and the fused elementwise ops (RMSNorm, RoPE, SiLU·mul) that
  * kernels/triton_fused_ops.py provides on CUDA.
  *
- * Built on first use by pagedllm/kernels/cpu_kernels.py (cc -O3 -march=native -fopenmp) and called
- * through ctypes with raw pointers. The OpenMP runtime it links is libgomp.so.1, which resolves to the
+ * Built on first use by pagedllm/kernels/cpu_kernels.py, once per ISA level (kernels/cpu_isa.py:
+ * -mavx512f…, -mavx2 -mfma, or plain -O3), and called through ctypes with raw pointers. The OpenMP runtime it links is libgomp.so.1, which resolves to the
  * copy torch has already loaded, so these loops share torch's thread pool.
  *
  * Cache layout, as everywhere in pagedllm: [num_blocks, block_size, num_kv_heads, head_dim], so token j
@@ -15,26 +15,88 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* One vector type per ISA: VW float lanes and the few operations the kernels need. The AVX-512 and AVX2
+ * builds share every kernel below; only the horizontal sums differ. Scalar builds (VECTOR_PATH 0) take
+ * the plain loops, which the compiler vectorises for whatever it targets. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
+typedef __m512 vec;
+#define VW 16
+#define v_load _mm512_loadu_ps
+#define v_store _mm512_storeu_ps
+#define v_set1 _mm512_set1_ps
+#define v_zero _mm512_setzero_ps
+#define v_fma _mm512_fmadd_ps
+#define v_add _mm512_add_ps
+#define v_sub _mm512_sub_ps
+#define v_mul _mm512_mul_ps
+#define v_div _mm512_div_ps
+#define v_max _mm512_max_ps
+#define v_reduce _mm512_reduce_add_ps
 __m512 _ZGVeN16v_expf(__m512); /* glibc's libmvec: expf on 16 lanes (≤ 4 ulp) */
+#define v_exp _ZGVeN16v_expf
 #define VECTOR_PATH 1
+
+/* The 16 horizontal sums of v[0..15], as one vector (lane j = sum of v[j]): a transpose-add tree. */
+static inline vec hsum_run(const vec v[VW]) {
+    __m512 s1[8], s2[4];
+    for (int i = 0; i < 8; ++i) /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i) /* per 128-bit lane: partial sums of 4 consecutive vectors */
+        s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                              _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88), _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+typedef __m256 vec;
+#define VW 8
+#define v_load _mm256_loadu_ps
+#define v_store _mm256_storeu_ps
+#define v_set1 _mm256_set1_ps
+#define v_zero _mm256_setzero_ps
+#define v_fma _mm256_fmadd_ps
+#define v_add _mm256_add_ps
+#define v_sub _mm256_sub_ps
+#define v_mul _mm256_mul_ps
+#define v_div _mm256_div_ps
+#define v_max _mm256_max_ps
+__m256 _ZGVdN8v_expf(__m256); /* glibc's libmvec: expf on 8 lanes (AVX2) */
+#define v_exp _ZGVdN8v_expf
+#define VECTOR_PATH 1
+
+static inline float v_reduce(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The 8 horizontal sums of v[0..7], as one vector (lane j = sum of v[j]). */
+static inline vec hsum_run(const vec v[VW]) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* u0 = (sums of v0..v3 over the low 128 bits | over the high 128 bits); likewise u1 for v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #else
+#define VW 1
 #define VECTOR_PATH 0
 #endif
 
 /* scores[g * stride] = scale * (q_g · k) for the `group` query rows that share one K row. */
 static inline void group_scores(const float *restrict q, const float *restrict k, int group, int head_dim,
                                 float scale, float *restrict scores, int64_t stride) {
-#if defined(__AVX512F__)
-    if (head_dim % 16 == 0 && group <= 16) {
-        __m512 acc[16];
-        for (int g = 0; g < group; ++g) acc[g] = _mm512_setzero_ps();
-        for (int d = 0; d < head_dim; d += 16) {
-            const __m512 kv = _mm512_loadu_ps(k + d);
-            for (int g = 0; g < group; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * head_dim + d), kv, acc[g]);
+#if VECTOR_PATH
+    if (head_dim % VW == 0 && group <= 16) {
+        vec acc[16];
+        for (int g = 0; g < group; ++g) acc[g] = v_zero();
+        for (int d = 0; d < head_dim; d += VW) {
+            const vec kv = v_load(k + d);
+            for (int g = 0; g < group; ++g) acc[g] = v_fma(v_load(q + g * head_dim + d), kv, acc[g]);
         }
-        for (int g = 0; g < group; ++g) scores[g * stride] = scale * _mm512_reduce_add_ps(acc[g]);
+        for (int g = 0; g < group; ++g) scores[g * stride] = scale * v_reduce(acc[g]);
         return;
     }
 #endif
@@ -47,35 +109,20 @@ static inline void group_scores(const float *restrict q, const float *restrict k
     }
 }
 
-#if defined(__AVX512F__)
-/* The 16 horizontal sums of v[0..15], as one vector (lane j = sum of v[j]): a transpose-add tree. */
-static inline __m512 hsum16(const __m512 v[16]) {
-    __m512 s1[8], s2[4];
-    for (int i = 0; i < 8; ++i) /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
-        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i) /* per 128-bit lane: partial sums of 4 consecutive vectors */
-        s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
-                              _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
-    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
-    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88), _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
-}
-#endif
-
-/* Scores of a run of 16 tokens: out[g * stride + j] = scale * (q_g · k_j), k_j = k + j * row_stride, for the
- * `group` query rows sharing these K rows (AVX-512 with head_dim % 16 == 0 only: see VECTOR_PATH). */
-static inline void block16_scores(const float *restrict q, const float *restrict k, int64_t row_stride, int group,
-                                  int head_dim, float scale, float *restrict out, int64_t stride) {
-#if defined(__AVX512F__)
-    const __m512 vscale = _mm512_set1_ps(scale);
+/* Scores of a run of VW tokens: out[g * stride + j] = scale * (q_g · k_j), k_j = k + j * row_stride, for the
+ * `group` query rows sharing these K rows (vector builds with head_dim % VW == 0 only). */
+static inline void run_scores(const float *restrict q, const float *restrict k, int64_t row_stride, int group,
+                              int head_dim, float scale, float *restrict out, int64_t stride) {
+#if VECTOR_PATH
+    const vec vscale = v_set1(scale);
     for (int g = 0; g < group; ++g) {
-        __m512 acc[16];
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-        for (int d = 0; d < head_dim; d += 16) {
-            const __m512 qv = _mm512_loadu_ps(q + g * head_dim + d);
-            for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + j * row_stride + d), acc[j]);
+        vec acc[VW];
+        for (int j = 0; j < VW; ++j) acc[j] = v_zero();
+        for (int d = 0; d < head_dim; d += VW) {
+            const vec qv = v_load(q + g * head_dim + d);
+            for (int j = 0; j < VW; ++j) acc[j] = v_fma(qv, v_load(k + j * row_stride + d), acc[j]);
         }
-        _mm512_storeu_ps(out + g * stride, _mm512_mul_ps(hsum16(acc), vscale));
+        v_store(out + g * stride, v_mul(hsum_run(acc), vscale));
     }
 #else
     (void)q, (void)k, (void)row_stride, (void)group, (void)head_dim, (void)scale, (void)out, (void)stride;
@@ -87,26 +134,26 @@ static inline void block16_scores(const float *restrict q, const float *restrict
  * added to `acc` once, so consecutive tokens do not chain through memory. */
 static inline void group_block_axpy(const float *restrict p, int64_t stride, const float *restrict v,
                                     int64_t row_stride, int n, int group, int head_dim, float *restrict acc) {
-#if defined(__AVX512F__)
-    if (head_dim % 16 == 0) {
+#if VECTOR_PATH
+    if (head_dim % VW == 0) {
         for (int g = 0; g < group; ++g) {
             const float *pg = p + g * stride;
             float *a = acc + g * head_dim;
-            for (int d0 = 0; d0 < head_dim; d0 += 64) { /* four independent accumulators */
-                const int chunks = (head_dim - d0) / 16 < 4 ? (head_dim - d0) / 16 : 4;
-                __m512 r0 = _mm512_setzero_ps(), r1 = r0, r2 = r0, r3 = r0;
+            for (int d0 = 0; d0 < head_dim; d0 += 4 * VW) { /* four independent accumulators */
+                const int chunks = (head_dim - d0) / VW < 4 ? (head_dim - d0) / VW : 4;
+                vec r0 = v_zero(), r1 = r0, r2 = r0, r3 = r0;
                 for (int j = 0; j < n; ++j) {
-                    const __m512 w = _mm512_set1_ps(pg[j]);
+                    const vec w = v_set1(pg[j]);
                     const float *vj = v + j * row_stride + d0;
-                    r0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj), r0);
-                    if (chunks > 1) r1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 16), r1);
-                    if (chunks > 2) r2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 32), r2);
-                    if (chunks > 3) r3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vj + 48), r3);
+                    r0 = v_fma(w, v_load(vj), r0);
+                    if (chunks > 1) r1 = v_fma(w, v_load(vj + VW), r1);
+                    if (chunks > 2) r2 = v_fma(w, v_load(vj + 2 * VW), r2);
+                    if (chunks > 3) r3 = v_fma(w, v_load(vj + 3 * VW), r3);
                 }
-                _mm512_storeu_ps(a + d0, _mm512_add_ps(_mm512_loadu_ps(a + d0), r0));
-                if (chunks > 1) _mm512_storeu_ps(a + d0 + 16, _mm512_add_ps(_mm512_loadu_ps(a + d0 + 16), r1));
-                if (chunks > 2) _mm512_storeu_ps(a + d0 + 32, _mm512_add_ps(_mm512_loadu_ps(a + d0 + 32), r2));
-                if (chunks > 3) _mm512_storeu_ps(a + d0 + 48, _mm512_add_ps(_mm512_loadu_ps(a + d0 + 48), r3));
+                v_store(a + d0, v_add(v_load(a + d0), r0));
+                if (chunks > 1) v_store(a + d0 + VW, v_add(v_load(a + d0 + VW), r1));
+                if (chunks > 2) v_store(a + d0 + 2 * VW, v_add(v_load(a + d0 + 2 * VW), r2));
+                if (chunks > 3) v_store(a + d0 + 3 * VW, v_add(v_load(a + d0 + 3 * VW), r3));
             }
         }
         return;
@@ -122,19 +169,37 @@ static inline void group_block_axpy(const float *restrict p, int64_t stride, con
         }
 }
 
+/* max(row[0:n]), n ≥ 1 (vector lanes: a scalar chain of compares is latency-bound). */
+static inline float row_max(const float *row, int n) {
+    float m = row[0];
+    int t = 0;
+#if VECTOR_PATH
+    if (n >= VW) {
+        vec vm = v_load(row);
+        for (t = VW; t + VW <= n; t += VW) vm = v_max(vm, v_load(row + t));
+        float lanes[VW];
+        v_store(lanes, vm);
+        m = lanes[0];
+        for (int i = 1; i < VW; ++i) m = lanes[i] > m ? lanes[i] : m;
+    }
+#endif
+    for (; t < n; ++t) m = row[t] > m ? row[t] : m;
+    return m;
+}
+
 /* row[0:n] = exp(row[0:n] - m); returns their sum. */
 static inline float exp_shifted(float *row, int n, float m) {
     float sum = 0.f;
     int t = 0;
-#if defined(__AVX512F__)
-    __m512 vsum = _mm512_setzero_ps();
-    const __m512 vm = _mm512_set1_ps(m);
-    for (; t + 16 <= n; t += 16) {
-        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(row + t), vm));
-        _mm512_storeu_ps(row + t, e);
-        vsum = _mm512_add_ps(vsum, e);
+#if VECTOR_PATH
+    vec vsum = v_zero();
+    const vec vm = v_set1(m);
+    for (; t + VW <= n; t += VW) {
+        const vec e = v_exp(v_sub(v_load(row + t), vm));
+        v_store(row + t, e);
+        vsum = v_add(vsum, e);
     }
-    sum = _mm512_reduce_add_ps(vsum);
+    sum = v_reduce(vsum);
 #endif
     for (; t < n; ++t) {
         row[t] = expf(row[t] - m);
@@ -195,12 +260,12 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                 const float *kb = key_cache + (int64_t)table[b] * block_stride;
                 if (b + 1 < num_blocks) prefetch_block(key_cache + (int64_t)table[b + 1] * block_stride, block_stride);
                 const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
-                int j0 = 0; /* runs of 16 tokens: one transpose-add tree per query row */
-                for (; j0 + 16 <= n && head_dim % 16 == 0 && VECTOR_PATH; j0 += 16)
+                int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
+                for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
                     for (int h = 0; h < num_kv_heads; ++h)
-                        block16_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
-                                       token_stride, group, head_dim, scale,
-                                       scores + (int64_t)h * group * max_len + t0 + j0, max_len);
+                        run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
+                                   token_stride, group, head_dim, scale,
+                                   scores + (int64_t)h * group * max_len + t0 + j0, max_len);
                 for (int j = j0; j < n; ++j)
                     for (int h = 0; h < num_kv_heads; ++h)
                         group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
@@ -209,8 +274,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             if (num_blocks > 0) prefetch_block(value_cache + (int64_t)table[0] * block_stride, block_stride);
             for (int qh = 0; qh < num_q_heads; ++qh) { /* softmax, normalised in place */
                 float *row = scores + (int64_t)qh * max_len;
-                float m = row[0];
-                for (int t = 1; t < len; ++t) m = row[t] > m ? row[t] : m;
+                const float m = row_max(row, len);
                 const float inv = 1.f / exp_shifted(row, len, m);
                 for (int t = 0; t < len; ++t) row[t] *= inv;
             }
@@ -309,13 +373,13 @@ void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t num_
         const float *gate = x + t * x_stride, *up = gate + inter;
         float *o = out + t * inter;
         int64_t i = 0;
-#if defined(__AVX512F__)
-        const __m512 one = _mm512_set1_ps(1.f);
-        for (; i + 16 <= inter; i += 16) {
-            const __m512 g = _mm512_loadu_ps(gate + i);
-            const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+#if VECTOR_PATH
+        const vec one = v_set1(1.f);
+        for (; i + VW <= inter; i += VW) {
+            const vec g = v_load(gate + i);
+            const vec e = v_exp(v_sub(v_zero(), g));
+            const vec silu = v_div(g, v_add(one, e));
+            v_store(o + i, v_mul(silu, v_load(up + i)));
         }
 #endif
         for (; i < inter; ++i) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
