@@ -193,6 +193,7 @@ def _run_bf16(extra_env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.skipif(not cpu_isa._is_x86_64(), reason="ONEDNN_MAX_CPU_ISA=AVX2 emulates an x86 AVX2 machine")
 @pytest.mark.parametrize("isa_env", [{}, _isa_param("avx2")], ids=["onednn-capped", "forced-avx2"])
 def test_bf16_on_an_avx2_machine_falls_back_with_one_warning(isa_env):
     """oneDNN capped at AVX2 (the Zen 1 crash: `mkldnn_reorder_linear_weight: bf16 path needs ...
