@@ -1,0 +1,201 @@
+"""GGUF-quantized linear kernels for the CPU (kernels/cpu/quant_ops.c), built on first use, called via ctypes.
+
+Weights stay in memory as their GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K: one row of K inputs is K/32 or
+K/256 blocks). Two GEMM designs are built (quant_ops.c explains them): ``int8`` quantizes the activations
+per row into blocks of 32 int8 and multiplies them with integer dot products (AVX-512 VNNI / AVX2), and
+``dequant`` dequantizes a tile of weight rows into fp32 and uses FMAs. :func:`choose_method` picks per
+batch size (BENCHMARKS.md, "GGUF weights served quantized", has the measurement behind the default).
+
+``PAGEDLLM_QUANT_ISA`` forces the instruction set the library is compiled for: ``native`` (default,
+``-march=native``), ``avx2`` (``-march=haswell``: AVX2 + FMA + F16C, no AVX-512) or ``portable``
+(``-march=x86-64``: the scalar C path), so any machine can test every path.
+``PAGEDLLM_QUANT_GEMM`` = ``auto`` | ``int8`` | ``dequant`` forces one design.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.cache_dir import pagedllm_cache_dir
+
+logger = logging.getLogger("pagedllm")
+
+SOURCE = Path(__file__).with_name("cpu") / "quant_ops.c"
+ISA_ENV = "PAGEDLLM_QUANT_ISA"
+GEMM_ENV = "PAGEDLLM_QUANT_GEMM"
+ISA_LEVELS: dict[str, tuple[str, ...]] = {
+    "native": ("-march=native",),
+    "avx2": ("-march=haswell",),
+    "portable": ("-march=x86-64", "-mno-f16c"),
+}
+GEMM_METHODS = ("auto", "int8", "dequant")
+_METHOD_CODE = {"int8": 0, "dequant": 1}
+# From the batch-size sweep (BENCHMARKS.md): the int8 design wins at every batch size measured.
+DEQUANT_MIN_ROWS = 1 << 62
+
+# ggml_type codes and (elements, bytes) per block
+GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+BLOCK_LAYOUT: dict[int, tuple[int, int]] = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
+TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPES.items()}
+
+_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+@dataclass
+class GGUFWeight:
+    """A [N, K] weight held as GGUF blocks: ``data`` is uint8 [N, row_bytes], rows in HF order."""
+
+    data: torch.Tensor
+    qtype: int
+    out_features: int
+    in_features: int
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_LAYOUT:
+            raise ValueError(f"GGUF type {self.qtype} is not served quantized; supported: {sorted(GGML_TYPES)}")
+        expected = (self.out_features, row_bytes(self.qtype, self.in_features))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected or not self.data.is_contiguous():
+            raise ValueError(f"GGUF weight data must be contiguous uint8 {expected}, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of ``k`` elements; ValueError when ``k`` is not a whole number of blocks."""
+    if qtype not in BLOCK_LAYOUT:
+        raise ValueError(f"GGUF type {qtype} is not supported; supported: {sorted(GGML_TYPES)}")
+    elems, nbytes = BLOCK_LAYOUT[qtype]
+    if k % elems:
+        raise ValueError(f"{TYPE_NAMES[qtype]} rows need a multiple of {elems} elements, got {k}")
+    return k // elems * nbytes
+
+
+class QuantKernels:
+    """Typed wrappers over one build of quant_ops.c."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._linear = lib.quant_linear
+        self._linear.restype = _int
+        self._linear.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+        self._dequant = lib.dequantize_rows
+        self._dequant.restype = _int
+        self._dequant.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr]
+        lib.quant_isa.restype = ctypes.c_char_p
+        self.isa: str = lib.quant_isa().decode()
+
+    def linear(self, x: torch.Tensor, w: GGUFWeight, method: str = "auto") -> torch.Tensor:
+        """y = x Wᵀ for float32 x [..., K]; ``method`` is auto, int8 or dequant."""
+        if x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"GGUF linear needs float32 CPU activations, got {x.dtype} on {x.device}")
+        if x.shape[-1] != w.in_features:
+            raise ValueError(f"GGUF linear: input has {x.shape[-1]} features, weight expects {w.in_features}")
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).contiguous()
+        m = x2.shape[0]
+        y = torch.empty(m, w.out_features, dtype=torch.float32)
+        if m:
+            code = _METHOD_CODE[choose_method(m) if method == "auto" else method]
+            rc = self._linear(w.qtype, w.data.data_ptr(), w.out_features, w.in_features, x2.data_ptr(), m,
+                              y.data_ptr(), code)
+            if rc:
+                raise RuntimeError(f"quant_linear failed with status {rc} ({w.type_name}, K={w.in_features})")
+        return y.view(*shape[:-1], w.out_features)
+
+    def dequantize_rows(self, w: GGUFWeight, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), K]: the listed rows of ``w`` dequantized (bit-exact with gguf.quants)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.out_features):
+            raise ValueError(f"row ids must lie in [0, {w.out_features}), got [{int(flat.min())}, {int(flat.max())}]")
+        out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
+        if flat.numel():
+            rc = self._dequant(w.qtype, w.data.data_ptr(), w.in_features, flat.data_ptr(), flat.numel(),
+                               out.data_ptr())
+            if rc:
+                raise RuntimeError(f"dequantize_rows failed with status {rc}")
+        return out.view(*ids.shape, w.in_features)
+
+
+def choose_method(num_rows: int) -> str:
+    """The GEMM design for a batch of ``num_rows`` activation rows (``PAGEDLLM_QUANT_GEMM`` overrides)."""
+    forced = os.environ.get(GEMM_ENV, "auto")
+    if forced not in GEMM_METHODS:
+        raise ValueError(f"{GEMM_ENV} must be one of {list(GEMM_METHODS)}, got {forced!r}")
+    if forced != "auto":
+        return forced
+    return "dequant" if num_rows >= DEQUANT_MIN_ROWS else "int8"
+
+
+def isa_level() -> str:
+    level = os.environ.get(ISA_ENV, "native")
+    if level not in ISA_LEVELS:
+        raise ValueError(f"{ISA_ENV} must be one of {list(ISA_LEVELS)}, got {level!r}")
+    return level
+
+
+@functools.lru_cache(maxsize=None)
+def load_quant_kernels(level: str | None = None) -> QuantKernels:
+    """The kernels built for ``level`` (default: ``PAGEDLLM_QUANT_ISA`` or native); raises if they cannot be."""
+    level = level or isa_level()
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"GGUF quantized kernels are written for x86-64, this CPU is {platform.machine()}")
+    path = _build(SOURCE, ISA_LEVELS[level])
+    kernels = QuantKernels(ctypes.CDLL(str(path)), path)
+    logger.info("GGUF quantized kernels: %s build (%s)", level, kernels.isa)
+    return kernels
+
+
+def _build(source: Path, isa_flags: tuple[str, ...]) -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    flags = (*_CFLAGS, *isa_flags)
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), version.encode(), " ".join(flags).encode(), _cpu_signature().encode()):
+        key.update(part)
+    out_dir = pagedllm_cache_dir("kernels")
+    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("Built GGUF quantized kernels %s", target)
+    return target
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() + platform.machine()
