@@ -99,7 +99,7 @@ def test_gemm_choice_env(monkeypatch):
 def engines():
     from pagedllm import LLM
 
-    quant = LLM(num_gpu_blocks_override=256)  # the default for a quantized GGUF on the CPU
+    quant = LLM(quantization="gguf", num_gpu_blocks_override=256)
     dense = LLM(quantization="none", num_gpu_blocks_override=256)
     return quant, dense
 
@@ -124,9 +124,18 @@ def test_default_is_quantized_and_memory_within_file_size(engines):
     q_bytes, d_bytes = resident_weight_bytes(qm), resident_weight_bytes(dm)
     assert q_bytes <= 1.2 * file_bytes, (q_bytes, file_bytes)
     assert d_bytes > 4 * file_bytes  # float32 copy: what the quantized path saves
+    with pytest.raises(ValueError, match="cannot replace GGUF-quantized weights"):
+        quant.llm_engine.executor.driver_worker.load_weights(iter([]))
 
 
-def test_greedy_agreement_and_perplexity_fast(engines, tokenizer):
+@pytest.fixture(params=["int8", "auto"])
+def gemm_method(request, monkeypatch):
+    """int8 everywhere (the approximate design, also for prompts) and the default per-batch-size choice."""
+    monkeypatch.setenv(cpu_quant.GEMM_ENV, request.param)
+    return request.param
+
+
+def test_greedy_agreement_and_perplexity_fast(engines, tokenizer, gemm_method):
     from pagedllm.benchmarks.gguf_quant import (FIXED_TEXT, PROMPT_TEXTS, free_running_agreement, greedy,
                                                 perplexity, teacher_forced_agreement)
 
@@ -144,7 +153,8 @@ def test_greedy_agreement_and_perplexity_fast(engines, tokenizer):
 
 
 @pytest.mark.slow
-def test_greedy_agreement_32_prompts(engines, tokenizer):
+def test_greedy_agreement_32_prompts(engines, tokenizer, monkeypatch):
+    monkeypatch.setenv(cpu_quant.GEMM_ENV, "int8")
     from pagedllm.benchmarks.gguf_quant import PROMPT_TEXTS, greedy, teacher_forced_agreement
 
     quant, dense = engines
@@ -152,6 +162,22 @@ def test_greedy_agreement_32_prompts(engines, tokenizer):
     ref = greedy(dense, prompts, 32)
     agree, total = teacher_forced_agreement(quant, prompts, ref)
     assert total == 32 * 32 and agree / total >= 0.95, (agree, total)
+
+
+def test_default_for_a_quantized_gguf_on_cpu(monkeypatch):
+    from pagedllm.model.layers.quantized_linear import DEFAULT_ENV, resolve_quantization
+    from pagedllm.model.loader import default_model_path
+
+    gguf = default_model_path()
+    monkeypatch.delenv(DEFAULT_ENV, raising=False)
+    assert resolve_quantization(None, gguf, "cpu", torch.float32) == "gguf"
+    assert resolve_quantization(None, gguf, "cpu", torch.bfloat16) is None  # the kernels take float32
+    assert resolve_quantization(None, gguf, "cuda", torch.float32) is None
+    monkeypatch.setenv(DEFAULT_ENV, "none")
+    assert resolve_quantization(None, gguf, "cpu", torch.float32) is None
+    monkeypatch.setenv(DEFAULT_ENV, "q4")
+    with pytest.raises(ValueError, match="must be 'gguf' or 'none'"):
+        resolve_quantization(None, gguf, "cpu", torch.float32)
 
 
 def test_quantization_errors(tmp_path):
@@ -166,7 +192,6 @@ def test_quantization_errors(tmp_path):
         resolve_quantization("gguf", gguf, "cuda", torch.float32)
     with pytest.raises(ValueError, match="dtype='float32'"):
         LLM(quantization="gguf", dtype="bfloat16", num_gpu_blocks_override=16)
-    assert resolve_quantization(None, gguf, "cpu", torch.bfloat16) is None  # default: only float32 runs it
     assert resolve_quantization("none", gguf, "cpu", torch.float32) is None
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(quantization="q4", num_gpu_blocks_override=16)

@@ -105,6 +105,9 @@ class Worker:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the loaded model's weights (name, tensor pairs in checkpoint naming)."""
+        if self.quantization == "gguf":
+            raise ValueError("load_weights cannot replace GGUF-quantized weights; build the engine with "
+                             "quantization='none' to load other weights.")
         self.model.load_weights(weights)
         self.process_weights_after_loading()
 

@@ -25,6 +25,9 @@ logger = logging.getLogger("pagedllm")
 # Values of --quantization handled here; "none" keeps the dequantize-at-load path.
 GGUF = "gguf"
 NONE = "none"
+# What an unset --quantization means for a quantized GGUF on the CPU (gguf, or none: the test suite's HF-parity
+# tests set none, since int8 activations do not reproduce float32 greedy outputs token for token).
+DEFAULT_ENV = "PAGEDLLM_GGUF_QUANTIZATION"
 
 
 @dataclass
@@ -52,10 +55,15 @@ def gguf_has_quantized_linears(path: str | os.PathLike[str]) -> bool:
 def resolve_quantization(requested: str | None, gguf_path: str | None, device: str, dtype: torch.dtype) -> str | None:
     """The weight quantization to apply: ``requested``, or by default ``gguf`` for a quantized GGUF on the CPU
     in float32. Raises ValueError for a combination that cannot run."""
-    if requested in (None, NONE):
-        if requested is None and gguf_path and device == "cpu" and dtype == torch.float32 \
+    if requested is None:
+        default = os.environ.get(DEFAULT_ENV, GGUF)
+        if default not in (GGUF, NONE):
+            raise ValueError(f"{DEFAULT_ENV} must be 'gguf' or 'none', got {default!r}")
+        if default == GGUF and gguf_path and device == "cpu" and dtype == torch.float32 \
                 and gguf_has_quantized_linears(gguf_path):
             return GGUF
+        return None
+    if requested == NONE:
         return None
     if requested != GGUF:
         return requested
