@@ -136,8 +136,14 @@ def gemm_method(request, monkeypatch):
 
 
 def test_greedy_agreement_and_perplexity_fast(engines, tokenizer, gemm_method):
-    from pagedllm.benchmarks.gguf_quant import (FIXED_TEXT, PROMPT_TEXTS, free_running_agreement, greedy,
-                                                perplexity, teacher_forced_agreement)
+    from pagedllm.benchmarks.gguf_quant import (
+        FIXED_TEXT,
+        PROMPT_TEXTS,
+        free_running_agreement,
+        greedy,
+        perplexity,
+        teacher_forced_agreement,
+    )
 
     quant, dense = engines
     prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:4]]
@@ -155,7 +161,11 @@ def test_greedy_agreement_and_perplexity_fast(engines, tokenizer, gemm_method):
 @pytest.mark.slow
 def test_greedy_agreement_32_prompts(engines, tokenizer, monkeypatch):
     monkeypatch.setenv(cpu_quant.GEMM_ENV, "int8")
-    from pagedllm.benchmarks.gguf_quant import PROMPT_TEXTS, greedy, teacher_forced_agreement
+    from pagedllm.benchmarks.gguf_quant import (
+        PROMPT_TEXTS,
+        greedy,
+        teacher_forced_agreement,
+    )
 
     quant, dense = engines
     prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:32]]

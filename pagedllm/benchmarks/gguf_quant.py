@@ -102,8 +102,9 @@ def gemm_sweep(llm, batch_sizes: list[int], repeats: int) -> list[dict]:
         dense = kern.dequantize_rows(w, torch.arange(n))
         for bs in batch_sizes:
             x = torch.randn(bs, k)
-            fns = {"int8": lambda: kern.linear(x, w, "int8"), "dequant": lambda: kern.linear(x, w, "dequant"),
-                   "torch_f32": lambda: F.linear(x, dense)}
+            fns = {"int8": lambda x=x, w=w: kern.linear(x, w, "int8"),
+                   "dequant": lambda x=x, w=w: kern.linear(x, w, "dequant"),
+                   "torch_f32": lambda x=x, dense=dense: F.linear(x, dense)}
             best = {}
             for name, fn in fns.items():
                 fn()

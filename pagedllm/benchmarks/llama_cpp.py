@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Self
 
 from pagedllm.benchmarks.throughput import Result, Workload
 from pagedllm.cache_dir import pagedllm_cache_dir
@@ -56,7 +57,7 @@ class LlamaServer:
         self.cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(parallel),
                     "-c", str(ctx_per_slot * parallel), "-t", str(threads), "-tb", str(threads), "-b",
                     str(batch_size), "-ub", str(batch_size), "-ngl", "0", "--no-warmup", "--cont-batching"]
-        self._log = tempfile.TemporaryFile()
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's log, open while it runs)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -92,7 +93,7 @@ class LlamaServer:
                 self.proc.wait()
         self._log.close()
 
-    def __enter__(self) -> LlamaServer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -251,14 +251,14 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
 
 
-def build_library(source: Path) -> Path:
-    """Compile `source` into the cache unless an identical build is there; returns the .so path."""
+def build_library(source: Path, flags: tuple[str, ...] = CFLAGS) -> Path:
+    """Compile `source` with `flags` into the cache unless an identical build is there; returns the .so path."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(CFLAGS).encode(), _cpu_signature().encode()):
+    for part in (source.read_bytes(), version.encode(), " ".join(flags).encode(), _cpu_signature().encode()):
         key.update(part)
     out_dir = pagedllm_cache_dir("kernels")
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -268,7 +268,7 @@ def build_library(source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, str(source), "-o", tmp, *_link_libraries()], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, *_link_libraries()], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")

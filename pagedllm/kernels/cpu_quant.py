@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from pagedllm.cache_dir import pagedllm_cache_dir
 
 logger = logging.getLogger("pagedllm")
 
@@ -50,7 +44,6 @@ GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
 BLOCK_LAYOUT: dict[int, tuple[int, int]] = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
 TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPES.items()}
 
-_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
@@ -153,7 +146,7 @@ def isa_level() -> str:
     return level
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_quant_kernels(level: str | None = None) -> QuantKernels:
     """The kernels built for ``level`` (default: ``PAGEDLLM_QUANT_ISA`` or native); raises if they cannot be."""
     level = level or isa_level()
@@ -166,37 +159,7 @@ def load_quant_kernels(level: str | None = None) -> QuantKernels:
 
 
 def _build(source: Path, isa_flags: tuple[str, ...]) -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler found (set CC, or install gcc)")
-    flags = (*_CFLAGS, *isa_flags)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(flags).encode(), _cpu_signature().encode()):
-        key.update(part)
-    out_dir = pagedllm_cache_dir("kernels")
-    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("Built GGUF quantized kernels %s", target)
-    return target
+    """cpu_kernels' cached build with the ISA flags last (gcc keeps the last -march)."""
+    from pagedllm.kernels.cpu_kernels import CFLAGS, build_library
 
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() + platform.machine()
+    return build_library(source, (*CFLAGS, *isa_flags))
