@@ -135,25 +135,26 @@ def gemm_method(request, monkeypatch):
     return request.param
 
 
-def test_greedy_agreement_and_perplexity_fast(engines, tokenizer, gemm_method):
-    from pagedllm.benchmarks.gguf_quant import (
-        FIXED_TEXT,
-        PROMPT_TEXTS,
-        free_running_agreement,
-        greedy,
-        perplexity,
-        teacher_forced_agreement,
-    )
+@pytest.fixture(scope="module")
+def dense_reference(engines, tokenizer):
+    """Greedy outputs and perplexity of the dequantized (float32) model: what the quantized one is held to."""
+    from pagedllm.benchmarks.gguf_quant import FIXED_TEXT, PROMPT_TEXTS, greedy, perplexity
 
-    quant, dense = engines
     prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:4]]
-    ref = greedy(dense, prompts, 16)
+    ids = tokenizer.encode(FIXED_TEXT)
+    return prompts, greedy(engines[1], prompts, 16), ids, perplexity(engines[1], ids)
+
+
+def test_greedy_agreement_and_perplexity_fast(engines, dense_reference, gemm_method):
+    from pagedllm.benchmarks.gguf_quant import free_running_agreement, greedy, perplexity, teacher_forced_agreement
+
+    quant = engines[0]
+    prompts, ref, ids, p_d = dense_reference
     agree, total = teacher_forced_agreement(quant, prompts, ref)
     assert agree / total >= 0.95, (agree, total)
     same, _ = free_running_agreement(greedy(quant, prompts, 16), ref)
     assert same >= 4  # every output starts the same way at least
-    ids = tokenizer.encode(FIXED_TEXT)
-    p_q, p_d = perplexity(quant, ids), perplexity(dense, ids)
+    p_q = perplexity(quant, ids)
     assert abs(p_q / p_d - 1) <= 0.01, (p_q, p_d)
     assert 1.0 < p_d < 100.0
 
