@@ -138,7 +138,12 @@ def gemm_method(request, monkeypatch):
 @pytest.fixture(scope="module")
 def dense_reference(engines, tokenizer):
     """Greedy outputs and perplexity of the dequantized (float32) model: what the quantized one is held to."""
-    from pagedllm.benchmarks.gguf_quant import FIXED_TEXT, PROMPT_TEXTS, greedy, perplexity
+    from pagedllm.benchmarks.gguf_quant import (
+        FIXED_TEXT,
+        PROMPT_TEXTS,
+        greedy,
+        perplexity,
+    )
 
     prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:4]]
     ids = tokenizer.encode(FIXED_TEXT)
@@ -146,7 +151,12 @@ def dense_reference(engines, tokenizer):
 
 
 def test_greedy_agreement_and_perplexity_fast(engines, dense_reference, gemm_method):
-    from pagedllm.benchmarks.gguf_quant import free_running_agreement, greedy, perplexity, teacher_forced_agreement
+    from pagedllm.benchmarks.gguf_quant import (
+        free_running_agreement,
+        greedy,
+        perplexity,
+        teacher_forced_agreement,
+    )
 
     quant = engines[0]
     prompts, ref, ids, p_d = dense_reference
