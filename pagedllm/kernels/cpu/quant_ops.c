@@ -296,11 +296,68 @@ typedef __m256 vf;
 #define VHSUM(v) hsum256(v)
 #endif
 
+#if defined(VW)
+/* 16 quants (uint8, or int8 when `sgn`) → y[0..16) = q · d + off, with FMAs (not bit-exact: the GEMM only). */
+static inline void store16(float *y, __m128i q, int sgn, float d, float off) {
+#if defined(__AVX512F__)
+    const __m512i qi = sgn ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(d), _mm512_set1_ps(off)));
+#else
+    const __m128i q2 = _mm_srli_si128(q, 8);
+    const __m256i a = sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
+    const __m256i b = sgn ? _mm256_cvtepi8_epi32(q2) : _mm256_cvtepu8_epi32(q2);
+    const __m256 vd = _mm256_set1_ps(d), vo = _mm256_set1_ps(off);
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), vd, vo));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), vd, vo));
+#endif
+}
+
+static void dequant_row_simd(int type, const uint8_t *w, int64_t K, float *y) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    if (type == T_Q4_K) {
+        for (int64_t b = 0; b < K / QK_K; ++b, w += 144, y += QK_K) {
+            const float d = h2f(rd16(w)), dmin = h2f(rd16(w + 2));
+            for (int j = 0; j < 4; ++j) {
+                uint8_t sc1, m1, sc2, m2;
+                q4k_scale_min(2 * j, w + 4, &sc1, &m1);
+                q4k_scale_min(2 * j + 1, w + 4, &sc2, &m2);
+                const __m128i v0 = _mm_loadu_si128((const __m128i *)(w + 16 + 32 * j));
+                const __m128i v1 = _mm_loadu_si128((const __m128i *)(w + 32 + 32 * j));
+                float *yj = y + 64 * j;
+                store16(yj, _mm_and_si128(v0, mask), 0, d * (float)sc1, -dmin * (float)m1);
+                store16(yj + 16, _mm_and_si128(v1, mask), 0, d * (float)sc1, -dmin * (float)m1);
+                store16(yj + 32, _mm_and_si128(_mm_srli_epi16(v0, 4), mask), 0, d * (float)sc2, -dmin * (float)m2);
+                store16(yj + 48, _mm_and_si128(_mm_srli_epi16(v1, 4), mask), 0, d * (float)sc2, -dmin * (float)m2);
+            }
+        }
+        return;
+    }
+    for (int64_t b = 0; b < K / QK; ++b, y += QK) {
+        const float d = h2f(rd16(w));
+        if (type == T_Q8_0) {
+            store16(y, _mm_loadu_si128((const __m128i *)(w + 2)), 1, d, 0.0f);
+            store16(y + 16, _mm_loadu_si128((const __m128i *)(w + 18)), 1, d, 0.0f);
+            w += 34;
+        } else {
+            const int q41 = type == T_Q4_1;
+            const float off = q41 ? h2f(rd16(w + 2)) : -8.0f * d;
+            const __m128i v = _mm_loadu_si128((const __m128i *)(w + (q41 ? 4 : 2)));
+            store16(y, _mm_and_si128(v, mask), 0, d, off);
+            store16(y + 16, _mm_and_si128(_mm_srli_epi16(v, 4), mask), 0, d, off);
+            w += q41 ? 20 : 18;
+        }
+    }
+}
+#define DEQUANT_TILE_ROW dequant_row_simd
+#else
+#define DEQUANT_TILE_ROW dequant_row
+#endif
+
 static void gemm_dequant_rows(int type, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t K,
                               const float *x, int64_t M, float *y, int64_t N, float *tile) {
     for (int64_t nt = n0; nt < n1; nt += TILE_N) {
         const int nc = (int)(n1 - nt < TILE_N ? n1 - nt : TILE_N);
-        for (int r = 0; r < nc; ++r) dequant_row(type, w + (nt + r) * rb, K, tile + r * K);
+        for (int r = 0; r < nc; ++r) DEQUANT_TILE_ROW(type, w + (nt + r) * rb, K, tile + r * K);
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             const int mc = (int)(M - m0 < 4 ? M - m0 : 4);
             for (int r0 = 0; r0 < nc; r0 += 4) {
