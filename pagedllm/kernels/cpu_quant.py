@@ -35,9 +35,9 @@ ISA_LEVELS: dict[str, tuple[str, ...]] = {
 }
 GEMM_METHODS = ("auto", "int8", "dequant")
 _METHOD_CODE = {"int8": 0, "dequant": 1}
-# From the batch-size sweep (BENCHMARKS.md): int8 dot products win for a few rows (decode of few sequences),
-# dequantize-in-tile + FMA from 16 rows on (many sequences, prefill).
-DEQUANT_MIN_ROWS = 16
+# From the batch-size sweep (BENCHMARKS.md): int8 dot products win for 1-3 rows (decode of 1-3 sequences),
+# dequantize-in-tile + FMA from 4 rows on (several sequences, prefill).
+DEQUANT_MIN_ROWS = 4
 
 # ggml_type codes and (elements, bytes) per block
 GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
