@@ -24,6 +24,9 @@ from pagedllm.benchmarks.throughput import Result, Workload
 from pagedllm.cache_dir import pagedllm_cache_dir
 
 SERVER_ENV = "PAGEDLLM_LLAMA_SERVER"
+# --no-repack: on the Xeon of BENCHMARKS.md §20 ggml's AMX weight path (a repacked buffer) segfaults in the
+# server's first batch; for Q4_1 it is the only repack there is, so this leaves llama.cpp's AVX-512 kernels.
+DEFAULT_EXTRA_ARGS: tuple[str, ...] = ("--no-repack",)
 
 
 def find_llama_server(explicit: str | None = None) -> str | None:
@@ -51,12 +54,14 @@ class LlamaServer:
     """A ``llama-server`` child process on a free local port; a context manager that stops it on exit."""
 
     def __init__(self, binary: str, gguf: str, parallel: int, ctx_per_slot: int, threads: int,
-                 batch_size: int = 512, startup_timeout: float = 300.0) -> None:
+                 batch_size: int = 512, startup_timeout: float = 300.0,
+                 extra_args: tuple[str, ...] = DEFAULT_EXTRA_ARGS) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-np", str(parallel),
                     "-c", str(ctx_per_slot * parallel), "-t", str(threads), "-tb", str(threads), "-b",
-                    str(batch_size), "-ub", str(batch_size), "-ngl", "0", "--no-warmup", "--cont-batching"]
+                    str(batch_size), "-ub", str(batch_size), "-ngl", "0", "--no-warmup", "--cont-batching",
+                    *extra_args]
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (the server's log, open while it runs)
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + startup_timeout
@@ -100,11 +105,11 @@ class LlamaServer:
         self.close()
 
 
-def run_llama_server(binary: str, gguf: str, wl: Workload, parallel: int, threads: int,
-                     warmup: bool = True) -> tuple[Result, list[list[int]]]:
+def run_llama_server(binary: str, gguf: str, wl: Workload, parallel: int, threads: int, warmup: bool = True,
+                     extra_args: tuple[str, ...] = DEFAULT_EXTRA_ARGS) -> tuple[Result, list[list[int]]]:
     """Every request of ``wl`` sent at once to a server with ``parallel`` slots → (timed Result, output ids)."""
     ctx = max(len(p) + n for p, n in zip(wl.prompts, wl.output_len)) + 16
-    with LlamaServer(binary, gguf, parallel, ctx, threads) as server:
+    with LlamaServer(binary, gguf, parallel, ctx, threads, extra_args=extra_args) as server:
         if warmup:
             server.complete(wl.prompts[0][:8], 2)
         t0 = time.perf_counter()

@@ -206,6 +206,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-parallel", default="1,4,16,64",
                    help="Slot counts (-np) to try for --compare llama.cpp, comma-separated; the best is the peer.")
     p.add_argument("--llama-threads", type=int, default=None, help="llama-server -t (default: torch's threads).")
+    p.add_argument("--llama-args", default="--no-repack",
+                   help="Extra llama-server arguments (default --no-repack: see benchmarks/llama_cpp.py).")
     p.add_argument("--hf-cb-num-blocks", type=int, default=None,
                    help="KV blocks for the hf-cb peer (default: transformers sizes its cache from free memory).")
     p.add_argument("--hf-attn-implementation", default="paged|sdpa", help="attn_implementation for --compare hf-cb.")
@@ -327,7 +329,7 @@ def run_llama_cpp_peer(args: argparse.Namespace, model: str | None, wl: Workload
     threads = args.llama_threads or torch.get_num_threads()
     runs = []
     for n in slots:
-        r, _ = run_llama_server(binary, gguf, wl, n, threads)
+        r, _ = run_llama_server(binary, gguf, wl, n, threads, extra_args=tuple(args.llama_args.split()))
         print(r.row(), flush=True)
         runs.append(r)
     best = max(runs, key=lambda r: r.output_tokens_per_s)
