@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The bundled Q4_1 GGUF runs quantized by default on the CPU; the suite's HF-parity tests compare the dequantized
+# path token for token, so they keep it (tests/test_quantized_gguf.py asks for quantization='gguf' itself).
+os.environ.setdefault("PAGEDLLM_GGUF_QUANTIZATION", "none")
 
 _TEXT = (
     "The history of computing is a story of abstractions built on top of one another. Early machines were "

@@ -197,9 +197,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", choices=["uniform", "sharegpt-like"], default="uniform",
                    help="uniform: prompt lengths in [min,max], fixed output; sharegpt-like: paper Fig. 11 shapes.")
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--compare", choices=["none", "hf", "hf-cb"], default="none",
+    p.add_argument("--compare", choices=["none", "hf", "hf-cb", "llama.cpp"], default="none",
                    help="Also run this peer in the same process: hf = padded static batches (model.generate), "
-                        "hf-cb = transformers continuous batching on the same weights.")
+                        "hf-cb = transformers continuous batching on the same weights, llama.cpp = llama-server "
+                        "(parallel slots) on the same GGUF file and prompts (CPU).")
+    p.add_argument("--llama-server", default=None, help="llama-server binary for --compare llama.cpp (default: "
+                   "$PAGEDLLM_LLAMA_SERVER, llama-server on PATH, or the pagedllm cache's build).")
+    p.add_argument("--llama-parallel", default="1,4,16,64",
+                   help="Slot counts (-np) to try for --compare llama.cpp, comma-separated; the best is the peer.")
+    p.add_argument("--llama-threads", type=int, default=None, help="llama-server -t (default: torch's threads).")
+    p.add_argument("--llama-args", default="--no-repack",
+                   help="Extra llama-server arguments (default --no-repack: see benchmarks/llama_cpp.py).")
     p.add_argument("--hf-cb-num-blocks", type=int, default=None,
                    help="KV blocks for the hf-cb peer (default: transformers sizes its cache from free memory).")
     p.add_argument("--hf-attn-implementation", default="paged|sdpa", help="attn_implementation for --compare hf-cb.")
@@ -299,6 +307,8 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_hf_static(hf, sub, args.hf_batch_size, pad))
     if hf_result is not None:
         results.append(hf_result)
+    if args.compare == "llama.cpp":
+        results.append(run_llama_cpp_peer(args, engine_args.model, wl, extra))
     for r in results:
         print(r.row())
     if cpu_work and len(results) == 2 and results[1].num_requests == results[0].num_requests:
@@ -308,13 +318,46 @@ def run(args: argparse.Namespace) -> int:
             f"of peak)" for r in results))
     if len(results) == 2:
         ours, peer = results
-        print(f"ratio pagedllm/hf: output tok/s {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x, "
+        print(f"ratio pagedllm/{peer.system}: output tok/s {ours.output_tokens_per_s / peer.output_tokens_per_s:.2f}x, "
               f"total tok/s {ours.total_tokens_per_s / peer.total_tokens_per_s:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump([asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results] + [extra], f,
                       indent=2)
     return 0
+
+
+def run_llama_cpp_peer(args: argparse.Namespace, model: str | None, wl: Workload, extra: dict) -> Result:
+    """llama-server on the same GGUF and prompts, once per slot count in --llama-parallel → the best run."""
+    import torch
+
+    from pagedllm.benchmarks.llama_cpp import find_llama_server, run_llama_server
+    from pagedllm.model.loader import resolve_model
+
+    gguf = resolve_model(model)
+    if not gguf.endswith(".gguf"):
+        raise ValueError(f"--compare llama.cpp needs a .gguf model, got {gguf}")
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        raise ValueError("--compare llama.cpp: no llama-server binary found (pass --llama-server, set "
+                         "PAGEDLLM_LLAMA_SERVER, or build it: README.md, 'llama.cpp as a CPU peer')")
+    try:
+        slots = [int(s) for s in str(args.llama_parallel).split(",") if s.strip()]
+    except ValueError:
+        slots = []
+    if not slots or min(slots) < 1:
+        raise ValueError(f"--llama-parallel must list positive slot counts, got {args.llama_parallel!r}")
+    threads = args.llama_threads or torch.get_num_threads()
+    runs = []
+    for n in slots:
+        r, _ = run_llama_server(binary, gguf, wl, n, threads, extra_args=tuple(args.llama_args.split()))
+        print(r.row(), flush=True)
+        runs.append(r)
+    best = max(runs, key=lambda r: r.output_tokens_per_s)
+    extra["llama_cpp"] = {"binary": binary, "threads": threads,
+                          "runs": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in runs]}
+    print(f"llama.cpp best: {best.system} ({best.output_tokens_per_s:.1f} out tok/s)")
+    return best
 
 
 def report_bound(llm, wl: Workload, elapsed_s: float, bandwidth: float, peak: float, stats) -> dict:

@@ -61,7 +61,9 @@ _HELP = {
     "kv_cache_dtype": "KV pool element type: auto (the model dtype), fp8 / fp8_e4m3, or fp8_e5m2 (CUDA only; "
                       "per-layer scales k_scale = v_scale = 1.0).",
     "quantization": "Weight quantization: fp8 (bf16 linear weights → e4m3 per output channel at load, "
-                    "per-token activation scales, torch._scaled_mm; CUDA only).",
+                    "per-token activation scales, torch._scaled_mm; CUDA only); gguf (a .gguf file's Q4_0/Q4_1/"
+                    "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
+                    "such a file on the CPU); none (dequantize every tensor at load).",
     "structured_outputs_backend": "Grammar engine for structured outputs: xgrammar or guidance (llguidance).",
 }
 

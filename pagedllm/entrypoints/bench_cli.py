@@ -11,6 +11,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("cpu-kernels", "pagedllm.benchmarks.cpu_kernels", "The CPU path's kernels against their torch peers."),
     ("http-overhead", "pagedllm.benchmarks.http_overhead", "The same batch through LLM.generate and through HTTP."),
     ("spec-decode", "pagedllm.benchmarks.spec_decode", "Speculative decoding on vs off: input-copying and ShareGPT-like."),
+    ("gguf-quant", "pagedllm.benchmarks.gguf_quant", "GGUF served quantized vs dequantized: agreement, perplexity, GEMMs."),
     ("paper", "pagedllm.benchmarks.paper.cli", "The paper's Figures 2 and 12-19, one command each."),
     ("fp8-accuracy", "pagedllm.benchmarks.fp8_accuracy", "FP8 KV / weights vs bf16 on the bundled model: agreement, ppl."),
 )

@@ -264,21 +264,22 @@ def load_cpu_kernels(isa: str | None = None) -> CpuKernels | None:
         return None
 
 
-def compile_command(cc: str, source: Path, isa: str, output: str) -> list[str]:
-    """The compiler command line for `source` at ISA level `isa`; libmvec is linked only where the
-    vector code calls it (AVX2 and above on x86-64)."""
+def compile_command(cc: str, source: Path, isa: str, output: str, extra_flags: tuple[str, ...] = ()) -> list[str]:
+    """The compiler command line for `source` at ISA level `isa` (plus `extra_flags`, e.g. a VNNI
+    extension); libmvec is linked only where the vector code calls it (AVX2 and above on x86-64)."""
     libs = ["-lmvec", "-lm"] if cpu_isa.uses_libmvec(isa) else ["-lm"]
-    return [cc, *cpu_isa.c_compile_flags(isa), *BUILD_FLAGS, str(source), "-o", output, *libs]
+    return [cc, *cpu_isa.c_compile_flags(isa), *extra_flags, *BUILD_FLAGS, str(source), "-o", output, *libs]
 
 
-def build_library(source: Path, isa: str) -> Path:
-    """Compile `source` for `isa` into the cache unless an identical build is there; returns the .so path."""
+def build_library(source: Path, isa: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile `source` for `isa` (plus `extra_flags`) into the cache unless an identical build is there; returns the .so path."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(compile_command(cc, source, isa, "")).encode()):
+    for part in (source.read_bytes(), version.encode(),
+                 " ".join(compile_command(cc, source, isa, "", extra_flags)).encode()):
         key.update(part)
     out_dir = pagedllm_cache_dir("kernels")
     target = out_dir / f"{source.stem}-{isa}-{key.hexdigest()[:16]}.so"
@@ -288,7 +289,7 @@ def build_library(source: Path, isa: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run(compile_command(cc, source, isa, tmp), capture_output=True, text=True, timeout=300,
+        proc = subprocess.run(compile_command(cc, source, isa, tmp, extra_flags), capture_output=True, text=True, timeout=300,
                               check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name} for {isa}: {proc.stderr.strip()[-2000:]}")

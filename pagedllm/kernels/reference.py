@@ -199,3 +199,19 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     s = block_mapping[:, 0].long().to(src.device)
     d = block_mapping[:, 1].long().to(dst.device)
     dst[d] = src[s].to(dst.device)
+
+
+def quantize_rows_q8(x: torch.Tensor) -> torch.Tensor:
+    """The int8 GGUF linear's activation rounding (kernels/cpu_quant.py): per block of 32, q = round(x / d) with
+    d = max|x| / 127; returns q · d in float32 (the values its integer dot products see)."""
+    xb = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(xb * inv) * d).reshape(x.shape)
+
+
+def gguf_linear(x: torch.Tensor, dense_weight: torch.Tensor, method: str) -> torch.Tensor:
+    """Oracle of the GGUF linear: ``dense_weight`` is the weight dequantized (gguf.quants); ``int8`` rounds x
+    the way the kernel does first, ``dequant`` uses x as is."""
+    xin = quantize_rows_q8(x) if method == "int8" else x.float()
+    return xin @ dense_weight.float().T

@@ -470,3 +470,42 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     (out / MARKER_FILE).write_text(json.dumps(
         {"source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
          "converter_version": CONVERTER_VERSION}, indent=2))
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized tensors kept as their GGUF blocks (--quantization gguf)
+
+
+@dataclass(frozen=True)
+class GGUFRawTensor:
+    """One GGUF tensor as stored: ``blocks`` is uint8 [rows, row_bytes] (rows in HF order) for 2-D tensors."""
+
+    hf_name: str
+    type_name: str  # GGMLQuantizationType name: Q4_1, Q8_0, F32, ...
+    type_code: int
+    shape: tuple[int, ...]  # HF layout: (out_features, in_features) for matrices
+    blocks: np.ndarray
+
+
+def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFRawTensor], int]:
+    """Every mapped tensor of ``path`` without dequantizing (q/k rows un-permuted), and the file's tensor bytes."""
+    src = Path(path)
+    reader = open_gguf(src)
+    info = build_config(reader, src)
+    out: dict[str, GGUFRawTensor] = {}
+    total = 0
+    for t in reader.tensors:
+        total += int(t.n_bytes)
+        hf_name = map_tensor_name(t.name)
+        if hf_name is None:
+            continue
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 (innermost) first
+        raw = np.asarray(t.data)
+        if len(shape) == 2:
+            raw = raw.reshape(shape[0], -1)
+            if ".attn_q." in t.name:
+                raw = reverse_permute(raw, info.n_head)
+            elif ".attn_k." in t.name:
+                raw = reverse_permute(raw, info.n_head_kv)
+        out[hf_name] = GGUFRawTensor(hf_name, t.tensor_type.name, int(t.tensor_type), shape, raw)
+    return out, total

@@ -17,6 +17,11 @@ from pagedllm.model.layers.attention import (
     TritonAttentionBackend,
 )
 from pagedllm.model.layers.linear import pack_weights_for_cpu, quantize_weights_fp8
+from pagedllm.model.layers.quantized_linear import (
+    attach_gguf_weights,
+    log_attach_report,
+    resolve_quantization,
+)
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
@@ -59,6 +64,10 @@ class Worker:
         if config.model_config.quantization == "fp8" and device != "cuda":
             raise ValueError(f"quantization='fp8' needs a CUDA device (torch._scaled_mm on Hopper); this engine "
                              f"runs on {device!r}: leave quantization unset.")
+        self.gguf_path = self._gguf_source()
+        # --quantization gguf (the default for a quantized GGUF on the CPU) keeps the file's blocks.
+        self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
+                                                 self.dtype)
         self.model = None
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
@@ -84,8 +93,22 @@ class Worker:
             type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,
         )
 
+    def _gguf_source(self) -> str | None:
+        """The .gguf file the model comes from, if it does."""
+        mc = self.config.model_config
+        if mc.load_format == "dummy":
+            return None
+        try:
+            path = loader.resolve_model(mc.model)
+        except (FileNotFoundError, ValueError):
+            return None
+        return path if path.lower().endswith(".gguf") or loader.is_gguf_file(path) else None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the loaded model's weights (name, tensor pairs in checkpoint naming)."""
+        if self.quantization == "gguf":
+            raise ValueError("load_weights cannot replace GGUF-quantized weights; build the engine with "
+                             "quantization='none' to load other weights.")
         self.model.load_weights(weights)
         self.process_weights_after_loading()
 
@@ -95,6 +118,10 @@ class Worker:
         if self.config.model_config.quantization == "fp8":
             n = quantize_weights_fp8(self.model)
             return f"fp8 _scaled_mm ({n} layers)"
+        if self.quantization == "gguf":
+            report = attach_gguf_weights(self.model, self.gguf_path)
+            log_attach_report(report)
+            return f"gguf quantized ({report.quantized_layers} layers)"
         if self.device.type != "cpu":
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":

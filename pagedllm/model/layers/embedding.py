@@ -25,7 +25,13 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"embedding has {loaded.shape[0]} rows, config says vocab_size={self.vocab_size}")
         param.data[: self.end - self.start].copy_(loaded[self.start : self.end])
 
+    gguf_weight = None  # --quantization gguf: the table's GGUF blocks (layers/quantized_linear.py)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_weight is not None:
+            from pagedllm.model.layers.quantized_linear import gguf_embedding
+
+            return gguf_embedding(self.gguf_weight, input_ids)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         mask = (input_ids < self.start) | (input_ids >= self.end)

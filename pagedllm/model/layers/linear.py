@@ -6,12 +6,17 @@ takes the full checkpoint tensor and keeps only this rank's shard, so no rank ho
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 import torch.nn.functional as F
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup, divide, shard_attention_heads
 from pagedllm.kernels import cpu_linear
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.cpu_quant import GGUFWeight
 
 
 class PackableGemm:
@@ -22,6 +27,7 @@ class PackableGemm:
     packed_weight: torch.Tensor | None = None
     fp8_weight: torch.Tensor | None = None  # --quantization fp8: [out, in] e4m3 and its [1, out] scales
     fp8_scale: torch.Tensor | None = None
+    gguf_weight: "GGUFWeight | None" = None  # --quantization gguf: the GGUF blocks (layers/quantized_linear.py)
 
     def pack_weight_for_cpu(self) -> None:
         self.packed_weight = cpu_linear.pack_linear_weight(self.weight)
@@ -38,6 +44,10 @@ class PackableGemm:
         return True
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gguf_weight is not None:
+            from pagedllm.model.layers.quantized_linear import gguf_matmul
+
+            return gguf_matmul(self.gguf_weight, x, bias)
         if self.fp8_weight is not None:
             from pagedllm.kernels import fp8_linear
 
@@ -56,7 +66,7 @@ def quantize_weights_fp8(model: nn.Module) -> int:
 
 def pack_weights_for_cpu(model: nn.Module) -> int:
     """Pack every PackableGemm layer's weight for oneDNN; returns how many were packed."""
-    layers = [m for m in model.modules() if isinstance(m, PackableGemm)]
+    layers = [m for m in model.modules() if isinstance(m, PackableGemm) and m.gguf_weight is None]
     for layer in layers:
         layer.pack_weight_for_cpu()
     return len(layers)

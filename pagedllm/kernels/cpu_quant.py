@@ -1,0 +1,169 @@
+"""GGUF-quantized linear kernels for the CPU (kernels/cpu/quant_ops.c), built on first use, called via ctypes.
+
+Weights stay in memory as their GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K: one row of K inputs is K/32 or
+K/256 blocks). Two GEMM designs are built (quant_ops.c explains them): ``int8`` quantizes the activations
+per row into blocks of 32 int8 and multiplies them with integer dot products (AVX-512 VNNI / AVX2), and
+``dequant`` dequantizes a tile of weight rows into fp32 and uses FMAs. :func:`choose_method` picks per
+batch size (BENCHMARKS.md, "GGUF weights served quantized", has the measurement behind the default).
+
+The library is built for the CPU's ISA level (kernels/cpu_isa.py: ``PAGEDLLM_CPU_ISA`` forces a lower
+one, e.g. ``avx2`` or ``portable``, so any machine can test every path), plus the CPU's int8 dot-product
+extension (AVX-512 VNNI or AVX-VNNI) when the level is not forced below the CPU's own.
+``PAGEDLLM_QUANT_GEMM`` = ``auto`` | ``int8`` | ``dequant`` forces one design.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedllm.kernels import cpu_isa
+from pagedllm.kernels.cpu_kernels import build_library
+
+logger = logging.getLogger("pagedllm")
+
+SOURCE = Path(__file__).with_name("cpu") / "quant_ops.c"
+GEMM_ENV = "PAGEDLLM_QUANT_GEMM"
+GEMM_METHODS = ("auto", "int8", "dequant")
+_METHOD_CODE = {"int8": 0, "dequant": 1}
+# From the batch-size sweep (BENCHMARKS.md): int8 dot products win for 1-3 rows (decode of 1-3 sequences),
+# dequantize-in-tile + FMA from 4 rows on (several sequences, prefill).
+DEQUANT_MIN_ROWS = 4
+
+# ggml_type codes and (elements, bytes) per block
+GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
+BLOCK_LAYOUT: dict[int, tuple[int, int]] = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
+TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPES.items()}
+
+_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+
+
+@dataclass
+class GGUFWeight:
+    """A [N, K] weight held as GGUF blocks: ``data`` is uint8 [N, row_bytes], rows in HF order."""
+
+    data: torch.Tensor
+    qtype: int
+    out_features: int
+    in_features: int
+    data_ptr: int = field(init=False, repr=False)  # the blocks' address, handed to the kernels
+
+    def __post_init__(self) -> None:
+        if self.qtype not in BLOCK_LAYOUT:
+            raise ValueError(f"GGUF type {self.qtype} is not served quantized; supported: {sorted(GGML_TYPES)}")
+        expected = (self.out_features, row_bytes(self.qtype, self.in_features))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected or not self.data.is_contiguous():
+            raise ValueError(f"GGUF weight data must be contiguous uint8 {expected}, got "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+        self.data_ptr = self.data.data_ptr()
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.qtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of ``k`` elements; ValueError when ``k`` is not a whole number of blocks."""
+    if qtype not in BLOCK_LAYOUT:
+        raise ValueError(f"GGUF type {qtype} is not supported; supported: {sorted(GGML_TYPES)}")
+    elems, nbytes = BLOCK_LAYOUT[qtype]
+    if k % elems:
+        raise ValueError(f"{TYPE_NAMES[qtype]} rows need a multiple of {elems} elements, got {k}")
+    return k // elems * nbytes
+
+
+class QuantKernels:
+    """Typed wrappers over one build of quant_ops.c."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._linear = lib.quant_linear
+        self._linear.restype = _int
+        self._linear.argtypes = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int]
+        self._dequant = lib.dequantize_rows
+        self._dequant.restype = _int
+        self._dequant.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr]
+        lib.quant_isa.restype = ctypes.c_char_p
+        self.isa: str = lib.quant_isa().decode()
+
+    def linear(self, x: torch.Tensor, w: GGUFWeight, method: str = "auto") -> torch.Tensor:
+        """y = x Wᵀ for float32 x [..., K]; ``method`` is auto, int8 or dequant. (Called ~120 times per decode
+        step of a small model: the common case, 2-D contiguous x, takes no copies.)"""
+        if x.dtype is not torch.float32 or not x.is_cpu:
+            raise ValueError(f"GGUF linear needs float32 CPU activations, got {x.dtype} on {x.device}")
+        k = x.shape[-1]
+        if k != w.in_features:
+            raise ValueError(f"GGUF linear: input has {k} features, weight expects {w.in_features}")
+        flat = x.dim() == 2 and x.is_contiguous()
+        x2 = x if flat else x.reshape(-1, k).contiguous()
+        m = x2.shape[0]
+        y = torch.empty((m, w.out_features), dtype=torch.float32)
+        if m:
+            code = _METHOD_CODE[choose_method(m) if method == "auto" else method]
+            rc = self._linear(w.qtype, w.data_ptr, w.out_features, k, x2.data_ptr(), m, y.data_ptr(), code)
+            if rc:
+                raise RuntimeError(f"quant_linear failed with status {rc} ({w.type_name}, K={k})")
+        return y if flat else y.view(*x.shape[:-1], w.out_features)
+
+    def dequantize_rows(self, w: GGUFWeight, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), K]: the listed rows of ``w`` dequantized (bit-exact with gguf.quants)."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.out_features):
+            raise ValueError(f"row ids must lie in [0, {w.out_features}), got [{int(flat.min())}, {int(flat.max())}]")
+        out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
+        if flat.numel():
+            rc = self._dequant(w.qtype, w.data_ptr, w.in_features, flat.data_ptr(), flat.numel(),
+                               out.data_ptr())
+            if rc:
+                raise RuntimeError(f"dequantize_rows failed with status {rc}")
+        return out.view(*ids.shape, w.in_features)
+
+
+def choose_method(num_rows: int) -> str:
+    """The GEMM design for a batch of ``num_rows`` activation rows (``PAGEDLLM_QUANT_GEMM`` overrides)."""
+    forced = os.environ.get(GEMM_ENV, "auto")
+    if forced not in GEMM_METHODS:
+        raise ValueError(f"{GEMM_ENV} must be one of {list(GEMM_METHODS)}, got {forced!r}")
+    if forced != "auto":
+        return forced
+    return "dequant" if num_rows >= DEQUANT_MIN_ROWS else "int8"
+
+
+def vnni_flags(isa: cpu_isa.CpuIsa) -> tuple[str, ...]:
+    """The int8 dot-product extension to compile in: the CPU's own, and only at its own level (a forced
+    lower level tests the plain AVX2 / scalar int8 paths)."""
+    if isa.name != isa.detected:
+        return ()
+    if "avx512_vnni" in isa.flags and isa.at_least("avx512"):
+        return ("-mavx512vnni",)
+    if "avx_vnni" in isa.flags and isa.at_least("avx2"):
+        return ("-mavxvnni",)
+    return ()
+
+
+@functools.cache
+def load_quant_kernels(level: str | None = None) -> QuantKernels:
+    """The kernels built for ISA ``level`` (one of cpu_isa.ISA_LEVELS; default: ``cpu_isa.detect_cpu_isa()``);
+    raises if they cannot be built, or if ``level`` is above what the CPU supports."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"GGUF quantized kernels are written for x86-64, this CPU is {platform.machine()}")
+    isa = cpu_isa.detect_cpu_isa()
+    level = level or isa.name
+    allowed = cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(isa.detected) + 1]
+    if level not in allowed:
+        raise ValueError(f"ISA level {level!r} cannot be built and run here: allowed {allowed}")
+    extra = vnni_flags(isa) if level == isa.name else ()
+    path = build_library(SOURCE, level, extra)
+    kernels = QuantKernels(ctypes.CDLL(str(path)), path)
+    logger.info("GGUF quantized kernels: %s build (%s)", level, kernels.isa)
+    return kernels

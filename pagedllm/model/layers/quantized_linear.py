@@ -1,0 +1,199 @@
+"""``--quantization gguf``: linear layers and the embedding keep a GGUF file's quantized blocks on the CPU.
+
+The model is first loaded as usual (float32, from the converted cache); then every linear layer whose
+GGUF tensors are Q4_0 / Q4_1 / Q8_0 / Q4_K gets a :class:`~pagedllm.kernels.cpu_quant.GGUFWeight` (fused
+q/k/v and gate/up rows concatenated, rows in HF order) and its float32 weight is dropped. The embedding
+(and a tied LM head) keeps its blocks too: lookups dequantize only the rows asked for. Tensors of other
+types (F32 norms, Q6_K, ...) stay dense; each is named once in the log.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.kernels import cpu_quant
+from pagedllm.kernels.cpu_quant import GGML_TYPES, GGUFWeight
+
+logger = logging.getLogger("pagedllm")
+
+# Values of --quantization handled here; "none" keeps the dequantize-at-load path.
+GGUF = "gguf"
+NONE = "none"
+# What an unset --quantization means for a quantized GGUF on the CPU (gguf, or none: the test suite's HF-parity
+# tests set none, since int8 activations do not reproduce float32 greedy outputs token for token).
+DEFAULT_ENV = "PAGEDLLM_GGUF_QUANTIZATION"
+
+
+@dataclass
+class GGUFAttachReport:
+    """What :func:`attach_gguf_weights` did: layers served quantized, tensors left dense, byte counts."""
+
+    quantized_layers: int = 0
+    quantized_types: dict[str, int] = field(default_factory=dict)
+    dense_tensors: dict[str, str] = field(default_factory=dict)  # HF name -> why it stayed dense
+    file_tensor_bytes: int = 0
+    weight_bytes: int = 0  # resident: quantized blocks + remaining dense params + packed copies
+
+
+def gguf_has_quantized_linears(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a GGUF file with at least one matrix in a type served quantized."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(Path(path))
+    except Exception:  # noqa: BLE001 (the reader raises many kinds; the loader reports them)
+        return False
+    return any(t.tensor_type.name in GGML_TYPES and len(t.shape) == 2 for t in reader.tensors)
+
+
+def resolve_quantization(requested: str | None, gguf_path: str | None, device: str, dtype: torch.dtype) -> str | None:
+    """The weight quantization to apply: ``requested``, or by default ``gguf`` for a quantized GGUF on the CPU
+    in float32. Raises ValueError for a combination that cannot run."""
+    if requested is None:
+        default = os.environ.get(DEFAULT_ENV, GGUF)
+        if default not in (GGUF, NONE):
+            raise ValueError(f"{DEFAULT_ENV} must be 'gguf' or 'none', got {default!r}")
+        if default == GGUF and gguf_path and device == "cpu" and dtype == torch.float32 \
+                and gguf_has_quantized_linears(gguf_path):
+            return GGUF
+        return None
+    if requested == NONE:
+        return None
+    if requested != GGUF:
+        return requested
+    if gguf_path is None:
+        raise ValueError("quantization='gguf' needs a .gguf model file (the weights are read as GGUF blocks); "
+                         "use quantization='none' for other models.")
+    if device != "cpu":
+        raise ValueError(f"quantization='gguf' runs on the CPU; this engine runs on {device!r}: use "
+                         "quantization='none' (dequantized weights) on a GPU.")
+    if dtype != torch.float32:
+        raise ValueError(f"quantization='gguf' computes in float32 activations, got dtype={dtype}: use "
+                         "dtype='float32' (or 'auto'), or quantization='none'.")
+    return GGUF
+
+
+def gguf_matmul(w: GGUFWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x Wᵀ (+ bias) with W held as GGUF blocks."""
+    y = cpu_quant.load_quant_kernels().linear(x, w)
+    return y + bias if bias is not None else y
+
+
+def gguf_embedding(w: GGUFWeight, input_ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``input_ids`` of a GGUF-quantized embedding table, dequantized."""
+    return cpu_quant.load_quant_kernels().dequantize_rows(w, input_ids)
+
+
+def _source_names(model: nn.Module) -> dict[str, list[str]]:
+    """Fused parameter -> its checkpoint parts in shard order (``qkv_proj`` -> q, k, v)."""
+    fused: dict[str, list[tuple[int, str]]] = {}
+    for src, (dst, shard) in getattr(model, "stacked_params", {}).items():
+        fused.setdefault(dst, []).append((shard, src))
+    return {dst: [s for _, s in sorted(parts)] for dst, parts in fused.items()}
+
+
+def _gguf_weight(parts: list, rows: int, cols: int) -> tuple[GGUFWeight | None, str]:
+    types = {p.type_name for p in parts}
+    if len(types) != 1:
+        return None, f"parts in different types {sorted(types)}"
+    t = parts[0]
+    if t.type_name not in GGML_TYPES:
+        return None, f"type {t.type_name} is not served quantized"
+    data = np.ascontiguousarray(np.concatenate([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks)
+    if data.shape[0] != rows:
+        return None, f"{data.shape[0]} rows, the layer has {rows}"
+    try:
+        return GGUFWeight(torch.from_numpy(data.copy()), t.type_code, rows, cols), ""
+    except ValueError as e:
+        return None, str(e)
+
+
+def attach_gguf_weights(model: nn.Module, gguf_path: str | os.PathLike[str]) -> GGUFAttachReport:
+    """Give every supported layer of ``model`` its GGUF blocks and drop its float32 weight (see module doc)."""
+    from pagedllm.model.gguf_loader import read_gguf_raw_tensors
+    from pagedllm.model.layers.embedding import VocabParallelEmbedding
+    from pagedllm.model.layers.linear import PackableGemm
+
+    raw, file_bytes = read_gguf_raw_tensors(gguf_path)
+    report = GGUFAttachReport(file_tensor_bytes=file_bytes)
+    fused = _source_names(model)
+    modules = dict(model.named_modules())
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+    to_drop: list[nn.Parameter] = []
+    for name, module in modules.items():
+        is_gemm = isinstance(module, PackableGemm)
+        if not is_gemm and not isinstance(module, VocabParallelEmbedding):
+            continue
+        if getattr(getattr(module, "tp", None), "size", 1) != 1:
+            raise ValueError("quantization='gguf' supports tensor_parallel_size=1 only")
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in fused:
+            sources = [f"{prefix}.{part}.weight" for part in fused[leaf]]
+        elif name.endswith("lm_head") and tied:
+            sources = [n for n in raw if n.endswith("embed_tokens.weight")]
+        else:
+            sources = [f"{name}.weight"]
+        parts = [raw.get(s) for s in sources]
+        if not sources or any(p is None for p in parts):
+            report.dense_tensors[name] = "no GGUF tensor"
+            continue
+        if name.endswith("lm_head") and tied:  # shares the embedding's blocks, as it shares its weight
+            emb = modules.get(name.replace("lm_head", "model.embed_tokens"))
+            w = getattr(emb, "gguf_weight", None)
+            why = "" if w is not None else "embedding stayed dense"
+        else:
+            w, why = _gguf_weight(parts, *module.weight.shape)
+        if w is None:
+            for s in sources:
+                report.dense_tensors[s] = why
+            continue
+        module.gguf_weight = w
+        to_drop.append(module.weight)
+        report.quantized_layers += 1
+        report.quantized_types[w.type_name] = report.quantized_types.get(w.type_name, 0) + 1
+    for p in to_drop:
+        p.data = torch.empty(0, dtype=p.dtype)
+    report.weight_bytes = resident_weight_bytes(model)
+    return report
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight the model holds: dense params, GGUF blocks and packed copies (each storage once)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None) -> None:
+        nonlocal total
+        if t is None or t.numel() == 0:
+            return
+        try:
+            key = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # opaque (oneDNN-packed) tensors
+            key = id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+
+    for p in model.parameters():
+        add(p.data)
+    for m in model.modules():
+        w = getattr(m, "gguf_weight", None)
+        add(w.data if w is not None else None)
+        add(getattr(m, "packed_weight", None))
+    return total
+
+
+def log_attach_report(report: GGUFAttachReport) -> None:
+    types = ", ".join(f"{n} {t}" for t, n in sorted(report.quantized_types.items()))
+    logger.info("GGUF weights served quantized: %d layers (%s); weight bytes in memory %.1f MB vs %.1f MB of "
+                "tensors in the file (%.2fx)", report.quantized_layers, types, report.weight_bytes / 1e6,
+                report.file_tensor_bytes / 1e6, report.weight_bytes / max(report.file_tensor_bytes, 1))
+    for name, why in sorted(report.dense_tensors.items()):
+        if "no GGUF tensor" not in why:
+            logger.info("GGUF tensor %s stays dense float32: %s", name, why)

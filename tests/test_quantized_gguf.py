@@ -1,0 +1,222 @@
+"""GGUF weights served quantized (--quantization gguf): kernels vs gguf.quants + torch, the bundled model vs
+its dequantized twin (greedy agreement, perplexity), memory, errors, and the llama.cpp peer when present."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.kernels import cpu_isa, cpu_quant, reference
+from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGML_TYPES, GGUFWeight
+
+
+_DETECTED = cpu_isa.detect_cpu_isa().detected
+# Every ISA level this CPU can run (the top one with its VNNI extension, the lower ones without).
+_LEVELS = [pytest.param(lv, id=lv) for lv in cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(_DETECTED) + 1]]
+
+
+def random_blocks(qtype: int, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks of ``qtype`` (random quants, small positive fp16 scales/minimums)."""
+    rng = np.random.default_rng(seed)
+    elems, nbytes = BLOCK_LAYOUT[qtype]
+    blocks = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
+    for i in range(2 if qtype in (GGML_TYPES["Q4_1"], GGML_TYPES["Q4_K"]) else 1):
+        scale = rng.uniform(0.001, 0.02, size=(rows, k // elems)).astype(np.float16)
+        blocks[:, :, 2 * i:2 * i + 2] = scale.view(np.uint8).reshape(rows, k // elems, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("level", _LEVELS)
+@pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
+def test_kernels_match_gguf_quants_and_torch(level, type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kern = cpu_quant.load_quant_kernels(level)
+    qtype, n = GGML_TYPES[type_name], 72
+    k = 512 if type_name == "Q4_K" else 544  # 17 blocks of 32: an odd count
+    raw = random_blocks(qtype, n, k, seed=qtype)
+    w = GGUFWeight(torch.from_numpy(raw), qtype, n, k)
+    dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k).astype(np.float32))
+    # dequantization: bit-exact with gguf.quants (rows in any order)
+    ids = torch.tensor([5, 0, 71, 5, 33])
+    assert torch.equal(kern.dequantize_rows(w, ids), dense[ids])
+    torch.manual_seed(qtype)
+    for m in (1, 3, 5, 17):  # single rows, partial and full 4-row register blocks, a remainder
+        x = torch.randn(m, k) * 3
+        for method in ("int8", "dequant"):
+            y = kern.linear(x, w, method)
+            ref = reference.gguf_linear(x, dense, method)
+            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+        # the int8 design's only approximation is the activation rounding: close to full precision too
+        full = x @ dense.T
+        rel = ((kern.linear(x, w, "int8") - full).norm() / full.norm()).item()
+        assert rel < 3e-2, rel
+
+
+def test_weight_and_input_validation():
+    kern = cpu_quant.load_quant_kernels()
+    q41 = GGML_TYPES["Q4_1"]
+    with pytest.raises(ValueError, match="multiple of 256"):
+        cpu_quant.row_bytes(GGML_TYPES["Q4_K"], 320)
+    with pytest.raises(ValueError, match="not supported"):
+        cpu_quant.row_bytes(14, 256)  # Q6_K
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        GGUFWeight(torch.zeros(4, 19, dtype=torch.uint8), q41, 4, 32)
+    w = GGUFWeight(torch.from_numpy(random_blocks(q41, 4, 64)), q41, 4, 64)
+    with pytest.raises(ValueError, match="input has 32 features, weight expects 64"):
+        kern.linear(torch.zeros(2, 32), w)
+    with pytest.raises(ValueError, match="float32"):
+        kern.linear(torch.zeros(2, 64, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"row ids must lie in \[0, 4\)"):
+        kern.dequantize_rows(w, torch.tensor([4]))
+    assert kern.linear(torch.zeros(0, 64), w).shape == (0, 4)
+
+
+def test_gemm_choice_env(monkeypatch):
+    monkeypatch.setenv(cpu_quant.GEMM_ENV, "dequant")
+    assert cpu_quant.choose_method(1) == "dequant"
+    monkeypatch.setenv(cpu_quant.GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="PAGEDLLM_QUANT_GEMM must be one of"):
+        cpu_quant.choose_method(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The bundled Q4_1 model, quantized vs dequantized
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from pagedllm import LLM
+
+    quant = LLM(quantization="gguf", num_gpu_blocks_override=256)
+    dense = LLM(quantization="none", num_gpu_blocks_override=256)
+    return quant, dense
+
+
+def _model(llm):
+    return llm.llm_engine.executor.driver_worker.model
+
+
+def test_default_is_quantized_and_memory_within_file_size(engines):
+    from pagedllm.model.gguf_loader import read_gguf_raw_tensors
+    from pagedllm.model.layers.quantized_linear import resident_weight_bytes
+    from pagedllm.model.loader import default_model_path
+
+    quant, dense = engines
+    qm, dm = _model(quant), _model(dense)
+    assert quant.llm_engine.executor.driver_worker.quantization == "gguf"
+    assert dense.llm_engine.executor.driver_worker.quantization is None
+    layers = [m for m in qm.modules() if getattr(m, "gguf_weight", None) is not None]
+    assert {m.gguf_weight.type_name for m in layers} == {"Q4_1", "Q8_0"}
+    assert qm.model.embed_tokens.gguf_weight is qm.lm_head.gguf_weight  # tied: one copy of the blocks
+    _, file_bytes = read_gguf_raw_tensors(default_model_path())
+    q_bytes, d_bytes = resident_weight_bytes(qm), resident_weight_bytes(dm)
+    assert q_bytes <= 1.2 * file_bytes, (q_bytes, file_bytes)
+    assert d_bytes > 4 * file_bytes  # float32 copy: what the quantized path saves
+    with pytest.raises(ValueError, match="cannot replace GGUF-quantized weights"):
+        quant.llm_engine.executor.driver_worker.load_weights(iter([]))
+
+
+@pytest.fixture(params=["int8", "auto"])
+def gemm_method(request, monkeypatch):
+    """int8 everywhere (the approximate design, also for prompts) and the default per-batch-size choice."""
+    monkeypatch.setenv(cpu_quant.GEMM_ENV, request.param)
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def dense_reference(engines, tokenizer):
+    """Greedy outputs and perplexity of the dequantized (float32) model: what the quantized one is held to."""
+    from pagedllm.benchmarks.gguf_quant import (
+        FIXED_TEXT,
+        PROMPT_TEXTS,
+        greedy,
+        perplexity,
+    )
+
+    prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:4]]
+    ids = tokenizer.encode(FIXED_TEXT)
+    return prompts, greedy(engines[1], prompts, 16), ids, perplexity(engines[1], ids)
+
+
+def test_greedy_agreement_and_perplexity_fast(engines, dense_reference, gemm_method):
+    from pagedllm.benchmarks.gguf_quant import (
+        free_running_agreement,
+        greedy,
+        perplexity,
+        teacher_forced_agreement,
+    )
+
+    quant = engines[0]
+    prompts, ref, ids, p_d = dense_reference
+    agree, total = teacher_forced_agreement(quant, prompts, ref)
+    assert agree / total >= 0.95, (agree, total)
+    same, _ = free_running_agreement(greedy(quant, prompts, 16), ref)
+    assert same >= 4  # every output starts the same way at least
+    p_q = perplexity(quant, ids)
+    assert abs(p_q / p_d - 1) <= 0.01, (p_q, p_d)
+    assert 1.0 < p_d < 100.0
+
+
+@pytest.mark.slow
+def test_greedy_agreement_32_prompts(engines, tokenizer, monkeypatch):
+    monkeypatch.setenv(cpu_quant.GEMM_ENV, "int8")
+    from pagedllm.benchmarks.gguf_quant import (
+        PROMPT_TEXTS,
+        greedy,
+        teacher_forced_agreement,
+    )
+
+    quant, dense = engines
+    prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:32]]
+    ref = greedy(dense, prompts, 32)
+    agree, total = teacher_forced_agreement(quant, prompts, ref)
+    assert total == 32 * 32 and agree / total >= 0.95, (agree, total)
+
+
+def test_default_for_a_quantized_gguf_on_cpu(monkeypatch):
+    from pagedllm.model.layers.quantized_linear import DEFAULT_ENV, resolve_quantization
+    from pagedllm.model.loader import default_model_path
+
+    gguf = default_model_path()
+    monkeypatch.delenv(DEFAULT_ENV, raising=False)
+    assert resolve_quantization(None, gguf, "cpu", torch.float32) == "gguf"
+    assert resolve_quantization(None, gguf, "cpu", torch.bfloat16) is None  # the kernels take float32
+    assert resolve_quantization(None, gguf, "cuda", torch.float32) is None
+    monkeypatch.setenv(DEFAULT_ENV, "none")
+    assert resolve_quantization(None, gguf, "cpu", torch.float32) is None
+    monkeypatch.setenv(DEFAULT_ENV, "q4")
+    with pytest.raises(ValueError, match="must be 'gguf' or 'none'"):
+        resolve_quantization(None, gguf, "cpu", torch.float32)
+
+
+def test_quantization_errors(tmp_path):
+    from pagedllm import LLM
+    from pagedllm.model.layers.quantized_linear import resolve_quantization
+    from pagedllm.model.loader import default_model_path
+
+    gguf = default_model_path()
+    with pytest.raises(ValueError, match="needs a .gguf model file"):
+        resolve_quantization("gguf", None, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        resolve_quantization("gguf", gguf, "cuda", torch.float32)
+    with pytest.raises(ValueError, match="dtype='float32'"):
+        LLM(quantization="gguf", dtype="bfloat16", num_gpu_blocks_override=16)
+    assert resolve_quantization("none", gguf, "cpu", torch.float32) is None
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(quantization="q4", num_gpu_blocks_override=16)
+
+
+def test_llama_cpp_peer_same_prompts():
+    from pagedllm.benchmarks.llama_cpp import find_llama_server, run_llama_server
+    from pagedllm.benchmarks.throughput import make_workload
+    from pagedllm.model.loader import default_model_path
+
+    binary = find_llama_server()
+    if binary is None:
+        pytest.skip("no llama-server binary (optional CPU peer; README.md 'llama.cpp as a CPU peer')")
+    wl = make_workload(3, 8, 24, 6, 49152, seed=1)
+    result, tokens = run_llama_server(binary, default_model_path(), wl, parallel=2, threads=2)
+    assert result.num_requests == 3 and result.output_tokens == 18
+    assert all(len(t) == 6 for t in tokens)
