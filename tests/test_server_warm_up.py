@@ -4,10 +4,13 @@ import asyncio
 import json
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.entrypoints.openai.warm_up import WARM_UP_PROMPT, warm_up_request
+pytest.importorskip("fastapi")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+
+from pagedllm.entrypoints.openai.warm_up import WARM_UP_PROMPT, warm_up_request  # noqa: E402
 
 
 def _app(seen: list, fail: bool = False) -> FastAPI:
