@@ -52,9 +52,13 @@ def test_step_kinds_and_summary():
     assert step_kind([dec, pre]) == "mixed"
     assert step_kind([pre]) == "prefill"
     stats = StepStats()
-    assert stats.start(torch.device("cpu")) is None  # no events off CUDA
+    assert stats.start(torch.device("meta")) is None  # neither CUDA events nor a host clock there
     stats.stop("decode", "eager", 3, None)
     assert stats.summary() == {} and "count" in format_summary({})
+    for n in (3, 5):  # on CPU a step is timed by the host clock
+        stats.stop("decode", "eager", n, stats.start(torch.device("cpu")))
+    row = stats.summary()["decode/eager"]
+    assert row["count"] == 2 and row["mean_tokens"] == 4 and row["mean_ms"] >= 0
 
 
 def test_block_tables_are_padded_to_the_fixed_width_under_graphs():
