@@ -17,7 +17,7 @@ from tiny_models import save_tiny_llama
 from pagedllm.worker.model_input import SequenceChunk
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.piecewise_graph import bucket_for, capture_token_counts, is_piecewise_graphable
-from pagedllm.worker.step_stats import StepStats, format_summary, step_kind
+from pagedllm.worker.step_stats import StepStats, StepWork, format_summary, step_kind
 
 
 def test_token_buckets_are_fine_then_coarse_and_end_at_the_step_limit():
@@ -52,9 +52,13 @@ def test_step_kinds_and_summary():
     assert step_kind([dec, pre]) == "mixed"
     assert step_kind([pre]) == "prefill"
     stats = StepStats()
-    assert stats.start(torch.device("cpu")) is None  # no events off CUDA
+    assert stats.start(torch.device("meta")) is None  # no timer off CUDA and the CPU
     stats.stop("decode", "eager", 3, None)
     assert stats.summary() == {} and "count" in format_summary({})
+    start = stats.start(torch.device("cpu"))  # CPU (synchronous): the host's wall clock
+    stats.stop("decode", "eager", 3, start, StepWork(3, 3))
+    row = stats.summary()["decode/eager"]
+    assert row["count"] == 1 and row["mean_ms"] >= 0 and stats.work == [StepWork(3, 3)]
 
 
 def test_block_tables_are_padded_to_the_fixed_width_under_graphs():

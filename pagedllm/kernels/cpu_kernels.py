@@ -271,8 +271,10 @@ def compile_command(cc: str, source: Path, isa: str, output: str) -> list[str]:
     return [cc, *cpu_isa.c_compile_flags(isa), *BUILD_FLAGS, str(source), "-o", output, *libs]
 
 
-def build_library(source: Path, isa: str) -> Path:
-    """Compile `source` for `isa` into the cache unless an identical build is there; returns the .so path."""
+def build_library(source: Path, isa: str | None = None) -> Path:
+    """Compile `source` for `isa` (default: the detected level, see kernels/cpu_isa.py) into the cache
+    unless an identical build is there; returns the .so path."""
+    isa = isa or cpu_isa.detect_cpu_isa().name
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler found (set CC, or install gcc)")
