@@ -37,6 +37,7 @@ KERNELS_ENV = "PAGEDLLM_CPU_KERNELS"
 KERNELS_CHOICES = ("native", "torch")
 SOURCE = Path(__file__).with_name("cpu") / "cpu_ops.c"
 BUILD_FLAGS = ("-fopenmp", "-fPIC", "-shared", "-std=c11")  # on top of cpu_isa.c_compile_flags(isa)
+CFLAGS = ("-O3", *BUILD_FLAGS)  # for callers that pass their own ISA flags: build_library(src, (*CFLAGS, ...))
 
 _c_int64, _c_int, _c_float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
@@ -264,16 +265,19 @@ def load_cpu_kernels(isa: str | None = None) -> CpuKernels | None:
         return None
 
 
-def compile_command(cc: str, source: Path, isa: str, output: str) -> list[str]:
+def compile_command(cc: str, source: Path, isa: str | tuple[str, ...], output: str) -> list[str]:
     """The compiler command line for `source` at ISA level `isa`; libmvec is linked only where the
-    vector code calls it (AVX2 and above on x86-64)."""
+    vector code calls it (AVX2 and above on x86-64). `isa` may instead be a whole tuple of flags."""
+    if not isinstance(isa, str):
+        libs = ["-lmvec", "-lm"] if cpu_isa.uses_libmvec("avx2") else ["-lm"]
+        return [cc, *isa, str(source), "-o", output, *libs]
     libs = ["-lmvec", "-lm"] if cpu_isa.uses_libmvec(isa) else ["-lm"]
     return [cc, *cpu_isa.c_compile_flags(isa), *BUILD_FLAGS, str(source), "-o", output, *libs]
 
 
-def build_library(source: Path, isa: str | None = None) -> Path:
-    """Compile `source` for `isa` (default: the detected level, see kernels/cpu_isa.py) into the cache
-    unless an identical build is there; returns the .so path."""
+def build_library(source: Path, isa: str | tuple[str, ...] | None = None) -> Path:
+    """Compile `source` for `isa` (default: the detected level, see kernels/cpu_isa.py; or a tuple of
+    compiler flags) into the cache unless an identical build is there; returns the .so path."""
     isa = isa or cpu_isa.detect_cpu_isa().name
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
@@ -283,7 +287,8 @@ def build_library(source: Path, isa: str | None = None) -> Path:
     for part in (source.read_bytes(), version.encode(), " ".join(compile_command(cc, source, isa, "")).encode()):
         key.update(part)
     out_dir = pagedllm_cache_dir("kernels")
-    target = out_dir / f"{source.stem}-{isa}-{key.hexdigest()[:16]}.so"
+    tag = isa if isinstance(isa, str) else "flags"
+    target = out_dir / f"{source.stem}-{tag}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
