@@ -12,14 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # path token for token, so they keep it (tests/test_quantized_gguf.py asks for quantization='gguf' itself).
 os.environ.setdefault("PAGEDLLM_GGUF_QUANTIZATION", "none")
 
-_TEXT = (
-    "The history of computing is a story of abstractions built on top of one another. Early machines were "
-    "programmed by rewiring panels; later, stored programs let the same hardware run many tasks. Operating "
-    "systems introduced virtual memory, which maps a process's contiguous logical pages to scattered physical "
-    "frames, so that memory can be allocated on demand and shared between processes with copy-on-write. "
-    "Large language model serving faces a similar problem: the key-value cache of each request grows and "
-    "shrinks dynamically, and reserving contiguous memory for the maximum length wastes most of it. "
-)
+from pagedllm.benchmarks.gguf_quant import FIXED_TEXT as _TEXT  # noqa: E402 (the same fixed prose)
 
 
 def pytest_collection_modifyitems(config, items):
