@@ -20,6 +20,7 @@ from pagedllm.model.layers.linear import pack_weights_for_cpu, quantize_weights_
 from pagedllm.model.layers.quantized_linear import (
     attach_gguf_weights,
     log_attach_report,
+    num_parameters,
     resolve_quantization,
 )
 from pagedllm.model.models.registry import get_model_class
@@ -87,7 +88,7 @@ class Worker:
             model.load_weights(loader.iterate_weights(self.model_dir, mc.load_format))
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = num_parameters(model)
         logger.info(
             "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",
             type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,

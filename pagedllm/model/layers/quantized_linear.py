@@ -189,6 +189,18 @@ def resident_weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def num_parameters(model: nn.Module) -> int:
+    """Parameters of `model`, counting each GGUF-quantized weight once as its out × in elements."""
+    seen: set[int] = set()
+    total = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        w = getattr(m, "gguf_weight", None)
+        if w is not None and id(w) not in seen:
+            seen.add(id(w))
+            total += w.out_features * w.in_features
+    return total
+
+
 def log_attach_report(report: GGUFAttachReport) -> None:
     types = ", ".join(f"{n} {t}" for t, n in sorted(report.quantized_types.items()))
     logger.info("GGUF weights served quantized: %d layers (%s); weight bytes in memory %.1f MB vs %.1f MB of "
