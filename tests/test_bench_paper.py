@@ -131,6 +131,7 @@ def test_fig14_beam_search_batches_more_paged(tmp_path):
         assert panel["paged_over_oracle"].rstrip("×").lstrip("≥ ")
     beam = data["panels"]["beam width=6"]["systems"]
     assert beam["paged"]["mean_batched_requests"][0] > beam["orca-oracle"]["mean_batched_requests"][0]
+    assert data["engine_builds"] == 1  # four configurations, one engine (EngineCache)
 
 
 def test_fig15_wider_beams_save_more(tmp_path):
@@ -149,6 +150,7 @@ def test_fig16_prefix_caching_batches_more(tmp_path):
     assert set(per) == {"prefix-caching", "paged", "orca-oracle"}
     assert per["prefix-caching"]["mean_batched_requests"][0] > per["orca-oracle"]["mean_batched_requests"][0]
     assert per["prefix-caching"]["mean_batched_requests"][0] > per["paged"]["mean_batched_requests"][0]
+    assert data["engine_builds"] == 1  # prefix caching is switched on the same engine
 
 
 def test_fig17_chatbot_prompts_truncated(tmp_path):
@@ -176,6 +178,7 @@ def test_fig19_swap_vs_recompute(tmp_path):
     e = data["end_to_end"]
     assert e["recompute"]["num_preemptions"][0] > 0 and e["recompute"]["num_swap_outs"][0] == 0
     assert e["swap"]["num_swap_outs"][0] > 0
+    assert data["engine_builds"] == 1  # the preemption mode is switched on the same engine
 
 
 def test_switch_system_keeps_the_pool(tmp_path):
@@ -200,3 +203,31 @@ def test_switch_system_keeps_the_pool(tmp_path):
             common.switch_system(engine, "orca-max")
     finally:
         common.release(engine)
+
+
+def test_engine_cache_reuses_one_engine_per_shape(tmp_path):
+    """Same shape: one build, only the KV manager, prefix caching and preemption mode change; another block
+    size: the old engine goes first (one GPU holds one 13B model), then a new one is built."""
+    import gc
+    import weakref
+
+    from pagedllm.core.baselines import ContiguousBlockManager
+    from pagedllm.core.block_manager import BlockManager
+
+    args = _args(tmp_path, "fig12", "--num-blocks", "64")
+    with common.EngineCache(args) as engines:
+        first = engines.get("paged", prefix_caching=True)
+        assert isinstance(first.scheduler.block_manager, BlockManager)
+        assert first.config.cache_config.enable_prefix_caching
+        again = engines.get("orca-oracle", preemption_mode="swap")
+        assert again is first and engines.num_builds == 1
+        assert isinstance(first.scheduler.block_manager, ContiguousBlockManager)
+        assert not first.config.cache_config.enable_prefix_caching
+        assert first.config.cache_config.preemption_mode == "swap"
+        gone = weakref.ref(first)
+        del first, again
+        other = engines.get("paged", block_size=4)
+        gc.collect()
+        assert engines.num_builds == 2 and other.config.cache_config.block_size == 4
+        assert gone() is None  # the first engine was freed, not kept beside the second
+    assert engines.engine is None

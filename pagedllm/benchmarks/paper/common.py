@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 logger = logging.getLogger("pagedllm.bench.paper")
 
@@ -194,11 +194,13 @@ def make_engine(args, system: str, *, block_size: int | None = None, prefix_cach
     return LLMEngine.from_engine_args(EngineArgs(**kw))
 
 
-def switch_system(engine, system: str) -> None:
+def switch_system(engine, system: str, *, prefix_caching: bool | None = None,
+                  preemption_mode: str | None = None) -> None:
     """Turn an idle engine into `system`: a fresh KV manager of that kind over the same pool, and its batching.
 
     The model, kernels, pool and scheduler loop stay; only memory management (and batching) change, which is
     what §6.1 compares. Saves reloading the model per system (a 13B dummy load costs ~30 s of GPU time).
+    `prefix_caching` and `preemption_mode`, when given, are set too: both are scheduler-side only.
     """
     from pagedllm.core.scheduler import make_kv_cache_manager
 
@@ -206,18 +208,63 @@ def switch_system(engine, system: str) -> None:
         raise RuntimeError("switch_system needs an idle engine (requests are still running)")
     manager, batching = SYSTEMS[system]
     cc, sc = engine.config.cache_config, engine.config.scheduler_config
+    if prefix_caching is not None:
+        cc.enable_prefix_caching = prefix_caching
+    if preemption_mode is not None:
+        cc.preemption_mode = preemption_mode
     if manager != "paged" and cc.enable_prefix_caching:
         raise ValueError(f"{system!r} cannot run with prefix caching on (contiguous reservations share nothing)")
     cc.kv_cache_manager, sc.batching = manager, batching
     engine.scheduler.block_manager = make_kv_cache_manager(sc, cc)
 
 
+class EngineCache:
+    """One engine at a time, built by `make_engine` and reused while the options that shape it (block size,
+    pool, max_num_seqs) stay the same: a later `get` only switches the system, prefix caching and preemption
+    mode (`switch_system`, a fresh KV manager over the same pool). A 13B dummy engine takes ~30 s to build on
+    a GPU, so a figure of twelve configurations costs one build, not twelve. Use as a context manager."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.engine = None
+        self.key: tuple | None = None
+        self.num_builds = 0
+
+    def get(self, system: str, *, prefix_caching: bool = False, preemption_mode: str = "auto", **shape):
+        key = tuple(sorted(shape.items()))
+        if self.engine is None or key != self.key:
+            self.close()  # one GPU holds one 13B model: free the old pool before building the next
+            self.engine = make_engine(self.args, "paged", **shape)
+            self.key = key
+            self.num_builds += 1
+        switch_system(self.engine, system, prefix_caching=prefix_caching, preemption_mode=preemption_mode)
+        return self.engine
+
+    def close(self) -> None:
+        engine, self.engine, self.key = self.engine, None, None
+        if engine is not None:
+            release(engine)
+            del engine  # the last reference: the model and pool go now, before the next build
+            free_device_memory()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def release(engine) -> None:
-    """Free an engine's pools before the next system's engine is built (one GPU holds one 13B model)."""
+    """Shut an engine's executor down and free cached device memory. The model and pool are freed only once
+    the caller holds no reference to `engine` (EngineCache drops its own before calling free_device_memory)."""
     ex = getattr(engine, "model_executor", None) or getattr(engine, "executor", None)
     if ex is not None and hasattr(ex, "shutdown"):
         ex.shutdown()
     del engine
+    free_device_memory()
+
+
+def free_device_memory() -> None:
     gc.collect()
     try:
         import torch

@@ -46,41 +46,38 @@ def run(args, fig: str = "fig12") -> dict:
     data["sustained_rule"] = (f"highest rate with normalized latency <= {common.SUSTAINED_FACTOR}x the trace's unloaded "
                               "latency (min over systems of the lowest-rate value)")
     traces = args.traces or ["sharegpt", "alpaca"]
-    engine = None  # one engine for every system: common.switch_system swaps the KV manager, not the model
-    for system in args.systems or list(common.SYSTEMS):
-        for trace in traces:
-            rates = common.rates_for(args, system) or RATES[(args.scale, trace)]
-            prev = data["traces"].setdefault(trace, {}).get(system)
-            if prev and (all(r in prev["rates"] for r in rates) or
-                         prev.get("sustained_rate", 0) < max(prev["rates"])):
-                continue
-            if engine is None:
-                t0 = time.perf_counter()
-                engine = common.make_engine(args, system)
-                logger.info("engine ready in %.1f s (%d KV blocks)", time.perf_counter() - t0,
-                            engine.config.cache_config.num_gpu_blocks)
-            common.switch_system(engine, system)
-            reqs = trace_requests(args, engine, trace)
-            data["traces"][trace]["num_requests"] = len(reqs)
-            cc = engine.config.cache_config
-            data["kv_pool"] = {"num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
-                               "model": args.model or ("tiny" if args.scale == "small" else "opt-13b")}
-            data["traces"][trace]["mean_input"] = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
-            data["traces"][trace]["mean_output"] = sum(r.output_len for r in reqs) / len(reqs)
+    with common.EngineCache(args) as engines:  # one engine for every system: only the KV manager is swapped
+        for system in args.systems or list(common.SYSTEMS):
+            for trace in traces:
+                rates = common.rates_for(args, system) or RATES[(args.scale, trace)]
+                prev = data["traces"].setdefault(trace, {}).get(system)
+                if prev and (all(r in prev["rates"] for r in rates) or
+                             prev.get("sustained_rate", 0) < max(prev["rates"])):
+                    continue
+                t0, builds = time.perf_counter(), engines.num_builds
+                engine = engines.get(system)
+                if engines.num_builds > builds:
+                    logger.info("engine ready in %.1f s (%d KV blocks)", time.perf_counter() - t0,
+                                engine.config.cache_config.num_gpu_blocks)
+                reqs = trace_requests(args, engine, trace)
+                data["traces"][trace]["num_requests"] = len(reqs)
+                cc = engine.config.cache_config
+                data["kv_pool"] = {"num_gpu_blocks": cc.num_gpu_blocks, "block_size": cc.block_size,
+                                   "model": args.model or ("tiny" if args.scale == "small" else "opt-13b")}
+                data["traces"][trace]["mean_input"] = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
+                data["traces"][trace]["mean_output"] = sum(r.output_len for r in reqs) / len(reqs)
 
-            def save(point, trace=trace, system=system):
-                data["traces"][trace][system] = point
-                common.write_json(path, data)
+                def save(point, trace=trace, system=system):
+                    data["traces"][trace][system] = point
+                    common.write_json(path, data)
 
-            res = sweep_system(engine, reqs, rates, seed=args.seed, done=prev, max_point_seconds=args.max_point_seconds,
-                               on_point=save, label=f"{trace}/{system}",
-                               point_slack_seconds=getattr(args, "point_slack_seconds", float("inf")),
-                               reference=common.unloaded_latency(
-                                   {s: d for s, d in data["traces"][trace].items() if s in common.SYSTEMS}),
-                               give_up_early=getattr(args, "give_up_early", False))
-            save(res)
-    if engine is not None:
-        common.release(engine)
+                res = sweep_system(engine, reqs, rates, seed=args.seed, done=prev, max_point_seconds=args.max_point_seconds,
+                                   on_point=save, label=f"{trace}/{system}",
+                                   point_slack_seconds=getattr(args, "point_slack_seconds", float("inf")),
+                                   reference=common.unloaded_latency(
+                                       {s: d for s, d in data["traces"][trace].items() if s in common.SYSTEMS}),
+                                   give_up_early=getattr(args, "give_up_early", False))
+                save(res)
     for trace in data["traces"].values():
         trace["unloaded_normalized_latency"] = common.apply_common_rule(
             {s: d for s, d in trace.items() if s in common.SYSTEMS})
@@ -131,7 +128,8 @@ def write_outputs(out_dir: str, data: dict) -> None:
                    if common.finite(y) is None]
             if bad:
                 color, marker = common.STYLE[s]
-                ax.scatter(bad, [top] * len(bad), marker=marker, facecolors="none", edgecolors=color, clip_on=False)
+                hollow = {"color": color} if marker in ("x", "+") else {"facecolors": "none", "edgecolors": color}
+                ax.scatter(bad, [top] * len(bad), marker=marker, clip_on=False, **hollow)  # "x" has no face to hollow
         ax.set_title(f"{trace} ({per.get('num_requests', '?')} requests; hollow: stopped, not sustained)", fontsize=9)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("normalized latency (s/token)")

@@ -39,22 +39,22 @@ def run(args) -> dict:
     trace = (args.traces or ["alpaca"])[0]
     widths = getattr(args, "widths", None) or WIDTHS
     data: dict = {"scale": args.scale, "trace": trace, "sustained_rule": common.SUSTAINED_RULE, "panels": {}}
-    probe = common.make_engine(args, "paged")
-    reqs = trace_requests(args, probe, trace)
-    common.release(probe)
-    data["num_requests"] = len(reqs)
-    rates = args.rates or RATES[args.scale]
-    for method in ("parallel", "beam"):
-        for w in widths:
+    with common.EngineCache(args) as engines:
+        reqs = trace_requests(args, engines.get("paged"), trace)
+        data["num_requests"] = len(reqs)
+        rates = args.rates or RATES[args.scale]
+        for method, w in ((m, w) for m in ("parallel", "beam") for w in widths):
             name = f"{method} {'n' if method == 'parallel' else 'width'}={w}"
             cfgs = {s: rated.Config(s, params=params_for(method, w)) for s in ("paged", "orca-oracle")}
-            per = rated.sweep_configs(args, cfgs, reqs, rates, f"fig14 {name}")
+            per = rated.sweep_configs(args, cfgs, reqs, rates, f"fig14 {name}", engines)
             data["panels"][name] = {"method": method, "width": w, "systems": per,
                                     "paged_over_oracle": rated.ratio(per, "paged", "orca-oracle")}
             logger.info("fig14 %s: paged sustains %s req/s, Orca (Oracle) %s: %s×", name,
                         per["paged"]["sustained_rate"], per["orca-oracle"]["sustained_rate"],
                         data["panels"][name]["paged_over_oracle"])
             common.write_json(os.path.join(args.output_dir, "fig14.json"), data)
+        data["engine_builds"] = engines.num_builds
+    common.write_json(os.path.join(args.output_dir, "fig14.json"), data)
     write_outputs(args.output_dir, data)
     return data
 

@@ -26,20 +26,16 @@ def run(args) -> dict:
     n = args.num_requests or 20
     data: dict = {"scale": args.scale, "num_requests": n, "paper": {f"{w}/{m}": v for (w, m), v in
                                                                     sharing.PAPER_FIG15.items()}, "points": []}
-    for workload in args.traces or ["alpaca", "sharegpt"]:
-        scale = SCALE[args.scale][workload]
-        bs = max(1, round(16 * scale))
-        engine = common.make_engine(args, "paged", block_size=bs, num_blocks=args.num_blocks or 4096, max_num_seqs=512)
-        try:
-            for method in ("parallel", "beam"):
-                for w in widths:
-                    r = sharing.run_sharing_point(SimpleNamespace(llm_engine=engine), workload, method, w, n, scale,
-                                                  args.seed)
-                    data["points"].append(asdict(r))
-                    logger.info("fig15 %s %s %d: %.1f %% of blocks saved (block %d)", workload, method, w,
-                                r.saving_pct, bs)
-        finally:
-            common.release(engine)
+    with common.EngineCache(args) as engines:
+        for workload in args.traces or ["alpaca", "sharegpt"]:
+            scale = SCALE[args.scale][workload]
+            bs = max(1, round(16 * scale))
+            engine = engines.get("paged", block_size=bs, num_blocks=args.num_blocks or 4096, max_num_seqs=512)
+            for method, w in ((m, w) for m in ("parallel", "beam") for w in widths):
+                r = sharing.run_sharing_point(SimpleNamespace(llm_engine=engine), workload, method, w, n, scale,
+                                              args.seed)
+                data["points"].append(asdict(r))
+                logger.info("fig15 %s %s %d: %.1f %% of blocks saved (block %d)", workload, method, w, r.saving_pct, bs)
     common.write_json(os.path.join(args.output_dir, "fig15.json"), data)
     write_outputs(args.output_dir, data)
     return data

@@ -38,20 +38,21 @@ def run(args) -> dict:
     bs = max(1, round(16 * scale))
     data: dict = {"scale": args.scale, "length_scale": scale, "block_size": bs, "sustained_rule": common.SUSTAINED_RULE,
                   "panels": {}}
-    probe = common.make_engine(args, "paged", block_size=bs)
-    vocab = common.vocab_of(probe)
-    common.release(probe)
-    for shots in getattr(args, "shots", None) or [1, 5]:
-        reqs = prefix_trace(shots, args.num_requests or 100, vocab, scale, args.seed)
-        cfgs = {"prefix-caching": rated.Config("paged", {"block_size": bs, "prefix_caching": True}),
-                "paged": rated.Config("paged", {"block_size": bs}),
-                "orca-oracle": rated.Config("orca-oracle", {"block_size": bs})}
-        per = rated.sweep_configs(args, cfgs, reqs, args.rates or RATES[args.scale], f"fig16 {shots}-shot")
-        data["panels"][f"{shots}-shot"] = {
-            "prefix_len": max(1, round(SHOTS[shots] * scale)), "num_requests": len(reqs), "systems": per,
-            "caching_over_oracle": rated.ratio(per, "prefix-caching", "orca-oracle"),
-            "caching_over_paged": rated.ratio(per, "prefix-caching", "paged"), "paper_over_oracle": PAPER[shots]}
-        common.write_json(os.path.join(args.output_dir, "fig16.json"), data)
+    with common.EngineCache(args) as engines:
+        vocab = common.vocab_of(engines.get("paged", block_size=bs))
+        for shots in getattr(args, "shots", None) or [1, 5]:
+            reqs = prefix_trace(shots, args.num_requests or 100, vocab, scale, args.seed)
+            cfgs = {"prefix-caching": rated.Config("paged", {"block_size": bs, "prefix_caching": True}),
+                    "paged": rated.Config("paged", {"block_size": bs}),
+                    "orca-oracle": rated.Config("orca-oracle", {"block_size": bs})}
+            per = rated.sweep_configs(args, cfgs, reqs, args.rates or RATES[args.scale], f"fig16 {shots}-shot", engines)
+            data["panels"][f"{shots}-shot"] = {
+                "prefix_len": max(1, round(SHOTS[shots] * scale)), "num_requests": len(reqs), "systems": per,
+                "caching_over_oracle": rated.ratio(per, "prefix-caching", "orca-oracle"),
+                "caching_over_paged": rated.ratio(per, "prefix-caching", "paged"), "paper_over_oracle": PAPER[shots]}
+            common.write_json(os.path.join(args.output_dir, "fig16.json"), data)
+        data["engine_builds"] = engines.num_builds
+    common.write_json(os.path.join(args.output_dir, "fig16.json"), data)
     write_outputs(args.output_dir, data)
     return data
 

@@ -37,12 +37,12 @@ def chat_trace(n: int, vocab: int, scale: float, seed: int) -> list[TraceRequest
 
 def run(args) -> dict:
     scale = common.SCALES[args.scale].length_scale
-    probe = common.make_engine(args, "paged")
-    reqs = chat_trace(args.num_requests or 100, common.vocab_of(probe), scale, args.seed)
-    common.release(probe)
-    cfgs = {s: rated.Config(s) for s in (args.systems or SYSTEMS) if s in SYSTEMS}
-    per = rated.sweep_configs(args, cfgs, reqs, args.rates or RATES[args.scale], "fig17")
+    with common.EngineCache(args) as engines:
+        reqs = chat_trace(args.num_requests or 100, common.vocab_of(engines.get("paged")), scale, args.seed)
+        cfgs = {s: rated.Config(s) for s in (args.systems or SYSTEMS) if s in SYSTEMS}
+        per = rated.sweep_configs(args, cfgs, reqs, args.rates or RATES[args.scale], "fig17", engines)
     data = {"scale": args.scale, "num_requests": len(reqs), "sustained_rule": common.SUSTAINED_RULE,
+            "engine_builds": engines.num_builds,
             "mean_input": sum(len(r.prompt_token_ids) for r in reqs) / len(reqs),
             "mean_output": sum(r.output_len for r in reqs) / len(reqs),
             "truncated_to": round(HISTORY * scale), "systems": per,

@@ -34,23 +34,23 @@ def run(args) -> dict:
     data: dict = {"scale": args.scale, "trace": trace, "averaged_over": "steps after whose scheduling decision a request still waits "
                   "(read at the decision, the launched step's tokens counted as computed)",
                   "paper_token_states": PAPER, "systems": {}}
-    for system in [s for s in (args.systems or FIG2_SYSTEMS) if s in FIG2_SYSTEMS]:
-        blocks = None if args.num_blocks or args.scale == "paper" else common.PAPER_POOL_BLOCKS
-        engine = common.make_engine(args, system, num_blocks=blocks)
-        data["num_gpu_blocks"] = engine.config.cache_config.num_gpu_blocks
-        reqs = with_arrivals(trace_requests(args, engine, trace, FIG2_REQUESTS.get(args.scale)), float("inf"),
-                             args.seed)
-        res = run_trace(engine, reqs, greedy_params, max_wall_s=args.max_point_seconds, breakdown_at="schedule")
-        common.release(engine)
-        b = res.mean_breakdown()
-        if not b:  # no request ever waited: memory did not bind, so average over every step
-            b = res.mean_breakdown(only_when_waiting=False)
-            data.setdefault("averaged_over_all_steps", []).append(system)
-        data["systems"][system] = {k: b.get(k, 0.0) for k in BREAKDOWN_KEYS} | {
-            "mean_batched_requests": res.mean_batched_requests, "num_steps": len(res.steps),
-            "num_averaged_steps": sum(1 for st in res.steps if st.num_waiting), "num_requests": len(reqs)}
-        logger.info("fig2 %s: token states %.1f %%, %.1f batched requests", system, 100 * b.get("token_states", 0),
-                    res.mean_batched_requests)
+    with common.EngineCache(args) as engines:  # one engine; each system gets a fresh KV manager over its pool
+        for system in [s for s in (args.systems or FIG2_SYSTEMS) if s in FIG2_SYSTEMS]:
+            blocks = None if args.num_blocks or args.scale == "paper" else common.PAPER_POOL_BLOCKS
+            engine = engines.get(system, num_blocks=blocks)
+            data["num_gpu_blocks"] = engine.config.cache_config.num_gpu_blocks
+            reqs = with_arrivals(trace_requests(args, engine, trace, FIG2_REQUESTS.get(args.scale)), float("inf"),
+                                 args.seed)
+            res = run_trace(engine, reqs, greedy_params, max_wall_s=args.max_point_seconds, breakdown_at="schedule")
+            b = res.mean_breakdown()
+            if not b:  # no request ever waited: memory did not bind, so average over every step
+                b = res.mean_breakdown(only_when_waiting=False)
+                data.setdefault("averaged_over_all_steps", []).append(system)
+            data["systems"][system] = {k: b.get(k, 0.0) for k in BREAKDOWN_KEYS} | {
+                "mean_batched_requests": res.mean_batched_requests, "num_steps": len(res.steps),
+                "num_averaged_steps": sum(1 for st in res.steps if st.num_waiting), "num_requests": len(reqs)}
+            logger.info("fig2 %s: token states %.1f %%, %.1f batched requests", system, 100 * b.get("token_states", 0),
+                        res.mean_batched_requests)
     common.write_json(os.path.join(args.output_dir, "fig2.json"), data)
     write_outputs(args.output_dir, data)
     return data

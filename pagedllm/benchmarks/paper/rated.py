@@ -24,18 +24,16 @@ class Config:
 
 
 def sweep_configs(args, configs: dict[str, Config], reqs: list[TraceRequest], rates: list[float],
-                  label: str) -> dict[str, dict]:
-    """Sweep every configuration over `rates` on `reqs` (a fresh engine each), then apply the common
-    sustained-rate rule over them (reference: the lowest lowest-rate latency of the configurations)."""
+                  label: str, engines: common.EngineCache) -> dict[str, dict]:
+    """Sweep every configuration over `rates` on `reqs`, then apply the common sustained-rate rule over them
+    (reference: the lowest lowest-rate latency of the configurations). Configurations that differ only in
+    system, prefix caching, preemption mode or request parameters share one engine (`engines`)."""
     per: dict[str, dict] = {}
     for name, cfg in configs.items():
-        engine = common.make_engine(args, cfg.system, **cfg.engine)
-        try:
-            per[name] = sweep_system(engine, reqs, rates, make_params=cfg.params, seed=args.seed,
-                                     max_point_seconds=args.max_point_seconds, label=f"{label}/{name}")
-            per[name]["num_gpu_blocks"] = engine.config.cache_config.num_gpu_blocks
-        finally:
-            common.release(engine)
+        engine = engines.get(cfg.system, **cfg.engine)
+        per[name] = sweep_system(engine, reqs, rates, make_params=cfg.params, seed=args.seed,
+                                 max_point_seconds=args.max_point_seconds, label=f"{label}/{name}")
+        per[name]["num_gpu_blocks"] = engine.config.cache_config.num_gpu_blocks
     per_ref = common.apply_common_rule(per)
     for d in per.values():
         d["unloaded_normalized_latency"] = per_ref
