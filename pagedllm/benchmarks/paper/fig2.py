@@ -59,7 +59,7 @@ def run(args) -> dict:
 def write_outputs(out_dir: str, data: dict) -> None:
     plt = common.pyplot()
     names = list(data["systems"])
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = plt.subplots(figsize=(7.6, 3.4))
     colors = {"token_states": "tab:green", "reservation": "tab:orange", "internal_fragmentation": "tab:red",
               "external_fragmentation": "tab:purple", "free": "lightgray"}
     left = [0.0] * len(names)
@@ -70,7 +70,7 @@ def write_outputs(out_dir: str, data: dict) -> None:
     ax.set_yticks(range(len(names)), [common.LABELS[s] for s in names])
     ax.set_xlabel("KV pool (%)")
     ax.set_title(f"KV memory breakdown ({data['trace']}-like trace, {data['scale']} scale)")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the bars, never over them
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "fig2.png"), dpi=120)
     plt.close(fig)
