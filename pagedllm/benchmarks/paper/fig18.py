@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from types import SimpleNamespace
 
+from pagedllm.benchmarks.cpu_kernels import median_ms
 from pagedllm.benchmarks.paper import common
 from pagedllm.benchmarks.paper.fig12 import trace_requests
 from pagedllm.benchmarks.paper.sweep import sweep_system
@@ -27,18 +27,6 @@ BLOCK_SIZES = {"small": [1, 2, 4, 8, 16, 32], "paper": [1, 2, 4, 8, 16, 32, 64, 
 FIXED_RATES = {("small", "sharegpt"): 64.0, ("small", "alpaca"): 512.0, ("paper", "sharegpt"): 2.0,
                ("paper", "alpaca"): 20.0}
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-
-
-def _median_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return 1e3 * ts[len(ts) // 2]
 
 
 def kernel_point_cpu(batch: int, ctx: int, block_size: int = 16) -> dict:
@@ -74,9 +62,9 @@ def kernel_point_cpu(batch: int, ctx: int, block_size: int = 16) -> dict:
     def sdpa():
         return F.scaled_dot_product_attention(q.unsqueeze(2), kt, vt, scale=scale).squeeze(2)
 
-    t_paged = _median_ms(lambda: k.paged_attention(out_p, q, kc, vc, tables, seq_lens, qsl, scale))
-    t_contig = _median_ms(lambda: k.paged_attention(out_c, q, kd, vd, one, seq_lens, qsl, scale))
-    t_sdpa = _median_ms(sdpa)
+    t_paged = median_ms(lambda: k.paged_attention(out_p, q, kc, vc, tables, seq_lens, qsl, scale), 20)
+    t_contig = median_ms(lambda: k.paged_attention(out_c, q, kd, vd, one, seq_lens, qsl, scale), 20)
+    t_sdpa = median_ms(sdpa, 20)
     torch.testing.assert_close(out_p, out_c, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out_p, sdpa(), atol=1e-4, rtol=1e-3)
     return {"batch": batch, "context": ctx, "block_size": block_size, "paged_ms": t_paged,
