@@ -257,3 +257,31 @@ def test_penalties_min_tokens_logprobs_keep_meaning(reference):
                 va = a[tok].logprob if hasattr(a[tok], "logprob") else a[tok]
                 vb = b[tok].logprob if hasattr(b[tok], "logprob") else b[tok]
                 assert abs(va - vb) < 1e-3
+
+
+def test_greedy_identical_on_off_with_gguf_quantized_weights(tokenizer, monkeypatch):
+    """The CPU default serves the bundled GGUF quantized, with two GEMM designs chosen by batch size (int8 below
+    4 rows, dequantize + FMA from 4), so a row's logits depend on how many rows share its step. A verification
+    step has k+1 rows per sequence where a decode step has one: with speculation on, the engine pins the
+    dequantize design for every batch size, and its greedy output equals speculation off under that design
+    (PAGEDLLM_QUANT_GEMM=dequant). Without the pin, 4 of these 6 copy prompts differ from that reference."""
+    from pagedllm.benchmarks.spec_decode import make_copy_prompts
+
+    prompts = make_copy_prompts(tokenizer, 6)
+    params = SamplingParams(temperature=0, max_tokens=48)
+    outs = {}
+    for spec in (None, NGRAM):
+        if spec is None:
+            monkeypatch.setenv("PAGEDLLM_QUANT_GEMM", "dequant")  # the reference: off, same design for every size
+        else:
+            monkeypatch.delenv("PAGEDLLM_QUANT_GEMM", raising=False)  # on: the engine's own pin, not the env
+        llm = LLM(max_model_len=1024, quantization="gguf", num_gpu_blocks_override=256, max_num_seqs=1,
+                  speculative_config=spec)
+        weights = [m.gguf_weight for m in llm.llm_engine.executor.driver_worker.model.modules()
+                   if getattr(m, "gguf_weight", None) is not None]
+        assert weights and {w.gemm_method for w in weights} == ({"dequant"} if spec else {"auto"})
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[spec is not None] = [list(o.outputs[0].token_ids) for o in res]
+        if spec:
+            assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert outs[True] == outs[False]

@@ -52,6 +52,9 @@ class GGUFWeight:
     qtype: int
     out_features: int
     in_features: int
+    # "auto" picks the GEMM design per batch size (choose_method); "int8" / "dequant" pin one design for
+    # every batch size, so a row's result does not depend on how many rows it is batched with.
+    gemm_method: str = "auto"
     data_ptr: int = field(init=False, repr=False)  # the blocks' address, handed to the kernels
 
     def __post_init__(self) -> None:
@@ -61,6 +64,8 @@ class GGUFWeight:
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected or not self.data.is_contiguous():
             raise ValueError(f"GGUF weight data must be contiguous uint8 {expected}, got "
                              f"{self.data.dtype} {tuple(self.data.shape)}")
+        if self.gemm_method not in GEMM_METHODS:
+            raise ValueError(f"gemm_method must be one of {list(GEMM_METHODS)}, got {self.gemm_method!r}")
         self.data_ptr = self.data.data_ptr()
 
     @property

@@ -120,9 +120,14 @@ class Worker:
             n = quantize_weights_fp8(self.model)
             return f"fp8 _scaled_mm ({n} layers)"
         if self.quantization == "gguf":
-            report = attach_gguf_weights(self.model, self.gguf_path)
+            # Speculative decoding verifies k+1 rows per sequence where a decode step has one, and the
+            # per-batch-size design choice switches at 4 rows: the verified logits would then differ from
+            # plain decoding's and greedy output would change with speculation on. One design for every
+            # batch size keeps them equal; "dequant" is the faster one for verification (BENCHMARKS §22).
+            gemm = "dequant" if self.config.speculative_config is not None else "auto"
+            report = attach_gguf_weights(self.model, self.gguf_path, gemm_method=gemm)
             log_attach_report(report)
-            return f"gguf quantized ({report.quantized_layers} layers)"
+            return f"gguf quantized ({report.quantized_layers} layers, GEMM design {gemm})"
         if self.device.type != "cpu":
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":

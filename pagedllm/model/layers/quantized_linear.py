@@ -81,7 +81,7 @@ def resolve_quantization(requested: str | None, gguf_path: str | None, device: s
 
 def gguf_matmul(w: GGUFWeight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x Wᵀ (+ bias) with W held as GGUF blocks."""
-    y = cpu_quant.load_quant_kernels().linear(x, w)
+    y = cpu_quant.load_quant_kernels().linear(x, w, w.gemm_method)
     return y + bias if bias is not None else y
 
 
@@ -114,12 +114,16 @@ def _gguf_weight(parts: list, rows: int, cols: int) -> tuple[GGUFWeight | None, 
         return None, str(e)
 
 
-def attach_gguf_weights(model: nn.Module, gguf_path: str | os.PathLike[str]) -> GGUFAttachReport:
-    """Give every supported layer of ``model`` its GGUF blocks and drop its float32 weight (see module doc)."""
+def attach_gguf_weights(model: nn.Module, gguf_path: str | os.PathLike[str],
+                        gemm_method: str = "auto") -> GGUFAttachReport:
+    """Give every supported layer of ``model`` its GGUF blocks and drop its float32 weight (see module doc).
+    ``gemm_method``: "auto" (the faster design per batch size) or one design for every batch size."""
     from pagedllm.model.gguf_loader import read_gguf_raw_tensors
     from pagedllm.model.layers.embedding import VocabParallelEmbedding
     from pagedllm.model.layers.linear import PackableGemm
 
+    if gemm_method not in cpu_quant.GEMM_METHODS:
+        raise ValueError(f"gemm_method must be one of {list(cpu_quant.GEMM_METHODS)}, got {gemm_method!r}")
     raw, file_bytes = read_gguf_raw_tensors(gguf_path)
     report = GGUFAttachReport(file_tensor_bytes=file_bytes)
     fused = _source_names(model)
@@ -153,6 +157,7 @@ def attach_gguf_weights(model: nn.Module, gguf_path: str | os.PathLike[str]) -> 
             for s in sources:
                 report.dense_tensors[s] = why
             continue
+        w.gemm_method = gemm_method
         module.gguf_weight = w
         to_drop.append(module.weight)
         report.quantized_layers += 1
