@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -165,8 +166,8 @@ def model_dir(name: str | None, scale: Scale) -> tuple[str | None, bool]:
     return path, True
 
 
-def make_engine(args, system: str, *, block_size: int | None = None, prefix_caching: bool = False,
-                preemption_mode: str = "auto", num_blocks: int | None = None, max_num_seqs: int = 256):
+def make_engine(args, system: str, *, block_size: int | None = None, num_blocks: int | None = None,
+                max_num_seqs: int = 256):
     """An LLMEngine for `system` at the scale of `args`; only the KV manager and batching differ between systems."""
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
@@ -177,7 +178,7 @@ def make_engine(args, system: str, *, block_size: int | None = None, prefix_cach
     kw: dict[str, Any] = {
         "model": path, "device": args.device or scale.device, "dtype": scale.dtype if (args.device or scale.device) != "cpu" else "float32",
         "block_size": block_size or scale.block_size, "max_model_len": scale.max_model_len, "max_num_seqs": max_num_seqs,
-        "enable_prefix_caching": prefix_caching, "preemption_mode": preemption_mode, "swap_space": 0.5 if scale.name == "small" else 4,
+        "swap_space": 0.5 if scale.name == "small" else 4,
         "seed": args.seed,
     }
     blocks = num_blocks or args.num_blocks or scale.num_blocks
@@ -234,9 +235,12 @@ class EngineCache:
         key = tuple(sorted(shape.items()))
         if self.engine is None or key != self.key:
             self.close()  # one GPU holds one 13B model: free the old pool before building the next
+            t0 = time.perf_counter()
             self.engine = make_engine(self.args, "paged", **shape)
             self.key = key
             self.num_builds += 1
+            logger.info("engine ready in %.1f s (%d KV blocks, %s)", time.perf_counter() - t0,
+                        self.engine.config.cache_config.num_gpu_blocks, dict(shape) or "default shape")
         switch_system(self.engine, system, prefix_caching=prefix_caching, preemption_mode=preemption_mode)
         return self.engine
 

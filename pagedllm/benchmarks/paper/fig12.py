@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from pagedllm.benchmarks.paper import common
 from pagedllm.benchmarks.paper.sweep import sweep_system
@@ -54,11 +53,7 @@ def run(args, fig: str = "fig12") -> dict:
                 if prev and (all(r in prev["rates"] for r in rates) or
                              prev.get("sustained_rate", 0) < max(prev["rates"])):
                     continue
-                t0, builds = time.perf_counter(), engines.num_builds
                 engine = engines.get(system)
-                if engines.num_builds > builds:
-                    logger.info("engine ready in %.1f s (%d KV blocks)", time.perf_counter() - t0,
-                                engine.config.cache_config.num_gpu_blocks)
                 reqs = trace_requests(args, engine, trace)
                 data["traces"][trace]["num_requests"] = len(reqs)
                 cc = engine.config.cache_config
