@@ -9,11 +9,7 @@
 # PREV=path/fig12.json resumes from an earlier run's points (systems already swept are skipped).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1
-# The engine imports xgrammar (a dependency the device image lacks): install carried wheels (.snap-so/.whl) first.
-if [ -d .snap-so/.whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .snap-so/.whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
-fi
+source benchmarks/gpu/carried_wheels.sh
 N=${N:-100}; SLACK=${SLACK:-20}; CAP=${CAP:-150}; D=${OUT:-/tmp}/fig12; TRACE=${TRACE:-sharegpt}
 RATES=${RATES:-"paged=4,6,8,10,12 orca-oracle=3,4,5,6 orca-max=1.5,2,3 request-level=1 orca-pow2=3,4,5"}
 SYSTEMS=${SYSTEMS:-"paged orca-oracle orca-max request-level orca-pow2"}

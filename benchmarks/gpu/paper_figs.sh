@@ -6,11 +6,7 @@
 # paper/<fig>.{json,md,png} and its log <fig>.log, all in $OUT/paper_figs.tgz. A figure is skipped when under 60 s remain.
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TQDM_DISABLE=1
-# The engine imports xgrammar (a dependency the device image lacks): install carried wheels (.snap-so/.whl) first.
-if [ -d .snap-so/.whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .snap-so/.whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
-fi
+source benchmarks/gpu/carried_wheels.sh
 OUT=${OUT:-/tmp/out}; D=$OUT/paper; mkdir -p "$D"
 END=$(( $(date +%s) + ${BUDGET_S:-550} ))
 declare -A A=(
