@@ -93,3 +93,25 @@ def test_built_only_where_it_applies(llm, monkeypatch):
     monkeypatch.setenv(DIRECT_FORWARD_ENV, "maybe")
     with pytest.raises(ValueError, match=DIRECT_FORWARD_ENV):
         direct_forward_enabled()
+
+
+def test_decode_step_benchmark_runs_both_paths(tmp_path, monkeypatch):
+    """`pagedllm bench cpu-decode-step` at a tiny scale: both paths timed, same tokens, kernels timed."""
+    import argparse
+    import json
+
+    from pagedllm.benchmarks import cpu_decode_step
+
+    monkeypatch.setenv("PAGEDLLM_GGUF_QUANTIZATION", "gguf")  # the engine's default outside the test suite
+    parser = argparse.ArgumentParser()
+    cpu_decode_step.add_args(parser)
+    out = tmp_path / "step.json"
+    args = parser.parse_args(["--num-prompts", "1", "--output-len", "4", "--output-json", str(out)])
+    assert cpu_decode_step.run(args) == 0
+    res = json.loads(out.read_text())
+    assert res["identical_tokens"] is True
+    for path in ("direct", "module"):
+        assert res[path]["decode_steps"] == 3  # 4 tokens: one from the prefill, three decode steps
+        ms = res[path]["ms_per_step"]
+        assert ms["forward"] > 0 and ms["step"] >= ms["forward"] + ms["lm_head"]
+    assert set(res["kernels_ms"]) == {"120 layer linears (C)", "lm_head linear (C)"}
