@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
-from pagedllm.model.cpu_direct_forward import DIRECT_FORWARD_ENV, LlamaDirectForward, direct_forward_enabled
+from pagedllm.model.cpu_direct_forward import (
+    DIRECT_FORWARD_ENV,
+    LlamaDirectForward,
+    direct_forward_enabled,
+)
 from pagedllm.worker.model_input import SequenceChunk
 
 

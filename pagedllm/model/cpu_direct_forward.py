@@ -104,7 +104,7 @@ class LlamaDirectForward:
         self.gemm_method = methods.pop()
         self.two_inter = self.layers[0].gate_up.out_features
         self._buffers: _Buffers | None = None
-        self._kv: tuple[int, list[tuple[int, int]], int, int] | None = None  # (id, pointers, blocks, block_size)
+        self._kv: tuple[list, list[tuple[int, int]], int, int] | None = None  # (caches, pointers, blocks, block_size)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -167,8 +167,9 @@ class LlamaDirectForward:
 
     def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int]:
         """(key, value) pointers per layer, checked once per pool list."""
-        if self._kv is not None and self._kv[0] == id(kv_caches):
-            return self._kv[1], self._kv[2], self._kv[3]
+        cached = self._kv
+        if cached is not None and cached[0] is kv_caches and cached[1][0][0] == kv_caches[0][0].data_ptr():
+            return cached[1], cached[2], cached[3]
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         shape = tuple(kv_caches[0][0].shape)
@@ -181,7 +182,7 @@ class LlamaDirectForward:
                 if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
                     raise ValueError("KV caches must be contiguous float32 CPU tensors of one shape")
             ptrs.append((k.data_ptr(), v.data_ptr()))
-        self._kv = (id(kv_caches), ptrs, shape[0], shape[1])
+        self._kv = (kv_caches, ptrs, shape[0], shape[1])  # holds the list: its id is never reused under us
         return ptrs, shape[0], shape[1]
 
     # -- the step ----------------------------------------------------------------------------
