@@ -156,9 +156,39 @@ def kernel_times(llm) -> dict[str, float]:
 
     head = runner.model.lm_head.gguf_weight
     out = torch.empty(1, head.out_features)
-    return {f"{len(lins)} layer linears (C)": _best_ms(layers),
-            "lm_head linear (C)": _best_ms(lambda: linear(head.qtype, head.data_ptr, head.out_features,
-                                                          head.in_features, x.data_ptr(), 1, out.data_ptr(), int8))}
+    times = {f"{len(lins)} layer linears (C)": _best_ms(layers),
+             "lm_head linear (C)": _best_ms(lambda: linear(head.qtype, head.data_ptr, head.out_features,
+                                                           head.in_features, x.data_ptr(), 1, out.data_ptr(), int8))}
+    times.update(_forward_without_kernels(llm, fwd))
+    return times
+
+
+def _forward_without_kernels(llm, fwd, context: int = 64) -> dict[str, float]:
+    """The direct forward of one decode token at ``context``, whole and with kernels turned into no-ops one
+    group at a time: what is left is the other kernels' time, then the Python around the calls."""
+    from pagedllm.worker.model_input import SequenceChunk
+
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    kv = llm.llm_engine.executor.driver_worker.cache_engine.gpu_cache
+    bs = runner.block_size
+    table = list(range(context // bs + 1))
+    # Fills blocks no request holds: run after the timed generations (a later request would not read them).
+    runner.execute_model([SequenceChunk(-1, [5] * context, 0, table, sample=True)], kv)
+    ids, pos, meta, _ = runner.prepare_inputs([SequenceChunk(-1, [7], context, table, sample=True)])
+    names = ("_linear", "_attention", "_rms", "_rope", "_cache", "_silu")
+    saved = {n: getattr(fwd, n) for n in names}
+    out = {"direct forward, 1 token": _best_ms(lambda: fwd(ids, pos, kv, meta))}
+    try:
+        fwd._linear = lambda *a: 0
+        out["  linears skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
+        fwd._attention = lambda *a: 0
+        out["  and attention skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
+        fwd._rms = fwd._rope = fwd._cache = fwd._silu = lambda *a: None
+        out["  every kernel skipped (Python)"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
+    finally:
+        for n, f in saved.items():
+            setattr(fwd, n, f)
+    return out
 
 
 def _cpu_model() -> str:
