@@ -117,6 +117,11 @@ class LlamaDirectForward:
             return None
         if not isinstance(attn_backend, NativeCpuAttentionBackend):
             return None
+        from pagedllm.model.models.llama import LlamaForCausalLM
+
+        if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2: the layer layout written here
+            logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
+            return None
         try:
             fwd = cls(model, attn_backend.kernels, cpu_quant.load_quant_kernels(), attn_backend)
         except (AttributeError, ValueError, TypeError, RuntimeError) as e:
