@@ -184,9 +184,16 @@ class StructuredOutputManager:
         if len(rows) != n:
             raise ValueError(f"fill got {n} sequences but {len(rows)} rows")
         bitmask = self._buffer(max(batch or 0, max(rows, default=-1) + 1))
-        states = [self.sync(seq, compiled) for seq, compiled in seqs_and_grammars]
-        self.backend.fill_bitmask([s.matcher for s in states], bitmask, rows)
-        for r, s in zip(rows, states):
-            if s.failed:
-                bitmask[r].fill_(-1)  # the sequence stops at its next append; let it sample anything
+        live_rows, matchers = [], []
+        for r, (seq, compiled) in zip(rows, seqs_and_grammars):
+            # A sequence that stopped (the step before finished it while this one ran) samples a token that
+            # is dropped, and one whose grammar broke stops at its next append: let either sample anything.
+            state = None if seq.is_finished() else self.sync(seq, compiled)
+            if state is None or state.failed:
+                bitmask[r].fill_(-1)
+            else:
+                live_rows.append(r)
+                matchers.append(state.matcher)
+        if matchers:
+            self.backend.fill_bitmask(matchers, bitmask, live_rows)
         return bitmask
