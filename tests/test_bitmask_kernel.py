@@ -25,12 +25,13 @@ def _case(batch: int, vocab: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 @pytest.mark.parametrize("vocab", [100, 4096, 5000])
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [1, 3], [2]])
-def test_triton_kernel_matches_reference(vocab: int, rows: list[int]) -> None:
-    logits, bitmask = _case(4, vocab, seed=vocab + len(rows))
-    want = reference(logits, bitmask, rows)
+@pytest.mark.parametrize("rows", [None, [0, 1, 2, 3], [1, 3], [2]])
+def test_triton_kernel_matches_reference(vocab: int, rows: list[int] | None) -> None:
+    logits, bitmask = _case(4, vocab, seed=vocab + len(rows or ()))
+    want = reference(logits, bitmask, rows if rows is not None else [0, 1, 2, 3])
     got = logits.to(DEVICE)
-    apply_token_bitmask_triton(got, bitmask.to(DEVICE), torch.tensor(rows, device=DEVICE))
+    apply_token_bitmask_triton(got, bitmask.to(DEVICE), None if rows is None else torch.tensor(rows, device=DEVICE))
+    rows = rows if rows is not None else [0, 1, 2, 3]
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
     untouched = [r for r in range(4) if r not in rows]
     torch.testing.assert_close(got.cpu()[untouched], logits[untouched], rtol=0, atol=0)

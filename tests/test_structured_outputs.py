@@ -11,6 +11,7 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for  # noqa: E402
@@ -20,7 +21,9 @@ SO = StructuredOutputsParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(num_gpu_blocks_override=512, max_num_seqs=64, max_model_len=1024)
+    llm = LLM(num_gpu_blocks_override=512, max_num_seqs=64, max_model_len=1024)
+    assert llm.llm_engine.structured_output.backend_name == "guidance"  # "auto"
+    return llm
 
 
 def _schema_batch(samples_per_schema: int, seed0: int = 0):
@@ -187,9 +190,10 @@ def test_compiling_request_waits_without_stalling_others(llm):
     assert json.loads(finished["json"].outputs[0].text) in ({"waited": True}, {"waited": False})
 
 
-def test_llguidance_backend():
-    pytest.importorskip("llguidance")
-    g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="guidance")
+def test_xgrammar_backend():
+    """The other grammar engine (the default, "auto", is llguidance)."""
+    g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="xgrammar")
+    assert g.llm_engine.structured_output.backend_name == "xgrammar"
     prompts, params = _schema_batch(1)
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     params = params[:4] + [SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs=SO(regex=r"[a-c]{3}-\d\d")),

@@ -387,16 +387,15 @@ class LLMEngine:
                 row += 1
         step.num_sample_rows = row
         if step.mask_seqs and not step.mask_waits_for_prev:
-            self._start_mask_fill(step)
+            # On CPU the forward pass already uses every core: a concurrent fill only contends with it.
+            self._start_mask_fill(step, overlap=self.executor.device.type != "cpu")
         step.logits = self.executor.execute_model(req)
         if drafts:
             step.spec_drafts = drafts
             step.needs_host_results = True
         return step
 
-    def _start_mask_fill(self, step: LaunchedStep) -> None:
-        # On CPU the forward pass already uses every core: a concurrent fill only contends with it (OpenMP).
-        overlap = self.executor.device.type != "cpu"
+    def _start_mask_fill(self, step: LaunchedStep, overlap: bool) -> None:
         step.mask_job = self.structured_output.start_fill(step.mask_seqs, overlap, step.mask_rows,
                                                           step.num_sample_rows)
 
@@ -425,8 +424,8 @@ class LLMEngine:
     def _launch_sampling(self, step: LaunchedStep) -> None:
         """Queue sampling of the step's logits (grammar masks applied first), without waiting for the device."""
         scheduled, chunks, logits = step.scheduled, step.chunks, step.logits
-        if step.mask_seqs and step.mask_job is None:
-            self._start_mask_fill(step)
+        if step.mask_seqs and step.mask_job is None:  # deferred until prev completed: the host waits for it now
+            self._start_mask_fill(step, overlap=False)
         layout = logits_row_layout(chunks)
         rows: list[SamplingRow] = []
         row_idx: list[int] = []

@@ -15,8 +15,11 @@ _BLOCK = 4096  # tokens per program: 128 words of the bitmask
 
 @triton.jit
 def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, stride_logits, stride_mask,
-                          BLOCK: tl.constexpr):
-    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+                          ALL_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    if ALL_ROWS:
+        row = tl.program_id(0).to(tl.int64)
+    else:
+        row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     tok = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_vocab = tok < vocab
     words = tl.load(bitmask_ptr + row * stride_mask + tok // 32, mask=in_vocab, other=-1)
@@ -24,14 +27,14 @@ def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, stride_logit
     tl.store(logits_ptr + row * stride_logits + tok, float("-inf"), mask=in_vocab & banned)
 
 
-def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place: ``logits[r, t] = -inf`` for each r in ``rows`` (int64 on the logits' device) wherever bit
-    ``t % 32`` of word ``t // 32`` of ``bitmask[r]`` (int32, on the device) is 0. No host sync."""
+def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
+    """In place: ``logits[r, t] = -inf`` for each r in ``rows`` (int64 on the logits' device; None: every
+    row) wherever bit ``t % 32`` of word ``t // 32`` of ``bitmask[r]`` (int32, on the device) is 0. No host sync."""
     if logits.stride(1) != 1 or bitmask.stride(1) != 1:
         raise ValueError("logits and bitmask must be contiguous along the vocabulary")
-    n, vocab = rows.numel(), logits.shape[1]
+    n, vocab = (logits.shape[0] if rows is None else rows.numel()), logits.shape[1]
     if n == 0:
         return
     grid = (n, triton.cdiv(vocab, _BLOCK))
-    _apply_bitmask_kernel[grid](logits, bitmask, rows, vocab, logits.stride(0), bitmask.stride(0),
-                                BLOCK=_BLOCK, num_warps=4)
+    _apply_bitmask_kernel[grid](logits, bitmask, bitmask if rows is None else rows, vocab, logits.stride(0),
+                                bitmask.stride(0), ALL_ROWS=rows is None, BLOCK=_BLOCK, num_warps=4)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.structured_output.backends import make_backend
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import StructuredOutputsParams, resolve_backend
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,7 +47,7 @@ class SeqGrammar:
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
                  num_threads: int | None = None, pin_memory: bool = False) -> None:
-        self.backend_name = backend
+        self.backend_name = resolve_backend(backend)
         self.num_threads = num_threads or default_num_threads()
         self._init_args = (tokenizer, vocab_size, eos_token_ids, self.num_threads)
         self.vocab_size = vocab_size

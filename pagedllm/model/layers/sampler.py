@@ -181,8 +181,9 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
         if logits.device.type == "cuda":
             from pagedllm.kernels.triton_bitmask import apply_token_bitmask_triton
 
+            every = len(rows) == batch  # rows are distinct: no row list to copy
             apply_token_bitmask_triton(logits, mask.to(logits.device, non_blocking=True),
-                                       async_tensor_h2d(rows, torch.long, logits.device))
+                                       None if every else async_tensor_h2d(rows, torch.long, logits.device))
             return
         import xgrammar
 
