@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--mask-batch", type=int, default=64)
     ap.add_argument("--mask-steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3, help="end-to-end rounds of each batch, timed alternately")
-    ap.add_argument("--backend", default="guidance", choices=["guidance", "xgrammar"],
+    ap.add_argument("--backend", default="xgrammar", choices=["xgrammar", "guidance"],
                     help="the engine's backend for the TTFT and end-to-end parts")
     ap.add_argument("--no-async-scheduling", action="store_true",
                     help="synchronous steps (the engine's default on a GPU is asynchronous scheduling)")

@@ -22,7 +22,7 @@ SO = StructuredOutputsParams
 @pytest.fixture(scope="module")
 def llm():
     llm = LLM(num_gpu_blocks_override=512, max_num_seqs=64, max_model_len=1024)
-    assert llm.llm_engine.structured_output.backend_name == "guidance"  # "auto"
+    assert llm.llm_engine.structured_output.backend_name == "xgrammar"  # "auto"
     return llm
 
 
@@ -190,10 +190,10 @@ def test_compiling_request_waits_without_stalling_others(llm):
     assert json.loads(finished["json"].outputs[0].text) in ({"waited": True}, {"waited": False})
 
 
-def test_xgrammar_backend():
-    """The other grammar engine (the default, "auto", is llguidance)."""
-    g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="xgrammar")
-    assert g.llm_engine.structured_output.backend_name == "xgrammar"
+def test_llguidance_backend():
+    """The other grammar engine (the default, "auto", is xgrammar)."""
+    g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="guidance")
+    assert g.llm_engine.structured_output.backend_name == "guidance"
     prompts, params = _schema_batch(1)
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     params = params[:4] + [SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs=SO(regex=r"[a-c]{3}-\d\d")),

@@ -65,8 +65,8 @@ _HELP = {
                     "per-token activation scales, torch._scaled_mm; CUDA only); gguf (a .gguf file's Q4_0/Q4_1/"
                     "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
                     "such a file on the CPU); none (dequantize every tensor at load).",
-    "structured_outputs_backend": "Grammar engine for structured outputs: auto (= guidance, the faster here), "
-                                  "guidance (llguidance) or xgrammar.",
+    "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
+                                  "(llguidance: faster masks, unbounded number precision).",
 }
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "kv_cache_dtype": KV_CACHE_DTYPES,

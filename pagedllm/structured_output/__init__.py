@@ -2,7 +2,7 @@
 
 `StructuredOutputsParams` (pure Python) says what; `StructuredOutputManager` (engine side) compiles
 grammars off the step loop and fills each step's token bitmask through a grammar engine backend
-(llguidance by default, xgrammar as ``structured_outputs_backend="xgrammar"``).
+(xgrammar by default, llguidance as ``structured_outputs_backend="guidance"``).
 """
 from pagedllm.structured_output.params import StructuredOutputsParams
 

@@ -1,4 +1,4 @@
-"""Grammar engines behind one small interface: llguidance (the default, "auto") and xgrammar.
+"""Grammar engines behind one small interface: xgrammar (the default, "auto") and llguidance.
 
 A backend turns a `(kind, spec, compact)` key into a grammar in two stages: `build` (fast; parses and
 validates, raises ValueError naming what is wrong; runs in `add_request`) and `compile` (slow: the

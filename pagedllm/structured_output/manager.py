@@ -161,12 +161,16 @@ class StructuredOutputManager:
         """Fill the bitmask rows ``rows`` (default 0..n-1) of a ``batch``-row buffer, one per (sequence,
         compiled grammar) → Future[int32 tensor]: on the mask thread (overlapping the device's forward
         pass) or, with ``overlap=False``, right here (already done). Other rows are left as they are."""
+        rows = list(range(len(seqs_and_grammars))) if rows is None else rows
+        # The (pinned) buffer is allocated here, on the caller's thread: a pinned allocation on the mask
+        # thread while the step thread captures a CUDA graph would invalidate the capture.
+        bitmask = self._buffer(max(batch or 0, max(rows, default=-1) + 1))
         if not overlap:
             fut: Future = Future()
-            fut.set_result(self.fill(seqs_and_grammars, rows, batch))
+            fut.set_result(self.fill(seqs_and_grammars, rows, bitmask))
             return fut
         _, mask_pool = self._pools()
-        return mask_pool.submit(self.fill, seqs_and_grammars, rows, batch)
+        return mask_pool.submit(self.fill, seqs_and_grammars, rows, bitmask)
 
     def _buffer(self, batch: int) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
@@ -178,12 +182,15 @@ class StructuredOutputManager:
         return buf[:batch]
 
     def fill(self, seqs_and_grammars: list[tuple[Any, Any]], rows: list[int] | None = None,
-             batch: int | None = None) -> torch.Tensor:
+             bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """Write one packed row per (sequence, compiled grammar) into ``rows`` of ``bitmask`` (default: a
+        buffer of this manager with a row per sequence) → the bitmask."""
         n = len(seqs_and_grammars)
         rows = list(range(n)) if rows is None else rows
         if len(rows) != n:
             raise ValueError(f"fill got {n} sequences but {len(rows)} rows")
-        bitmask = self._buffer(max(batch or 0, max(rows, default=-1) + 1))
+        if bitmask is None:
+            bitmask = self._buffer(max(rows, default=-1) + 1)
         live_rows, matchers = [], []
         for r, (seq, compiled) in zip(rows, seqs_and_grammars):
             # A sequence that stopped (the step before finished it while this one ran) samples a token that
