@@ -11,6 +11,7 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for  # noqa: E402
@@ -20,7 +21,9 @@ SO = StructuredOutputsParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(num_gpu_blocks_override=512, max_num_seqs=64, max_model_len=1024)
+    llm = LLM(num_gpu_blocks_override=512, max_num_seqs=64, max_model_len=1024)
+    assert llm.llm_engine.structured_output.backend_name == "xgrammar"  # "auto"
+    return llm
 
 
 def _schema_batch(samples_per_schema: int, seed0: int = 0):
@@ -188,8 +191,9 @@ def test_compiling_request_waits_without_stalling_others(llm):
 
 
 def test_llguidance_backend():
-    pytest.importorskip("llguidance")
+    """The other grammar engine (the default, "auto", is xgrammar)."""
     g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="guidance")
+    assert g.llm_engine.structured_output.backend_name == "guidance"
     prompts, params = _schema_batch(1)
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     params = params[:4] + [SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs=SO(regex=r"[a-c]{3}-\d\d")),
@@ -214,3 +218,37 @@ def test_grammar_caches_stay_bounded(llm, monkeypatch):
         mgr.request(SO(regex=f"bounded{i}[a-z]")).result(timeout=60)
     assert len(mgr._cache) <= 3 and len(mgr.compile_seconds) <= 3
     assert SO(regex="bounded5[a-z]").cache_key() in mgr.compile_seconds
+
+
+def test_constrained_steps_pipeline_under_async_scheduling():
+    """With asynchronous scheduling, a constrained step's forward pass is launched before the previous step's
+    tokens reach the host (its masks are filled once they have): constrained steps stay in flight, and
+    outputs (seeded sampling, mixed constrained/unconstrained batches, n > 1, a grammar that ends a sequence
+    one step before its twin) equal the synchronous engine's token for token."""
+    kw = dict(num_gpu_blocks_override=256, max_num_seqs=16, max_model_len=1024)
+    sync, asy = LLM(async_scheduling=False, **kw), LLM(async_scheduling=True, **kw)
+    schemas = [SCHEMAS[0], SCHEMAS[2], SCHEMAS[9]]
+    prompts = [f"Reply with JSON {i}:" for i in range(6)] + ["Pick one:", "Once upon a time", "A phone number:"]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens_for(schemas[i % 3]),
+                             n=2 if i == 4 else 1, structured_outputs=SO(json=schemas[i % 3])) for i in range(6)]
+    params += [SamplingParams(temperature=0, max_tokens=6, structured_outputs=SO(choice=["yes", "no", "maybe"])),
+               SamplingParams(temperature=0.8, seed=9, max_tokens=24),
+               SamplingParams(temperature=1.0, seed=3, max_tokens=30,
+                              structured_outputs=SO(regex=r"(\+33|0)[1-9]( \d\d){4}"))]
+    want = sync.generate(prompts, params, use_tqdm=False)
+    got = asy.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert [c.token_ids for c in w.outputs] == [c.token_ids for c in g.outputs], w.request_id
+        assert [c.finish_reason for c in w.outputs] == [c.finish_reason for c in g.outputs]
+    _assert_all_valid(got[:6], params[:6])
+    engine = asy.llm_engine
+    engine.add_request("c0", "JSON:", SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=SCHEMAS[0])))
+    engine.step()  # the prompt ran; its first token is still on the device
+    assert engine._inflight is not None and engine._inflight.mask_rows == [0]
+    engine.step()  # the first decode was launched before that token reached the host
+    assert engine._inflight is not None
+    while engine.has_unfinished_requests():
+        engine.step()
+    for llm in (sync, asy):
+        st = llm.stats()
+        assert st["kv_blocks_free"] == st["kv_blocks_total"]

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
+from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 from pagedllm.config import (
     BATCHING_MODES,
     KV_CACHE_DTYPES,
@@ -64,11 +65,12 @@ _HELP = {
                     "per-token activation scales, torch._scaled_mm; CUDA only); gguf (a .gguf file's Q4_0/Q4_1/"
                     "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
                     "such a file on the CPU); none (dequantize every tensor at load).",
-    "structured_outputs_backend": "Grammar engine for structured outputs: xgrammar or guidance (llguidance).",
+    "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
+                                  "(llguidance: faster masks, unbounded number precision).",
 }
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "quantization": QUANTIZATION_METHODS}
+            "quantization": QUANTIZATION_METHODS, "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS}
 
 
 @dataclass
@@ -98,7 +100,7 @@ class EngineArgs:
     max_capture_tokens: int = 8192
     kv_cache_manager: str = "paged"
     batching: str = "iteration"
-    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_backend: str = "auto"
     speculative_config: str | dict | None = None
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
@@ -114,9 +116,7 @@ class EngineArgs:
     def create_engine_config(self, model_max_len: int) -> EngineConfig:
         """Validated configs; `model_max_len` is the model's own context length."""
         max_model_len = self.max_model_len or model_max_len
-        if self.structured_outputs_backend not in ("xgrammar", "guidance"):
-            raise ValueError(f"structured_outputs_backend must be 'xgrammar' or 'guidance', got "
-                             f"{self.structured_outputs_backend!r}.")
+        resolve_backend(self.structured_outputs_backend)
         if max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context length ({model_max_len})."

@@ -85,7 +85,7 @@ class LLMEngine:
             # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU
             # host that thread would contend with the forward pass of every engine, most never constrained.
             self.structured_output.start_backend_init()
-            # xgrammar's apply kernel is built at its first use (~0.3 s): not in the first constrained TTFT.
+            # The bitmask kernel is compiled at its first use: not in the first constrained TTFT.
             vocab = int(self.hf_config.vocab_size)
             apply_token_bitmask_(torch.zeros((1, vocab), device=self.executor.device),
                                  torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32), [0])
@@ -328,7 +328,15 @@ class LLMEngine:
         outputs.extend(self._finish_ignored(g) for g in sched.ignored_groups)
         # Speculation needs every input token on the host: only when no step is in flight.
         drafts = spec.plan(sched) if spec is not None and prev is None else {}
-        cur = None if sched.is_empty() else self._launch_step(sched, prev, drafts)
+        cur = None
+        if not sched.is_empty():
+            cur = self._launch_forward(sched, prev, drafts)
+            if prev is not None and cur.mask_waits_for_prev:
+                # This step's grammar masks need prev's tokens on the host: read them while the device
+                # runs this step's forward pass, then fill the masks.
+                outputs.extend(self._complete_step(prev))
+                prev = None
+            self._launch_sampling(cur)
         if prev is not None:
             outputs.extend(self._complete_step(prev))
         if cur is not None:
@@ -340,9 +348,10 @@ class LLMEngine:
                 outputs.extend(self._complete_step(cur))
         return outputs
 
-    def _launch_step(self, sched: SchedulerOutputs, prev: LaunchedStep | None,
-                     drafts: dict[int, list[int]] | None = None) -> LaunchedStep:
-        """Run the model and queue sampling for the scheduled chunks, without waiting for the device.
+    def _launch_forward(self, sched: SchedulerOutputs, prev: LaunchedStep | None,
+                        drafts: dict[int, list[int]] | None = None) -> LaunchedStep:
+        """Queue the model run for the scheduled chunks without waiting for the device (`_launch_sampling`
+        queues their sampling).
 
         `drafts` (speculative decoding): seq_id → proposed tokens, verified after the step."""
         now = time.monotonic()
@@ -365,23 +374,30 @@ class LLMEngine:
             n_prompt = len(item.seq.prompt_token_ids)
             start = item.seq.num_computed_tokens
             self.num_prompt_tokens_total += max(0, min(start + item.num_new_tokens, n_prompt) - start)
-        # Constrained rows: their bitmask is filled on the manager's thread while the model runs.
-        so_rows, so_seqs, row = [], [], 0
+        step = LaunchedStep(scheduled, chunks, None)
+        # Constrained rows: a bitmask row each, filled on the manager's thread while the model runs. Rows
+        # whose matcher still lacks prev's token are filled once prev has completed (see `step`).
+        row = 0
         for item, chunk in zip(scheduled, chunks):
             if chunk.sample:
                 if "structured_output" in item.group.extra:
-                    so_rows.append(row)
-                    so_seqs.append((item.seq, item.group.extra["structured_output"].result()))
+                    step.mask_rows.append(row)
+                    step.mask_seqs.append((item.seq, item.group.extra["structured_output"].result()))
+                    step.mask_waits_for_prev |= item.seq.num_pending_tokens > 0
                 row += 1
-        # On CPU the forward pass already uses every core: a concurrent fill only contends with it (OpenMP).
-        overlap = self.executor.device.type != "cpu"
-        mask_job = self.structured_output.start_fill(so_seqs, overlap, so_rows, row) if so_seqs else None
-        logits = self.executor.execute_model(req)
-        step = self._launch_sampling(scheduled, chunks, logits, (so_rows, mask_job))
+        step.num_sample_rows = row
+        if step.mask_seqs and not step.mask_waits_for_prev:
+            # On CPU the forward pass already uses every core: a concurrent fill only contends with it.
+            self._start_mask_fill(step, overlap=self.executor.device.type != "cpu")
+        step.logits = self.executor.execute_model(req)
         if drafts:
             step.spec_drafts = drafts
             step.needs_host_results = True
         return step
+
+    def _start_mask_fill(self, step: LaunchedStep, overlap: bool) -> None:
+        step.mask_job = self.structured_output.start_fill(step.mask_seqs, overlap, step.mask_rows,
+                                                          step.num_sample_rows)
 
     def _chunk(self, item: ScheduledSequence, drafts: list[int] | None = None) -> SequenceChunk:
         seq = item.seq
@@ -405,8 +421,11 @@ class LLMEngine:
             all_logits=wants_prompt_logprobs,
         )
 
-    def _launch_sampling(self, scheduled, chunks, logits, mask=None) -> LaunchedStep:
-        step = LaunchedStep(scheduled, chunks, logits)
+    def _launch_sampling(self, step: LaunchedStep) -> None:
+        """Queue sampling of the step's logits (grammar masks applied first), without waiting for the device."""
+        scheduled, chunks, logits = step.scheduled, step.chunks, step.logits
+        if step.mask_seqs and step.mask_job is None:  # deferred until prev completed: the host waits for it now
+            self._start_mask_fill(step, overlap=False)
         layout = logits_row_layout(chunks)
         rows: list[SamplingRow] = []
         row_idx: list[int] = []
@@ -432,16 +451,14 @@ class LLMEngine:
             row_idx.append(hi - 1)
             step.owners.append(item)
             seq.num_pending_tokens += 1
-            step.needs_host_results |= (num_samples > 1 or "beam" in group.extra or _samples_from_history(params)
-                                        or "structured_output" in group.extra)  # the matcher needs each token
+            step.needs_host_results |= num_samples > 1 or "beam" in group.extra or _samples_from_history(params)
         if rows:
             if row_idx != list(range(logits.shape[0])):
                 logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
-            if mask is not None and mask[1] is not None:
-                apply_token_bitmask_(logits, mask[1].result(), mask[0])
+            if step.mask_job is not None:
+                apply_token_bitmask_(logits, step.mask_job.result(), step.mask_rows)
             has_beam = any("beam" in item.group.extra for item in step.owners)
             step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam)
-        return step
 
     def _complete_step(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs."""

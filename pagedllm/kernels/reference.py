@@ -215,3 +215,16 @@ def gguf_linear(x: torch.Tensor, dense_weight: torch.Tensor, method: str) -> tor
     the way the kernel does first, ``dequant`` uses x as is."""
     xin = quantize_rows_q8(x) if method == "int8" else x.float()
     return xin @ dense_weight.float().T
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Oracle of the structured-output mask: a copy of ``logits`` with ``-inf`` wherever bit ``t % 32`` of
+    word ``t // 32`` of ``bitmask[r]`` is 0, for the listed rows only."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    for r in rows:
+        bits = (bitmask[r].unsqueeze(1) >> shifts) & 1  # [words, 32]
+        allowed = bits.reshape(-1)[:vocab].bool().to(logits.device)
+        out[r] = out[r].masked_fill(~allowed, float("-inf"))
+    return out

@@ -1,4 +1,4 @@
-"""Grammar engines behind one small interface: xgrammar (default) and llguidance.
+"""Grammar engines behind one small interface: xgrammar (the default, "auto") and llguidance.
 
 A backend turns a `(kind, spec, compact)` key into a grammar in two stages: `build` (fast; parses and
 validates, raises ValueError naming what is wrong; runs in `add_request`) and `compile` (slow: the
@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("xgrammar", "guidance")
+from pagedllm.structured_output.params import resolve_backend
+
 
 
 def _choice_ebnf(choices: list[str], root: str = "root ::= ") -> str:
@@ -176,8 +177,5 @@ def _clean(exc: BaseException) -> str:
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
                  num_threads: int = 8) -> XgrammarBackend | GuidanceBackend:
-    if name == "xgrammar":
-        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids, num_threads)
-    if name == "guidance":
-        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids, num_threads)
-    raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {name!r}.")
+    backend = XgrammarBackend if resolve_backend(name) == "xgrammar" else GuidanceBackend
+    return backend(tokenizer, vocab_size, eos_token_ids, num_threads)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.structured_output.backends import make_backend
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import StructuredOutputsParams, resolve_backend
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,7 +47,7 @@ class SeqGrammar:
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
                  num_threads: int | None = None, pin_memory: bool = False) -> None:
-        self.backend_name = backend
+        self.backend_name = resolve_backend(backend)
         self.num_threads = num_threads or default_num_threads()
         self._init_args = (tokenizer, vocab_size, eos_token_ids, self.num_threads)
         self.vocab_size = vocab_size
@@ -161,12 +161,16 @@ class StructuredOutputManager:
         """Fill the bitmask rows ``rows`` (default 0..n-1) of a ``batch``-row buffer, one per (sequence,
         compiled grammar) → Future[int32 tensor]: on the mask thread (overlapping the device's forward
         pass) or, with ``overlap=False``, right here (already done). Other rows are left as they are."""
+        rows = list(range(len(seqs_and_grammars))) if rows is None else rows
+        # The (pinned) buffer is allocated here, on the caller's thread: a pinned allocation on the mask
+        # thread while the step thread captures a CUDA graph would invalidate the capture.
+        bitmask = self._buffer(max(batch or 0, max(rows, default=-1) + 1))
         if not overlap:
             fut: Future = Future()
-            fut.set_result(self.fill(seqs_and_grammars, rows, batch))
+            fut.set_result(self.fill(seqs_and_grammars, rows, bitmask))
             return fut
         _, mask_pool = self._pools()
-        return mask_pool.submit(self.fill, seqs_and_grammars, rows, batch)
+        return mask_pool.submit(self.fill, seqs_and_grammars, rows, bitmask)
 
     def _buffer(self, batch: int) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
@@ -178,15 +182,25 @@ class StructuredOutputManager:
         return buf[:batch]
 
     def fill(self, seqs_and_grammars: list[tuple[Any, Any]], rows: list[int] | None = None,
-             batch: int | None = None) -> torch.Tensor:
+             bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """Write one packed row per (sequence, compiled grammar) into ``rows`` of ``bitmask`` (default: a
+        buffer of this manager with a row per sequence) → the bitmask."""
         n = len(seqs_and_grammars)
         rows = list(range(n)) if rows is None else rows
         if len(rows) != n:
             raise ValueError(f"fill got {n} sequences but {len(rows)} rows")
-        bitmask = self._buffer(max(batch or 0, max(rows, default=-1) + 1))
-        states = [self.sync(seq, compiled) for seq, compiled in seqs_and_grammars]
-        self.backend.fill_bitmask([s.matcher for s in states], bitmask, rows)
-        for r, s in zip(rows, states):
-            if s.failed:
-                bitmask[r].fill_(-1)  # the sequence stops at its next append; let it sample anything
+        if bitmask is None:
+            bitmask = self._buffer(max(rows, default=-1) + 1)
+        live_rows, matchers = [], []
+        for r, (seq, compiled) in zip(rows, seqs_and_grammars):
+            # A sequence that stopped (the step before finished it while this one ran) samples a token that
+            # is dropped, and one whose grammar broke stops at its next append: let either sample anything.
+            state = None if seq.is_finished() else self.sync(seq, compiled)
+            if state is None or state.failed:
+                bitmask[r].fill_(-1)
+            else:
+                live_rows.append(r)
+                matchers.append(state.matcher)
+        if matchers:
+            self.backend.fill_bitmask(matchers, bitmask, live_rows)
         return bitmask
