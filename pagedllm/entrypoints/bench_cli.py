@@ -14,6 +14,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("gguf-quant", "pagedllm.benchmarks.gguf_quant", "GGUF served quantized vs dequantized: agreement, perplexity, GEMMs."),
     ("paper", "pagedllm.benchmarks.paper.cli", "The paper's Figures 2 and 12-19, one command each."),
     ("fp8-accuracy", "pagedllm.benchmarks.fp8_accuracy", "FP8 KV / weights vs bf16 on the bundled model: agreement, ppl."),
+    ("cpu-decode-step", "pagedllm.benchmarks.cpu_decode_step", "Single-sequence CPU decode step by phase, direct forward on/off."),
 )
 
 

@@ -64,6 +64,11 @@ class CpuKernels:
         self._silu.restype = None
         self._silu.argtypes = [_ptr, _ptr, _c_int64, _c_int64, _c_int64]
 
+    def c_functions(self) -> tuple:
+        """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
+        without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py)."""
+        return self._rms, self._rotary, self._cache, self._attention, self._silu
+
     def paged_attention(
         self,
         out: torch.Tensor,

@@ -31,7 +31,7 @@ logger = logging.getLogger("pagedllm")
 SOURCE = Path(__file__).with_name("cpu") / "quant_ops.c"
 GEMM_ENV = "PAGEDLLM_QUANT_GEMM"
 GEMM_METHODS = ("auto", "int8", "dequant")
-_METHOD_CODE = {"int8": 0, "dequant": 1}
+METHOD_CODES = {"int8": 0, "dequant": 1}  # quant_linear's `method` argument
 # From the batch-size sweep (BENCHMARKS.md): int8 dot products win for 1-3 rows (decode of 1-3 sequences),
 # dequantize-in-tile + FMA from 4 rows on (several sequences, prefill).
 DEQUANT_MIN_ROWS = 4
@@ -101,6 +101,11 @@ class QuantKernels:
         lib.quant_isa.restype = ctypes.c_char_p
         self.isa: str = lib.quant_isa().decode()
 
+    def c_functions(self) -> tuple:
+        """(quant_linear, dequantize_rows): the typed C entry points without this class's checks, for callers
+        that checked their inputs once (model/cpu_direct_forward.py)."""
+        return self._linear, self._dequant
+
     def linear(self, x: torch.Tensor, w: GGUFWeight, method: str = "auto") -> torch.Tensor:
         """y = x Wᵀ for float32 x [..., K]; ``method`` is auto, int8 or dequant. (Called ~120 times per decode
         step of a small model: the common case, 2-D contiguous x, takes no copies.)"""
@@ -114,7 +119,7 @@ class QuantKernels:
         m = x2.shape[0]
         y = torch.empty((m, w.out_features), dtype=torch.float32)
         if m:
-            code = _METHOD_CODE[choose_method(m) if method == "auto" else method]
+            code = METHOD_CODES[choose_method(m) if method == "auto" else method]
             rc = self._linear(w.qtype, w.data_ptr, w.out_features, k, x2.data_ptr(), m, y.data_ptr(), code)
             if rc:
                 raise RuntimeError(f"quant_linear failed with status {rc} ({w.type_name}, K={k})")

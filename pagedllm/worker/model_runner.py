@@ -29,6 +29,8 @@ class ModelRunner:
         self.piecewise_runner = None  # a PiecewiseGraphRunner once capture_cuda_graphs ran (piecewise=True)
         self.table_width: int | None = None  # pad every block table to this width (fixed kernel variants)
         self.step_stats: StepStats | None = None
+        # CPU, float32 Llama family on GGUF linears: the stack's kernels called directly (model/cpu_direct_forward.py)
+        self.direct_forward = None
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -165,6 +167,9 @@ class ModelRunner:
         if pw is not None and kv_caches is pw.kv_caches and pw.can_run(chunks):
             path = "piecewise"
             hidden = pw.run(input_ids, positions, meta)
+        elif self.direct_forward is not None and self.direct_forward.can_run(meta):
+            path = "direct"
+            hidden = self.direct_forward(input_ids, positions, kv_caches, meta)
         else:
             path = "eager"
             hidden = self.model(input_ids, positions, kv_caches, meta)

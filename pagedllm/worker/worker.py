@@ -173,6 +173,10 @@ class Worker:
         backend = self.attn_backend()
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
+        if self.quantization == "gguf" and self.device.type == "cpu":
+            from pagedllm.model.cpu_direct_forward import LlamaDirectForward
+
+            self.model_runner.direct_forward = LlamaDirectForward.build(self.model, backend)
         if self.use_cuda_graphs():
             sc, mc = self.config.scheduler_config, self.config.model_config
             t0 = time.perf_counter()

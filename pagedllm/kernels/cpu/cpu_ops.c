@@ -232,7 +232,8 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     for (int s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
     int failed = 0;
-#pragma omp parallel
+    /* One query token (a single-sequence decode) is one work item: no team, no barrier for an idle thread. */
+#pragma omp parallel if (num_tokens > 1)
     {
         /* scores[qh * max_len + t] for the sequence's num_q_heads query heads */
         float *scores = malloc(sizeof(float) * (size_t)num_q_heads * (size_t)max_len);

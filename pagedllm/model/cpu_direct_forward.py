@@ -1,0 +1,268 @@
+"""The Llama stack on the CPU's native kernels, called directly: no module dispatch, no per-call checks.
+
+A decode step of a small model on the CPU is ~300 kernel calls (per layer: two RMSNorms, three or four
+GGUF linears, RoPE, the cache write, attention, SiLU·mul). Through the nn.Module path each call costs
+~5 µs of Python (module dispatch, the wrappers' shape/dtype checks, fresh output tensors), ~3 ms per step
+at one thread: as much as a quarter of a single-sequence step (BENCHMARKS.md, "single-sequence CPU
+decode"). :class:`LlamaDirectForward` checks the model's layout once when it is built, and per step only
+what depends on the step (the batch's indices, once, not once per layer); then it runs the same C
+kernels, in the same order, on the same inputs, into buffers reused across layers (and across steps of
+the same token count), so its outputs are bit-identical to the module path's.
+
+Built by the worker for float32 Llama-family models (Llama, Mistral, Qwen2) on the CPU when every linear
+is served as GGUF blocks (``--quantization gguf``) and the native kernels are loaded;
+``PAGEDLLM_CPU_DIRECT_FORWARD=0`` turns it off (the module path then runs every step).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.kernels import cpu_quant
+from pagedllm.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger("pagedllm")
+
+DIRECT_FORWARD_ENV = "PAGEDLLM_CPU_DIRECT_FORWARD"
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """A GGUF linear as the kernel takes it, and its bias (added in place after the product, if any)."""
+
+    qtype: int
+    data_ptr: int
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None
+    weight: object  # the GGUFWeight: keeps its blocks alive
+
+
+@dataclass(frozen=True)
+class _Layer:
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
+    ln1: int  # RMSNorm weight pointers
+    ln2: int
+    cos: int  # this layer's rotary caches
+    sin: int
+
+
+class _Buffers:
+    """One step's activations for `t` tokens, reused by every layer."""
+
+    def __init__(self, t: int, hidden: int, qkv: int, q: int, two_inter: int) -> None:
+        f32 = torch.float32
+        self.t = t
+        self.normed = torch.empty((t, hidden), dtype=f32)
+        self.qkv = torch.empty((t, qkv), dtype=f32)
+        self.attn = torch.empty((t, q), dtype=f32)
+        self.o = torch.empty((t, hidden), dtype=f32)
+        self.gate_up = torch.empty((t, two_inter), dtype=f32)
+        self.act = torch.empty((t, two_inter // 2), dtype=f32)
+        self.down = torch.empty((t, hidden), dtype=f32)
+
+
+def direct_forward_enabled() -> bool:
+    value = os.environ.get(DIRECT_FORWARD_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{DIRECT_FORWARD_ENV} must be 0/1 (or off/on), got {value!r}")
+    return value in ("1", "true", "on")
+
+
+class LlamaDirectForward:
+    """``model.forward`` for a Llama-family model on the CPU's native and GGUF kernels (see module doc)."""
+
+    def __init__(self, model: nn.Module, cpu_kernels, quant_kernels: cpu_quant.QuantKernels, attn_backend) -> None:
+        inner = model.model
+        self.model = model
+        self.embed_tokens = inner.embed_tokens
+        self.backend = attn_backend
+        self.kernels = cpu_kernels
+        self._rms, self._rope, self._cache, self._attention, self._silu = cpu_kernels.c_functions()
+        self._linear = quant_kernels.c_functions()[0]
+        first = inner.layers[0]
+        attn = first.self_attn
+        self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
+        self.head_dim, self.scale = attn.attn.head_dim, float(attn.attn.scale)
+        self.q_size, self.kv_size = attn.q_size, attn.kv_size
+        self.hidden = inner.norm.weight.shape[0]
+        self.eps = [(float(layer.input_layernorm.eps), float(layer.post_attention_layernorm.eps))
+                    for layer in inner.layers]
+        self.final_norm, self.final_eps = inner.norm.weight, float(inner.norm.eps)
+        self.max_position = attn.rotary_emb.cos_cache.shape[0]
+        self.layers = [self._layer(layer) for layer in inner.layers]
+        methods = {lin.weight.gemm_method for lyr in self.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)}
+        if len(methods) != 1:
+            raise ValueError(f"the GGUF linears use different GEMM designs {sorted(methods)}")
+        self.gemm_method = methods.pop()
+        self.two_inter = self.layers[0].gate_up.out_features
+        self._buffers: _Buffers | None = None
+        self._kv: tuple[list, list[tuple[int, int]], int, int] | None = None  # (caches, pointers, blocks, block_size)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def build(cls, model: nn.Module, attn_backend) -> LlamaDirectForward | None:
+        """The direct forward for ``model``, or None (logged) where it does not apply."""
+        from pagedllm.model.layers.attention import NativeCpuAttentionBackend
+
+        if not direct_forward_enabled():
+            logger.info("CPU direct forward off (%s=0): every step runs the module path", DIRECT_FORWARD_ENV)
+            return None
+        if not isinstance(attn_backend, NativeCpuAttentionBackend):
+            return None
+        from pagedllm.model.models.llama import LlamaForCausalLM
+
+        if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2: the layer layout written here
+            logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
+            return None
+        try:
+            fwd = cls(model, attn_backend.kernels, cpu_quant.load_quant_kernels(), attn_backend)
+        except (AttributeError, ValueError, TypeError, RuntimeError) as e:
+            logger.info("CPU direct forward not used: %s", e)
+            return None
+        logger.info("CPU direct forward: %d layers on the native + GGUF kernels (GEMM design %s)",
+                    len(fwd.layers), fwd.gemm_method)
+        return fwd
+
+    def _linear_of(self, module: nn.Module, in_features: int) -> _Linear:
+        w = getattr(module, "gguf_weight", None)
+        if w is None:
+            raise ValueError(f"{type(module).__name__} is not served as GGUF blocks")
+        if getattr(getattr(module, "tp", None), "size", 1) != 1:
+            raise ValueError("tensor parallelism")
+        if w.in_features != in_features:
+            raise ValueError(f"a linear takes {w.in_features} features where {in_features} are expected")
+        bias = module.bias
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.out_features,)):
+            raise ValueError("a bias that is not float32 [out_features]")
+        return _Linear(w.qtype, w.data_ptr, w.out_features, w.in_features, bias, w)
+
+    def _layer(self, layer: nn.Module) -> _Layer:
+        sa, mlp = layer.self_attn, layer.mlp
+        hq, hk, d = sa.attn.num_heads, sa.attn.num_kv_heads, sa.attn.head_dim
+        if (hq, hk, d, float(sa.attn.scale)) != (self.num_heads, self.num_kv_heads, self.head_dim, self.scale):
+            raise ValueError("layers with different attention shapes")
+        if (sa.q_size, sa.kv_size) != (hq * d, hk * d) or d % 2:
+            raise ValueError("an attention layout other than [q | k | v] heads of an even head_dim")
+        qkv = self._linear_of(sa.qkv_proj, self.hidden)
+        if qkv.out_features != sa.q_size + 2 * sa.kv_size:
+            raise ValueError("qkv_proj does not produce [q | k | v]")
+        o = self._linear_of(sa.o_proj, sa.q_size)
+        gate_up = self._linear_of(mlp.gate_up_proj, self.hidden)
+        down = self._linear_of(mlp.down_proj, gate_up.out_features // 2)
+        if o.out_features != self.hidden or down.out_features != self.hidden or gate_up.out_features % 2:
+            raise ValueError("projection widths do not match the hidden size")
+        rope = sa.rotary_emb
+        for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, rope.cos_cache, rope.sin_cache):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("norm weights and rotary caches must be contiguous float32 CPU tensors")
+        if layer.input_layernorm.weight.shape != (self.hidden,) or rope.cos_cache.shape[-1] != d \
+                or rope.cos_cache.shape[0] < self.max_position:
+            raise ValueError("norm or rotary shapes do not match")
+        return _Layer(qkv, o, gate_up, down, layer.input_layernorm.weight.data_ptr(),
+                      layer.post_attention_layernorm.weight.data_ptr(), rope.cos_cache.data_ptr(),
+                      rope.sin_cache.data_ptr())
+
+    def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int]:
+        """(key, value) pointers per layer, checked once per pool list."""
+        cached = self._kv
+        if cached is not None and cached[0] is kv_caches and cached[1][0][0] == kv_caches[0][0].data_ptr():
+            return cached[1], cached[2], cached[3]
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        shape = tuple(kv_caches[0][0].shape)
+        if len(shape) != 4 or shape[2:] != (self.num_kv_heads, self.head_dim):
+            raise ValueError(f"KV cache of shape {shape} does not hold [blocks, block_size, "
+                             f"{self.num_kv_heads}, {self.head_dim}]")
+        ptrs = []
+        for k, v in kv_caches:
+            for t in (k, v):
+                if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
+                    raise ValueError("KV caches must be contiguous float32 CPU tensors of one shape")
+            ptrs.append((k.data_ptr(), v.data_ptr()))
+        self._kv = (kv_caches, ptrs, shape[0], shape[1])  # holds the list: its id is never reused under us
+        return ptrs, shape[0], shape[1]
+
+    # -- the step ----------------------------------------------------------------------------
+    def can_run(self, meta: AttentionMetadata) -> bool:
+        """Whole steps whose chunks all take the native attention kernel (the module path sends long
+        prompt chunks to torch's SDPA instead)."""
+        return meta.max_query_len <= self.backend.max_native_query_len
+
+    def _buffers_for(self, t: int) -> _Buffers:
+        b = self._buffers
+        if b is None or b.t != t:
+            b = self._buffers = _Buffers(t, self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.two_inter)
+        return b
+
+    def _check_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    num_blocks: int, block_size: int) -> None:
+        """What the kernels follow without bounds checks, checked once for the step."""
+        t = input_ids.shape[0]
+        for name, x in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", meta.slot_mapping)):
+            if x.dtype != torch.int64 or not x.is_contiguous() or x.shape != (t,) or x.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous int64 CPU tensor with one entry per token")
+        if meta.max_seq_len > self.max_position or (t and int(positions.min()) < 0):
+            raise ValueError(f"positions must lie in [0, {self.max_position}) (the rotary cache)")
+        if t and int(meta.slot_mapping.max()) >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping holds slots beyond the pool's {num_blocks * block_size}")
+        self.kernels.check_attention_indices(meta.block_tables, meta.seq_lens, meta.query_start_loc, t,
+                                             num_blocks, block_size)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
+                 ) -> torch.Tensor:
+        """The final hidden states [T, hidden] (a buffer the next call overwrites), as ``model(...)`` returns."""
+        kv, num_blocks, block_size = self._kv_pointers(kv_caches)
+        self._check_step(input_ids, positions, meta, num_blocks, block_size)
+        t = input_ids.shape[0]
+        residual = self.embed_tokens(input_ids)
+        if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.shape != (t, self.hidden):
+            raise ValueError("the embedding must give contiguous float32 [tokens, hidden] rows")
+        if t == 0:
+            return residual
+        b = self._buffers_for(t)
+        method = cpu_quant.METHOD_CODES[cpu_quant.choose_method(t) if self.gemm_method == "auto" else self.gemm_method]
+        rms, rope, cache, attention, silu, linear = (self._rms, self._rope, self._cache, self._attention,
+                                                     self._silu, self._linear)
+        h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
+        hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.two_inter // 2
+        res, normed, qkv, att = residual.data_ptr(), b.normed.data_ptr(), b.qkv.data_ptr(), b.attn.data_ptr()
+        o, gu, act, down = b.o.data_ptr(), b.gate_up.data_ptr(), b.act.data_ptr(), b.down.data_ptr()
+        k_ptr, v_ptr = qkv + 4 * q, qkv + 4 * (q + kvs)
+        pos, slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+        tables, lens, qsl = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr()
+        table_stride, num_seqs = meta.block_tables.stride(0), meta.num_seqs
+
+        def run_linear(lin: _Linear, x: int, y: int, out: torch.Tensor) -> None:
+            rc = linear(lin.qtype, lin.data_ptr, lin.out_features, lin.in_features, x, t, y, method)
+            if rc:
+                raise RuntimeError(f"quant_linear failed with status {rc} (K={lin.in_features})")
+            if lin.bias is not None:
+                out.add_(lin.bias)
+
+        for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv)):
+            eps1, eps2 = self.eps[i]
+            if i == 0:  # as the module path: residual = embedding; hidden = norm(embedding)
+                rms(normed, 0, res, h, 0, 0, layer.ln1, t, h, eps1)
+            else:  # residual += previous MLP output; hidden = norm(residual)
+                rms(normed, res, down, h, res, h, layer.ln1, t, h, eps1)
+            run_linear(layer.qkv, normed, qkv, b.qkv)
+            rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
+            cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
+            if attention(att, q, qkv, qkv_w, key_cache, value_cache, tables, table_stride, lens, qsl, num_seqs,
+                         hq, hk, d, block_size, self.scale):
+                raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
+            run_linear(layer.o, att, o, b.o)
+            rms(normed, res, o, h, res, h, layer.ln2, t, h, eps2)
+            run_linear(layer.gate_up, normed, gu, b.gate_up)
+            silu(act, gu, 2 * inter, t, inter)
+            run_linear(layer.down, act, down, b.down)
+        rms(normed, res, down, h, res, h, self.final_norm.data_ptr(), t, h, self.final_eps)
+        return b.normed
