@@ -252,3 +252,19 @@ def test_constrained_steps_pipeline_under_async_scheduling():
     for llm in (sync, asy):
         st = llm.stats()
         assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def test_llguidance_sees_the_exact_token_bytes(llm):
+    """llguidance's token table is built from each token's exact bytes (not by re-parsing the tokenizer's
+    JSON, which gave wrong masks under another transformers version): text round-trips byte for byte through
+    it, and the chat template's special tokens are special (never matched as literal text)."""
+    from pagedllm.structured_output.backends import GuidanceBackend
+
+    eng = llm.llm_engine
+    backend = GuidanceBackend(eng.tokenizer, int(eng.hf_config.vocab_size), eng.eos_token_ids, num_threads=1)
+    text = 'Hello\n  world {"a": [1, 2.5e-3], "é": "\\n"}\t ok'
+    ids = eng.tokenizer.encode(text, add_special_tokens=False)
+    assert backend._tok.decode_bytes(ids) == text.encode("utf-8")
+    specials = [eng.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    assert all(backend._tok.is_special_token(i) for i in specials)
+    assert not backend._tok.is_special_token(ids[0])

@@ -84,14 +84,13 @@ class GuidanceBackend:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int) -> None:
         import llguidance
-        import llguidance.hf
         import llguidance.torch
 
         self._llg = llguidance
         self._fill = llguidance.torch.fill_next_token_bitmask_par
         self.vocab_size = vocab_size
-        self._tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                 eos_token=list(eos_token_ids)[0] if eos_token_ids else None)
+        self._tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size, eos_token_ids)),
+                                           n_vocab=vocab_size)
         self._executor = llguidance.LLExecutor(num_threads=num_threads)
 
     def build(self, kind: str, spec: str, compact: bool) -> Any:
@@ -147,6 +146,33 @@ class GuidanceBackend:
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
         self._fill(self._executor, list(zip(matchers, rows)), bitmask)
+
+
+class _TokenBytes:
+    """The tokenizer as llguidance's `TokenizerWrapper` takes it: every token's exact bytes, the EOS and special
+    ids, and encoding. The bytes come from xgrammar's decoding of the Hugging Face vocabulary (byte-level,
+    byte-fallback or raw). `llguidance.hf.from_tokenizer` instead re-parses the tokenizer's JSON; with the
+    bundled GGUF tokenizer under transformers 5.17 its masks let a byte-level newline into JSON strings and
+    ended a regex early (BENCHMARKS §25), while the same code under 5.24 was right."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+        self.tokens: list[bytes] = list(info.decoded_vocab)
+        self.tokens += [b""] * (vocab_size - len(self.tokens))  # the model's padding rows
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        added = getattr(tokenizer, "added_tokens_decoder", {})  # id → AddedToken
+        self.special_token_ids = sorted(set(info.special_token_ids) | set(eos_token_ids)
+                                        | set(getattr(tokenizer, "all_special_ids", []))
+                                        | {i for i, t in added.items() if getattr(t, "special", False)})
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 def _closed(schema: Any) -> Any:
