@@ -128,5 +128,5 @@ def test_async_scheduling_refuses_tensor_parallelism():
 
 
 def test_async_scheduling_is_off_by_default_on_cpu():
-    llm = LLM(num_gpu_blocks_override=16, max_model_len=256)
+    llm = LLM(num_gpu_blocks_override=16, max_model_len=256, device="cpu")
     assert llm.llm_engine.async_scheduling is False

@@ -138,16 +138,17 @@ def test_async_scheduling_on_cuda_equals_sync_and_launches_never_wait(tmp_path):
               block_size=16, num_gpu_blocks_override=256)
     engine = llm.llm_engine
     assert engine.async_scheduling
-    launch = engine._launch_step
+    def checked(launch):
+        def run(*args):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(*args)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
 
-    def checked_launch(*args):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return launch(*args)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    engine._launch_step = checked_launch
+    engine._launch_forward = checked(engine._launch_forward)  # the model run
+    engine._launch_sampling = checked(engine._launch_sampling)  # and the sampling of a step
     for i, p in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     done = {}

@@ -276,7 +276,7 @@ def test_greedy_identical_on_off_with_gguf_quantized_weights(tokenizer, monkeypa
         else:
             monkeypatch.delenv("PAGEDLLM_QUANT_GEMM", raising=False)  # on: the engine's own pin, not the env
         llm = LLM(max_model_len=1024, quantization="gguf", num_gpu_blocks_override=256, max_num_seqs=1,
-                  speculative_config=spec)
+                  speculative_config=spec, device="cpu")  # GGUF blocks are served on the CPU only
         weights = [m.gguf_weight for m in llm.llm_engine.executor.driver_worker.model.modules()
                    if getattr(m, "gguf_weight", None) is not None]
         assert weights and {w.gemm_method for w in weights} == ({"dequant"} if spec else {"auto"})
