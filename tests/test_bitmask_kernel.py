@@ -44,3 +44,21 @@ def test_engine_apply_matches_reference_on_its_device() -> None:
     got = logits.to(DEVICE)
     apply_token_bitmask_(got, bitmask, rows)
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_native_cpu_kernel_matches_reference() -> None:
+    from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+
+    native = load_cpu_kernels()
+    if native is None:
+        pytest.skip("no native CPU kernels on this machine")
+    for vocab, rows in ((100, [0, 1, 2, 3]), (5000, [1, 3]), (49152, [2])):
+        logits, bitmask = _case(4, vocab, seed=vocab)
+        want = reference(logits, bitmask, rows)
+        got = logits.clone()
+        native.apply_token_bitmask(got, bitmask, rows)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rows must be in"):
+        native.apply_token_bitmask(logits.clone(), bitmask, [4])
+    with pytest.raises(ValueError, match="too small"):
+        native.apply_token_bitmask(logits.clone(), bitmask[:, :2], [0])

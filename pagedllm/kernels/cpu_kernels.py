@@ -63,6 +63,9 @@ class CpuKernels:
         self._silu = lib.silu_and_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [_ptr, _ptr, _c_int64, _c_int64, _c_int64]
+        self._bitmask = lib.apply_token_bitmask_f32
+        self._bitmask.restype = None
+        self._bitmask.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64]
 
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
@@ -217,6 +220,23 @@ class CpuKernels:
         out = torch.empty((t, two_i // 2), dtype=x.dtype)
         self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), t, two_i // 2)
         return out
+
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Structured outputs, in place: ``logits[r, t] = -inf`` for each r in ``rows`` wherever bit ``t % 32`` of
+        word ``t // 32`` of ``bitmask[r]`` (packed int32, a row per logits row at least) is 0."""
+        _check_matrix(logits, "logits")
+        num, vocab = logits.shape
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 or bitmask.stride(1) != 1:
+            raise ValueError(f"bitmask must be a [rows, words] int32 CPU tensor with contiguous rows, got "
+                             f"{bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+        if bitmask.shape[0] < num or bitmask.shape[1] * 32 < vocab:
+            raise ValueError(f"bitmask {tuple(bitmask.shape)} is too small for logits {tuple(logits.shape)}")
+        if any(r < 0 or r >= num for r in rows):
+            raise ValueError(f"rows must be in [0, {num}), got {rows}")
+        ids = torch.tensor(rows, dtype=torch.int64)
+        self._bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0), ids.data_ptr(),
+                      len(rows), vocab)
 
 
 def _check_matrix(t: torch.Tensor, name: str) -> None:

@@ -386,3 +386,21 @@ void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t num_
         for (; i < inter; ++i) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
     }
 }
+
+/* Structured outputs: logits[r, t] = -inf for each r in rows wherever bit t % 32 of word t / 32 of the
+ * packed bitmask row r is 0. Words with every bit set are skipped; empty words are a straight fill. */
+void apply_token_bitmask_f32(float *logits, int64_t logits_stride, const int32_t *bitmask, int64_t mask_stride,
+                             const int64_t *rows, int64_t num_rows, int64_t vocab) {
+    const float ninf = -INFINITY;
+    for (int64_t i = 0; i < num_rows; ++i) {
+        float *row = logits + rows[i] * logits_stride;
+        const int32_t *words = bitmask + rows[i] * mask_stride;
+        for (int64_t base = 0; base < vocab; base += 32) {
+            const uint32_t bits = (uint32_t)words[base / 32];
+            if (bits == 0xFFFFFFFFu) continue;
+            const int n = vocab - base < 32 ? (int)(vocab - base) : 32;
+            for (int j = 0; j < n; ++j)
+                if (!((bits >> j) & 1u)) row[base + j] = ninf;
+        }
+    }
+}

@@ -168,8 +168,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     read nor touched, so unconstrained rows cost nothing.
 
     On a GPU: the host bitmask (pinned by the manager) and the row list are copied without blocking and one
-    Triton kernel masks the rows (no host sync). On CPU: xgrammar's CPU kernel (~6x faster than unpacking the
-    bits in numpy). Masked tokens get probability 0 downstream.
+    Triton kernel masks the rows (no host sync). On CPU: the native kernel (kernels/cpu/cpu_ops.c; ~20x
+    faster than xgrammar's CPU kernel here), else xgrammar's. Masked tokens get probability 0 downstream.
     """
     if not rows:
         return
@@ -185,6 +185,13 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
             apply_token_bitmask_triton(logits, mask.to(logits.device, non_blocking=True),
                                        None if every else async_tensor_h2d(rows, torch.long, logits.device))
             return
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+
+            native = load_cpu_kernels()
+            if native is not None:
+                native.apply_token_bitmask(logits, mask, rows)
+                return
         import xgrammar
 
         if logits.device.type != "cpu":
