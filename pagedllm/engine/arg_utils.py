@@ -6,7 +6,6 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 from pagedllm.config import (
     BATCHING_MODES,
     KV_CACHE_DTYPES,
@@ -20,6 +19,7 @@ from pagedllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 
 _HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",

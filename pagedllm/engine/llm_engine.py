@@ -85,10 +85,12 @@ class LLMEngine:
             # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU
             # host that thread would contend with the forward pass of every engine, most never constrained.
             self.structured_output.start_backend_init()
-            # The bitmask kernel is compiled at its first use: not in the first constrained TTFT.
+            # The bitmask kernel compiles at its first use: both variants (every row / a row list) now, not
+            # in the first constrained TTFT.
             vocab = int(self.hf_config.vocab_size)
-            apply_token_bitmask_(torch.zeros((1, vocab), device=self.executor.device),
-                                 torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32), [0])
+            for rows in ([0, 1], [0]):
+                apply_token_bitmask_(torch.zeros((2, vocab), device=self.executor.device),
+                                     torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32), rows)
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
         self.output_processor = OutputProcessor(
             self.scheduler,

@@ -221,7 +221,6 @@ class CpuKernels:
         self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), t, two_i // 2)
         return out
 
-
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Structured outputs, in place: ``logits[r, t] = -inf`` for each r in ``rows`` wherever bit ``t % 32`` of
         word ``t // 32`` of ``bitmask[r]`` (packed int32, a row per logits row at least) is 0."""

@@ -2,7 +2,7 @@
 
 One program per (constrained row, block of the vocabulary): it reads that block's int32 words of the row's
 bitmask and writes -inf into the logits wherever the token's bit is 0. It never reads the logits, and rows
-that are not constrained are not visited. The plain-torch oracle is ``sampler.apply_token_bitmask_torch``.
+that are not constrained are not visited. The plain-torch oracle is ``kernels.reference.apply_token_bitmask``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import torch
 from pagedllm.structured_output.params import resolve_backend
 
 
-
 def _choice_ebnf(choices: list[str], root: str = "root ::= ") -> str:
     # JSON string literals are valid EBNF/Lark string literals (same escapes).
     return root + " | ".join(json.dumps(c) for c in choices)

@@ -168,7 +168,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list
     read nor touched, so unconstrained rows cost nothing.
 
     On a GPU: the host bitmask (pinned by the manager) and the row list are copied without blocking and one
-    Triton kernel masks the rows (no host sync). On CPU: the native kernel (kernels/cpu/cpu_ops.c; ~20x
+    Triton kernel masks the rows (no host sync). On CPU: the native kernel (kernels/cpu/cpu_ops.c; ~14x
     faster than xgrammar's CPU kernel here), else xgrammar's. Masked tokens get probability 0 downstream.
     """
     if not rows:
