@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from process_utils import child_pids, pid_running, wait_gone
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import shard_attention_heads
@@ -40,26 +41,6 @@ def _tiny_params() -> list[SamplingParams]:
 
 def _tokens(outputs) -> list[list[list[int]]]:
     return [[list(c.token_ids) for c in o.outputs] for o in outputs]
-
-
-def _pid_running(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _wait_gone(pids: list[int], timeout_s: float = 20.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _pid_running(p)]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if _pid_running(p)]
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +108,7 @@ def test_tiny_model_kv_replication_tp2_matches_tp1(tiny_llama_dir, tiny_referenc
     # The broadcast carried swap and copy-on-write lists, not only tokens.
     assert stats["num_swap_outs"] > 0 and stats["num_cow_copies"] > 0
     assert (stats["num_swap_outs"], stats["num_cow_copies"]) == (ref_stats["num_swap_outs"], ref_stats["num_cow_copies"])
-    assert _wait_gone(executor.worker_pids) == []
+    assert wait_gone(executor.worker_pids) == []
 
 
 def test_bundled_model_tp2_matches_tp1():
@@ -218,7 +199,7 @@ def test_killed_worker_fails_requests_and_leaves_no_orphans(tiny_llama_dir):
         assert not engine.has_unfinished_requests()
     finally:
         executor.shutdown()
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 def test_hung_worker_times_out(tiny_llama_dir, monkeypatch):
@@ -236,9 +217,9 @@ def test_hung_worker_times_out(tiny_llama_dir, monkeypatch):
     finally:
         executor.shutdown()  # SIGKILL reaches a stopped process
         for pid in pids:
-            if _pid_running(pid):
+            if pid_running(pid):
                 os.kill(pid, signal.SIGCONT)
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 def test_health_check_notices_a_hung_idle_worker(tiny_llama_dir, monkeypatch):
@@ -254,9 +235,9 @@ def test_health_check_notices_a_hung_idle_worker(tiny_llama_dir, monkeypatch):
     finally:
         executor.shutdown()
         for pid in pids:
-            if _pid_running(pid):
+            if pid_running(pid):
                 os.kill(pid, signal.SIGCONT)
-    assert _wait_gone(pids) == []
+    assert wait_gone(pids) == []
 
 
 _ORPHAN_SCRIPT = textwrap.dedent(
@@ -291,35 +272,19 @@ def test_no_orphans_when_the_engine_process_ends(tiny_llama_dir, tmp_path, how):
             if line.startswith("PIDS"):
                 pids = [int(x) for x in line.split()[1:]]
                 break
-        assert len(pids) == 1 and _pid_running(pids[0])
+        assert len(pids) == 1 and pid_running(pids[0])
         if how == "sigkill":
             proc.kill()  # no finalizer runs: the worker must notice on its own
         else:
             proc.stdin.write("exit\n")
             proc.stdin.flush()
         assert proc.wait(timeout=60) is not None
-        assert _wait_gone(pids) == []
+        assert wait_gone(pids) == []
     finally:
         proc.kill()
         for pid in pids:
-            if _pid_running(pid):
+            if pid_running(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _child_pids(pid: int) -> list[int]:
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read().replace(b"\0", b" ").decode()
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            if ppid == pid and "spawn_main" in cmdline:
-                children.append(int(entry))
-    return children
 
 
 @pytest.mark.slow
@@ -330,11 +295,15 @@ def test_server_health_goes_unhealthy_when_a_worker_dies():
     from conftest_server import SMALL_SERVER_ARGS, RemoteServer
 
     server = RemoteServer([*SMALL_SERVER_ARGS, "--tensor-parallel-size", "2"])
+    cores: list[int] = []
     workers: list[int] = []
     try:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4}
         assert httpx.post(server.url("/v1/completions"), json=body, timeout=60).status_code == 200
-        workers = _child_pids(server.proc.pid)
+        # The server's one child is its engine-core process; the rank-1 worker is that process's child.
+        cores = child_pids(server.proc.pid)
+        assert len(cores) == 1
+        workers = child_pids(cores[0])
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
         t0 = time.monotonic()
@@ -347,4 +316,4 @@ def test_server_health_goes_unhealthy_when_a_worker_dies():
         assert failed.status_code >= 500 and "error" in failed.json()
     finally:
         server.stop()
-    assert _wait_gone(workers) == []
+    assert wait_gone(cores + workers) == []

@@ -18,6 +18,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
+from pagedllm.engine.request_checker import RequestChecker
 from pagedllm.model import loader
 from pagedllm.model.layers.sampler import (
     Sampler,
@@ -203,50 +204,25 @@ class LLMEngine:
         self.scheduler.add_seq_group(group)
         return group
 
+    @property
+    def request_checker(self) -> RequestChecker:
+        """The configuration-only request checks (plain data: the API server process checks with it)."""
+        sc, cc = self.config.scheduler_config, self.config.cache_config
+        return RequestChecker(vocab_size=int(self.hf_config.vocab_size), max_model_len=sc.max_model_len,
+                              num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
+                              max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
+
     def check_request(self, prompt: PromptType, params: SamplingParams | None) -> None:
         """The checks `add_request` makes, reading only the configuration (safe from another thread).
 
         A text prompt's ids are checked by `add_request` once tokenized."""
-        self._check_params(params or SamplingParams())
-        if isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt
-                                       and isinstance(prompt.get("prompt"), str)):
-            return
-        self._check_prompt_ids(self._tokenize(prompt)[1])
+        self.request_checker.check_request(prompt, params)
 
     def _check_params(self, params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self._check_multi_seq(params)
+        self.request_checker.check_params(params)
 
     def _check_prompt_ids(self, token_ids: list[int]) -> None:
-        if len(token_ids) == 0:
-            raise ValueError("the prompt is empty: give at least one token.")
-        vocab = int(self.hf_config.vocab_size)
-        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        limit = self.max_seq_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but this engine fits at most {limit - 1} "
-                f"prompt tokens (max_model_len={self.config.scheduler_config.max_model_len}, "
-                f"KV pool={self.config.cache_config.num_gpu_blocks} blocks) plus one generated token."
-            )
-
-    def _check_multi_seq(self, params: SamplingParams) -> None:
-        """A group's sequences run in lockstep, so all of them must fit in one step."""
-        sc = self.config.scheduler_config
-        width = params.best_of or params.n
-        limit = min(sc.max_num_seqs, sc.max_num_batched_tokens or sc.max_model_len)
-        if width > limit:
-            raise ValueError(
-                f"best_of={width} sequences must run in one step, but this engine allows at most {limit} "
-                f"(max_num_seqs={sc.max_num_seqs}, max_num_batched_tokens={sc.max_num_batched_tokens})."
-            )
-        if params.use_beam_search and (
-            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-        ):
-            raise ValueError("beam search scores raw log-probabilities: penalties must keep their defaults.")
+        self.request_checker.check_prompt_ids(token_ids)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -33,6 +33,10 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--no-warm-up-request", action="store_true",
                    help="Skip the one short streamed request sent through the app before the server binds "
                         "(it warms what the first client request would otherwise pay for).")
+    p.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="Run the engine on a thread of the server process instead of an engine-core process of "
+                        "its own (the default splits them, as vLLM does, so HTTP handling and the step loop never "
+                        "share one interpreter lock).")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
 
@@ -76,6 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.core_client import AsyncMPClient
     from pagedllm.engine.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.serving_common import ServingContext
@@ -92,26 +97,29 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     names = args.served_model_name or [_default_name(engine_args.model)]
     metrics = EngineMetrics(names[0])
-    engine = AsyncLLMEngine.from_engine_args(engine_args, observer=metrics)
+    if args.disable_frontend_multiprocessing:
+        engine = AsyncLLMEngine.from_engine_args(engine_args, observer=metrics)
+    else:
+        engine = AsyncMPClient.from_engine_args(engine_args, observer=metrics)
     metrics.set_snapshot(engine.stats)
-    core = engine.engine
-    if core.tokenizer is None:
+    info = engine.info
+    if not info.has_tokenizer:
         raise ValueError("pagedllm serve needs a tokenizer; drop --skip-tokenizer-init.")
-    # A separate tokenizer instance for the event-loop thread (the engine thread uses its own).
-    tokenizer = get_tokenizer(str(core.model_dir), engine_args.tokenizer)
-    cc = core.config.cache_config
+    # The event loop's own tokenizer (the engine detokenizes with its own).
+    tokenizer = get_tokenizer(info.model_dir, engine_args.tokenizer)
+    checker = info.checker
     ctx = ServingContext(
-        engine=engine, tokenizer=tokenizer, served_model_names=names, model_path=str(core.model_dir),
-        max_model_len=core.max_seq_len, max_n=min(limits.max_n, core.config.scheduler_config.max_num_seqs),
+        engine=engine, tokenizer=tokenizer, served_model_names=names, model_path=info.model_dir,
+        max_model_len=info.max_seq_len, max_n=min(limits.max_n, checker.max_num_seqs),
         chat_template=_chat_template(args.chat_template), limits=limits,
-        block_size=cc.block_size, num_gpu_blocks=cc.num_gpu_blocks,
+        block_size=checker.block_size, num_gpu_blocks=checker.num_gpu_blocks,
     )
     app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
                     dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
-        names[0], core.model_dir, core.executor.device, core.executor.dtype, cc.num_gpu_blocks, cc.block_size,
-        cc.num_gpu_blocks * cc.block_size, ctx.max_model_len,
+        names[0], info.model_dir, info.device, info.dtype, checker.num_gpu_blocks, checker.block_size,
+        checker.num_gpu_blocks * checker.block_size, ctx.max_model_len,
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5.0, access_log=False)

@@ -85,7 +85,7 @@ def history_point(stats: dict[str, Any], prev: dict[str, Any] | None, now: float
 class Dashboard:
     """Per-app dashboard state: the chart history, the snapshot broadcaster and its subscribers."""
 
-    engine: Any  # AsyncLLMEngine
+    engine: Any  # AsyncEngineFront
     api_key: str | None = None
     config: DashboardConfig = field(default_factory=DashboardConfig)
     history: deque = field(init=False)

@@ -5,10 +5,10 @@ import asyncio
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, AsyncStream, EngineDeadError
+from pagedllm.engine.async_engine import AsyncEngineFront, AsyncStream, EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
@@ -76,7 +76,7 @@ def random_id(prefix: str) -> str:
 class ServingContext:
     """What every handler needs: the engine, a tokenizer for the loop thread, names and limits."""
 
-    engine: AsyncLLMEngine
+    engine: AsyncEngineFront  # AsyncMPClient (engine-core process) or AsyncLLMEngine (a thread)
     tokenizer: Any
     served_model_names: list[str]
     model_path: str

@@ -1,0 +1,82 @@
+"""The checks a request must pass before it is queued, from the configuration alone.
+
+`LLMEngine.add_request` runs them, and so does the async front on the caller's side (`check_request`),
+so a bad request is refused with a clear error before it reaches the engine loop. The checker is
+plain data: the API server process gets it from the engine-core process and checks requests without
+an engine of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestChecker:
+    vocab_size: int
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest a sequence may grow: the model's limit and the whole pool's capacity."""
+        return min(self.max_model_len, self.num_gpu_blocks * self.block_size)
+
+    def check_params(self, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # A group's sequences run in lockstep, so all of them must fit in one step.
+        width = params.best_of or params.n
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens or self.max_model_len)
+        if width > limit:
+            raise ValueError(
+                f"best_of={width} sequences must run in one step, but this engine allows at most {limit} "
+                f"(max_num_seqs={self.max_num_seqs}, max_num_batched_tokens={self.max_num_batched_tokens})."
+            )
+        if params.use_beam_search and (
+            params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+        ):
+            raise ValueError("beam search scores raw log-probabilities: penalties must keep their defaults.")
+
+    def check_prompt_ids(self, token_ids: list[int]) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token.")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        limit = self.max_seq_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but this engine fits at most {limit - 1} "
+                f"prompt tokens (max_model_len={self.max_model_len}, "
+                f"KV pool={self.num_gpu_blocks} blocks) plus one generated token."
+            )
+
+    def check_request(self, prompt, params: SamplingParams | None) -> None:
+        """What can be checked without tokenizing: the parameters, and the ids of a token-id prompt
+        (a text prompt's ids are checked once the engine has tokenized it)."""
+        self.check_params(params or SamplingParams())
+        ids = prompt_token_ids(prompt)
+        if ids is not None:
+            self.check_prompt_ids(ids)
+
+
+def prompt_token_ids(prompt) -> list[int] | None:
+    """The token ids of a token-id prompt (a list, or a dict with ``prompt_token_ids``); None for text."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
