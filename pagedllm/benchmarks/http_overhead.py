@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field, fields
 
+from pagedllm.benchmarks import sse_client
 from pagedllm.benchmarks.server_process import ServerProcess
 from pagedllm.engine.arg_utils import EngineArgs
 
@@ -97,7 +98,7 @@ class Measurement:
         }
 
 
-async def _http_round(client, url: str, model: str, prompts: list[list[int]], output_len: int,
+async def _http_round(session, url: str, model: str, prompts: list[list[int]], output_len: int,
                       stream: bool) -> Round:
     t0 = time.perf_counter()
     first_ttft = [float("nan")]
@@ -106,53 +107,39 @@ async def _http_round(client, url: str, model: str, prompts: list[list[int]], ou
         body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                 "ignore_eos": True, "stream": stream}
         if not stream:
-            r = await client.post(url, json=body)
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+            r = await sse_client.post_json(session, url, body)
             if i == 0:
                 first_ttft[0] = time.perf_counter() - t0  # no stream: the whole response
-            return r.json()["choices"][0]["text"]
+            return r["choices"][0]["text"]
         text = []
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    raise RuntimeError(f"stream error: {payload['error']}")
-                for ch in payload["choices"]:
-                    if ch.get("text"):
-                        if i == 0 and not text:
-                            first_ttft[0] = time.perf_counter() - t0
-                        text.append(ch["text"])
+        async for payload in sse_client.stream_events(session, url, body):
+            for ch in payload["choices"]:
+                if ch.get("text"):
+                    if i == 0 and not text:
+                        first_ttft[0] = time.perf_counter() - t0
+                    text.append(ch["text"])
         return "".join(text)
 
     texts = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
     return Round(time.perf_counter() - t0, first_ttft[0], list(texts))
 
 
-def _client(n: int):
-    import httpx
+def _model_name(base_url: str) -> str:
+    async def go() -> str:
+        async with sse_client.new_session() as s:
+            return (await sse_client.get_json(s, base_url + "/v1/models"))["data"][0]["id"]
 
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits)
-
-
-async def _model_name(base_url: str) -> str:
-    async with _client(1) as c:
-        return (await c.get(base_url + "/v1/models")).json()["data"][0]["id"]
+    return sse_client.run(go)
 
 
 def _http_once(base_url: str, model: str, prompts, n_out: int, stream: bool) -> Round:
-    """One round on a fresh client (each request opens its own connection, as independent clients do)."""
+    """One round on a fresh client, each request on a connection of its own (as independent clients)."""
 
     async def go() -> Round:
-        async with _client(len(prompts)) as c:
-            return await _http_round(c, base_url + "/v1/completions", model, prompts, n_out, stream)
+        async with sse_client.new_session(force_close=True) as s:
+            return await _http_round(s, base_url + "/v1/completions", model, prompts, n_out, stream)
 
-    return asyncio.run(go())
+    return sse_client.run(go)
 
 
 def _offline_once(llm, prompts, n_out: int) -> Round:
@@ -173,7 +160,7 @@ def _measure(server: ServerProcess, engine_args: EngineArgs, prompts, output_len
     """Rounds alternate HTTP / LLM.generate, so a change in the machine's load hits both alike."""
     from pagedllm import LLM
 
-    model = asyncio.run(_model_name(server.base_url))
+    model = _model_name(server.base_url)
     llm = LLM(**dataclasses.asdict(engine_args))
     out: dict[int, Measurement] = {}
     for n_out in output_lens:
@@ -195,7 +182,6 @@ def _measure(server: ServerProcess, engine_args: EngineArgs, prompts, output_len
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     engine_args = EngineArgs.from_cli_args(args)
     prompts = make_prompts(args.num_requests, args.input_len, args.prompt_seed, args.vocab_hi)
     flags = engine_cli_flags(engine_args) + list(args.server_arg)

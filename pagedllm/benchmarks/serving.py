@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import random
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from pagedllm.benchmarks import sse_client
 
 
 @dataclass
@@ -73,31 +74,21 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> list[floa
     return list(rng.gamma(shape=burstiness, scale=theta, size=n))
 
 
-async def _one(client, url: str, headers: dict, body: dict, prompt_len: int) -> RequestResult:
+async def _one(session, url: str, headers: dict, body: dict, prompt_len: int) -> RequestResult:
     res = RequestResult(prompt_len=prompt_len)
     t0 = time.perf_counter()
     last = t0
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                payload = json.loads(line[6:])
-                if "error" in payload:
-                    res.error = payload["error"].get("message", "error")
-                    return res
-                if payload.get("usage"):
-                    res.output_len = payload["usage"]["completion_tokens"]
-                if payload.get("choices") and payload["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if res.ttft == 0.0:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
+        async for payload in sse_client.stream_events(session, url, body, headers):
+            if payload.get("usage"):
+                res.output_len = payload["usage"]["completion_tokens"]
+            if payload.get("choices") and payload["choices"][0].get("text"):
+                now = time.perf_counter()
+                if res.ttft == 0.0:
+                    res.ttft = now - t0
+                else:
+                    res.itl.append(now - last)
+                last = now
         res.e2e = time.perf_counter() - t0
         res.ok = True
     except Exception as e:  # a failed request is reported, not fatal
@@ -106,29 +97,31 @@ async def _one(client, url: str, headers: dict, body: dict, prompt_len: int) -> 
 
 
 async def benchmark(args) -> dict:
-    import httpx
-
     base = args.base_url or f"http://{args.host}:{args.port}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    async with sse_client.new_session() as session:
         model = args.model
         if model is None:
-            model = (await client.get(base + "/v1/models", headers=headers)).json()["data"][0]["id"]
+            model = (await sse_client.get_json(session, base + "/v1/models", headers))["data"][0]["id"]
         workload = make_workload(args)
         gaps = arrival_gaps(len(workload), args.request_rate, args.burstiness, args.seed)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
         async def limited(body, plen):
             if sem is None:
-                return await _one(client, base + args.endpoint, headers, body, plen)
+                return await _one(session, base + args.endpoint, headers, body, plen)
             async with sem:
-                return await _one(client, base + args.endpoint, headers, body, plen)
+                return await _one(session, base + args.endpoint, headers, body, plen)
 
         tasks = []
         start = time.perf_counter()
+        # Arrivals follow the schedule from the start, not gap after gap: a busy client does not slow them.
+        due = start
         for (prompt, out_len), gap in zip(workload, gaps):
-            await asyncio.sleep(gap)
+            due += gap
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             tasks.append(asyncio.create_task(limited(body, len(prompt))))
@@ -183,8 +176,7 @@ def print_summary(s: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
-    summary = asyncio.run(benchmark(args))
+    summary = sse_client.run(lambda: benchmark(args))
     print_summary(summary)
     if args.result_json:
         with open(args.result_json, "w") as f:
