@@ -105,7 +105,8 @@ def test_capture_is_a_copy():
 
 def test_broadcaster_slows_down_on_large_pools():
     """Build + JSON of an 8k-block snapshot takes milliseconds: the stream stretches its interval so
-    that this work stays under `max_duty` of the time (here 5 %), instead of the nominal 0.05 s."""
+    that this work stays under `max_duty` of the time (here 1 %: a build of over 0.5 ms, which any machine
+    takes for 8k blocks, then stretches the interval past the nominal 0.05 s), instead of the nominal 0.05 s."""
     import asyncio
 
     pytest.importorskip("fastapi")
@@ -122,7 +123,7 @@ def test_broadcaster_slows_down_on_large_pools():
             return fn(self)
 
     async def three_snapshots():
-        board = Dashboard(Engine(), config=DashboardConfig(events_interval_s=0.05, max_duty=0.05))
+        board = Dashboard(Engine(), config=DashboardConfig(events_interval_s=0.05, max_duty=0.01))
         stream = board.events()
         got = []
         async for message in stream:
@@ -137,7 +138,7 @@ def test_broadcaster_slows_down_on_large_pools():
     got = asyncio.run(three_snapshots())
     for (t0, s0), (t1, _) in zip(got, got[1:]):
         assert s0["counts"]["kv_blocks_total"] == 8192
-        assert t1 - t0 >= 0.9 * s0["cost_ms"]["build"] / 1e3 / 0.05 > 0.05
+        assert t1 - t0 >= 0.9 * s0["cost_ms"]["build"] / 1e3 / 0.01 > 0.05
 
 
 # -- the routes, on a real server -----------------------------------------------------------------------
