@@ -116,6 +116,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--load-format", default="auto", help="dummy: random weights (then acceptance means little)")
+    p.add_argument("--quantization", default=None,
+                   help="none: a GGUF model's weights dequantized to --dtype at load (default: served quantized on CPU)")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                                    '"prompt_lookup_max": 4}')
     p.add_argument("--num-prompts", type=int, default=100, help="input-copying prompts")
@@ -169,6 +171,7 @@ def run(args: argparse.Namespace) -> int:
                            max_model_len=args.max_model_len,
                            max_num_seqs=max([*args.concurrency, args.sharegpt_concurrency]),
                            num_gpu_blocks_override=args.num_gpu_blocks, speculative_config=spec, seed=args.seed,
+                           quantization=args.quantization,
                            gpu_memory_utilization=args.gpu_memory_utilization)
         engines[label] = LLMEngine(eargs)
     engine = engines["off"]
