@@ -120,12 +120,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="none: a GGUF model's weights dequantized to --dtype at load (default: served quantized on CPU)")
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                                    '"prompt_lookup_max": 4}')
-    p.add_argument("--num-prompts", type=int, default=100, help="input-copying prompts")
+    p.add_argument("--num-prompts", type=int, default=100, help="input-copying prompts (0: skip that workload)")
     p.add_argument("--max-tokens", type=int, default=128, help="input-copying: output cap (stops at EOS)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--sharegpt-prompts", type=int, default=128, help="0: skip the ShareGPT-like part")
     p.add_argument("--sharegpt-concurrency", type=int, default=64)
     p.add_argument("--sharegpt-max-out", type=int, default=None, help="cap ShareGPT-like output lengths")
+    p.add_argument("--sharegpt-repeats", type=int, default=3,
+                   help="ShareGPT-like: the whole workload this many times per engine, alternating off/on")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (both live at once)")
     p.add_argument("--rounds", type=int, default=5, help="copy workload: interleaved off/on slices")
@@ -135,15 +137,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _measure(engines: dict, name: str, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
-             rounds: int, results: dict, outputs: dict) -> None:
+             rounds: int, results: dict, outputs: dict, repeats: int = 1) -> None:
     """Run the workload on both engines in `rounds` interleaved slices (off, on, off, on, ...) so that a
-    change in the machine's load hits both sides alike; sums the times."""
+    change in the machine's load hits both sides alike; sums the times. `repeats`: the whole workload that
+    many times per engine, alternating (for workloads whose concurrency needs all of their requests)."""
     n = len(prompts)
     cuts = [n * r // rounds for r in range(rounds + 1)]
     for label, engine in engines.items():
         results[label] = {"seconds": 0.0, "output_tokens": 0, "_before": engine.stats()}
         outputs[label] = []
-    for r in range(rounds):
+    for r in [r for _ in range(repeats) for r in range(rounds)]:
         lo, hi = cuts[r], cuts[r + 1]
         if lo == hi:
             continue
@@ -175,11 +178,12 @@ def run(args: argparse.Namespace) -> int:
                            gpu_memory_utilization=args.gpu_memory_utilization)
         engines[label] = LLMEngine(eargs)
     engine = engines["off"]
-    prompts = make_copy_prompts(engine.tokenizer, args.num_prompts, args.seed)
-    greedy = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
+    prompts = make_copy_prompts(engine.tokenizer, max(args.num_prompts, 2), args.seed)
     for label, eng in engines.items():
         run_closed_loop(eng, prompts[:2], [SamplingParams(temperature=0, max_tokens=8)] * 2, 2, f"warm{label}")
-    for c in args.concurrency:
+    prompts = prompts[: args.num_prompts]
+    greedy = [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts)
+    for c in args.concurrency if args.num_prompts else []:
         _measure(engines, f"copy{c}", prompts, greedy, c, args.rounds, results["copy"].setdefault(str(c), {}),
                  outputs.setdefault(f"copy{c}", {}))
     if args.sharegpt_prompts:
@@ -187,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
                                 max_prompt=args.max_model_len // 2, max_total=args.max_model_len)
         outs_len = [min(o, args.sharegpt_max_out or o) for o in wl.output_len]
         params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs_len]
-        _measure(engines, "sharegpt", wl.prompts, params, args.sharegpt_concurrency, 1, results["sharegpt"], {})
+        _measure(engines, "sharegpt", wl.prompts, params, args.sharegpt_concurrency, 1, results["sharegpt"], {},
+                 repeats=args.sharegpt_repeats)
     print(f"\n{'workload':<22}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'accept':>8}{'acc.len':>8}{'identical':>11}")
     for c, e in results["copy"].items():
         same = sum(a == b for a, b in zip(outputs[f"copy{c}"]["off"], outputs[f"copy{c}"]["on"]))
