@@ -170,3 +170,18 @@ def test_engine_core_process_ends_with_the_server(how):
         for pid in cores:
             if pid_running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_serve_with_a_bad_model_path_says_so_in_one_line(tmp_path, split):
+    """A bad argument found while the engine-core process builds the engine is reported by `pagedllm serve` as
+    it is in-process: one `error:` line, exit status 2, no traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--model", str(tmp_path / "missing"),
+           "--port", "0", *([] if split else ["--disable-frontend-multiprocessing"])]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: Model path" in proc.stderr and "does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr

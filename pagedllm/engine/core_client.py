@@ -109,7 +109,7 @@ class AsyncMPClient(AsyncEngineFront):
                 return message[1]
             if kind == "failed":
                 self._finalizer()
-                raise RuntimeError(f"the engine could not be built: {message[1]}")
+                raise message[1]
             if kind == "stats":
                 self._sink.publish_stats(message[1])
 

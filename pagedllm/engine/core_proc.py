@@ -1,8 +1,10 @@
 """The engine-core process: an `LLMEngine` and its loop, away from the API server's interpreter.
 
 `run_engine_core` is the process's main function (started by `core_client.AsyncMPClient`). It builds the
-engine, reports `("ready", EngineInfo)` (or `("failed", message)`), then runs `EngineLoop` on its main
-thread while a reader thread moves commands from the API process's pipe onto the loop's queue. What the
+engine, reports `("ready", EngineInfo)` (or `("failed", exception)`: a bad argument's own ValueError /
+FileNotFoundError / TypeError, which the server reports in one line as it does in-process), then runs
+`EngineLoop` on its main thread while a reader thread moves commands from the API process's pipe onto the
+loop's queue. What the
 loop produces goes back over the other pipe, one message each (`PipeSink`):
 
     ("out", encoded outputs, {request_id: exception}, time)   a step's outputs (output_codec deltas)
@@ -24,7 +26,6 @@ import queue
 import signal
 import sys
 import threading
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -122,9 +123,12 @@ def run_engine_core(engine_args: EngineArgs, cmd_conn: Connection, out_conn: Con
 
     try:
         engine = LLMEngine.from_engine_args(engine_args)
+    except (ValueError, FileNotFoundError, TypeError) as e:  # a bad argument: the API process reports it as such
+        out_conn.send(("failed", _picklable(e)))
+        return
     except BaseException as e:
         logger.exception("the engine could not be built")
-        out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+        out_conn.send(("failed", RuntimeError(f"the engine could not be built: {type(e).__name__}: {e}")))
         return
     sink = PipeSink(out_conn)
     commands: queue.Queue = queue.Queue()
