@@ -1,6 +1,7 @@
 """LLMEngine: add_request / step / abort — one iteration of continuous batching per step()."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -18,7 +19,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
-from pagedllm.engine.request_checker import RequestChecker
+from pagedllm.engine.request_checker import RequestChecker, prompt_token_ids
 from pagedllm.model import loader
 from pagedllm.model.layers.sampler import (
     Sampler,
@@ -159,8 +160,7 @@ class LLMEngine:
     @property
     def max_seq_len(self) -> int:
         """Longest a sequence may grow: the model's limit and the whole pool's capacity."""
-        cc = self.config.cache_config
-        return min(self.config.scheduler_config.max_model_len, cc.num_gpu_blocks * cc.block_size)
+        return self.request_checker.max_seq_len
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -172,9 +172,9 @@ class LLMEngine:
     ) -> SequenceGroup:
         """Validate and queue a request; raises ValueError (engine untouched) on bad input."""
         params = params or SamplingParams()
-        self._check_params(params)
+        self.request_checker.check_params(params)
         text, token_ids = self._tokenize(prompt)
-        self._check_prompt_ids(token_ids)
+        self.request_checker.check_prompt_ids(token_ids)
         limit = self.max_seq_len
         if any(g.request_id == request_id for g in self._all_groups()):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -204,7 +204,7 @@ class LLMEngine:
         self.scheduler.add_seq_group(group)
         return group
 
-    @property
+    @functools.cached_property
     def request_checker(self) -> RequestChecker:
         """The configuration-only request checks (plain data: the API server process checks with it)."""
         sc, cc = self.config.scheduler_config, self.config.cache_config
@@ -218,27 +218,17 @@ class LLMEngine:
         A text prompt's ids are checked by `add_request` once tokenized."""
         self.request_checker.check_request(prompt, params)
 
-    def _check_params(self, params: SamplingParams) -> None:
-        self.request_checker.check_params(params)
-
-    def _check_prompt_ids(self, token_ids: list[int]) -> None:
-        self.request_checker.check_prompt_ids(token_ids)
-
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        ids = prompt_token_ids(prompt)  # raises for a malformed prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; this engine has skip_tokenizer_init=True")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+                return prompt.get("prompt"), ids
+            prompt = prompt["prompt"]
+        if ids is not None:
+            return None, ids
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; this engine has skip_tokenizer_init=True")
+        return prompt, self.tokenizer.encode(prompt)
 
     def _make_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:
