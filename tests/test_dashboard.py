@@ -184,7 +184,12 @@ def test_data_routes_need_the_api_key(server, path):
 
 
 def test_snapshot_json_agrees_with_engine_while_sharing_and_after(server):
-    body = {"model": MODEL_NAME, "prompt": "The three primary colors are", "max_tokens": 40, "n": 4,
+    # The prompt fills more than one 16-token block: its full blocks stay shared by the 4 samples for the
+    # whole request. (A prompt shorter than a block is shared only until the first decode step's
+    # copy-on-write, a window of one step that a poll can miss.)
+    prompt = ("The three primary colors are red, yellow and blue. In painting, mixing two of them gives a "
+              "secondary color, and the three secondary colors are")
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 40, "n": 4,
             "temperature": 0.9, "seed": 3, "ignore_eos": True}
     done: list[int] = []
     t = threading.Thread(target=lambda: done.append(
