@@ -36,7 +36,9 @@ def test_kernels_match_gguf_quants_and_torch(level, type_name):
     qtype, n = GGML_TYPES[type_name], 72
     k = 512 if type_name == "Q4_K" else 544  # 17 blocks of 32: an odd count
     raw = random_blocks(qtype, n, k, seed=qtype)
-    w = GGUFWeight(torch.from_numpy(raw), qtype, n, k)
+    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(raw), qtype, n, k)
+    # R16: the file's bytes rearranged (Q4_K: 1.03x), rows padded to a multiple of 16 (72 -> 80)
+    assert w.nbytes == cpu_quant.r16_bytes(qtype, n, k) <= 1.03 * raw.nbytes * 80 / 72
     dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k).astype(np.float32))
     # dequantization: bit-exact with gguf.quants (rows in any order)
     ids = torch.tensor([5, 0, 71, 5, 33])
@@ -58,12 +60,12 @@ def test_kernels_match_gguf_quants_and_torch(level, type_name):
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
 def test_each_design_gives_a_row_the_same_result_in_any_batch(level, type_name):
     """Per design, a row's output is bit-identical whether it is computed alone or batched with others (1, 2,
-    5, 8, 9 or 17 rows; AVX-512 VNNI runs two rows per register): speculative verification (k+1 rows per
-    sequence) then reproduces plain decoding exactly under one pinned design."""
+    5, 8, 9 or 17 rows: whole and partial register tiles; 40 weight rows: two whole groups of 16 and a partial
+    one): speculative verification (k+1 rows per sequence) then reproduces plain decoding exactly."""
     kern = cpu_quant.load_quant_kernels(level)
     qtype, n = GGML_TYPES[type_name], 40
     k = 512 if type_name == "Q4_K" else 544
-    w = GGUFWeight(torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 1)), qtype, n, k)
+    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 1)), qtype, n, k)
     torch.manual_seed(qtype + 1)
     x = torch.randn(17, k) * 3
     for method in ("int8", "dequant"):
@@ -79,9 +81,11 @@ def test_weight_and_input_validation():
         cpu_quant.row_bytes(GGML_TYPES["Q4_K"], 320)
     with pytest.raises(ValueError, match="not supported"):
         cpu_quant.row_bytes(14, 256)  # Q6_K
-    with pytest.raises(ValueError, match="contiguous uint8"):
-        GGUFWeight(torch.zeros(4, 19, dtype=torch.uint8), q41, 4, 32)
-    w = GGUFWeight(torch.from_numpy(random_blocks(q41, 4, 64)), q41, 4, 64)
+    with pytest.raises(ValueError, match=r"must be uint8 \(4, 20\)"):
+        GGUFWeight.from_gguf_blocks(torch.zeros(4, 19, dtype=torch.uint8), q41, 4, 32)
+    with pytest.raises(ValueError, match=r"R16 weight data must be contiguous uint8 \(320,\)"):
+        GGUFWeight(torch.zeros(4, 20, dtype=torch.uint8), q41, 4, 32)
+    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(q41, 4, 64)), q41, 4, 64)
     with pytest.raises(ValueError, match="input has 32 features, weight expects 64"):
         kern.linear(torch.zeros(2, 32), w)
     with pytest.raises(ValueError, match="float32"):
@@ -91,7 +95,24 @@ def test_weight_and_input_validation():
     assert kern.linear(torch.zeros(0, 64), w).shape == (0, 4)
 
 
+@pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
+def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
+    """The int8 design does the same float operations per row in its scalar, AVX2 and AVX-512 (VNNI) builds:
+    a machine's outputs do not depend on which level it runs (the portable build is the reference)."""
+    qtype, n = GGML_TYPES[type_name], 40
+    k = 512 if type_name == "Q4_K" else 544
+    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 2)), qtype, n, k)
+    torch.manual_seed(qtype + 2)
+    x = torch.randn(9, k) * 3
+    outs = {lv: cpu_quant.load_quant_kernels(lv).linear(x, w, "int8")
+            for lv in cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(_DETECTED) + 1]}
+    for lv, y in outs.items():
+        assert torch.equal(y, outs["portable"]), lv
+
+
 def test_gemm_choice_env(monkeypatch):
+    monkeypatch.delenv(cpu_quant.GEMM_ENV, raising=False)
+    assert cpu_quant.choose_method(1) == cpu_quant.choose_method(64) == "int8"
     monkeypatch.setenv(cpu_quant.GEMM_ENV, "dequant")
     assert cpu_quant.choose_method(1) == "dequant"
     monkeypatch.setenv(cpu_quant.GEMM_ENV, "fast")
@@ -136,9 +157,9 @@ def test_default_is_quantized_and_memory_within_file_size(engines):
         quant.llm_engine.executor.driver_worker.load_weights(iter([]))
 
 
-@pytest.fixture(params=["int8", "auto"])
+@pytest.fixture(params=["int8", "dequant"])
 def gemm_method(request, monkeypatch):
-    """int8 everywhere (the approximate design, also for prompts) and the default per-batch-size choice."""
+    """Both designs: int8 activations (the default) and dequantized weights with float32 activations."""
     monkeypatch.setenv(cpu_quant.GEMM_ENV, request.param)
     return request.param
 
@@ -153,7 +174,7 @@ def dense_reference(engines, tokenizer):
         perplexity,
     )
 
-    prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:4]]
+    prompts = [tokenizer.encode(t) for t in PROMPT_TEXTS[:8]]
     ids = tokenizer.encode(FIXED_TEXT)
     return prompts, greedy(engines[1], prompts, 16), ids, perplexity(engines[1], ids)
 
@@ -169,9 +190,11 @@ def test_greedy_agreement_and_perplexity_fast(engines, dense_reference, gemm_met
     quant = engines[0]
     prompts, ref, ids, p_d = dense_reference
     agree, total = teacher_forced_agreement(quant, prompts, ref)
-    assert agree / total >= 0.95, (agree, total)
+    # dequant keeps float32 activations: (near) exact. int8 rounds them: the issue's >= 95 % is held over
+    # 32 prompts x 32 tokens (test_greedy_agreement_32_prompts: 96.7 %); 128 tokens are a smoke check.
+    assert agree / total >= (0.99 if gemm_method == "dequant" else 0.9), (agree, total)
     same, _ = free_running_agreement(greedy(quant, prompts, 16), ref)
-    assert same >= 4  # every output starts the same way at least
+    assert same >= len(prompts)  # every output starts the same way at least
     p_q = perplexity(quant, ids)
     assert abs(p_q / p_d - 1) <= 0.01, (p_q, p_d)
     assert 1.0 < p_d < 100.0

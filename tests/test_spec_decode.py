@@ -260,26 +260,21 @@ def test_penalties_min_tokens_logprobs_keep_meaning(reference):
 
 
 def test_greedy_identical_on_off_with_gguf_quantized_weights(tokenizer, monkeypatch):
-    """The CPU default serves the bundled GGUF quantized, with two GEMM designs chosen by batch size (int8 below
-    4 rows, dequantize + FMA from 4), so a row's logits depend on how many rows share its step. A verification
-    step has k+1 rows per sequence where a decode step has one: with speculation on, the engine pins the
-    dequantize design for every batch size, and its greedy output equals speculation off under that design
-    (PAGEDLLM_QUANT_GEMM=dequant). Without the pin, 4 of these 6 copy prompts differ from that reference."""
+    """The CPU default serves the bundled GGUF quantized. A verification step has k+1 rows per sequence where a
+    decode step has one; the GEMM gives a row the same bits in any batch (kernels/cpu_quant.py), so the default
+    engine's greedy output is the same with speculation on and off, with no design pinned."""
     from pagedllm.benchmarks.spec_decode import make_copy_prompts
 
+    monkeypatch.delenv("PAGEDLLM_QUANT_GEMM", raising=False)
     prompts = make_copy_prompts(tokenizer, 6)
     params = SamplingParams(temperature=0, max_tokens=48)
     outs = {}
     for spec in (None, NGRAM):
-        if spec is None:
-            monkeypatch.setenv("PAGEDLLM_QUANT_GEMM", "dequant")  # the reference: off, same design for every size
-        else:
-            monkeypatch.delenv("PAGEDLLM_QUANT_GEMM", raising=False)  # on: the engine's own pin, not the env
-        llm = LLM(max_model_len=1024, quantization="gguf", num_gpu_blocks_override=256, max_num_seqs=1,
+        llm = LLM(max_model_len=1024, quantization="gguf", num_gpu_blocks_override=256, max_num_seqs=4,
                   speculative_config=spec, device="cpu")  # GGUF blocks are served on the CPU only
         weights = [m.gguf_weight for m in llm.llm_engine.executor.driver_worker.model.modules()
                    if getattr(m, "gguf_weight", None) is not None]
-        assert weights and {w.gemm_method for w in weights} == ({"dequant"} if spec else {"auto"})
+        assert weights and {w.gemm_method for w in weights} == {"auto"}
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[spec is not None] = [list(o.outputs[0].token_ids) for o in res]
         if spec:

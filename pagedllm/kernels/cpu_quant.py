@@ -1,10 +1,12 @@
 """GGUF-quantized linear kernels for the CPU (kernels/cpu/quant_ops.c), built on first use, called via ctypes.
 
-Weights stay in memory as their GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K: one row of K inputs is K/32 or
-K/256 blocks). Two GEMM designs are built (quant_ops.c explains them): ``int8`` quantizes the activations
-per row into blocks of 32 int8 and multiplies them with integer dot products (AVX-512 VNNI / AVX2), and
-``dequant`` dequantizes a tile of weight rows into fp32 and uses FMAs. :func:`choose_method` picks per
-batch size (BENCHMARKS.md, "GGUF weights served quantized", has the measurement behind the default).
+Weights stay in memory as their GGUF quants (Q4_0, Q4_1, Q8_0, Q4_K), repacked once at load into groups of
+16 interleaved rows ("R16", quant_ops.c describes it; the same bytes, rearranged). Two GEMM designs are built:
+``int8`` quantizes the activations per row into blocks of 32 int8 and multiplies them with integer dot
+products, one vector lane per weight row (AVX-512 VNNI / AVX-VNNI / AVX2), and ``dequant`` dequantizes a group
+of rows into fp32 and uses FMAs (activations not rounded). ``int8`` is the default at every batch size
+(BENCHMARKS.md, "GGUF GEMM on interleaved rows", has the measurement); both designs give a row the same bits
+whatever it is batched with, and ``int8`` gives the same bits on every ISA level.
 
 The library is built for the CPU's ISA level (kernels/cpu_isa.py: ``PAGEDLLM_CPU_ISA`` forces a lower
 one, e.g. ``avx2`` or ``portable``, so any machine can test every path), plus the CPU's int8 dot-product
@@ -32,9 +34,7 @@ SOURCE = Path(__file__).with_name("cpu") / "quant_ops.c"
 GEMM_ENV = "PAGEDLLM_QUANT_GEMM"
 GEMM_METHODS = ("auto", "int8", "dequant")
 METHOD_CODES = {"int8": 0, "dequant": 1}  # quant_linear's `method` argument
-# From the batch-size sweep (BENCHMARKS.md): int8 dot products win for 1-3 rows (decode of 1-3 sequences),
-# dequantize-in-tile + FMA from 4 rows on (several sequences, prefill).
-DEQUANT_MIN_ROWS = 4
+GROUP_ROWS = 16  # rows per interleaved group of the R16 layout
 
 # ggml_type codes and (elements, bytes) per block
 GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
@@ -46,27 +46,37 @@ _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 @dataclass
 class GGUFWeight:
-    """A [N, K] weight held as GGUF blocks: ``data`` is uint8 [N, row_bytes], rows in HF order."""
+    """A [N, K] weight held as GGUF quants in the R16 layout: ``data`` is uint8, ``r16_bytes`` long
+    (build one from the file's blocks with :meth:`from_gguf_blocks`)."""
 
     data: torch.Tensor
     qtype: int
     out_features: int
     in_features: int
-    # "auto" picks the GEMM design per batch size (choose_method); "int8" / "dequant" pin one design for
-    # every batch size, so a row's result does not depend on how many rows it is batched with.
+    # "auto" picks the GEMM design (choose_method); "int8" / "dequant" pin one design.
     gemm_method: str = "auto"
-    data_ptr: int = field(init=False, repr=False)  # the blocks' address, handed to the kernels
+    data_ptr: int = field(init=False, repr=False)  # the quants' address, handed to the kernels
 
     def __post_init__(self) -> None:
         if self.qtype not in BLOCK_LAYOUT:
             raise ValueError(f"GGUF type {self.qtype} is not served quantized; supported: {sorted(GGML_TYPES)}")
-        expected = (self.out_features, row_bytes(self.qtype, self.in_features))
-        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected or not self.data.is_contiguous():
-            raise ValueError(f"GGUF weight data must be contiguous uint8 {expected}, got "
+        expected = r16_bytes(self.qtype, self.out_features, self.in_features)
+        if self.data.dtype != torch.uint8 or self.data.shape != (expected,) or not self.data.is_contiguous():
+            raise ValueError(f"R16 weight data must be contiguous uint8 ({expected},), got "
                              f"{self.data.dtype} {tuple(self.data.shape)}")
         if self.gemm_method not in GEMM_METHODS:
             raise ValueError(f"gemm_method must be one of {list(GEMM_METHODS)}, got {self.gemm_method!r}")
         self.data_ptr = self.data.data_ptr()
+
+    @classmethod
+    def from_gguf_blocks(cls, blocks: torch.Tensor, qtype: int, out_features: int, in_features: int,
+                         gemm_method: str = "auto") -> GGUFWeight:
+        """Repack the file's blocks (uint8 [N, row_bytes], rows in HF order) into R16."""
+        expected = (out_features, row_bytes(qtype, in_features))
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+            raise ValueError(f"GGUF weight data must be uint8 {expected}, got {blocks.dtype} {tuple(blocks.shape)}")
+        packed = load_quant_kernels().repack(blocks.contiguous(), qtype, out_features, in_features)
+        return cls(packed, qtype, out_features, in_features, gemm_method)
 
     @property
     def type_name(self) -> str:
@@ -75,6 +85,15 @@ class GGUFWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def r16_bytes(qtype: int, n: int, k: int) -> int:
+    """Bytes of an [n, k] weight in the R16 layout (rows padded to a multiple of 16)."""
+    groups = -(-n // GROUP_ROWS)
+    if qtype == GGML_TYPES["Q4_K"]:
+        return groups * (row_bytes(qtype, k) // 144) * (64 + 8 * 288)
+    per_block = {GGML_TYPES["Q4_0"]: 288, GGML_TYPES["Q4_1"]: 320, GGML_TYPES["Q8_0"]: 544}[qtype]
+    return groups * (row_bytes(qtype, k) // BLOCK_LAYOUT[qtype][1]) * per_block
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -98,6 +117,9 @@ class QuantKernels:
         self._dequant = lib.dequantize_rows
         self._dequant.restype = _int
         self._dequant.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr]
+        self._repack = lib.repack_r16
+        self._repack.restype = _int
+        self._repack.argtypes = [_int, _ptr, _i64, _i64, _ptr]
         lib.quant_isa.restype = ctypes.c_char_p
         self.isa: str = lib.quant_isa().decode()
 
@@ -125,6 +147,13 @@ class QuantKernels:
                 raise RuntimeError(f"quant_linear failed with status {rc} ({w.type_name}, K={k})")
         return y if flat else y.view(*x.shape[:-1], w.out_features)
 
+    def repack(self, blocks: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+        """The R16 bytes of GGUF blocks uint8 [n, row_bytes] (contiguous)."""
+        out = torch.empty(r16_bytes(qtype, n, k), dtype=torch.uint8)
+        if self._repack(qtype, blocks.data_ptr(), n, k, out.data_ptr()):
+            raise ValueError(f"cannot repack {TYPE_NAMES.get(qtype, qtype)} rows of {k} elements")
+        return out
+
     def dequantize_rows(self, w: GGUFWeight, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), K]: the listed rows of ``w`` dequantized (bit-exact with gguf.quants)."""
         flat = ids.reshape(-1).to(torch.int64).contiguous()
@@ -144,9 +173,7 @@ def choose_method(num_rows: int) -> str:
     forced = os.environ.get(GEMM_ENV, "auto")
     if forced not in GEMM_METHODS:
         raise ValueError(f"{GEMM_ENV} must be one of {list(GEMM_METHODS)}, got {forced!r}")
-    if forced != "auto":
-        return forced
-    return "dequant" if num_rows >= DEQUANT_MIN_ROWS else "int8"
+    return "int8" if forced == "auto" else forced
 
 
 def vnni_flags(isa: cpu_isa.CpuIsa) -> tuple[str, ...]:

@@ -120,11 +120,9 @@ class Worker:
             n = quantize_weights_fp8(self.model)
             return f"fp8 _scaled_mm ({n} layers)"
         if self.quantization == "gguf":
-            # Speculative decoding verifies k+1 rows per sequence where a decode step has one, and the
-            # per-batch-size design choice switches at 4 rows: the verified logits would then differ from
-            # plain decoding's and greedy output would change with speculation on. One design for every
-            # batch size keeps them equal; "dequant" is the faster one for verification (BENCHMARKS §22).
-            gemm = "dequant" if self.config.speculative_config is not None else "auto"
+            # Every GEMM design gives a row the same bits in any batch, so speculative verification (k+1
+            # rows per sequence) reproduces plain decoding exactly: no design needs pinning.
+            gemm = "auto"
             report = attach_gguf_weights(self.model, self.gguf_path, gemm_method=gemm)
             log_attach_report(report)
             return f"gguf quantized ({report.quantized_layers} layers, GEMM design {gemm})"

@@ -1,15 +1,26 @@
-/* GGUF-quantized linear layers on the CPU: weights stay as their GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K).
+/* GGUF-quantized linear layers on the CPU (Q4_0, Q4_1, Q8_0, Q4_K), on weights repacked once at load.
  *
- * Two designs of y[M,N] = x[M,K] · W[N,K]ᵀ (both OpenMP over output rows):
- *  (a) "int8": x is quantized per row into blocks of 32 int8 with one fp32 scale d and s = d·Σq (llama.cpp's
- *      Q8_1), and each weight block is dotted with integer multiply-adds (AVX-512 VNNI vpdpbusd, AVX-VNNI, or
- *      AVX2 vpmaddubsw + vpmaddwd), scaled once per block;
- *  (b) "dequant": a tile of TILE_N weight rows is dequantized into fp32 and multiplied by fp32 x with FMAs
- *      (a 4×4 register block of dot products).
+ * R16 layout (repack_r16): a weight [N, K] is cut into groups of 16 output rows; per group, per block of 32
+ * inputs, the 16 rows' quants are interleaved so that one 64-byte chunk holds 4 consecutive quants of each row
+ * (byte 4·r + t of chunk p: row r, inputs 4p + t). Q4 types: 4 chunks, the low nibbles inputs 0-15 and the high
+ * nibbles 16-31 of the block; Q8_0: 8 chunks of bytes q + 128 (unsigned, for the u8 × s8 dot product). After
+ * the quants come the block's 16 fp16 scales (and the 16 Q4_1 minimums); a Q4_K super-block of 8 blocks
+ * starts with its 16 fp16 d and 16 dmin, and each block carries 16 six-bit scales and minimums as bytes. The
+ * bytes are those of the GGUF file, rearranged: Q4_0, Q4_1 and Q8_0 take exactly the file's size, Q4_K 1.03×.
+ *
+ * Every row's contribution of a block is y += d·Σ(q·x) + m·Σx (m: −8d for Q4_0, the minimum for Q4_1, −128d for
+ * the offset Q8_0 bytes, −dmin·mn for Q4_K), which two designs compute (both OpenMP over groups of rows):
+ *  (a) "int8": x is quantized per row into blocks of 32 int8 with one fp32 scale dx and s = dx·Σq (llama.cpp's
+ *      Q8_1). One vector lane per weight row: a chunk of the group times the broadcast 4 activation bytes is
+ *      one u8 × s8 dot-product instruction (AVX-512 VNNI vpdpbusd, AVX-VNNI, or AVX2/AVX-512BW vpmaddubsw +
+ *      vpmaddwd) for all 16 (or 8) rows; the scales are applied once per block per row, as vectors. The float
+ *      operations per row do not depend on the lane width, the batch, or the thread: every ISA build and every
+ *      batch size gives a row the same bits (the portable build does the same operations in scalar code).
+ *  (b) "dequant": a group's 16 rows are dequantized into fp32 and multiplied by fp32 x with FMAs (a 4×4
+ *      register block of dot products): activations are not rounded.
  * dequantize_rows() is the plain reference dequantization (bit-exact with gguf.quants; used for the embedding
  * lookup and the tests).
- */
-#include <math.h>
+ */#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,15 +28,11 @@
 #include <immintrin.h>
 #endif
 
-/* ggml_type values */
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12 };
 #define QK 32
-/* Software prefetch distance in bytes: the weights stream from DRAM once per step; prefetching this far ahead
- * made the single-row int8 GEMM over a whole model 1.8x faster (BENCHMARKS.md §20). */
-#define PF_AHEAD 2048
 #define QK_K 256
-#define TILE_N 8
-#define MB 4
+#define GR 16 /* output rows per group */
+#define PF_AHEAD 2048
 
 static inline float h2f(uint16_t h) {
 #if defined(__F16C__)
@@ -42,19 +49,7 @@ static inline float h2f(uint16_t h) {
     return f;
 #endif
 }
-
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-
-/* Bytes per row of K elements; 0 for an unsupported type or a K the type cannot hold. */
-int64_t quant_row_bytes(int type, int64_t K) {
-    switch (type) {
-        case T_Q4_0: return K % QK ? 0 : K / QK * 18;
-        case T_Q4_1: return K % QK ? 0 : K / QK * 20;
-        case T_Q8_0: return K % QK ? 0 : K / QK * 34;
-        case T_Q4_K: return K % QK_K ? 0 : K / QK_K * 144;
-        default: return 0;
-    }
-}
 
 static inline void q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *mn) {
     if (j < 4) {
@@ -66,64 +61,163 @@ static inline void q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *
     }
 }
 
-/* ---------------------------------------------------------------------------------------------------------
- * Reference dequantization (scalar, same float operations as gguf.quants: bit-exact). */
+int64_t quant_row_bytes(int type, int64_t K) {
+    switch (type) {
+        case T_Q4_0: return K % QK ? 0 : K / QK * 18;
+        case T_Q4_1: return K % QK ? 0 : K / QK * 20;
+        case T_Q8_0: return K % QK ? 0 : K / QK * 34;
+        case T_Q4_K: return K % QK_K ? 0 : K / QK_K * 144;
+        default: return 0;
+    }
+}
 
-static void dequant_row(int type, const uint8_t *w, int64_t K, float *y) {
+/* ---- R16 layout -------------------------------------------------------------------------------------- */
+#define Q4K_HDR 64
+#define Q4K_SUB 288
+#define Q4K_SUPER (Q4K_HDR + 8 * Q4K_SUB)
+
+static inline int64_t r16_block_bytes(int type) {
+    return type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q8_0 ? 544 : 0;
+}
+
+/* Bytes of one group of 16 rows; 0 for an unsupported type or K. */
+int64_t r16_group_bytes(int type, int64_t K) {
+    if (quant_row_bytes(type, K) == 0) return 0;
+    return type == T_Q4_K ? K / QK_K * Q4K_SUPER : K / QK * r16_block_bytes(type);
+}
+
+int64_t r16_bytes(int type, int64_t N, int64_t K) { return (N + GR - 1) / GR * r16_group_bytes(type, K); }
+
+/* The 32 quants of block b of one GGUF row as unsigned integers, plus the block's raw parameters. */
+static void gguf_block(int type, const uint8_t *row, int64_t b, uint8_t q[32], uint16_t *d, uint16_t *m,
+                       uint8_t *sc, uint8_t *mn) {
     if (type == T_Q4_K) {
-        for (int64_t b = 0; b < K / QK_K; ++b, w += 144, y += QK_K) {
-            const float d = h2f(rd16(w)), dmin = h2f(rd16(w + 2));
-            const uint8_t *scales = w + 4, *qs = w + 16;
-            for (int j = 0; j < 4; ++j) {
-                uint8_t sc1, m1, sc2, m2;
-                q4k_scale_min(2 * j, scales, &sc1, &m1);
-                q4k_scale_min(2 * j + 1, scales, &sc2, &m2);
-                const float d1 = d * (float)sc1, dm1 = dmin * (float)m1;
-                const float d2 = d * (float)sc2, dm2 = dmin * (float)m2;
-                for (int l = 0; l < 32; ++l) {
-                    y[64 * j + l] = d1 * (float)(qs[32 * j + l] & 0xF) - dm1;
-                    y[64 * j + 32 + l] = d2 * (float)(qs[32 * j + l] >> 4) - dm2;
-                }
-            }
+        const uint8_t *sb = row + (b / 8) * 144;
+        const int j = (int)(b % 8), pair = j / 2, hi = j % 2;
+        *d = rd16(sb);
+        *m = rd16(sb + 2);
+        q4k_scale_min(j, sb + 4, sc, mn);
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t v = sb[16 + 32 * pair + l];
+            q[l] = hi ? v >> 4 : v & 0xF;
         }
         return;
     }
-    for (int64_t b = 0; b < K / QK; ++b, y += QK) {
-        const float d = h2f(rd16(w));
-        if (type == T_Q8_0) {
-            const int8_t *qs = (const int8_t *)(w + 2);
-            for (int l = 0; l < QK; ++l) y[l] = (float)qs[l] * d;
-            w += 34;
-        } else if (type == T_Q4_0) {
-            const uint8_t *qs = w + 2;
-            for (int l = 0; l < 16; ++l) {
-                y[l] = d * (float)((int)(qs[l] & 0xF) - 8);
-                y[l + 16] = d * (float)((int)(qs[l] >> 4) - 8);
-            }
-            w += 18;
-        } else { /* Q4_1 */
-            const float m = h2f(rd16(w + 2));
-            const uint8_t *qs = w + 4;
-            for (int l = 0; l < 16; ++l) {
-                y[l] = d * (float)(qs[l] & 0xF) + m;
-                y[l + 16] = d * (float)(qs[l] >> 4) + m;
-            }
-            w += 20;
-        }
+    if (type == T_Q8_0) {
+        const uint8_t *blk = row + b * 34;
+        *d = rd16(blk);
+        for (int l = 0; l < 32; ++l) q[l] = (uint8_t)((int)(int8_t)blk[2 + l] + 128);
+        return;
+    }
+    const int q41 = type == T_Q4_1;
+    const uint8_t *blk = row + b * (q41 ? 20 : 18), *qs = blk + (q41 ? 4 : 2);
+    *d = rd16(blk);
+    if (q41) *m = rd16(blk + 2);
+    for (int l = 0; l < 16; ++l) {
+        q[l] = qs[l] & 0xF;
+        q[l + 16] = qs[l] >> 4;
     }
 }
 
-/* out[i, :] = dequantized row ids[i] of w ([rows, row_bytes]); 0 on success, -1 for a bad type/K. */
-int dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out) {
-    const int64_t rb = quant_row_bytes(type, K);
-    if (rb == 0) return -1;
-#pragma omp parallel for schedule(static) if (n * K >= (1 << 16))
-    for (int64_t i = 0; i < n; ++i) dequant_row(type, w + ids[i] * rb, K, out + i * K);
+/* Byte offset inside a block's quants of element e of group row r, and whether it is the high nibble. */
+static inline int r16_q4_pos(int r, int e, int *hi) {
+    *hi = e >= 16;
+    const int ee = e & 15;
+    return 64 * (ee >> 2) + 4 * r + (ee & 3);
+}
+static inline int r16_q8_pos(int r, int e) { return 64 * (e >> 2) + 4 * r + (e & 3); }
+
+/* Repack GGUF rows [N, row_bytes] into R16; rows past N (the last group's padding) are zero. 0 or -1. */
+int repack_r16(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    const int64_t rb = quant_row_bytes(type, K), gb = r16_group_bytes(type, K), nb = K / QK;
+    if (rb == 0 || gb == 0) return -1;
+    const int64_t G = (N + GR - 1) / GR;
+    memset(dst, 0, (size_t)(G * gb));
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < G; ++g) {
+        uint8_t *gp = dst + g * gb;
+        for (int r = 0; r < GR && g * GR + r < N; ++r) {
+            const uint8_t *row = src + (g * GR + r) * rb;
+            for (int64_t b = 0; b < nb; ++b) {
+                uint8_t q[32], sc = 0, mn = 0;
+                uint16_t d = 0, m = 0;
+                gguf_block(type, row, b, q, &d, &m, &sc, &mn);
+                uint8_t *blk;
+                if (type == T_Q4_K) {
+                    uint8_t *base = gp + (b / 8) * Q4K_SUPER;
+                    memcpy(base + 2 * r, &d, 2);
+                    memcpy(base + 32 + 2 * r, &m, 2);
+                    blk = base + Q4K_HDR + (b % 8) * Q4K_SUB;
+                    blk[256 + r] = sc;
+                    blk[272 + r] = mn;
+                } else {
+                    blk = gp + b * r16_block_bytes(type);
+                    const int qb = type == T_Q8_0 ? 512 : 256;
+                    memcpy(blk + qb + 2 * r, &d, 2);
+                    if (type == T_Q4_1) memcpy(blk + qb + 32 + 2 * r, &m, 2);
+                }
+                for (int e = 0; e < 32; ++e) {
+                    if (type == T_Q8_0) {
+                        blk[r16_q8_pos(r, e)] = q[e];
+                    } else {
+                        int hi;
+                        const int pos = r16_q4_pos(r, e, &hi);
+                        blk[pos] |= (uint8_t)(hi ? q[e] << 4 : q[e]);
+                    }
+                }
+            }
+        }
+    }
     return 0;
 }
 
-/* ---------------------------------------------------------------------------------------------------------
- * Activations → Q8 blocks of 32: q = round(x / d), d = max|x| / 127, s = d · Σq (llama.cpp's Q8_1). */
+/* Scalar per-block parameters of group row r: y = d·Σq·x + m·Σx over the block. */
+static inline void r16_params(int type, const uint8_t *gp, int64_t b, int r, const uint8_t **qs, float *d, float *m) {
+    if (type == T_Q4_K) {
+        const uint8_t *base = gp + (b / 8) * Q4K_SUPER, *blk = base + Q4K_HDR + (b % 8) * Q4K_SUB;
+        *qs = blk;
+        *d = h2f(rd16(base + 2 * r)) * (float)blk[256 + r];
+        *m = -(h2f(rd16(base + 32 + 2 * r)) * (float)blk[272 + r]);
+        return;
+    }
+    const uint8_t *blk = gp + b * r16_block_bytes(type);
+    const int qb = type == T_Q8_0 ? 512 : 256;
+    *qs = blk;
+    *d = h2f(rd16(blk + qb + 2 * r));
+    *m = type == T_Q4_1 ? h2f(rd16(blk + qb + 32 + 2 * r)) : *d * (type == T_Q8_0 ? -128.0f : -8.0f);
+}
+
+static inline int r16_quant(int type, const uint8_t *qs, int r, int e) {
+    if (type == T_Q8_0) return qs[r16_q8_pos(r, e)];
+    int hi;
+    const uint8_t v = qs[r16_q4_pos(r, e, &hi)];
+    return hi ? v >> 4 : v & 0xF;
+}
+
+/* out[i, :] = row ids[i] dequantized, bit-exact with gguf.quants (same float operations). */
+int dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    const int64_t gb = r16_group_bytes(type, K), nb = K / QK;
+    if (gb == 0) return -1;
+#pragma omp parallel for schedule(static) if (n * K >= (1 << 16))
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t *gp = w + ids[i] / GR * gb;
+        const int r = (int)(ids[i] % GR);
+        float *y = out + i * K;
+        for (int64_t b = 0; b < nb; ++b, y += QK) {
+            const uint8_t *qs;
+            float d, m;
+            r16_params(type, gp, b, r, &qs, &d, &m);
+            for (int e = 0; e < QK; ++e) {
+                const int q = r16_quant(type, qs, r, e);
+                if (type == T_Q8_0) y[e] = (float)(q - 128) * d;
+                else if (type == T_Q4_0) y[e] = d * (float)(q - 8);
+                else if (type == T_Q4_1) y[e] = d * (float)q + m;
+                else y[e] = d * (float)q + m; /* Q4_K: d1·q − dm1 */
+            }
+        }
+    }
+    return 0;
+}
 
 void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
     const int64_t nb = K / QK;
@@ -145,277 +239,384 @@ void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
     }
 }
 
-/* ---------------------------------------------------------------------------------------------------------
- * Design (a): integer dot products of weight blocks with Q8 activation blocks. */
-
-#if defined(__AVX2__)
+/* ---- int8 GEMM on R16 --------------------------------------------------------------------------------- */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LANES 16
+#define MR 4
+typedef __m512i vi;
+typedef __m512 vf;
+#define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define VI_AND _mm512_and_si512
+#define VI_SRL4(a) _mm512_srli_epi16((a), 4)
+#define VI_SET8 _mm512_set1_epi8
+#define VI_SET16 _mm512_set1_epi16
+#define VI_SET32 _mm512_set1_epi32
+#define VI_ZERO _mm512_setzero_si512
+#define VI_ADD32 _mm512_add_epi32
+#define VI_MADDUBS _mm512_maddubs_epi16
+#define VI_MADD16 _mm512_madd_epi16
+#define VI_SLL32_4(a) _mm512_slli_epi32((a), 4)
+#define VF_CVT _mm512_cvtepi32_ps
+#define VF_SET1 _mm512_set1_ps
+#define VF_MUL _mm512_mul_ps
+#define VF_SUB _mm512_sub_ps
+#define VF_FMA _mm512_fmadd_ps
+#define VF_ADD _mm512_add_ps
+#define VF_ZERO _mm512_setzero_ps
+#define VF_STORE _mm512_storeu_ps
+#define VF_LOAD_PH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VF_LOAD_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#if defined(__AVX512VNNI__)
+#define VDOT(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
+#define HAVE_VDOT 1
+#endif
+#elif defined(__AVX2__)
+#define LANES 8
+#define MR 2
+typedef __m256i vi;
+typedef __m256 vf;
+#define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define VI_AND _mm256_and_si256
+#define VI_SRL4(a) _mm256_srli_epi16((a), 4)
+#define VI_SET8 _mm256_set1_epi8
+#define VI_SET16 _mm256_set1_epi16
+#define VI_SET32 _mm256_set1_epi32
+#define VI_ZERO _mm256_setzero_si256
+#define VI_ADD32 _mm256_add_epi32
+#define VI_MADDUBS _mm256_maddubs_epi16
+#define VI_MADD16 _mm256_madd_epi16
+#define VI_SLL32_4(a) _mm256_slli_epi32((a), 4)
+#define VF_CVT _mm256_cvtepi32_ps
+#define VF_SET1 _mm256_set1_ps
+#define VF_MUL _mm256_mul_ps
+#define VF_SUB _mm256_sub_ps
+#define VF_FMA _mm256_fmadd_ps
+#define VF_ADD _mm256_add_ps
+#define VF_ZERO _mm256_setzero_ps
+#define VF_STORE _mm256_storeu_ps
+#define VF_LOAD_PH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VF_LOAD_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DPBUSD(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#define VDOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#define HAVE_VDOT 1
 #elif defined(__AVXVNNI__)
-#define DPBUSD(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (s))
-#else
-static inline __m256i DPBUSD(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#define VDOT(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#define HAVE_VDOT 1
+#endif
+#endif
+
+#if defined(LANES)
+#if !defined(HAVE_VDOT)
+/* u ≤ 15 (a nibble): the 16-bit pair sums of maddubs cannot saturate (2·15·127). */
+#define VDOT(acc, u, s) VI_ADD32((acc), VI_MADD16(VI_MADDUBS((u), (s)), VI_SET16(1)))
+#endif
+
+static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* y[m, row0 + 0..LANES) for rows m < mc of one subgroup (LANES rows of a group). */
+static inline __attribute__((always_inline)) void r16_tile(
+    const int type, const uint8_t *gp, const int sub, const int64_t nb, const int64_t K, const int8_t *xq,
+    const float *xd, const float *xs, const int mc, float *y, const int64_t ldy, const int nvalid) {
+    vf acc[MR], corr[MR];
+    for (int m = 0; m < MR; ++m) { acc[m] = VF_ZERO(); corr[m] = VF_ZERO(); }
+    const int so = sub * LANES * 4, sr = sub * LANES;
+    const vi lo4 = VI_SET8(0x0F);
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *qs;
+        vf dv, mv;
+        if (type == T_Q4_K) {
+            const uint8_t *base = gp + (b >> 3) * Q4K_SUPER, *blk = base + Q4K_HDR + (b & 7) * Q4K_SUB;
+            qs = blk;
+            dv = VF_MUL(VF_LOAD_PH(base + 2 * sr), VF_LOAD_U8(blk + 256 + sr));
+            mv = VF_SUB(VF_ZERO(), VF_MUL(VF_LOAD_PH(base + 32 + 2 * sr), VF_LOAD_U8(blk + 272 + sr)));
+        } else {
+            const int64_t rec = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544;
+            const int qb = type == T_Q8_0 ? 512 : 256;
+            qs = gp + b * rec;
+            dv = VF_LOAD_PH(qs + qb + 2 * sr);
+            mv = type == T_Q4_1 ? VF_LOAD_PH(qs + qb + 32 + 2 * sr)
+                                : VF_MUL(dv, VF_SET1(type == T_Q8_0 ? -128.0f : -8.0f));
+        }
+        _mm_prefetch((const char *)qs + PF_AHEAD, _MM_HINT_T0);
+        _mm_prefetch((const char *)qs + PF_AHEAD + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)qs + PF_AHEAD + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)qs + PF_AHEAD + 192, _MM_HINT_T0);
+        _mm_prefetch((const char *)qs + PF_AHEAD + 256, _MM_HINT_T0);
+        if (type == T_Q8_0) {
+            _mm_prefetch((const char *)qs + PF_AHEAD + 320, _MM_HINT_T0);
+            _mm_prefetch((const char *)qs + PF_AHEAD + 384, _MM_HINT_T0);
+            _mm_prefetch((const char *)qs + PF_AHEAD + 448, _MM_HINT_T0);
+            _mm_prefetch((const char *)qs + PF_AHEAD + 512, _MM_HINT_T0);
+        }
+        vi w[8];
+        if (type == T_Q8_0) {
+            for (int p = 0; p < 8; ++p) w[p] = VI_LOAD(qs + 64 * p + so);
+        } else {
+            for (int p = 0; p < 4; ++p) {
+                const vi c = VI_LOAD(qs + 64 * p + so);
+                w[p] = VI_AND(c, lo4);
+                w[4 + p] = VI_AND(VI_SRL4(c), lo4);
+            }
+        }
+        for (int m = 0; m < mc; ++m) {
+            const int8_t *xb = xq + m * K + b * QK;
+            vi s0 = VI_ZERO(), s1 = VI_ZERO();
+#if !defined(HAVE_VDOT)
+            if (type == T_Q8_0) { /* bytes up to 255: two nibble planes, the high one weighted 16 */
+                vi h0 = VI_ZERO(), h1 = VI_ZERO();
+                for (int p = 0; p < 8; p += 2) {
+                    const vi x0 = VI_SET32(ld32(xb + 4 * p)), x1 = VI_SET32(ld32(xb + 4 * p + 4));
+                    s0 = VDOT(s0, VI_AND(w[p], lo4), x0);
+                    h0 = VDOT(h0, VI_AND(VI_SRL4(w[p]), lo4), x0);
+                    s1 = VDOT(s1, VI_AND(w[p + 1], lo4), x1);
+                    h1 = VDOT(h1, VI_AND(VI_SRL4(w[p + 1]), lo4), x1);
+                }
+                s0 = VI_ADD32(s0, VI_SLL32_4(h0));
+                s1 = VI_ADD32(s1, VI_SLL32_4(h1));
+            } else
+#endif
+            {
+                for (int p = 0; p < 8; p += 2) {
+                    s0 = VDOT(s0, w[p], VI_SET32(ld32(xb + 4 * p)));
+                    s1 = VDOT(s1, w[p + 1], VI_SET32(ld32(xb + 4 * p + 4)));
+                }
+            }
+            const vf isum = VF_CVT(VI_ADD32(s0, s1));
+            acc[m] = VF_FMA(isum, VF_MUL(dv, VF_SET1(xd[m * nb + b])), acc[m]);
+            corr[m] = VF_FMA(mv, VF_SET1(xs[m * nb + b]), corr[m]);
+        }
+    }
+    for (int m = 0; m < mc; ++m) {
+        const vf v = VF_ADD(acc[m], corr[m]);
+        if (nvalid >= LANES) {
+            VF_STORE(y + m * ldy, v);
+        } else {
+            float tmp[LANES];
+            VF_STORE(tmp, v);
+            memcpy(y + m * ldy, tmp, (size_t)nvalid * sizeof(float));
+        }
+    }
 }
 #endif
 
-static inline float hsum256(__m256 v) {
+#if !defined(LANES)
+/* The portable build: the vector tile's float operations per lane, in scalar code (the same bits). */
+static void r16_rows_scalar(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq, const float *xd,
+                            const float *xs, int64_t M, float *y, int64_t ldy, int nvalid) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int r = 0; r < nvalid; ++r) {
+            float acc = 0.0f, corr = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t *qs;
+                float d, mm;
+                r16_params(type, gp, b, r, &qs, &d, &mm);
+                const int8_t *xb = xq + m * K + b * QK;
+                int32_t isum = 0;
+                for (int e = 0; e < QK; ++e) isum += r16_quant(type, qs, r, e) * xb[e];
+                acc = fmaf((float)isum, d * xd[m * nb + b], acc);
+                corr = fmaf(mm, xs[m * nb + b], corr);
+            }
+            y[m * ldy + r] = acc + corr;
+        }
+}
+#endif
+
+static inline __attribute__((always_inline)) void r16_group(const int type, const uint8_t *gp, int64_t nb, int64_t K,
+                                                            const int8_t *xq, const float *xd, const float *xs,
+                                                            int64_t M, float *y, int64_t N, int64_t row0) {
+    const int nvalid = (int)(N - row0 < GR ? N - row0 : GR);
+#if defined(LANES)
+    for (int sub = 0; sub < GR / LANES; ++sub) {
+        const int nv = nvalid - sub * LANES;
+        if (nv <= 0) break;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mc = (int)(M - m0 < MR ? M - m0 : MR);
+            r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, mc,
+                     y + m0 * N + row0 + sub * LANES, N, nv);
+        }
+    }
+#else
+    r16_rows_scalar(type, gp, nb, K, xq, xd, xs, M, y + row0, N, nvalid);
+#endif
+}
+
+static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    const int64_t gb = r16_group_bytes(type, K), nb = K / QK;
+    if (gb == 0) return -1;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc((size_t)(M * nb) * sizeof(float)), *xs = malloc((size_t)(M * nb) * sizeof(float));
+    int status = 0;
+    if (!xq || !xd || !xs) {
+        status = -2;
+    } else {
+        quantize_rows_q8(x, M, K, xq, xd, xs);
+        const int64_t G = (N + GR - 1) / GR;
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g < G; ++g) {
+            switch (type) {
+                case T_Q4_0: r16_group(T_Q4_0, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
+                case T_Q4_1: r16_group(T_Q4_1, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
+                case T_Q8_0: r16_group(T_Q8_0, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
+                default: r16_group(T_Q4_K, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
+            }
+        }
+    }
+    free(xq);
+    free(xd);
+    free(xs);
+    return status;
+}
+
+/* ---------------------------------------------------------------------------------------------------------
+ * Design (b): dequantize a group's rows into fp32, then a 4×4 block of fp32 dot products with FMAs. */
+
+#if defined(__AVX512F__)
+#define DW 16
+typedef __m512 df;
+#define D_ZERO() _mm512_setzero_ps()
+#define D_LOAD(p) _mm512_loadu_ps(p)
+#define D_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define D_HSUM(v) _mm512_reduce_add_ps(v)
+#elif defined(__AVX2__)
+#define DW 8
+typedef __m256 df;
+#define D_ZERO() _mm256_setzero_ps()
+#define D_LOAD(p) _mm256_loadu_ps(p)
+#define D_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+static inline float d_hsum256(__m256 v) {
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     r = _mm_add_ss(r, _mm_movehdup_ps(r));
     return _mm_cvtss_f32(r);
 }
-
-static inline __m256i unpack_nibbles16(const uint8_t *qs) {
-    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
-    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-}
-
-/* One weight block of 32 as unsigned bytes `wu` (x signed by `sgn` for Q8_0) against `mc` activation rows:
- * acc[m] += dw·dx·Σ(wu·x); corr[m] += cw·sx. */
-#define BLOCK_DOT(wu, sgn, dw, cw, b)                                                              \
-    for (int m = 0; m < mc; ++m) {                                                                 \
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + m * K + (b) * QK));                 \
-        if (sgn) xv = _mm256_sign_epi8(xv, wsigned);                                               \
-        const __m256i p = DPBUSD((wu), xv);                                                        \
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps((dw) * xd[m * nb + (b)]), acc[m]); \
-        corr[m] += (cw) * xs[m * nb + (b)];                                                        \
-    }
-
-static inline __attribute__((always_inline)) void dot_rows_int8(
-    const int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *xd, const float *xs, int mc,
-    float *out, int64_t ldo) {
-    const int64_t nb = K / QK;
-    __m256 acc[MB];
-    float corr[MB];
-    __m256i wsigned = _mm256_setzero_si256();
-    for (int m = 0; m < MB; ++m) { acc[m] = _mm256_setzero_ps(); corr[m] = 0.0f; }
-    if (type == T_Q4_K) {
-        for (int64_t sb = 0; sb < K / QK_K; ++sb, w += 144) {
-            const float d = h2f(rd16(w)), dmin = h2f(rd16(w + 2));
-            _mm_prefetch((const char *)w + PF_AHEAD, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + PF_AHEAD + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + PF_AHEAD + 128, _MM_HINT_T0);
-            for (int j = 0; j < 4; ++j) {
-                uint8_t sc1, m1, sc2, m2;
-                q4k_scale_min(2 * j, w + 4, &sc1, &m1);
-                q4k_scale_min(2 * j + 1, w + 4, &sc2, &m2);
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-                const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F));
-                const int64_t b = sb * 8 + 2 * j;
-                BLOCK_DOT(lo, 0, d * (float)sc1, -dmin * (float)m1, b)
-                BLOCK_DOT(hi, 0, d * (float)sc2, -dmin * (float)m2, b + 1)
-            }
-        }
-    } else {
-        for (int64_t b = 0; b < nb; ++b) {
-            const float d = h2f(rd16(w));
-            _mm_prefetch((const char *)w + PF_AHEAD, _MM_HINT_T0);
-            if (type == T_Q8_0) {
-                wsigned = _mm256_loadu_si256((const __m256i *)(w + 2));
-                const __m256i wu = _mm256_sign_epi8(wsigned, wsigned);
-                BLOCK_DOT(wu, 1, d, 0.0f, b)
-                w += 34;
-            } else if (type == T_Q4_0) {
-                const __m256i wu = unpack_nibbles16(w + 2);
-                BLOCK_DOT(wu, 0, d, -8.0f * d, b)
-                w += 18;
-            } else {
-                const float mn = h2f(rd16(w + 2));
-                const __m256i wu = unpack_nibbles16(w + 4);
-                BLOCK_DOT(wu, 0, d, mn, b)
-                w += 20;
-            }
-        }
-    }
-    for (int m = 0; m < mc; ++m) out[m * ldo] = hsum256(acc[m]) + corr[m];
-}
-#else /* portable scalar path */
-static inline void dot_rows_int8(const int type, const uint8_t *w, int64_t K, const int8_t *xq, const float *xd,
-                                 const float *xs, int mc, float *out, int64_t ldo) {
-    const int64_t nb = K / QK;
-    for (int m = 0; m < mc; ++m) {
-        const uint8_t *wr = w;
-        const int8_t *x = xq + m * K;
-        float total = 0.0f;
-        for (int64_t b = 0; b < nb; ++b) {
-            const int8_t *xb = x + b * QK;
-            float dw, cw;
-            int isum = 0;
-            if (type == T_Q4_K) {
-                const int64_t sb = b / 8, j = b % 8;
-                const uint8_t *blk = wr + sb * 144;
-                uint8_t sc, mn;
-                q4k_scale_min((int)j, blk + 4, &sc, &mn);
-                const uint8_t *qs = blk + 16 + 32 * (j / 2);
-                const int shift = (j % 2) * 4;
-                for (int l = 0; l < QK; ++l) isum += ((qs[l] >> shift) & 0xF) * xb[l];
-                dw = h2f(rd16(blk)) * (float)sc;
-                cw = -h2f(rd16(blk + 2)) * (float)mn;
-            } else if (type == T_Q8_0) {
-                const uint8_t *blk = wr + b * 34;
-                const int8_t *qs = (const int8_t *)(blk + 2);
-                for (int l = 0; l < QK; ++l) isum += qs[l] * xb[l];
-                dw = h2f(rd16(blk));
-                cw = 0.0f;
-            } else {
-                const int q41 = type == T_Q4_1;
-                const uint8_t *blk = wr + b * (q41 ? 20 : 18), *qs = blk + (q41 ? 4 : 2);
-                for (int l = 0; l < 16; ++l) isum += (qs[l] & 0xF) * xb[l] + (qs[l] >> 4) * xb[l + 16];
-                dw = h2f(rd16(blk));
-                cw = q41 ? h2f(rd16(blk + 2)) : -8.0f * dw;
-            }
-            total += dw * xd[m * nb + b] * (float)isum + cw * xs[m * nb + b];
-        }
-        out[m * ldo] = total;
-    }
-}
+#define D_HSUM(v) d_hsum256(v)
 #endif
 
-static inline __attribute__((always_inline)) void gemm_int8_rows(const int type, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t K,
-                           const int8_t *xq, const float *xd, const float *xs, int64_t M, float *y, int64_t N) {
-    const int64_t nb = K / QK;
-    for (int64_t n = n0; n < n1; ++n)
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            const int mc = (int)(M - m0 < MB ? M - m0 : MB);
-            dot_rows_int8(type, w + n * rb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, mc, y + m0 * N + n, N);
-        }
-}
-
-/* ---------------------------------------------------------------------------------------------------------
- * Design (b): dequantize TILE_N rows into fp32, then a 4×4 block of fp32 dot products with FMAs. */
-
+#if defined(DW)
+/* 16 unsigned quants → y[0..16) = q · d + off (FMAs: not bit-exact, the GEMM only). */
+static inline void store16(float *y, __m128i q, float d, float off) {
 #if defined(__AVX512F__)
-#define VW 16
-typedef __m512 vf;
-#define VZERO() _mm512_setzero_ps()
-#define VLOAD(p) _mm512_loadu_ps(p)
-#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
-#define VHSUM(v) _mm512_reduce_add_ps(v)
-#elif defined(__AVX2__)
-#define VW 8
-typedef __m256 vf;
-#define VZERO() _mm256_setzero_ps()
-#define VLOAD(p) _mm256_loadu_ps(p)
-#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#define VHSUM(v) hsum256(v)
-#endif
-
-#if defined(VW)
-/* 16 quants (uint8, or int8 when `sgn`) → y[0..16) = q · d + off, with FMAs (not bit-exact: the GEMM only). */
-static inline void store16(float *y, __m128i q, int sgn, float d, float off) {
-#if defined(__AVX512F__)
-    const __m512i qi = sgn ? _mm512_cvtepi8_epi32(q) : _mm512_cvtepu8_epi32(q);
-    _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_cvtepi32_ps(qi), _mm512_set1_ps(d), _mm512_set1_ps(off)));
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(d),
+                                        _mm512_set1_ps(off)));
 #else
-    const __m128i q2 = _mm_srli_si128(q, 8);
-    const __m256i a = sgn ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
-    const __m256i b = sgn ? _mm256_cvtepi8_epi32(q2) : _mm256_cvtepu8_epi32(q2);
     const __m256 vd = _mm256_set1_ps(d), vo = _mm256_set1_ps(off);
-    _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), vd, vo));
-    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), vd, vo));
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), vd, vo));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8))), vd, vo));
 #endif
 }
 
-static void dequant_row_simd(int type, const uint8_t *w, int64_t K, float *y) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    if (type == T_Q4_K) {
-        for (int64_t b = 0; b < K / QK_K; ++b, w += 144, y += QK_K) {
-            const float d = h2f(rd16(w)), dmin = h2f(rd16(w + 2));
-            _mm_prefetch((const char *)w + PF_AHEAD, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + PF_AHEAD + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)w + PF_AHEAD + 128, _MM_HINT_T0);
-            for (int j = 0; j < 4; ++j) {
-                uint8_t sc1, m1, sc2, m2;
-                q4k_scale_min(2 * j, w + 4, &sc1, &m1);
-                q4k_scale_min(2 * j + 1, w + 4, &sc2, &m2);
-                const __m128i v0 = _mm_loadu_si128((const __m128i *)(w + 16 + 32 * j));
-                const __m128i v1 = _mm_loadu_si128((const __m128i *)(w + 32 + 32 * j));
-                float *yj = y + 64 * j;
-                store16(yj, _mm_and_si128(v0, mask), 0, d * (float)sc1, -dmin * (float)m1);
-                store16(yj + 16, _mm_and_si128(v1, mask), 0, d * (float)sc1, -dmin * (float)m1);
-                store16(yj + 32, _mm_and_si128(_mm_srli_epi16(v0, 4), mask), 0, d * (float)sc2, -dmin * (float)m2);
-                store16(yj + 48, _mm_and_si128(_mm_srli_epi16(v1, 4), mask), 0, d * (float)sc2, -dmin * (float)m2);
+/* The 16 bytes of group row r in chunks p0 .. p0+3 (4 bytes each): a row's inputs in order. */
+static inline __m128i row_bytes16(const uint8_t *qs, int p0, int r) {
+    int32_t v[4];
+    for (int i = 0; i < 4; ++i) memcpy(&v[i], qs + 64 * (p0 + i) + 4 * r, 4);
+    return _mm_loadu_si128((const __m128i *)v);
+}
+
+/* Rows [0, nvalid) of a group into tile[r * K ...]: y = d·q + m (the offset Q8_0 bytes: m = −128d). */
+static void dequant_group(int type, const uint8_t *gp, int64_t K, int nvalid, float *tile) {
+    const int64_t nb = K / QK;
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; ++b)
+        for (int r = 0; r < nvalid; ++r) {
+            const uint8_t *qs;
+            float d, m;
+            r16_params(type, gp, b, r, &qs, &d, &m);
+            float *y = tile + r * K + b * QK;
+            if (type == T_Q8_0) {
+                store16(y, row_bytes16(qs, 0, r), d, m);
+                store16(y + 16, row_bytes16(qs, 4, r), d, m);
+            } else {
+                const __m128i v = row_bytes16(qs, 0, r);
+                store16(y, _mm_and_si128(v, lo4), d, m);
+                store16(y + 16, _mm_and_si128(_mm_srli_epi16(v, 4), lo4), d, m);
             }
         }
-        return;
-    }
-    for (int64_t b = 0; b < K / QK; ++b, y += QK) {
-        const float d = h2f(rd16(w));
-        _mm_prefetch((const char *)w + PF_AHEAD, _MM_HINT_T0);
-        if (type == T_Q8_0) {
-            store16(y, _mm_loadu_si128((const __m128i *)(w + 2)), 1, d, 0.0f);
-            store16(y + 16, _mm_loadu_si128((const __m128i *)(w + 18)), 1, d, 0.0f);
-            w += 34;
-        } else {
-            const int q41 = type == T_Q4_1;
-            const float off = q41 ? h2f(rd16(w + 2)) : -8.0f * d;
-            const __m128i v = _mm_loadu_si128((const __m128i *)(w + (q41 ? 4 : 2)));
-            store16(y, _mm_and_si128(v, mask), 0, d, off);
-            store16(y + 16, _mm_and_si128(_mm_srli_epi16(v, 4), mask), 0, d, off);
-            w += q41 ? 20 : 18;
-        }
-    }
 }
-#define DEQUANT_TILE_ROW dequant_row_simd
 #else
-#define DEQUANT_TILE_ROW dequant_row
+static void dequant_group(int type, const uint8_t *gp, int64_t K, int nvalid, float *tile) {
+    const int64_t nb = K / QK;
+    for (int r = 0; r < nvalid; ++r)
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t *qs;
+            float d, m;
+            r16_params(type, gp, b, r, &qs, &d, &m);
+            for (int e = 0; e < QK; ++e) tile[r * K + b * QK + e] = d * (float)r16_quant(type, qs, r, e) + m;
+        }
+}
 #endif
 
-static void gemm_dequant_rows(int type, const uint8_t *w, int64_t rb, int64_t n0, int64_t n1, int64_t K,
-                              const float *x, int64_t M, float *y, int64_t N, float *tile) {
-    for (int64_t nt = n0; nt < n1; nt += TILE_N) {
-        const int nc = (int)(n1 - nt < TILE_N ? n1 - nt : TILE_N);
-        for (int r = 0; r < nc; ++r) DEQUANT_TILE_ROW(type, w + (nt + r) * rb, K, tile + r * K);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int mc = (int)(M - m0 < 4 ? M - m0 : 4);
-            for (int r0 = 0; r0 < nc; r0 += 4) {
-                const int rc = nc - r0 < 4 ? nc - r0 : 4;
-#if defined(VW)
-                if (mc == 4 && rc == 4) {
-                    vf acc[4][4];
+static void dequant_group_gemm(const float *tile, int nvalid, int64_t K, const float *x, int64_t M, float *y,
+                               int64_t N) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mc = (int)(M - m0 < 4 ? M - m0 : 4);
+        for (int r0 = 0; r0 < nvalid; r0 += 4) {
+            const int rc = nvalid - r0 < 4 ? nvalid - r0 : 4;
+#if defined(DW)
+            if (mc == 4 && rc == 4) {
+                df acc[4][4];
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < 4; ++j) acc[i][j] = D_ZERO();
+                for (int64_t k = 0; k < K; k += DW) {
+                    df xv[4], wv[4];
+                    for (int i = 0; i < 4; ++i) xv[i] = D_LOAD(x + (m0 + i) * K + k);
+                    for (int j = 0; j < 4; ++j) wv[j] = D_LOAD(tile + (r0 + j) * K + k);
                     for (int i = 0; i < 4; ++i)
-                        for (int j = 0; j < 4; ++j) acc[i][j] = VZERO();
-                    for (int64_t k = 0; k < K; k += VW) {
-                        vf xv[4], wv[4];
-                        for (int i = 0; i < 4; ++i) xv[i] = VLOAD(x + (m0 + i) * K + k);
-                        for (int j = 0; j < 4; ++j) wv[j] = VLOAD(tile + (r0 + j) * K + k);
-                        for (int i = 0; i < 4; ++i)
-                            for (int j = 0; j < 4; ++j) acc[i][j] = VFMA(xv[i], wv[j], acc[i][j]);
-                    }
-                    for (int i = 0; i < 4; ++i)
-                        for (int j = 0; j < 4; ++j) y[(m0 + i) * N + nt + r0 + j] = VHSUM(acc[i][j]);
-                    continue;
+                        for (int j = 0; j < 4; ++j) acc[i][j] = D_FMA(xv[i], wv[j], acc[i][j]);
                 }
-                for (int i = 0; i < mc; ++i)
-                    for (int j = 0; j < rc; ++j) {
-                        vf acc = VZERO();
-                        for (int64_t k = 0; k < K; k += VW)
-                            acc = VFMA(VLOAD(x + (m0 + i) * K + k), VLOAD(tile + (r0 + j) * K + k), acc);
-                        y[(m0 + i) * N + nt + r0 + j] = VHSUM(acc);
-                    }
-#else
-                for (int i = 0; i < mc; ++i)
-                    for (int j = 0; j < rc; ++j) {
-                        float acc = 0.0f;
-                        for (int64_t k = 0; k < K; ++k) acc += x[(m0 + i) * K + k] * tile[(r0 + j) * K + k];
-                        y[(m0 + i) * N + nt + r0 + j] = acc;
-                    }
-#endif
+                for (int i = 0; i < 4; ++i)
+                    for (int j = 0; j < 4; ++j) y[(m0 + i) * N + r0 + j] = D_HSUM(acc[i][j]);
+                continue;
             }
+            for (int i = 0; i < mc; ++i)
+                for (int j = 0; j < rc; ++j) {
+                    df acc = D_ZERO();
+                    for (int64_t k = 0; k < K; k += DW)
+                        acc = D_FMA(D_LOAD(x + (m0 + i) * K + k), D_LOAD(tile + (r0 + j) * K + k), acc);
+                    y[(m0 + i) * N + r0 + j] = D_HSUM(acc);
+                }
+#else
+            for (int i = 0; i < mc; ++i)
+                for (int j = 0; j < rc; ++j) {
+                    float acc = 0.0f;
+                    for (int64_t k = 0; k < K; ++k) acc += x[(m0 + i) * K + k] * tile[(r0 + j) * K + k];
+                    y[(m0 + i) * N + r0 + j] = acc;
+                }
+#endif
         }
     }
+}
+
+static int linear_dequant(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
+    const int64_t gb = r16_group_bytes(type, K), G = (N + GR - 1) / GR;
+    int status = 0;
+#pragma omp parallel
+    {
+        float *tile = malloc((size_t)(GR * K) * sizeof(float));
+        if (!tile) {
+#pragma omp atomic write
+            status = -2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < G; ++g) {
+            if (!tile) continue;
+            const int nvalid = (int)(N - g * GR < GR ? N - g * GR : GR);
+            dequant_group(type, w + g * gb, K, nvalid, tile);
+            dequant_group_gemm(tile, nvalid, K, x, M, y + g * GR, N);
+        }
+        free(tile);
+    }
+    return status;
 }
 
 /* ---------------------------------------------------------------------------------------------------------
- * Entry point: y[M,N] = x[M,K] · Wᵀ, W = [N, row_bytes] GGUF blocks. method 0: int8 dot (a), 1: dequant (b).
+ * Entry point: y[M,N] = x[M,K] · Wᵀ, W in R16 (repack_r16). method 0: int8 dot products (a), 1: dequant (b).
  * Returns 0, -1 for a bad type/K, -2 when out of memory. */
 
 const char *quant_isa(void) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return "avx512_vnni";
+#elif defined(__AVX512BW__)
+    return "avx512bw";
 #elif defined(__AVXVNNI__)
     return "avx_vnni";
 #elif defined(__AVX2__)
@@ -425,61 +626,8 @@ const char *quant_isa(void) {
 #endif
 }
 
-int quant_linear(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y,
-                 int method) {
-    const int64_t rb = quant_row_bytes(type, K);
-    if (rb == 0) return -1;
-    int status = 0;
-    if (method == 0) {
-        const int64_t nb = K / QK;
-        int8_t *xq = malloc((size_t)(M * K));
-        float *xd = malloc((size_t)(M * nb) * sizeof(float)), *xs = malloc((size_t)(M * nb) * sizeof(float));
-        if (!xq || !xd || !xs) {
-            status = -2;
-        } else {
-            quantize_rows_q8(x, M, K, xq, xd, xs);
-#pragma omp parallel
-            {
-#if defined(_OPENMP)
-                extern int omp_get_thread_num(void), omp_get_num_threads(void);
-                const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-                const int64_t t = 0, nt = 1;
-#endif
-                const int64_t chunk = (N + nt - 1) / nt, n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-                if (n0 < n1) {
-                    switch (type) { /* constant type: each case is its own specialised loop */
-                        case T_Q4_0: gemm_int8_rows(T_Q4_0, w, rb, n0, n1, K, xq, xd, xs, M, y, N); break;
-                        case T_Q4_1: gemm_int8_rows(T_Q4_1, w, rb, n0, n1, K, xq, xd, xs, M, y, N); break;
-                        case T_Q8_0: gemm_int8_rows(T_Q8_0, w, rb, n0, n1, K, xq, xd, xs, M, y, N); break;
-                        default: gemm_int8_rows(T_Q4_K, w, rb, n0, n1, K, xq, xd, xs, M, y, N); break;
-                    }
-                }
-            }
-        }
-        free(xq);
-        free(xd);
-        free(xs);
-        return status;
-    }
-#pragma omp parallel
-    {
-#if defined(_OPENMP)
-        extern int omp_get_thread_num(void), omp_get_num_threads(void);
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        const int64_t t = 0, nt = 1;
-#endif
-        const int64_t per = ((N + nt - 1) / nt + TILE_N - 1) / TILE_N * TILE_N;
-        const int64_t n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-        float *tile = malloc((size_t)(TILE_N * K) * sizeof(float));
-        if (!tile) {
-#pragma omp atomic write
-            status = -2;
-        } else if (n0 < n1) {
-            gemm_dequant_rows(type, w, rb, n0, n1, K, x, M, y, N, tile);
-        }
-        free(tile);
-    }
-    return status;
+int quant_linear(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int method) {
+    if (r16_group_bytes(type, K) == 0) return -1;
+    if (M == 0) return 0;
+    return method == 0 ? linear_int8(type, w, N, K, x, M, y) : linear_dequant(type, w, N, K, x, M, y);
 }

@@ -109,7 +109,7 @@ def _gguf_weight(parts: list, rows: int, cols: int) -> tuple[GGUFWeight | None, 
     if data.shape[0] != rows:
         return None, f"{data.shape[0]} rows, the layer has {rows}"
     try:
-        return GGUFWeight(torch.from_numpy(data.copy()), t.type_code, rows, cols), ""
+        return GGUFWeight.from_gguf_blocks(torch.from_numpy(data.copy()), t.type_code, rows, cols), ""
     except ValueError as e:
         return None, str(e)
 
