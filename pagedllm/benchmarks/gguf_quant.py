@@ -6,7 +6,7 @@ Runs the same GGUF through two engines in one process, ``--quantization gguf`` a
     tokens when both run free (up to each output's first difference);
   * perplexity of both on a fixed text (prompt log-probs);
   * resident weight bytes vs the file's tensor bytes;
-  * the two GEMM designs of kernels/cpu_quant.py (int8 dot products vs dequantize-in-tile + FMA) on the
+  * the two GEMM designs of kernels/cpu_quant.py (int8 dot products on interleaved rows vs dequantize + FMA) on the
     model's own layer shapes at several batch sizes, with torch float32 ``F.linear`` as the yardstick.
 """
 from __future__ import annotations

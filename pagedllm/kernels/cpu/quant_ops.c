@@ -242,7 +242,7 @@ void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
 /* ---- int8 GEMM on R16 --------------------------------------------------------------------------------- */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LANES 16
-#define MR 4
+#define MR 8 /* activation rows per register tile (BENCHMARKS.md §28: 4, 6, 8 within 5 %; 8 best at 16-20 rows) */
 typedef __m512i vi;
 typedef __m512 vf;
 #define VI_LOAD(p) _mm512_loadu_si512((const void *)(p))
@@ -272,7 +272,7 @@ typedef __m512 vf;
 #endif
 #elif defined(__AVX2__)
 #define LANES 8
-#define MR 2
+#define MR 4 /* 16 ymm: some spill, still faster than 2 or 3 (BENCHMARKS.md §28) */
 typedef __m256i vi;
 typedef __m256 vf;
 #define VI_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
