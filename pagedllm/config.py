@@ -156,6 +156,7 @@ class DeviceConfig:
 
 
 SPEC_METHODS = ("ngram", "draft_model")
+DRAFT_LENGTH_POLICIES = ("goodput", "fixed")
 
 
 @dataclass
@@ -176,6 +177,9 @@ class SpeculativeConfig:
     # speculating for `cooldown_steps` steps, then tries again.
     min_acceptance_rate: float = 0.2
     cooldown_steps: int = 16
+    # "goodput": per step, verify the draft tokens that raise the expected tokens per second, from measured
+    # step times and each sequence's acceptance (spec_decode/draft_length.py); "fixed": every proposed token.
+    draft_length_policy: str = "goodput"
 
     def __post_init__(self) -> None:
         _check_choice("speculative_config.method", self.method, SPEC_METHODS)
@@ -185,6 +189,7 @@ class SpeculativeConfig:
         _check_positive_int("speculative_config.draft_num_layers", self.draft_num_layers, allow_none=True)
         _check_positive_int("speculative_config.disable_by_batch_size", self.disable_by_batch_size)
         _check_positive_int("speculative_config.cooldown_steps", self.cooldown_steps)
+        _check_choice("speculative_config.draft_length_policy", self.draft_length_policy, DRAFT_LENGTH_POLICIES)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max}).")

@@ -12,13 +12,16 @@ from pagedllm.model.layers.sampler import SamplingRow
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import processed_logits, verify
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# "fixed": every proposed token is verified, so the mechanics below (rollback, preemption, CoW) are exercised
+# whatever the machine's timing; the default goodput policy is tested with the GGUF default below and in
+# test_spec_draft_length.py.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "draft_length_policy": "fixed"}
 # float32 everywhere (CPU's default already): exactness is a property of the algorithm, checked without
 # bf16 rounding. In bf16 on CUDA the verification pass (k+1 query tokens per sequence, other GEMM shapes
 # and attention kernels) rounds differently from a decode step, so near-tie argmaxes can flip and greedy
 # outputs on/off may differ (measured: BENCHMARKS.md, spec-decode section of the gpu-fix session).
 F32 = "float32"
-DRAFT = {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 20}
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 2, "draft_num_layers": 20, "draft_length_policy": "fixed"}
 
 
 # -- proposer and config -------------------------------------------------------------------------
@@ -269,7 +272,7 @@ def test_greedy_identical_on_off_with_gguf_quantized_weights(tokenizer, monkeypa
     prompts = make_copy_prompts(tokenizer, 6)
     params = SamplingParams(temperature=0, max_tokens=48)
     outs = {}
-    for spec in (None, NGRAM):
+    for spec in (None, {**NGRAM, "draft_length_policy": "goodput"}):
         llm = LLM(max_model_len=1024, quantization="gguf", num_gpu_blocks_override=256, max_num_seqs=4,
                   speculative_config=spec, device="cpu")  # GGUF blocks are served on the CPU only
         weights = [m.gguf_weight for m in llm.llm_engine.executor.driver_worker.model.modules()
@@ -279,4 +282,6 @@ def test_greedy_identical_on_off_with_gguf_quantized_weights(tokenizer, monkeypa
         outs[spec is not None] = [list(o.outputs[0].token_ids) for o in res]
         if spec:
             assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0
+            # the goodput policy (the default) timed decode steps of several sizes: plain and verifying
+            assert len(llm.llm_engine.spec_decoder.step_cost.times) >= 2
     assert outs[True] == outs[False]

@@ -295,7 +295,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         outputs.extend(self._finish_ignored(g) for g in sched.ignored_groups)
         # Speculation needs every input token on the host: only when no step is in flight.
-        drafts = spec.plan(sched) if spec is not None and prev is None else {}
+        planned = spec is not None and prev is None
+        drafts = spec.plan(sched) if planned else {}
         cur = None
         if not sched.is_empty():
             cur = self._launch_forward(sched, prev, drafts)
@@ -314,6 +315,8 @@ class LLMEngine:
                 self._inflight = cur
             else:
                 outputs.extend(self._complete_step(cur))
+                if planned:
+                    spec.step_finished()  # a whole step timed on the host: the draft-length cost model
         return outputs
 
     def _launch_forward(self, sched: SchedulerOutputs, prev: LaunchedStep | None,
@@ -324,9 +327,10 @@ class LLMEngine:
         `drafts` (speculative decoding): seq_id → proposed tokens, verified after the step."""
         now = time.monotonic()
         drafts = drafts or {}
-        # Query-length-1 chunks first: attention batches them as decodes.
-        scheduled = sorted(sched.scheduled,
-                           key=lambda s: s.num_new_tokens != 1 or s.seq.seq_id in drafts)
+        # Query-length-1 chunks first (attention batches them as decodes), then the rest shortest first (the
+        # CPU backend's native attention takes a leading run of chunks up to a length; see its docstring).
+        scheduled = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1 or s.seq.seq_id in drafts,
+                                                           s.num_new_tokens + len(drafts.get(s.seq.seq_id, ()))))
         for item in scheduled:
             if item.group.first_scheduled_time is None:
                 item.group.first_scheduled_time = now

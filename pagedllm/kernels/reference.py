@@ -130,11 +130,14 @@ def prefill_attention(
     meta: AttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    first_seq: int | None = None,
 ) -> None:
-    """Fill `out` for the prompt chunks (the rows after the decodes): causal over their own tokens,
-    plus their cached context read through the block table when they have one."""
-    start = meta.num_decodes
-    for i in range(meta.num_decodes, meta.num_seqs):
+    """Fill `out` for the prompt chunks of sequences `first_seq` (default: the first after the decodes)
+    onward: causal over their own tokens, plus their cached context read through the block table when they
+    have one."""
+    first = meta.num_decodes if first_seq is None else first_seq
+    start = sum(meta.query_lens_cpu[:first])
+    for i in range(first, meta.num_seqs):
         qlen, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         end = start + qlen
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]

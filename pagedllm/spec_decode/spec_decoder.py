@@ -3,7 +3,9 @@ slots, and after the target's pass verify, append and roll back.
 
 Per step: off when more sequences run than `disable_by_batch_size` (decode is no longer memory-bound,
 so verifying k+1 tokens per sequence costs real compute), and off for a sequence whose recent acceptance
-is low (it retries after `cooldown_steps`). A sequence speculates only when it is decoding one token
+is low (it retries after `cooldown_steps`). Among the rest, the `goodput` policy (draft_length.py) verifies
+the draft tokens that raise the step's expected tokens per second, from the measured time of decode steps
+by their number of query rows and each sequence's recent acceptance. A sequence speculates only when it is decoding one token
 whose input is on the host (not pending on the device), is not beam search or grammar-constrained, and
 its k draft slots fit in the pool (leaving the watermark free: speculation never preempts anyone) and
 in the step's token budget.
@@ -16,6 +18,7 @@ caching, so a rejected token never reaches the prefix cache.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -23,6 +26,7 @@ from pagedllm.config import SpeculativeConfig
 from pagedllm.core.block_manager import cdiv
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.model.layers.sampler import SamplingRow
+from pagedllm.spec_decode.draft_length import StepCostModel, choose_draft_lengths
 from pagedllm.spec_decode.metrics import SpecDecodeStats
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import VerifyResult, is_greedy, verify
@@ -31,6 +35,7 @@ from pagedllm.worker.model_input import SequenceChunk
 logger = logging.getLogger("pagedllm")
 
 _EMA = 0.5  # weight of the newest step in a sequence's acceptance average
+_BACK_TO_PRIOR = 0.1  # per step a sequence does not speculate, its average moves this far toward the global rate
 
 
 class SpecDecoder:
@@ -39,6 +44,8 @@ class SpecDecoder:
         self.scheduler = scheduler
         self.max_seq_len = max_seq_len
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
+        self.step_cost = StepCostModel()
+        self._timing: tuple[int, float] | None = None  # (query rows, start) of a decode-only step in flight
         if config.method == "ngram":
             self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
@@ -76,13 +83,15 @@ class SpecDecoder:
     def plan(self, sched: SchedulerOutputs) -> dict[int, list[int]]:
         """Drafts (seq_id → tokens) for this step; their slots are allocated here (CoW copies appended)."""
         num_seqs = len(sched.scheduled)
+        self._timing = None
         if num_seqs == 0 or num_seqs > self.config.disable_by_batch_size:
             if num_seqs:
                 self.stats.num_steps_off_by_batch += 1
             return {}
         bm = self.scheduler.block_manager
         token_room = self.scheduler.max_num_batched_tokens - sched.num_batched_tokens
-        chosen: list[tuple[ScheduledSequence, int, list[int]]] = []
+        start = time.perf_counter()
+        candidates: list[tuple[ScheduledSequence, int, list[int]]] = []
         for item in sched.scheduled:
             if not self._eligible(item):
                 continue
@@ -92,14 +101,22 @@ class SpecDecoder:
             drafts = self.ngram.propose(item.seq.token_ids, k) if self.ngram is not None else []
             if self.ngram is not None and not drafts:
                 continue
-            k = len(drafts) if drafts else k
+            candidates.append((item, len(drafts) if drafts else k, drafts))
+        lengths = self._draft_lengths(sched, candidates)
+        chosen: list[tuple[ScheduledSequence, int, list[int]]] = []
+        for (item, _, drafts), k in zip(candidates, lengths):
+            k = min(k, token_room)
+            if k <= 0:
+                continue
             need = bm.num_blocks_to_grow(item.seq, 1 + k)
             if not bm.can_allocate(need, for_new_request=True):
                 continue
             sched.blocks_to_copy.extend(bm.allocate_slots(item.seq, 1 + k))
             token_room -= k
             sched.num_batched_tokens += k
-            chosen.append((item, k, drafts))
+            chosen.append((item, k, drafts[:k]))
+        decode_only = all(it.num_new_tokens == 1 for it in sched.scheduled)
+        self._timing = (sched.num_batched_tokens, start) if decode_only else None
         if self.draft is not None and chosen:
             chunks = [SequenceChunk(it.seq.seq_id, [it.seq.last_token_id], it.seq.num_computed_tokens,
                                     list(bm.get_block_table(it.seq)), sample=True) for it, _, _ in chosen]
@@ -111,6 +128,35 @@ class SpecDecoder:
         if chosen:
             self.stats.num_spec_steps += 1
         return {it.seq.seq_id: drafts for it, _, drafts in chosen}
+
+    def _draft_lengths(self, sched: SchedulerOutputs,
+                       candidates: list[tuple[ScheduledSequence, int, list[int]]]) -> list[int]:
+        """Draft tokens per candidate: all proposed ("fixed"), or the goodput choice."""
+        max_lengths = [k for _, k, _ in candidates]
+        if self.config.draft_length_policy == "fixed" or not candidates:
+            return max_lengths
+        st = self.stats
+        # rate[j]: P(draft positions 0..j all accepted | position j drafted), engine-wide.
+        rate = [a / d if d else None for a, d in zip(st.accepted_per_pos, st.drafted_per_pos)]
+        prior = rate[0] if rate and rate[0] is not None else 0.6
+        # P(position j + 1 accepted | 0..j accepted); an unknown depth counts as the first position's rate.
+        depth = [rate[j + 1] / rate[j] if rate[j] and rate[j + 1] is not None else prior
+                 for j in range(len(rate) - 1)]
+        rates = [it.seq.extra.get("spec_first", prior) for it, _, _ in candidates]
+        base_tokens = sum(1 for it in sched.scheduled if it.completes)
+        lengths = choose_draft_lengths(sched.num_batched_tokens, base_tokens, rates, max_lengths,
+                                       self.step_cost.estimate, depth)
+        for (it, _, _), k, rate in zip(candidates, lengths, rates):
+            if k == 0:  # not worth it now: drift back toward the engine-wide rate, to be tried again later
+                it.seq.extra["spec_first"] = rate + _BACK_TO_PRIOR * (prior - rate)
+        return lengths
+
+    def step_finished(self) -> None:
+        """The step planned last has completed on the host: its time joins the step-cost model."""
+        if self._timing is not None:
+            rows, start = self._timing
+            self.step_cost.record(rows, time.perf_counter() - start)
+            self._timing = None
 
     def scheduler_moves(self, sched: SchedulerOutputs) -> None:
         """Run the step's swap/copy block moves now (the draft reads the cache before the step runs)."""
@@ -151,6 +197,8 @@ class SpecDecoder:
                     for i in range(len(drafts) + 1)]
             res = verify(logits, rows, drafts, generator=seq.extra.get("generator"))
         self.stats.record(len(drafts), res.num_accepted)
+        first = seq.extra.get("spec_first", 0.6)
+        seq.extra["spec_first"] = first + _EMA * (float(res.num_accepted > 0) - first)
         rate = res.num_accepted / len(drafts)
         ema = seq.extra.get("spec_ema", 1.0) * (1 - _EMA) + rate * _EMA
         seq.extra["spec_ema"] = ema

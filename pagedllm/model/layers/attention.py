@@ -38,9 +38,11 @@ class TorchAttentionBackend:
 
 class NativeCpuAttentionBackend:
     """The CPU path with native kernels (kernels/cpu_kernels.py): decodes and prompt chunks read K/V
-    straight through their block tables, the whole step in one call per layer. Steps with a chunk
-    longer than `max_native_query_len` send their prompt chunks to the torch reference instead: torch's
-    SDPA, blocked like a GEMM, is faster on long fresh prompts (BENCHMARKS.md §1)."""
+    straight through their block tables, the whole step in one call per layer. A chunk longer than
+    `max_native_query_len` goes to the torch reference instead: torch's SDPA, blocked like a GEMM, is
+    faster on long fresh prompts (BENCHMARKS.md §1). The choice is per chunk, by its own length (the engine
+    orders a step's chunks shortest first, so the native ones are a leading run): a token's attention
+    does not depend on what else shares its step."""
 
     name = "cpu-native"
     max_native_query_len = 512
@@ -53,17 +55,21 @@ class NativeCpuAttentionBackend:
         key_cache, value_cache = kv_cache
         self.kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        all_native = meta.max_query_len <= self.max_native_query_len
-        num_native = meta.num_seqs if all_native else meta.num_decodes
+        if meta.max_query_len <= self.max_native_query_len:
+            num_native, rows = meta.num_seqs, query.shape[0]
+        else:  # the leading chunks up to the first long one
+            lens = meta.query_lens_cpu
+            num_native = next((i for i, n in enumerate(lens) if n > self.max_native_query_len), len(lens))
+            rows = sum(lens[:num_native])
         if num_native:
-            rows = query.shape[0] if all_native else num_native
             self.kernels.paged_attention(out[:rows], query[:rows], key_cache, value_cache,
                                          meta.block_tables[:num_native], meta.seq_lens[:num_native],
                                          meta.query_start_loc[: num_native + 1], scale,
                                          indices_checked=meta is self._checked_meta)
             self._checked_meta = meta  # every layer of a step shares its metadata: checked once
         if num_native < meta.num_seqs:
-            reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out)
+            reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out,
+                                        first_seq=num_native)
         return out
 
 

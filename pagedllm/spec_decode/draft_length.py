@@ -1,0 +1,84 @@
+"""How many draft tokens each sequence verifies in a step: the count that maximises expected tokens per second.
+
+Verifying a draft token costs a query row in the target's forward pass. On a GPU at low load a row is nearly
+free (the step is bound by reading the weights), so every proposed token is worth verifying; on a CPU with
+quantized weights the GEMMs are compute-bound from a few rows on, and a row costs real time. The step time is
+therefore measured, not assumed: :class:`StepCostModel` keeps the time of decode-only steps by their number of
+query rows, and :func:`choose_draft_lengths` adds draft tokens, most likely first, while the step's expected
+tokens per second still rises (the goodput rule of SmartSpec, Liu et al. 2024). A draft token j positions deep
+is worth the probability that it and the j - 1 before it are all accepted: the sequence's own recent rate for
+the first, times the engine-wide conditional rate of each deeper position (a copied span tends to continue, so
+deep tokens are likelier than independent ones would be).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+_EMA = 0.2  # weight of the newest step time of a row count
+
+
+@dataclass
+class StepCostModel:
+    """Seconds of a decode-only step by its number of query rows (exponential averages per row count)."""
+
+    times: dict[int, float] = field(default_factory=dict)
+
+    def record(self, rows: int, seconds: float) -> None:
+        old = self.times.get(rows)
+        self.times[rows] = seconds if old is None else old + _EMA * (seconds - old)
+
+    def estimate(self, rows: int) -> float | None:
+        """Interpolated between the row counts seen; beyond them, the slope of the two nearest (never
+        negative); with one row count seen, flat (optimistic: speculating then measures the cost). None
+        before any step was seen."""
+        if not self.times:
+            return None
+        if rows in self.times:
+            return self.times[rows]
+        seen = sorted(self.times)
+        if len(seen) == 1:
+            return self.times[seen[0]]
+        below = [r for r in seen if r < rows]
+        above = [r for r in seen if r > rows]
+        if not below:  # below the smallest: the step cannot cost less than the smallest one seen
+            return self.times[above[0]]
+        if above:
+            lo, hi = below[-1], above[0]
+            return self.times[lo] + (self.times[hi] - self.times[lo]) * (rows - lo) / (hi - lo)
+        lo, hi = seen[-2], seen[-1]
+        return self.times[hi] + max(0.0, (self.times[hi] - self.times[lo]) / (hi - lo)) * (rows - hi)
+
+
+def choose_draft_lengths(base_rows: int, base_tokens: int, acceptance: list[float], max_lengths: list[int],
+                         cost: Callable[[int], float | None], depth: list[float] | None = None) -> list[int]:
+    """Draft tokens to verify per candidate sequence.
+
+    `base_rows`: the step's query rows without drafts; `base_tokens`: the tokens it yields without drafts (one
+    per sampling sequence); candidate i accepts its first draft token with probability `acceptance[i]` and
+    proposed `max_lengths[i]` tokens; `depth[j]`: the probability that draft token j + 2 is accepted once the
+    j + 1 before it were (acceptance is bursty: a copied span tends to continue; None: the same as the first
+    token's, independent tokens); `cost(rows)` estimates the step's seconds (None: unknown, then every draft
+    is verified)."""
+    if cost(base_rows) is None:
+        return list(max_lengths)
+    tokens: list[tuple[float, int]] = []
+    for i, (a, k) in enumerate(zip(acceptance, max_lengths)):
+        a = min(max(a, 0.0), 1.0)
+        gain = a
+        for j in range(k):
+            if j:
+                gain *= min(max(depth[j - 1], 0.0), 1.0) if depth is not None and j - 1 < len(depth) else a
+            tokens.append((gain, i))
+    tokens.sort(key=lambda t: -t[0])  # stable: a sequence's shallower tokens stay first
+    expected = float(base_tokens)
+    best_rate, best_n = expected / max(cost(base_rows), 1e-9), 0
+    for n, (gain, _) in enumerate(tokens, 1):
+        expected += gain
+        rate = expected / max(cost(base_rows + n), 1e-9)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    lengths = [0] * len(max_lengths)
+    for _, i in tokens[:best_n]:
+        lengths[i] += 1
+    return lengths

@@ -1,0 +1,53 @@
+"""The goodput choice of draft lengths (spec_decode/draft_length.py): the step-cost model and the choice."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_decode.draft_length import StepCostModel, choose_draft_lengths
+
+
+def test_step_cost_model_interpolates_and_extrapolates():
+    m = StepCostModel()
+    assert m.estimate(3) is None
+    m.record(4, 0.010)
+    assert m.estimate(1) == m.estimate(20) == 0.010  # one row count seen: flat (optimistic)
+    m.record(20, 0.026)
+    assert m.estimate(12) == pytest.approx(0.018)  # between 4 and 20
+    assert m.estimate(28) == pytest.approx(0.034)  # beyond: the slope of the two largest
+    assert m.estimate(2) == 0.010  # below the smallest: the smallest
+    m.record(20, 0.036)  # an exponential average per row count
+    assert m.estimate(20) == pytest.approx(0.026 + 0.2 * 0.010)
+    m.record(30, 0.001)  # a faster larger step (noise) never gives a negative slope
+    assert m.estimate(40) == pytest.approx(m.estimate(30))
+
+
+def linear(a: float, b: float):
+    return lambda rows: a + b * rows
+
+
+def test_every_draft_when_rows_are_free_or_the_cost_is_unknown():
+    assert choose_draft_lengths(4, 4, [0.1, 0.5, 0.9], [4, 3, 2], linear(0.02, 0.0)) == [4, 3, 2]
+    assert choose_draft_lengths(4, 4, [0.1, 0.5, 0.9], [4, 3, 2], lambda rows: None) == [4, 3, 2]
+
+
+def test_drafts_are_verified_while_expected_tokens_per_second_rise():
+    # 10 ms + 2 ms per row: one sequence decoding alone (1 row, 12 ms).
+    assert choose_draft_lengths(1, 1, [0.9], [4], linear(10, 2)) == [4]  # 4.10 tokens in 20 ms beats 1 in 12
+    assert choose_draft_lengths(1, 1, [0.2], [4], linear(10, 2)) == [1]  # 1.2 in 14 ms; a second draft loses
+    assert choose_draft_lengths(1, 1, [0.9], [4], linear(0, 10)) == [0]  # a row costs a whole step: never
+    # Several sequences: the likelier tokens first, whoever proposed them.
+    assert choose_draft_lengths(4, 4, [0.9, 0.5, 0.0], [4, 4, 4], linear(10, 1)) == [4, 1, 0]
+
+
+def test_policy_is_validated():
+    assert SpeculativeConfig().draft_length_policy == "goodput"
+    with pytest.raises(ValueError, match=r"draft_length_policy must be one of \['goodput', 'fixed'\]"):
+        SpeculativeConfig(draft_length_policy="greedy")
+
+
+def test_bursty_acceptance_makes_deep_drafts_worth_verifying():
+    # First token accepted half the time; once one is, the next ones almost surely (a copied span).
+    cost = linear(10, 2)
+    assert choose_draft_lengths(1, 1, [0.5], [4], cost) == [2]  # as independent tokens: 0.5, 0.25, ...
+    assert choose_draft_lengths(1, 1, [0.5], [4], cost, depth=[0.95, 0.95, 0.95]) == [4]
