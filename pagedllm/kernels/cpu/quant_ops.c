@@ -431,8 +431,12 @@ static inline __attribute__((always_inline)) void r16_group(const int type, cons
         if (nv <= 0) break;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mc = (int)(M - m0 < MR ? M - m0 : MR);
-            r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, mc,
-                     y + m0 * N + row0 + sub * LANES, N, nv);
+            if (mc == MR) /* a constant row count: the compiler unrolls the rows and keeps acc in registers */
+                r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, MR,
+                         y + m0 * N + row0 + sub * LANES, N, nv);
+            else
+                r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, mc,
+                         y + m0 * N + row0 + sub * LANES, N, nv);
         }
     }
 #else
