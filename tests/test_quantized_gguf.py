@@ -112,12 +112,12 @@ def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
 
 def test_gemm_choice_env(monkeypatch):
     monkeypatch.delenv(cpu_quant.GEMM_ENV, raising=False)
-    assert cpu_quant.choose_method(1) == cpu_quant.choose_method(64) == "int8"
+    assert cpu_quant.choose_method() == "int8"
     monkeypatch.setenv(cpu_quant.GEMM_ENV, "dequant")
-    assert cpu_quant.choose_method(1) == "dequant"
+    assert cpu_quant.choose_method() == "dequant"
     monkeypatch.setenv(cpu_quant.GEMM_ENV, "fast")
     with pytest.raises(ValueError, match="PAGEDLLM_QUANT_GEMM must be one of"):
-        cpu_quant.choose_method(1)
+        cpu_quant.choose_method()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def kernel_times(llm) -> dict[str, float]:
     lins = [lin for layer in fwd.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     x = torch.randn(1, max(lin.in_features for lin in lins))
     y = torch.empty(1, max(lin.out_features for lin in lins))
-    int8 = 0  # one row: the int8 design (cpu_quant.choose_method)
+    int8 = 0  # the int8 design (cpu_quant.choose_method)
 
     def layers() -> None:
         for lin in lins:

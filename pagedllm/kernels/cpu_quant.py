@@ -141,7 +141,7 @@ class QuantKernels:
         m = x2.shape[0]
         y = torch.empty((m, w.out_features), dtype=torch.float32)
         if m:
-            code = METHOD_CODES[choose_method(m) if method == "auto" else method]
+            code = METHOD_CODES[choose_method() if method == "auto" else method]
             rc = self._linear(w.qtype, w.data_ptr, w.out_features, k, x2.data_ptr(), m, y.data_ptr(), code)
             if rc:
                 raise RuntimeError(f"quant_linear failed with status {rc} ({w.type_name}, K={k})")
@@ -168,8 +168,8 @@ class QuantKernels:
         return out.view(*ids.shape, w.in_features)
 
 
-def choose_method(num_rows: int) -> str:
-    """The GEMM design for a batch of ``num_rows`` activation rows (``PAGEDLLM_QUANT_GEMM`` overrides)."""
+def choose_method() -> str:
+    """The GEMM design of "auto": int8 at every batch size (``PAGEDLLM_QUANT_GEMM`` overrides)."""
     forced = os.environ.get(GEMM_ENV, "auto")
     if forced not in GEMM_METHODS:
         raise ValueError(f"{GEMM_ENV} must be one of {list(GEMM_METHODS)}, got {forced!r}")

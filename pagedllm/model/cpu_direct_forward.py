@@ -228,7 +228,7 @@ class LlamaDirectForward:
         if t == 0:
             return residual
         b = self._buffers_for(t)
-        method = cpu_quant.METHOD_CODES[cpu_quant.choose_method(t) if self.gemm_method == "auto" else self.gemm_method]
+        method = cpu_quant.METHOD_CODES[cpu_quant.choose_method() if self.gemm_method == "auto" else self.gemm_method]
         rms, rope, cache, attention, silu, linear = (self._rms, self._rope, self._cache, self._attention,
                                                      self._silu, self._linear)
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
