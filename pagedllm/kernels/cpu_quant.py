@@ -34,7 +34,6 @@ SOURCE = Path(__file__).with_name("cpu") / "quant_ops.c"
 GEMM_ENV = "PAGEDLLM_QUANT_GEMM"
 GEMM_METHODS = ("auto", "int8", "dequant")
 METHOD_CODES = {"int8": 0, "dequant": 1}  # quant_linear's `method` argument
-GROUP_ROWS = 16  # rows per interleaved group of the R16 layout
 
 # ggml_type codes and (elements, bytes) per block
 GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
@@ -88,12 +87,10 @@ class GGUFWeight:
 
 
 def r16_bytes(qtype: int, n: int, k: int) -> int:
-    """Bytes of an [n, k] weight in the R16 layout (rows padded to a multiple of 16)."""
-    groups = -(-n // GROUP_ROWS)
-    if qtype == GGML_TYPES["Q4_K"]:
-        return groups * (row_bytes(qtype, k) // 144) * (64 + 8 * 288)
-    per_block = {GGML_TYPES["Q4_0"]: 288, GGML_TYPES["Q4_1"]: 320, GGML_TYPES["Q8_0"]: 544}[qtype]
-    return groups * (row_bytes(qtype, k) // BLOCK_LAYOUT[qtype][1]) * per_block
+    """Bytes of an [n, k] weight in the R16 layout (rows padded to a multiple of 16; quant_ops.c owns the
+    layout); ValueError for an unsupported type or a ``k`` that is not a whole number of blocks."""
+    row_bytes(qtype, k)  # the clear error
+    return load_quant_kernels().r16_bytes(qtype, n, k)
 
 
 def row_bytes(qtype: int, k: int) -> int:
@@ -120,6 +117,9 @@ class QuantKernels:
         self._repack = lib.repack_r16
         self._repack.restype = _int
         self._repack.argtypes = [_int, _ptr, _i64, _i64, _ptr]
+        self._r16_bytes = lib.r16_bytes
+        self._r16_bytes.restype = _i64
+        self._r16_bytes.argtypes = [_int, _i64, _i64]
         lib.quant_isa.restype = ctypes.c_char_p
         self.isa: str = lib.quant_isa().decode()
 
@@ -146,6 +146,10 @@ class QuantKernels:
             if rc:
                 raise RuntimeError(f"quant_linear failed with status {rc} ({w.type_name}, K={k})")
         return y if flat else y.view(*x.shape[:-1], w.out_features)
+
+    def r16_bytes(self, qtype: int, n: int, k: int) -> int:
+        """Bytes of an [n, k] weight in the R16 layout (0 for an unsupported type or k)."""
+        return int(self._r16_bytes(qtype, n, k))
 
     def repack(self, blocks: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
         """The R16 bytes of GGUF blocks uint8 [n, row_bytes] (contiguous)."""

@@ -5,10 +5,10 @@ Per step: off when more sequences run than `disable_by_batch_size` (decode is no
 so verifying k+1 tokens per sequence costs real compute), and off for a sequence whose recent acceptance
 is low (it retries after `cooldown_steps`). Among the rest, the `goodput` policy (draft_length.py) verifies
 the draft tokens that raise the step's expected tokens per second, from the measured time of decode steps
-by their number of query rows and each sequence's recent acceptance. A sequence speculates only when it is decoding one token
-whose input is on the host (not pending on the device), is not beam search or grammar-constrained, and
-its k draft slots fit in the pool (leaving the watermark free: speculation never preempts anyone) and
-in the step's token budget.
+by their number of query rows and each sequence's recent acceptance. A sequence speculates only when it
+is decoding one token whose input is on the host (not pending on the device), is not beam search or
+grammar-constrained, and its k draft slots fit in the pool (leaving the watermark free: speculation never
+preempts anyone) and in the step's token budget.
 
 Rollback: the scheduler already counted the sequence's one decode token; verification sets
 `num_computed_tokens` to the tokens whose KV is now valid (the old ones plus the accepted drafts),
@@ -35,6 +35,7 @@ from pagedllm.worker.model_input import SequenceChunk
 logger = logging.getLogger("pagedllm")
 
 _EMA = 0.5  # weight of the newest step in a sequence's acceptance average
+_FIRST_PRIOR = 0.6  # a first draft token's acceptance before any was verified
 _BACK_TO_PRIOR = 0.1  # per step a sequence does not speculate, its average moves this far toward the global rate
 
 
@@ -138,7 +139,7 @@ class SpecDecoder:
         st = self.stats
         # rate[j]: P(draft positions 0..j all accepted | position j drafted), engine-wide.
         rate = [a / d if d else None for a, d in zip(st.accepted_per_pos, st.drafted_per_pos)]
-        prior = rate[0] if rate and rate[0] is not None else 0.6
+        prior = rate[0] if rate and rate[0] is not None else _FIRST_PRIOR
         # P(position j + 1 accepted | 0..j accepted); an unknown depth counts as the first position's rate.
         depth = [rate[j + 1] / rate[j] if rate[j] and rate[j + 1] is not None else prior
                  for j in range(len(rate) - 1)]
@@ -197,7 +198,7 @@ class SpecDecoder:
                     for i in range(len(drafts) + 1)]
             res = verify(logits, rows, drafts, generator=seq.extra.get("generator"))
         self.stats.record(len(drafts), res.num_accepted)
-        first = seq.extra.get("spec_first", 0.6)
+        first = seq.extra.get("spec_first", _FIRST_PRIOR)
         seq.extra["spec_first"] = first + _EMA * (float(res.num_accepted > 0) - first)
         rate = res.num_accepted / len(drafts)
         ema = seq.extra.get("spec_ema", 1.0) * (1 - _EMA) + rate * _EMA
