@@ -38,3 +38,15 @@ def logits_row_layout(chunks: list[SequenceChunk]) -> list[tuple[int, int]]:
         layout.append((row, row + n))
         row += n
     return layout
+
+
+def logits_rows(chunks: list[SequenceChunk], cu) -> list[int]:
+    """Rows of a packed batch (`cu`: the chunks' query_start_loc) whose logits the chunks ask for: every
+    row of an `all_logits` chunk, the last row of a sampling one."""
+    rows: list[int] = []
+    for i, c in enumerate(chunks):
+        if c.all_logits:
+            rows.extend(range(int(cu[i]), int(cu[i + 1])))
+        elif c.sample:
+            rows.append(int(cu[i + 1]) - 1)
+    return rows

@@ -1,7 +1,8 @@
 """Turns a step's chunks into one flat, unpadded batch of tensors and runs the model.
 
 On CUDA (unless ``enforce_eager``), decode-only steps replay a captured CUDA graph instead
-(``worker/cuda_graph.py``); steps with prefill chunks (and decode steps the decode graphs cannot take)
+(``worker/cuda_graph.py``); with speculative decoding, steps of a few query tokens per sequence
+(verification) replay whole graphs too (``worker/verify_graph.py``); steps with prefill chunks (and decode steps the decode graphs cannot take)
 replay piecewise graphs split at attention (``worker/piecewise_graph.py``); steps larger than the
 largest token bucket, or with a chunk asking for every token's logits, run eagerly.
 """
@@ -15,7 +16,7 @@ from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
-from pagedllm.worker.model_input import SequenceChunk
+from pagedllm.worker.model_input import SequenceChunk, logits_rows
 from pagedllm.worker.step_stats import StepStats, StepWork, step_kind
 
 
@@ -27,6 +28,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.graph_runner = None  # a CUDAGraphRunner once capture_cuda_graphs ran
         self.piecewise_runner = None  # a PiecewiseGraphRunner once capture_cuda_graphs ran (piecewise=True)
+        self.verify_runner = None  # a VerifyGraphRunner once capture_cuda_graphs ran with verify_query_len >= 2
         self.table_width: int | None = None  # pad every block table to this width (fixed kernel variants)
         self.step_stats: StepStats | None = None
         # CPU, float32 Llama family on GGUF linears: the stack's kernels called directly (model/cpu_direct_forward.py)
@@ -39,10 +41,13 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int,
                             max_num_batched_tokens: int | None = None, piecewise: bool = True,
-                            max_capture_tokens: int | None = None) -> None:
+                            max_capture_tokens: int | None = None, verify_query_len: int = 0,
+                            verify_max_num_seqs: int = 0) -> None:
         """Warm start (CUDA only): capture decode-step graphs for bucketed batches up to max_num_seqs,
-        piecewise graphs for token buckets up to max_num_batched_tokens, and compile every Triton
-        attention variant the steps can reach, so that no step pays for a compilation."""
+        piecewise graphs for token buckets up to max_num_batched_tokens, whole graphs for up to
+        `verify_max_num_seqs` sequences of up to `verify_query_len` query tokens (speculative
+        verification; none when < 2), and compile every Triton attention variant the steps can reach,
+        so that no step pays for a compilation."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
         from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
@@ -54,6 +59,14 @@ class ModelRunner:
         runner.capture()
         self.graph_runner = runner
         self.table_width = runner.max_blocks
+        if verify_query_len >= 2 and verify_max_num_seqs >= 1:
+            from pagedllm.worker.verify_graph import VerifyGraphRunner
+
+            vr = VerifyGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size,
+                                   min(verify_max_num_seqs, max_num_seqs), max_model_len, verify_query_len,
+                                   pool=runner.pool)
+            vr.capture()
+            self.verify_runner = vr
         if not piecewise:
             return
         attn = attention_geometry(self.model)
@@ -107,12 +120,7 @@ class ModelRunner:
         while num_decodes < num_seqs and qlens[num_decodes] == 1:
             num_decodes += 1
 
-        logits_idx: list[int] = []
-        for i, c in enumerate(chunks):
-            if c.all_logits:
-                logits_idx.extend(range(int(cu[i]), int(cu[i + 1])))
-            elif c.sample:
-                logits_idx.append(int(cu[i + 1]) - 1)
+        logits_idx = logits_rows(chunks, cu)
 
         dev = self.device
         to = lambda a, dt: torch.from_numpy(a).to(device=dev, dtype=dt, non_blocking=True)  # noqa: E731
@@ -157,6 +165,21 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden).float()
             if stats is not None:
                 stats.stop(step_kind(chunks), "graph", len(chunks), start)
+            return logits
+        vr = self.verify_runner
+        if vr is not None and kv_caches is vr.kv_caches and vr.can_run(chunks):
+            pending = None
+            if pending_inputs:
+                ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
+                pending = ([int(ends[i]) for i, _ in pending_inputs], [r for _, r in pending_inputs],
+                           prev_sampled_token_ids)
+            hidden, cu = vr.run(chunks, pending)
+            rows = logits_rows(chunks, cu)
+            logits = None
+            if rows:
+                logits = self.model.compute_logits(hidden[async_tensor_h2d(rows, torch.int64, self.device)]).float()
+            if stats is not None:
+                stats.stop(step_kind(chunks), "graph", int(cu[-1]), start, StepWork.of(chunks, len(rows)))
             return logits
         input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
         if pending_inputs:

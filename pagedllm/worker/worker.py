@@ -178,9 +178,12 @@ class Worker:
         if self.use_cuda_graphs():
             sc, mc = self.config.scheduler_config, self.config.model_config
             t0 = time.perf_counter()
+            spec = self.config.speculative_config
             self.model_runner.capture_cuda_graphs(
                 self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
-                piecewise=mc.max_capture_tokens > 0, max_capture_tokens=mc.max_capture_tokens or None)
+                piecewise=mc.max_capture_tokens > 0, max_capture_tokens=mc.max_capture_tokens or None,
+                verify_query_len=1 + spec.num_speculative_tokens if spec is not None else 0,
+                verify_max_num_seqs=spec.disable_by_batch_size if spec is not None else 0)
             logger.info("Warm start (graphs captured, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
 
     def use_cuda_graphs(self) -> bool:
