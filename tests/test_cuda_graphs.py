@@ -13,8 +13,7 @@ import torch
 from pagedllm.engine.arg_utils import EngineArgs
 from tiny_models import save_tiny_llama
 from pagedllm.worker.cuda_graph import capture_batch_sizes, is_graphable
-from pagedllm.worker.model_input import SequenceChunk, logits_rows
-from pagedllm.worker.verify_graph import is_verify_graphable
+from pagedllm.worker.model_input import SequenceChunk, logits_rows, split_into_decode_rows
 
 
 def test_capture_batch_sizes_are_buckets_up_to_max_num_seqs():
@@ -40,16 +39,19 @@ def test_only_pure_decode_steps_that_fit_are_graphable():
     assert not is_graphable([SequenceChunk(0, [7], 20, [3, 4], sample=False)], 4, 2)
 
 
-def test_verification_steps_that_fit_are_verify_graphable():
-    """Up to max_batch chunks of up to max_query_len tokens (decodes, verifications, short prompt pieces)."""
-    verify = SequenceChunk(0, [7, 8, 9, 10, 11], 20, [3, 4], sample=True, all_logits=True)
+def test_verification_steps_split_into_decode_rows():
+    """A step of chunks of at most max_query_len tokens becomes one decode row per token (position p + j,
+    same block table); the original chunks' logits rows are picked from them."""
+    verify = SequenceChunk(0, [7, 8, 9, 10, 11], 20, [3, 4], sample=False, all_logits=True)
     dec = SequenceChunk(1, [7], 20, [3, 4], sample=True)
     piece = SequenceChunk(2, [1, 2, 3], 0, [5], sample=False)
-    assert is_verify_graphable([verify, dec, piece], max_batch=4, max_query_len=5, max_blocks=2)
-    assert not is_verify_graphable([verify, dec], max_batch=1, max_query_len=5, max_blocks=2)
-    assert not is_verify_graphable([verify], max_batch=4, max_query_len=4, max_blocks=2)
-    assert not is_verify_graphable([verify], max_batch=4, max_query_len=5, max_blocks=1)
-    assert not is_verify_graphable([], max_batch=4, max_query_len=5, max_blocks=2)
+    rows = split_into_decode_rows([verify, dec, piece], max_query_len=5)
+    assert [(r.seq_id, r.token_ids, r.start_pos, r.block_table) for r in rows] == [
+        (0, [7], 20, [3, 4]), (0, [8], 21, [3, 4]), (0, [9], 22, [3, 4]), (0, [10], 23, [3, 4]), (0, [11], 24, [3, 4]),
+        (1, [7], 20, [3, 4]), (2, [1], 0, [5]), (2, [2], 1, [5]), (2, [3], 2, [5])]
+    assert is_graphable(rows, max_batch=9, max_blocks=2) and not is_graphable(rows, max_batch=8, max_blocks=2)
+    assert split_into_decode_rows([verify, dec], max_query_len=4) is None  # a chunk too long
+    assert split_into_decode_rows([dec], max_query_len=0) is None  # not enabled
     # Logits: every row of the verification, the decode's one row, none of the unfinished prompt piece.
     assert logits_rows([verify, dec, piece], [0, 5, 6, 9]) == [0, 1, 2, 3, 4, 5]
 
@@ -177,12 +179,12 @@ def test_async_scheduling_on_cuda_equals_sync_and_launches_never_wait(tmp_path):
 
 
 @pytest.mark.cuda
-def test_verification_steps_replay_whole_graphs_and_equal_eager(tmp_path):
+def test_verification_steps_replay_decode_graphs_and_equal_eager(tmp_path):
     """Speculative decoding (n-gram, k = 4) on repetitive prompts: verification steps (k+1 query tokens
-    per sequence, with plain decodes and prompt chunks beside them) replay the verification graphs in
-    padded buckets, and every greedy output equals the eager engine's and the engine's without speculation."""
+    per sequence, with plain decodes beside them) replay the decode graphs, one row per query token (buckets
+    up to 16 sequences x 5 rows, beyond max_num_seqs); every greedy output equals the eager engine's and the engine's without
+    speculation."""
     from pagedllm import SamplingParams
-    from pagedllm.worker import verify_graph
 
     model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(21)
@@ -195,18 +197,17 @@ def test_verification_steps_replay_whole_graphs_and_equal_eager(tmp_path):
     kw = dict(num_gpu_blocks_override=256, max_num_seqs=16)
     plain, _ = _generate(model_dir, prompts, params, **kw)
     eager, eager_runner = _generate(model_dir, prompts, params, enforce_eager=True, speculative_config=spec, **kw)
-    assert eager_runner.verify_runner is None
+    assert eager_runner.graph_runner is None
     replays = []
-    orig = verify_graph.VerifyGraphRunner.run
-    verify_graph.VerifyGraphRunner.run = (
-        lambda self, chunks, pending=None: replays.append([len(c.token_ids) for c in chunks]) or orig(self, chunks, pending))
+    from pagedllm.worker import cuda_graph
+
+    orig = cuda_graph.CUDAGraphRunner.run
+    cuda_graph.CUDAGraphRunner.run = (
+        lambda self, chunks, pending=None: replays.append([c.seq_id for c in chunks]) or orig(self, chunks, pending))
     try:
         graphed, runner = _generate(model_dir, prompts, params, speculative_config=spec, **kw)
     finally:
-        verify_graph.VerifyGraphRunner.run = orig
-    vr = runner.verify_runner
-    assert vr is not None and vr.max_query_len == 5 and vr.batch_sizes == [1, 2, 4, 8, 16]
-    assert any(max(q) == 5 for q in replays)  # full verifications
-    assert any(1 in q and max(q) > 1 for q in replays)  # decodes beside verifications
-    assert any(len(q) not in vr.batch_sizes for q in replays)  # padded buckets
+        cuda_graph.CUDAGraphRunner.run = orig
+    assert runner.verify_query_len == 5 and runner.graph_runner.max_batch == 80
+    assert any(len(r) > len(set(r)) for r in replays)  # verification rows: a sequence on several rows
     assert graphed == eager == plain

@@ -50,3 +50,16 @@ def logits_rows(chunks: list[SequenceChunk], cu) -> list[int]:
         elif c.sample:
             rows.append(int(cu[i + 1]) - 1)
     return rows
+
+
+def split_into_decode_rows(chunks: list[SequenceChunk], max_query_len: int) -> list[SequenceChunk] | None:
+    """One single-token chunk per query token, in order, when every chunk has at most `max_query_len` tokens
+    (else None). Row j of a chunk starting at position p is the token at p + j, attending to the p + j + 1
+    tokens up to and including itself: exactly the causal attention of the chunk's row j, since every row's
+    K/V is written before any row's attention reads the cache. Speculative verification thereby runs
+    through the decode path (its kernel and its CUDA graphs). Each row asks for logits (`sample`);
+    the caller keeps the rows the original chunks asked for (`logits_rows`)."""
+    if max_query_len < 2 or any(len(c.token_ids) > max_query_len for c in chunks):
+        return None
+    return [SequenceChunk(c.seq_id, [tok], c.start_pos + j, c.block_table, sample=True)
+            for c in chunks for j, tok in enumerate(c.token_ids)]

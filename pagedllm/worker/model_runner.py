@@ -1,8 +1,8 @@
 """Turns a step's chunks into one flat, unpadded batch of tensors and runs the model.
 
 On CUDA (unless ``enforce_eager``), decode-only steps replay a captured CUDA graph instead
-(``worker/cuda_graph.py``); with speculative decoding, steps of a few query tokens per sequence
-(verification) replay whole graphs too (``worker/verify_graph.py``); steps with prefill chunks (and decode steps the decode graphs cannot take)
+(``worker/cuda_graph.py``), and so do speculative verification steps, one decode row per query token;
+steps with prefill chunks (and decode steps the decode graphs cannot take)
 replay piecewise graphs split at attention (``worker/piecewise_graph.py``); steps larger than the
 largest token bucket, or with a chunk asking for every token's logits, run eagerly.
 """
@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
-from pagedllm.worker.model_input import SequenceChunk, logits_rows
+from pagedllm.worker.model_input import SequenceChunk, logits_rows, split_into_decode_rows
 from pagedllm.worker.step_stats import StepStats, StepWork, step_kind
 
 
@@ -28,7 +28,9 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.graph_runner = None  # a CUDAGraphRunner once capture_cuda_graphs ran
         self.piecewise_runner = None  # a PiecewiseGraphRunner once capture_cuda_graphs ran (piecewise=True)
-        self.verify_runner = None  # a VerifyGraphRunner once capture_cuda_graphs ran with verify_query_len >= 2
+        # Steps whose chunks all have at most this many query tokens run as decode rows (speculative
+        # verification: 1 + num_speculative_tokens); 0 = only one-token chunks do.
+        self.verify_query_len = 0
         self.table_width: int | None = None  # pad every block table to this width (fixed kernel variants)
         self.step_stats: StepStats | None = None
         # CPU, float32 Llama family on GGUF linears: the stack's kernels called directly (model/cpu_direct_forward.py)
@@ -44,29 +46,25 @@ class ModelRunner:
                             max_capture_tokens: int | None = None, verify_query_len: int = 0,
                             verify_max_num_seqs: int = 0) -> None:
         """Warm start (CUDA only): capture decode-step graphs for bucketed batches up to max_num_seqs,
-        piecewise graphs for token buckets up to max_num_batched_tokens, whole graphs for up to
-        `verify_max_num_seqs` sequences of up to `verify_query_len` query tokens (speculative
-        verification; none when < 2), and compile every Triton attention variant the steps can reach,
-        so that no step pays for a compilation."""
+        piecewise graphs for token buckets up to max_num_batched_tokens, and compile every Triton
+        attention variant the steps can reach, so that no step pays for a compilation. With
+        `verify_query_len` >= 2 (speculative decoding), steps of up to `verify_max_num_seqs` sequences
+        of up to that many query tokens each replay the decode graphs too, one row per query token
+        (the buckets then reach verify_max_num_seqs × verify_query_len rows)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
         from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
         from pagedllm.worker.cuda_graph import CUDAGraphRunner
         from pagedllm.worker.piecewise_graph import DEFAULT_MAX_CAPTURE_TOKENS, PiecewiseGraphRunner
 
-        runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size, max_num_seqs,
-                                 max_model_len)
+        verify_rows = min(verify_max_num_seqs, max_num_seqs) * verify_query_len if verify_query_len >= 2 else 0
+        runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size,
+                                 max(max_num_seqs, verify_rows), max_model_len)
         runner.capture()
         self.graph_runner = runner
         self.table_width = runner.max_blocks
-        if verify_query_len >= 2 and verify_max_num_seqs >= 1:
-            from pagedllm.worker.verify_graph import VerifyGraphRunner
-
-            vr = VerifyGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size,
-                                   min(verify_max_num_seqs, max_num_seqs), max_model_len, verify_query_len,
-                                   pool=runner.pool)
-            vr.capture()
-            self.verify_runner = vr
+        if verify_rows:
+            self.verify_query_len = verify_query_len
         if not piecewise:
             return
         attn = attention_geometry(self.model)
@@ -166,20 +164,22 @@ class ModelRunner:
             if stats is not None:
                 stats.stop(step_kind(chunks), "graph", len(chunks), start)
             return logits
-        vr = self.verify_runner
-        if vr is not None and kv_caches is vr.kv_caches and vr.can_run(chunks):
+        rows = split_into_decode_rows(chunks, self.verify_query_len) if gr is not None else None
+        if rows is not None and kv_caches is gr.kv_caches and gr.can_run(rows):
+            # Speculative verification: each query token a decode row of its own (see cuda_graph.py).
+            ends = np.cumsum([len(c.token_ids) for c in chunks])
             pending = None
             if pending_inputs:
-                ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
-                pending = ([int(ends[i]) for i, _ in pending_inputs], [r for _, r in pending_inputs],
+                pending = ([int(ends[i]) - 1 for i, _ in pending_inputs], [r for _, r in pending_inputs],
                            prev_sampled_token_ids)
-            hidden, cu = vr.run(chunks, pending)
-            rows = logits_rows(chunks, cu)
+            hidden = gr.run(rows, pending)
+            wanted = logits_rows(chunks, [0, *ends])
             logits = None
-            if rows:
-                logits = self.model.compute_logits(hidden[async_tensor_h2d(rows, torch.int64, self.device)]).float()
+            if wanted:
+                idx = async_tensor_h2d(wanted, torch.int64, self.device)
+                logits = self.model.compute_logits(hidden[idx]).float()
             if stats is not None:
-                stats.stop(step_kind(chunks), "graph", int(cu[-1]), start, StepWork.of(chunks, len(rows)))
+                stats.stop(step_kind(chunks), "graph", len(rows), start, StepWork.of(chunks, len(wanted)))
             return logits
         input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
         if pending_inputs:
