@@ -71,6 +71,8 @@ class CacheConfig:
     preemption_mode: str = "auto"
     kv_cache_manager: str = "paged"
     cache_dtype: str = "auto"  # --kv-cache-dtype
+    # FP8 pools: per-layer k/v scales from one calibration pass at start-up (else 1.0); plain pools ignore it.
+    calculate_kv_scales: bool = True
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
@@ -88,6 +90,8 @@ class CacheConfig:
         _check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _check_choice("kv_cache_manager", self.kv_cache_manager, KV_CACHE_MANAGERS)
         _check_choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}.")
         if self.kv_cache_manager != "paged":
             if self.enable_prefix_caching:
                 raise ValueError(

@@ -32,3 +32,25 @@ def interpreter_numpy_shim() -> None:
 
     ti._patch_lang_tensor = patched
     ti._pagedllm_index_shim = True
+
+
+def interpreter_bf16_dot_shim() -> None:
+    """Triton's interpreter keeps bfloat16 tensors as their uint16 bits and ``tl.dot`` multiplies those bits;
+    widen bfloat16 operands to float32 (exact) first. Affects only TRITON_INTERPRET runs; call after importing
+    triton."""
+    if ON_CUDA:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    builder = ti.InterpreterBuilder
+    if getattr(builder, "_pagedllm_bf16_dot_shim", False):
+        return
+    original = builder.create_dot
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = patched
+    builder._pagedllm_bf16_dot_shim = True

@@ -1,8 +1,8 @@
-"""Where a speculative step's time goes (issue 20): the copy workload at 1 concurrent request with
+"""Where a speculative step's time goes (issue 20): the copy workload at `--concurrency` requests with
 speculation off and on (same engine settings as `pagedllm bench spec-decode`), per-step wall time by step
 kind (the model runner's path), then a cProfile of the host side of the "on" engine.
 
-    python benchmarks/gpu/profile_spec.py MODEL_DIR [--load-format dummy] [--dtype float32]
+    python benchmarks/gpu/profile_spec.py MODEL_DIR [--load-format dummy] [--dtype float32] [--concurrency 4]
 """
 import argparse
 import cProfile
@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--concurrency", type=int, default=1)
     a = p.parse_args()
     engines = {}
     for label, spec in (("off", None), ("on", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')):
@@ -57,7 +58,7 @@ def main() -> None:
     for label, eng in engines.items():
         run_closed_loop(eng, prompts[:2], params[:2], 1, f"warm{label}")
         times = timed_steps(eng)
-        dt, outs = run_closed_loop(eng, prompts, params, 1, label)
+        dt, outs = run_closed_loop(eng, prompts, params, a.concurrency, label)
         torch.cuda.synchronize()
         n = sum(len(o) for o in outs)
         print(f"== {label}: {n} tokens in {dt:.3f} s = {n / dt:.1f} tok/s; "
@@ -67,10 +68,10 @@ def main() -> None:
     eng = engines["on"]
     pr = cProfile.Profile()
     pr.enable()
-    run_closed_loop(eng, prompts, params, 1, "prof")
+    run_closed_loop(eng, prompts, params, a.concurrency, "prof")
     torch.cuda.synchronize()
     pr.disable()
-    pstats.Stats(pr).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(60)
     pstats.Stats(pr).sort_stats("tottime").print_stats(25)
 
 

@@ -16,6 +16,7 @@ one prefill (``prompt_logprobs=1``), and a position agrees when its argmax is th
 agreement over every position of the fixed text.
 
     pagedllm bench fp8-accuracy --configs bf16 fp8-kv fp8-kv-w8          # GPU (issue 21 targets)
+    pagedllm bench fp8-accuracy --configs bf16 fp8-kv fp8-kv-s1 fp8-kv-w8 fp8-kv-s1-w8   # calibrated vs 1.0
     pagedllm bench fp8-accuracy --device cpu --configs fp32 bf16 --num-prompts 4 --max-tokens 8
 """
 from __future__ import annotations
@@ -30,14 +31,19 @@ from importlib import resources
 
 logger = logging.getLogger("pagedllm")
 
-#: name → engine arguments (beyond device / model); FP8 needs CUDA.
+#: name → engine arguments (beyond device / model); FP8 needs CUDA. FP8 KV pools calibrate their per-layer
+#: scales at start-up (the engine's default); the "-s1" configurations keep the fixed scales of 1.0.
 CONFIGS: dict[str, dict] = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "fp8-kv": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"},
+    "fp8-kv-s1": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "calculate_kv_scales": False},
     "fp8-kv-e5m2": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"},
+    "fp8-kv-e5m2-s1": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2", "calculate_kv_scales": False},
     "fp8-w8": {"dtype": "bfloat16", "quantization": "fp8"},
     "fp8-kv-w8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": "fp8"},
+    "fp8-kv-s1-w8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": "fp8",
+                     "calculate_kv_scales": False},
 }
 
 
@@ -110,6 +116,8 @@ def run_config(name: str, args, prompts: list[list[int]], text_ids: list[int],
     llm = LLM(device=args.device, max_model_len=args.max_model_len, seed=0,
               kv_cache_memory_bytes=int(args.kv_cache_memory_gib * (1 << 30)), **kw)
     pool = llm.llm_engine.scheduler.block_manager.num_gpu_blocks
+    worker = getattr(llm.llm_engine.executor, "driver_worker", None)  # one process: the calibrated scales
+    kv_scales = [list(s) for s in worker.kv_spec.layer_scales] if worker is not None else []
     t1 = time.perf_counter()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=True)
@@ -130,7 +138,7 @@ def run_config(name: str, args, prompts: list[list[int]], text_ids: list[int],
                 "%d KV blocks", name, ppl, len(nll), len(prompts), t2 - t1, t1 - t0, t3 - t2, pool)
     return {"config": name, "engine_args": kw, "tokens": tokens, "nll": nll, "perplexity": ppl,
             "text_argmax": text_argmax, "teacher_forced_agreement": tf_same / tf_total,
-            "num_gpu_blocks": pool, "greedy_s": t2 - t1}
+            "num_gpu_blocks": pool, "greedy_s": t2 - t1, "kv_layer_scales": kv_scales}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -160,7 +168,7 @@ def run(args) -> int:
     order = [baseline] + [c for c in args.configs if c != baseline]
     results: dict[str, dict] = {}
     summary = []
-    print(f"{'config':<12} {'agree all':>9} {'agree prefix':>12} {'identical':>9} {'teacher-forced':>14} "
+    print(f"{'config':<14} {'agree all':>9} {'agree prefix':>12} {'identical':>9} {'teacher-forced':>14} "
           f"{'text argmax':>11} {'ppl':>9} {'ppl rel':>8} {'|dNLL|':>7}", flush=True)
     for name in order:  # one row as soon as each configuration is done (and the JSON rewritten)
         base_tokens = results[baseline]["tokens"] if results else None
@@ -174,8 +182,8 @@ def run(args) -> int:
         dnll = sum(abs(a - b) for a, b in zip(r["nll"], base["nll"])) / len(base["nll"])
         summary.append({"config": name, "baseline": baseline, **ag, "perplexity": r["perplexity"],
                         "ppl_rel_diff": rel, "mean_abs_nll_diff": dnll, "num_gpu_blocks": r["num_gpu_blocks"],
-                        "engine_args": r["engine_args"]})
-        print(f"{name:<12} {ag['agreement_all']:>9.2%} {ag['agreement_prefix']:>12.2%} "
+                        "engine_args": r["engine_args"], "kv_layer_scales": r["kv_layer_scales"]})
+        print(f"{name:<14} {ag['agreement_all']:>9.2%} {ag['agreement_prefix']:>12.2%} "
               f"{ag['identical_requests']:>4}/{ag['num_requests']:<4} {ag['agreement_teacher_forced']:>14.2%} "
               f"{ag['text_argmax_agreement']:>11.2%} {r['perplexity']:>9.4f} {rel:>+8.3%} "
               f"{dnll:>7.4f}", flush=True)

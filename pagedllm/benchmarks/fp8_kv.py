@@ -1,9 +1,11 @@
 """FP8 vs bf16 paged decode on the GPU (issue 21): the same batch, context and block tables read from a
-bf16 pool and from an FP8 pool (e4m3, k_scale = v_scale = 1.0), per point: latency (CUDA-graph replay),
-K/V bytes read per second ÷ the measured device copy bandwidth, and fp8 ÷ bf16 latency; plus the error of
-the FP8 result against the bf16 one. Llama-3-8B attention shape by default (32 query / 8 KV heads, D 128).
+bf16 pool and from an FP8 pool (e4m3, k_scale = v_scale = 1.0) with each of the FP8 kernel's dot dtypes
+(``--fp8-dot-dtypes``: fp16, the default, and bf16, the former path), per point: latency (CUDA-graph
+replay), K/V bytes read per second ÷ the measured device copy bandwidth, and fp8 ÷ bf16 latency; plus the
+error of each FP8 result against the bf16 one. Llama-3-8B attention shape by default (32 query / 8 KV
+heads, D 128).
 
-    python -m pagedllm.benchmarks.fp8_kv --out fp8_kv.json
+    python -m pagedllm.benchmarks.fp8_kv --fp8-dot-dtypes fp16 bf16 --out fp8_kv.json
 """
 from __future__ import annotations
 
@@ -15,8 +17,16 @@ import torch
 from pagedllm.benchmarks.kernels import bench_graph, copy_bandwidth
 from pagedllm.kernels import kv_quant
 
+FP8_DOT_CHOICES = ("fp16", "bf16")
 
-def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int, fp8_tiles: list[int]) -> dict:
+
+def run_names(dot_dtypes: list[str], fp8_tiles: list[int]) -> list[str]:
+    """Row keys of one point: the bf16 pool, the FP8 pool per dot dtype, then per extra tile (first dot dtype)."""
+    return ["bf16"] + [f"fp8_{d}" for d in dot_dtypes] + [f"fp8_{dot_dtypes[0]}_tile{t}" for t in fp8_tiles]
+
+
+def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int, dot_dtypes: list[str],
+                fp8_tiles: list[int]) -> dict:
     from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
     nb_seq = -(-ctx // bs)
@@ -27,25 +37,24 @@ def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int, fp8_til
     tables = torch.randperm(num_blocks, device="cuda", generator=g)[: batch * nb_seq].view(batch, nb_seq).int()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    kq, vq = kv_quant.quantize(kc, torch.float8_e4m3fn), kv_quant.quantize(vc, torch.float8_e4m3fn)
     row: dict = {"batch": batch, "context": ctx}
     outs = {}
-    runs = [("bf16", torch.bfloat16, None), ("fp8", torch.float8_e4m3fn, None)]
-    runs += [(f"fp8_tile{t}", torch.float8_e4m3fn, t) for t in fp8_tiles]
-    for name, dtype, tile in runs:
-        k = kc if dtype == torch.bfloat16 else kv_quant.quantize(kc, dtype)
-        v = vc if dtype == torch.bfloat16 else kv_quant.quantize(vc, dtype)
+    runs = [("bf16", kc, vc, None, None)] + [(f"fp8_{dot}", kq, vq, dot, None) for dot in dot_dtypes]
+    runs += [(f"fp8_{dot_dtypes[0]}_tile{t}", kq, vq, dot_dtypes[0], t) for t in fp8_tiles]
+    for name, k, v, dot, tile in runs:
         out = torch.empty_like(q)
         ws = DecodeWorkspace.allocate("cuda")
         fn = lambda: paged_decode_attention(q, k, v, tables, seq_lens, d**-0.5, ctx, out=out, workspace=ws,  # noqa: E731
-                                            tile=tile)
+                                            tile=tile, fp8_dot_dtype=dot)
         fn()
         ms, _ = bench_graph(fn)
         kv_bytes = 2 * batch * ctx * hk * d * k.element_size()
         row[name] = {"ms": ms, "kv_bytes": kv_bytes, "kv_bytes_per_s": kv_bytes / (ms * 1e-3)}
         outs[name] = out.float()
-        del k, v
-    row["fp8_over_bf16_latency"] = row["fp8"]["ms"] / row["bf16"]["ms"]
-    row["fp8_rel_err_vs_bf16"] = ((outs["fp8"] - outs["bf16"]).norm() / outs["bf16"].norm()).item()
+    for name in run_names(dot_dtypes, fp8_tiles)[1:]:
+        row[name]["over_bf16_latency"] = row[name]["ms"] / row["bf16"]["ms"]
+        row[name]["rel_err_vs_bf16"] = ((outs[name] - outs["bf16"]).norm() / outs["bf16"].norm()).item()
     return row
 
 
@@ -57,27 +66,33 @@ def main() -> int:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--fp8-tiles", type=int, nargs="*", default=[], help="also time the FP8 pool with these tiles")
+    p.add_argument("--fp8-dot-dtypes", nargs="+", default=list(FP8_DOT_CHOICES), choices=FP8_DOT_CHOICES,
+                   help="time the FP8 pool with each of these dot dtypes (fp16: the kernels' default)")
+    p.add_argument("--fp8-tiles", type=int, nargs="*", default=[],
+                   help="also time the FP8 pool with these tiles (first dot dtype)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    dots = list(dict.fromkeys(a.fp8_dot_dtypes))
     bw = copy_bandwidth()
     props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", flush=True)
+    print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s (read+write); fp8 = e4m3 pool, dots in "
+          f"{' / '.join(dots)}", flush=True)
     rows = []
     for b in a.batches:
         for c in a.contexts:
-            r = bench_point(b, c, a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, a.fp8_tiles)
-            for n in ["bf16", "fp8"] + [f"fp8_tile{t}" for t in a.fp8_tiles]:
+            r = bench_point(b, c, a.num_heads, a.num_kv_heads, a.head_dim, a.block_size, dots, a.fp8_tiles)
+            names = run_names(dots, a.fp8_tiles)
+            for n in names:
                 r[n]["frac_of_copy_bw"] = r[n]["kv_bytes_per_s"] / bw
             rows.append(r)
-            print(f"batch {b:4d} ctx {c:5d}: bf16 {r['bf16']['ms']:.3f} ms ({r['bf16']['frac_of_copy_bw']:.0%} of copy bw)"
-                  f"  fp8 {r['fp8']['ms']:.3f} ms ({r['fp8']['frac_of_copy_bw']:.0%})  fp8/bf16 "
-                  f"{r['fp8_over_bf16_latency']:.2f}  rel err {r['fp8_rel_err_vs_bf16']:.3f}  "
-                  + " ".join(f"tile{t} {r[f'fp8_tile{t}']['ms']:.3f} ms" for t in a.fp8_tiles), flush=True)
+            parts = [f"bf16 {r['bf16']['ms']:.3f} ms ({r['bf16']['frac_of_copy_bw']:.0%} of copy bw)"]
+            parts += [f"{n} {r[n]['ms']:.3f} ms ({r[n]['frac_of_copy_bw']:.0%}, x{r[n]['over_bf16_latency']:.2f}, "
+                      f"err {r[n]['rel_err_vs_bf16']:.3f})" for n in names[1:]]
+            print(f"batch {b:4d} ctx {c:5d}: " + "  ".join(parts), flush=True)
             torch.cuda.empty_cache()
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"device": props.name, "copy_bandwidth": bw, "rows": rows}, f, indent=1)
+            json.dump({"device": props.name, "copy_bandwidth": bw, "fp8_dot_dtypes": dots, "rows": rows}, f, indent=1)
     return 0
 
 

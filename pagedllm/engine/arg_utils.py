@@ -60,7 +60,10 @@ _HELP = {
                           "prompt_lookup_min, min_acceptance_rate, cooldown_steps. Greedy outputs are unchanged; "
                           "sampled ones keep their distribution.",
     "kv_cache_dtype": "KV pool element type: auto (the model dtype), fp8 / fp8_e4m3, or fp8_e5m2 (CUDA only; "
-                      "per-layer scales k_scale = v_scale = 1.0).",
+                      "per-layer scales, see --calculate-kv-scales).",
+    "calculate_kv_scales": "FP8 KV pools: calibrate per-layer k/v scales at start-up from one forward pass over a "
+                           "built-in text (amax / 200 for keys, / 100 for values, as vLLM); --no-calculate-kv-scales: "
+                           "scales of 1.0. Ignored for plain pools.",
     "quantization": "Weight quantization: fp8 (bf16 linear weights → e4m3 per output channel at load, "
                     "per-token activation scales, torch._scaled_mm; CUDA only); gguf (a .gguf file's Q4_0/Q4_1/"
                     "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
@@ -103,6 +106,7 @@ class EngineArgs:
     structured_outputs_backend: str = "auto"
     speculative_config: str | dict | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = True
     quantization: str | None = None
 
     @classmethod
@@ -141,6 +145,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             enable_prefix_caching=self.enable_prefix_caching, preemption_mode=self.preemption_mode,
             kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         sched = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,

@@ -1,33 +1,54 @@
-"""FP8 KV cache: the pool dtypes behind ``--kv-cache-dtype`` and the plain-torch quantize / dequantize
-oracles the Triton kernels are tested against.
+"""FP8 KV cache: the pool dtypes behind ``--kv-cache-dtype``, the per-layer scales, and the plain-torch
+quantize / dequantize oracles the Triton kernels are tested against.
 
 A cached value x is stored as fp8(clamp(x / scale, ±max)) and read back as fp8 · scale, one scale per
-layer for keys (k_scale) and one for values (v_scale). The engine uses fixed scales of 1.0 (vLLM's
-default without a calibrated checkpoint): K and V activations of Llama-family models stay far inside
-e4m3's ±448, and e4m3 keeps a relative step of 2^-3 at every magnitude from 2^-6 up, so a scale would
-only move where the (rare) sub-2^-6 values lose precision. A static scale is also what CUDA graphs
-need: it is baked into the captured launches.
+layer for keys (k_scale) and one for values (v_scale). By default the engine calibrates them at start-up
+(``--calculate-kv-scales``, ``worker/kv_scale_calibration.py``) as vLLM's ``calculate_kv_scales`` does:
+scale = amax / constant over one forward pass of a fixed text, with constants below e4m3's 448 so that
+later values up to 2.24× (K) / 4.48× (V) the calibration's amax still fit. Without calibration the scales
+are 1.0 (vLLM's default without a calibrated checkpoint); then a layer whose values are small loses them
+below e4m3's normal range (2^-6; BENCHMARKS.md §20.1). Static scales are what CUDA graphs need: they are
+baked into the captured launches.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 _FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# vLLM's K_SCALE_CONSTANT / V_SCALE_CONSTANT: a calibrated scale is amax / constant, so the calibration's
+# largest |k| is stored as 200 and its largest |v| as 100 (e4m3 saturates at 448).
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Element type of the KV pool and the per-layer scales of an FP8 pool (1.0 for a plain one)."""
+    """Element type of the KV pool and the scales of an FP8 pool: `layer_scales` holds the calibrated
+    (k_scale, v_scale) of each layer; without them every layer uses (k_scale, v_scale). Plain pools
+    ignore the scales."""
 
     dtype: torch.dtype
     k_scale: float = 1.0
     v_scale: float = 1.0
+    layer_scales: tuple[tuple[float, float], ...] = ()
 
     @property
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of one layer."""
+        return self.layer_scales[layer] if self.layer_scales else (self.k_scale, self.v_scale)
+
+
+def scale_from_amax(amax: float, constant: float) -> float:
+    """amax / constant (vLLM's calculated scale); 1.0 when amax is 0 or not finite (nothing to scale by)."""
+    if not (math.isfinite(amax) and amax > 0.0):
+        return 1.0
+    return amax / constant
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

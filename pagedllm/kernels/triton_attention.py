@@ -19,6 +19,10 @@ span several blocks of any size, and use an online softmax (eq. 4 of the paper).
 * Prefill: one program per (sequence, query tile, query head) attends causally to the sequence's
   cached context and its own new tokens, all read through the block table (chunked prefill and
   prefix caching both reduce to this).
+
+FP8 pools (``kv_quant``): both kernels read fp8 and fold k_scale into the softmax scale, v_scale into
+the output; the tile's dots run in fp16 by default (``resolve_fp8_dot``: fp8 → fp16 is exact and one
+native conversion per pair on Hopper, fp8 → bf16 is not), or in bf16 on request; fp32 accumulation.
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels import kv_quant
 
 
 @triton.jit
@@ -70,6 +76,19 @@ def _merge_splits(
 
 
 @triton.jit
+def _dot_operand(q, DOT: tl.constexpr):
+    """The query in the dtype of the tile's dots (K, V and p follow it via ``.to(q.dtype)``). "query": as
+    loaded (every plain pool). "fp16" (an FP8 pool's default): e4m3 / e5m2 → fp16 is exact and a native
+    conversion on Hopper, where → bf16 is not; q is clamped to fp16's ±65504 first so that a large bf16 or
+    fp32 value saturates instead of becoming inf. "bf16": the former FP8 path, kept for comparison."""
+    if DOT == "fp16":
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    elif DOT == "bf16":
+        q = q.to(tl.bfloat16)
+    return q
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_ml_ptr, counters_ptr,
@@ -83,7 +102,7 @@ def _decode_kernel(
     WRITE_PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, TABLE_ROW: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -109,6 +128,7 @@ def _decode_kernel(
     heads = kvh * GROUP + rows
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = _dot_operand(q, DOT)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -200,6 +220,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     seq = tl.program_id(0) + seq_offset
     m_tile = tl.program_id(1)
@@ -219,6 +240,7 @@ def _prefill_kernel(
     tok = (q_start + rows).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = _dot_operand(q, DOT)
     q_pos = ctx + rows  # absolute position of each query row
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -259,9 +281,32 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _precision(query: torch.Tensor) -> str:
+def _precision(query: torch.Tensor, dot: str = "query") -> str:
     """float32 stays exact (IEEE) in tl.dot; 16-bit types use the tensor cores natively."""
-    return "ieee" if query.dtype == torch.float32 else "tf32"
+    return "ieee" if query.dtype == torch.float32 and dot == "query" else "tf32"
+
+
+FP8_DOT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_fp8_dot(query: torch.Tensor, key_cache: torch.Tensor, fp8_dot_dtype: str | None) -> str:
+    """The kernels' DOT mode: "query" (K/V converted to the query's dtype), "fp16" or "bf16".
+
+    Plain pools always use "query" (`fp8_dot_dtype` must be None). FP8 pools: `fp8_dot_dtype` (one of
+    FP8_DOT_DTYPES) or, by default, fp16 for 16-bit queries and the query's dtype for float32 ones (exact
+    IEEE dots, as with a plain float32 pool). A dot dtype equal to the query's is "query" (nothing to convert)."""
+    if not kv_quant.is_fp8(key_cache.dtype):
+        if fp8_dot_dtype is not None:
+            raise ValueError(f"fp8_dot_dtype applies to FP8 caches only; this cache is {key_cache.dtype}: "
+                             "leave it None.")
+        return "query"
+    if fp8_dot_dtype is None:
+        if query.dtype == torch.float32:
+            return "query"
+        fp8_dot_dtype = "fp16"
+    if fp8_dot_dtype not in FP8_DOT_DTYPES:
+        raise ValueError(f"fp8_dot_dtype must be one of {list(FP8_DOT_DTYPES)} or None, got {fp8_dot_dtype!r}.")
+    return "query" if query.dtype == FP8_DOT_DTYPES[fp8_dot_dtype] else fp8_dot_dtype
 
 
 def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int]:
@@ -378,6 +423,7 @@ def paged_decode_attention(
     preload_table: bool | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_dot_dtype: str | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] → [S, Hq, D] over each sequence's seq_lens[i] keys.
 
@@ -389,6 +435,8 @@ def paged_decode_attention(
     block-table row up front (default: when the table has at most 256 columns and Triton has
     ``tl.gather``, 3.2+). `num_stages`: software-pipeline depth; by default 2 with a preloaded row and
     3 without (the faster pair at every benchmarked point on an H200, BENCHMARKS.md §7).
+    `fp8_dot_dtype`: with an FP8 cache, the dtype of the tile's dots, "fp16" (default for 16-bit queries)
+    or "bf16"; fp32 accumulation either way (``resolve_fp8_dot``).
     """
     if reduce not in _REDUCE_MODES:
         raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}.")
@@ -397,6 +445,7 @@ def paged_decode_attention(
     if workspace is not None and workspace.device != query.device:
         raise ValueError(f"workspace is on {workspace.device}, query on {query.device}.")
     group, d = _check_shapes(query, key_cache, value_cache)
+    dot = resolve_fp8_dot(query, key_cache, fp8_dot_dtype)
     num_seqs, hq = query.shape[0], query.shape[1]
     hk, block_size = key_cache.shape[2], key_cache.shape[1]
     if out is None:
@@ -444,7 +493,7 @@ def paged_decode_attention(
         num_splits, WRITE_PARTIAL=num_splits > 1, FUSED_REDUCE=fused and num_splits > 1, TABLE_ROW=table_row,
         GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), merge_chunk),
-        HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile, PREC=_precision(query),
+        HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile, PREC=_precision(query, dot), DOT=dot,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
@@ -470,10 +519,13 @@ def paged_prefill_attention(
     out: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_dot_dtype: str | None = None,
 ) -> None:
     """Sequences first_seq .. first_seq+num_seqs-1 of a flat batch: causal attention of their query tokens
-    (rows query_start_loc[i]:query_start_loc[i+1] of `query`) over all seq_lens[i] cached keys; writes `out`."""
+    (rows query_start_loc[i]:query_start_loc[i+1] of `query`) over all seq_lens[i] cached keys; writes `out`.
+    `fp8_dot_dtype`: as in ``paged_decode_attention``."""
     group, d = _check_shapes(query, key_cache, value_cache)
+    dot = resolve_fp8_dot(query, key_cache, fp8_dot_dtype)
     if num_seqs == 0:
         return
     hq = query.shape[1]
@@ -491,7 +543,7 @@ def paged_prefill_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(query),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
         num_warps=4, num_stages=2,
     )
 
@@ -506,10 +558,12 @@ def paged_attention(
     workspace: DecodeWorkspace | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_dot_dtype: str | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention`` (K/V already cached): decodes, then prefill chunks.
     `workspace`: the decode's scratch, reused across calls (see ``paged_decode_attention``).
-    FP8 caches are read as fp8 · k_scale / v_scale (``kv_quant.dequantize``)."""
+    FP8 caches are read as fp8 · k_scale / v_scale (``kv_quant.dequantize``), their dots in `fp8_dot_dtype`
+    (``resolve_fp8_dot``)."""
     if out is None:
         out = torch.empty_like(query)
     nd = meta.num_decodes
@@ -517,10 +571,11 @@ def paged_attention(
         max_len = max(meta.seq_lens_cpu[:nd])
         paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                                scale, max_len, out=out[:nd], workspace=workspace,
-                               k_scale=k_scale, v_scale=v_scale)
+                               k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot_dtype)
     n_prefill = meta.num_seqs - nd
     if n_prefill:
         max_q = max(meta.query_lens_cpu[nd:])
         paged_prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, scale, nd, n_prefill, max_q, out, k_scale, v_scale)
+                                meta.query_start_loc, scale, nd, n_prefill, max_q, out, k_scale, v_scale,
+                                fp8_dot_dtype)
     return out

@@ -1,6 +1,7 @@
 """A worker: one device (or one tensor-parallel rank) holding a model shard and its KV pools."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Iterable
@@ -27,6 +28,12 @@ from pagedllm.model.models.registry import get_model_class
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
+from pagedllm.worker.kv_scale_calibration import (
+    KVCalibration,
+    calibrate_kv_amax,
+    calibration_token_ids,
+    log_calibration,
+)
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -59,7 +66,8 @@ class Worker:
         device = config.device_config.resolve()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.model_config.dtype, device)
-        # The KV pool's element type (--kv-cache-dtype); FP8 pools use fixed scales of 1.0 (kv_quant.py says why).
+        # The KV pool's element type (--kv-cache-dtype); an FP8 pool's per-layer scales are 1.0 until
+        # init_cache calibrates them (--calculate-kv-scales, worker/kv_scale_calibration.py).
         self.kv_spec = kv_quant.KVCacheSpec(kv_quant.resolve_cache_dtype(config.cache_config.cache_dtype,
                                                                          self.dtype, device))
         if config.model_config.quantization == "fp8" and device != "cuda":
@@ -168,6 +176,8 @@ class Worker:
             num_gpu_blocks, num_cpu_blocks, self.kv_spec.dtype, self.device,
         )
         logger.info("KV pool dtype %s (%d bytes per block)", self.kv_spec.dtype, self.cache_block_size_bytes())
+        if self.kv_spec.is_fp8 and self.config.cache_config.calculate_kv_scales:
+            self.calibrate_kv_scales()  # before the backend is built and graphs bake the scales in
         backend = self.attn_backend()
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
@@ -192,14 +202,41 @@ class Worker:
         graphs match up across ranks at replay, as they do in eager steps."""
         return self.device.type == "cuda" and not self.config.model_config.enforce_eager
 
+    def calibrate_kv_scales(self, token_ids: list[int] | None = None) -> KVCalibration:
+        """One forward pass over the calibration prompt (`token_ids`, by default the built-in text's tokens,
+        random ids without a tokenizer or with dummy weights) → per-layer FP8 KV scales into ``kv_spec``.
+        The scales stay those of the weights loaded at start-up (``load_weights`` does not recalibrate)."""
+        t0 = time.perf_counter()
+        if token_ids is None:
+            mc = self.config.model_config
+            tokenizer = None
+            if not mc.skip_tokenizer_init and mc.load_format != "dummy":
+                from pagedllm.tokenizer import get_tokenizer
+
+                tokenizer = get_tokenizer(self.model_dir, mc.tokenizer, mc.trust_remote_code)
+            token_ids = calibration_token_ids(tokenizer, int(self.hf_config.vocab_size),
+                                              self.config.scheduler_config.max_model_len, seed=mc.seed)
+        layers, _, _ = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
+        cal = calibrate_kv_amax(self.model, token_ids, layers, self.device)
+        self.kv_spec = dataclasses.replace(self.kv_spec, layer_scales=cal.scales())
+        log_calibration(cal, self.kv_spec.dtype, time.perf_counter() - t0)
+        return cal
+
     def attn_backend(self):
         if self.device.type == "cuda":
-            return TritonAttentionBackend(self.kv_spec.k_scale, self.kv_spec.v_scale)
+            return TritonAttentionBackend(self.kv_spec.k_scale, self.kv_spec.v_scale, self._scales_by_cache())
         if self.device.type == "cpu" and self.dtype == torch.float32:
             kernels = cpu_kernels.load_cpu_kernels()
             if kernels is not None:
                 return NativeCpuAttentionBackend(kernels)
         return TorchAttentionBackend()
+
+    def _scales_by_cache(self) -> dict[int, tuple[float, float]] | None:
+        """Calibrated scales keyed by each layer's key cache (``TritonAttentionBackend``); None before
+        calibration or the pool (e.g. the memory profile's temporary caches use the defaults)."""
+        if not self.kv_spec.layer_scales or self.cache_engine is None:
+            return None
+        return {k.data_ptr(): self.kv_spec.scales(i) for i, (k, _) in enumerate(self.cache_engine.gpu_cache)}
 
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
         ce = self.cache_engine

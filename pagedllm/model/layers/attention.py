@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from pagedllm.kernels import reference
+from pagedllm.kernels import kv_quant, reference
 from pagedllm.kernels.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
@@ -77,26 +77,43 @@ class TritonAttentionBackend:
     """Triton kernels (kernels/triton_*.py): the CUDA path. Same contract as TorchAttentionBackend.
 
     Owns one split-KV decode workspace per device, shared by every layer and every captured CUDA graph;
-    it grows when a call needs more (the capture warm-up sizes it before each capture)."""
+    it grows when a call needs more (the capture warm-up sizes it before each capture).
+
+    FP8 pools store x / scale: `layer_scales` maps a layer's key cache (its ``data_ptr()``) to that layer's
+    calibrated (k_scale, v_scale); a cache not in it (or no mapping) uses (k_scale, v_scale). Keyed by the
+    cache, the scales follow every path that attends through it (eager steps, piecewise-graph replays,
+    self-speculation sharing the target's caches). `fp8_dot_dtype`: the FP8 kernels' dot dtype (None: the
+    kernels' default, ``triton_attention.resolve_fp8_dot``). Plain pools ignore all three."""
 
     name = "triton"
 
-    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0,
+                 layer_scales: dict[int, tuple[float, float]] | None = None,
+                 fp8_dot_dtype: str | None = None) -> None:
         self.workspaces: dict[torch.device, DecodeWorkspace] = {}
-        self.k_scale, self.v_scale = k_scale, v_scale  # FP8 KV pools: stored = x / scale; plain pools ignore them
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.layer_scales = dict(layer_scales or {})
+        self.fp8_dot_dtype = fp8_dot_dtype
+
+    def scales_for(self, key_cache: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) of the layer owning `key_cache`."""
+        if not self.layer_scales:
+            return self.k_scale, self.v_scale
+        return self.layer_scales.get(key_cache.data_ptr(), (self.k_scale, self.v_scale))
 
     def forward(self, query, key, value, kv_cache, meta, scale, out=None):
         """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor."""
         from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
 
         key_cache, value_cache = kv_cache
-        triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
-                                           self.k_scale, self.v_scale)
+        k_scale, v_scale = self.scales_for(key_cache)
+        triton_cache_ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
         workspace = self.workspaces.get(query.device)
         if workspace is None:
             workspace = self.workspaces[query.device] = triton_attention.DecodeWorkspace.allocate(query.device)
+        fp8_dot = self.fp8_dot_dtype if kv_quant.is_fp8(key_cache.dtype) else None
         return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace,
-                                                k_scale=self.k_scale, v_scale=self.v_scale)
+                                                k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot)
 
 
 class Attention(nn.Module):
