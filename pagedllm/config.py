@@ -72,7 +72,7 @@ class CacheConfig:
     kv_cache_manager: str = "paged"
     cache_dtype: str = "auto"  # --kv-cache-dtype
     # FP8 pools: per-layer k/v scales from one calibration pass at start-up (else 1.0); plain pools ignore it.
-    calculate_kv_scales: bool = True
+    calculate_kv_scales: bool = False
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)

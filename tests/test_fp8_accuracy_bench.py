@@ -32,9 +32,9 @@ def test_agreement_all_positions_and_prefix():
 def test_configs_name_the_issue_21_flags():
     from pagedllm.engine.arg_utils import EngineArgs
 
-    assert CONFIGS["fp8-kv"] == {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}  # calibrated scales: the default
+    assert CONFIGS["fp8-kv"] == {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}  # scales of 1.0: the default
     assert CONFIGS["fp8-kv-w8"]["quantization"] == "fp8" and CONFIGS["fp8-kv-w8"]["kv_cache_dtype"] == "fp8"
-    for fixed, calibrated in (("fp8-kv-s1", "fp8-kv"), ("fp8-kv-s1-w8", "fp8-kv-w8"), ("fp8-kv-e5m2-s1", "fp8-kv-e5m2")):
-        assert CONFIGS[fixed] == {**CONFIGS[calibrated], "calculate_kv_scales": False}
+    for fixed, calibrated in (("fp8-kv", "fp8-kv-cal"), ("fp8-kv-w8", "fp8-kv-cal-w8"), ("fp8-kv-e5m2", "fp8-kv-e5m2-cal")):
+        assert CONFIGS[calibrated] == {**CONFIGS[fixed], "calculate_kv_scales": True}
     for kw in CONFIGS.values():
         EngineArgs.from_kwargs(**kw)  # every configuration names real engine arguments

@@ -239,7 +239,7 @@ def test_engine_fp8_pool_with_calibrated_scales_under_the_interpreter(tmp_path, 
     monkeypatch.setattr(kv_quant, "resolve_cache_dtype", lambda cache, model, device: resolve(cache, model, "cuda"))
     monkeypatch.setattr(Worker, "attn_backend", lambda self: TritonAttentionBackend(
         self.kv_spec.k_scale, self.kv_spec.v_scale, self._scales_by_cache(), fp8_dot_dtype="fp16"))
-    llm = LLM(kv_cache_dtype="fp8", **kw)
+    llm = LLM(kv_cache_dtype="fp8", calculate_kv_scales=True, **kw)
     worker = llm.llm_engine.executor.driver_worker
     toks = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     scales = worker.kv_spec.layer_scales

@@ -136,7 +136,7 @@ def test_calibration_text_tokens_with_the_bundled_tokenizer(tokenizer):
 def test_fp8_pool_is_calibrated_in_init_cache_before_the_backend(tmp_path, monkeypatch):
     """The worker's wiring on CPU (an FP8 pool is CUDA-only, so its dtype check is bypassed): init_cache
     calibrates before the backend is built (random ids: no tokenizer), and the backend mapping keys every
-    layer's key cache to its scales; with --no-calculate-kv-scales the scales stay 1.0."""
+    layer's key cache to its scales; by default (no --calculate-kv-scales) the scales stay 1.0."""
     _tiny_llama(tmp_path, layers=2)
     monkeypatch.setattr(kv_quant, "resolve_cache_dtype", lambda *a: torch.float8_e4m3fn)
     from pagedllm.worker import worker as worker_mod
@@ -149,14 +149,14 @@ def test_fp8_pool_is_calibrated_in_init_cache_before_the_backend(tmp_path, monke
         return original(self)
 
     monkeypatch.setattr(worker_mod.Worker, "attn_backend", spy)
-    w = _worker(tmp_path, kv_cache_dtype="fp8", max_model_len=128)
+    w = _worker(tmp_path, kv_cache_dtype="fp8", max_model_len=128, calculate_kv_scales=True)
     assert w.config.cache_config.calculate_kv_scales
     w.init_cache(8, 0)
     assert len(seen) == 1 and len(seen[0]) == 2 and seen[0] != ((1.0, 1.0), (1.0, 1.0))
     by_cache = w._scales_by_cache()
     assert [by_cache[k.data_ptr()] for k, _ in w.cache_engine.gpu_cache] == list(w.kv_spec.layer_scales)
 
-    off = _worker(tmp_path, kv_cache_dtype="fp8", max_model_len=128, calculate_kv_scales=False)
+    off = _worker(tmp_path, kv_cache_dtype="fp8", max_model_len=128)  # the default: scales of 1.0
     off.init_cache(8, 0)
     assert off.kv_spec.layer_scales == () and off._scales_by_cache() is None
 
@@ -166,7 +166,7 @@ def test_calculate_kv_scales_flag_parses():
     from pagedllm.engine.arg_utils import EngineArgs
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    assert EngineArgs.from_cli_args(parser.parse_args([])).calculate_kv_scales is True
+    assert EngineArgs.from_cli_args(parser.parse_args([])).calculate_kv_scales is False
     args = EngineArgs.from_cli_args(parser.parse_args(["--kv-cache-dtype", "fp8", "--no-calculate-kv-scales"]))
     assert args.calculate_kv_scales is False
     assert args.create_engine_config(1024).cache_config.calculate_kv_scales is False
@@ -196,8 +196,8 @@ def test_plain_pool_ignores_calculate_kv_scales(tmp_path, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_engine_fp8_calibrated_scales_on_cuda(tmp_path):
-    """bf16 random-weight Llama with an FP8 pool: calibration on by default (distinct per-layer scales, CUDA
-    graphs captured after it), off with calculate_kv_scales=False; greedy first tokens agree with bf16."""
+    """bf16 random-weight Llama with an FP8 pool: calibration with calculate_kv_scales=True (distinct per-layer
+    scales, CUDA graphs captured after it), off by default; greedy first tokens agree with bf16."""
     from pagedllm import LLM, SamplingParams
 
     _tiny_llama(tmp_path, layers=4, hidden=256, heads=8, std=0.08)  # as test_engine_fp8_kv_cache_on_cuda
@@ -205,8 +205,8 @@ def test_engine_fp8_calibrated_scales_on_cuda(tmp_path):
     prompts = [{"prompt_token_ids": [rng.randrange(1, 256) for _ in range(n)]} for n in (5, 17, 40, 3, 90, 33)]
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}
-    for name, kw in (("bf16", {}), ("fp8", {"kv_cache_dtype": "fp8"}),
-                     ("fp8-s1", {"kv_cache_dtype": "fp8", "calculate_kv_scales": False})):
+    for name, kw in (("bf16", {}), ("fp8", {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}),
+                     ("fp8-s1", {"kv_cache_dtype": "fp8"})):
         llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
                   kv_cache_memory_bytes=32 << 20, max_model_len=256, max_num_seqs=8, max_capture_tokens=128, **kw)
         scales = llm.llm_engine.executor.driver_worker.kv_spec.layer_scales

@@ -16,10 +16,34 @@ def test_step_cost_model_interpolates_and_extrapolates():
     assert m.estimate(12) == pytest.approx(0.018)  # between 4 and 20
     assert m.estimate(28) == pytest.approx(0.034)  # beyond: the slope of the two largest
     assert m.estimate(2) == 0.010  # below the smallest: the smallest
-    m.record(20, 0.036)  # an exponential average per row count
+    m.record(20, 0.036)  # slower: an exponential average per row count
     assert m.estimate(20) == pytest.approx(0.026 + 0.2 * 0.010)
+    m.record(20, 0.024)  # faster: at once (a one-off slow step does not stick)
+    assert m.estimate(20) == 0.024
     m.record(30, 0.001)  # a faster larger step (noise) never gives a negative slope
     assert m.estimate(40) == pytest.approx(m.estimate(30))
+
+
+def test_a_slow_first_measurement_of_the_longest_drafts_does_not_stick():
+    """One slow first verification step (50 ms for 5 rows, e.g. a first-time allocation) made the goodput
+    policy verify one draft token forever on the GPU; the periodic full-length step re-measures 5 rows and
+    the faster time replaces the outlier, after which every draft is verified again."""
+    from types import SimpleNamespace
+
+    from pagedllm.spec_decode.spec_decoder import _EXPLORE_EVERY, SpecDecoder
+
+    dec = SpecDecoder.__new__(SpecDecoder)
+    dec.config = SpeculativeConfig(num_speculative_tokens=4)
+    dec.stats = SimpleNamespace(accepted_per_pos=[50, 35, 25, 18], drafted_per_pos=[100, 50, 35, 25])
+    dec.step_cost = StepCostModel({1: 0.0018, 2: 0.0023, 5: 0.050})
+    dec._num_choices = 0
+    seq = SimpleNamespace(extra={"spec_first": 0.5})
+    item = SimpleNamespace(seq=seq, completes=True)
+    sched = SimpleNamespace(num_batched_tokens=1, scheduled=[item])
+    lengths = [dec._draft_lengths(sched, [(item, 4, [1, 2, 3, 4])])[0] for _ in range(_EXPLORE_EVERY)]
+    assert lengths[:-1] == [1] * (_EXPLORE_EVERY - 1) and lengths[-1] == 4
+    dec.step_cost.record(5, 0.0025)  # what the exploring step measured
+    assert dec._draft_lengths(sched, [(item, 4, [1, 2, 3, 4])]) == [4]
 
 
 def linear(a: float, b: float):

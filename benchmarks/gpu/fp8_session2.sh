@@ -2,8 +2,8 @@
 # Issue 21 follow-up on the GPU, one device call (<= ~550 s): (1) the FP8 tests on CUDA (kernels with fp16 and
 # bf16 dots, per-layer scales, calibration, engines), (2) the decode-kernel benchmark with the FP8 pool's
 # dots in fp16 (the new default) and bf16 (the former path) against the bf16 pool, (3) FP8 accuracy on the
-# bundled model with calibrated per-layer KV scales (fp8-kv, fp8-kv-w8) vs the fixed 1.0 (fp8-kv-s1,
-# fp8-kv-s1-w8). STEPS picks steps (default: all, in this order); each has its own timeout, cut to the
+# bundled model with the fixed KV scales of 1.0 (fp8-kv, fp8-kv-w8) vs calibrated per-layer ones (fp8-kv-cal,
+# fp8-kv-cal-w8). STEPS picks steps (default: all, in this order); each has its own timeout, cut to the
 # overall budget (BUDGET_S, default 540 s); logs are tarred into $OUT after each step.
 #
 # The accuracy step needs the bundled GGUF and the engine's wheels (xgrammar, ...) on the device: the two-call
@@ -46,7 +46,7 @@ for s in ${STEPS:-tests kernel accuracy}; do case $s in
       echo "== accuracy skipped: the bundled model is not on this device (carry .gg1/.gg2, see device_setup.sh)" \
           | tee -a "$OUT/summary.txt"; tail -2 "$R/model.log" | tee -a "$OUT/summary.txt"; continue
     fi
-    step accuracy 230 python benchmarks/fp8_accuracy.py --configs bf16 fp8-kv fp8-kv-s1 fp8-kv-w8 fp8-kv-s1-w8 \
+    step accuracy 230 python benchmarks/fp8_accuracy.py --configs bf16 fp8-kv fp8-kv-cal fp8-kv-w8 fp8-kv-cal-w8 \
         --output-json "$OUT/fp8_accuracy.json"
     grep -E "FP8 KV scales calibrated|Traceback|Error" "$R/accuracy.log" | tail -6 | tee -a "$OUT/summary.txt"
     python - "$OUT/fp8_accuracy.json" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"

@@ -31,19 +31,19 @@ from importlib import resources
 
 logger = logging.getLogger("pagedllm")
 
-#: name → engine arguments (beyond device / model); FP8 needs CUDA. FP8 KV pools calibrate their per-layer
-#: scales at start-up (the engine's default); the "-s1" configurations keep the fixed scales of 1.0.
+#: name → engine arguments (beyond device / model); FP8 needs CUDA. FP8 KV pools use scales of 1.0 (the
+#: engine's default); the "-cal" configurations calibrate per-layer scales at start-up (calculate_kv_scales).
 CONFIGS: dict[str, dict] = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "fp8-kv": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"},
-    "fp8-kv-s1": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "calculate_kv_scales": False},
+    "fp8-kv-cal": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "calculate_kv_scales": True},
     "fp8-kv-e5m2": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"},
-    "fp8-kv-e5m2-s1": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2", "calculate_kv_scales": False},
+    "fp8-kv-e5m2-cal": {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2", "calculate_kv_scales": True},
     "fp8-w8": {"dtype": "bfloat16", "quantization": "fp8"},
     "fp8-kv-w8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": "fp8"},
-    "fp8-kv-s1-w8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": "fp8",
-                     "calculate_kv_scales": False},
+    "fp8-kv-cal-w8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": "fp8",
+                      "calculate_kv_scales": True},
 }
 
 

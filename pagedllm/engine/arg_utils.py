@@ -62,8 +62,8 @@ _HELP = {
     "kv_cache_dtype": "KV pool element type: auto (the model dtype), fp8 / fp8_e4m3, or fp8_e5m2 (CUDA only; "
                       "per-layer scales, see --calculate-kv-scales).",
     "calculate_kv_scales": "FP8 KV pools: calibrate per-layer k/v scales at start-up from one forward pass over a "
-                           "built-in text (amax / 200 for keys, / 100 for values, as vLLM); --no-calculate-kv-scales: "
-                           "scales of 1.0. Ignored for plain pools.",
+                           "built-in text (amax / 200 for keys, / 100 for values, as vLLM); default off: scales of "
+                           "1.0 (measured better on the bundled model, BENCHMARKS.md). Ignored for plain pools.",
     "quantization": "Weight quantization: fp8 (bf16 linear weights → e4m3 per output channel at load, "
                     "per-token activation scales, torch._scaled_mm; CUDA only); gguf (a .gguf file's Q4_0/Q4_1/"
                     "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
@@ -106,7 +106,7 @@ class EngineArgs:
     structured_outputs_backend: str = "auto"
     speculative_config: str | dict | None = None
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = True
+    calculate_kv_scales: bool = False
     quantization: str | None = None
 
     @classmethod

@@ -2,12 +2,13 @@
 quantize / dequantize oracles the Triton kernels are tested against.
 
 A cached value x is stored as fp8(clamp(x / scale, ±max)) and read back as fp8 · scale, one scale per
-layer for keys (k_scale) and one for values (v_scale). By default the engine calibrates them at start-up
-(``--calculate-kv-scales``, ``worker/kv_scale_calibration.py``) as vLLM's ``calculate_kv_scales`` does:
-scale = amax / constant over one forward pass of a fixed text, with constants below e4m3's 448 so that
-later values up to 2.24× (K) / 4.48× (V) the calibration's amax still fit. Without calibration the scales
-are 1.0 (vLLM's default without a calibrated checkpoint); then a layer whose values are small loses them
-below e4m3's normal range (2^-6; BENCHMARKS.md §20.1). Static scales are what CUDA graphs need: they are
+layer for keys (k_scale) and one for values (v_scale). By default they are 1.0 (vLLM's default without a
+calibrated checkpoint); with ``--calculate-kv-scales`` (``worker/kv_scale_calibration.py``, vLLM's
+``calculate_kv_scales``) they are calibrated at start-up: scale = amax / constant over one forward pass of a
+fixed text, with constants below e4m3's 448 so that later values up to 2.24× (K) / 4.48× (V) the
+calibration's amax still fit. A scale only moves which values fall below e4m3's normal range (2^-6) or
+saturate: the 3-bit mantissa is the same at every magnitude (why 1.0 stays the default: README, "FP8 KV
+cache"). Static scales are what CUDA graphs need: they are
 baked into the captured launches.
 """
 from __future__ import annotations

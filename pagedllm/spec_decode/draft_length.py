@@ -20,13 +20,17 @@ _EMA = 0.2  # weight of the newest step time of a row count
 
 @dataclass
 class StepCostModel:
-    """Seconds of a decode-only step by its number of query rows (exponential averages per row count)."""
+    """Seconds of a decode-only step by its number of query rows (per row count: the fastest recent time,
+    drifting up by an exponential average when steps get slower)."""
 
     times: dict[int, float] = field(default_factory=dict)
 
     def record(self, rows: int, seconds: float) -> None:
+        """A faster step replaces the estimate at once, a slower one moves it by `_EMA`: a one-off slow step
+        (a first-time allocation, a preempted host thread) would otherwise keep a row count looking
+        expensive, and a row count that looks expensive is rarely chosen, so rarely measured again."""
         old = self.times.get(rows)
-        self.times[rows] = seconds if old is None else old + _EMA * (seconds - old)
+        self.times[rows] = seconds if old is None or seconds < old else old + _EMA * (seconds - old)
 
     def estimate(self, rows: int) -> float | None:
         """Interpolated between the row counts seen; beyond them, the slope of the two nearest (never

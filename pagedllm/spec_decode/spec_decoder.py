@@ -37,6 +37,10 @@ logger = logging.getLogger("pagedllm")
 _EMA = 0.5  # weight of the newest step in a sequence's acceptance average
 _FIRST_PRIOR = 0.6  # a first draft token's acceptance before any was verified
 _BACK_TO_PRIOR = 0.1  # per step a sequence does not speculate, its average moves this far toward the global rate
+# Every this many speculative steps, the goodput policy verifies every proposed token, so the step-cost model
+# keeps measuring the larger row counts it would otherwise stop choosing (one slow measurement of a row
+# count could keep it looking expensive forever).
+_EXPLORE_EVERY = 16
 
 
 class SpecDecoder:
@@ -47,6 +51,7 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.step_cost = StepCostModel()
         self._timing: tuple[int, float] | None = None  # (query rows, start) of a decode-only step in flight
+        self._num_choices = 0  # goodput choices made (every _EXPLORE_EVERY-th verifies every proposal)
         if config.method == "ngram":
             self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
@@ -135,6 +140,9 @@ class SpecDecoder:
         """Draft tokens per candidate: all proposed ("fixed"), or the goodput choice."""
         max_lengths = [k for _, k, _ in candidates]
         if self.config.draft_length_policy == "fixed" or not candidates:
+            return max_lengths
+        self._num_choices += 1
+        if self._num_choices % _EXPLORE_EVERY == 0:
             return max_lengths
         st = self.stats
         # rate[j]: P(draft positions 0..j all accepted | position j drafted), engine-wide.
