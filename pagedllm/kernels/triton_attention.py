@@ -520,10 +520,15 @@ def paged_prefill_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8_dot_dtype: str | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Sequences first_seq .. first_seq+num_seqs-1 of a flat batch: causal attention of their query tokens
     (rows query_start_loc[i]:query_start_loc[i+1] of `query`) over all seq_lens[i] cached keys; writes `out`.
-    `fp8_dot_dtype`: as in ``paged_decode_attention``."""
+    `fp8_dot_dtype`: as in ``paged_decode_attention``. `block_m` query rows and `block_n` keys per tile,
+    `num_warps`, `num_stages`: launch parameters (defaults: ``prefill_launch``)."""
     group, d = _check_shapes(query, key_cache, value_cache)
     dot = resolve_fp8_dot(query, key_cache, fp8_dot_dtype)
     if num_seqs == 0:
@@ -531,8 +536,9 @@ def paged_prefill_attention(
     hq = query.shape[1]
     block_size = key_cache.shape[1]
     dim_pad = triton.next_power_of_2(d)
-    block_m = 64 if dim_pad <= 64 else 32
-    block_n = max(32, triton.next_power_of_2(block_size)) if block_size <= 64 else block_size
+    dm, dn, dw, ds = prefill_launch(dim_pad, block_size)
+    block_m, block_n = block_m or dm, block_n or dn
+    num_warps, num_stages = num_warps or dw, num_stages or ds
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), hq)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
@@ -544,8 +550,15 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
+
+
+def prefill_launch(dim_pad: int, block_size: int) -> tuple[int, int, int, int]:
+    """Default (block_m, block_n, num_warps, num_stages) of the prefill kernel for a padded head dim."""
+    block_m = 64 if dim_pad <= 64 else 32
+    block_n = max(32, triton.next_power_of_2(block_size)) if block_size <= 64 else block_size
+    return block_m, block_n, 4, 2
 
 
 def paged_attention(
