@@ -81,7 +81,7 @@ def main() -> None:
             rows.append({"block_m": bm, "block_n": bn, "warps": w, "stages": st, "ms": ms})
         rows.sort(key=lambda r: r["ms"])
         print(f"{name}: SDPA {sdpa_ms:.3f} ms ({flops / sdpa_ms / 1e9:.0f} TFLOP/s); paged default "
-              f"{prefill_launch(D, BS)} {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s, x{default / sdpa_ms:.2f} SDPA)")
+              f"{prefill_launch(D, BS, 2)} {default:.3f} ms ({flops / default / 1e9:.0f} TFLOP/s, x{default / sdpa_ms:.2f} SDPA)")
         for r in rows[:5]:
             print(f"   m {r['block_m']:>3} n {r['block_n']:>3} warps {r['warps']} stages {r['stages']}: {r['ms']:.3f} ms "
                   f"({flops / r['ms'] / 1e9:.0f} TFLOP/s, x{r['ms'] / sdpa_ms:.2f} SDPA)")

@@ -413,7 +413,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     programs_per_sm: int = 2,
     min_tiles_per_split: int = 1,
@@ -434,7 +434,9 @@ def paged_decode_attention(
     by default all of them, up to 32. `preload_table`: each program loads its sequence's whole
     block-table row up front (default: when the table has at most 256 columns and Triton has
     ``tl.gather``, 3.2+). `num_stages`: software-pipeline depth; by default 2 with a preloaded row and
-    3 without (the faster pair at every benchmarked point on an H200, BENCHMARKS.md §7).
+    3 without (the faster pair at every benchmarked point on an H200, BENCHMARKS.md §7); an FP8 pool: 3.
+    `tile` (keys per loop iteration, default 16 KiB of 16-bit K) and `num_warps` (default 4; an FP8 pool: 2):
+    an FP8 pool's defaults were the fastest of a sweep of tiles, warps, stages and splits (§29).
     `fp8_dot_dtype`: with an FP8 cache, the dtype of the tile's dots, "fp16" (default for 16-bit queries)
     or "bf16"; fp32 accumulation either way (``resolve_fp8_dot``).
     """
@@ -453,8 +455,11 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     dim_pad = triton.next_power_of_2(d)
-    if tile is None:  # 16 KiB of bf16 K per tile; an FP8 pool reads twice the keys for the same bytes
-        tile = max(16, min(64, 8192 // dim_pad)) * (2 if key_cache.element_size() == 1 else 1)
+    fp8_pool = key_cache.element_size() == 1
+    if tile is None:  # 16 KiB of 16-bit K per tile (8 KiB of FP8: two warps per program stream it faster)
+        tile = max(16, min(64, 8192 // dim_pad))
+    if num_warps is None:
+        num_warps = 2 if fp8_pool else 4
     tile = max(tile, triton.next_power_of_2(block_size))
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, hk, max_seq_len, tile, query.device, programs_per_sm,
@@ -477,7 +482,7 @@ def paged_decode_attention(
         raise ValueError(f"preload_table=True needs tl.gather (Triton >= 3.2); this is Triton {triton.__version__}.")
     table_row = triton.next_power_of_2(table_width) if preload_table and table_width else 0
     if num_stages is None:
-        num_stages = 2 if table_row else 3
+        num_stages = 3 if fp8_pool or not table_row else 2
     group_p2 = triton.next_power_of_2(group)
     if merge_chunk is None:
         merge_chunk = min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_splits))
@@ -536,7 +541,7 @@ def paged_prefill_attention(
     hq = query.shape[1]
     block_size = key_cache.shape[1]
     dim_pad = triton.next_power_of_2(d)
-    dm, dn, dw, ds = prefill_launch(dim_pad, block_size)
+    dm, dn, dw, ds = prefill_launch(dim_pad, block_size, query.element_size())
     block_m, block_n = block_m or dm, block_n or dn
     num_warps, num_stages = num_warps or dw, num_stages or ds
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), hq)
@@ -554,8 +559,13 @@ def paged_prefill_attention(
     )
 
 
-def prefill_launch(dim_pad: int, block_size: int) -> tuple[int, int, int, int]:
-    """Default (block_m, block_n, num_warps, num_stages) of the prefill kernel for a padded head dim."""
+def prefill_launch(dim_pad: int, block_size: int, query_bytes: int = 2) -> tuple[int, int, int, int]:
+    """Default (block_m, block_n, num_warps, num_stages) of the prefill kernel for a padded head dim and a
+    query element size. 16-bit queries, head dim <= 128: 64 x 64 tiles, 3 stages, the best geometric mean of a
+    sweep of 54 launches over four step shapes on an H200 (2.0-2.4x the former 32 x 32, 2 stages;
+    BENCHMARKS.md §29); wider heads keep 2 stages (shared memory); float32 keeps the former small tiles."""
+    if query_bytes <= 2:
+        return (64, 64, 4, 3) if dim_pad <= 128 else (64, 32, 4, 2)
     block_m = 64 if dim_pad <= 64 else 32
     block_n = max(32, triton.next_power_of_2(block_size)) if block_size <= 64 else block_size
     return block_m, block_n, 4, 2
