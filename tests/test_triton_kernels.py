@@ -105,6 +105,24 @@ def test_paged_attention_matches_reference(dtype, block_size, head_dim, group):
     assert _rel_err(out, ref) < _TOL[dtype]
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="1000+-token chunks are too slow for the interpreter")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_long_prefill_chunks_use_the_wide_tiles_and_match_reference(dtype):
+    """A step whose longest chunk has 1024+ tokens launches the prefill kernel with 128 x 32 tiles on 8 warps
+    (prefill_launch); a 1100-token chunk after 700 tokens of context, a fresh 1030-token prompt and a short
+    chunk beside them match the reference."""
+    assert triton_attention.prefill_launch(128, 16, 2, 1100) == (128, 32, 8, 2)
+    assert triton_attention.prefill_launch(128, 16, 2, 300) == (64, 64, 4, 3)
+    rng = random.Random(11)
+    query_lens = [1100, 1030, 37]
+    seq_lens = [1100 + 700, 1030, 37 + 90]
+    query, kc, vc, meta = _make_batch(rng, dtype, 16, 128, 2, 4, seq_lens, query_lens)
+    out = torch.full_like(query, float("nan"))
+    triton_attention.paged_attention(query, kc, vc, meta, 128**-0.5, out=out)
+    assert not out.isnan().any()
+    assert _rel_err(out, _reference(query, kc, vc, meta, 128**-0.5)) < _TOL[dtype]
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
 def test_decode_split_kv_is_exact_reduction(num_splits):
     """Flash-decoding: any split count gives the same attention (empty splits included)."""
