@@ -101,15 +101,15 @@ class LLMEngine:
             lambda: next(self._seq_counter),
             self.structured_output,
         )
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.async_scheduling = self._resolve_async_scheduling()
         self.spec_decoder = None
         if self.config.speculative_config is not None:
             from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
             self.spec_decoder = SpecDecoder(self.config.speculative_config, self.scheduler, self.executor,
-                                            self.max_seq_len)
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-        self.async_scheduling = self._resolve_async_scheduling()
+                                            self.max_seq_len, async_steps=self.async_scheduling)
         self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
         logger.info("Asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
 
@@ -286,16 +286,19 @@ class LLMEngine:
         and launches its successor first (the new tokens are fed to it on the device), then waits for
         this one and returns its outputs, so the host's scheduling overlaps the device's compute.
         """
+        start, tokens_before = time.perf_counter(), self.num_generation_tokens_total
         outputs: list[RequestOutput] = self._admit_compiled()
         prev, self._inflight = self._inflight, None
         spec = self.spec_decoder
-        if prev is not None and (prev.needs_host_results or (spec is not None and spec.wants_sync())):
+        small = spec is not None and spec.small_batch()
+        if prev is not None and (prev.needs_host_results or (small and spec.mode_allows())):
             outputs.extend(self._complete_step(prev))
             prev = None
         sched = self.scheduler.schedule()
         outputs.extend(self._finish_ignored(g) for g in sched.ignored_groups)
-        # Speculation needs every input token on the host: only when no step is in flight.
-        planned = spec is not None and prev is None
+        # Speculation needs every input token on the host: only when no step is in flight (and, with
+        # asynchronous scheduling, while speculating measures faster than not: spec_decode/mode.py).
+        planned = spec is not None and prev is None and spec.mode_allows()
         drafts = spec.plan(sched) if planned else {}
         cur = None
         if not sched.is_empty():
@@ -317,6 +320,9 @@ class LLMEngine:
                 outputs.extend(self._complete_step(cur))
                 if planned:
                     spec.step_finished()  # a whole step timed on the host: the draft-length cost model
+        if spec is not None:
+            spec.step_done(planned, self.num_generation_tokens_total - tokens_before, time.perf_counter() - start,
+                           small)
         return outputs
 
     def _launch_forward(self, sched: SchedulerOutputs, prev: LaunchedStep | None,

@@ -13,6 +13,7 @@ class SpecDecodeStats:
     num_emitted_tokens: int = 0  # accepted drafts + the target's own token per draft
     num_spec_steps: int = 0
     num_steps_off_by_batch: int = 0
+    num_steps_off_by_rate: int = 0  # plain asynchronous steps measured faster than speculation (spec_decode/mode.py)
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)
 
@@ -38,6 +39,7 @@ class SpecDecodeStats:
             "spec_decode_num_emitted_tokens": self.num_emitted_tokens,
             "spec_decode_num_spec_steps": self.num_spec_steps,
             "spec_decode_num_steps_off_by_batch": self.num_steps_off_by_batch,
+            "spec_decode_num_steps_off_by_rate": self.num_steps_off_by_rate,
             "spec_decode_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens
             if self.num_draft_tokens else 0.0,
             # Mean tokens a speculating sequence gains per step (accepted + 1).

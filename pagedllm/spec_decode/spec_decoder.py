@@ -28,6 +28,7 @@ from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from pagedllm.model.layers.sampler import SamplingRow
 from pagedllm.spec_decode.draft_length import StepCostModel, choose_draft_lengths
 from pagedllm.spec_decode.metrics import SpecDecodeStats
+from pagedllm.spec_decode.mode import SpecModeChooser
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import VerifyResult, is_greedy, verify
 from pagedllm.worker.model_input import SequenceChunk
@@ -44,7 +45,10 @@ _EXPLORE_EVERY = 16
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, executor, max_seq_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, executor, max_seq_len: int,
+                 async_steps: bool = False) -> None:
+        """`async_steps`: the engine schedules asynchronously, so not speculating also means overlapping the
+        host with the device; the engine then measures both modes and runs the faster (spec_decode/mode.py)."""
         self.config = config
         self.scheduler = scheduler
         self.max_seq_len = max_seq_len
@@ -52,6 +56,7 @@ class SpecDecoder:
         self.step_cost = StepCostModel()
         self._timing: tuple[int, float] | None = None  # (query rows, start) of a decode-only step in flight
         self._num_choices = 0  # goodput choices made (every _EXPLORE_EVERY-th verifies every proposal)
+        self.mode = SpecModeChooser() if async_steps else None
         if config.method == "ngram":
             self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
@@ -64,10 +69,23 @@ class SpecDecoder:
             logger.info("Self-speculation: %d draft layers, %d tokens per step", self.draft.num_layers,
                         config.num_speculative_tokens)
 
-    def wants_sync(self) -> bool:
-        """Whether this step may speculate: verification needs the previous step's tokens on the host."""
+    def small_batch(self) -> bool:
+        """At most `disable_by_batch_size` sequences running or waiting: speculation is worth considering."""
         s = self.scheduler
         return sum(g.num_unfinished_seqs() for g in s.running) + len(s.waiting) <= self.config.disable_by_batch_size
+
+    def mode_allows(self) -> bool:
+        """False while plain asynchronous steps measure faster than speculation (spec_decode/mode.py)."""
+        return self.mode is None or self.mode.speculate()
+
+    def step_done(self, speculated: bool, tokens: int, seconds: float, small_batch: bool) -> None:
+        """An engine step ended (`speculated`: it ran synchronously to speculate; `small_batch`: it began with
+        few enough sequences to speculate): small-batch steps feed the mode choice."""
+        if self.mode is None or not small_batch:
+            return
+        if not speculated and not self.mode.speculate():
+            self.stats.num_steps_off_by_rate += 1
+        self.mode.record(speculated, tokens, seconds)
 
     def _eligible(self, item: ScheduledSequence) -> bool:
         seq, group = item.seq, item.group

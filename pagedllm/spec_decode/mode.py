@@ -1,0 +1,68 @@
+"""Speculate, or run plain asynchronous steps: whichever measured more tokens per second.
+
+A step that speculates with host-side drafts (n-gram) is synchronous: the host needs the previous step's tokens
+to propose, so it waits for the device, and the device waits while the host schedules, proposes and verifies.
+Without speculation an engine with asynchronous scheduling overlaps the two (the next step is launched before the
+previous one's tokens reach the host). At low acceptance, or when long prefills stall the batch, the overlap is
+worth more than the accepted drafts (BENCHMARKS.md §29.1: 0.80-0.84x at 4 concurrent on an H200). The
+per-sequence policies (acceptance cooldown, goodput draft lengths) cannot see this: they compare speculating
+with not speculating *within* synchronous steps.
+
+So the engine measures both modes in windows of steps (tokens emitted ÷ wall time of the windows' `step()`
+calls), keeps an exponential average per mode, runs the faster one, and every `explore_every` windows runs
+one window of the other so that its figure stays current. Only engines with asynchronous scheduling have two
+modes; without it speculation is always allowed (its cost is then decided per sequence).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_EMA = 0.5  # weight of the newest window in a mode's rate
+
+
+@dataclass
+class SpecModeChooser:
+    """Per step: `speculate()` says which mode to run; `record()` adds the step's tokens and seconds."""
+
+    window: int = 32  # steps per measurement window
+    explore_every: int = 8  # windows of the leading mode between two windows of the other
+    rates: dict[bool, float] = field(default_factory=dict)  # tokens per second by mode (True: speculation)
+    mode: bool = True
+    _steps: int = 0
+    _tokens: int = 0
+    _seconds: float = 0.0
+    _windows_in_mode: int = 0
+
+    def speculate(self) -> bool:
+        return self.mode
+
+    def record(self, speculated: bool, tokens: int, seconds: float) -> None:
+        """One `step()` call: whether it ran in speculation mode, the tokens it emitted, its wall time. Steps
+        of the other mode (a window's first step after a switch may still complete one) are not counted."""
+        if speculated != self.mode:
+            return
+        self._steps += 1
+        self._tokens += tokens
+        self._seconds += seconds
+        if self._steps < self.window:
+            return
+        rate = self._tokens / max(self._seconds, 1e-9)
+        old = self.rates.get(self.mode)
+        self.rates[self.mode] = rate if old is None else old + _EMA * (rate - old)
+        self._steps, self._tokens, self._seconds = 0, 0, 0.0
+        self._windows_in_mode += 1
+        self.mode = self._next_mode()
+
+    def _next_mode(self) -> bool:
+        other = not self.mode
+        if other not in self.rates:  # the other mode was never measured: measure it now
+            self._windows_in_mode = 0
+            return other
+        best = self.rates[True] >= self.rates[False]
+        if self.mode != best:  # measured slower than the other: back to the faster one
+            self._windows_in_mode = 0
+            return best
+        if self._windows_in_mode >= self.explore_every:  # the leader for a while: look at the other again
+            self._windows_in_mode = 0
+            return other
+        return self.mode

@@ -1,0 +1,68 @@
+"""Speculation vs plain asynchronous steps, chosen by measured tokens per second (spec_decode/mode.py)."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.spec_decode.mode import SpecModeChooser
+
+
+def _window(m: SpecModeChooser, speculated: bool, tokens_per_step: int, seconds_per_step: float) -> None:
+    for _ in range(m.window):
+        m.record(speculated, tokens_per_step, seconds_per_step)
+
+
+def test_measures_both_modes_then_runs_the_faster_and_looks_back_now_and_then():
+    m = SpecModeChooser(window=4, explore_every=3)
+    assert m.speculate()  # speculation first
+    _window(m, True, 3, 0.003)  # 1000 tok/s
+    assert not m.speculate()  # the plain mode was never measured: measure it
+    _window(m, False, 1, 0.0005)  # 2000 tok/s: faster
+    assert not m.speculate() and m.rates == {True: 1000.0, False: 2000.0}
+    _window(m, False, 1, 0.0005)
+    assert not m.speculate()
+    _window(m, False, 1, 0.0005)  # the leader for explore_every windows: one window of the other
+    assert m.speculate()
+    _window(m, True, 6, 0.003)  # speculation got better (2000 → EMA 1500): still slower
+    assert not m.speculate() and m.rates[True] == pytest.approx(1500.0)
+    for _ in range(3):
+        _window(m, False, 1, 0.0005)
+    assert m.speculate()
+    _window(m, True, 12, 0.003)  # 4000 → EMA 2750: faster now, so it stays
+    assert m.speculate()
+    _window(m, True, 12, 0.003)
+    assert m.speculate()
+
+
+def test_steps_of_the_other_mode_are_not_counted():
+    m = SpecModeChooser(window=2)
+    m.record(False, 100, 0.001)  # a plain step while speculation is the mode (e.g. the switch's first)
+    assert m.rates == {} and m.speculate()
+    m.record(True, 2, 0.001)
+    m.record(True, 2, 0.001)
+    assert m.rates == {True: 2000.0}
+
+
+def test_async_engine_with_speculation_measures_both_modes_and_keeps_greedy_outputs(tokenizer, monkeypatch):
+    """CPU engine with asynchronous scheduling forced on and two-step windows: speculation and plain
+    asynchronous steps both run (both rates measured) and greedy outputs equal the engine without speculation."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.spec_decode import spec_decoder
+
+    monkeypatch.setattr(spec_decoder, "SpecModeChooser", lambda: SpecModeChooser(window=2, explore_every=1))
+    prompts = [tokenizer.encode(t) for t in (
+        "Copy the list exactly: apples, pears, plums, figs, dates, limes, kiwis. Copy: apples, pears,",
+        "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n")]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    kw = dict(max_model_len=256, dtype="float32", num_gpu_blocks_override=64, async_scheduling=True)
+    ref = [o.outputs[0].token_ids for o in LLM(**kw).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                               use_tqdm=False)]
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw)
+    outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert outs == ref
+    dec = llm.llm_engine.spec_decoder
+    assert set(dec.mode.rates) == {True, False}
+    st = llm.llm_engine.stats()
+    assert st["spec_decode_num_draft_tokens"] > 0 and "spec_decode_num_steps_off_by_rate" in st
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
