@@ -22,15 +22,32 @@ def test_measures_both_modes_then_runs_the_faster_and_looks_back_now_and_then():
     assert not m.speculate()
     _window(m, False, 1, 0.0005)  # the leader for explore_every windows: one window of the other
     assert m.speculate()
-    _window(m, True, 6, 0.003)  # speculation got better (2000 → EMA 1500): still slower
+    _window(m, True, 6, 0.003)  # 2000 → EMA 1500: still slower, so the next look comes after 2 × 3 windows
     assert not m.speculate() and m.rates[True] == pytest.approx(1500.0)
-    for _ in range(3):
+    for _ in range(5):
         _window(m, False, 1, 0.0005)
+        assert not m.speculate()
+    _window(m, False, 1, 0.0005)
     assert m.speculate()
-    _window(m, True, 12, 0.003)  # 4000 → EMA 2750: faster now, so it stays
+    _window(m, True, 12, 0.003)  # 4000 → EMA 2750: faster now, so it stays (and looks start over)
     assert m.speculate()
     _window(m, True, 12, 0.003)
     assert m.speculate()
+
+
+def test_looks_at_a_mode_that_keeps_losing_get_rarer_up_to_a_cap():
+    m = SpecModeChooser(window=1, explore_every=2, max_explore_every=8)
+    m.record(True, 0, 0.001)  # speculation that proposes nothing: 0 tok/s
+    gaps, since = [], 0
+    for _ in range(60):
+        if m.speculate():
+            gaps.append(since)
+            since = 0
+            m.record(True, 0, 0.001)
+        else:
+            since += 1
+            m.record(False, 1, 0.001)
+    assert gaps[:5] == [2, 4, 8, 8, 8] and set(gaps[5:]) == {8}
 
 
 def test_steps_of_the_other_mode_are_not_counted():

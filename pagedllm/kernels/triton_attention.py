@@ -541,7 +541,7 @@ def paged_prefill_attention(
     hq = query.shape[1]
     block_size = key_cache.shape[1]
     dim_pad = triton.next_power_of_2(d)
-    dm, dn, dw, ds = prefill_launch(dim_pad, block_size, query.element_size(), max_query_len)
+    dm, dn, dw, ds = prefill_launch(dim_pad, block_size, query.element_size())
     block_m, block_n = block_m or dm, block_n or dn
     num_warps, num_stages = num_warps or dw, num_stages or ds
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), hq)
@@ -559,18 +559,15 @@ def paged_prefill_attention(
     )
 
 
-def prefill_launch(dim_pad: int, block_size: int, query_bytes: int = 2,
-                   max_query_len: int = 0) -> tuple[int, int, int, int]:
-    """Default (block_m, block_n, num_warps, num_stages) of the prefill kernel for a padded head dim, a query
-    element size and the step's longest chunk. 16-bit queries, head dim <= 128: 64 x 64 tiles, 3 stages, the
-    best geometric mean of a sweep of 54 launches over four step shapes on an H200 (2.0-2.4x the former
-    32 x 32, 2 stages; BENCHMARKS.md §29.4); chunks of 1024+ tokens: 128 x 32 tiles on 8 warps (the best for
-    2048 tokens after 4000 of context, 10 % faster there); wider heads keep 2 stages (shared memory); float32
-    keeps the former small tiles."""
+def prefill_launch(dim_pad: int, block_size: int, query_bytes: int = 2) -> tuple[int, int, int, int]:
+    """Default (block_m, block_n, num_warps, num_stages) of the prefill kernel for a padded head dim and a
+    query element size. 16-bit queries, head dim <= 128: 64 x 64 tiles, 3 stages, the best geometric mean of a
+    sweep of 54 launches over four step shapes on an H200 (2.0-2.4x the former 32 x 32, 2 stages;
+    BENCHMARKS.md §29.4; 128 x 32 tiles on 8 warps for 1024+-token chunks, the best for one such chunk alone,
+    made the long workload's mixed steps slower); wider heads keep 2 stages (shared memory); float32 keeps the
+    former small tiles."""
     if query_bytes <= 2:
-        if dim_pad > 128:
-            return 64, 32, 4, 2
-        return (128, 32, 8, 2) if max_query_len >= 1024 else (64, 64, 4, 3)
+        return (64, 64, 4, 3) if dim_pad <= 128 else (64, 32, 4, 2)
     block_m = 64 if dim_pad <= 64 else 32
     block_n = max(32, triton.next_power_of_2(block_size)) if block_size <= 64 else block_size
     return block_m, block_n, 4, 2

@@ -9,8 +9,10 @@ per-sequence policies (acceptance cooldown, goodput draft lengths) cannot see th
 with not speculating *within* synchronous steps.
 
 So the engine measures both modes in windows of steps (tokens emitted ÷ wall time of the windows' `step()`
-calls), keeps an exponential average per mode, runs the faster one, and every `explore_every` windows runs
-one window of the other so that its figure stays current. Only engines with asynchronous scheduling have two
+calls), keeps an exponential average per mode, runs the faster one, and after `explore_every` windows runs
+one window of the other so that its figure stays current; each look that confirms the leader doubles the
+interval (up to `max_explore_every`), so a mode that keeps losing (speculation on text with no repeats, whose
+synchronous steps propose nothing) costs ever less. Only engines with asynchronous scheduling have two
 modes; without it speculation is always allowed (its cost is then decided per sequence).
 """
 from __future__ import annotations
@@ -25,13 +27,16 @@ class SpecModeChooser:
     """Per step: `speculate()` says which mode to run; `record()` adds the step's tokens and seconds."""
 
     window: int = 32  # steps per measurement window
-    explore_every: int = 8  # windows of the leading mode between two windows of the other
+    explore_every: int = 8  # windows of the leading mode before one window of the other (doubles, see above)
+    max_explore_every: int = 128
     rates: dict[bool, float] = field(default_factory=dict)  # tokens per second by mode (True: speculation)
     mode: bool = True
     _steps: int = 0
     _tokens: int = 0
     _seconds: float = 0.0
     _windows_in_mode: int = 0
+    _interval: int = 0  # the current exploration interval (explore_every until a look confirms the leader)
+    _exploring: bool = False  # the current window is a look at the trailing mode
 
     def speculate(self) -> bool:
         return self.mode
@@ -55,14 +60,20 @@ class SpecModeChooser:
 
     def _next_mode(self) -> bool:
         other = not self.mode
+        interval = self._interval or self.explore_every
         if other not in self.rates:  # the other mode was never measured: measure it now
             self._windows_in_mode = 0
             return other
         best = self.rates[True] >= self.rates[False]
+        if self._exploring:  # a look at the trailing mode ended
+            self._exploring = False
+            # It stayed behind: look less often. It took the lead: it runs now, and looks start over.
+            self._interval = min(2 * interval, self.max_explore_every) if best != self.mode else self.explore_every
         if self.mode != best:  # measured slower than the other: back to the faster one
             self._windows_in_mode = 0
             return best
-        if self._windows_in_mode >= self.explore_every:  # the leader for a while: look at the other again
+        if self._windows_in_mode >= (self._interval or self.explore_every):  # the leader for a while: look again
             self._windows_in_mode = 0
+            self._exploring = True
             return other
         return self.mode
