@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import numpy as np
+import random
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency, chisquare
@@ -31,6 +33,35 @@ def test_ngram_proposes_continuation_of_latest_match():
     assert p.propose([1, 2, 3, 7, 2, 3, 8, 9, 2, 3]) == [8, 9, 2]  # the latest earlier match
     assert p.propose([5, 6, 7]) == []  # nothing recurs
     assert p.propose([1, 2, 1], k=1) == [2]
+
+
+def _brute_force_ngram(tokens: list[int], k: int, nmin: int, nmax: int) -> list[int]:
+    """The proposer's rule, written out: longest suffix first, latest earlier match with k tokens after it,
+    else the latest match."""
+    for n in range(min(nmax, len(tokens) - 1), nmin - 1, -1):
+        suffix = tokens[len(tokens) - n:]
+        hits = [s for s in range(len(tokens) - n) if tokens[s: s + n] == suffix]
+        if hits:
+            full = [s for s in hits if s + n + k <= len(tokens)]
+            start = (full or hits)[-1] + n
+            return tokens[start: start + k]
+    return []
+
+
+def test_ngram_byte_search_equals_the_rule_on_random_sequences():
+    """The byte search (token-boundary hits only) against a brute-force reference: small vocabularies
+    (many overlapping and misaligned byte matches), large ids, planted repeats, every k and n range."""
+    rng = random.Random(7)
+    for _ in range(1500):
+        vocab = rng.choice([2, 3, 7, 300, 70_000, 2**31 - 1])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 90))]
+        if tokens and rng.random() < 0.5:
+            s = rng.randrange(len(tokens))
+            tokens += tokens[s: s + rng.randint(1, 8)]
+        nmin = rng.randint(1, 3)
+        nmax = rng.randint(nmin, 5)
+        k = rng.randint(0, 6)
+        assert NgramProposer(4, nmin, nmax).propose(tokens, k) == _brute_force_ngram(tokens, k, nmin, nmax)
 
 
 def test_speculative_config_errors():
