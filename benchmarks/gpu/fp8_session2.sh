@@ -20,15 +20,7 @@ else
 fi
 OUT=${OUT:-/tmp/out}; R=/tmp/r2; mkdir -p "$OUT" $R  # logs in $R, tarred into $OUT (8 files come back at most)
 END=$(( $(date +%s) + ${BUDGET_S:-540} ))
-step() {  # step NAME TIMEOUT CMD...: run with min(TIMEOUT, time left), log to $R/NAME.log
-  local name=$1 to=$2; shift 2
-  local left=$(( END - $(date +%s) )); [ "$to" -gt "$left" ] && to=$left
-  if [ "$to" -lt 20 ]; then echo "== $name skipped (no time)" | tee -a "$OUT/summary.txt"; return; fi
-  local t0=$(date +%s)
-  timeout "$to" "$@" > "$R/$name.log" 2>&1
-  echo "== $name rc=$? ($(( $(date +%s) - t0 )) s, limit $to s)" | tee -a "$OUT/summary.txt"
-  tar czf "$OUT/logs.tar.gz" -C $R .
-}
+source benchmarks/gpu/session_steps.sh  # step NAME TIMEOUT CMD...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/summary.txt"
 python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
     | tee -a "$OUT/summary.txt"
