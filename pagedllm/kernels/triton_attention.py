@@ -434,9 +434,10 @@ def paged_decode_attention(
     by default all of them, up to 32. `preload_table`: each program loads its sequence's whole
     block-table row up front (default: when the table has at most 256 columns and Triton has
     ``tl.gather``, 3.2+). `num_stages`: software-pipeline depth; by default 2 with a preloaded row and
-    3 without (the faster pair at every benchmarked point on an H200, BENCHMARKS.md §7); an FP8 pool: 3.
-    `tile` (keys per loop iteration, default 16 KiB of 16-bit K) and `num_warps` (default 4; an FP8 pool: 2):
-    an FP8 pool's defaults were the fastest of a sweep of tiles, warps, stages and splits (§29).
+    3 without (the faster pair at every benchmarked point on an H200, BENCHMARKS.md §7); an FP8 pool with at
+    least one (sequence, KV head) per SM: 3. `tile` (keys per loop iteration, default 16 KiB of 16-bit K) and
+    `num_warps` (default 4; an FP8 pool with a program per SM: 64 keys on 2 warps, the fastest of a sweep of
+    tiles, warps, stages and splits, §29.2; below that, 128 keys on 4 warps).
     `fp8_dot_dtype`: with an FP8 cache, the dtype of the tile's dots, "fp16" (default for 16-bit queries)
     or "bf16"; fp32 accumulation either way (``resolve_fp8_dot``).
     """
@@ -455,11 +456,14 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     dim_pad = triton.next_power_of_2(d)
-    fp8_pool = key_cache.element_size() == 1
-    if tile is None:  # 16 KiB of 16-bit K per tile (8 KiB of FP8: two warps per program stream it faster)
-        tile = max(16, min(64, 8192 // dim_pad))
+    # An FP8 pool with a (sequence, KV head) program per SM or more: 8 KiB tiles on two warps stream fastest
+    # (§29.2's sweep at batch 64/128). With fewer, the split-KV programs are few and the former launch (twice
+    # the keys per tile on four warps) was faster (batch 1: 0.78-0.83x bf16 against 0.99-1.12x).
+    fp8_wide = key_cache.element_size() == 1 and num_seqs * hk >= _num_sms(query.device.index or 0)
+    if tile is None:  # 16 KiB of 16-bit K per tile (an FP8 pool at small batch: twice the keys for those bytes)
+        tile = max(16, min(64, 8192 // dim_pad)) * (2 if key_cache.element_size() == 1 and not fp8_wide else 1)
     if num_warps is None:
-        num_warps = 2 if fp8_pool else 4
+        num_warps = 2 if fp8_wide else 4
     tile = max(tile, triton.next_power_of_2(block_size))
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, hk, max_seq_len, tile, query.device, programs_per_sm,
@@ -482,7 +486,7 @@ def paged_decode_attention(
         raise ValueError(f"preload_table=True needs tl.gather (Triton >= 3.2); this is Triton {triton.__version__}.")
     table_row = triton.next_power_of_2(table_width) if preload_table and table_width else 0
     if num_stages is None:
-        num_stages = 3 if fp8_pool or not table_row else 2
+        num_stages = 3 if fp8_wide or not table_row else 2
     group_p2 = triton.next_power_of_2(group)
     if merge_chunk is None:
         merge_chunk = min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_splits))
