@@ -28,7 +28,9 @@ def dummy_chunks(num_tokens: int, max_num_seqs: int, max_model_len: int, block_s
 
 def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     """KV blocks that fit in gpu_memory_utilization × total − weights − peak activations − CUDA graph
-    capture memory (− non-torch use).
+    capture memory (− non-torch use). Memory this process held before the worker loaded its model (another
+    engine in the same process, e.g. a benchmark's on/off pair) is not this engine's: each engine gets its
+    own gpu_memory_utilization share, as separate vLLM instances would.
 
     Runs one forward over max_num_batched_tokens dummy tokens with a one-block cache, reads the peak
     allocation, logs the block count and the concurrency it allows, and raises if one max_model_len
@@ -41,14 +43,15 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    weights = torch.cuda.memory_allocated(device)
+    baseline = getattr(worker, "memory_baseline", 0)
+    weights = torch.cuda.memory_allocated(device) - baseline
 
     tmp_cache = _one_block_cache(worker)
     runner = ModelRunner(worker.model, device, cc.block_size, worker.attn_backend())
     chunks = dummy_chunks(max_tokens, sc.max_num_seqs, sc.max_model_len, cc.block_size)
     runner.execute_model(chunks, tmp_cache)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - baseline
     del runner
     graph_bytes = 0
     if worker.use_cuda_graphs():
@@ -68,9 +71,10 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     per_seq = -(-sc.max_model_len // cc.block_size)
     logger.info(
         "GPU memory: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB (%d tokens), other %.2f GiB, "
-        "CUDA graphs %.2f GiB; "
+        "CUDA graphs %.2f GiB, other engines in this process %.2f GiB; "
         "KV pool %d blocks (%.2f GiB) = %.1f× concurrency at max_model_len %d",
         total / 2**30, weights / 2**30, (peak - weights) / 2**30, max_tokens, non_torch / 2**30, graph_bytes / 2**30,
+        baseline / 2**30,
         num_blocks, num_blocks * block_bytes / 2**30, num_blocks / per_seq, sc.max_model_len,
     )
     if num_blocks < per_seq:

@@ -88,6 +88,9 @@ class Worker:
             cpu_isa.detect_cpu_isa()  # logs the ISA level once; a bad PAGEDLLM_CPU_ISA fails here, before loading
         mc = self.config.model_config
         cls = get_model_class(self.hf_config)
+        # What this process held on the device before this worker's model (another engine in the same
+        # process): gpu_memory_utilization is this engine's share, so profiling leaves that memory out.
+        self.memory_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         with torch.device(self.device):
             model = cls(self.hf_config, self.tp, self.dtype)
         if mc.load_format == "dummy":
