@@ -346,3 +346,25 @@ def test_engine_fp8_kv_cache_on_cuda(tmp_path):
               "agree with the bf16 pool")  # H100: 75.0 % (e4m3), 67.7 % (e5m2), 6/6
         # Random weights: one differing token sends the rest of a sequence elsewhere, so the bound is loose.
         assert first == 6 and same >= 0.5, f"{kv}: {same:.2%} of greedy tokens, {first}/6 first tokens agree"
+
+
+def test_warm_up_runs_both_fp8_decode_launches():
+    """An FP8 pool's decode launches one way below a (sequence, KV head) program per SM and another from it
+    (paged_decode_attention); the warm start runs every split count at both batch sizes, so no eager step
+    compiles either (a plain pool: one batch size)."""
+    from pagedllm.kernels import triton_attention
+    from pagedllm.kernels.triton_warmup import warm_up_attention
+    from pagedllm.model.layers.attention import TritonAttentionBackend
+
+    kv_heads, head_dim, bs, rows = 2, 32, 8, 16
+    wide = -(-triton_attention.num_sms(0) // kv_heads)
+    q = torch.zeros(rows, 2 * kv_heads, head_dim, device=DEVICE)
+    k = torch.zeros(rows, kv_heads, head_dim, device=DEVICE)
+    for dtype, expect_wide in ((torch.float8_e4m3fn, True), (torch.float32, False)):
+        cache = (torch.zeros(4, bs, kv_heads, head_dim, dtype=dtype, device=DEVICE),
+                 torch.zeros(4, bs, kv_heads, head_dim, dtype=dtype, device=DEVICE))
+        done = warm_up_attention(TritonAttentionBackend(), cache, q, k, k.clone(), torch.zeros_like(q), 2,
+                                 head_dim**-0.5)
+        widened = [d for d in done if d.endswith(f"batch={max(wide, 3)}")]
+        assert len(widened) == (8 if expect_wide and wide <= rows else 0)
+        assert sum(d.startswith("decode splits=") for d in done) == 8 + len(widened)

@@ -275,7 +275,7 @@ def _prefill_kernel(
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
+def num_sms(device_index: int) -> int:
     if not torch.cuda.is_available():
         return 4
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -396,7 +396,7 @@ def choose_num_splits(
     min_tiles_per_split: int = 1,
 ) -> int:
     """Splits per sequence so that ~`programs_per_sm` programs per SM run; from host-known numbers only (no sync)."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 4
     want = -(-programs_per_sm * sms // max(1, num_seqs * num_kv_heads))
     max_useful = max(1, -(-max_seq_len // (min_tiles_per_split * tile)))
     return int(max(1, min(want, max_useful, 64)))
@@ -459,7 +459,7 @@ def paged_decode_attention(
     # An FP8 pool with a (sequence, KV head) program per SM or more: 8 KiB tiles on two warps stream fastest
     # (§29.2's sweep at batch 64/128). With fewer, the split-KV programs are few and the former launch (twice
     # the keys per tile on four warps) was faster (batch 1: 0.78-0.83x bf16 against 0.99-1.12x).
-    fp8_wide = key_cache.element_size() == 1 and num_seqs * hk >= _num_sms(query.device.index or 0)
+    fp8_wide = key_cache.element_size() == 1 and num_seqs * hk >= num_sms(query.device.index or 0)
     if tile is None:  # 16 KiB of 16-bit K per tile (an FP8 pool at small batch: twice the keys for those bytes)
         tile = max(16, min(64, 8192 // dim_pad)) * (2 if key_cache.element_size() == 1 and not fp8_wide else 1)
     if num_warps is None:

@@ -65,19 +65,25 @@ def warm_up_attention(backend, kv_cache, query: torch.Tensor, key: torch.Tensor,
     workspace = backend.workspaces.get(device)
     if workspace is None:
         workspace = backend.workspaces[device] = triton_attention.DecodeWorkspace.allocate(device)
-    for splits in WARMUP_SPLITS:
-        n = 2
-        meta = warmup_metas(n, 0, table_width, decode_len, device, backend)
-        triton_attention.paged_decode_attention(
-            query[:n], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, decode_len,
-            out=out[:n], num_splits=splits, workspace=workspace)
-        done.append(f"decode splits={splits}")
+    batches = [2]
+    if key_cache.element_size() == 1:  # an FP8 pool launches differently from a program per SM on
+        wide = -(-triton_attention.num_sms(device.index or 0) // key_cache.shape[2])
+        if wide <= query.shape[0]:
+            batches.append(max(wide, 3))
+    for n in batches:
+        for splits in WARMUP_SPLITS:
+            meta = warmup_metas(n, 0, table_width, decode_len, device, backend)
+            triton_attention.paged_decode_attention(
+                query[:n], key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, decode_len,
+                out=out[:n], num_splits=splits, workspace=workspace)
+            done.append(f"decode splits={splits}" + (f" batch={n}" if n != 2 else ""))
     for nd in WARMUP_NUM_DECODES:
         meta = warmup_metas(nd, 5, table_width, decode_len, device, backend)
         t = nd + 5
         backend.forward(query[:t], key[:t], value[:t], kv_cache, meta, scale, out=out[:t])
         done.append(f"mixed decodes={nd}")
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     out.zero_()
     return done
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from array import array
 
-_ID = 4  # bytes per token id in the search string
-
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
@@ -29,9 +27,7 @@ class NgramProposer:
         n_tok = len(token_ids)
         if k <= 0 or n_tok < self.nmin + 1:
             return []
-        ids = array("i", token_ids)
-        if ids.itemsize != _ID:  # an exotic platform: fall back to 8-byte ids
-            ids = array("q", token_ids)
+        ids = array("i", token_ids)  # 4-byte ids (C int on every platform torch supports)
         width = ids.itemsize
         data = ids.tobytes()
         for n in range(min(self.nmax, n_tok - 1), self.nmin - 1, -1):
