@@ -84,6 +84,17 @@ def test_max_capture_tokens_reaches_the_model_config_and_is_checked():
         EngineArgs(max_capture_tokens=-1).create_engine_config(2048)
 
 
+def test_the_offline_llm_on_a_gpu_gets_the_largest_captured_step_as_its_default_budget():
+    def budget(usage_context: str, **kw) -> int:
+        return EngineArgs(**kw).create_engine_config(4096, usage_context).scheduler_config.max_num_batched_tokens
+
+    assert budget("llm_class", device="cuda") == 8192  # vLLM's LLM class default (8192 below 70 GB)
+    assert budget("engine", device="cuda") == 2048  # the server and the engine: short decode steps
+    assert budget("llm_class", device="cpu") == 2048
+    assert budget("llm_class", device="cuda", max_num_batched_tokens=1024) == 1024
+    assert budget("llm_class", device="cuda", enable_chunked_prefill=False) == 4096
+
+
 def _run(model_dir, prompts, params, **kw):
     from pagedllm import LLM
 

@@ -8,8 +8,8 @@ source benchmarks/gpu/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
 t0=$(date +%s)
-timeout ${TESTS_S:-150} python3 -m pytest tests/test_triton_kernels.py tests/test_fp8_kv_cache.py -q -p no:cacheprovider \
-  --tb=short -k "not engine" > "$OUT/tests.log" 2>&1
+timeout ${TESTS_S:-150} python3 -m pytest ${TESTS:-tests/test_triton_kernels.py tests/test_fp8_kv_cache.py} -q -p no:cacheprovider \
+  --tb=short -k "${TEST_K:-not engine}" > "$OUT/tests.log" 2>&1
 echo "kernel tests rc=$? $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/summary.txt"
 timeout 60 python3 -m pagedllm.benchmarks.fp8_kv --batches 1 64 128 --contexts 2048 4096 8192 --fp8-dot-dtypes fp16 \
   --out "$OUT/fp8_kv.json" 2>&1 | grep -E "copy bandwidth|^batch" | tee -a "$OUT/summary.txt"
@@ -17,6 +17,9 @@ python3 -c "from transformers import LlamaConfig; from pagedllm.benchmarks.roofl
 B="python3 benchmarks/throughput.py --model /tmp/l8b --load-format dummy --device cuda --dtype bfloat16 --skip-tokenizer-init --max-num-seqs 256"
 declare -A W=(
   [long]="--num-prompts 96 --input-len-min 2000 --input-len-max 6000 --output-len 128 --max-model-len 8192"
+  [sharegpt]="--dataset sharegpt-like --num-prompts 200 --max-model-len 2048"
+  [short_8k]="--num-prompts 1000 --input-len-min 8 --input-len-max 64 --output-len 64 --max-model-len 2048 --max-num-batched-tokens 8192"
+  [long_8k]="--num-prompts 96 --input-len-min 2000 --input-len-max 6000 --output-len 128 --max-model-len 8192 --max-num-batched-tokens 8192"
   [short]="--num-prompts 1000 --input-len-min 8 --input-len-max 64 --output-len 64 --max-model-len 2048"
   [pool_bf16]="--num-prompts 128 --input-len-min 1024 --input-len-max 1024 --output-len 512 --max-model-len 2048 --gpu-memory-utilization 0.32"
   [pool_fp8kv]="--num-prompts 128 --input-len-min 1024 --input-len-max 1024 --output-len 512 --max-model-len 2048 --gpu-memory-utilization 0.32 --kv-cache-dtype fp8"

@@ -17,6 +17,7 @@ from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
+from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.engine.request_checker import RequestChecker, prompt_token_ids
@@ -38,6 +39,7 @@ from pagedllm.worker.model_input import (
     SequenceChunk,
     logits_row_layout,
 )
+from pagedllm.worker.worker import resolve_dtype
 
 logger = logging.getLogger("pagedllm")
 
@@ -47,12 +49,13 @@ PromptType = str | list[int] | dict
 class LLMEngine:
     """Owns the scheduler (block manager inside), the executor (workers) and the tokenizer."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, usage_context: str = "engine") -> None:
+        release_frozen_heap()
         self.engine_args = engine_args
         self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
         self.hf_config = loader.load_config(self.model_dir)
         model_max_len = get_model_max_len(self.hf_config, engine_args.max_model_len)
-        self.config = engine_args.create_engine_config(model_max_len)
+        self.config = engine_args.create_engine_config(model_max_len, usage_context)
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         self.tokenizer = None
         if not mc.skip_tokenizer_init:
@@ -77,7 +80,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler()
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
-            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device)
+            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device,
+                            resolve_dtype(self.config.model_config.dtype, "cuda"))
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         self.structured_output = StructuredOutputManager(
@@ -112,10 +116,11 @@ class LLMEngine:
                                             self.max_seq_len, async_steps=self.async_scheduling)
         self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
         logger.info("Asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
+        freeze_startup_heap()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args)
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: str = "engine") -> LLMEngine:
+        return cls(engine_args, usage_context)
 
     def _make_executor(self):
         backend = self.config.parallel_config.distributed_executor_backend

@@ -1,8 +1,10 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)` and `LLM.chat(...)`."""
 from __future__ import annotations
 
+import gc
 import itertools
 import time
+import weakref
 from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -23,8 +25,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, usage_context="llm_class")
         self._request_counter = itertools.count()
+        # The engine froze its start-up heap (engine/gc_heap.py). The engine sits in reference cycles, so
+        # without this `del llm; gc.collect()` would no longer free its weights and KV pool.
+        weakref.finalize(self, gc.unfreeze)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

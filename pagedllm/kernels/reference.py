@@ -231,3 +231,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
         allowed = bits.reshape(-1)[:vocab].bool().to(logits.device)
         out[r] = out[r].masked_fill(~allowed, float("-inf"))
     return out
+
+
+def greedy_sample_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (first on ties) and its log-probability under the row's softmax, in float32."""
+    x = logits.float()
+    tokens = x.argmax(dim=-1)
+    return tokens, x.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0]

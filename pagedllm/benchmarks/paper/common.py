@@ -265,6 +265,7 @@ def release(engine) -> None:
     if ex is not None and hasattr(ex, "shutdown"):
         ex.shutdown()
     del engine
+    gc.unfreeze()  # the engine froze its start-up heap (engine/gc_heap.py); its cycles must be collectable
     free_device_memory()
 
 

@@ -81,6 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.core_client import AsyncMPClient
+    from pagedllm.engine.gc_heap import freeze_startup_heap
     from pagedllm.engine.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.serving_common import ServingContext
@@ -133,6 +134,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 "on" if args.api_key else "off")
     if not args.no_dashboard:
         logger.info("live KV-cache dashboard: http://%s:%d/dashboard", args.host, args.port)
+    freeze_startup_heap()  # the API process too: no 100+ ms full collections while it streams (engine/gc_heap.py)
     server.run()
     if not server.started:
         logger.error("the server could not start (is %s:%d free?)", args.host, args.port)

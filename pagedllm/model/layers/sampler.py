@@ -296,7 +296,6 @@ class Sampler:
             return SamplerOutput([], [], 0, logits.shape[-1], None, None, empty)
         device = logits.device
         num_rows, vocab = logits.shape
-        raw = logits.float()  # never modified in place
 
         # ---- gather per-row parameters once ------------------------------- #
         temps: list[float] = []
@@ -351,7 +350,17 @@ class Sampler:
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs, p.logprobs)
 
+        if (device.type == "cuda" and all(greedy) and not need_pen and not ban_rows and max_logprobs < 0
+                and not return_logprobs_tensor and sum(num_samples) == num_rows):
+            # The common decode step: one pass over the logits instead of a float32 copy + argmax + logsumexp.
+            from pagedllm.kernels.triton_greedy import greedy_sample_with_logprob
+
+            tokens, tok_lp = greedy_sample_with_logprob(logits)
+            packed = torch.cat([tokens.to(torch.float64), tok_lp.to(torch.float64)])
+            return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
+
         # ---- logits processing --------------------------------------------- #
+        raw = logits.float()  # never modified in place
         x = raw
         if need_pen:
             x = apply_penalties(x, pen_prompts, pen_outputs, presence, frequency, repetition)
@@ -507,13 +516,16 @@ __all__ = [
 ]
 
 
-def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device) -> None:
-    """Sample once from dummy logits with a greedy row and a random row (temperature, top-k, top-p,
-    min-p, penalties), so the first request loads none of the sampler's kernels (CUDA loads a kernel
-    module on its first use)."""
-    logits = torch.zeros((2, vocab_size), dtype=torch.float32, device=device)
+def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> None:
+    """Sample once from dummy logits (in the model's ``dtype``) with a greedy row and a random row (temperature,
+    top-k, top-p, min-p, penalties), and once with greedy rows only (the one-pass kernel on CUDA), so the first
+    request loads or compiles none of the sampler's kernels (CUDA loads a kernel module on its first use)."""
+    logits = torch.zeros((2, vocab_size), dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the default generator's state alone
-    rows = [SamplingRow(SamplingParams(temperature=0.0, max_tokens=1), [1], []),
+    greedy = SamplingRow(SamplingParams(temperature=0.0, max_tokens=1), [1], [])
+    rows = [greedy,
             SamplingRow(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.1,
                                        repetition_penalty=1.1, max_tokens=1), [1], [2], generator=gen)]
     sampler.launch(logits, rows).result()
+    sampler.launch(logits, [greedy, greedy]).result()

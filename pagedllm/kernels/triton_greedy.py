@@ -1,0 +1,56 @@
+"""Greedy sampling on a GPU in one pass over the logits: each row's argmax and its log-probability.
+
+The general sampler converts the logits to float32 (a copy of the whole ``[rows, vocab]`` block), takes
+the argmax, then a logsumexp (max, subtract, exp, sum, log: five more passes). At batch 256 over a
+128 k vocabulary that was ~0.5 ms of every decode step. Here one program per row streams the row once in
+its own dtype, keeping a running max / first argmax and an online sum of exponentials (the softmax
+normaliser, rescaled whenever the max grows). Ties go to the lowest token id, as with ``torch.argmax``.
+The plain-torch reference is ``kernels.reference.greedy_sample_with_logprob``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 4096
+
+
+@triton.jit
+def _greedy_logprob_kernel(logits_ptr, stride, vocab, token_ptr, logprob_ptr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int64)
+    run_max = tl.full((), float("-inf"), tl.float32)
+    run_sum = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab, BLOCK):
+        tok = start + offs
+        x = tl.load(base + tok, mask=tok < vocab, other=float("-inf")).to(tl.float32)
+        chunk_max = tl.max(x, 0)
+        chunk_idx = tl.argmax(x, 0).to(tl.int64) + start
+        best_idx = tl.where(chunk_max > best, chunk_idx, best_idx)  # strict: an earlier chunk keeps a tie
+        best = tl.maximum(best, chunk_max)
+        new_max = tl.maximum(run_max, chunk_max)
+        # new_max is finite from the first chunk with a finite logit on; before that both terms are 0.
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe), 0)
+        run_max = new_max
+    tl.store(token_ptr + row, best_idx)
+    tl.store(logprob_ptr + row, best - (run_max + tl.log(run_sum)))
+
+
+def greedy_sample_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(argmax, log_softmax at the argmax)`` of each row of ``logits`` ``[rows, vocab]`` (any float dtype,
+    contiguous along the vocabulary): int64 and float32 tensors of ``rows`` elements. No host sync."""
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be 2-D and contiguous along the vocabulary, got shape "
+                         f"{tuple(logits.shape)} strides {logits.stride()}")
+    rows, vocab = logits.shape
+    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _greedy_logprob_kernel[(rows,)](logits, logits.stride(0), vocab, tokens, logprobs, BLOCK=_BLOCK,
+                                        num_warps=8)
+    return tokens, logprobs
