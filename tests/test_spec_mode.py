@@ -83,3 +83,33 @@ def test_async_engine_with_speculation_measures_both_modes_and_keeps_greedy_outp
     assert st["spec_decode_num_draft_tokens"] > 0 and "spec_decode_num_steps_off_by_rate" in st
     bm = llm.llm_engine.scheduler.block_manager
     assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+
+
+def test_worth_syncing_only_for_a_sequence_whose_host_tokens_already_match():
+    """With asynchronous steps, speculation mode waits for the step in flight only when an n-gram draft is
+    likely: a running sequence that may speculate matches earlier text in the tokens the host already has."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import SpeculativeConfig
+    from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+    from pagedllm.spec_decode.spec_decoder import SpecDecoder
+
+    def group(prompt: list[int], output: list[int], **extra) -> SequenceGroup:
+        seq = Sequence(0, prompt, list(output), status=SequenceStatus.RUNNING)
+        return SequenceGroup("r", [seq], None, 0.0, extra=dict(extra))
+
+    running: list[SequenceGroup] = []
+    dec = SpecDecoder(SpeculativeConfig(prompt_lookup_min=2), SimpleNamespace(running=running), None, 1024,
+                      async_steps=True)
+    assert not dec.worth_syncing()  # nothing running
+    running.append(group([1, 2, 3, 4, 5, 6], [7, 8]))  # no bigram recurs
+    assert not dec.worth_syncing()
+    copying = group([1, 2, 3, 4, 5, 6], [9, 3, 4])  # "3 4" recurs: a draft (5, 6, ...) is on offer
+    running.append(copying)
+    assert dec.worth_syncing()
+    copying.seqs[0].extra["spec_resume_at"] = 5  # low acceptance: cooling down until 5 output tokens
+    assert not dec.worth_syncing()
+    copying.seqs[0].output_token_ids += [5, 6]
+    assert dec.worth_syncing()
+    copying.extra["structured_output"] = object()  # constrained sequences never speculate
+    assert not dec.worth_syncing()

@@ -2,7 +2,7 @@
 tile, num_warps, num_stages and programs per SM at batch 64/128 x context 4096/8192 (Llama-3-8B attention),
 against the bf16 pool with its defaults; prints the best FP8 setting per point and overall.
 
-    python benchmarks/gpu/fp8_kernel_sweep.py
+    python benchmarks/gpu/fp8_kernel_sweep.py [BATCHxCTX,...] [OUT.json]    (default 64x4096,128x8192,64x8192)
 """
 import itertools
 import json
@@ -21,7 +21,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     results = []
-    for batch, ctx in ((64, 4096), (128, 8192), (64, 8192)):
+    spec = sys.argv[1] if len(sys.argv) > 1 else "64x4096,128x8192,64x8192"
+    for batch, ctx in (tuple(map(int, p.split("x"))) for p in spec.split(",")):
         nb = -(-ctx // BS)
         g = torch.Generator(device="cuda").manual_seed(batch + ctx)
         kc = torch.randn(batch * nb + 1, BS, HK, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -41,7 +42,7 @@ def main() -> None:
         base = time(kc, vc)
         fp8_bytes = 2 * batch * ctx * HK * D
         rows = []
-        for tile, warps, stages, pps in itertools.product((64, 128, 256), (2, 4, 8), (2, 3, 4), (2, 4)):
+        for tile, warps, stages, pps in itertools.product((64, 128, 256), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)):
             try:
                 ms = time(kq, vq, tile=tile, num_warps=warps, num_stages=stages, programs_per_sm=pps)
             except Exception as e:  # a shared-memory overflow, e.g.
@@ -56,8 +57,8 @@ def main() -> None:
             print(f"   tile {r['tile']:>3} warps {r['warps']} stages {r['stages']} pps {r['pps']}: {r['ms']:.3f} ms "
                   f"{100 * r['of_bw']:.0f}% of copy bw, x{r['over_bf16']:.2f} bf16")
         results.append({"batch": batch, "ctx": ctx, "bf16_ms": base, "fp8_default_ms": default, "rows": rows})
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
             json.dump(results, f, indent=1)
 
 

@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--profile", nargs="*", default=["on"], help="engines to run under cProfile (off, on)")
     a = p.parse_args()
     engines = {}
     for label, spec in (("off", None), ("on", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}')):
@@ -65,14 +66,15 @@ def main() -> None:
               + "; ".join(f"{k}: {len(v)} steps, mean {1e3 * sum(v) / len(v):.3f} ms" for k, v in sorted(times.items())))
         st = eng.stats()
         print(f"   drafts {st.get('spec_decode_num_draft_tokens')} accepted {st.get('spec_decode_num_accepted_tokens')}")
-    eng = engines["on"]
-    pr = cProfile.Profile()
-    pr.enable()
-    run_closed_loop(eng, prompts, params, a.concurrency, "prof")
-    torch.cuda.synchronize()
-    pr.disable()
-    pstats.Stats(pr).sort_stats("cumulative").print_stats(60)
-    pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+    for label in a.profile:
+        print(f"==== cProfile of the '{label}' engine")
+        pr = cProfile.Profile()
+        pr.enable()
+        run_closed_loop(engines[label], prompts, params, a.concurrency, "prof")
+        torch.cuda.synchronize()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(60)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -296,7 +296,8 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         spec = self.spec_decoder
         small = spec is not None and spec.small_batch()
-        if prev is not None and (prev.needs_host_results or (small and spec.mode_allows())):
+        spec_mode = small and spec.mode_allows()
+        if prev is not None and (prev.needs_host_results or (spec_mode and spec.worth_syncing())):
             outputs.extend(self._complete_step(prev))
             prev = None
         sched = self.scheduler.schedule()
@@ -326,8 +327,8 @@ class LLMEngine:
                 if planned:
                     spec.step_finished()  # a whole step timed on the host: the draft-length cost model
         if spec is not None:
-            spec.step_done(planned, self.num_generation_tokens_total - tokens_before, time.perf_counter() - start,
-                           small)
+            spec.step_done(spec_mode, self.num_generation_tokens_total - tokens_before,
+                           time.perf_counter() - start, small)
         return outputs
 
     def _launch_forward(self, sched: SchedulerOutputs, prev: LaunchedStep | None,

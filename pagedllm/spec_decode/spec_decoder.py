@@ -25,6 +25,7 @@ import torch
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.block_manager import cdiv
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.model.layers.sampler import SamplingRow
 from pagedllm.spec_decode.draft_length import StepCostModel, choose_draft_lengths
 from pagedllm.spec_decode.metrics import SpecDecodeStats
@@ -79,25 +80,41 @@ class SpecDecoder:
         return self.mode is None or self.mode.speculate()
 
     def step_done(self, speculated: bool, tokens: int, seconds: float, small_batch: bool) -> None:
-        """An engine step ended (`speculated`: it ran synchronously to speculate; `small_batch`: it began with
-        few enough sequences to speculate): small-batch steps feed the mode choice."""
+        """An engine step ended (`speculated`: it ran in speculation mode, synchronously where `worth_syncing`
+        said so; `small_batch`: it began with few enough sequences to speculate): small-batch steps feed the
+        mode choice."""
         if self.mode is None or not small_batch:
             return
         if not speculated and not self.mode.speculate():
             self.stats.num_steps_off_by_rate += 1
         self.mode.record(speculated, tokens, seconds)
 
+    def worth_syncing(self) -> bool:
+        """Whether the engine should wait for the step in flight so that this step can speculate. With n-gram
+        drafts: only when some running sequence that may speculate already matches earlier text in the tokens
+        the host has (one step behind the device). A copied span is found one token late; outside one (most
+        steps of ordinary text, or every sequence in its cooldown) steps stay asynchronous instead of waiting
+        on the device to propose nothing (BENCHMARKS §30)."""
+        if self.ngram is None:
+            return True
+        for group in self.scheduler.running:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                if self._may_speculate(seq, group) and self.ngram.propose(seq.token_ids, 1):
+                    return True
+        return False
+
+    @staticmethod
+    def _may_speculate(seq: Sequence, group: SequenceGroup) -> bool:
+        """The sequence decodes, is neither beam search nor constrained, and is not in an acceptance cooldown."""
+        if not seq.output_token_ids or "beam" in group.extra or "structured_output" in group.extra:
+            return False
+        return len(seq.output_token_ids) >= seq.extra.get("spec_resume_at", 0)
+
     def _eligible(self, item: ScheduledSequence) -> bool:
-        seq, group = item.seq, item.group
-        if item.num_new_tokens != 1 or not item.completes or seq.num_pending_tokens or not seq.output_token_ids:
+        seq = item.seq
+        if item.num_new_tokens != 1 or not item.completes or seq.num_pending_tokens:
             return False
-        if "beam" in group.extra or "structured_output" in group.extra:
-            return False
-        cool = seq.extra.get("spec_cooldown", 0)
-        if cool:
-            seq.extra["spec_cooldown"] = cool - 1
-            return False
-        return True
+        return self._may_speculate(seq, item.group)
 
     def _max_k(self, item: ScheduledSequence) -> int:
         seq = item.seq
@@ -230,7 +247,7 @@ class SpecDecoder:
         ema = seq.extra.get("spec_ema", 1.0) * (1 - _EMA) + rate * _EMA
         seq.extra["spec_ema"] = ema
         if ema < self.config.min_acceptance_rate:
-            seq.extra["spec_cooldown"] = self.config.cooldown_steps
+            seq.extra["spec_resume_at"] = len(seq.output_token_ids) + self.config.cooldown_steps
             seq.extra["spec_ema"] = 1.0  # a fresh start after the cooldown
         return res
 
