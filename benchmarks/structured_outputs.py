@@ -188,7 +188,11 @@ def main() -> None:
               structured_outputs_backend=args.backend,
               **({"async_scheduling": False} if args.no_async_scheduling else {}))
     for backend in ("xgrammar", "guidance"):
-        r = _compile_and_mask(llm, backend, args.mask_batch, args.mask_steps)
+        try:
+            r = _compile_and_mask(llm, backend, args.mask_batch, args.mask_steps)
+        except ImportError as e:  # llguidance is an optional engine
+            print(f"[{backend}] skipped: {e}", flush=True)
+            continue
         print(f"[{backend}] backend init {r['init_ms']:.0f} ms; compile {r['compile_ms_mean']:.1f} ms mean / {r['compile_ms_max']:.1f} ms max over "
               f"{len(SCHEMAS)} schemas; mask fill {r['fill_us_per_seq']:.1f} µs/seq + apply "
               f"{r['apply_us_per_seq']:.1f} µs/seq on {r['device']} (best of 5 on one mask: "
