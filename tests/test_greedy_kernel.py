@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.reference import greedy_sample_with_logprob as reference  # noqa: E402
-from pagedllm.kernels.triton_greedy import greedy_sample_with_logprob  # noqa: E402
+# First: without CUDA it sets TRITON_INTERPRET, which the kernel module's @triton.jit reads at import.
 from tests.triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim
+
+# isort: split
+from pagedllm.kernels.reference import greedy_sample_with_logprob as reference
+from pagedllm.kernels.triton_greedy import greedy_sample_with_logprob
 
 interpreter_numpy_shim()
 

@@ -39,7 +39,6 @@ from pagedllm.worker.model_input import (
     SequenceChunk,
     logits_row_layout,
 )
-from pagedllm.worker.worker import resolve_dtype
 
 logger = logging.getLogger("pagedllm")
 
@@ -80,8 +79,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler()
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
-            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device,
-                            resolve_dtype(self.config.model_config.dtype, "cuda"))
+            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device)
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         self.structured_output = StructuredOutputManager(

@@ -1,9 +1,9 @@
 """Greedy sampling on a GPU in one pass over the logits: each row's argmax and its log-probability.
 
-The general sampler converts the logits to float32 (a copy of the whole ``[rows, vocab]`` block), takes
-the argmax, then a logsumexp (max, subtract, exp, sum, log: five more passes). At batch 256 over a
-128 k vocabulary that was ~0.5 ms of every decode step. Here one program per row streams the row once in
-its own dtype, keeping a running max / first argmax and an online sum of exponentials (the softmax
+The general sampler takes the argmax, then a logsumexp (max, subtract, exp, sum, log: several more passes
+over the ``[rows, vocab]`` logits). At batch 256 over a 128 k vocabulary those kernels took ~0.4 ms of every
+decode step on an H100. Here one program per row streams the row once (any float dtype; the model runner
+hands over float32), keeping a running max / first argmax and an online sum of exponentials (the softmax
 normaliser, rescaled whenever the max grows). Ties go to the lowest token id, as with ``torch.argmax``.
 The plain-torch reference is ``kernels.reference.greedy_sample_with_logprob``.
 """
