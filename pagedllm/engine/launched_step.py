@@ -20,6 +20,7 @@ class LaunchedStep:
     owners: list[ScheduledSequence] = field(default_factory=list)  # the sampled items, in sampler row order
     row_of_seq: dict[int, int] = field(default_factory=dict)  # seq_id → sampler row
     sampler_output: SamplerOutput | None = None
+    sampling_launched: bool = False
     # The next schedule must wait for this step's tokens: forks (n > 1), beam search, penalties, min_tokens.
     needs_host_results: bool = False
     # Speculative decoding: seq_id → the drafts this step verifies (their chunks carry every row's logits).

@@ -7,6 +7,7 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,6 +96,7 @@ class LLMEngine:
             for rows in ([0, 1], [0]):
                 apply_token_bitmask_(torch.zeros((2, vocab), device=self.executor.device),
                                      torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32), rows)
+            self.structured_output.reserve_buffers(self.config.scheduler_config.max_num_seqs)
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
         self.output_processor = OutputProcessor(
             self.scheduler,
@@ -309,10 +311,13 @@ class LLMEngine:
             cur = self._launch_forward(sched, prev, drafts)
             if prev is not None and cur.mask_waits_for_prev:
                 # This step's grammar masks need prev's tokens on the host: read them while the device
-                # runs this step's forward pass, then fill the masks.
-                outputs.extend(self._complete_step(prev))
+                # runs this step's forward pass, then fill the masks and queue the sampling before building
+                # prev's outputs (the device waits for it). An expensive fill runs on the mask thread instead,
+                # overlapping the outputs, and the sampling is queued after them.
+                outputs.extend(self._complete_step(prev, then=functools.partial(self._mask_then_sample, cur)))
                 prev = None
-            self._launch_sampling(cur)
+            if not cur.sampling_launched:
+                self._launch_sampling(cur)
         if prev is not None:
             outputs.extend(self._complete_step(prev))
         if cur is not None:
@@ -377,6 +382,11 @@ class LLMEngine:
             step.needs_host_results = True
         return step
 
+    def _mask_then_sample(self, step: LaunchedStep) -> None:
+        self._start_mask_fill(step, overlap=self.executor.device.type != "cpu")
+        if step.mask_job.done():  # filled here (cheap): queue the sampling now
+            self._launch_sampling(step)
+
     def _start_mask_fill(self, step: LaunchedStep, overlap: bool) -> None:
         step.mask_job = self.structured_output.start_fill(step.mask_seqs, overlap, step.mask_rows,
                                                           step.num_sample_rows)
@@ -405,6 +415,7 @@ class LLMEngine:
 
     def _launch_sampling(self, step: LaunchedStep) -> None:
         """Queue sampling of the step's logits (grammar masks applied first), without waiting for the device."""
+        step.sampling_launched = True
         scheduled, chunks, logits = step.scheduled, step.chunks, step.logits
         if step.mask_seqs and step.mask_job is None:  # deferred until prev completed: the host waits for it now
             self._start_mask_fill(step, overlap=False)
@@ -442,8 +453,9 @@ class LLMEngine:
             has_beam = any("beam" in item.group.extra for item in step.owners)
             step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam)
 
-    def _complete_step(self, step: LaunchedStep) -> list[RequestOutput]:
-        """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs."""
+    def _complete_step(self, step: LaunchedStep, then: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs. `then` runs
+        once the tokens are appended, before the outputs are built."""
         layout = logits_row_layout(step.chunks)
         touched: dict[str, SequenceGroup] = {}
         greedy = None
@@ -458,6 +470,8 @@ class LLMEngine:
         if step.sampler_output is not None:
             samples, full_logprobs = step.sampler_output.result()
             self._append_samples(step.owners, samples, full_logprobs, touched)
+        if then is not None:
+            then()
         for group in self.scheduler.free_finished_seq_groups():
             touched[group.request_id] = group
         return [self.output_processor.make_output(g) for g in touched.values()]

@@ -4,16 +4,22 @@ A backend turns a `(kind, spec, compact)` key into a grammar in two stages: `bui
 validates, raises ValueError naming what is wrong; runs in `add_request`) and `compile` (slow: the
 token-mask tables; runs on the manager's thread pool). Matchers are per sequence; `fill_bitmask`
 writes one packed int32 row (bit set = token allowed) per matcher into the given rows of a batch-sized
-buffer, in parallel on native threads.
+buffer, on one native thread or several, whichever has been cheaper per row (fill_policy).
 """
 from __future__ import annotations
 
 import json
+import logging
+import time
 from typing import Any
 
 import torch
 
+from pagedllm.structured_output.fill_policy import FillThreadPolicy
+from pagedllm.structured_output.grammar_rewrite import fold_bounded_repetitions
 from pagedllm.structured_output.params import resolve_backend
+
+logger = logging.getLogger("pagedllm")
 
 
 def _choice_ebnf(choices: list[str], root: str = "root ::= ") -> str:
@@ -33,8 +39,24 @@ class XgrammarBackend:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(eos_token_ids))
+        self._stop_ids = frozenset(info.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
-        self._batch = xgr.BatchGrammarMatcher(max_threads=num_threads)
+        self._batches = {n: xgr.BatchGrammarMatcher(max_threads=n) for n in sorted({1, num_threads})}
+        self.fill_policy = FillThreadPolicy(tuple(self._batches))
+
+    def _cheap_mask_form(self, grammar: Any) -> Any:
+        """The same language with bounded repetitions folded into their closing literal (grammar_rewrite):
+        masks of e.g. ``maxLength`` strings cost µs instead of ms. The grammar as built if the rewrite
+        does not parse (it should always)."""
+        text = str(grammar)
+        folded = fold_bounded_repetitions(text)
+        if folded == text:
+            return grammar
+        try:
+            return self._xgr.Grammar.from_ebnf(folded)
+        except (RuntimeError, ValueError) as e:
+            logger.warning("kept a grammar unfolded: its rewrite did not parse (%s)", _clean(e))
+            return grammar
 
     def build(self, kind: str, spec: str, compact: bool) -> Any:
         xgr = self._xgr
@@ -55,7 +77,7 @@ class XgrammarBackend:
         raise ValueError(f"unknown structured output kind {kind!r}")
 
     def compile(self, built: Any) -> Any:
-        return self._compiler.compile_grammar(built)
+        return self._compiler.compile_grammar(self._cheap_mask_form(built))
 
     def new_matcher(self, compiled: Any) -> Any:
         return self._xgr.GrammarMatcher(compiled)
@@ -68,12 +90,22 @@ class XgrammarBackend:
     def is_terminated(matcher: Any) -> bool:
         return matcher.is_terminated()
 
+    def advance(self, matcher: Any, token_id: int) -> int:
+        """Accept one token → -1 rejected, 1 the grammar has ended, 0 otherwise (once per constrained row per
+        step: an xgrammar matcher ends only by accepting a stop token, so only those ask)."""
+        if not matcher.accept_token(token_id):
+            return -1
+        return 1 if token_id in self._stop_ids and matcher.is_terminated() else 0
+
     @staticmethod
     def fork(matcher: Any) -> Any:
         return matcher.fork()
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        threads = self.fill_policy.pick()
+        t0 = time.perf_counter()
+        self._batches[threads].batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        self.fill_policy.record(threads, time.perf_counter() - t0, len(rows))
 
 
 class GuidanceBackend:
@@ -90,7 +122,8 @@ class GuidanceBackend:
         self.vocab_size = vocab_size
         self._tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size, eos_token_ids)),
                                            n_vocab=vocab_size)
-        self._executor = llguidance.LLExecutor(num_threads=num_threads)
+        self._executors = {n: llguidance.LLExecutor(num_threads=n) for n in sorted({1, num_threads})}
+        self.fill_policy = FillThreadPolicy(tuple(self._executors))
 
     def build(self, kind: str, spec: str, compact: bool) -> Any:
         M = self._llg.LLMatcher
@@ -139,12 +172,21 @@ class GuidanceBackend:
     def is_terminated(matcher: Any) -> bool:
         return matcher.is_stopped()
 
+    def advance(self, matcher: Any, token_id: int) -> int:
+        """Accept one token → -1 rejected, 1 the grammar has ended, 0 otherwise."""
+        if not self.accept(matcher, token_id):
+            return -1
+        return 1 if matcher.is_stopped() else 0
+
     @staticmethod
     def fork(matcher: Any) -> Any:
         return matcher.deep_copy()
 
     def fill_bitmask(self, matchers: list[Any], bitmask: torch.Tensor, rows: list[int]) -> None:
-        self._fill(self._executor, list(zip(matchers, rows)), bitmask)
+        threads = self.fill_policy.pick()
+        t0 = time.perf_counter()
+        self._fill(self._executors[threads], list(zip(matchers, rows)), bitmask)
+        self.fill_policy.record(threads, time.perf_counter() - t0, len(rows))
 
 
 class _TokenBytes:

@@ -26,8 +26,10 @@ logger = logging.getLogger("pagedllm")
 
 #: Most compiled grammars kept (least recently used ones are dropped).
 CACHE_SIZE = 512
-#: Most native threads filling one step's bitmasks (64 JSON rows cost ~12 ms on one core; 8 cores → ~2 ms).
+#: Most native threads filling one step's bitmasks (used only when threads beat one thread per row: fill_policy).
 MAX_FILL_THREADS = 8
+#: Fills expected to take longer than this run on the mask thread, overlapping the step thread's work.
+MIN_OVERLAPPED_FILL_S = 0.5e-3
 
 
 def default_num_threads() -> int:
@@ -42,6 +44,7 @@ class SeqGrammar:
     matcher: Any
     num_tokens: int = 0
     failed: bool = False  # a token the grammar rejects was appended (a bug elsewhere): the sequence stops
+    terminated: bool = False  # the grammar accepted its end (its stop token): nothing more to mask
 
 
 class StructuredOutputManager:
@@ -110,20 +113,24 @@ class StructuredOutputManager:
         if fut is not None:
             self._cache.move_to_end(key)
             return fut
+        import time
+
+        t0 = time.perf_counter()
         built = self.backend.build(*key)
         compile_pool, _ = self._pools()
-        fut = compile_pool.submit(self._compile, key, built)
+        fut = compile_pool.submit(self._compile, key, built, time.perf_counter() - t0)
         self._cache[key] = fut
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return fut
 
-    def _compile(self, key: tuple, built: Any) -> Any:
+    def _compile(self, key: tuple, built: Any, build_seconds: float = 0.0) -> Any:
+        """The grammar's compiled form; its compile time counts the build (parsing, on the caller's thread) too."""
         import time
 
         t0 = time.perf_counter()
         compiled = self.backend.compile(built)
-        self.compile_seconds[key] = time.perf_counter() - t0
+        self.compile_seconds[key] = build_seconds + time.perf_counter() - t0
         while len(self.compile_seconds) > CACHE_SIZE:  # only this (single) compile thread writes it
             self.compile_seconds.popitem(last=False)
         logger.info("compiled a %s grammar in %.1f ms", key[0], 1e3 * self.compile_seconds[key])
@@ -134,6 +141,8 @@ class StructuredOutputManager:
         """The sequence's matcher, advanced over any output token it has not accepted yet."""
         state: SeqGrammar | None = seq.extra.get("grammar")
         out = seq.output_token_ids
+        if state is not None and state.num_tokens == len(out):  # the common case: nothing to do
+            return state
         if state is None or state.num_tokens > len(out):
             state = SeqGrammar(self.backend.new_matcher(compiled))
             seq.extra["grammar"] = state
@@ -143,34 +152,62 @@ class StructuredOutputManager:
                 state.failed = True
                 logger.error("sequence %s: token %d is not allowed by its grammar", seq.seq_id, out[state.num_tokens])
             state.num_tokens += 1
+        state.terminated = not state.failed and be.is_terminated(state.matcher)
         return state
 
     def accept(self, seq: Any, compiled: Any) -> bool:
         """After a token was appended: advance; → True when the sequence must stop (grammar finished or broken)."""
-        state = self.sync(seq, compiled)
-        return state.failed or self.backend.is_terminated(state.matcher)
+        state: SeqGrammar | None = seq.extra.get("grammar")
+        out = seq.output_token_ids
+        if state is None or state.failed or state.num_tokens != len(out) - 1:
+            state = self.sync(seq, compiled)  # anything but the one new token: replay
+        else:  # the per-step path, kept short: it runs for every constrained row of every step
+            state.num_tokens += 1
+            advanced = self._backend.advance(state.matcher, out[-1])
+            if advanced < 0:
+                state.failed = True
+                logger.error("sequence %s: token %d is not allowed by its grammar", seq.seq_id, out[-1])
+            state.terminated = advanced > 0
+        return state.failed or state.terminated
 
     def fork(self, parent: Any, child: Any) -> None:
         state: SeqGrammar | None = parent.extra.get("grammar")
         if state is not None:
-            child.extra["grammar"] = SeqGrammar(self.backend.fork(state.matcher), state.num_tokens, state.failed)
+            child.extra["grammar"] = SeqGrammar(self.backend.fork(state.matcher), state.num_tokens, state.failed,
+                                                state.terminated)
 
     # -- the step's bitmask -------------------------------------------------------------------
     def start_fill(self, seqs_and_grammars: list[tuple[Any, Any]], overlap: bool = True,
                    rows: list[int] | None = None, batch: int | None = None) -> Future:
         """Fill the bitmask rows ``rows`` (default 0..n-1) of a ``batch``-row buffer, one per (sequence,
-        compiled grammar) → Future[int32 tensor]: on the mask thread (overlapping the device's forward
-        pass) or, with ``overlap=False``, right here (already done). Other rows are left as they are."""
+        compiled grammar) → Future[int32 tensor]. The matchers are brought up to date here; the native fill
+        (which releases the GIL) runs on the mask thread, overlapping the caller's work, or, with
+        ``overlap=False``, right here (already done). Other rows are left as they are."""
         rows = list(range(len(seqs_and_grammars))) if rows is None else rows
         # The (pinned) buffer is allocated here, on the caller's thread: a pinned allocation on the mask
         # thread while the step thread captures a CUDA graph would invalidate the capture.
         bitmask = self._buffer(max(batch or 0, max(rows, default=-1) + 1))
-        if not overlap:
+        live_rows, matchers = self._prepare(seqs_and_grammars, rows, bitmask)
+        # A cheap fill runs here: handing it to the mask thread costs more (waking it, and its waits for the
+        # GIL while this thread runs Python) than the ~0.1 ms it takes.
+        if not overlap or not matchers or self._expected_fill_seconds(len(matchers)) < MIN_OVERLAPPED_FILL_S:
             fut: Future = Future()
-            fut.set_result(self.fill(seqs_and_grammars, rows, bitmask))
+            fut.set_result(self._native_fill(matchers, bitmask, live_rows))
             return fut
         _, mask_pool = self._pools()
-        return mask_pool.submit(self.fill, seqs_and_grammars, rows, bitmask)
+        return mask_pool.submit(self._native_fill, matchers, bitmask, live_rows)
+
+    def _expected_fill_seconds(self, rows: int) -> float:
+        """The fill's cost from its recent cost per row (0 before any fill)."""
+        costs = getattr(self._backend, "fill_policy", None)
+        known = costs.cost_per_row.values() if costs is not None else ()
+        return rows * min(known, default=0.0)
+
+    def reserve_buffers(self, batch: int) -> None:
+        """Allocate both (pinned) bitmask buffers for ``batch`` rows now: the first pinned allocation of a
+        process takes milliseconds, which the first constrained request would otherwise pay in its TTFT."""
+        for _ in range(2):
+            self._buffer(batch)
 
     def _buffer(self, batch: int) -> torch.Tensor:
         words = (self.vocab_size + 31) // 32
@@ -181,26 +218,37 @@ class StructuredOutputManager:
             self._bitmasks[self._turn] = buf
         return buf[:batch]
 
-    def fill(self, seqs_and_grammars: list[tuple[Any, Any]], rows: list[int] | None = None,
-             bitmask: torch.Tensor | None = None) -> torch.Tensor:
-        """Write one packed row per (sequence, compiled grammar) into ``rows`` of ``bitmask`` (default: a
-        buffer of this manager with a row per sequence) → the bitmask."""
+    def _prepare(self, seqs_and_grammars: list[tuple[Any, Any]], rows: list[int],
+                 bitmask: torch.Tensor) -> tuple[list[int], list[Any]]:
+        """The rows to fill and their up-to-date matchers; rows that may sample anything are set here."""
         n = len(seqs_and_grammars)
-        rows = list(range(n)) if rows is None else rows
         if len(rows) != n:
             raise ValueError(f"fill got {n} sequences but {len(rows)} rows")
-        if bitmask is None:
-            bitmask = self._buffer(max(rows, default=-1) + 1)
         live_rows, matchers = [], []
         for r, (seq, compiled) in zip(rows, seqs_and_grammars):
-            # A sequence that stopped (the step before finished it while this one ran) samples a token that
-            # is dropped, and one whose grammar broke stops at its next append: let either sample anything.
-            state = None if seq.is_finished() else self.sync(seq, compiled)
-            if state is None or state.failed:
+            state = seq.extra.get("grammar")
+            if state is None or state.num_tokens != len(seq.output_token_ids):  # not kept up by accept()
+                state = None if seq.is_finished() else self.sync(seq, compiled)
+            # A sequence whose grammar ended or broke (the step before finished it while this one ran) samples
+            # a token that is dropped: let it sample anything.
+            if state is None or state.failed or state.terminated:
                 bitmask[r].fill_(-1)
             else:
                 live_rows.append(r)
                 matchers.append(state.matcher)
+        return live_rows, matchers
+
+    def _native_fill(self, matchers: list[Any], bitmask: torch.Tensor, live_rows: list[int]) -> torch.Tensor:
         if matchers:
             self.backend.fill_bitmask(matchers, bitmask, live_rows)
         return bitmask
+
+    def fill(self, seqs_and_grammars: list[tuple[Any, Any]], rows: list[int] | None = None,
+             bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """Write one packed row per (sequence, compiled grammar) into ``rows`` of ``bitmask`` (default: a
+        buffer of this manager with a row per sequence) → the bitmask."""
+        rows = list(range(len(seqs_and_grammars))) if rows is None else rows
+        if bitmask is None:
+            bitmask = self._buffer(max(rows, default=-1) + 1)
+        live_rows, matchers = self._prepare(seqs_and_grammars, rows, bitmask)
+        return self._native_fill(matchers, bitmask, live_rows)
