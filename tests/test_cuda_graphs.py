@@ -23,6 +23,9 @@ def test_capture_batch_sizes_are_buckets_up_to_max_num_seqs():
     sizes = capture_batch_sizes(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
     assert capture_batch_sizes(30)[-2:] == [24, 30]
+    big = capture_batch_sizes(1024)  # the offline default on a large GPU: coarser steps past 256
+    assert big[:35] == sizes and big[35:38] == [272, 288, 304] and big[-3:] == [960, 992, 1024]
+    assert all(b - a <= max(8, a // 8) for a, b in zip(big, big[1:]))  # padding stays small
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_batch_sizes(0)
 

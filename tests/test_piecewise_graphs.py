@@ -95,6 +95,22 @@ def test_the_offline_llm_on_a_gpu_gets_the_largest_captured_step_as_its_default_
     assert budget("llm_class", device="cuda", enable_chunked_prefill=False) == 4096
 
 
+def test_the_offline_llm_on_a_large_gpu_defaults_to_1024_sequences(monkeypatch):
+    import pagedllm.engine.arg_utils as arg_utils
+
+    def seqs(usage_context: str, **kw) -> int:
+        return EngineArgs(**kw).create_engine_config(4096, usage_context).scheduler_config.max_num_seqs
+
+    assert seqs("llm_class", device="cpu") == 256
+    monkeypatch.setattr(arg_utils, "is_large_gpu", lambda: False)  # e.g. an A100 or a 40 GB card
+    assert seqs("llm_class", device="cuda") == 256
+    monkeypatch.setattr(arg_utils, "is_large_gpu", lambda: True)  # H100 / H200: vLLM's 1024
+    assert seqs("llm_class", device="cuda") == 1024
+    assert seqs("engine", device="cuda") == 256  # the server keeps short decode steps
+    assert seqs("llm_class", device="cuda", max_num_seqs=64) == 64
+    assert EngineArgs(device="cuda").create_engine_config(4096, "llm_class").scheduler_config.max_num_batched_tokens == 8192
+
+
 def _run(model_dir, prompts, params, **kw):
     from pagedllm import LLM
 

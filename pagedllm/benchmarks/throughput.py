@@ -250,7 +250,15 @@ def run(args: argparse.Namespace) -> int:
         import gc
 
         gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            # The peer's weights stay resident (they are copied into pagedllm's below) and each engine takes its
+            # gpu_memory_utilization share of the whole card: pagedllm's share shrinks by what the peer holds.
+            resident = torch.cuda.memory_allocated()
+            share = engine_args.gpu_memory_utilization - resident / torch.cuda.get_device_properties(0).total_memory
+            print(f"the HF peer keeps {resident / 2**30:.2f} GiB resident: pagedllm runs with "
+                  f"gpu_memory_utilization {share:.2f} (of {engine_args.gpu_memory_utilization})", flush=True)
+            engine_args.gpu_memory_utilization = share
     t_init = time.perf_counter()
     llm = LLM(**vars(engine_args))
     t_init = time.perf_counter() - t_init

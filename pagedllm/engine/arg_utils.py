@@ -19,6 +19,7 @@ from pagedllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pagedllm.device_utils import is_large_gpu
 from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 
 _HELP = {
@@ -29,7 +30,8 @@ _HELP = {
     "seed": "Seed for dummy weights and unseeded sampling.",
     "block_size": "Tokens per KV block.",
     "max_model_len": "Longest prompt + output in tokens (default: the model's context length).",
-    "max_num_seqs": "Most sequences in one step.",
+    "max_num_seqs": "Most sequences in one step (default: 256; 1024 for the offline LLM on a GPU of >= 70 GiB "
+                    "other than an A100, as in vLLM).",
     "max_num_batched_tokens": "Most tokens in one step (default with chunked prefill: 2048, 8192 for the offline "
                               "LLM on a GPU; without it: max_model_len).",
     "num_gpu_blocks_override": "KV pool size in blocks, whatever the device.",
@@ -86,7 +88,7 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -127,14 +129,19 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context length ({model_max_len})."
             )
+        offline_gpu = usage_context == "llm_class" and DeviceConfig(self.device).resolve() == "cuda"
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            # Offline on a large GPU, as in vLLM's LLM class: decode batches of up to 1024 run the layer GEMMs
+            # compute-bound instead of at the ridge point (issue 16's short workload, BENCHMARKS §31).
+            max_num_seqs = 1024 if offline_gpu and is_large_gpu() else 256
         batched = self.max_num_batched_tokens
         if batched is None:
             # Offline on a GPU, as in vLLM's LLM class: bigger prefill chunks run the matmuls nearer their peak
             # (issue 16's long and short workloads: +1.5 points of the lower bound on the H100, BENCHMARKS §30);
             # 8192 is also the largest piecewise-captured step. Online, 2048 keeps decode steps short.
-            offline_gpu = usage_context == "llm_class" and DeviceConfig(self.device).resolve() == "cuda"
             budget = 8192 if offline_gpu else 2048
-            batched = max(budget, self.max_num_seqs) if self.enable_chunked_prefill else max_model_len
+            batched = max(budget, max_num_seqs) if self.enable_chunked_prefill else max_model_len
         if not self.enable_chunked_prefill and batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_model_len}) "
@@ -155,7 +162,7 @@ class EngineArgs:
             calculate_kv_scales=self.calculate_kv_scales,
         )
         sched = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling, batching=self.batching,
         )

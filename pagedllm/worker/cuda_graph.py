@@ -2,7 +2,7 @@
 
 A decode step launches a few hundred small kernels whose host-side cost (Python + launches) dwarfs
 their device time at small and medium batch sizes. The runner captures the whole model forward
-once per bucket (1, 2, 4, 8, 16, 24, … up to ``max_num_seqs``) into one shared memory pool and
+once per bucket (1, 2, 4, 8, 16, 24, …, 256, 272, …, 512, 544, … up to ``max_num_seqs``) into one shared memory pool and
 replays it. A batch of ``n`` decodes runs in the smallest bucket ``B ≥ n``; rows ``n..B`` are
 padding: slot ``-1`` (``reshape_and_cache`` skips it), context length 1 over block 0 (finite values,
 no NaN), and their outputs are ignored.
@@ -28,11 +28,13 @@ logger = logging.getLogger("pagedllm")
 
 
 def capture_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Buckets 1, 2, 4, 8, then every multiple of 8, up to (and always including) max_num_seqs."""
+    """Buckets 1, 2, 4, 8, then every multiple of 8 to 256, of 16 to 512 and of 32 beyond (as vLLM's
+    capture sizes; padding stays under ~6 % past 256), up to (and always including) max_num_seqs."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}.")
-    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sorted(set(sizes + [max_num_seqs]))
+    sizes = ([b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, min(max_num_seqs, 257), 8))
+             + list(range(272, min(max_num_seqs, 513), 16)) + list(range(544, max_num_seqs, 32)))
+    return sorted(set(b for b in sizes if b < max_num_seqs) | {max_num_seqs})
 
 
 def is_graphable(chunks: list[SequenceChunk], max_batch: int, max_blocks: int) -> bool:
