@@ -1,6 +1,6 @@
 """Where a constrained batch's time goes (issue 19): cProfile of one round of 64 JSON-schema requests and one
 round of their unconstrained twins (as benchmarks/structured_outputs.py builds them), with the engine's step
-count and mean step time per round. Usage: python benchmarks/gpu/profile_structured.py [xgrammar|guidance] [profile]"""
+count and mean step time per round. Usage: python benchmarks/gpu/profile_structured.py [xgrammar|guidance] [profile] [config dir, dummy weights]"""
 from __future__ import annotations
 
 import cProfile
@@ -14,7 +14,9 @@ from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for
 
 backend = sys.argv[1] if len(sys.argv) > 1 else "xgrammar"
 n = 64
-llm = LLM(num_gpu_blocks_override=1024, max_num_seqs=64, max_model_len=1024, structured_outputs_backend=backend)
+model_kwargs = {"model": sys.argv[3], "load_format": "dummy"} if len(sys.argv) > 3 else {}  # e.g. .tok (dummy weights)
+llm = LLM(num_gpu_blocks_override=1024, max_num_seqs=64, max_model_len=1024, structured_outputs_backend=backend,
+          **model_kwargs)
 prompts = [f"Reply with JSON matching {SCHEMAS[i % 20]}"[:80] + "\n" for i in range(n)]
 cons = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens_for(SCHEMAS[i % 20]),
                        structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % 20])) for i in range(n)]
@@ -54,5 +56,7 @@ for i, (name, params) in enumerate((("constrained", cons), ("unconstrained", pla
           f"{len(small)} steps with <= 4 running: {1e3 * sum(small):.0f} ms", flush=True)
     if profile:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
-        print("\n".join(s.getvalue().splitlines()[6:36]), flush=True)
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
+        lines = s.getvalue().splitlines()
+        start = next(i for i, line in enumerate(lines) if "tottime" in line)  # the table, from its header
+        print("\n".join(lines[start:start + 41]), flush=True)
