@@ -11,7 +11,6 @@ import pytest
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
-pytest.importorskip("llguidance")
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for  # noqa: E402
@@ -192,6 +191,7 @@ def test_compiling_request_waits_without_stalling_others(llm):
 
 def test_llguidance_backend():
     """The other grammar engine (the default, "auto", is xgrammar)."""
+    pytest.importorskip("llguidance")  # the optional engine: the rest of this file runs without it
     g = LLM(num_gpu_blocks_override=128, max_model_len=512, structured_outputs_backend="guidance")
     assert g.llm_engine.structured_output.backend_name == "guidance"
     prompts, params = _schema_batch(1)
@@ -258,6 +258,7 @@ def test_llguidance_sees_the_exact_token_bytes(llm):
     """llguidance's token table is built from each token's exact bytes (not by re-parsing the tokenizer's
     JSON, which gave wrong masks under another transformers version): text round-trips byte for byte through
     it, and the chat template's special tokens are special (never matched as literal text)."""
+    pytest.importorskip("llguidance")
     from pagedllm.structured_output.backends import GuidanceBackend
 
     eng = llm.llm_engine
