@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -167,6 +168,7 @@ def test_compiling_request_waits_without_stalling_others(llm):
         return real_compile(built)
 
     manager.backend.compile = slow_compile
+    threads = torch.get_num_threads()
     try:
         engine.add_request("plain", "Tell me a story", SamplingParams(temperature=0, max_tokens=12))
         engine.add_request("json", "JSON:", SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
@@ -177,6 +179,8 @@ def test_compiling_request_waits_without_stalling_others(llm):
                 if out.finished:
                     finished[out.request_id] = out
         assert "json" not in finished and any(g.request_id == "json" for g in engine._awaiting_grammar)
+        # A CPU engine's forward pass leaves a core to the compile thread meanwhile, and takes it back after.
+        assert torch.get_num_threads() == max(1, threads - 1)
         release.set()
         deadline = time.monotonic() + 60
         while "json" not in finished and time.monotonic() < deadline:
@@ -187,6 +191,7 @@ def test_compiling_request_waits_without_stalling_others(llm):
         manager.backend.compile = real_compile
         release.set()
     assert json.loads(finished["json"].outputs[0].text) in ({"waited": True}, {"waited": False})
+    assert torch.get_num_threads() == threads
 
 
 def test_llguidance_backend():

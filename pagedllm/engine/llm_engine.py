@@ -83,9 +83,13 @@ class LLMEngine:
             warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device)
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
+        on_cpu = self.executor.device.type == "cpu"
+        # On a CPU engine a grammar compiles on one thread, and the forward pass gives up one of its threads
+        # meanwhile (`_share_cores_with_compiles`): on 2 cores, both at full width slowed a step 5x, sharing 1.6x.
         self.structured_output = StructuredOutputManager(
             engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids,
-            pin_memory=str(self.executor.device).startswith("cuda"))
+            num_threads=1 if on_cpu else None, pin_memory=str(self.executor.device).startswith("cuda"))
+        self._torch_threads = torch.get_num_threads() if on_cpu else None
         if self.executor.device.type != "cpu":
             # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU
             # host that thread would contend with the forward pass of every engine, most never constrained.
@@ -250,6 +254,8 @@ class LLMEngine:
                 self._awaiting_grammar.remove(group)
                 for seq in group.seqs:
                     seq.status = SequenceStatus.FINISHED_ABORTED
+        if self._torch_threads is not None:
+            self._share_cores_with_compiles()  # the last compiling request may be gone: all threads back
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs() or self._inflight is not None or bool(self._awaiting_grammar)
@@ -260,6 +266,12 @@ class LLMEngine:
     def _all_groups(self):
         s = self.scheduler
         return itertools.chain(s.waiting, s.running, s.swapped, self._awaiting_grammar)
+
+    def _share_cores_with_compiles(self) -> None:
+        """CPU engine: one torch thread fewer while a grammar compiles (on its own core), all of them otherwise."""
+        want = max(1, self._torch_threads - 1) if self._awaiting_grammar else self._torch_threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move requests whose grammar finished compiling into the scheduler (a failed compile ends the
@@ -293,6 +305,8 @@ class LLMEngine:
         """
         start, tokens_before = time.perf_counter(), self.num_generation_tokens_total
         outputs: list[RequestOutput] = self._admit_compiled()
+        if self._torch_threads is not None:
+            self._share_cores_with_compiles()
         prev, self._inflight = self._inflight, None
         spec = self.spec_decoder
         small = spec is not None and spec.small_batch()
