@@ -5,9 +5,9 @@ import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,7 +90,7 @@ class LLMEngine:
             engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids,
             num_threads=1 if on_cpu else None, pin_memory=str(self.executor.device).startswith("cuda"))
         self._torch_threads = torch.get_num_threads() if on_cpu else None
-        if self.executor.device.type != "cpu":
+        if not on_cpu:
             # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU
             # host that thread would contend with the forward pass of every engine, most never constrained.
             self.structured_output.start_backend_init()
