@@ -23,7 +23,7 @@ _RULE_HEAD = re.compile(rf"^({_NAME}) ::= ", re.MULTILINE)
 
 
 def fold_bounded_repetitions(ebnf: str, max_unroll: int = MAX_UNROLL) -> str:
-    """``ebnf`` with each ``item{lo, hi} "lit"`` (hi - lo ≤ ``max_unroll``) replaced by an unrolled chain
+    """``ebnf`` with each ``item{lo, hi} "lit"`` (``hi`` ≤ ``max_unroll``) replaced by an unrolled chain
     of rules that ends in the literal; the same language. Unchanged text when there is nothing to fold."""
     taken = set(_RULE_HEAD.findall(ebnf))
     prefixes: dict[tuple[str, str], str] = {}

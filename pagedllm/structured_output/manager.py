@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,8 +78,6 @@ class StructuredOutputManager:
                 if self._backend is None:
                     if self._init_args[0] is None:
                         raise ValueError("structured outputs need a tokenizer; this engine has skip_tokenizer_init=True.")
-                    import time
-
                     t0 = time.perf_counter()
                     self._backend = make_backend(self.backend_name, *self._init_args)
                     self.init_seconds = time.perf_counter() - t0
@@ -113,8 +112,6 @@ class StructuredOutputManager:
         if fut is not None:
             self._cache.move_to_end(key)
             return fut
-        import time
-
         t0 = time.perf_counter()
         built = self.backend.build(*key)
         compile_pool, _ = self._pools()
@@ -126,8 +123,6 @@ class StructuredOutputManager:
 
     def _compile(self, key: tuple, built: Any, build_seconds: float = 0.0) -> Any:
         """The grammar's compiled form; its compile time counts the build (parsing, on the caller's thread) too."""
-        import time
-
         t0 = time.perf_counter()
         compiled = self.backend.compile(built)
         self.compile_seconds[key] = build_seconds + time.perf_counter() - t0
