@@ -164,7 +164,7 @@ def _ttft_while_compiling(llm: LLM, n_plain: int = 8) -> dict:
     t_add = time.perf_counter()
     group = eng.add_request("new_schema", "JSON:", SamplingParams(
         temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema)))
-    ttft_new = first_token("new_schema", t_add, during, group.extra["structured_output"])
+    ttft_new = first_token("new_schema", t_add, during, group.extra["grammar_future"])
     step_times(3)
     t_add = time.perf_counter()
     eng.add_request("plain_twin", "JSON:", SamplingParams(temperature=0, max_tokens=8))

@@ -194,6 +194,30 @@ def test_compiling_request_waits_without_stalling_others(llm):
     assert torch.get_num_threads() == threads
 
 
+def test_failed_compile_aborts_the_request_also_from_the_cache(llm, monkeypatch):
+    """A grammar whose compile fails (after its schema validated) ends its request as aborted, and so does a
+    later request with the same schema, which finds the failed compile in the cache; other requests finish."""
+    engine = llm.llm_engine
+    backend = engine.structured_output.backend
+    real_compile = backend.compile
+
+    def failing_compile(built):
+        if "doomed" in str(built):
+            raise RuntimeError("compile failed on purpose")
+        return real_compile(built)
+
+    monkeypatch.setattr(backend, "compile", failing_compile)
+    schema = {"type": "object", "properties": {"doomed": {"type": "integer"}}, "required": ["doomed"]}
+    doomed = SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(json=schema))
+    first = llm.generate(["JSON:"], doomed, use_tqdm=False)[0]
+    assert first.outputs[0].finish_reason == "abort" and not first.outputs[0].token_ids
+    outs = llm.generate(["JSON:", "Hello"], [doomed, SamplingParams(temperature=0, max_tokens=5)], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert len(outs[1].outputs[0].token_ids) == 5
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
 def test_llguidance_backend():
     """The other grammar engine (the default, "auto", is xgrammar)."""
     pytest.importorskip("llguidance")  # the optional engine: the rest of this file runs without it

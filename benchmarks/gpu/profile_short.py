@@ -3,7 +3,11 @@ time: per-step wall time by kind, GPU busy time vs wall over a window of steps (
 overlaps merged), the top kernels, and the decode GEMMs alone against their roofline.
 
     python benchmarks/gpu/profile_short.py [START:STEPS,...]   (default 30:30,62:16)
+
+MAX_NUM_SEQS (env) pins the batch; unset, the offline LLM's default for the card applies (1024 on a large GPU).
+GEMM_M (env, comma-separated) picks the batch sizes of the GEMM roofline table (default 200,248,256).
 """
+import os
 import sys
 import tempfile
 import time
@@ -36,7 +40,7 @@ def gemm_roofline(bw: float, peak: float) -> None:
     h, i, v = LLAMA3_8B["hidden_size"], LLAMA3_8B["intermediate_size"], LLAMA3_8B["vocab_size"]
     kv = LLAMA3_8B["num_key_value_heads"] * h // LLAMA3_8B["num_attention_heads"]
     shapes = {"qkv": (h, h + 2 * kv), "o": (h, h), "gate_up": (h, 2 * i), "down": (i, h), "lm_head": (h, v)}
-    for m in (200, 248, 256):
+    for m in (int(x) for x in os.environ.get("GEMM_M", "200,248,256").split(",")):
         line = []
         for name, (k, n) in shapes.items():
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -60,7 +64,7 @@ if __name__ == "__main__":
     d = tempfile.mkdtemp()
     LlamaConfig(**LLAMA3_8B).save_pretrained(d)
     llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
-              max_model_len=2048, max_num_seqs=256)
+              max_model_len=2048, max_num_seqs=int(os.environ["MAX_NUM_SEQS"]) if "MAX_NUM_SEQS" in os.environ else None)
     engine = llm.llm_engine
     wl = make_workload(1000, 8, 64, 64, LLAMA3_8B["vocab_size"], 0)
     for i, (p, n) in enumerate(zip(wl.prompts, wl.output_len)):

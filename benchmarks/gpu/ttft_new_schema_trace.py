@@ -27,7 +27,7 @@ def trace(request_id: str, params: SamplingParams) -> None:
     t_add = time.perf_counter()
     group = eng.add_request(request_id, "JSON:", params)
     t_added = time.perf_counter()
-    fut = group.extra.get("structured_output")
+    fut = group.extra.get("grammar_future")  # absent when the grammar was cached
     done_at = []
     if fut is not None:
         fut.add_done_callback(lambda f: done_at.append(time.perf_counter()))

@@ -206,8 +206,10 @@ class LLMEngine:
         self.scheduler.block_manager.check_admissible(group)  # a contiguous reservation may never fit
         self.output_processor.init_sequence(seq, params)
         if grammar is not None:
-            group.extra["structured_output"] = grammar
-            if not grammar.done():  # stays unscheduled until its grammar is ready; others keep running
+            if grammar.done() and grammar.exception() is None:  # cached
+                group.extra["structured_output"] = grammar.result()
+            else:  # stays unscheduled until its grammar is ready (or has failed); others keep running
+                group.extra["grammar_future"] = grammar
                 self._awaiting_grammar.append(group)
                 return group
         self.scheduler.add_seq_group(group)
@@ -279,10 +281,10 @@ class LLMEngine:
         if not self._awaiting_grammar:
             return []
         if not self.scheduler.has_unfinished_seqs() and self._inflight is None:  # nothing else to do: wait a bit
-            wait_futures([g.extra["structured_output"] for g in self._awaiting_grammar], 0.05, FIRST_COMPLETED)
+            wait_futures([g.extra["grammar_future"] for g in self._awaiting_grammar], 0.05, FIRST_COMPLETED)
         outputs, still = [], []
         for group in self._awaiting_grammar:
-            fut = group.extra["structured_output"]
+            fut = group.extra["grammar_future"]
             if not fut.done():
                 still.append(group)
             elif fut.exception() is not None:
@@ -291,6 +293,9 @@ class LLMEngine:
                     seq.status = SequenceStatus.FINISHED_ABORTED
                 outputs.append(self.output_processor.make_output(group))
             else:
+                # The compiled grammar itself from here on: the step reads it for every constrained row.
+                group.extra["structured_output"] = fut.result()
+                del group.extra["grammar_future"]
                 self.scheduler.add_seq_group(group)
         self._awaiting_grammar = still
         return outputs
@@ -383,7 +388,7 @@ class LLMEngine:
             if chunk.sample:
                 if "structured_output" in item.group.extra:
                     step.mask_rows.append(row)
-                    step.mask_seqs.append((item.seq, item.group.extra["structured_output"].result()))
+                    step.mask_seqs.append((item.seq, item.group.extra["structured_output"]))
                     step.mask_waits_for_prev |= item.seq.num_pending_tokens > 0
                 row += 1
         step.num_sample_rows = row

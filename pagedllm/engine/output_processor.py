@@ -108,10 +108,10 @@ class OutputProcessor:
         if detok is not None:
             stop_str = detok.append([token_id]).stop_str_matched
         self._check_stop(group, seq, token_id, stop_str)
-        if "structured_output" in group.extra:
+        grammar = group.extra.get("structured_output")  # the compiled grammar
+        if grammar is not None:
             # The grammar reached its end (its stop token accepted, even under ignore_eos) or was broken.
-            grammar_done = self.structured_output.accept(seq, group.extra["structured_output"].result())
-            if grammar_done and not seq.is_finished():
+            if self.structured_output.accept(seq, grammar) and not seq.is_finished():
                 seq.status = SequenceStatus.FINISHED_STOPPED
         if seq.is_finished():
             self.scheduler.free_seq(seq)
