@@ -46,6 +46,21 @@ def test_engine_apply_matches_reference_on_its_device() -> None:
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned host memory read by a CUDA kernel")
+def test_kernel_reads_a_pinned_host_mask_in_place() -> None:
+    """The engine's bitmask buffers are pinned: the kernel reads them without a copy, with the same result."""
+    logits, bitmask = _case(6, 49152, seed=11)
+    rows = [1, 2, 4]
+    want = reference(logits, bitmask, rows)
+    pinned = bitmask.pin_memory()
+    got = logits.to(DEVICE)
+    apply_token_bitmask_triton(got, pinned, torch.tensor(rows, device=DEVICE))
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+    got = logits.to(DEVICE)
+    apply_token_bitmask_(got, pinned, rows)
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
 def test_native_cpu_kernel_matches_reference() -> None:
     from pagedllm.kernels.cpu_kernels import load_cpu_kernels
 

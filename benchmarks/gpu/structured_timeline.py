@@ -4,9 +4,10 @@ round the wall time and the host's time in each step phase (wrapped with timers;
 including the time spent *waiting* for the device (`wait` = the sampled tokens' event). With `--cuda`, the rounds
 also run under torch.profiler and print the device's busy time (the union of its kernel and copy intervals).
 
-    python benchmarks/gpu/structured_timeline.py [config dir, dummy weights] [--cuda] [--profile-apply]
+    python benchmarks/gpu/structured_timeline.py [config dir, dummy weights] [--cuda] [--profile-apply] [--split-apply]
 
-`--profile-apply` runs cProfile inside the Triton mask launch only and prints where its host time goes.
+`--profile-apply` runs cProfile inside the Triton mask launch only and prints where its host time goes;
+`--split-apply` times the pieces of the mask apply (enter, copy, row list, launch, exit) separately.
 """
 from __future__ import annotations
 
@@ -89,6 +90,25 @@ def main() -> None:
             finally:
                 apply_prof.disable()
         triton_bitmask.apply_token_bitmask_triton = profiled_apply
+    if "--split-apply" in sys.argv:  # time the GPU mask apply's pieces separately (its body, instrumented)
+        def split_apply(logits, bitmask, rows):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                t1 = time.perf_counter()
+                mask = bitmask[: logits.shape[0]]
+                dev = mask.to(logits.device, non_blocking=True)
+                t2 = time.perf_counter()
+                every = len(rows) == logits.shape[0]
+                idx = None if every else llm_engine_module.async_tensor_h2d(rows, torch.long, logits.device)
+                t3 = time.perf_counter()
+                triton_bitmask.apply_token_bitmask_triton(logits, dev, idx)
+                t4 = time.perf_counter()
+            t5 = time.perf_counter()
+            for phase, dt in (("apply.enter", t1 - t0), ("apply.copy", t2 - t1), ("apply.rows", t3 - t2),
+                              ("apply.launch", t4 - t3), ("apply.exit", t5 - t4)):
+                spent[phase] += dt
+                calls[phase] += 1
+        llm_engine_module.apply_token_bitmask_ = split_apply
     real_result = SamplerOutput.result
 
     def result(self):

@@ -29,7 +29,8 @@ def _apply_bitmask_kernel(logits_ptr, bitmask_ptr, rows_ptr, vocab, stride_logit
 
 def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """In place: ``logits[r, t] = -inf`` for each r in ``rows`` (int64 on the logits' device; None: every
-    row) wherever bit ``t % 32`` of word ``t // 32`` of ``bitmask[r]`` (int32, on the device) is 0. No host sync."""
+    row) wherever bit ``t % 32`` of word ``t // 32`` of ``bitmask[r]`` is 0. ``bitmask`` (int32) is on the device or
+    in pinned host memory, which the kernel reads in place. No host sync."""
     if logits.stride(1) != 1 or bitmask.stride(1) != 1:
         raise ValueError("logits and bitmask must be contiguous along the vocabulary")
     n, vocab = (logits.shape[0] if rows is None else rows.numel()), logits.shape[1]
