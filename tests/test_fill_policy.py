@@ -1,6 +1,10 @@
 """The bitmask fill's thread count follows the measured cost per row (serial for cheap masks)."""
 from __future__ import annotations
 
+import sys
+
+import pytest
+
 from pagedllm.structured_output.fill_policy import FillThreadPolicy
 
 
@@ -29,7 +33,12 @@ def test_cheap_fills_run_inline_and_expensive_ones_on_the_mask_thread():
     import threading
     from types import SimpleNamespace
 
-    from pagedllm.structured_output.manager import MIN_OVERLAPPED_FILL_S, SeqGrammar, StructuredOutputManager
+    from pagedllm.structured_output.manager import (
+        FILL_SWITCH_INTERVAL_S,
+        MIN_OVERLAPPED_FILL_S,
+        SeqGrammar,
+        StructuredOutputManager,
+    )
 
     class CountingBackend:  # records the thread each native fill ran on
         def __init__(self) -> None:
@@ -49,7 +58,12 @@ def test_cheap_fills_run_inline_and_expensive_ones_on_the_mask_thread():
     mask = mgr.start_fill(pairs, overlap=True).result()  # no cost measured yet: inline
     assert mask[:, 0].tolist() == [7, 7, -1, 7] and backend.threads == [threading.current_thread().name]
     backend.fill_policy.cost_per_row[1] = 2 * MIN_OVERLAPPED_FILL_S  # an expensive grammar: overlap the step
-    mgr.start_fill(pairs, overlap=True).result()
+    before = sys.getswitchinterval()
+    job = mgr.start_fill(pairs, overlap=True)
+    # While the mask thread works, the GIL changes hands quickly; reading the result restores the interpreter's.
+    assert sys.getswitchinterval() == pytest.approx(FILL_SWITCH_INTERVAL_S)
+    mgr.mask_result(job)
+    assert sys.getswitchinterval() == before
     assert backend.threads[-1].startswith("pagedllm-grammar-mask")
     mgr.start_fill(pairs, overlap=False).result()  # the caller asked for inline (e.g. on a CPU device)
     assert backend.threads[-1] == threading.current_thread().name

@@ -468,7 +468,7 @@ class LLMEngine:
             if row_idx != list(range(logits.shape[0])):
                 logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
             if step.mask_job is not None:
-                apply_token_bitmask_(logits, step.mask_job.result(), step.mask_rows)
+                apply_token_bitmask_(logits, self.structured_output.mask_result(step.mask_job), step.mask_rows)
             has_beam = any("beam" in item.group.extra for item in step.owners)
             step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam)
 

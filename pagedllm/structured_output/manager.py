@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +32,9 @@ CACHE_SIZE = 512
 MAX_FILL_THREADS = 8
 #: Fills expected to take longer than this run on the mask thread, overlapping the step thread's work.
 MIN_OVERLAPPED_FILL_S = 0.5e-3
+#: While a fill runs on the mask thread, the GIL changes hands after this long instead of Python's 5 ms: the mask
+#: thread needs it to start and to hand its result back while the step thread runs Python.
+FILL_SWITCH_INTERVAL_S = 1e-4
 
 
 def default_num_threads() -> int:
@@ -68,6 +72,8 @@ class StructuredOutputManager:
         # Compile time of the most recent CACHE_SIZE grammars (bounded: keys hold whole schemas).
         self.compile_seconds: OrderedDict[tuple, float] = OrderedDict()
         self.init_seconds: float | None = None
+        self.min_overlapped_fill_s = MIN_OVERLAPPED_FILL_S
+        self._saved_switch_interval: float | None = None  # the interpreter's, while a fill runs on the mask thread
 
     # -- setup --------------------------------------------------------------------------------
     @property
@@ -100,6 +106,7 @@ class StructuredOutputManager:
         return self._compile_pool, self._mask_pool  # type: ignore[return-value]
 
     def shutdown(self) -> None:
+        self._restore_switch_interval()
         for pool in (self._compile_pool, self._mask_pool):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
@@ -185,12 +192,28 @@ class StructuredOutputManager:
         live_rows, matchers = self._prepare(seqs_and_grammars, rows, bitmask)
         # A cheap fill runs here: handing it to the mask thread costs more (waking it, and its waits for the
         # GIL while this thread runs Python) than the ~0.1 ms it takes.
-        if not overlap or not matchers or self._expected_fill_seconds(len(matchers)) < MIN_OVERLAPPED_FILL_S:
+        if (not overlap or not matchers
+                or self._expected_fill_seconds(len(matchers)) < self.min_overlapped_fill_s):
             fut: Future = Future()
             fut.set_result(self._native_fill(matchers, bitmask, live_rows))
             return fut
         _, mask_pool = self._pools()
+        if self._saved_switch_interval is None:
+            self._saved_switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
         return mask_pool.submit(self._native_fill, matchers, bitmask, live_rows)
+
+    def mask_result(self, job: Future) -> torch.Tensor:
+        """A fill's bitmask (waits for it); the interpreter's thread switch interval is restored."""
+        try:
+            return job.result()
+        finally:
+            self._restore_switch_interval()
+
+    def _restore_switch_interval(self) -> None:
+        if self._saved_switch_interval is not None:
+            sys.setswitchinterval(self._saved_switch_interval)
+            self._saved_switch_interval = None
 
     def _expected_fill_seconds(self, rows: int) -> float:
         """The fill's cost from its recent cost per row (0 before any fill)."""
