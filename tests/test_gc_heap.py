@@ -3,6 +3,8 @@ does not keep a dropped engine alive."""
 import gc
 import weakref
 
+import pytest
+
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
@@ -37,3 +39,29 @@ def test_a_new_engine_collects_an_earlier_frozen_one_before_it_sizes_its_pool():
     assert gone() is None
     assert not _tracked(second)
     gc.unfreeze()
+
+
+def test_generate_makes_young_collections_rarer_and_restores_the_thresholds():
+    from pagedllm.engine.gc_heap import STEPPING_GEN0_THRESHOLD
+
+    llm = LLM(**KW)
+    before = gc.get_threshold()
+    seen = []
+    real_step = llm.llm_engine.step
+
+    def step():
+        seen.append(gc.get_threshold())
+        return real_step()
+
+    llm.llm_engine.step = step
+    llm.generate(["Once upon a time"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert seen and all(t == (max(STEPPING_GEN0_THRESHOLD, before[0]), *before[1:]) for t in seen)
+    assert gc.get_threshold() == before
+
+    def failing_step():
+        raise RuntimeError("step failed")
+
+    llm.llm_engine.step = failing_step
+    with pytest.raises(RuntimeError, match="step failed"):
+        llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert gc.get_threshold() == before  # restored on the way out of a failure too

@@ -119,6 +119,7 @@ def run_engine_core(engine_args: EngineArgs, cmd_conn: Connection, out_conn: Con
         logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     if os.getppid() != parent_pid:  # the parent died before we got here
         return
+    from pagedllm.engine.gc_heap import step_with_fewer_young_collections
     from pagedllm.engine.llm_engine import LLMEngine
 
     try:
@@ -130,6 +131,7 @@ def run_engine_core(engine_args: EngineArgs, cmd_conn: Connection, out_conn: Con
         logger.exception("the engine could not be built")
         out_conn.send(("failed", RuntimeError(f"the engine could not be built: {type(e).__name__}: {e}")))
         return
+    step_with_fewer_young_collections()  # this process only steps the engine (engine/gc_heap.py)
     sink = PipeSink(out_conn)
     commands: queue.Queue = queue.Queue()
     loop = EngineLoop(engine, sink, commands, admission_window_s)

@@ -10,10 +10,22 @@ EngineCore does the same after start-up).
 Frozen objects are never collected, so a later engine in the same process first unfreezes and collects:
 an earlier engine's KV pool and weights, kept alive only by reference cycles, go before the new engine
 measures free device memory.
+
+While the engine steps, young collections are made rarer (``fewer_young_collections``): a step allocates
+thousands of short-lived objects (outputs, token lists, scheduler records) that die by reference counting
+within a step or two, but at Python's default threshold (700 allocations) many are still alive when a
+collection runs, so they are traversed and promoted, and the older generations' collections follow: 1 300
+collections and 130-180 ms of one H100 run of 1 000 requests (2.8 s). With 50 000 allocations between young
+collections most of them are gone before one runs.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
+
+#: Allocations between young (generation-0) collections while the engine steps (Python's default: 700).
+STEPPING_GEN0_THRESHOLD = 50_000
 
 
 def release_frozen_heap() -> None:
@@ -27,3 +39,21 @@ def freeze_startup_heap() -> None:
     """Collect start-up garbage, then move every surviving object out of future collections."""
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def fewer_young_collections(threshold0: int = STEPPING_GEN0_THRESHOLD) -> Iterator[None]:
+    """Within the block, a young collection every `threshold0` allocations at most (the older generations'
+    thresholds unchanged); the interpreter's thresholds are restored on exit."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(threshold0, old[0]), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
+def step_with_fewer_young_collections(threshold0: int = STEPPING_GEN0_THRESHOLD) -> None:
+    """For a process that does nothing but step an engine (the engine-core process): for good."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(threshold0, old[0]), *old[1:])

@@ -80,7 +80,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler()
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
-            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device)
+            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device, self.executor.dtype)
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         on_cpu = self.executor.device.type == "cpu"
@@ -98,7 +98,7 @@ class LLMEngine:
             # in the first constrained TTFT.
             vocab = int(self.hf_config.vocab_size)
             for rows in ([0, 1], [0]):
-                apply_token_bitmask_(torch.zeros((2, vocab), device=self.executor.device),
+                apply_token_bitmask_(torch.zeros((2, vocab), dtype=self.executor.dtype, device=self.executor.device),
                                      torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32), rows)
             self.structured_output.reserve_buffers(self.config.scheduler_config.max_num_seqs)
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles

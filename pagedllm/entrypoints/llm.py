@@ -10,6 +10,7 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
@@ -43,8 +44,9 @@ class LLM:
         """Generate completions for every prompt; outputs come back in input order."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
-        ids = self._add_all(prompt_list, params_list)
-        return self._run(ids, use_tqdm)
+        with fewer_young_collections():  # engine/gc_heap.py
+            ids = self._add_all(prompt_list, params_list)
+            return self._run(ids, use_tqdm)
 
     def chat(
         self,

@@ -145,7 +145,7 @@ class ModelRunner:
         pending_inputs: list[tuple[int, int]] | None = None,
         prev_sampled_token_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Run one step; returns float32 logits for the rows the chunks asked for (or None).
+        """Run one step; returns the logits for the rows the chunks asked for (or None), as `sampler_logits` hands them.
 
         `pending_inputs` (asynchronous scheduling): chunk i's last token is `prev_sampled_token_ids[r]`
         for each (i, r); it is copied on the device, so the host never waits for it.
@@ -160,7 +160,7 @@ class ModelRunner:
             if pending_inputs:  # graph row i holds chunk i's one token
                 pending = ([i for i, _ in pending_inputs], [r for _, r in pending_inputs], prev_sampled_token_ids)
             hidden = gr.run(chunks, pending)  # decode rows, in chunk order: each samples its one token
-            logits = self.model.compute_logits(hidden).float()
+            logits = sampler_logits(self.model.compute_logits(hidden))
             if stats is not None:
                 stats.stop(step_kind(chunks), "graph", len(chunks), start)
             return logits
@@ -177,7 +177,7 @@ class ModelRunner:
             logits = None
             if wanted:
                 idx = async_tensor_h2d(wanted, torch.int64, self.device)
-                logits = self.model.compute_logits(hidden[idx]).float()
+                logits = sampler_logits(self.model.compute_logits(hidden[idx]))
             if stats is not None:
                 stats.stop(step_kind(chunks), "graph", len(rows), start, StepWork.of(chunks, len(wanted)))
             return logits
@@ -198,11 +198,18 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = None
         if logits_indices.numel():
-            logits = self.model.compute_logits(hidden[logits_indices]).float()
+            logits = sampler_logits(self.model.compute_logits(hidden[logits_indices]))
         if stats is not None:
             stats.stop(step_kind(chunks), path, int(input_ids.shape[0]), start,
                        StepWork.of(chunks, int(logits_indices.numel())))
         return logits
+
+
+def sampler_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The logits as the sampler takes them: on CUDA in the model's dtype (the sampler's kernels read 16-bit
+    logits and compute in float32; a float32 copy of [rows, vocab] cost ~0.4 ms a step at 1 000 rows of a
+    128 k vocabulary), on CPU in float32 (its native kernels take float32)."""
+    return logits if logits.is_cuda else logits.float()
 
 
 def fill_pending_tokens(input_ids: torch.Tensor, positions: list[int], rows: list[int], sampled: torch.Tensor) -> None:

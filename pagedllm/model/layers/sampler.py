@@ -524,12 +524,13 @@ __all__ = [
 ]
 
 
-def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device) -> None:
+def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device,
+                    dtype: torch.dtype = torch.float32) -> None:
     """Sample once from dummy logits with a greedy row and a random row (temperature, top-k, top-p, min-p,
     penalties), and once with greedy rows only (the one-pass kernel on CUDA), so the first request loads or
-    compiles none of the sampler's kernels (CUDA loads a kernel module on its first use). The logits are
-    float32, as the model runner hands them over."""
-    logits = torch.zeros((2, vocab_size), dtype=torch.float32, device=device)
+    compiles none of the sampler's kernels (CUDA loads a kernel module on its first use). `dtype`: the
+    logits' as the model runner hands them over (``model_runner.sampler_logits``: the model's on CUDA)."""
+    logits = torch.zeros((2, vocab_size), dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the default generator's state alone
     greedy = SamplingRow(SamplingParams(temperature=0.0, max_tokens=1), [1], [])
     rows = [greedy,
