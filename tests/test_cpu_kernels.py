@@ -95,6 +95,38 @@ def test_mixed_batch_matches_eq4_oracle(block_size, hq, hk, d):
 
 
 @needs_kernels
+@pytest.mark.parametrize("hq,hk,ctx", [(9, 3, 45), (9, 3, 300), (32, 8, 4500)], ids=["short", "ctx300", "tile-shrinks"])
+def test_each_query_token_of_a_chunk_gets_the_bits_it_gets_alone(hq, hk, ctx):
+    """Tokens of one sequence run as tiles that read each K/V block once; every token's result must still be
+    bit-identical to the same token run alone as a decode (speculative verification and chunked prefill
+    rely on it: a row's result may not depend on the batch). Chunk lengths cross the tile size (8) and
+    block boundaries; at 32 heads × 4 500 keys the tile shrinks to fit the scores scratch."""
+    block_size, d = 16, 64
+    g = torch.Generator().manual_seed(ctx + hq)
+    query_lens = [1, 2, 5, 8, 9, 20]
+    seq_lens = [ctx + q for q in query_lens]
+    per = -(-max(seq_lens) // block_size)
+    num_blocks = len(query_lens) * per
+    kc, vc = _pool(g, num_blocks, block_size, hk, d)
+    tables = torch.randperm(num_blocks, generator=g).view(len(query_lens), per).to(torch.int32)
+    t = sum(query_lens)
+    query = torch.randn(t, hq, d, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = torch.full_like(query, float("nan"))
+    KERNELS.paged_attention(out, query, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, d**-0.5)
+    # Every token alone: one decode "sequence" per token, its context ending at the token's own position.
+    owner = [s for s, q in enumerate(query_lens) for _ in range(q)]
+    alone_lens = [seq_lens[s] - query_lens[s] + (i - int(qsl[s])) + 1 for i, s in enumerate(owner)]
+    alone = torch.full_like(query, float("nan"))
+    KERNELS.paged_attention(alone, query, kc, vc, tables[owner].contiguous(), torch.tensor(alone_lens, dtype=torch.int32),
+                            torch.arange(t + 1, dtype=torch.int32), d**-0.5)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, alone)
+    expected = reference.paged_attention_naive(query, kc, vc, tables.tolist(), seq_lens, query_lens, d**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+@needs_kernels
 @pytest.mark.parametrize("max_native_query_len", [512, 4], ids=["all-native", "long-chunks-to-torch"])
 @pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (1, 4, 4, 32)])
 def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk, d, max_native_query_len):

@@ -212,14 +212,21 @@ static inline void prefetch_block(const float *block, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 3);
 }
 
+/* Query tokens of one sequence per work item (at most): each K/V block is read once for all of them. */
+#define QUERY_TILE 8
+/* Scores scratch per thread, in floats: the tile shrinks for long contexts × many heads to stay within it. */
+#define SCORES_BUDGET (1 << 20)
+
 /* PagedAttention for a flat batch of query tokens (decodes and prompt chunks alike): sequence s owns
  * tokens query_start_loc[s] .. query_start_loc[s+1]-1, the last of them at position seq_lens[s] - 1,
  * and token i of its chunk attends causally to the first seq_lens[s] - qlen + i + 1 cached tokens
  * (this step's K/V are already in the cache), read block by block through block_tables[s]:
- * out[t, h*group + g] = softmax(q_t·Kᵀ·scale) V. One work item is one query token: its blocks are
- * walked once for K and once for V, whole token rows (all KV heads) at a time, the next block
- * prefetched while this one is computed; each K/V row serves all `group` query heads that share it
- * (GQA). Returns 0, or -1 when scratch memory could not be allocated. */
+ * out[t, h*group + g] = softmax(q_t·Kᵀ·scale) V. One work item is a tile of up to QUERY_TILE consecutive
+ * query tokens of one sequence (a decode: one token): its blocks are walked once for K and once for V,
+ * whole token rows (all KV heads) at a time, the next block prefetched while this one is computed; each
+ * K/V block, once loaded, serves every token of the tile and all `group` query heads that share a KV head
+ * (GQA). A token's arithmetic does not depend on the tile it is in (same operations, same order), so the
+ * result of a token is the same in any batch. Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
                         const float *key_cache, const float *value_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
@@ -227,73 +234,104 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
-    const int64_t num_tokens = num_seqs > 0 ? query_start_loc[num_seqs] : 0;
     int max_len = 1;
     for (int s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
+    int64_t tile = SCORES_BUDGET / ((int64_t)num_q_heads * max_len);
+    tile = tile < 1 ? 1 : tile > QUERY_TILE ? QUERY_TILE : tile;
+    const int qtile = (int)tile;
+    /* tile_start[s]: the first work item of sequence s */
+    int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    if (tile_start == NULL) return -1;
+    tile_start[0] = 0;
+    for (int s = 0; s < num_seqs; ++s) {
+        const int qlen = query_start_loc[s + 1] - query_start_loc[s];
+        tile_start[s + 1] = tile_start[s] + (qlen + qtile - 1) / qtile;
+    }
+    const int64_t num_items = tile_start[num_seqs];
     int failed = 0;
-    /* One query token (a single-sequence decode) is one work item: no team, no barrier for an idle thread. */
-#pragma omp parallel if (num_tokens > 1)
+    /* One work item (a single-sequence decode) needs no team, no barrier for an idle thread. */
+#pragma omp parallel if (num_items > 1)
     {
-        /* scores[qh * max_len + t] for the sequence's num_q_heads query heads */
-        float *scores = malloc(sizeof(float) * (size_t)num_q_heads * (size_t)max_len);
-        float *acc = malloc(sizeof(float) * (size_t)num_q_heads * (size_t)head_dim);
+        /* scores[(i * num_q_heads + qh) * max_len + t] for token i of the tile, query head qh */
+        float *scores = malloc(sizeof(float) * (size_t)qtile * (size_t)num_q_heads * (size_t)max_len);
+        float *acc = malloc(sizeof(float) * (size_t)qtile * (size_t)num_q_heads * (size_t)head_dim);
         if (scores == NULL || acc == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < num_tokens; ++t) {
+        for (int64_t item = 0; item < num_items; ++item) {
             if (scores == NULL || acc == NULL) continue;
-            int s = 0, hi = num_seqs - 1; /* the last sequence whose chunk starts at or before t */
+            int s = 0, hi = num_seqs - 1; /* the last sequence whose items start at or before this one */
             while (s < hi) {
                 const int mid = (s + hi + 1) / 2;
-                if (query_start_loc[mid] <= t) s = mid;
+                if (tile_start[mid] <= item) s = mid;
                 else hi = mid - 1;
             }
             const int qlen = query_start_loc[s + 1] - query_start_loc[s];
-            const int len = seq_lens[s] - qlen + (int)(t - query_start_loc[s]) + 1;
-            const int num_blocks = (len + block_size - 1) / block_size;
+            const int i0 = (int)(item - tile_start[s]) * qtile;
+            const int nq = qlen - i0 < qtile ? qlen - i0 : qtile;
+            const int64_t first = query_start_loc[s] + i0; /* the tile's first query token */
+            const int len0 = seq_lens[s] - qlen + i0 + 1;  /* token i of the tile attends to len0 + i keys */
+            const int num_blocks = (len0 + nq - 1 + block_size - 1) / block_size;
             const int32_t *table = block_tables + s * table_stride;
-            const float *qs = q + t * q_token_stride;
+            const int64_t head_rows = (int64_t)num_q_heads * max_len;
 
             for (int b = 0; b < num_blocks; ++b) { /* pass 1: scaled scores */
                 const float *kb = key_cache + (int64_t)table[b] * block_stride;
                 if (b + 1 < num_blocks) prefetch_block(key_cache + (int64_t)table[b + 1] * block_stride, block_stride);
-                const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
-                int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
-                for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
-                    for (int h = 0; h < num_kv_heads; ++h)
-                        run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
-                                   token_stride, group, head_dim, scale,
-                                   scores + (int64_t)h * group * max_len + t0 + j0, max_len);
-                for (int j = j0; j < n; ++j)
-                    for (int h = 0; h < num_kv_heads; ++h)
-                        group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
-                                     group, head_dim, scale, scores + (int64_t)h * group * max_len + t0 + j, max_len);
+                const int t0 = b * block_size;
+                for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) { /* the tokens that reach block b */
+                    const int len = len0 + i;
+                    const int n = len - t0 < block_size ? len - t0 : block_size;
+                    const float *qs = q + (first + i) * q_token_stride;
+                    float *sc = scores + i * head_rows;
+                    int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
+                    for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
+                        for (int h = 0; h < num_kv_heads; ++h)
+                            run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
+                                       token_stride, group, head_dim, scale,
+                                       sc + (int64_t)h * group * max_len + t0 + j0, max_len);
+                    for (int j = j0; j < n; ++j)
+                        for (int h = 0; h < num_kv_heads; ++h)
+                            group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
+                                         group, head_dim, scale, sc + (int64_t)h * group * max_len + t0 + j, max_len);
+                }
             }
             if (num_blocks > 0) prefetch_block(value_cache + (int64_t)table[0] * block_stride, block_stride);
-            for (int qh = 0; qh < num_q_heads; ++qh) { /* softmax, normalised in place */
-                float *row = scores + (int64_t)qh * max_len;
-                const float m = row_max(row, len);
-                const float inv = 1.f / exp_shifted(row, len, m);
-                for (int t = 0; t < len; ++t) row[t] *= inv;
+            for (int i = 0; i < nq; ++i) {
+                const int len = len0 + i;
+                for (int qh = 0; qh < num_q_heads; ++qh) { /* softmax, normalised in place */
+                    float *row = scores + i * head_rows + (int64_t)qh * max_len;
+                    const float m = row_max(row, len);
+                    const float inv = 1.f / exp_shifted(row, len, m);
+                    for (int t = 0; t < len; ++t) row[t] *= inv;
+                }
             }
-            memset(acc, 0, sizeof(float) * (size_t)num_q_heads * head_dim);
+            memset(acc, 0, sizeof(float) * (size_t)nq * num_q_heads * head_dim);
             for (int b = 0; b < num_blocks; ++b) { /* pass 2: probabilities · V */
                 const float *vb = value_cache + (int64_t)table[b] * block_stride;
                 if (b + 1 < num_blocks) prefetch_block(value_cache + (int64_t)table[b + 1] * block_stride, block_stride);
-                const int t0 = b * block_size, n = len - t0 < block_size ? len - t0 : block_size;
-                for (int h = 0; h < num_kv_heads; ++h)
-                    group_block_axpy(scores + (int64_t)h * group * max_len + t0, max_len, vb + (int64_t)h * head_dim,
-                                     token_stride, n, group, head_dim, acc + (int64_t)h * group * head_dim);
+                const int t0 = b * block_size;
+                for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) {
+                    const int len = len0 + i;
+                    const int n = len - t0 < block_size ? len - t0 : block_size;
+                    const float *sc = scores + i * head_rows;
+                    float *ac = acc + (int64_t)i * num_q_heads * head_dim;
+                    for (int h = 0; h < num_kv_heads; ++h)
+                        group_block_axpy(sc + (int64_t)h * group * max_len + t0, max_len, vb + (int64_t)h * head_dim,
+                                         token_stride, n, group, head_dim, ac + (int64_t)h * group * head_dim);
+                }
             }
-            float *os = out + t * out_token_stride;
-            memcpy(os, acc, sizeof(float) * (size_t)num_q_heads * head_dim);
+            for (int i = 0; i < nq; ++i)
+                memcpy(out + (first + i) * out_token_stride, acc + (int64_t)i * num_q_heads * head_dim,
+                       sizeof(float) * (size_t)num_q_heads * head_dim);
         }
         free(scores);
         free(acc);
     }
+    free(tile_start);
     return failed ? -1 : 0;
 }
 
