@@ -41,19 +41,20 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-@contextlib.contextmanager
-def fewer_young_collections(threshold0: int = STEPPING_GEN0_THRESHOLD) -> Iterator[None]:
-    """Within the block, a young collection every `threshold0` allocations at most (the older generations'
-    thresholds unchanged); the interpreter's thresholds are restored on exit."""
+def step_with_fewer_young_collections(threshold0: int = STEPPING_GEN0_THRESHOLD) -> tuple[int, ...]:
+    """A young collection every `threshold0` allocations at most from now on (the older generations' thresholds
+    unchanged), for a process that does nothing but step an engine (the engine-core process); returns the
+    thresholds it replaced."""
     old = gc.get_threshold()
     gc.set_threshold(max(threshold0, old[0]), *old[1:])
+    return old
+
+
+@contextlib.contextmanager
+def fewer_young_collections(threshold0: int = STEPPING_GEN0_THRESHOLD) -> Iterator[None]:
+    """`step_with_fewer_young_collections` within the block; the interpreter's thresholds are restored on exit."""
+    old = step_with_fewer_young_collections(threshold0)
     try:
         yield
     finally:
         gc.set_threshold(*old)
-
-
-def step_with_fewer_young_collections(threshold0: int = STEPPING_GEN0_THRESHOLD) -> None:
-    """For a process that does nothing but step an engine (the engine-core process): for good."""
-    old = gc.get_threshold()
-    gc.set_threshold(max(threshold0, old[0]), *old[1:])
