@@ -12,6 +12,12 @@ The library is built for the CPU's ISA level (kernels/cpu_isa.py: ``PAGEDLLM_CPU
 one, e.g. ``avx2`` or ``portable``, so any machine can test every path), plus the CPU's int8 dot-product
 extension (AVX-512 VNNI or AVX-VNNI) when the level is not forced below the CPU's own.
 ``PAGEDLLM_QUANT_GEMM`` = ``auto`` | ``int8`` | ``dequant`` forces one design.
+
+``PAGEDLLM_CPU_AMX=1`` lets the ``int8`` design multiply each whole 16 rows of a batch with AMX-INT8 tiles on
+CPUs that have them (and Linux's permission to use tile data), giving every row the same bits as the vector
+path; the ISA string (``QuantKernels.isa``) then ends in ``+amx_int8``. It is off by default: on a Sapphire
+Rapids-class Xeon it measured no faster than AVX-512 VNNI below 64 rows (quant_ops.c says why), and it stays
+off when ``PAGEDLLM_CPU_ISA`` forces a level below the CPU's own.
 """
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ SOURCE = Path(__file__).with_name("cpu") / "quant_ops.c"
 GEMM_ENV = "PAGEDLLM_QUANT_GEMM"
 GEMM_METHODS = ("auto", "int8", "dequant")
 METHOD_CODES = {"int8": 0, "dequant": 1}  # quant_linear's `method` argument
+AMX_ENV = "PAGEDLLM_CPU_AMX"  # "1": AMX tiles for the int8 GEMM where the CPU has them; "0" (default): vectors only
+# quant_amx_configure's answers
+AMX_STATUS = {1: "on", 0: "off", -1: "not in this build (needs the AVX-512 build and gcc >= 11 / clang >= 12)",
+              -2: "the CPU or its OS lacks AMX-INT8", -3: "Linux refused tile data permission (arch_prctl)"}
 
 # ggml_type codes and (elements, bytes) per block
 GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
@@ -120,8 +130,38 @@ class QuantKernels:
         self._r16_bytes = lib.r16_bytes
         self._r16_bytes.restype = _i64
         self._r16_bytes.argtypes = [_int, _i64, _i64]
-        lib.quant_isa.restype = ctypes.c_char_p
-        self.isa: str = lib.quant_isa().decode()
+        self._isa = lib.quant_isa
+        self._isa.restype = ctypes.c_char_p
+        # absent from builds of older quant_ops.c variants (benchmarks/results probes load those)
+        self._amx_configure = getattr(lib, "quant_amx_configure", None)
+        self._amx_min_rows = getattr(lib, "quant_amx_min_rows", None)
+        if self._amx_configure is not None:
+            self._amx_configure.restype = _int
+            self._amx_configure.argtypes = [_int]
+            self._amx_min_rows.restype = _int
+
+    @property
+    def isa(self) -> str:
+        """The int8 GEMM's instructions, e.g. ``avx512_vnni`` or ``avx512_vnni+amx_int8`` (AMX in use)."""
+        return self._isa().decode()
+
+    @property
+    def amx(self) -> bool:
+        """Whether the int8 GEMM takes AMX tiles (each whole ``amx_min_rows`` rows of a batch)."""
+        return self.isa.endswith("+amx_int8")
+
+    @property
+    def amx_min_rows(self) -> int:
+        """The smallest batch that takes tiles (the tiles take every whole multiple of it; the rest of the rows
+        stay on the vector path)."""
+        return int(self._amx_min_rows()) if self._amx_min_rows is not None else 0
+
+    def configure_amx(self, enable: bool) -> str:
+        """Turn the AMX path on or off for this library (for all its callers). Returns AMX_STATUS's word for the
+        outcome: "on", "off", or why it cannot be on."""
+        if self._amx_configure is None:
+            return AMX_STATUS[-1]
+        return AMX_STATUS[int(self._amx_configure(int(enable)))]
 
     def c_functions(self) -> tuple:
         """(quant_linear, dequantize_rows): the typed C entry points without this class's checks, for callers
@@ -180,6 +220,21 @@ def choose_method() -> str:
     return "int8" if forced == "auto" else forced
 
 
+def amx_wanted(isa: cpu_isa.CpuIsa, level: str) -> tuple[bool, str]:
+    """Whether a build for ``level`` should try AMX, and why not: only with ``PAGEDLLM_CPU_AMX=1``, at the CPU's
+    own level (a forced lower one tests the vector paths), on a CPU with amx_tile and amx_int8."""
+    setting = os.environ.get(AMX_ENV, "0").strip() or "0"
+    if setting not in ("0", "1"):
+        raise ValueError(f"{AMX_ENV} must be 0 or 1, got {setting!r}")
+    if setting == "0":
+        return False, f"off ({AMX_ENV}=1 turns it on)"
+    if level != isa.detected:
+        return False, f"the {level} build is below the CPU's own level ({isa.detected})"
+    if not {"amx_tile", "amx_int8"} <= isa.flags:
+        return False, "the CPU has no AMX-INT8"
+    return True, ""
+
+
 def vnni_flags(isa: cpu_isa.CpuIsa) -> tuple[str, ...]:
     """The int8 dot-product extension to compile in: the CPU's own, and only at its own level (a forced
     lower level tests the plain AVX2 / scalar int8 paths)."""
@@ -206,5 +261,12 @@ def load_quant_kernels(level: str | None = None) -> QuantKernels:
     extra = vnni_flags(isa) if level == isa.name else ()
     path = build_library(SOURCE, level, extra)
     kernels = QuantKernels(ctypes.CDLL(str(path)), path)
-    logger.info("GGUF quantized kernels: %s build (%s)", level, kernels.isa)
+    want, why_not = amx_wanted(isa, level)
+    if want:
+        outcome = kernels.configure_amx(True)
+        why_not = "" if kernels.amx else outcome
+        if why_not:
+            logger.warning("GGUF quantized kernels: AMX-INT8 not used: %s", why_not)
+    logger.info("GGUF quantized kernels: %s build (%s%s)", level, kernels.isa,
+                f", AMX tiles for each whole {kernels.amx_min_rows} rows" if kernels.amx else f"; AMX {why_not}")
     return kernels

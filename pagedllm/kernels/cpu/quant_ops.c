@@ -16,11 +16,15 @@
  *      vpmaddwd) for all 16 (or 8) rows; the scales are applied once per block per row, as vectors. The float
  *      operations per row do not depend on the lane width, the batch, or the thread: every ISA build and every
  *      batch size gives a row the same bits (the portable build does the same operations in scalar code).
+ *      With AMX-INT8 turned on (quant_amx_configure; off by default, see "AMX-INT8 tiles" below) every whole 16
+ *      rows of a batch take tiles instead: the same int32 sums and the same float epilogue, the same bits.
  *  (b) "dequant": a group's 16 rows are dequantized into fp32 and multiplied by fp32 x with FMAs (a 4×4
  *      register block of dot products): activations are not rounded.
  * dequantize_rows() is the plain reference dequantization (bit-exact with gguf.quants; used for the embedding
  * lookup and the tests).
- */#include <math.h>
+ */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -313,6 +317,24 @@ typedef __m256 vf;
 
 static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
+/* Block b of a group: its quants, and the scale vectors of lanes sr.. (y += dv·dx·Σq·x + mv·s). */
+static inline __attribute__((always_inline)) const uint8_t *r16_block_scales(const int type, const uint8_t *gp,
+                                                                             const int64_t b, const int sr, vf *dv,
+                                                                             vf *mv) {
+    if (type == T_Q4_K) {
+        const uint8_t *base = gp + (b >> 3) * Q4K_SUPER, *blk = base + Q4K_HDR + (b & 7) * Q4K_SUB;
+        *dv = VF_MUL(VF_LOAD_PH(base + 2 * sr), VF_LOAD_U8(blk + 256 + sr));
+        *mv = VF_SUB(VF_ZERO(), VF_MUL(VF_LOAD_PH(base + 32 + 2 * sr), VF_LOAD_U8(blk + 272 + sr)));
+        return blk;
+    }
+    const int64_t rec = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544;
+    const int qb = type == T_Q8_0 ? 512 : 256;
+    const uint8_t *qs = gp + b * rec;
+    *dv = VF_LOAD_PH(qs + qb + 2 * sr);
+    *mv = type == T_Q4_1 ? VF_LOAD_PH(qs + qb + 32 + 2 * sr) : VF_MUL(*dv, VF_SET1(type == T_Q8_0 ? -128.0f : -8.0f));
+    return qs;
+}
+
 /* y[m, row0 + 0..LANES) for rows m < mc of one subgroup (LANES rows of a group). */
 static inline __attribute__((always_inline)) void r16_tile(
     const int type, const uint8_t *gp, const int sub, const int64_t nb, const int64_t K, const int8_t *xq,
@@ -322,21 +344,8 @@ static inline __attribute__((always_inline)) void r16_tile(
     const int so = sub * LANES * 4, sr = sub * LANES;
     const vi lo4 = VI_SET8(0x0F);
     for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *qs;
         vf dv, mv;
-        if (type == T_Q4_K) {
-            const uint8_t *base = gp + (b >> 3) * Q4K_SUPER, *blk = base + Q4K_HDR + (b & 7) * Q4K_SUB;
-            qs = blk;
-            dv = VF_MUL(VF_LOAD_PH(base + 2 * sr), VF_LOAD_U8(blk + 256 + sr));
-            mv = VF_SUB(VF_ZERO(), VF_MUL(VF_LOAD_PH(base + 32 + 2 * sr), VF_LOAD_U8(blk + 272 + sr)));
-        } else {
-            const int64_t rec = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544;
-            const int qb = type == T_Q8_0 ? 512 : 256;
-            qs = gp + b * rec;
-            dv = VF_LOAD_PH(qs + qb + 2 * sr);
-            mv = type == T_Q4_1 ? VF_LOAD_PH(qs + qb + 32 + 2 * sr)
-                                : VF_MUL(dv, VF_SET1(type == T_Q8_0 ? -128.0f : -8.0f));
-        }
+        const uint8_t *qs = r16_block_scales(type, gp, b, sr, &dv, &mv);
         _mm_prefetch((const char *)qs + PF_AHEAD, _MM_HINT_T0);
         _mm_prefetch((const char *)qs + PF_AHEAD + 64, _MM_HINT_T0);
         _mm_prefetch((const char *)qs + PF_AHEAD + 128, _MM_HINT_T0);
@@ -444,6 +453,246 @@ static inline __attribute__((always_inline)) void r16_group(const int type, cons
 #endif
 }
 
+/* ---- AMX-INT8 tiles for the int8 design --------------------------------------------------------------------
+ * An R16 block of 32 inputs is an AMX B tile as it stands (8 rows of 64 bytes; row k: inputs 4k..4k+3 of the 16
+ * weight rows, unsigned): Q8_0 tiles load straight from the weights, Q4 types unpack their nibbles into 512
+ * bytes first. One TDPBSUD per block and per 16 activation rows (A: the rows' 32 int8 of the block; K = 32 keeps
+ * each block's int32 sums apart for the block's own scales) gives exactly the integers Σ(q·x) of the vector
+ * path; the C tile is stored, and amx_epilogue applies r16_tile's float operations per row and block in the same
+ * order: the same bits as every other build, whichever rows take tiles.
+ * Measured on a Sapphire Rapids-class Xeon, the per-block C tile store (the per-block scales need every block's
+ * sums) makes a tile pass (load A and B, TDPBSUD, store C) cost about what the vector path spends on 6-8 rows,
+ * and it does not overlap the float epilogue, which alone costs a third of the vector path: a partial pass loses
+ * to VNNI at every M, and even whole passes only break even (0.85-0.96× at 16-32 rows, 1.04-1.08× at 64-128 on
+ * the bundled model's linears). So tiles take only whole sets of AMX_ROWS rows (the rest of a batch stays on
+ * the vector path), and only when asked for (quant_amx_configure; PAGEDLLM_CPU_AMX=1 in kernels/cpu_quant.py).
+ * Tile data needs Linux's permission (arch_prctl), asked once per process by quant_amx_configure; each OpenMP
+ * thread loads its tile configuration and releases it after. */
+#if defined(LANES) && LANES == 16 && defined(__x86_64__) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define HAVE_AMX 1
+#endif
+
+#define AMX_ROWS 16
+static int amx_on = 0;
+
+/* One group on the vector path, activation rows [0, M) (the type dispatched to constants for r16_group). */
+static inline void int8_group_vec(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq,
+                                  const float *xd, const float *xs, int64_t M, float *y, int64_t N, int64_t row0) {
+    switch (type) {
+        case T_Q4_0: r16_group(T_Q4_0, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
+        case T_Q4_1: r16_group(T_Q4_1, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
+        case T_Q8_0: r16_group(T_Q8_0, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
+        default: r16_group(T_Q4_K, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
+    }
+}
+
+#if defined(HAVE_AMX)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw")))
+/* The tile intrinsics are asm statements without a memory clobber: fence the buffers they read and write. */
+#define AMX_FENCE() __asm__ volatile("" ::: "memory")
+#define AMX_NB 8 /* blocks whose C tiles are stored before one epilogue pass reads them */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* CPUID says AMX-TILE and AMX-INT8, and the OS saves tile state (XCR0 bits 17 and 18). */
+static int amx_cpu(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE: xgetbv is allowed */
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & (3u << 17)) == (3u << 17);
+}
+
+/* Linux hands out the 8 KiB of tile data state per process on request (ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int amx_permission(void) {
+    static int granted = 0; /* 0: not asked yet, 1: granted, -1: refused */
+    if (!granted) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return granted > 0;
+}
+
+/* Tiles 0/1: A (16 rows × 32 bytes), 2/3: B (8 × 64), 4/5: C (16 × 16 int32); two sets alternate. */
+AMX_TARGET static void amx_thread_begin(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; ++t) {
+        cfg.rows[t] = t == 2 || t == 3 ? 8 : 16;
+        cfg.colsb[t] = t < 2 ? 32 : 64;
+    }
+    AMX_FENCE();
+    _tile_loadconfig(&cfg);
+}
+
+AMX_TARGET static void amx_thread_end(void) { _tile_release(); }
+
+/* Block b's B tile (the weights, or the nibbles unpacked into ub[512]) and its scale vectors; prefetches the
+ * block one batch ahead (tile loads that miss the cache stall the tile unit). */
+static inline const uint8_t *amx_block(int type, const uint8_t *gp, int64_t b, uint8_t *ub, vf *dv, vf *mv) {
+    const uint8_t *qs = r16_block_scales(type, gp, b, 0, dv, mv);
+    const int rec = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q8_0 ? 544 : Q4K_SUB;
+    for (int l = 0; l < rec; l += 64) _mm_prefetch((const char *)qs + AMX_NB * rec + l, _MM_HINT_T0);
+    if (type == T_Q8_0) return qs;
+    const vi lo4 = VI_SET8(0x0F);
+    for (int p = 0; p < 4; ++p) {
+        const vi c = VI_LOAD(qs + 64 * p);
+        _mm512_store_si512((void *)(ub + 64 * p), VI_AND(c, lo4));
+        _mm512_store_si512((void *)(ub + 256 + 64 * p), VI_AND(VI_SRL4(c), lo4));
+    }
+    return ub;
+}
+
+/* c[i] (16 × 16 int32) = Σ over block i of rows xa[0..16) × bt[i], i < nbc. */
+AMX_TARGET static void amx_dots(const uint8_t *const *bt, int nbc, const int8_t *xa, int64_t K, int32_t *c) {
+    AMX_FENCE();
+    int i = 0;
+    for (; i + 1 < nbc; i += 2) {
+        _tile_loadd(2, bt[i], 64);
+        _tile_loadd(0, xa + i * QK, K);
+        _tile_zero(4);
+        _tile_loadd(3, bt[i + 1], 64);
+        _tile_loadd(1, xa + (i + 1) * QK, K);
+        _tile_zero(5);
+        _tile_dpbsud(4, 0, 2);
+        _tile_dpbsud(5, 1, 3);
+        _tile_stored(4, c + i * 256, 64);
+        _tile_stored(5, c + (i + 1) * 256, 64);
+    }
+    if (i < nbc) {
+        _tile_loadd(2, bt[i], 64);
+        _tile_loadd(0, xa + i * QK, K);
+        _tile_zero(4);
+        _tile_dpbsud(4, 0, 2);
+        _tile_stored(4, c + i * 256, 64);
+    }
+    AMX_FENCE();
+}
+
+/* r16_tile's float operations on the stored sums of nbc blocks for 16 rows: acc and corr (16 floats each, row m
+ * at acc + 32·m, kept in memory between batches of blocks) accumulate in block order, as r16_tile's registers
+ * do. A constant nbc unrolls the blocks and keeps their scale vectors in registers. */
+static inline __attribute__((always_inline)) void amx_epilogue_n(const int nbc, const int32_t *c, const vf *dvp,
+                                                                 const vf *mvp, const float *xd, const float *xs,
+                                                                 int64_t nb, float *acc) {
+    vf dv[AMX_NB], mv[AMX_NB];
+    for (int i = 0; i < nbc; ++i) {
+        dv[i] = dvp[i];
+        mv[i] = mvp[i];
+    }
+    for (int m = 0; m < AMX_ROWS; ++m) {
+        vf a = _mm512_load_ps(acc + 32 * m), s = _mm512_load_ps(acc + 32 * m + 16);
+        for (int i = 0; i < nbc; ++i) {
+            const vf isum = VF_CVT(_mm512_load_si512((const void *)(c + i * 256 + 16 * m)));
+            a = VF_FMA(isum, VF_MUL(dv[i], VF_SET1(xd[m * nb + i])), a);
+            s = VF_FMA(mv[i], VF_SET1(xs[m * nb + i]), s);
+        }
+        _mm512_store_ps(acc + 32 * m, a);
+        _mm512_store_ps(acc + 32 * m + 16, s);
+    }
+}
+
+static void amx_epilogue(const int32_t *c, int nbc, const vf *dv, const vf *mv, const float *xd, const float *xs,
+                         int64_t nb, float *acc) {
+    if (nbc == AMX_NB) amx_epilogue_n(AMX_NB, c, dv, mv, xd, xs, nb, acc);
+    else amx_epilogue_n(nbc, c, dv, mv, xd, xs, nb, acc);
+}
+
+/* One group of 16 weight rows for activation rows [0, M), M a multiple of 16; acc: 32·M floats of scratch,
+ * 64-byte aligned. */
+AMX_TARGET static void amx_group(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq,
+                                 const float *xd, const float *xs, int64_t M, float *y, int64_t N, int64_t row0,
+                                 float *acc) {
+    _Alignas(64) uint8_t ub[AMX_NB * 512];
+    _Alignas(64) int32_t c[AMX_NB * 256];
+    const uint8_t *bt[AMX_NB];
+    vf dv[AMX_NB], mv[AMX_NB];
+    memset(acc, 0, (size_t)(32 * M) * sizeof(float));
+    for (int64_t b0 = 0; b0 < nb; b0 += AMX_NB) {
+        const int nbc = (int)(nb - b0 < AMX_NB ? nb - b0 : AMX_NB);
+        for (int i = 0; i < nbc; ++i) bt[i] = amx_block(type, gp, b0 + i, ub + 512 * i, &dv[i], &mv[i]);
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            amx_dots(bt, nbc, xq + m0 * K + b0 * QK, K, c);
+            amx_epilogue(c, nbc, dv, mv, xd + m0 * nb + b0, xs + m0 * nb + b0, nb, acc + 32 * m0);
+        }
+    }
+    const int nvalid = (int)(N - row0 < GR ? N - row0 : GR);
+    for (int64_t m = 0; m < M; ++m) {
+        const vf v = VF_ADD(_mm512_load_ps(acc + 32 * m), _mm512_load_ps(acc + 32 * m + 16));
+        if (nvalid == GR) {
+            VF_STORE(y + m * N + row0, v);
+        } else {
+            _Alignas(64) float tmp[16];
+            _mm512_store_ps(tmp, v);
+            memcpy(y + m * N + row0, tmp, (size_t)nvalid * sizeof(float));
+        }
+    }
+}
+
+/* The int8 GEMM with tiles for rows [0, M − M % 16) and the vector path for the rest, x already quantized;
+ * OpenMP over groups as linear_int8_vec (a group's rows of both kinds in one thread, its weights in cache). */
+static int linear_amx(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t K, const int8_t *xq,
+                      const float *xd, const float *xs, int64_t M, float *y) {
+    const int64_t nb = K / QK, G = (N + GR - 1) / GR, mt = M / AMX_ROWS * AMX_ROWS;
+    int status = 0;
+#pragma omp parallel
+    {
+        float *acc = aligned_alloc(64, (size_t)(32 * mt) * sizeof(float));
+        if (!acc) {
+#pragma omp atomic write
+            status = -2;
+        } else {
+            amx_thread_begin();
+        }
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < G; ++g) {
+            if (!acc) continue;
+            amx_group(type, w + g * gb, nb, K, xq, xd, xs, mt, y, N, g * GR, acc);
+            if (mt < M)
+                int8_group_vec(type, w + g * gb, nb, K, xq + mt * K, xd + mt * nb, xs + mt * nb, M - mt, y + mt * N,
+                               N, g * GR);
+        }
+        if (acc) amx_thread_end();
+        free(acc);
+    }
+    return status;
+}
+#endif
+
+/* AMX on (enable 1) or off for this library. Returns 1 when on, 0 when off as asked, -1 when this build has no
+ * AMX code, -2 when the CPU or its OS lacks AMX-INT8, -3 when Linux refused tile data permission. */
+int quant_amx_configure(int enable) {
+    amx_on = 0;
+    if (!enable) return 0;
+#if defined(HAVE_AMX)
+    if (!amx_cpu()) return -2;
+    if (!amx_permission()) return -3;
+    amx_on = 1;
+    return 1;
+#else
+    return -1;
+#endif
+}
+
+/* The batches that take tiles: AMX_ROWS rows and more (then every whole AMX_ROWS of them). */
+int quant_amx_min_rows(void) { return AMX_ROWS; }
+
+/* The vector int8 GEMM, x already quantized: OpenMP over groups of 16 rows. */
+static void linear_int8_vec(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t K, const int8_t *xq,
+                            const float *xd, const float *xs, int64_t M, float *y) {
+    const int64_t G = (N + GR - 1) / GR, nb = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < G; ++g) int8_group_vec(type, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR);
+}
+
 static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
     const int64_t gb = r16_group_bytes(type, K), nb = K / QK;
     if (gb == 0) return -1;
@@ -454,16 +703,12 @@ static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const f
         status = -2;
     } else {
         quantize_rows_q8(x, M, K, xq, xd, xs);
-        const int64_t G = (N + GR - 1) / GR;
-#pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < G; ++g) {
-            switch (type) {
-                case T_Q4_0: r16_group(T_Q4_0, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
-                case T_Q4_1: r16_group(T_Q4_1, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
-                case T_Q8_0: r16_group(T_Q8_0, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
-                default: r16_group(T_Q4_K, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR); break;
-            }
-        }
+#if defined(HAVE_AMX)
+        if (amx_on && M >= AMX_ROWS)
+            status = linear_amx(type, w, gb, N, K, xq, xd, xs, M, y);
+        else
+#endif
+            linear_int8_vec(type, w, gb, N, K, xq, xd, xs, M, y);
     }
     free(xq);
     free(xd);
@@ -618,9 +863,9 @@ static int linear_dequant(int type, const uint8_t *w, int64_t N, int64_t K, cons
 
 const char *quant_isa(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return "avx512_vnni";
+    return amx_on ? "avx512_vnni+amx_int8" : "avx512_vnni";
 #elif defined(__AVX512BW__)
-    return "avx512bw";
+    return amx_on ? "avx512bw+amx_int8" : "avx512bw";
 #elif defined(__AVXVNNI__)
     return "avx_vnni";
 #elif defined(__AVX2__)
