@@ -16,7 +16,7 @@ from tests.test_quantized_gguf import random_blocks
 
 _ISA = cpu_isa.detect_cpu_isa()
 _HAS_AMX_FLAGS = {"amx_tile", "amx_int8"} <= _ISA.flags
-ROWS = (1, 3, 16, 17, 40)  # under one tile set, exactly one, one plus a vector row, two plus a vector remainder
+ROWS = (1, 3, 16, 17, 40, 64)  # vectors only, one tile set, one plus a vector row, two plus 8 rows, four
 
 
 def _weight(type_name: str, n: int = 72, seed: int = 0) -> tuple[GGUFWeight, int]:
@@ -30,24 +30,24 @@ def _weight(type_name: str, n: int = 72, seed: int = 0) -> tuple[GGUFWeight, int
 def _amx_outcome() -> str:
     """What turning AMX on in the CPU's own-level build gives here ("on", or why not); the state is restored."""
     kern = cpu_quant.load_quant_kernels(_ISA.detected)
-    was_on = kern.amx
+    was_on, was_rows = kern.amx, kern.amx_min_rows
     outcome = kern.configure_amx(True)
-    kern.configure_amx(was_on)
+    kern.configure_amx(was_on, was_rows)
     return outcome
 
 
 @pytest.fixture
 def amx_kernels():
-    """The CPU's own-level build with AMX turned on for the test (skipped, with the reason, where it cannot be),
-    then back to what it was."""
+    """The CPU's own-level build with AMX turned on for the test from 16 rows (below its default threshold, so
+    that small batches take tiles too; skipped, with the reason, where it cannot be), then back to what it was."""
     outcome = _amx_outcome()
     if outcome != "on":
         pytest.skip(f"AMX-INT8 unavailable: {outcome}")
     kern = cpu_quant.load_quant_kernels(_ISA.detected)
-    was_on = kern.amx
-    kern.configure_amx(True)
+    was_on, was_rows = kern.amx, kern.amx_min_rows
+    kern.configure_amx(True, 16)
     yield kern
-    kern.configure_amx(was_on)
+    kern.configure_amx(was_on, was_rows)
 
 
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
@@ -64,7 +64,7 @@ def test_amx_rows_have_the_vector_paths_bits(amx_kernels, type_name):
         try:
             y_vec = kern.linear(x, w, "int8")
         finally:
-            kern.configure_amx(True)
+            kern.configure_amx(True, 16)
         assert torch.equal(y_amx, y_vec), f"{type_name} M={m}: AMX differs from {kern.isa}'s vector path"
         assert torch.equal(y_amx, alone), f"{type_name} M={m}: a row batched differs from the row alone"
         for other in vector_builds:
@@ -87,7 +87,9 @@ def test_isa_string_follows_the_switch(amx_kernels):
     assert kern.configure_amx(False) == "off"
     assert not kern.amx and "amx" not in kern.isa
     assert kern.configure_amx(True) == "on" and kern.isa.endswith("+amx_int8")
-    assert kern.amx_min_rows == 16
+    assert kern.amx_min_rows == 64  # the measured default
+    kern.configure_amx(True, 1)
+    assert kern.amx_min_rows == 16  # tiles take whole 16-row sets
 
 
 def test_builds_without_amx_code_say_so():
@@ -119,13 +121,13 @@ _PROBE = (
     "from tests.test_quantized_gguf import random_blocks;"
     "k = cpu_quant.load_quant_kernels();"
     "w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(3, 48, 576)), 3, 48, 576);"
-    "y = k.linear(torch.randn(20, 576), w);"
+    "y = k.linear(torch.randn(70, 576), w);"
     "print(k.isa, bool(torch.isfinite(y).all()))"
 )
 
 
 def _probe(**env: str) -> str:
-    """The ISA string and a 20-row GEMM's sanity from a fresh process started with ``env``."""
+    """The ISA string and a 70-row GEMM's sanity from a fresh process started with ``env``."""
     full = {**os.environ, **env}
     out = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

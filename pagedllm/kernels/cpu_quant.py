@@ -13,11 +13,12 @@ one, e.g. ``avx2`` or ``portable``, so any machine can test every path), plus th
 extension (AVX-512 VNNI or AVX-VNNI) when the level is not forced below the CPU's own.
 ``PAGEDLLM_QUANT_GEMM`` = ``auto`` | ``int8`` | ``dequant`` forces one design.
 
-``PAGEDLLM_CPU_AMX=1`` lets the ``int8`` design multiply each whole 16 rows of a batch with AMX-INT8 tiles on
-CPUs that have them (and Linux's permission to use tile data), giving every row the same bits as the vector
-path; the ISA string (``QuantKernels.isa``) then ends in ``+amx_int8``. It is off by default: on a Sapphire
-Rapids-class Xeon it measured no faster than AVX-512 VNNI below 64 rows (quant_ops.c says why), and it stays
-off when ``PAGEDLLM_CPU_ISA`` forces a level below the CPU's own.
+``PAGEDLLM_CPU_AMX=1`` lets the ``int8`` design multiply the whole 16-row sets of batches of 64 rows and more
+with AMX-INT8 tiles on CPUs that have them (and Linux's permission to use tile data), giving every row the same
+bits as the vector path; the ISA string (``QuantKernels.isa``) then ends in ``+amx_int8``. It is off by
+default: on a Sapphire Rapids-class Xeon it measured no faster than AVX-512 VNNI below 64 rows, 1.05-1.09x
+at 64 and 1.16x at 128 (quant_ops.c says why), and it stays off when ``PAGEDLLM_CPU_ISA`` forces a level
+below the CPU's own.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ class QuantKernels:
         self._amx_min_rows = getattr(lib, "quant_amx_min_rows", None)
         if self._amx_configure is not None:
             self._amx_configure.restype = _int
-            self._amx_configure.argtypes = [_int]
+            self._amx_configure.argtypes = [_int, _int]
             self._amx_min_rows.restype = _int
 
     @property
@@ -147,21 +148,21 @@ class QuantKernels:
 
     @property
     def amx(self) -> bool:
-        """Whether the int8 GEMM takes AMX tiles (each whole ``amx_min_rows`` rows of a batch)."""
+        """Whether the int8 GEMM takes AMX tiles (for batches of at least ``amx_min_rows`` rows)."""
         return self.isa.endswith("+amx_int8")
 
     @property
     def amx_min_rows(self) -> int:
-        """The smallest batch that takes tiles (the tiles take every whole multiple of it; the rest of the rows
-        stay on the vector path)."""
+        """The smallest batch that takes tiles (then its whole 16-row sets; the other rows stay on vectors)."""
         return int(self._amx_min_rows()) if self._amx_min_rows is not None else 0
 
-    def configure_amx(self, enable: bool) -> str:
-        """Turn the AMX path on or off for this library (for all its callers). Returns AMX_STATUS's word for the
-        outcome: "on", "off", or why it cannot be on."""
+    def configure_amx(self, enable: bool, min_rows: int = 0) -> str:
+        """Turn the AMX path on or off for this library (for all its callers), for batches of at least
+        ``min_rows`` rows (0: the measured default, 64; at least 16). Returns AMX_STATUS's word for the outcome:
+        "on", "off", or why it cannot be on."""
         if self._amx_configure is None:
             return AMX_STATUS[-1]
-        return AMX_STATUS[int(self._amx_configure(int(enable)))]
+        return AMX_STATUS[int(self._amx_configure(int(enable), int(min_rows)))]
 
     def c_functions(self) -> tuple:
         """(quant_linear, dequantize_rows): the typed C entry points without this class's checks, for callers
@@ -268,5 +269,5 @@ def load_quant_kernels(level: str | None = None) -> QuantKernels:
         if why_not:
             logger.warning("GGUF quantized kernels: AMX-INT8 not used: %s", why_not)
     logger.info("GGUF quantized kernels: %s build (%s%s)", level, kernels.isa,
-                f", AMX tiles for each whole {kernels.amx_min_rows} rows" if kernels.amx else f"; AMX {why_not}")
+                f", AMX tiles from {kernels.amx_min_rows} rows" if kernels.amx else f"; AMX {why_not}")
     return kernels

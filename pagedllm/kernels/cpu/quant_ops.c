@@ -17,7 +17,7 @@
  *      operations per row do not depend on the lane width, the batch, or the thread: every ISA build and every
  *      batch size gives a row the same bits (the portable build does the same operations in scalar code).
  *      With AMX-INT8 turned on (quant_amx_configure; off by default, see "AMX-INT8 tiles" below) every whole 16
- *      rows of a batch take tiles instead: the same int32 sums and the same float epilogue, the same bits.
+ *      rows of a large batch take tiles instead: the same int32 sums and the same float epilogue, the same bits.
  *  (b) "dequant": a group's 16 rows are dequantized into fp32 and multiplied by fp32 x with FMAs (a 4×4
  *      register block of dot products): activations are not rounded.
  * dequantize_rows() is the plain reference dequantization (bit-exact with gguf.quants; used for the embedding
@@ -460,12 +460,14 @@ static inline __attribute__((always_inline)) void r16_group(const int type, cons
  * each block's int32 sums apart for the block's own scales) gives exactly the integers Σ(q·x) of the vector
  * path; the C tile is stored, and amx_epilogue applies r16_tile's float operations per row and block in the same
  * order: the same bits as every other build, whichever rows take tiles.
- * Measured on a Sapphire Rapids-class Xeon, the per-block C tile store (the per-block scales need every block's
- * sums) makes a tile pass (load A and B, TDPBSUD, store C) cost about what the vector path spends on 6-8 rows,
- * and it does not overlap the float epilogue, which alone costs a third of the vector path: a partial pass loses
- * to VNNI at every M, and even whole passes only break even (0.85-0.96× at 16-32 rows, 1.04-1.08× at 64-128 on
- * the bundled model's linears). So tiles take only whole sets of AMX_ROWS rows (the rest of a batch stays on
- * the vector path), and only when asked for (quant_amx_configure; PAGEDLLM_CPU_AMX=1 in kernels/cpu_quant.py).
+ * Measured on a Sapphire Rapids-class Xeon (all linears of the bundled model), the per-block C tile store (the
+ * per-block scales need every block's sums) makes a tile pass (load A and B, TDPBSUD, store C) cost about what
+ * the vector path spends on 6-8 rows, and it does not overlap the float epilogue, which alone costs a quarter
+ * of the vector path. Medians of three runs, 1 and 2 threads: with tiles for every row, 0.55-0.85× of VNNI up
+ * to 32 rows; with tiles for the whole 16-row sets only, 0.97-1.0× at 16 rows, 0.9× at 20, 1.02-1.05× at 32,
+ * 1.05-1.09× at 64 and 1.16× at 128. So tiles take only the whole sets of AMX_ROWS rows of batches of at least
+ * amx_min_rows (the rest of the rows stay on the vector path), and only when asked for (quant_amx_configure;
+ * PAGEDLLM_CPU_AMX=1 in kernels/cpu_quant.py).
  * Tile data needs Linux's permission (arch_prctl), asked once per process by quant_amx_configure; each OpenMP
  * thread loads its tile configuration and releases it after. */
 #if defined(LANES) && LANES == 16 && defined(__x86_64__) && defined(__linux__) && \
@@ -473,8 +475,9 @@ static inline __attribute__((always_inline)) void r16_group(const int type, cons
 #define HAVE_AMX 1
 #endif
 
-#define AMX_ROWS 16
-static int amx_on = 0;
+#define AMX_ROWS 16         /* activation rows per tile pass */
+#define AMX_MIN_ROWS 64     /* the smallest batch that takes tiles by default (the measurement above) */
+static int amx_on = 0, amx_min_rows = AMX_MIN_ROWS;
 
 /* One group on the vector path, activation rows [0, M) (the type dispatched to constants for r16_group). */
 static inline void int8_group_vec(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq,
@@ -667,9 +670,11 @@ static int linear_amx(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t
 }
 #endif
 
-/* AMX on (enable 1) or off for this library. Returns 1 when on, 0 when off as asked, -1 when this build has no
- * AMX code, -2 when the CPU or its OS lacks AMX-INT8, -3 when Linux refused tile data permission. */
-int quant_amx_configure(int enable) {
+/* AMX on (enable 1) or off for this library, for batches of at least min_rows rows (≤ 0: AMX_MIN_ROWS; at least
+ * AMX_ROWS). Returns 1 when on, 0 when off as asked, -1 when this build has no AMX code, -2 when the CPU or its
+ * OS lacks AMX-INT8, -3 when Linux refused tile data permission. */
+int quant_amx_configure(int enable, int min_rows) {
+    amx_min_rows = min_rows <= 0 ? AMX_MIN_ROWS : min_rows < AMX_ROWS ? AMX_ROWS : min_rows;
     amx_on = 0;
     if (!enable) return 0;
 #if defined(HAVE_AMX)
@@ -682,8 +687,8 @@ int quant_amx_configure(int enable) {
 #endif
 }
 
-/* The batches that take tiles: AMX_ROWS rows and more (then every whole AMX_ROWS of them). */
-int quant_amx_min_rows(void) { return AMX_ROWS; }
+/* The smallest batch that takes tiles (then every whole AMX_ROWS of its rows). */
+int quant_amx_min_rows(void) { return amx_min_rows; }
 
 /* The vector int8 GEMM, x already quantized: OpenMP over groups of 16 rows. */
 static void linear_int8_vec(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t K, const int8_t *xq,
@@ -704,7 +709,7 @@ static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const f
     } else {
         quantize_rows_q8(x, M, K, xq, xd, xs);
 #if defined(HAVE_AMX)
-        if (amx_on && M >= AMX_ROWS)
+        if (amx_on && M >= amx_min_rows)
             status = linear_amx(type, w, gb, N, K, xq, xd, xs, M, y);
         else
 #endif
