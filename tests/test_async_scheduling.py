@@ -130,3 +130,27 @@ def test_async_scheduling_refuses_tensor_parallelism():
 def test_async_scheduling_is_off_by_default_on_cpu():
     llm = LLM(num_gpu_blocks_override=16, max_model_len=256, device="cpu")
     assert llm.llm_engine.async_scheduling is False
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_group_finished_by_its_in_flight_token_after_preemption_leaves_the_queues(mode):
+    """b is preempted while its only token is still on the device; that token finishes it. It used to stay in
+    the waiting queue, finished, in front of every later request: the engine never ran out of work (a 1 000-
+    request GPU run hung at 56 %)."""
+    llm = LLM(async_scheduling=True, num_gpu_blocks_override=4, max_model_len=16, block_size=4, preemption_mode=mode)
+    eng = llm.llm_engine
+    params = {"a": SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+              "b": SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)}
+    eng.add_request("a", {"prompt_token_ids": list(range(100, 108))}, params["a"])
+    eng.add_request("b", {"prompt_token_ids": list(range(200, 208))}, params["b"])
+    finished = {}
+    for _ in range(50):
+        finished.update((o.request_id, o) for o in eng.step() if o.finished)
+        if not eng.has_unfinished_requests():
+            break
+    st = llm.stats()
+    assert not eng.has_unfinished_requests(), [(g.request_id, g.is_finished()) for g in eng.scheduler.waiting]
+    assert st["num_preemptions"] >= 1
+    assert sorted(finished) == ["a", "b"]
+    assert [len(finished[r].outputs[0].token_ids) for r in "ab"] == [4, 1]
+    assert st["kv_blocks_free"] == st["kv_blocks_total"] and st["num_cpu_blocks_free"] == st["num_cpu_blocks_total"]

@@ -71,6 +71,9 @@ class Scheduler:
         self._batch: set[str] = set()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
+        # Groups preempted while a sampled token of theirs was still on the device (asynchronous scheduling):
+        # that token, appended after the preemption, may finish them in the waiting or swapped queue.
+        self._preempted_in_flight: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.num_recompute_preemptions = 0
         self.num_swap_preemptions = 0
@@ -107,12 +110,21 @@ class Scheduler:
         self.block_manager.free(seq)
 
     def free_finished_seq_groups(self) -> list[SequenceGroup]:
-        """Drop finished groups from the running set; returns them."""
+        """Drop finished groups from the running set, and groups that a token still in flight when they were
+        preempted has finished since; returns them. (Called once the in-flight step's tokens are appended.)"""
         finished = [g for g in self.running if g.is_finished()]
         if finished:
             self.running = [g for g in self.running if not g.is_finished()]
-            for group in finished:
-                self._batch.discard(group.request_id)
+        if self._preempted_in_flight:
+            for group in self._preempted_in_flight:
+                # Still queued (not re-admitted into running, not aborted) and finished by that token.
+                queue = next((q for q in (self.waiting, self.swapped) if any(g is group for g in q)), None)
+                if queue is not None and group.is_finished():
+                    queue.remove(group)
+                    finished.append(group)
+            self._preempted_in_flight.clear()
+        for group in finished:
+            self._batch.discard(group.request_id)
         return finished
 
     # -- the step decision ------------------------------------------------------------------
@@ -285,6 +297,8 @@ class Scheduler:
         self.num_preemptions += 1
         out.num_preempted += 1
         mode = self.cache_config.preemption_mode
+        if any(seq.num_pending_tokens for seq in group.unfinished_seqs()):
+            self._preempted_in_flight.append(group)
         multi = group.num_unfinished_seqs() > 1
         use_swap = mode == "swap" or (mode == "auto" and multi)
         if use_swap and self.block_manager.can_swap_out(group):
