@@ -38,3 +38,20 @@ def test_lower_bound_batch_is_capped_by_max_num_seqs_and_requests_and_checks_inp
         lower_bound(shape, [3], [], 4, 100, 1.0, 1.0)
     with pytest.raises(ValueError, match="bandwidth"):
         lower_bound(shape, [3], [2], 4, 100, 0.0, 1.0)
+
+
+def test_fp8_kv_and_weights_count_one_byte_and_linears_run_at_the_fp8_peak():
+    # The hand-computed case above with an FP8 KV cache and FP8 decoder weights (the lm_head stays 2 bytes).
+    shape = ModelShape(num_layers=1, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2, vocab=10,
+                       kv_dtype_bytes=1, matmul_weight_bytes=1)
+    assert shape.step_weight_bytes == 144 + 40 * 2 and shape.kv_bytes_per_token == 4
+    lb = lower_bound(shape, [3, 1], [2, 3], max_num_seqs=4, pool_tokens=8, bandwidth=100.0, matmul_peak=1000.0,
+                     linear_peak=2000.0)
+    # prefill: linears 1152 FLOPs at 2000/s, attention + lm_head 112 + 160 at 1000/s
+    assert lb.prefill_s == pytest.approx(1152 / 2000 + 272 / 1000)
+    # decode: 3 steps × 224 bytes + 9 KV tokens × 4 bytes at 100 B/s (compute: 0.432 + 0.24 s, smaller)
+    assert lb.decode_weight_bytes == 3 * 224 and lb.decode_kv_bytes == 36
+    assert lb.decode_s == pytest.approx(708 / 100)
+    # the same shape without FP8 is the case above: the bound shrinks by the bytes saved
+    assert lower_bound(ModelShape(1, 4, 8, 2, 1, 2, 10), [3, 1], [2, 3], 4, 8, 100.0, 1000.0).decode_s == \
+        pytest.approx(11.76)

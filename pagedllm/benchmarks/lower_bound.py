@@ -22,7 +22,10 @@ Decode (memory-bound: weights once per step at the largest batch, every token's 
 
 with ``N_mm`` = matmul weights of the decoder layers ``L·(H·(Hq+2·Hk)·D + Hq·D·H + m·H·I)`` (m = 3 for
 gated MLPs, 2 otherwise), ``W = (N_mm + H·V)·bytes`` the weight bytes one step reads (the lm_head too),
-``kv_bytes_per_token = 2·L·Hk·D·bytes``. The two phases are added, as if prefill and decode never
+``kv_bytes_per_token = 2·L·Hk·D·bytes``. With FP8 (issue 21) the bytes follow the formats: ``kv_bytes`` 1 for an
+FP8 KV cache, decoder-matmul weights 1 byte each with ``--quantization fp8`` (the lm_head stays bf16), and then
+the linear layers' FLOPs run at the FP8 matmul peak ``P8`` measured the same way (attention stays at ``P``).
+The two phases are added, as if prefill and decode never
 shared a step: a mixed step that overlaps prefill FLOPs with the decode's weight reads can beat it in
 principle, so efficiency = bound / measured time could exceed 100 % on prefill-heavy mixes (it has not).
 """
@@ -43,15 +46,18 @@ class ModelShape:
     vocab: int
     mlp_matrices: int = 3
     dtype_bytes: int = 2
+    kv_dtype_bytes: int | None = None  # None: dtype_bytes (1 for an FP8 KV cache)
+    matmul_weight_bytes: int | None = None  # decoder-matmul weights; None: dtype_bytes (1 for FP8 weights)
 
     @classmethod
-    def from_hf_config(cls, cfg, dtype_bytes: int = 2) -> "ModelShape":
+    def from_hf_config(cls, cfg, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None,
+                       matmul_weight_bytes: int | None = None) -> "ModelShape":
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         gated = getattr(cfg, "model_type", "llama") in ("llama", "mistral", "qwen2")
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, heads, kv, head_dim,
-                   cfg.vocab_size, 3 if gated else 2, dtype_bytes)
+                   cfg.vocab_size, 3 if gated else 2, dtype_bytes, kv_dtype_bytes, matmul_weight_bytes)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -67,11 +73,13 @@ class ModelShape:
     @property
     def step_weight_bytes(self) -> int:
         """W: bytes of weights one forward reads (decoder matmuls + lm_head)."""
-        return (self.matmul_params + self.hidden * self.vocab) * self.dtype_bytes
+        mm_bytes = self.dtype_bytes if self.matmul_weight_bytes is None else self.matmul_weight_bytes
+        return self.matmul_params * mm_bytes + self.hidden * self.vocab * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        kv_bytes = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_bytes
 
 
 @dataclass(frozen=True)
@@ -96,15 +104,20 @@ class LowerBound:
 
 
 def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int], max_num_seqs: int,
-                pool_tokens: int, bandwidth: float, matmul_peak: float) -> LowerBound:
-    """The bound above for one workload; `bandwidth` in bytes/s, `matmul_peak` in FLOP/s."""
+                pool_tokens: int, bandwidth: float, matmul_peak: float,
+                linear_peak: float | None = None) -> LowerBound:
+    """The bound above for one workload; `bandwidth` in bytes/s, `matmul_peak` in FLOP/s; `linear_peak` the
+    decoder linears' peak when it differs (FP8 weights: P8)."""
     if len(prompt_lens) != len(output_lens) or not prompt_lens:
         raise ValueError("prompt_lens and output_lens must be non-empty and of equal length.")
     if bandwidth <= 0 or matmul_peak <= 0:
         raise ValueError(f"bandwidth and matmul_peak must be > 0, got {bandwidth} and {matmul_peak}.")
     lm = 2 * shape.hidden * shape.vocab
     attn = shape.num_layers * 4 * shape.num_heads * shape.head_dim
-    f_pre = sum(2 * shape.matmul_params * p + attn * p * (p + 1) / 2 + lm for p in prompt_lens)
+    p_lin = matmul_peak if linear_peak is None else linear_peak
+    f_lin = sum(2 * shape.matmul_params * p for p in prompt_lens)
+    f_rest = sum(attn * p * (p + 1) / 2 + lm for p in prompt_lens)
+    f_pre = f_lin + f_rest
     dec_tokens = sum(max(0, o - 1) for o in output_lens)
     mean_len = sum(p + o for p, o in zip(prompt_lens, output_lens)) / len(prompt_lens)
     batch = max(1, min(max_num_seqs, len(prompt_lens), int(pool_tokens // mean_len)))
@@ -114,22 +127,34 @@ def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int
     w = steps * shape.step_weight_bytes
     kv = kv_tokens * shape.kv_bytes_per_token
     f_dec = 2 * (shape.matmul_params + shape.hidden * shape.vocab) * dec_tokens
-    t_dec = max((w + kv) / bandwidth, f_dec / matmul_peak)
-    return LowerBound(f_pre, f_pre / matmul_peak, batch, steps, w, kv, f_dec, t_dec, bandwidth, matmul_peak)
+    t_dec_compute = 2 * shape.matmul_params * dec_tokens / p_lin + 2 * shape.hidden * shape.vocab * dec_tokens / matmul_peak
+    t_dec = max((w + kv) / bandwidth, t_dec_compute)
+    return LowerBound(f_pre, f_lin / p_lin + f_rest / matmul_peak, batch, steps, w, kv, f_dec, t_dec, bandwidth, matmul_peak)
 
 
-def measure_matmul_peak(n: int = 8192, iters: int = 10) -> float:
-    """bf16 matmul FLOP/s on this GPU: the mean of `iters` n×n×n products on random data after warm-up."""
+def measure_matmul_peak(n: int = 8192, iters: int = 10, fp8: bool = False) -> float:
+    """bf16 matmul FLOP/s on this GPU: the mean of `iters` n×n×n products on random data after warm-up; with
+    `fp8`, e4m3 × e4m3 → bf16 products through ``torch._scaled_mm`` with row-wise scales (what FP8 weights run)."""
     import torch
 
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if fp8:
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        sa = torch.ones(n, 1, device="cuda", dtype=torch.float32)
+        sb = torch.ones(1, n, device="cuda", dtype=torch.float32)
+
+        def product():
+            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    else:
+        def product():
+            a @ b
     for _ in range(3):
-        a @ b
+        product()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        a @ b
+        product()
     end.record()
     torch.cuda.synchronize()
     return 2 * n**3 * iters / (start.elapsed_time(end) / 1e3)

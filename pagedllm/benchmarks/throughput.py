@@ -375,9 +375,18 @@ def report_bound(llm, wl: Workload, elapsed_s: float, bandwidth: float, peak: fl
 
     eng = llm.llm_engine
     cc, sc = eng.config.cache_config, eng.config.scheduler_config
-    shape = ModelShape.from_hf_config(eng.hf_config, dtype_bytes=eng.executor.dtype.itemsize)
+    fp8_weights = eng.config.model_config.quantization == "fp8"
+    shape = ModelShape.from_hf_config(eng.hf_config, dtype_bytes=eng.executor.dtype.itemsize,
+                                      kv_dtype_bytes=1 if cc.cache_dtype.startswith("fp8") else None,
+                                      matmul_weight_bytes=1 if fp8_weights else None)
+    linear_peak = None
+    if fp8_weights:
+        from pagedllm.benchmarks.lower_bound import measure_matmul_peak
+
+        linear_peak = measure_matmul_peak(fp8=True)
+        print(f"measured here: fp8 matmul {linear_peak / 1e12:.0f} TFLOP/s (the FP8 linears' ceiling)")
     lb = lower_bound(shape, list(map(len, wl.prompts)), wl.output_len, sc.max_num_seqs,
-                     cc.num_gpu_blocks * cc.block_size, bandwidth, peak)
+                     cc.num_gpu_blocks * cc.block_size, bandwidth, peak, linear_peak)
     print(format_bound(lb, elapsed_s))
     first = None
     if stats.records:
