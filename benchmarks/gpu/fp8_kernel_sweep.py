@@ -2,7 +2,8 @@
 tile, num_warps, num_stages and programs per SM at batch 64/128 x context 4096/8192 (Llama-3-8B attention),
 against the bf16 pool with its defaults; prints the best FP8 setting per point and overall.
 
-    python benchmarks/gpu/fp8_kernel_sweep.py [BATCHxCTX,...] [OUT.json]    (default 64x4096,128x8192,64x8192)
+    python benchmarks/gpu/fp8_kernel_sweep.py [BATCHxCTX,...] [OUT.json] [HQxHK]
+    (defaults 64x4096,128x8192,64x8192 and 32x8; LLaMA-7B's MHA attention: 32x32)
 """
 import itertools
 import json
@@ -14,10 +15,11 @@ from pagedllm.benchmarks.kernels import bench_graph, copy_bandwidth
 from pagedllm.kernels import kv_quant
 from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
-HQ, HK, D, BS = 32, 8, 128, 16
+D, BS = 128, 16
 
 
 def main() -> None:
+    hq, hk = map(int, (sys.argv[3] if len(sys.argv) > 3 else "32x8").split("x"))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     results = []
@@ -25,11 +27,11 @@ def main() -> None:
     for batch, ctx in (tuple(map(int, p.split("x"))) for p in spec.split(",")):
         nb = -(-ctx // BS)
         g = torch.Generator(device="cuda").manual_seed(batch + ctx)
-        kc = torch.randn(batch * nb + 1, BS, HK, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        kc = torch.randn(batch * nb + 1, BS, hk, D, device="cuda", dtype=torch.bfloat16, generator=g)
         vc = torch.randn_like(kc)
         tables = torch.randperm(batch * nb + 1, device="cuda", generator=g)[: batch * nb].view(batch, nb).int()
         lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = torch.randn(batch, hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
         kq, vq = kv_quant.quantize(kc, torch.float8_e4m3fn), kv_quant.quantize(vc, torch.float8_e4m3fn)
         out = torch.empty_like(q)
 
@@ -40,7 +42,7 @@ def main() -> None:
             return bench_graph(fn)[0]
 
         base = time(kc, vc)
-        fp8_bytes = 2 * batch * ctx * HK * D
+        fp8_bytes = 2 * batch * ctx * hk * D
         rows = []
         for tile, warps, stages, pps in itertools.product((64, 128, 256), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8)):
             try:
@@ -57,7 +59,7 @@ def main() -> None:
             print(f"   tile {r['tile']:>3} warps {r['warps']} stages {r['stages']} pps {r['pps']}: {r['ms']:.3f} ms "
                   f"{100 * r['of_bw']:.0f}% of copy bw, x{r['over_bf16']:.2f} bf16")
         results.append({"batch": batch, "ctx": ctx, "bf16_ms": base, "fp8_default_ms": default, "rows": rows})
-    if len(sys.argv) > 2:
+    if len(sys.argv) > 2 and sys.argv[2] != "-":
         with open(sys.argv[2], "w") as f:
             json.dump(results, f, indent=1)
 
