@@ -227,12 +227,12 @@ def amx_wanted(isa: cpu_isa.CpuIsa, level: str) -> tuple[bool, str]:
     setting = os.environ.get(AMX_ENV, "0").strip() or "0"
     if setting not in ("0", "1"):
         raise ValueError(f"{AMX_ENV} must be 0 or 1, got {setting!r}")
+    if not {"amx_tile", "amx_int8"} <= isa.flags:
+        return False, "the CPU has no AMX-INT8"
     if setting == "0":
         return False, f"off ({AMX_ENV}=1 turns it on)"
     if level != isa.detected:
         return False, f"the {level} build is below the CPU's own level ({isa.detected})"
-    if not {"amx_tile", "amx_int8"} <= isa.flags:
-        return False, "the CPU has no AMX-INT8"
     return True, ""
 
 
