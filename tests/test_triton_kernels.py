@@ -17,7 +17,7 @@ from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # sets TRITON_
 triton = pytest.importorskip("triton")
 interpreter_numpy_shim()
 
-from pagedllm.kernels import reference, triton_attention, triton_cache_ops  # noqa: E402
+from pagedllm.kernels import kv_layout, reference, triton_attention, triton_cache_ops  # noqa: E402
 from pagedllm.kernels.metadata import AttentionMetadata  # noqa: E402
 
 
@@ -261,6 +261,53 @@ def test_copy_blocks_all_layers_in_one_launch():
     reference.copy_blocks(ref_k, ref_v, mapping)
     triton_cache_ops.copy_blocks(keys, values, mapping)
     assert all(torch.equal(a, b) for a, b in zip(keys + values, ref_k + ref_v))
+
+
+def _head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same values in a head-major pool (what CUDA pools are, ``kv_layout``)."""
+    shape = tuple(cache.shape)
+    pool = kv_layout.logical_view(
+        torch.empty(kv_layout.physical_shape(shape, kv_layout.HEAD_MAJOR), dtype=cache.dtype, device=cache.device),
+        kv_layout.HEAD_MAJOR)
+    pool.copy_(cache)
+    assert kv_layout.layout_of(pool) == kv_layout.HEAD_MAJOR and torch.equal(pool, cache)
+    return pool
+
+
+def test_head_major_pool_gives_the_same_attention_bits():
+    """Decodes and prefill chunks read a head-major pool through its strides: bit-identical output."""
+    rng = random.Random(21)
+    seq_lens = [5, 70, 1, 33 + 20, 12]
+    query_lens = [1, 1, 1, 20, 12]
+    query, kc, vc, meta = _make_batch(rng, torch.float32, 16, 64, 2, 4, seq_lens, query_lens)
+    out_slot = triton_attention.paged_attention(query, kc, vc, meta, 0.125, out=torch.empty_like(query))
+    out_head = triton_attention.paged_attention(query, _head_major(kc), _head_major(vc), meta, 0.125,
+                                                out=torch.empty_like(query))
+    assert torch.equal(out_slot, out_head)
+
+
+def test_reshape_and_cache_and_copy_blocks_on_a_head_major_pool():
+    g = torch.Generator().manual_seed(5)
+    blocks, bs, heads, dim = 7, 8, 4, 64
+    kc = torch.randn(blocks, bs, heads, dim, generator=g).to(DEVICE)
+    vc = torch.randn(blocks, bs, heads, dim, generator=g).to(DEVICE)
+    key = torch.randn(6, heads, dim, generator=g).to(DEVICE)
+    value = torch.randn(6, heads, dim, generator=g).to(DEVICE)
+    slots = torch.tensor([5, -1, 0, 55, 17, 31], device=DEVICE)
+    hk, hv = _head_major(kc), _head_major(vc)
+    ref_k, ref_v = _head_major(kc), _head_major(vc)  # the torch reference writes a head-major pool too
+    reference.reshape_and_cache(key, value, ref_k, ref_v, slots)
+    reference.reshape_and_cache(key, value, kc, vc, slots)
+    triton_cache_ops.reshape_and_cache(key, value, hk, hv, slots)
+    assert torch.equal(hk, kc) and torch.equal(hv, vc) and torch.equal(ref_k, kc) and torch.equal(ref_v, vc)
+    mapping = torch.tensor([[0, 4], [6, 1]], device=DEVICE)
+    reference.copy_blocks([kc], [vc], mapping)
+    triton_cache_ops.copy_blocks([hk], [hv], mapping)
+    assert torch.equal(hk, kc) and torch.equal(hv, vc)
+    with pytest.raises(ValueError, match="one layout"):
+        triton_cache_ops.reshape_and_cache(key, value, hk, vc, slots)
+    with pytest.raises(ValueError, match="layout"):
+        triton_cache_ops.copy_blocks([hk], [vc], mapping)
 
 
 def test_kernels_reject_bad_shapes():

@@ -134,18 +134,21 @@ def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int
 
 def measure_matmul_peak(n: int = 8192, iters: int = 10, fp8: bool = False) -> float:
     """bf16 matmul FLOP/s on this GPU: the mean of `iters` n×n×n products on random data after warm-up; with
-    `fp8`, e4m3 × e4m3 → bf16 products through ``torch._scaled_mm`` with row-wise scales (what FP8 weights run)."""
+    `fp8`, e4m3 × e4m3 → bf16 products through ``fp8_linear.scaled_mm`` (row-wise scales, fast accumulation: what FP8
+    weights run)."""
     import torch
 
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     if fp8:
-        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+        from pagedllm.kernels.fp8_linear import scaled_mm
+
+        a, b = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
         sa = torch.ones(n, 1, device="cuda", dtype=torch.float32)
         sb = torch.ones(1, n, device="cuda", dtype=torch.float32)
 
         def product():
-            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            scaled_mm(a, sa, b, sb)
     else:
         def product():
             a @ b

@@ -1,7 +1,7 @@
 """FP8 weights (``--quantization fp8``): bf16 linear weights quantized once after loading to e4m3 with one
 scale per output channel; activations quantized per token at run time (one fused Triton kernel on CUDA,
 ``triton_fp8_quant``; plain torch elsewhere); the GEMM is ``torch._scaled_mm`` (row-wise scaling:
-scale_a [M, 1], scale_b [1, N], fp32; bf16 out; Hopper)."""
+scale_a [M, 1], scale_b [1, N], fp32; bf16 out; Hopper) with fast accumulation on CUDA (``scaled_mm``)."""
 from __future__ import annotations
 
 import torch
@@ -31,6 +31,17 @@ def can_quantize(weight: torch.Tensor) -> bool:
     return n % 16 == 0 and k % 16 == 0
 
 
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(xq · xs) (weight_fp8 · weight_scale)ᵀ for xq [M, K] fp8 with scales [M, 1] and weight [N, K] fp8 with
+    scales [1, N]. On CUDA with fast accumulation (Hopper's FP8 MMA accumulates without periodic fp32
+    promotion): 11–18 % faster at LLaMA-7B's decode GEMMs of 188–1 024 rows, relative error against an fp32
+    product of the same operands 2.1–3.3e-3 instead of 1.7e-3, where the bf16 output's rounding alone is
+    ~1e-3 (BENCHMARKS.md §36)."""
+    return torch._scaled_mm(xq, weight_fp8.t(), scale_a=xs, scale_b=weight_scale, out_dtype=out_dtype,
+                            use_fast_accum=xq.is_cuda)
+
+
 def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """y = x Wᵀ + b with W [N, K] in fp8 (per-channel scales) and x quantized per token."""
@@ -42,7 +53,7 @@ def fp8_linear(x: torch.Tensor, weight_fp8: torch.Tensor, weight_scale: torch.Te
         xq, xs = quantize_activation_rows(x2)
     else:
         xq, xs = quantize_activation(x2)
-    y = torch._scaled_mm(xq, weight_fp8.t(), scale_a=xs, scale_b=weight_scale, out_dtype=out_dtype)
+    y = scaled_mm(xq, xs, weight_fp8, weight_scale, out_dtype)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], y.shape[-1])

@@ -5,7 +5,8 @@ past keys/values through block tables; decodes are batched into one gathered SDP
 chunks without cached context attend to their own fresh K/V directly (no gather).
 
 Cache layout: ``key_cache``/``value_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-so slot ``s`` is ``cache.view(-1, H, D)[s]`` and a block is one contiguous run of ``block_size`` tokens.
+so slot ``s`` is ``cache[s // block_size, s % block_size]``; stored slot-major (contiguous) or head-major
+(``kernels/kv_layout.py``), a block is one contiguous run.
 """
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ def reshape_and_cache(
     if bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    key_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        key_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        return
+    blk, off = slot_mapping // block_size, slot_mapping % block_size  # a head-major pool (kv_layout)
+    key_cache[blk, off] = key.to(key_cache.dtype)
+    value_cache[blk, off] = value.to(value_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """PagedAttention in Triton: decode (split-KV / flash-decoding) and prefill chunks over paged KV.
 
-Cache layout as in ``kernels/reference.py``: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Cache layout as in ``kernels/reference.py``: ``[num_blocks, block_size, num_kv_heads, head_dim]``, read
+through its strides (head_dim contiguous), so slot-major and head-major pools (``kv_layout``) both work.
 Both kernels gather K/V rows through the block table (``table[pos // block_size]``), so a tile may
 span several blocks of any size, and use an online softmax (eq. 4 of the paper).
 

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.device_utils import async_tensor_h2d
-from pagedllm.kernels import kv_quant
+from pagedllm.kernels import kv_layout, kv_quant
 
 
 @triton.jit
@@ -41,7 +41,8 @@ def reshape_and_cache(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """Write each token's K/V [T, H, D] into its slot of the [num_blocks, block_size, H, D] caches; slots < 0 are skipped.
+    """Write each token's K/V [T, H, D] into its slot of the [num_blocks, block_size, H, D] caches (slot- or
+    head-major, ``kv_layout``); slots < 0 are skipped.
 
     FP8 caches store clamp(x / scale, ±max) (``kv_quant.quantize``); other caches ignore the scales.
     One launch for keys and values together; no host sync (the skip is decided on the device).
@@ -52,8 +53,10 @@ def reshape_and_cache(
             f"shape mismatch: key {tuple(key.shape)}, value {tuple(value.shape)}, "
             f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} (expected [*, *, {heads}, {dim}])."
         )
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("key_cache and value_cache must be contiguous.")
+    kv_layout.layout_of(key_cache)  # slot- or head-major; one set of strides serves both caches
+    if key_cache.stride() != value_cache.stride():
+        raise ValueError(f"key_cache and value_cache must share one layout; strides {key_cache.stride()} and "
+                         f"{value_cache.stride()}.")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("key and value must be contiguous in their last (head_dim) dimension.")
     if slot_mapping.shape[0] != t:
@@ -96,8 +99,9 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     caches = [c for pair in zip(key_caches, value_caches) for c in pair]
     first = caches[0]
     for c in caches:
-        if c.dtype != first.dtype or c.shape != first.shape or not c.is_contiguous() or c.device != first.device:
-            raise ValueError("copy_blocks needs contiguous caches of one shape, dtype and device.")
+        if c.dtype != first.dtype or c.shape != first.shape or c.stride() != first.stride() or c.device != first.device:
+            raise ValueError("copy_blocks needs caches of one shape, layout, dtype and device.")
+    kv_layout.layout_of(first)  # either layout stores a block as one dense run: copied as NUMEL elements
     elem = first.element_size()
     deltas = [c.data_ptr() - first.data_ptr() for c in caches]
     if any(x % elem for x in deltas):

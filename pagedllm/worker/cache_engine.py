@@ -1,4 +1,5 @@
-"""The KV pools of one worker: per layer a (key, value) pair of [num_blocks, block_size, kv_heads, head_dim]."""
+"""The KV pools of one worker: per layer a (key, value) pair of [num_blocks, block_size, kv_heads, head_dim],
+stored head-major on CUDA and slot-major on the CPU (``kernels/kv_layout.py``)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 
 from pagedllm.device_utils import async_tensor_h2d
-from pagedllm.kernels import reference
+from pagedllm.kernels import kv_layout, reference
 
 logger = logging.getLogger("pagedllm")
 
@@ -29,15 +30,24 @@ class CacheEngine:
     ) -> None:
         self.block_size = block_size
         self.device = device
+        self.layout = kv_layout.default_layout(device)
         shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        self.gpu_cache = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
+        self.gpu_cache = [(self._pool(shape, dtype, device), self._pool(shape, dtype, device))
+                          for _ in range(num_layers)]
+        # The swap pool is stored like the device pool, so a block swaps as one contiguous copy.
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         host, pin = torch.device("cpu"), device.type == "cuda"  # pinned: async swaps on a side stream
         self.cpu_cache = [
-            (_zeros(cpu_shape, dtype, host, pin), _zeros(cpu_shape, dtype, host, pin)) for _ in range(num_layers)
+            (self._pool(cpu_shape, dtype, host, pin), self._pool(cpu_shape, dtype, host, pin))
+            for _ in range(num_layers)
         ] if num_cpu_blocks else []
         # CUDA: swaps run on a side stream (pinned host pool, no host sync); compute waits on it on the device.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _pool(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+              pin_memory: bool = False) -> torch.Tensor:
+        storage = _zeros(kv_layout.physical_shape(shape, self.layout), dtype, device, pin_memory)
+        return kv_layout.logical_view(storage, self.layout)
 
     @staticmethod
     def get_cache_block_size(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
@@ -70,10 +80,11 @@ class CacheEngine:
         compute = torch.cuda.current_stream(self.device)
         self.swap_stream.wait_stream(compute)
         with torch.cuda.stream(self.swap_stream):
-            for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
-                for s, d in mapping:
-                    dk[d].copy_(sk[s], non_blocking=True)
-                    dv[d].copy_(sv[s], non_blocking=True)
+            for pair in zip(src_cache, dst_cache):
+                for (src, dst) in zip(*pair):  # (keys, keys), (values, values)
+                    src, dst = kv_layout.storage_of(src), kv_layout.storage_of(dst)
+                    for s, d in mapping:
+                        dst[d].copy_(src[s], non_blocking=True)
         compute.wait_stream(self.swap_stream)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
