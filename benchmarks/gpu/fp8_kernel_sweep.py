@@ -11,8 +11,8 @@ import sys
 
 import torch
 
+from pagedllm.benchmarks.fp8_kv import decode_inputs
 from pagedllm.benchmarks.kernels import bench_graph, copy_bandwidth
-from pagedllm.kernels import kv_quant
 from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
 D, BS = 128, 16
@@ -25,14 +25,9 @@ def main() -> None:
     results = []
     spec = sys.argv[1] if len(sys.argv) > 1 else "64x4096,128x8192,64x8192"
     for batch, ctx in (tuple(map(int, p.split("x"))) for p in spec.split(",")):
-        nb = -(-ctx // BS)
-        g = torch.Generator(device="cuda").manual_seed(batch + ctx)
-        kc = torch.randn(batch * nb + 1, BS, hk, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        vc = torch.randn_like(kc)
-        tables = torch.randperm(batch * nb + 1, device="cuda", generator=g)[: batch * nb].view(batch, nb).int()
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        kq, vq = kv_quant.quantize(kc, torch.float8_e4m3fn), kv_quant.quantize(vc, torch.float8_e4m3fn)
+        x = decode_inputs(batch, ctx, hq, hk, D, BS, seed=batch + ctx)
+        q, kc, vc, kq, vq, tables, lens = (x.query, x.key_cache, x.value_cache, x.key_fp8, x.value_fp8,
+                                           x.block_tables, x.seq_lens)
         out = torch.empty_like(q)
 
         def time(k, v, **kw):

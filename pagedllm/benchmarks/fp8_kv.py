@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
 import torch
 
@@ -25,19 +26,40 @@ def run_names(dot_dtypes: list[str], fp8_tiles: list[int]) -> list[str]:
     return ["bf16"] + [f"fp8_{d}" for d in dot_dtypes] + [f"fp8_{dot_dtypes[0]}_tile{t}" for t in fp8_tiles]
 
 
-def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int, dot_dtypes: list[str],
-                fp8_tiles: list[int]) -> dict:
-    from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
+@dataclass
+class DecodeInputs:
+    """One decode batch over a shuffled paged pool: bf16 caches and their FP8 (e4m3, scale 1.0) twins."""
 
+    query: torch.Tensor  # [batch, hq, d]
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    key_fp8: torch.Tensor
+    value_fp8: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def decode_inputs(batch: int, ctx: int, hq: int, hk: int, d: int = 128, bs: int = 16, seed: int = 0) -> DecodeInputs:
+    """Random CUDA inputs for `batch` sequences of `ctx` tokens (block tables a random permutation of the pool)."""
     nb_seq = -(-ctx // bs)
     num_blocks = batch * nb_seq + 1
-    g = torch.Generator(device="cuda").manual_seed(batch * 7919 + ctx)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     kc = torch.randn(num_blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
     vc = torch.randn(num_blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
     tables = torch.randperm(num_blocks, device="cuda", generator=g)[: batch * nb_seq].view(batch, nb_seq).int()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    kq, vq = kv_quant.quantize(kc, torch.float8_e4m3fn), kv_quant.quantize(vc, torch.float8_e4m3fn)
+    return DecodeInputs(q, kc, vc, kv_quant.quantize(kc, torch.float8_e4m3fn), kv_quant.quantize(vc, torch.float8_e4m3fn),
+                        tables, seq_lens)
+
+
+def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int, dot_dtypes: list[str],
+                fp8_tiles: list[int]) -> dict:
+    from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
+
+    x = decode_inputs(batch, ctx, hq, hk, d, bs, seed=batch * 7919 + ctx)
+    q, kc, vc, kq, vq, tables, seq_lens = (x.query, x.key_cache, x.value_cache, x.key_fp8, x.value_fp8,
+                                           x.block_tables, x.seq_lens)
     row: dict = {"batch": batch, "context": ctx}
     outs = {}
     runs = [("bf16", kc, vc, None, None)] + [(f"fp8_{dot}", kq, vq, dot, None) for dot in dot_dtypes]
