@@ -6,8 +6,8 @@ pool is, and how long the tail lasts (steps after the waiting queue empties) —
 
     python benchmarks/schedule_sim.py --num-prompts 3000 --num-gpu-blocks 6908 13817
 
-The workload is `make_sharegpt_like` with LLaMA-7B's vocabulary (the lengths of `benchmarks/throughput.py
---dataset sharegpt-like`), token ids folded into the tiny model's vocabulary.
+The workload is `benchmarks/throughput.py`'s (`--dataset sharegpt-like`, the default here, or `uniform`) drawn with
+a 32 000-token vocabulary, so the lengths are those of the GPU runs; token ids are folded into the tiny model's.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import time
 from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.benchmarks.throughput import make_sharegpt_like
+from pagedllm.benchmarks.throughput import make_sharegpt_like, make_workload
 
 TINY_VOCAB = 512
 
@@ -78,9 +78,16 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--dataset", choices=["uniform", "sharegpt-like"], default="sharegpt-like",
+                   help="as benchmarks/throughput.py: uniform = prompt lengths in [min, max], fixed output")
+    p.add_argument("--input-len-min", type=int, default=8)
+    p.add_argument("--input-len-max", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    wl = make_sharegpt_like(args.num_prompts, 32000, args.workload_seed)
+    wl = (make_sharegpt_like(args.num_prompts, 32000, args.workload_seed) if args.dataset == "sharegpt-like" else
+          make_workload(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len, 32000,
+                        args.workload_seed))
     prompts = [[t % TINY_VOCAB for t in pr] for pr in wl.prompts]
     d = tempfile.mkdtemp()
     LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
