@@ -19,6 +19,7 @@ import time
 from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.lower_bound import ModelShape, lower_bound
 from pagedllm.benchmarks.throughput import make_sharegpt_like, make_workload
 
 TINY_VOCAB = 512
@@ -35,12 +36,14 @@ def simulate(model_dir: str, num_blocks: int, prompts: list[list[int]], outputs:
         engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=n,
                                                                          ignore_eos=True))
     steps: list[tuple[int, int, float]] = []  # per scheduled step: (sequences, tokens, pool used)
+    with_decodes = 0  # steps with at least one decode row (each reads every weight once)
     tail_from = None
     schedule = sched.schedule
 
     def recording_schedule():
-        nonlocal tail_from
+        nonlocal tail_from, with_decodes
         out = schedule()
+        with_decodes += any(item.num_new_tokens == 1 for item in out.scheduled)
         if out.scheduled:
             used = 1 - sched.block_manager.get_num_free_gpu_blocks() / num_blocks
             steps.append((len(out.scheduled), out.num_batched_tokens, used))
@@ -65,9 +68,26 @@ def simulate(model_dir: str, num_blocks: int, prompts: list[list[int]], outputs:
         "mean_pool_used_body": sum(u for _, _, u in body) / max(1, len(body)),
         "tail_steps": len(tail), "mean_batch_tail": sum(r for r, _, _ in tail) / max(1, len(tail)),
         "preemptions": st["num_preemptions"], "wall_s": wall,
+        "steps_with_decodes": with_decodes,
     }
     del llm
     return out
+
+
+def schedule_bound(args, wl, r: dict, kv_bytes: int) -> str:
+    """LLaMA-7B's lower bound (`lower_bound.py`) as the GPU run printed it, and the same with the decode
+    steps' weight reads counted for every step this schedule runs (its KV bytes and FLOPs do not depend on
+    the schedule)."""
+    shape = ModelShape(32, 4096, 11008, 32, 32, 128, 32000, kv_dtype_bytes=kv_bytes)
+    prompts = list(map(len, wl.prompts))
+    lb = lower_bound(shape, prompts, wl.output_len, args.max_num_seqs, r["num_gpu_blocks"] * 16, args.bandwidth,
+                     args.matmul_peak)
+    steps = r["steps_with_decodes"]
+    mem = (steps * shape.step_weight_bytes + lb.decode_kv_bytes) / args.bandwidth
+    compute = lb.decode_flops / args.matmul_peak
+    with_schedule = lb.prefill_s + max(mem, compute)
+    return (f"LLaMA-7B bound (KV {kv_bytes} B): {lb.total_s:.2f} s with {lb.decode_steps} decode steps; "
+            f"{with_schedule:.2f} s with this schedule's {steps} steps")
 
 
 def main() -> None:
@@ -84,6 +104,11 @@ def main() -> None:
     p.add_argument("--input-len-max", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--kv-dtype-bytes", type=int, nargs="+", default=None,
+                   help="per pool: KV bytes per element (2 bf16, 1 FP8): also print LLaMA-7B's lower bound with "
+                        "this schedule's step count in place of the bound's (H100 ceilings of §36)")
+    p.add_argument("--bandwidth", type=float, default=3.00e12, help="copy bandwidth for that bound (bytes/s)")
+    p.add_argument("--matmul-peak", type=float, default=7.89e14, help="bf16 matmul peak for that bound (FLOP/s)")
     args = p.parse_args()
     wl = (make_sharegpt_like(args.num_prompts, 32000, args.workload_seed) if args.dataset == "sharegpt-like" else
           make_workload(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len, 32000,
@@ -110,6 +135,8 @@ def main() -> None:
               f"{r['mean_batch_tail']:.0f}; preemptions {r['preemptions']}; the bound's batch "
               f"{r['bound_batch']:.0f} → {r['bound_decode_steps_at_pool_batch']:.0f} decode steps "
               f"({r['wall_s']:.0f} s)", flush=True)
+        if args.kv_dtype_bytes:
+            print("   " + schedule_bound(args, wl, r, args.kv_dtype_bytes[len(results) - 1]), flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
