@@ -110,6 +110,8 @@ def main() -> None:
     p.add_argument("--bandwidth", type=float, default=3.00e12, help="copy bandwidth for that bound (bytes/s)")
     p.add_argument("--matmul-peak", type=float, default=7.89e14, help="bf16 matmul peak for that bound (FLOP/s)")
     args = p.parse_args()
+    if args.kv_dtype_bytes and len(args.kv_dtype_bytes) != len(args.num_gpu_blocks):
+        p.error(f"--kv-dtype-bytes needs one value per pool ({len(args.num_gpu_blocks)}), got {args.kv_dtype_bytes}")
     wl = (make_sharegpt_like(args.num_prompts, 32000, args.workload_seed) if args.dataset == "sharegpt-like" else
           make_workload(args.num_prompts, args.input_len_min, args.input_len_max, args.output_len, 32000,
                         args.workload_seed))
