@@ -19,7 +19,7 @@ import time
 from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.benchmarks.lower_bound import ModelShape, lower_bound
+from pagedllm.benchmarks.lower_bound import ModelShape, lower_bound, with_step_count
 from pagedllm.benchmarks.throughput import make_sharegpt_like, make_workload
 
 TINY_VOCAB = 512
@@ -83,9 +83,7 @@ def schedule_bound(args, wl, r: dict, kv_bytes: int) -> str:
     lb = lower_bound(shape, prompts, wl.output_len, args.max_num_seqs, r["num_gpu_blocks"] * 16, args.bandwidth,
                      args.matmul_peak)
     steps = r["steps_with_decodes"]
-    mem = (steps * shape.step_weight_bytes + lb.decode_kv_bytes) / args.bandwidth
-    compute = lb.decode_flops / args.matmul_peak
-    with_schedule = lb.prefill_s + max(mem, compute)
+    with_schedule = with_step_count(lb, shape, steps).total_s
     return (f"LLaMA-7B bound (KV {kv_bytes} B): {lb.total_s:.2f} s with {lb.decode_steps} decode steps; "
             f"{with_schedule:.2f} s with this schedule's {steps} steps")
 

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.benchmarks.lower_bound import ModelShape, format_bound, lower_bound
+from pagedllm.benchmarks.lower_bound import (
+    ModelShape,
+    format_bound,
+    lower_bound,
+    with_step_count,
+)
 
 
 def test_lower_bound_matches_a_hand_computed_case():
@@ -55,3 +60,19 @@ def test_fp8_kv_and_weights_count_one_byte_and_linears_run_at_the_fp8_peak():
     # the same shape without FP8 is the case above: the bound shrinks by the bytes saved
     assert lower_bound(ModelShape(1, 4, 8, 2, 1, 2, 10), [3, 1], [2, 3], 4, 8, 100.0, 1000.0).decode_s == \
         pytest.approx(11.76)
+
+
+def test_bound_at_a_runs_step_count_charges_the_weights_per_step():
+    # The hand-computed case: 3 ideal decode steps of 368 weight bytes + 72 KV bytes at 100 B/s = 11.76 s.
+    shape = ModelShape(num_layers=1, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2, vocab=10)
+    lb = lower_bound(shape, [3, 1], [2, 3], max_num_seqs=4, pool_tokens=8, bandwidth=100.0, matmul_peak=1000.0)
+    assert lb.decode_compute_s == pytest.approx(1104 / 1000)
+    # A schedule that took 5 decode-carrying steps: 5 · 368 + 72 = 1912 bytes → 19.12 s; prefill unchanged.
+    run = with_step_count(lb, shape, 5)
+    assert run.decode_steps == 5 and run.decode_weight_bytes == 5 * 368 and run.decode_kv_bytes == 72
+    assert run.decode_s == pytest.approx(19.12) and run.total_s == pytest.approx(1.424 + 19.12)
+    # Compute still wins where it is larger: at a peak of 10 FLOP/s the 1104 decode FLOPs take 110.4 s.
+    slow = lower_bound(shape, [3, 1], [2, 3], 4, 8, 100.0, 10.0)
+    assert with_step_count(slow, shape, 5).decode_s == pytest.approx(110.4)
+    with pytest.raises(ValueError, match="steps"):
+        with_step_count(lb, shape, 0)

@@ -32,7 +32,7 @@ principle, so efficiency = bound / measured time could exceed 100 % on prefill-h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,7 @@ class LowerBound:
     decode_s: float
     bandwidth: float
     matmul_peak: float
+    decode_compute_s: float = 0.0  # the decode FLOPs at their peaks (T_dec's second term)
 
     @property
     def total_s(self) -> float:
@@ -129,7 +130,20 @@ def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int
     f_dec = 2 * (shape.matmul_params + shape.hidden * shape.vocab) * dec_tokens
     t_dec_compute = 2 * shape.matmul_params * dec_tokens / p_lin + 2 * shape.hidden * shape.vocab * dec_tokens / matmul_peak
     t_dec = max((w + kv) / bandwidth, t_dec_compute)
-    return LowerBound(f_pre, f_lin / p_lin + f_rest / matmul_peak, batch, steps, w, kv, f_dec, t_dec, bandwidth, matmul_peak)
+    return LowerBound(f_pre, f_lin / p_lin + f_rest / matmul_peak, batch, steps, w, kv, f_dec, t_dec, bandwidth,
+                      matmul_peak, t_dec_compute)
+
+
+def with_step_count(lb: LowerBound, shape: ModelShape, steps: int) -> LowerBound:
+    """`lb` with the decode phase reading the weights once per step of an actual schedule (`steps`: the run's
+    steps that carry decode rows) instead of the ideal count; KV bytes and FLOPs do not depend on the schedule.
+    Against it a run's efficiency leaves out the tail that first-come-first-served admission runs after the
+    queue empties (the ideal count needs output lengths in advance, BENCHMARKS.md §36.6)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}.")
+    w = steps * shape.step_weight_bytes
+    t_dec = max((w + lb.decode_kv_bytes) / lb.bandwidth, lb.decode_compute_s)
+    return replace(lb, decode_steps=steps, decode_weight_bytes=w, decode_s=t_dec)
 
 
 def measure_matmul_peak(n: int = 8192, iters: int = 10, fp8: bool = False) -> float:
