@@ -265,11 +265,7 @@ def test_copy_blocks_all_layers_in_one_launch():
 
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
     """The same values in a head-major pool (what CUDA pools are, ``kv_layout``)."""
-    shape = tuple(cache.shape)
-    pool = kv_layout.logical_view(
-        torch.empty(kv_layout.physical_shape(shape, kv_layout.HEAD_MAJOR), dtype=cache.dtype, device=cache.device),
-        kv_layout.HEAD_MAJOR)
-    pool.copy_(cache)
+    pool = kv_layout.to_layout(cache, kv_layout.HEAD_MAJOR)
     assert kv_layout.layout_of(pool) == kv_layout.HEAD_MAJOR and torch.equal(pool, cache)
     return pool
 

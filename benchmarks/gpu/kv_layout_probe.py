@@ -12,14 +12,14 @@ import torch
 
 from pagedllm.benchmarks.fp8_kv import decode_inputs
 from pagedllm.benchmarks.kernels import bench_graph, copy_bandwidth
+from pagedllm.kernels import kv_layout
 from pagedllm.kernels.triton_attention import DecodeWorkspace, paged_decode_attention
 
 D, BS = 128, 16
 
 
-def head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values, stored [blocks, heads, slots, dim], returned as a [blocks, slots, heads, dim] view."""
-    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+def to_head_major(cache: torch.Tensor) -> torch.Tensor:
+    return kv_layout.to_layout(cache, kv_layout.HEAD_MAJOR)
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
         heads, bc = point.split(":")
         hq, hk = map(int, heads.split("x"))
         batch, ctx = map(int, bc.split("x"))
-        x = decode_inputs(batch, ctx, hq, hk, D, BS, seed=batch + ctx + hk)
+        x = decode_inputs(batch, ctx, hq, hk, D, BS, seed=batch + ctx + hk, layout=kv_layout.SLOT_MAJOR)
         q, kc, vc, kq, vq, tables, lens = (x.query, x.key_cache, x.value_cache, x.key_fp8, x.value_fp8,
                                            x.block_tables, x.seq_lens)
         out = torch.empty_like(q)
@@ -54,9 +54,9 @@ def main() -> None:
         print(f"{hq}x{hk} heads, batch {batch} ctx {ctx}:")
         b16 = 2 * batch * ctx * hk * D * 2
         time("bf16 slot-major (today)", kc, vc, b16)
-        time("bf16 head-major", head_major(kc), head_major(vc), b16)
+        time("bf16 head-major", to_head_major(kc), to_head_major(vc), b16)
         time("fp8 slot-major (today)", kq, vq, b16 // 2)
-        hk_, hv_ = head_major(kq), head_major(vq)
+        hk_, hv_ = to_head_major(kq), to_head_major(vq)
         time("fp8 head-major", hk_, hv_, b16 // 2)
         for tile, warps, stages in ((64, 4, 3), (128, 4, 3), (128, 2, 3), (32, 2, 4), (64, 2, 4)):
             time(f"fp8 head-major tile {tile} warps {warps} stages {stages}", hk_, hv_, b16 // 2, tile=tile,

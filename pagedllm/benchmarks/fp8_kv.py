@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.benchmarks.kernels import bench_graph, copy_bandwidth
-from pagedllm.kernels import kv_quant
+from pagedllm.kernels import kv_layout, kv_quant
 
 FP8_DOT_CHOICES = ("fp16", "bf16")
 
@@ -39,8 +39,10 @@ class DecodeInputs:
     seq_lens: torch.Tensor
 
 
-def decode_inputs(batch: int, ctx: int, hq: int, hk: int, d: int = 128, bs: int = 16, seed: int = 0) -> DecodeInputs:
-    """Random CUDA inputs for `batch` sequences of `ctx` tokens (block tables a random permutation of the pool)."""
+def decode_inputs(batch: int, ctx: int, hq: int, hk: int, d: int = 128, bs: int = 16, seed: int = 0,
+                  layout: str = kv_layout.HEAD_MAJOR) -> DecodeInputs:
+    """Random CUDA inputs for `batch` sequences of `ctx` tokens (block tables a random permutation of the pool),
+    the pools stored in `layout` (by default head-major, as the engine's CUDA pools are)."""
     nb_seq = -(-ctx // bs)
     num_blocks = batch * nb_seq + 1
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -49,8 +51,9 @@ def decode_inputs(batch: int, ctx: int, hq: int, hk: int, d: int = 128, bs: int 
     tables = torch.randperm(num_blocks, device="cuda", generator=g)[: batch * nb_seq].view(batch, nb_seq).int()
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    return DecodeInputs(q, kc, vc, kv_quant.quantize(kc, torch.float8_e4m3fn), kv_quant.quantize(vc, torch.float8_e4m3fn),
-                        tables, seq_lens)
+    kq, vq = kv_quant.quantize(kc, torch.float8_e4m3fn), kv_quant.quantize(vc, torch.float8_e4m3fn)
+    kc, vc, kq, vq = (kv_layout.to_layout(t, layout) for t in (kc, vc, kq, vq))
+    return DecodeInputs(q, kc, vc, kq, vq, tables, seq_lens)
 
 
 def bench_point(batch: int, ctx: int, hq: int, hk: int, d: int, bs: int, dot_dtypes: list[str],

@@ -55,3 +55,10 @@ def layout_of(cache: torch.Tensor) -> str:
 def storage_of(cache: torch.Tensor) -> torch.Tensor:
     """The contiguous tensor in storage order behind a pool view: block i is ``storage_of(cache)[i]``, dense."""
     return logical_view(cache, layout_of(cache))
+
+
+def to_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """A copy of a logical-shape pool stored in `layout` (benchmarks and tests build inputs like the engine's)."""
+    physical_shape(tuple(cache.shape), layout)  # validates the name
+    storage = cache.permute(*_HEAD_MAJOR_ORDER).contiguous() if layout == HEAD_MAJOR else cache.contiguous()
+    return logical_view(storage, layout)
