@@ -49,3 +49,19 @@ def test_reference_paths_read_and_write_a_head_major_pool_like_a_slot_major_one(
                                    kv_layout.HEAD_MAJOR)
     reference.swap_blocks(head_k, dst_k, torch.tensor([[3, 0], [1, 4]]))
     assert torch.equal(dst_k[0], slot_k[3]) and torch.equal(dst_k[4], slot_k[1])
+
+
+@pytest.mark.cuda
+def test_cuda_pools_and_their_swap_pools_are_head_major_and_swap_whole_blocks():
+    engine = CacheEngine(2, 2, 8, 16, 4, 3, torch.bfloat16, torch.device("cuda"))
+    assert engine.layout == kv_layout.HEAD_MAJOR
+    for k, v in engine.gpu_cache + engine.cpu_cache:
+        assert kv_layout.layout_of(k) == kv_layout.layout_of(v) == kv_layout.HEAD_MAJOR
+    k0 = engine.gpu_cache[1][0]
+    k0[2].copy_(torch.randn(16, 2, 8, dtype=torch.bfloat16))
+    want = k0[2].clone()
+    engine.swap_out([(2, 1)])
+    k0[2].zero_()
+    engine.swap_in([(1, 3)])
+    torch.cuda.synchronize()
+    assert torch.equal(engine.cpu_cache[1][0][1], want.cpu()) and torch.equal(k0[3], want)

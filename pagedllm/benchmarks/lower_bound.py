@@ -94,7 +94,7 @@ class LowerBound:
     decode_s: float
     bandwidth: float
     matmul_peak: float
-    decode_compute_s: float = 0.0  # the decode FLOPs at their peaks (T_dec's second term)
+    decode_compute_s: float  # the decode FLOPs at their peaks (T_dec's second term)
 
     @property
     def total_s(self) -> float:

@@ -21,7 +21,14 @@ SLOT_MAJOR = "slot_major"
 HEAD_MAJOR = "head_major"
 KV_LAYOUTS = (SLOT_MAJOR, HEAD_MAJOR)
 
-_HEAD_MAJOR_ORDER = (0, 2, 1, 3)  # its own inverse: logical ↔ physical
+# Logical [blocks, slots, heads, dim] ↔ storage order; each permutation is its own inverse.
+_ORDER = {SLOT_MAJOR: (0, 1, 2, 3), HEAD_MAJOR: (0, 2, 1, 3)}
+
+
+def _order(layout: str) -> tuple[int, int, int, int]:
+    if layout not in _ORDER:
+        raise ValueError(f"KV layout must be one of {KV_LAYOUTS}, got {layout!r}.")
+    return _ORDER[layout]
 
 
 def default_layout(device: torch.device) -> str:
@@ -31,23 +38,21 @@ def default_layout(device: torch.device) -> str:
 
 def physical_shape(shape: tuple[int, int, int, int], layout: str) -> tuple[int, int, int, int]:
     """The storage shape of a pool of logical `shape` in `layout`."""
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"KV layout must be one of {KV_LAYOUTS}, got {layout!r}.")
-    return tuple(shape[i] for i in _HEAD_MAJOR_ORDER) if layout == HEAD_MAJOR else tuple(shape)
+    return tuple(shape[i] for i in _order(layout))
 
 
 def logical_view(storage: torch.Tensor, layout: str) -> torch.Tensor:
     """The [num_blocks, block_size, num_kv_heads, head_dim] view of a contiguous pool stored in `layout`."""
-    return storage.permute(*_HEAD_MAJOR_ORDER) if layout == HEAD_MAJOR else storage
+    return storage.permute(*_order(layout))
 
 
 def layout_of(cache: torch.Tensor) -> str:
-    """Which layout a logical-shape pool tensor is stored in; ValueError for any other strides."""
+    """Which layout a logical-shape pool tensor is stored in (slot-major when both fit, e.g. one KV head);
+    ValueError for any other strides."""
     if cache.dim() == 4:
-        if cache.is_contiguous():
-            return SLOT_MAJOR
-        if cache.permute(*_HEAD_MAJOR_ORDER).is_contiguous():
-            return HEAD_MAJOR
+        for layout in KV_LAYOUTS:
+            if cache.permute(*_ORDER[layout]).is_contiguous():
+                return layout
     raise ValueError(f"a KV pool must be a 4-d slot-major or head-major tensor; got shape {tuple(cache.shape)}, "
                      f"strides {cache.stride()}.")
 
@@ -59,6 +64,4 @@ def storage_of(cache: torch.Tensor) -> torch.Tensor:
 
 def to_layout(cache: torch.Tensor, layout: str) -> torch.Tensor:
     """A copy of a logical-shape pool stored in `layout` (benchmarks and tests build inputs like the engine's)."""
-    physical_shape(tuple(cache.shape), layout)  # validates the name
-    storage = cache.permute(*_HEAD_MAJOR_ORDER).contiguous() if layout == HEAD_MAJOR else cache.contiguous()
-    return logical_view(storage, layout)
+    return logical_view(logical_view(cache, layout).contiguous(), layout)
