@@ -27,6 +27,17 @@ _SEED_MIN = -0x8000_0000_0000_0000
 _SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF
 
 
+class RequestOutputKind(IntEnum):
+    """Which outputs a request yields from the engine's steps (vLLM's names): every step's cumulative output
+    (``CUMULATIVE``, the default) or only the finished one (``FINAL_ONLY``: what ``LLM.generate`` asks for; the
+    engine then builds no output object for the request's unfinished steps). vLLM's ``DELTA`` is not offered:
+    cumulative outputs carry the whole text, and the server's streams compute their own deltas."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(IntEnum):
     """How the next token of a sequence is chosen."""
 
@@ -82,6 +93,16 @@ def _check_early_stopping(value: Any) -> bool | str:
     raise ValueError(
         f"early_stopping must be True, False, or 'never', got {value!r}."
     )
+
+
+def _check_output_kind(value: Any) -> RequestOutputKind:
+    allowed = "RequestOutputKind.CUMULATIVE (0) or RequestOutputKind.FINAL_ONLY (2)"
+    if isinstance(value, bool) or not isinstance(value, (int, RequestOutputKind)) or value not in (0, 2):
+        if value == RequestOutputKind.DELTA and not isinstance(value, bool):
+            raise ValueError(f"output_kind DELTA is not supported; use {allowed} (streams from the server carry "
+                             "deltas already).")
+        raise ValueError(f"output_kind must be {allowed}, got {value!r}.")
+    return RequestOutputKind(value)
 
 
 def _normalise_stop(value: Any) -> list[str]:
@@ -163,6 +184,8 @@ class SamplingParams:
     detokenize: bool = True
     #: Constrain the output to a JSON schema / regex / choice / grammar (see StructuredOutputsParams).
     structured_outputs: StructuredOutputsParams | None = None
+    #: Every step's cumulative output, or only the final one (see RequestOutputKind).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalise_and_check_types()
@@ -220,6 +243,7 @@ class SamplingParams:
         self.detokenize = _check_bool("detokenize", self.detokenize)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        self.output_kind = _check_output_kind(self.output_kind)
 
     def _verify_args(self) -> None:
         if self.n < 1:

@@ -193,3 +193,47 @@ def test_random_operations_keep_refcounts_consistent(ops, block_size, caching):
     assert bm.get_num_free_gpu_blocks() == 24
     assert bm.get_num_free_cpu_blocks() == 24
     assert all(c == 0 for c in bm.gpu_pool.ref_counts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grow", "fork", "free"]), st.integers(0, 5), st.integers(1, 9)),
+                min_size=1, max_size=40))
+def test_num_blocks_to_grow_is_what_allocate_slots_takes(ops):
+    """The scheduler plans with num_blocks_to_grow; allocate_slots must take exactly that many blocks (new
+    blocks plus copy-on-write copies of shared ones), across forks and frees."""
+    bm = BlockManager(block_size=4, num_gpu_blocks=64)
+    seqs = [_seq(0, 5)]
+    next_id = 1
+    for op, pick, n in ops:
+        s = seqs[pick % len(seqs)] if seqs else None
+        if op == "grow" and s is not None:
+            planned = bm.num_blocks_to_grow(s, n)
+            if planned > bm.get_num_free_gpu_blocks():
+                continue
+            free = bm.get_num_free_gpu_blocks()
+            copies = bm.allocate_slots(s, n)
+            assert free - bm.get_num_free_gpu_blocks() == planned
+            assert len(copies) <= planned
+            s.num_computed_tokens += n
+            s.output_token_ids.extend([0] * n)
+        elif op == "fork" and s is not None:
+            child = Sequence(next_id, s.prompt_token_ids, list(s.output_token_ids), num_computed_tokens=s.num_computed_tokens)
+            next_id += 1
+            bm.fork(s, child)
+            seqs.append(child)
+        elif op == "free" and len(seqs) > 1:
+            bm.free(seqs.pop(pick % len(seqs)))
+    bm.check_invariants()
+
+
+def test_sequence_status_is_finished_exactly_for_finished_statuses():
+    """SequenceStatus numbers the finished statuses last so that is_finished is one comparison."""
+    from pagedllm.core.sequence import SequenceStatus
+
+    for status in SequenceStatus:
+        assert status.is_finished == status.name.startswith("FINISHED_"), status
+        seq = _seq(0, 3)
+        seq.status = status
+        group = SequenceGroup("r", [seq], None, 0.0)
+        assert seq.is_finished() == group.is_finished() == status.is_finished
+        assert group.unfinished_seqs() == ([] if status.is_finished else [seq])

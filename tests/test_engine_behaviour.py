@@ -159,3 +159,26 @@ def test_cli_generate_prints_a_completion():
     bad = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--model", "/no/such/model"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_final_only_requests_yield_no_partial_outputs(llm):
+    """RequestOutputKind (vLLM's): a FINAL_ONLY request yields one output, when it finishes; a CUMULATIVE one
+    yields every step's. LLM.generate asks for FINAL_ONLY on copies of the caller's params."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    final = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    cumulative = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("final", PROMPTS[0], final)
+    engine.add_request("cumulative", PROMPTS[0], cumulative)
+    seen: dict[str, list] = {"final": [], "cumulative": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert len(seen["cumulative"]) > 1 and not seen["cumulative"][0].finished
+    assert seen["final"][0].outputs[0].token_ids == seen["cumulative"][-1].outputs[0].token_ids
+    assert len(seen["final"][0].outputs[0].token_ids) == 6
+    mine = SamplingParams(temperature=0, max_tokens=4)
+    out = llm.generate(PROMPTS[:1], mine, use_tqdm=False)[0]
+    assert mine.output_kind is RequestOutputKind.CUMULATIVE and len(out.outputs[0].token_ids) == 4

@@ -182,3 +182,15 @@ def test_beam_search_params_defaults() -> None:
         False,
     )
     assert b.clone() == b
+
+
+def test_output_kind() -> None:
+    from pagedllm.sampling_params import RequestOutputKind
+
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
+    with pytest.raises(ValueError, match="output_kind DELTA is not supported.*CUMULATIVE.*FINAL_ONLY"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    for bad in (3, "final", True, None):
+        with pytest.raises(ValueError, match=r"output_kind must be RequestOutputKind\.CUMULATIVE"):
+            SamplingParams(output_kind=bad)

@@ -3,7 +3,9 @@
 # sequences on a large GPU (§31.2), so with 1 000 ShareGPT-like requests the bf16 pool (LLaMA-7B: MHA, 512 KiB
 # of KV per token) caps the batch and the KV bytes per decode step dominate the weights' (Llama-3-8B: GQA, KV
 # reads of ~1 000 sequences still exceed the 16 GB of weights). bf16 vs FP8 KV vs FP8 KV + FP8 weights on the
-# same requests, dummy bf16 weights. RUNS="shape:workload:config ..." picks runs; logs + JSON into $OUT.
+# same requests, dummy bf16 weights. RUNS="shape:workload:config[:old] ..." picks runs; logs + JSON into $OUT.
+# A fourth field `old` runs the package copy carried in .oldpkg/ (an earlier commit's pagedllm/, git-ignored)
+# instead of the tree's, for a before/after in one call.
 set -u
 source benchmarks/gpu/device_setup.sh
 OUT=${OUT:-/tmp/out}; R=/tmp/r; J=/tmp/j; mkdir -p "$OUT" $R $J
@@ -20,18 +22,20 @@ PY
 declare -A W=( [sharegpt1000]="--dataset sharegpt-like --num-prompts 1000 --max-model-len 2048"
   [sharegpt3000]="--dataset sharegpt-like --num-prompts 3000 --max-model-len 2048"
   [sharegpt5000]="--dataset sharegpt-like --num-prompts 5000 --max-model-len 2048"
+  [short]="--num-prompts 1000 --input-len-min 8 --input-len-max 64 --output-len 64 --max-model-len 2048"
   [long]="--num-prompts 96 --input-len-min 2000 --input-len-max 6000 --output-len 128 --max-model-len 8192" )
 declare -A C=( [bf16]="--kv-cache-dtype auto" [kv8]="--kv-cache-dtype fp8" [w8kv8]="--quantization fp8 --kv-cache-dtype fp8" )
 for run in ${RUNS:-l7b:sharegpt1000:bf16 l7b:sharegpt1000:kv8 l7b:sharegpt1000:w8kv8}; do
-  IFS=: read -r m w c <<< "$run"
+  IFS=: read -r m w c code <<< "$run"
+  pp=$PYTHONPATH; [ "${code:-}" = old ] && pp=$PWD/.oldpkg:/tmp/site; tag=${m}_${w}_$c${code:+_$code}
   to=$(( END - $(date +%s) )); [ $to -gt ${RUN_LIMIT_S:-240} ] && to=${RUN_LIMIT_S:-240}
   [ $to -lt 40 ] && { echo "== $run skipped (no time)" | tee -a "$OUT/summary.txt"; continue; }
   t0=$(date +%s)
-  timeout $to python3 benchmarks/throughput.py --model /tmp/$m --load-format dummy --device cuda --dtype bfloat16 \
+  PYTHONPATH=$pp timeout $to python3 benchmarks/throughput.py --model /tmp/$m --load-format dummy --device cuda --dtype bfloat16 \
       --skip-tokenizer-init --max-num-seqs ${MAX_NUM_SEQS:-1024} ${W[$w]} ${C[$c]} ${EXTRA:-} \
-      --output-json "$J/${m}_${w}_$c.json" > $R/${m}_${w}_$c.log 2>&1
+      --output-json "$J/$tag.json" > $R/$tag.log 2>&1
   echo "== $run rc=$? ($(( $(date +%s) - t0 )) s, limit $to s)" | tee -a "$OUT/summary.txt"
-  grep -v "it/s\]\|s/it\]" $R/${m}_${w}_$c.log | grep -i "KV cache:\|^pool:\|preempt\|^pagedllm \|lower bound\|step\|Error\|Traceback" \
+  grep -v "it/s\]\|s/it\]" $R/$tag.log | grep -i "KV cache:\|^pool:\|preempt\|^pagedllm \|lower bound\|step\|Error\|Traceback" \
       | tail -12 | tee -a "$OUT/summary.txt"
   tar czf "$OUT/logs.tar.gz" -C $R . ; tar czf "$OUT/json.tar.gz" -C $J .
 done

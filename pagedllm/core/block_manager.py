@@ -61,13 +61,19 @@ class BlockManager:
 
     def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(seq, num_new_tokens)` would take, counting copy-on-write."""
-        table = self.block_tables.get(seq.seq_id, [])
-        total = seq.num_computed_tokens + num_new_tokens
-        new_blocks = max(0, cdiv(total, self.block_size) - len(table))
-        first = seq.num_computed_tokens // self.block_size
-        last = min(len(table), cdiv(total, self.block_size))
-        cow = sum(1 for i in range(first, last) if self.gpu_pool.ref_counts[table[i]] > 1)
-        return new_blocks + cow
+        bs = self.block_size
+        computed = seq.num_computed_tokens
+        needed = (computed + num_new_tokens + bs - 1) // bs
+        table = self.block_tables.get(seq.seq_id)
+        if not table:
+            return needed
+        have = len(table)
+        refs = self.gpu_pool.ref_counts
+        cow = 0
+        for i in range(computed // bs, have if have < needed else needed):  # the blocks written into
+            if refs[table[i]] > 1:
+                cow += 1
+        return (needed - have if needed > have else 0) + cow
 
     def can_allocate(self, num_blocks: int, for_new_request: bool) -> bool:
         """Whether `num_blocks` can be taken now; new requests must leave the watermark free."""
@@ -95,19 +101,22 @@ class BlockManager:
         Returns the copy-on-write copies (src, dst) the worker must do before the step.
         """
         table = self.block_tables.setdefault(seq.seq_id, [])
-        total = seq.num_computed_tokens + num_new_tokens
+        bs = self.block_size
+        needed = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs
+        pool = self.gpu_pool
+        refs = pool.ref_counts
         copies: list[tuple[int, int]] = []
-        first = seq.num_computed_tokens // self.block_size
-        for i in range(first, min(len(table), cdiv(total, self.block_size))):
+        for i in range(seq.num_computed_tokens // bs, min(len(table), needed)):
             old = table[i]
-            if self.gpu_pool.ref_counts[old] > 1:
-                new = self.gpu_pool.allocate()
-                self.gpu_pool.decref(old)
+            if refs[old] > 1:
+                new = pool.allocate()
+                pool.decref(old)
                 table[i] = new
                 copies.append((old, new))
-        self.stats.num_cow_copies += len(copies)
-        while len(table) < cdiv(total, self.block_size):
-            table.append(self.gpu_pool.allocate())
+        if copies:
+            self.stats.num_cow_copies += len(copies)
+        while len(table) < needed:
+            table.append(pool.allocate())
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

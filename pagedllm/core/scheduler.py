@@ -143,46 +143,59 @@ class Scheduler:
         out.num_batched_tokens = budget.tokens_used
         return out
 
-    def _demand(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int]]:
-        """Tokens each unfinished sequence of the group would run this step (may be 0)."""
+    def _demand(self, group: SequenceGroup, token_budget: int,
+                seqs: list[Sequence] | None = None) -> list[tuple[Sequence, int]]:
+        """Tokens each unfinished sequence of the group (`seqs`, if the caller has them) would run this step
+        (may be 0)."""
         demand = []
-        for seq in group.unfinished_seqs():
-            n = min(seq.num_uncomputed_tokens, token_budget)
-            if n < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
-                n = 0
+        chunked = self.config.enable_chunked_prefill
+        for seq in group.unfinished_seqs() if seqs is None else seqs:
+            want = seq.num_uncomputed_tokens
+            n = want if want <= token_budget else (token_budget if chunked else 0)
             demand.append((seq, n))
             token_budget -= n
-        return _in_lockstep(demand)
+        return _in_lockstep(demand) if len(demand) > 1 else demand
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> None:
         # Decodes first so a long prompt chunk never stalls them, then prefill chunks; within
         # each, earliest arrival first. Victims are the latest-arrived groups not yet placed.
-        by_arrival = sorted(self.running, key=lambda g: g.arrival_time)
-        decodes = [g for g in by_arrival if not any(s.is_prefill for s in g.unfinished_seqs())]
-        decode_ids = {id(g) for g in decodes}
-        prefills = [g for g in by_arrival if id(g) not in decode_ids]
+        # (This loop runs for every running group every step: it avoids recomputing per-group facts.)
+        decodes: list[SequenceGroup] = []
+        prefills: list[SequenceGroup] = []
+        for g in sorted(self.running, key=_arrival_time):
+            (prefills if g.has_prefill() else decodes).append(g)
         pending = decodes + prefills
         placed: list[SequenceGroup] = []
         pending.reverse()  # pop() from the end is O(1); the earliest arrival is now last
+        bm = self.block_manager
         while pending:
             group = pending.pop()
-            demand = self._demand(group, budget.tokens_left)
+            num_tokens = 0
             num_seqs = group.max_num_running_seqs()
-            if sum(n for _, n in demand) == 0 or not budget.can_add_seqs(num_seqs):
+            if not budget.can_add_seqs(num_seqs):
                 placed.append(group)  # stays running, idle this step
                 continue
-            needed = sum(self.block_manager.num_blocks_to_grow(s, n) for s, n in demand if n)
-            while not self.block_manager.can_allocate(needed, for_new_request=False):
+            demand = self._demand(group, budget.max_tokens - budget.tokens_used)
+            needed = 0
+            for s, n in demand:
+                if n:
+                    needed += bm.num_blocks_to_grow(s, n)
+                    num_tokens = n
+            if not num_tokens:
+                placed.append(group)  # nothing to run this step: stays running, idle
+                continue
+            while not bm.can_allocate(needed, for_new_request=False):
                 victim = self._pick_victim(pending, group)
                 self._preempt(victim, out)
                 if victim is group:
                     break
                 pending.remove(victim)
             else:
-                self._place(group, demand, out, budget)
+                self._place(group, demand, out, budget, num_seqs)
                 placed.append(group)
-        placed_ids = {id(g) for g in placed}
-        self.running = [g for g in self.running if id(g) in placed_ids]
+        if len(placed) != len(self.running):
+            placed_ids = {id(g) for g in placed}
+            self.running = [g for g in self.running if id(g) in placed_ids]
 
     def _pick_victim(self, pending: list[SequenceGroup], current: SequenceGroup) -> SequenceGroup:
         if not pending:
@@ -283,14 +296,18 @@ class Scheduler:
         demand: list[tuple[Sequence, int]],
         out: SchedulerOutputs,
         budget: _Budget,
+        num_seqs: int | None = None,
     ) -> None:
+        """Give the group's chunks their slots and count them (and its `num_seqs`, if known) in the budget."""
         for seq, n in demand:
             if n == 0:
                 continue
-            out.blocks_to_copy.extend(self.block_manager.allocate_slots(seq, n))
+            copies = self.block_manager.allocate_slots(seq, n)
+            if copies:
+                out.blocks_to_copy.extend(copies)
             out.scheduled.append(ScheduledSequence(group, seq, n))
             budget.tokens_used += n
-        budget.seqs_used += group.max_num_running_seqs()
+        budget.seqs_used += group.max_num_running_seqs() if num_seqs is None else num_seqs
 
     # -- preemption -------------------------------------------------------------------------
     def _preempt(self, group: SequenceGroup, out: SchedulerOutputs) -> None:
@@ -339,6 +356,10 @@ def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: Cache
         policy=cache_config.kv_cache_manager,
         max_model_len=scheduler_config.max_model_len,
     )
+
+
+def _arrival_time(group: SequenceGroup) -> float:
+    return group.arrival_time
 
 
 def _in_lockstep(demand: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:

@@ -7,29 +7,26 @@ from typing import Any
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = enum.auto()
-    RUNNING = enum.auto()
-    SWAPPED = enum.auto()
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH_CAPPED = enum.auto()
-    FINISHED_ABORTED = enum.auto()
-    FINISHED_IGNORED = enum.auto()
+    # The finished statuses are numbered from _FIRST_FINISHED up, so that "is it finished?" (asked for every
+    # sequence several times a step) is one comparison rather than a set lookup through Enum's Python __hash__.
+    WAITING = 1
+    RUNNING = 2
+    SWAPPED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_IGNORED = 7
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
-_FINISHED = {
-    SequenceStatus.FINISHED_STOPPED,
-    SequenceStatus.FINISHED_LENGTH_CAPPED,
-    SequenceStatus.FINISHED_ABORTED,
-    SequenceStatus.FINISHED_IGNORED,
-}
+_FIRST_FINISHED = 4
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -103,7 +100,7 @@ class Sequence:
         return self.num_uncomputed_tokens > 1
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status._value_ >= _FIRST_FINISHED
 
     def append_token(self, token_id: int, logprob: float) -> None:
         self.output_token_ids.append(token_id)
@@ -153,18 +150,36 @@ class SequenceGroup:
         return [s for s in self.seqs if s.status == status]
 
     def unfinished_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs if not s.is_finished()]
+        return [s for s in self.seqs if s.status._value_ < _FIRST_FINISHED]
 
     def num_unfinished_seqs(self) -> int:
-        return sum(1 for s in self.seqs if not s.is_finished())
+        n = 0
+        for s in self.seqs:
+            n += s.status._value_ < _FIRST_FINISHED
+        return n
 
     def is_finished(self) -> bool:
-        return all(s.is_finished() for s in self.seqs)
+        for s in self.seqs:
+            if s.status._value_ < _FIRST_FINISHED:
+                return False
+        return True
+
+    def has_prefill(self) -> bool:
+        """Whether an unfinished sequence has more than one token to compute (a prompt or a recompute)."""
+        for s in self.seqs:
+            if s.status._value_ < _FIRST_FINISHED and s.is_prefill:
+                return True
+        return False
 
     def max_num_running_seqs(self) -> int:
         """Upper bound on sequences this group will run at once (best_of forks after prefill)."""
-        params = self.sampling_params
-        best_of = getattr(params, "best_of", None) or getattr(params, "n", 1) or 1
-        if len(self.seqs) == 1 and not self.seqs[0].output_token_ids and not self.seqs[0].is_finished():
-            return best_of
+        seqs = self.seqs
+        if len(seqs) == 1:
+            seq = seqs[0]
+            if seq.status._value_ >= _FIRST_FINISHED:
+                return 0
+            if seq.output_token_ids:
+                return 1
+            params = self.sampling_params
+            return getattr(params, "best_of", None) or getattr(params, "n", 1) or 1
         return self.num_unfinished_seqs()

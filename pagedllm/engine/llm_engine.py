@@ -32,7 +32,7 @@ from pagedllm.model.layers.sampler import (
 )
 from pagedllm.model.models.registry import get_model_max_len
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.model_input import (
@@ -363,23 +363,31 @@ class LLMEngine:
         drafts = drafts or {}
         # Query-length-1 chunks first (attention batches them as decodes), then the rest shortest first (the
         # CPU backend's native attention takes a leading run of chunks up to a length; see its docstring).
-        scheduled = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1 or s.seq.seq_id in drafts,
-                                                           s.num_new_tokens + len(drafts.get(s.seq.seq_id, ()))))
-        for item in scheduled:
-            if item.group.first_scheduled_time is None:
-                item.group.first_scheduled_time = now
-        chunks = [self._chunk(item, drafts.get(item.seq.seq_id)) for item in scheduled]
-        # A token prev sampled and the host has not seen yet: the worker takes it from prev's output.
-        pending = [(i, prev.row_of_seq[item.seq.seq_id]) for i, item in enumerate(scheduled)
-                   if item.seq.num_pending_tokens and item.completes]
+        if drafts:
+            scheduled = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1 or s.seq.seq_id in drafts,
+                                                               s.num_new_tokens + len(drafts.get(s.seq.seq_id, ()))))
+        else:  # (num_new_tokens != 1, num_new_tokens) orders as num_new_tokens alone
+            scheduled = sorted(sched.scheduled, key=_num_new_tokens)
+        chunks: list[SequenceChunk] = []
+        pending: list[tuple[int, int]] = []  # a token prev sampled that the host has not seen yet: the worker
+        num_prompt_tokens = 0                # takes it from prev's output
+        for i, item in enumerate(scheduled):
+            group, seq = item.group, item.seq
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+            chunk = self._chunk(item, drafts.get(seq.seq_id) if drafts else None)
+            chunks.append(chunk)
+            if seq.num_pending_tokens and item.completes:
+                pending.append((i, prev.row_of_seq[seq.seq_id]))
+            n_prompt = len(seq.prompt_token_ids)
+            start = chunk.start_pos
+            if start < n_prompt:
+                num_prompt_tokens += min(start + item.num_new_tokens, n_prompt) - start
+        self.num_prompt_tokens_total += num_prompt_tokens
         req = ExecuteModelRequest(chunks, sched.blocks_to_swap_in, sched.blocks_to_swap_out, sched.blocks_to_copy)
         if pending:
             req.pending_inputs = pending
             req.prev_sampled_token_ids = prev.sampler_output.sampled_token_ids
-        for item in scheduled:
-            n_prompt = len(item.seq.prompt_token_ids)
-            start = item.seq.num_computed_tokens
-            self.num_prompt_tokens_total += max(0, min(start + item.num_new_tokens, n_prompt) - start)
         step = LaunchedStep(scheduled, chunks, None)
         # Constrained rows: a bitmask row each, filled on the manager's thread while the model runs. Rows
         # whose matcher still lacks prev's token are filled once prev has completed (see `step`).
@@ -493,7 +501,9 @@ class LLMEngine:
             then()
         for group in self.scheduler.free_finished_seq_groups():
             touched[group.request_id] = group
-        return [self.output_processor.make_output(g) for g in touched.values()]
+        make = self.output_processor.make_output
+        return [make(g) for g in touched.values()
+                if g.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY or g.is_finished()]
 
     def _append_samples(self, owners, samples, full_logprobs, touched: dict[str, SequenceGroup]) -> None:
         now = time.monotonic()
@@ -627,6 +637,10 @@ class LLMEngine:
             **(self.spec_decoder.stats.as_dict() if self.spec_decoder is not None else {}),
             **{f"kv_frac_{k}": v for k, v in self.kv_memory_breakdown().fractions().items()},
         }
+
+
+def _num_new_tokens(item: ScheduledSequence) -> int:
+    return item.num_new_tokens
 
 
 def _samples_from_history(params: SamplingParams) -> bool:

@@ -1,6 +1,7 @@
 """The offline API: `LLM(...).generate(prompts, sampling_params)` and `LLM.chat(...)`."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import time
@@ -13,7 +14,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 
@@ -43,7 +44,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in input order."""
         prompt_list = self._as_prompt_list(prompts)
-        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        params_list = _final_only(self._as_params_list(sampling_params, len(prompt_list)))
         with fewer_young_collections():  # engine/gc_heap.py
             ids = self._add_all(prompt_list, params_list)
             return self._run(ids, use_tqdm)
@@ -143,3 +144,17 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """Copies of `params` that ask for the final output only (`generate` returns nothing else, and the engine
+    then builds no output for a request's unfinished steps); the caller's objects stay as they are."""
+    copies: dict[int, SamplingParams] = {}
+    out = []
+    for p in params:
+        if isinstance(p, SamplingParams) and p.output_kind != RequestOutputKind.FINAL_ONLY:
+            if id(p) not in copies:
+                copies[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+            p = copies[id(p)]
+        out.append(p)
+    return out
