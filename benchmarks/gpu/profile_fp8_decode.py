@@ -45,24 +45,50 @@ def category(name: str) -> str:
     return next((c for c, rx in CATEGORIES if rx.search(name)), "other")
 
 
-def main() -> None:
-    shape, batch, ctx, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    quant = sys.argv[5] if len(sys.argv) > 5 else "none"
-    lo, hi = map(int, ctx.split(":"))
+def kernel_time(engine, steps: int, before_step=None) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Wall ms per step over `steps` engine steps (synchronised), then the same number profiled: kernel µs per
+    step by category and by name. `before_step(i)` runs before step i (e.g. to add requests)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(steps):
+        if before_step is not None:
+            before_step(i)
+        engine.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t) / steps * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            if before_step is not None:
+                before_step(steps + i)
+            engine.step()
+        torch.cuda.synchronize()
+    per_cat: dict[str, float] = {}
+    per_name: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = e.self_device_time_total / steps
+        if us > 0:
+            per_name[e.key] = per_name.get(e.key, 0.0) + us
+            per_cat[category(e.key)] = per_cat.get(category(e.key), 0.0) + us
+    return wall_ms, per_cat, per_name
+
+
+def decoding_batch(shape: str, batch: int, lo: int, hi: int, kv: str, quant: str, max_tokens: int,
+                   max_num_seqs: int, extra_len: int):
+    """An engine (dummy weights) with `batch` requests of [lo, hi] prompt tokens, stepped until every one of them
+    decodes and nobody waits → (llm, engine, rng, model config)."""
     cfg = LLAMA_7B if shape == "l7b" else dict(LLAMA3_8B)
     d = tempfile.mkdtemp()
     LlamaConfig(**cfg).save_pretrained(d)
     llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
-              max_model_len=hi + 64, max_num_seqs=batch, kv_cache_dtype=kv,
+              max_model_len=hi + extra_len, max_num_seqs=max_num_seqs, kv_cache_dtype=kv,
               quantization=None if quant == "none" else quant)
     engine, rng = llm.llm_engine, random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         n = rng.randint(lo, hi)
         engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(100, cfg["vocab_size"]) for _ in range(n)]},
                            params)
     sched = engine.scheduler
-    # Prefill everything: step until every running sequence has produced a token and nobody waits.
     steps = 0
     while sched.waiting or len(sched.running) < batch or any(
             s.is_prefill for g in sched.running for s in g.get_seqs()):
@@ -70,28 +96,21 @@ def main() -> None:
         steps += 1
         if steps > 2000:
             raise SystemExit("batch never reached pure decode (pool too small?)")
+    return llm, engine, rng, cfg
+
+
+def main() -> None:
+    shape, batch, ctx, kv = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    quant = sys.argv[5] if len(sys.argv) > 5 else "none"
+    lo, hi = map(int, ctx.split(":"))
+    llm, engine, _, cfg = decoding_batch(shape, batch, lo, hi, kv, quant, max_tokens=48, max_num_seqs=batch,
+                                         extra_len=64)
+    sched = engine.scheduler
     for _ in range(8):
         engine.step()
     torch.cuda.synchronize()
     ctx_tokens = sum(s.get_len() for g in sched.running for s in g.get_seqs())
-    t = time.perf_counter()
-    for _ in range(STEPS):
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t) / STEPS * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            engine.step()
-        torch.cuda.synchronize()
-    per_cat: dict[str, float] = {}
-    per_name: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = e.self_device_time_total / STEPS
-        if us <= 0:
-            continue
-        per_name[e.key] = per_name.get(e.key, 0.0) + us
-        c = category(e.key)
-        per_cat[c] = per_cat.get(c, 0.0) + us
+    wall_ms, per_cat, per_name = kernel_time(engine, STEPS)
     # Bounds: KV bytes read by attention over the profiled steps' mean context; weight bytes + FLOPs of linears.
     mean_ctx_tokens = ctx_tokens + batch * (STEPS + STEPS // 2)
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]

@@ -9,48 +9,15 @@ mixed step's extra time can be set against the prompt tokens' FLOPs at the measu
 SHAPE l7b | l8b, KV auto | fp8, QUANT none | fp8 (as profile_fp8_decode.py). One JSON line at the end ("JSON ").
 """
 import json
-import random
 import sys
-import tempfile
-import time
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-from transformers import LlamaConfig
-
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.benchmarks.lower_bound import measure_matmul_peak
-from pagedllm.benchmarks.roofline import LLAMA3_8B
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from profile_fp8_decode import LLAMA_7B, category  # noqa: E402
+from profile_fp8_decode import decoding_batch, kernel_time  # noqa: E402
 
 STEPS = 10
-
-
-def kernel_time(engine, steps: int, before_step) -> tuple[float, dict[str, float], dict[str, float]]:
-    """Wall ms per step over `steps` steps (synchronised), then the same number profiled: kernel µs per step by
-    category and by name."""
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for i in range(steps):
-        before_step(i)
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t) / steps * 1e3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            before_step(steps + i)
-            engine.step()
-        torch.cuda.synchronize()
-    per_cat: dict[str, float] = {}
-    per_name: dict[str, float] = {}
-    for e in prof.key_averages():
-        us = e.self_device_time_total / steps
-        if us > 0:
-            per_name[e.key] = per_name.get(e.key, 0.0) + us
-            per_cat[category(e.key)] = per_cat.get(category(e.key), 0.0) + us
-    return wall_ms, per_cat, per_name
 
 
 def main() -> None:
@@ -58,28 +25,12 @@ def main() -> None:
     new, plen = int(sys.argv[5]), int(sys.argv[6])
     quant = sys.argv[7] if len(sys.argv) > 7 else "none"
     lo, hi = map(int, ctx.split(":"))
-    cfg = LLAMA_7B if shape == "l7b" else dict(LLAMA3_8B)
-    d = tempfile.mkdtemp()
-    LlamaConfig(**cfg).save_pretrained(d)
-    llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, device="cuda", dtype="bfloat16",
-              max_model_len=hi + 128, max_num_seqs=batch + 4 * STEPS * new, kv_cache_dtype=kv,
-              quantization=None if quant == "none" else quant)
-    engine, rng = llm.llm_engine, random.Random(0)
+    llm, engine, rng, cfg = decoding_batch(shape, batch, lo, hi, kv, quant, max_tokens=100,
+                                           max_num_seqs=batch + 4 * STEPS * new, extra_len=128)
     vocab = cfg["vocab_size"]
-    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    for i in range(batch):
-        n = rng.randint(lo, hi)
-        engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(n)]}, params)
-    sched = engine.scheduler
-    steps = 0
-    while sched.waiting or any(s.is_prefill for g in sched.running for s in g.get_seqs()):
-        engine.step()
-        steps += 1
-        if steps > 2000:
-            raise SystemExit("batch never reached pure decode (pool too small?)")
     for _ in range(4):
         engine.step()
-    dec_wall, dec_cat, _ = kernel_time(engine, STEPS, lambda i: None)
+    dec_wall, dec_cat, _ = kernel_time(engine, STEPS)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # leave soon: the batch stays ~BATCH
 
     def arrive(i: int) -> None:
