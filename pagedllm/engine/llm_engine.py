@@ -449,6 +449,8 @@ class LLMEngine:
         layout = logits_row_layout(chunks)
         rows: list[SamplingRow] = []
         row_idx: list[int] = []
+        eos = self.eos_token_ids
+        from_history: dict[int, bool] = {}  # per distinct SamplingParams: does sampling read the host's history?
         for item, chunk, (lo, hi) in zip(scheduled, chunks, layout):
             if not chunk.sample:
                 continue
@@ -457,21 +459,16 @@ class LLMEngine:
             fork_at_prompt_end = (not seq.output_token_ids and not seq.num_pending_tokens and len(group.seqs) == 1
                                   and "beam" not in group.extra)
             num_samples = group.extra["best_of"] if fork_at_prompt_end else 1
-            rows.append(
-                SamplingRow(
-                    params=params,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=seq.output_token_ids,
-                    generator=seq.extra.get("generator"),
-                    num_samples=num_samples,
-                    eos_token_ids=self.eos_token_ids,
-                )
-            )
+            rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.extra.get("generator"),
+                                    num_samples, eos))
             step.row_of_seq[seq.seq_id] = len(row_idx)
             row_idx.append(hi - 1)
             step.owners.append(item)
             seq.num_pending_tokens += 1
-            step.needs_host_results |= num_samples > 1 or "beam" in group.extra or _samples_from_history(params)
+            history = from_history.get(id(params))
+            if history is None:
+                history = from_history[id(params)] = _samples_from_history(params)
+            step.needs_host_results |= num_samples > 1 or history or "beam" in group.extra
         if rows:
             if row_idx != list(range(logits.shape[0])):
                 logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
@@ -507,6 +504,7 @@ class LLMEngine:
 
     def _append_samples(self, owners, samples, full_logprobs, touched: dict[str, SequenceGroup]) -> None:
         now = time.monotonic()
+        append = self.output_processor.append_token
         beams: dict[str, tuple[SequenceGroup, list[Sequence], list[int]]] = {}
         for row, (item, sample) in enumerate(zip(owners, samples)):
             group, seq = item.group, item.seq
@@ -520,16 +518,21 @@ class LLMEngine:
                 entry[1].append(seq)
                 entry[2].append(row)
                 continue
-            tops = sample.top_logprobs or [None] * len(sample.token_ids)
+            touched[group.request_id] = group
+            tops = sample.top_logprobs
+            if len(sample.token_ids) == 1:  # the common case: one token for one sequence
+                append(group, seq, sample.token_ids[0], sample.logprobs[0], tops[0] if tops else None)
+                self.num_generation_tokens_total += 1
+                continue
             # Fork children before the parent appends, so they start from the same state.
             children = [
                 self.output_processor.fork(group, seq, lambda i, p=group.sampling_params: self._make_generator(p, i))
                 for _ in sample.token_ids[1:]
             ]
-            for target, tok, lp, top in zip([seq, *children], sample.token_ids, sample.logprobs, tops):
-                self.output_processor.append_token(group, target, tok, lp, top)
+            for target, tok, lp, top in zip([seq, *children], sample.token_ids, sample.logprobs,
+                                            tops or [None] * len(sample.token_ids)):
+                append(group, target, tok, lp, top)
                 self.num_generation_tokens_total += 1
-            touched[group.request_id] = group
         for group, parents, beam_rows in beams.values():
             self.output_processor.beam_step(group, parents, full_logprobs[beam_rows])
             self.num_generation_tokens_total += len(parents)
