@@ -143,13 +143,11 @@ class Scheduler:
         out.num_batched_tokens = budget.tokens_used
         return out
 
-    def _demand(self, group: SequenceGroup, token_budget: int,
-                seqs: list[Sequence] | None = None) -> list[tuple[Sequence, int]]:
-        """Tokens each unfinished sequence of the group (`seqs`, if the caller has them) would run this step
-        (may be 0)."""
+    def _demand(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int]]:
+        """Tokens each unfinished sequence of the group would run this step (may be 0)."""
         demand = []
         chunked = self.config.enable_chunked_prefill
-        for seq in group.unfinished_seqs() if seqs is None else seqs:
+        for seq in group.unfinished_seqs():
             want = seq.num_uncomputed_tokens
             n = want if want <= token_budget else (token_budget if chunked else 0)
             demand.append((seq, n))
@@ -175,7 +173,7 @@ class Scheduler:
             if not budget.can_add_seqs(num_seqs):
                 placed.append(group)  # stays running, idle this step
                 continue
-            demand = self._demand(group, budget.max_tokens - budget.tokens_used)
+            demand = self._demand(group, budget.tokens_left)
             needed = 0
             for s, n in demand:
                 if n:
