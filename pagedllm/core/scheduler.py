@@ -168,7 +168,7 @@ class Scheduler:
         bm = self.block_manager
         while pending:
             group = pending.pop()
-            num_tokens = 0
+            runs = False  # some sequence of the group has tokens to run this step
             num_seqs = group.max_num_running_seqs()
             if not budget.can_add_seqs(num_seqs):
                 placed.append(group)  # stays running, idle this step
@@ -178,8 +178,8 @@ class Scheduler:
             for s, n in demand:
                 if n:
                     needed += bm.num_blocks_to_grow(s, n)
-                    num_tokens = n
-            if not num_tokens:
+                    runs = True
+            if not runs:
                 placed.append(group)  # nothing to run this step: stays running, idle
                 continue
             while not bm.can_allocate(needed, for_new_request=False):
