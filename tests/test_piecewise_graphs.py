@@ -16,7 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from tiny_models import save_tiny_llama
 from pagedllm.worker.model_input import SequenceChunk
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.piecewise_graph import bucket_for, capture_token_counts, is_piecewise_graphable
+from pagedllm.worker.piecewise_graph import bucket_for, capture_token_counts, is_piecewise_graphable, non_owning_view
 from pagedllm.worker.step_stats import StepStats, format_summary, step_kind
 
 
@@ -120,6 +120,25 @@ def _run(model_dir, prompts, params, **kw):
     stats = runner.enable_step_stats()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [[list(c.token_ids) for c in o.outputs] for o in outs], runner, stats.summary()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
+def test_non_owning_view_is_the_same_memory_and_does_not_keep_it(dtype):
+    """The piecewise graphs hand attention views of the graph pool's q/k/v: same address, shape, strides
+    and dtype as the tensor (a strided split of a qkv buffer here), sees its writes, and frees nothing
+    late: the memory is released when the owning tensor goes."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    qkv = torch.randn(64, 3 * 256, device="cuda").to(dtype)
+    k = qkv[:, 256:512].view(64, 2, 128)
+    view = non_owning_view(k)
+    assert (view.data_ptr(), view.shape, view.stride(), view.dtype) == (k.data_ptr(), k.shape, k.stride(), dtype)
+    assert torch.equal(view.float(), k.float())
+    qkv.fill_(3)
+    assert bool((view.float() == 3).all())
+    del qkv, k
+    assert torch.cuda.memory_allocated() == before
 
 
 @pytest.mark.cuda

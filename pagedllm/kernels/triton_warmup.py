@@ -54,8 +54,8 @@ def warmup_metas(num_decodes: int, prefill_len: int, table_width: int, decode_le
 @torch.inference_mode()
 def warm_up_attention(backend, kv_cache, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       out: torch.Tensor, table_width: int, scale: float) -> list[str]:
-    """Run every decode / prefill attention variant once through `backend` on rows of the given static
-    buffers (the same layout the steps use); returns what was compiled, for the log."""
+    """Run every decode / prefill attention variant once through `backend` on rows of the given buffers
+    (laid out as the steps' q, k, v and output: the same strides); returns what was compiled, for the log."""
     from pagedllm.kernels import triton_attention
 
     device = query.device

@@ -73,7 +73,7 @@ class ModelRunner:
                                   max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
         pw.capture()
         t0 = time.perf_counter()
-        done = warm_up_attention(self.attn_backend, kv_caches[0], pw.static_q, pw.static_k, pw.static_v,
+        done = warm_up_attention(self.attn_backend, kv_caches[0], *pw.qkv_like_steps(min(pw.max_tokens, 512)),
                                  pw.static_out, self.table_width, attn[3])
         self.piecewise_runner = pw
         done += self.warm_up_steps(kv_caches)

@@ -4,10 +4,11 @@ A step of ``T`` tokens runs in the smallest captured token bucket ``B >= T``. Fo
 forward is captured as ``num_layers + 1`` graphs split at the attention calls (vLLM splits a
 torch.compile graph at attention; here the split happens by hand, at the attention backend): piece 0
 is the embedding and layer 0 up to its attention, piece i the rest of layer i-1 and layer i up to its
-attention, the last piece ends with the final norm. Each piece copies its layer's rotated q, k, v into
-static buffers; between pieces the attention backend runs eagerly on the first ``T`` rows with the
-step's own metadata (any mix of decodes and prefill chunks, any context length) and writes the static
-output buffer the next piece reads. Rows ``T..B`` are padding: stale but valid token ids and positions,
+attention, the last piece ends with the final norm. Between pieces the attention backend runs eagerly on
+the first ``T`` rows with the step's own metadata (any mix of decodes and prefill chunks, any context
+length): it reads the layer's rotated q, k, v where the piece left them (strided views of the qkv
+projection's output in the graphs' memory pool, held without owning it, as vLLM's weak-ref tensors: no
+copy) and writes the static output buffer the next piece reads. Rows ``T..B`` are padding: stale but valid token ids and positions,
 never written to the KV cache (attention never sees them), outputs ignored.
 
 So a mixed step costs ``num_layers + 1`` graph replays plus the attention launches instead of a few
@@ -59,12 +60,36 @@ def is_piecewise_graphable(chunks: list[SequenceChunk], max_tokens: int) -> bool
     return bool(chunks) and sum(len(c.token_ids) for c in chunks) <= max_tokens
 
 
+class _BorrowedMemory:
+    """Exposes a CUDA tensor's memory through ``__cuda_array_interface__`` as integers of its element size,
+    without a reference to the tensor: ``torch.as_tensor`` of it is a view that does not own the memory."""
+
+    _INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+    def __init__(self, t: torch.Tensor) -> None:
+        size = t.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape), "typestr": self._INT_TYPESTR[size], "data": (t.data_ptr(), False),
+            "strides": tuple(st * size for st in t.stride()), "version": 2,
+        }
+
+
+def non_owning_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t`'s memory (same shape, strides, dtype) that does not keep it allocated. Valid as long as
+    whatever writes that memory (here: a graph replay into its private pool) keeps writing it there."""
+    return torch.as_tensor(_BorrowedMemory(t), device=t.device).view(t.dtype)
+
+
 @dataclass
 class _Site:
-    """One attention call of the captured forward: where its inputs sit and its output goes."""
+    """One attention call of the captured forward: where its inputs sit (non-owning views of the bucket's
+    rows in the graph pool, written by the piece that ends at this call) and which layer it is."""
 
     kv_index: int
     scale: float
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
 
 
 class _SplitRecorder:
@@ -96,12 +121,11 @@ class _SplitRecorder:
         r, t = self.runner, self.t
         if query.shape[0] != t:
             raise ValueError(f"piecewise capture: attention saw {query.shape[0]} tokens, the bucket has {t}.")
-        r.static_q[:t].copy_(query)
-        r.static_k[:t].copy_(key)
-        r.static_v[:t].copy_(value)
         self.end()
         kv_index = next(i for i, c in enumerate(r.kv_caches) if c is kv_cache)
-        self.sites.append(_Site(kv_index, scale))
+        # Released to the pool when the model drops them; later pieces may reuse that memory, which is safe:
+        # they replay after this attention has read it.
+        self.sites.append(_Site(kv_index, scale, non_owning_view(query), non_owning_view(key), non_owning_view(value)))
         self.begin()
         return r.static_out[:t]
 
@@ -132,10 +156,8 @@ class PiecewiseGraphRunner:
         mt = self.max_tokens
         self.input_ids = torch.zeros(mt, dtype=torch.int64, device=device)
         self.positions = torch.zeros(mt, dtype=torch.int64, device=device)
-        self.static_q = torch.zeros((mt, num_heads, head_dim), dtype=dtype, device=device)
-        self.static_k = torch.zeros((mt, num_kv_heads, head_dim), dtype=dtype, device=device)
-        self.static_v = torch.zeros((mt, num_kv_heads, head_dim), dtype=dtype, device=device)
         self.static_out = torch.zeros((mt, num_heads, head_dim), dtype=dtype, device=device)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.dtype = num_heads, num_kv_heads, head_dim, dtype
         self.pool = pool
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.sites: dict[int, list[_Site]] = {}
@@ -175,6 +197,14 @@ class PiecewiseGraphRunner:
         logger.info("Captured piecewise CUDA graphs for %d token buckets (%d..%d tokens, %d pieces) in %.2f s",
                     len(self.buckets), self.buckets[0], self.max_tokens, n_pieces, time.perf_counter() - t0)
 
+    def qkv_like_steps(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of `rows` tokens laid out as the steps hand them to attention (strided views of one
+        qkv buffer), for warming up the kernels with the strides they will see."""
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = torch.zeros((rows, (hq + 2 * hk) * d), dtype=self.dtype, device=self.device)
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        return q.view(rows, hq, d), k.view(rows, hk, d), v.view(rows, hk, d)
+
     def can_run(self, chunks: list[SequenceChunk]) -> bool:
         return bool(self.graphs) and is_piecewise_graphable(chunks, self.max_tokens)
 
@@ -191,6 +221,6 @@ class PiecewiseGraphRunner:
             graph.replay()
             if i < len(sites):
                 site = sites[i]
-                self.attn_backend.forward(self.static_q[:t], self.static_k[:t], self.static_v[:t],
+                self.attn_backend.forward(site.query[:t], site.key[:t], site.value[:t],
                                           self.kv_caches[site.kv_index], meta, site.scale, out=self.static_out[:t])
         return self.outputs[b][:t]
