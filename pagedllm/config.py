@@ -11,8 +11,9 @@ _PREEMPTION_MODES = ("recompute", "swap", "auto")
 # "paged": PagedAttention's BlockManager; the others: the paper's Orca baselines (core/baselines.py).
 KV_CACHE_MANAGERS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 BATCHING_MODES = ("iteration", "request")
-# KV pool element type: "auto" = the model dtype; "fp8" = fp8_e4m3 (vLLM's names).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# KV pool element type: "auto" = the model dtype; "bfloat16" (e.g. a float32 model on the CPU with half the KV
+# bytes); "fp8" = fp8_e4m3 (vLLM's names).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Weight quantization: "fp8" = e4m3 weights, per-channel scales, torch._scaled_mm (CUDA); "gguf" = a GGUF file's
 # Q4_0/Q4_1/Q8_0/Q4_K blocks kept quantized (CPU; the default for such a file on the CPU); "none" = dequantized.
 QUANTIZATION_METHODS = ("fp8", "gguf", "none")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, reference
-from tests.test_cpu_kernels import _mixed_batch
+from tests.test_cpu_kernels import _mixed_batch, check_bf16_pool
 
 DETECTED = cpu_isa.isa_from_flags(cpu_isa.cpu_flags()) if cpu_isa._is_x86_64() else "portable"
 RUNNABLE = cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(DETECTED) + 1]
@@ -123,6 +123,7 @@ def test_level_build_is_its_own_and_matches_references(isa, kernels_by_isa):
         expected = reference.paged_attention_naive(query, kc, vc, tables, meta.seq_lens_cpu, meta.query_lens_cpu,
                                                    d**-0.5)
         torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+        check_bf16_pool(k, query, key, value, kc, vc, meta, d)  # --kv-cache-dtype bfloat16 on this level
     g = torch.Generator().manual_seed(7)
     x, res, w = torch.randn(37, 200, generator=g), torch.randn(37, 200, generator=g), torch.randn(200, generator=g)
     rms = lambda s: w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))

@@ -127,12 +127,61 @@ def test_each_query_token_of_a_chunk_gets_the_bits_it_gets_alone(hq, hk, ctx):
 
 
 @needs_kernels
+@pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (1, 4, 4, 32), (32, 8, 1, 80)])
+def test_bf16_pool_write_rounds_as_torch_and_attention_reads_it_exactly(block_size, hq, hk, d):
+    """--kv-cache-dtype bfloat16 on the CPU: the cache write stores what torch's .to(torch.bfloat16) gives
+    (round to nearest even, bit for bit), and attention over the bf16 pool equals eq. 4 on the same bf16
+    values read as float32, for decodes and chunks with and without context."""
+    query, key, value, kc, vc, meta = _mixed_batch(block_size * 7 + hq, block_size, hq, hk, d)
+    kb, vb, out = check_bf16_pool(KERNELS, query, key, value, kc, vc, meta, d)
+    tables = [row[: -(-n // block_size)] for row, n in zip(meta.block_tables.tolist(), meta.seq_lens_cpu)]
+    expected = reference.paged_attention_naive(query, kb, vb, tables, meta.seq_lens_cpu, meta.query_lens_cpu,
+                                               d**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+def check_bf16_pool(kernels, query, key, value, kc, vc, meta, d):
+    """On bf16 copies of the pools: the kernels' cache write stores torch's .to(torch.bfloat16) bit for bit,
+    and attention over the bf16 pool has the bits of the float32 kernel on the widened pool (the bf16 path
+    only changes what is streamed) → (key pool, value pool, attention output)."""
+    kb, vb = kc.bfloat16(), vc.bfloat16()
+    kr, vr = kb.clone(), vb.clone()
+    kernels.reshape_and_cache(key, value, kb, vb, meta.slot_mapping)
+    reference.reshape_and_cache(key, value, kr, vr, meta.slot_mapping)
+    assert torch.equal(kb.view(torch.int16), kr.view(torch.int16)) and torch.equal(vb.view(torch.int16), vr.view(torch.int16))
+    out, same = torch.full_like(query, float("nan")), torch.full_like(query, float("nan"))
+    kernels.paged_attention(out, query, kb, vb, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5)
+    kernels.paged_attention(same, query, kb.float(), vb.float(), meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, d**-0.5)
+    assert torch.equal(out, same)
+    return kb, vb, out
+
+
+@needs_kernels
+def test_bf16_pool_rounding_ties_and_specials():
+    """Ties go to the even bf16, the largest floats round to inf as in torch, NaN stays NaN."""
+    specials = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 3.4e38, float("inf"),
+                             -float("inf"), 0.0, -0.0, 1e-40, float("nan")] + [0.0] * 6).view(1, 2, 8)
+    kc, vc = torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)
+    KERNELS.reshape_and_cache(specials, specials, kc, vc, torch.tensor([0]))
+    want = specials.bfloat16()
+    finite = ~want.isnan()
+    assert torch.equal(kc.view(torch.int16)[0, 0][finite[0]], want.view(torch.int16)[0][finite[0]])
+    assert bool(kc[0, 0][~finite[0]].isnan().all())
+
+
+@needs_kernels
 @pytest.mark.parametrize("max_native_query_len", [512, 4], ids=["all-native", "long-chunks-to-torch"])
 @pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (1, 4, 4, 32)])
-def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk, d, max_native_query_len):
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["f32-pool", "bf16-pool"])
+def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk, d, max_native_query_len, pool_dtype):
     query, key, value, kc, vc, meta = _mixed_batch(block_size + hq, block_size, hq, hk, d)
+    kc, vc = kc.to(pool_dtype), vc.to(pool_dtype)
     kc2, vc2 = kc.clone(), vc.clone()
-    expected = TorchAttentionBackend().forward(query, key, value, (kc, vc), meta, d**-0.5)
+    # The torch path attends a fresh chunk to its own K/V as computed, the native kernel to what the pool
+    # holds: with a bf16 pool the oracle gets the K/V rounded as the pool stores them.
+    kq, vq = (key, value) if pool_dtype == torch.float32 else (key.bfloat16().float(), value.bfloat16().float())
+    expected = TorchAttentionBackend().forward(query, kq, vq, (kc, vc), meta, d**-0.5)
     meta.decode_buckets = None
     backend = NativeCpuAttentionBackend(KERNELS)
     backend.max_native_query_len = max_native_query_len  # 4: the 5-13 token chunks take the torch path

@@ -300,6 +300,7 @@ def test_kv_cache_dtype_choices_and_cpu_error():
     assert kv_quant.resolve_cache_dtype("fp8", torch.bfloat16, "cuda") == torch.float8_e4m3fn
     assert kv_quant.resolve_cache_dtype("fp8_e5m2", torch.bfloat16, "cuda") == torch.float8_e5m2
     assert kv_quant.resolve_cache_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
+    assert kv_quant.resolve_cache_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16  # any device
     if not ON_CUDA:
         with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*CUDA"):
             LLM(kv_cache_dtype="fp8", device="cpu", num_gpu_blocks_override=8)

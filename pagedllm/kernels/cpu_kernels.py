@@ -50,10 +50,13 @@ class CpuKernels:
         self._attention = lib.paged_attention_f32
         self._attention.restype = _c_int
         self._attention.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr,
-                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float]
+                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int]
         self._cache = lib.reshape_and_cache_f32
         self._cache.restype = None
         self._cache.argtypes = [_ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64]
+        self._cache_bf16 = lib.reshape_and_cache_bf16
+        self._cache_bf16.restype = None
+        self._cache_bf16.argtypes = self._cache.argtypes
         self._rms = lib.rms_norm_f32
         self._rms.restype = None
         self._rms.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64, _c_float]
@@ -69,8 +72,15 @@ class CpuKernels:
 
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
-        without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py)."""
+        without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py).
+        The cache write is the float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and
+        paged_attention takes the pool's ``kv_bf16`` flag as its last argument."""
         return self._rms, self._rotary, self._cache, self._attention, self._silu
+
+    def cache_writer(self, cache_dtype: torch.dtype):
+        """The C cache write for a pool of `cache_dtype` (float32 or bfloat16)."""
+        _check_cache_dtype(cache_dtype)
+        return self._cache_bf16 if cache_dtype == torch.bfloat16 else self._cache
 
     def paged_attention(
         self,
@@ -96,7 +106,7 @@ class CpuKernels:
         _check_rows(query, "query")
         _check_rows(out, "out")
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-            _check_f32_cpu(t, name)
+            _check_cache(t, name, key_cache.dtype)
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
         if cache_dim != head_dim or num_q_heads % num_kv_heads or out.shape != query.shape:
@@ -108,7 +118,7 @@ class CpuKernels:
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
-            block_size, scale,
+            block_size, scale, int(key_cache.dtype == torch.bfloat16),
         )
         if rc != 0:
             raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
@@ -148,7 +158,7 @@ class CpuKernels:
         if key.stride(0) != value.stride(0):
             key, value = key.contiguous(), value.contiguous()
         for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-            _check_f32_cpu(t, name)
+            _check_cache(t, name, key_cache.dtype)
             if not t.is_contiguous() or t.shape[2:] != key.shape[1:]:
                 raise ValueError(f"{name} {tuple(t.shape)} does not hold rows of {tuple(key.shape[1:])}")
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous() or slot_mapping.numel() != key.shape[0]:
@@ -156,7 +166,7 @@ class CpuKernels:
         if key.shape[0] and int(slot_mapping.max()) >= key_cache.shape[0] * key_cache.shape[1]:
             raise ValueError(f"slot_mapping holds slots beyond the pool's {key_cache.shape[0] * key_cache.shape[1]}")
         row = key.shape[1] * key.shape[2]
-        self._cache(key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        self.cache_writer(key_cache.dtype)(key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
                     slot_mapping.data_ptr(), key.shape[0], row)
 
     # The fused ops, with kernels/triton_fused_ops.py's signatures and contracts.
@@ -249,6 +259,22 @@ def _check_matrix(t: torch.Tensor, name: str) -> None:
 def _check_f32_cpu(t: torch.Tensor, name: str) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu":
         raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
+#: Pool dtypes the native kernels read and write (--kv-cache-dtype auto on a float32 model, or bfloat16).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_cache_dtype(dtype: torch.dtype) -> None:
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"the native CPU kernels take float32 or bfloat16 KV pools, got {dtype}")
+
+
+def _check_cache(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    """A KV pool of `dtype` (float32 or bfloat16; key and value pools alike) on the CPU."""
+    _check_cache_dtype(t.dtype)
+    if t.dtype != dtype or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a {dtype} CPU tensor like key_cache, got {t.dtype} on {t.device}")
 
 
 def _check_rows(t: torch.Tensor, name: str) -> None:

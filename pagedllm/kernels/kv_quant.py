@@ -62,11 +62,14 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 
 def resolve_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
-    """The pool dtype for ``--kv-cache-dtype``; FP8 pools need CUDA (the Triton kernels)."""
+    """The pool dtype for ``--kv-cache-dtype``: "auto" is the model's, "bfloat16" a bf16 pool on any device;
+    FP8 pools need CUDA (the Triton kernels)."""
     if cache_dtype == "auto":
         return model_dtype
+    if cache_dtype == "bfloat16":
+        return torch.bfloat16
     if cache_dtype not in _FP8_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of ['auto', {', '.join(map(repr, _FP8_DTYPES))}], "
+        raise ValueError(f"kv_cache_dtype must be one of ['auto', 'bfloat16', {', '.join(map(repr, _FP8_DTYPES))}], "
                          f"got {cache_dtype!r}.")
     if device != "cuda":
         raise ValueError(f"kv_cache_dtype={cache_dtype!r} needs a CUDA device (the FP8 cache is read and written "

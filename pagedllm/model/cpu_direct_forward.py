@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_quant
+from pagedllm.kernels.cpu_kernels import CACHE_DTYPES
 from pagedllm.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
@@ -85,7 +86,8 @@ class LlamaDirectForward:
         self.embed_tokens = inner.embed_tokens
         self.backend = attn_backend
         self.kernels = cpu_kernels
-        self._rms, self._rope, self._cache, self._attention, self._silu = cpu_kernels.c_functions()
+        self._rms, self._rope, _, self._attention, self._silu = cpu_kernels.c_functions()
+        self._cache_writer = cpu_kernels.cache_writer
         self._linear = quant_kernels.c_functions()[0]
         first = inner.layers[0]
         attn = first.self_attn
@@ -170,25 +172,29 @@ class LlamaDirectForward:
                       layer.post_attention_layernorm.weight.data_ptr(), rope.cos_cache.data_ptr(),
                       rope.sin_cache.data_ptr())
 
-    def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int]:
-        """(key, value) pointers per layer, checked once per pool list."""
+    def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype]:
+        """(key, value) pointers per layer, the pool's block count, block size and dtype (float32 or
+        bfloat16), checked once per pool list."""
         cached = self._kv
         if cached is not None and cached[0] is kv_caches and cached[1][0][0] == kv_caches[0][0].data_ptr():
-            return cached[1], cached[2], cached[3]
+            return cached[1:]
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         shape = tuple(kv_caches[0][0].shape)
         if len(shape) != 4 or shape[2:] != (self.num_kv_heads, self.head_dim):
             raise ValueError(f"KV cache of shape {shape} does not hold [blocks, block_size, "
                              f"{self.num_kv_heads}, {self.head_dim}]")
+        dtype = kv_caches[0][0].dtype
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"KV caches must be float32 or bfloat16, got {dtype}")
         ptrs = []
         for k, v in kv_caches:
             for t in (k, v):
-                if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
-                    raise ValueError("KV caches must be contiguous float32 CPU tensors of one shape")
+                if t.dtype != dtype or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
+                    raise ValueError(f"KV caches must be contiguous {dtype} CPU tensors of one shape")
             ptrs.append((k.data_ptr(), v.data_ptr()))
-        self._kv = (kv_caches, ptrs, shape[0], shape[1])  # holds the list: its id is never reused under us
-        return ptrs, shape[0], shape[1]
+        self._kv = (kv_caches, ptrs, shape[0], shape[1], dtype)  # holds the list: its id is never reused under us
+        return ptrs, shape[0], shape[1], dtype
 
     # -- the step ----------------------------------------------------------------------------
     def can_run(self, meta: AttentionMetadata) -> bool:
@@ -219,7 +225,7 @@ class LlamaDirectForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
                  ) -> torch.Tensor:
         """The final hidden states [T, hidden] (a buffer the next call overwrites), as ``model(...)`` returns."""
-        kv, num_blocks, block_size = self._kv_pointers(kv_caches)
+        kv, num_blocks, block_size, kv_dtype = self._kv_pointers(kv_caches)
         self._check_step(input_ids, positions, meta, num_blocks, block_size)
         t = input_ids.shape[0]
         residual = self.embed_tokens(input_ids)
@@ -229,8 +235,8 @@ class LlamaDirectForward:
             return residual
         b = self._buffers_for(t)
         method = cpu_quant.METHOD_CODES[cpu_quant.choose_method() if self.gemm_method == "auto" else self.gemm_method]
-        rms, rope, cache, attention, silu, linear = (self._rms, self._rope, self._cache, self._attention,
-                                                     self._silu, self._linear)
+        rms, rope, attention, silu, linear = self._rms, self._rope, self._attention, self._silu, self._linear
+        cache, kv_bf16 = self._cache_writer(kv_dtype), int(kv_dtype == torch.bfloat16)
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
         hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.two_inter // 2
         res, normed, qkv, att = residual.data_ptr(), b.normed.data_ptr(), b.qkv.data_ptr(), b.attn.data_ptr()
@@ -257,7 +263,7 @@ class LlamaDirectForward:
             rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
             cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
             if attention(att, q, qkv, qkv_w, key_cache, value_cache, tables, table_stride, lens, qsl, num_seqs,
-                         hq, hk, d, block_size, self.scale):
+                         hq, hk, d, block_size, self.scale, kv_bf16):
                 raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
             run_linear(layer.o, att, o, b.o)
             rms(normed, res, o, h, res, h, layer.ln2, t, h, eps2)

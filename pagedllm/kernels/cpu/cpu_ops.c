@@ -7,7 +7,9 @@
  * copy torch has already loaded, so these loops share torch's thread pool.
  *
  * Cache layout, as everywhere in pagedllm: [num_blocks, block_size, num_kv_heads, head_dim], so token j
- * of block b, head h starts at ((b * block_size + j) * num_kv_heads + h) * head_dim.
+ * of block b, head h starts at ((b * block_size + j) * num_kv_heads + h) * head_dim. The pool holds
+ * float32 or, with --kv-cache-dtype bfloat16, bf16 (half the bytes that attention streams): written with
+ * round-to-nearest-even as torch's .to(torch.bfloat16), read back exactly by a 16-bit shift.
  * The torch reference (kernels/reference.py) is the oracle these are tested against.
  */
 #include <math.h>
@@ -208,8 +210,26 @@ static inline float exp_shifted(float *row, int n, float m) {
     return sum;
 }
 
-static inline void prefetch_block(const float *block, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i, 0, 3);
+static inline void prefetch_bytes(const void *block, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)block + i, 0, 3);
+}
+
+typedef uint32_t __attribute__((may_alias)) u32_alias;
+
+/* dst[0:n] = the float32 values of bf16 src[0:n] (exact: the bf16 bits are the float's top half). */
+static inline const float *bf16_to_f32(float *restrict dst, const uint16_t *restrict src, int64_t n) {
+    u32_alias *d = (u32_alias *)dst;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) d[i] = (uint32_t)src[i] << 16;
+    return dst;
+}
+
+/* float32 → bf16, round to nearest even (NaN stays NaN), as torch's conversion. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* Query tokens of one sequence per work item (at most): each K/V block is read once for all of them. */
@@ -226,14 +246,20 @@ static inline void prefetch_block(const float *block, int64_t floats) {
  * whole token rows (all KV heads) at a time, the next block prefetched while this one is computed; each
  * K/V block, once loaded, serves every token of the tile and all `group` query heads that share a KV head
  * (GQA). A token's arithmetic does not depend on the tile it is in (same operations, same order), so the
- * result of a token is the same in any batch. Returns 0, or -1 when scratch memory could not be allocated. */
+ * result of a token is the same in any batch. With kv_bf16 the caches hold bf16: each block's rows that the
+ * tile reads are widened to float32 once per work item into a per-thread buffer, and the float32 code runs
+ * on that. Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
-                        const float *key_cache, const float *value_cache, const int32_t *block_tables,
+                        const void *key_cache, const void *value_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
-                        int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale) {
+                        int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                        int kv_bf16) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
+    const int64_t block_bytes = block_stride * (kv_bf16 ? 2 : 4);
+    const float *kf32 = key_cache, *vf32 = value_cache;
+    const uint16_t *kb16 = key_cache, *vb16 = value_cache;
     int max_len = 1;
     for (int s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
@@ -256,13 +282,14 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         /* scores[(i * num_q_heads + qh) * max_len + t] for token i of the tile, query head qh */
         float *scores = malloc(sizeof(float) * (size_t)qtile * (size_t)num_q_heads * (size_t)max_len);
         float *acc = malloc(sizeof(float) * (size_t)qtile * (size_t)num_q_heads * (size_t)head_dim);
-        if (scores == NULL || acc == NULL) {
+        float *widened = kv_bf16 ? malloc(sizeof(float) * (size_t)block_stride) : NULL; /* one bf16 block, as float32 */
+        if (scores == NULL || acc == NULL || (kv_bf16 && widened == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < num_items; ++item) {
-            if (scores == NULL || acc == NULL) continue;
+            if (scores == NULL || acc == NULL || (kv_bf16 && widened == NULL)) continue;
             int s = 0, hi = num_seqs - 1; /* the last sequence whose items start at or before this one */
             while (s < hi) {
                 const int mid = (s + hi + 1) / 2;
@@ -278,10 +305,14 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             const int32_t *table = block_tables + s * table_stride;
             const int64_t head_rows = (int64_t)num_q_heads * max_len;
 
+            const int last = len0 + nq - 1; /* keys the tile's last token reads */
             for (int b = 0; b < num_blocks; ++b) { /* pass 1: scaled scores */
-                const float *kb = key_cache + (int64_t)table[b] * block_stride;
-                if (b + 1 < num_blocks) prefetch_block(key_cache + (int64_t)table[b + 1] * block_stride, block_stride);
                 const int t0 = b * block_size;
+                const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
+                const float *kb = kv_bf16 ? bf16_to_f32(widened, kb16 + (int64_t)table[b] * block_stride, rows * token_stride)
+                                          : kf32 + (int64_t)table[b] * block_stride;
+                if (b + 1 < num_blocks)
+                    prefetch_bytes((const char *)key_cache + (int64_t)table[b + 1] * block_bytes, block_bytes);
                 for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) { /* the tokens that reach block b */
                     const int len = len0 + i;
                     const int n = len - t0 < block_size ? len - t0 : block_size;
@@ -299,7 +330,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                                          group, head_dim, scale, sc + (int64_t)h * group * max_len + t0 + j, max_len);
                 }
             }
-            if (num_blocks > 0) prefetch_block(value_cache + (int64_t)table[0] * block_stride, block_stride);
+            if (num_blocks > 0) prefetch_bytes((const char *)value_cache + (int64_t)table[0] * block_bytes, block_bytes);
             for (int i = 0; i < nq; ++i) {
                 const int len = len0 + i;
                 for (int qh = 0; qh < num_q_heads; ++qh) { /* softmax, normalised in place */
@@ -311,9 +342,12 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             }
             memset(acc, 0, sizeof(float) * (size_t)nq * num_q_heads * head_dim);
             for (int b = 0; b < num_blocks; ++b) { /* pass 2: probabilities · V */
-                const float *vb = value_cache + (int64_t)table[b] * block_stride;
-                if (b + 1 < num_blocks) prefetch_block(value_cache + (int64_t)table[b + 1] * block_stride, block_stride);
                 const int t0 = b * block_size;
+                const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
+                const float *vb = kv_bf16 ? bf16_to_f32(widened, vb16 + (int64_t)table[b] * block_stride, rows * token_stride)
+                                          : vf32 + (int64_t)table[b] * block_stride;
+                if (b + 1 < num_blocks)
+                    prefetch_bytes((const char *)value_cache + (int64_t)table[b + 1] * block_bytes, block_bytes);
                 for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) {
                     const int len = len0 + i;
                     const int n = len - t0 < block_size ? len - t0 : block_size;
@@ -330,22 +364,45 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         }
         free(scores);
         free(acc);
+        free(widened);
     }
     free(tile_start);
     return failed ? -1 : 0;
 }
 
+/* dst[0:n] = src[0:n] as the pool stores it: float32 as is, or rounded to bf16. */
+static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *d = dst;
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+}
+
 /* Write each token's K and V rows (num_kv_heads * head_dim floats, `src_stride` floats apart) into
- * slot slot_mapping[t] of the caches; slots < 0 are padding and skipped. */
-void reshape_and_cache_f32(const float *key, const float *value, int64_t src_stride, float *key_cache,
-                           float *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row) {
+ * slot slot_mapping[t] of the caches (elements of `elem` bytes: 4 = float32, 2 = bf16); slots < 0 are
+ * padding and skipped. */
+static void write_kv_rows(const float *key, const float *value, int64_t src_stride, char *key_cache, char *value_cache,
+                          const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int elem) {
 #pragma omp parallel for schedule(static) if (num_tokens > 64)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        memcpy(key_cache + slot * row, key + t * src_stride, sizeof(float) * (size_t)row);
-        memcpy(value_cache + slot * row, value + t * src_stride, sizeof(float) * (size_t)row);
+        store_row(key_cache + slot * row * elem, key + t * src_stride, row, elem == 2);
+        store_row(value_cache + slot * row * elem, value + t * src_stride, row, elem == 2);
     }
+}
+
+void reshape_and_cache_f32(const float *key, const float *value, int64_t src_stride, float *key_cache,
+                           float *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row) {
+    write_kv_rows(key, value, src_stride, (char *)key_cache, (char *)value_cache, slot_mapping, num_tokens, row, 4);
+}
+
+/* The same for a bf16 pool: each float is rounded to the nearest bf16 (ties to even). */
+void reshape_and_cache_bf16(const float *key, const float *value, int64_t src_stride, uint16_t *key_cache,
+                            uint16_t *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row) {
+    write_kv_rows(key, value, src_stride, (char *)key_cache, (char *)value_cache, slot_mapping, num_tokens, row, 2);
 }
 
 /* ---- Fused elementwise ops: the CPU twins of kernels/triton_fused_ops.py (float32) ---- */

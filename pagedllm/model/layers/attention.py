@@ -68,6 +68,8 @@ class NativeCpuAttentionBackend:
                                          indices_checked=meta is self._checked_meta)
             self._checked_meta = meta  # every layer of a step shares its metadata: checked once
         if num_native < meta.num_seqs:
+            if key_cache.dtype != key.dtype:  # a bf16 pool: attend to the K/V as stored, as the native kernel does
+                key, value = key.to(key_cache.dtype).to(key.dtype), value.to(value_cache.dtype).to(value.dtype)
             reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out,
                                         first_seq=num_native)
         return out
