@@ -86,8 +86,8 @@ class LlamaDirectForward:
         self.embed_tokens = inner.embed_tokens
         self.backend = attn_backend
         self.kernels = cpu_kernels
-        self._rms, self._rope, _, self._attention, self._silu = cpu_kernels.c_functions()
-        self._cache_writer = cpu_kernels.cache_writer
+        self._rms, self._rope, self._cache, self._attention, self._silu = cpu_kernels.c_functions()
+        self._cache_bf16 = cpu_kernels.cache_writer(torch.bfloat16)  # --kv-cache-dtype bfloat16
         self._linear = quant_kernels.c_functions()[0]
         first = inner.layers[0]
         attn = first.self_attn
@@ -236,7 +236,8 @@ class LlamaDirectForward:
         b = self._buffers_for(t)
         method = cpu_quant.METHOD_CODES[cpu_quant.choose_method() if self.gemm_method == "auto" else self.gemm_method]
         rms, rope, attention, silu, linear = self._rms, self._rope, self._attention, self._silu, self._linear
-        cache, kv_bf16 = self._cache_writer(kv_dtype), int(kv_dtype == torch.bfloat16)
+        kv_bf16 = int(kv_dtype == torch.bfloat16)
+        cache = self._cache_bf16 if kv_bf16 else self._cache
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
         hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.two_inter // 2
         res, normed, qkv, att = residual.data_ptr(), b.normed.data_ptr(), b.qkv.data_ptr(), b.attn.data_ptr()
