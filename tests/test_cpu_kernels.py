@@ -148,7 +148,8 @@ def check_bf16_pool(kernels, query, key, value, kc, vc, meta, d):
     kr, vr = kb.clone(), vb.clone()
     kernels.reshape_and_cache(key, value, kb, vb, meta.slot_mapping)
     reference.reshape_and_cache(key, value, kr, vr, meta.slot_mapping)
-    assert torch.equal(kb.view(torch.int16), kr.view(torch.int16)) and torch.equal(vb.view(torch.int16), vr.view(torch.int16))
+    assert torch.equal(kb.view(torch.int16), kr.view(torch.int16))
+    assert torch.equal(vb.view(torch.int16), vr.view(torch.int16))
     out, same = torch.full_like(query, float("nan")), torch.full_like(query, float("nan"))
     kernels.paged_attention(out, query, kb, vb, meta.block_tables, meta.seq_lens, meta.query_start_loc, d**-0.5)
     kernels.paged_attention(same, query, kb.float(), vb.float(), meta.block_tables, meta.seq_lens,

@@ -166,8 +166,9 @@ class CpuKernels:
         if key.shape[0] and int(slot_mapping.max()) >= key_cache.shape[0] * key_cache.shape[1]:
             raise ValueError(f"slot_mapping holds slots beyond the pool's {key_cache.shape[0] * key_cache.shape[1]}")
         row = key.shape[1] * key.shape[2]
-        self.cache_writer(key_cache.dtype)(key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-                    slot_mapping.data_ptr(), key.shape[0], row)
+        write = self.cache_writer(key_cache.dtype)
+        write(key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+              slot_mapping.data_ptr(), key.shape[0], row)
 
     # The fused ops, with kernels/triton_fused_ops.py's signatures and contracts.
 

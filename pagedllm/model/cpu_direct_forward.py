@@ -106,7 +106,8 @@ class LlamaDirectForward:
         self.gemm_method = methods.pop()
         self.two_inter = self.layers[0].gate_up.out_features
         self._buffers: _Buffers | None = None
-        self._kv: tuple[list, list[tuple[int, int]], int, int] | None = None  # (caches, pointers, blocks, block_size)
+        # (caches, pointers, blocks, block_size, pool dtype)
+        self._kv: tuple[list, list[tuple[int, int]], int, int, torch.dtype] | None = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod

@@ -8,8 +8,8 @@ attention, the last piece ends with the final norm. Between pieces the attention
 the first ``T`` rows with the step's own metadata (any mix of decodes and prefill chunks, any context
 length): it reads the layer's rotated q, k, v where the piece left them (strided views of the qkv
 projection's output in the graphs' memory pool, held without owning it, as vLLM's weak-ref tensors: no
-copy) and writes the static output buffer the next piece reads. Rows ``T..B`` are padding: stale but valid token ids and positions,
-never written to the KV cache (attention never sees them), outputs ignored.
+copy) and writes the static output buffer the next piece reads. Rows ``T..B`` are padding: stale but valid
+token ids and positions, never written to the KV cache (attention never sees them), outputs ignored.
 
 So a mixed step costs ``num_layers + 1`` graph replays plus the attention launches instead of a few
 hundred eager launches, and the graphs never bake in the sequence layout.
@@ -125,7 +125,8 @@ class _SplitRecorder:
         kv_index = next(i for i, c in enumerate(r.kv_caches) if c is kv_cache)
         # Released to the pool when the model drops them; later pieces may reuse that memory, which is safe:
         # they replay after this attention has read it.
-        self.sites.append(_Site(kv_index, scale, non_owning_view(query), non_owning_view(key), non_owning_view(value)))
+        views = (non_owning_view(query), non_owning_view(key), non_owning_view(value))
+        self.sites.append(_Site(kv_index, scale, *views))
         self.begin()
         return r.static_out[:t]
 

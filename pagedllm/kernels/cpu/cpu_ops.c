@@ -224,6 +224,12 @@ static inline const float *bf16_to_f32(float *restrict dst, const uint16_t *rest
     return dst;
 }
 
+/* A block's first n values as float32: in the float32 pool as they are, in the bf16 pool widened into `widened`. */
+static inline const float *block_as_f32(const float *f32_pool, const uint16_t *bf16_pool, int64_t offset, int64_t n,
+                                        float *widened) {
+    return bf16_pool != NULL ? bf16_to_f32(widened, bf16_pool + offset, n) : f32_pool + offset;
+}
+
 /* float32 → bf16, round to nearest even (NaN stays NaN), as torch's conversion. */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
@@ -259,7 +265,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     const int64_t block_stride = (int64_t)block_size * token_stride;
     const int64_t block_bytes = block_stride * (kv_bf16 ? 2 : 4);
     const float *kf32 = key_cache, *vf32 = value_cache;
-    const uint16_t *kb16 = key_cache, *vb16 = value_cache;
+    const uint16_t *kb16 = kv_bf16 ? key_cache : NULL, *vb16 = kv_bf16 ? value_cache : NULL;
     int max_len = 1;
     for (int s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
@@ -309,8 +315,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             for (int b = 0; b < num_blocks; ++b) { /* pass 1: scaled scores */
                 const int t0 = b * block_size;
                 const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
-                const float *kb = kv_bf16 ? bf16_to_f32(widened, kb16 + (int64_t)table[b] * block_stride, rows * token_stride)
-                                          : kf32 + (int64_t)table[b] * block_stride;
+                const float *kb = block_as_f32(kf32, kb16, table[b] * block_stride, rows * token_stride, widened);
                 if (b + 1 < num_blocks)
                     prefetch_bytes((const char *)key_cache + (int64_t)table[b + 1] * block_bytes, block_bytes);
                 for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) { /* the tokens that reach block b */
@@ -330,7 +335,8 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                                          group, head_dim, scale, sc + (int64_t)h * group * max_len + t0 + j, max_len);
                 }
             }
-            if (num_blocks > 0) prefetch_bytes((const char *)value_cache + (int64_t)table[0] * block_bytes, block_bytes);
+            if (num_blocks > 0)
+                prefetch_bytes((const char *)value_cache + (int64_t)table[0] * block_bytes, block_bytes);
             for (int i = 0; i < nq; ++i) {
                 const int len = len0 + i;
                 for (int qh = 0; qh < num_q_heads; ++qh) { /* softmax, normalised in place */
@@ -344,8 +350,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             for (int b = 0; b < num_blocks; ++b) { /* pass 2: probabilities · V */
                 const int t0 = b * block_size;
                 const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
-                const float *vb = kv_bf16 ? bf16_to_f32(widened, vb16 + (int64_t)table[b] * block_stride, rows * token_stride)
-                                          : vf32 + (int64_t)table[b] * block_stride;
+                const float *vb = block_as_f32(vf32, vb16, table[b] * block_stride, rows * token_stride, widened);
                 if (b + 1 < num_blocks)
                     prefetch_bytes((const char *)value_cache + (int64_t)table[b + 1] * block_bytes, block_bytes);
                 for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) {
