@@ -49,11 +49,12 @@ def test_decode_attention_matches_eq4_oracle(block_size, head_dim, hq, hk):
 
 
 def _mixed_batch(seed: int, block_size: int, hq: int, hk: int, d: int):
-    """20 decodes of ragged length, then prompt chunks with and without cached context."""
+    """20 decodes of ragged length, then prompt chunks with and without cached context: short ones (the
+    kernel's token path) and ones of at least 32 tokens (its tile path)."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    query_lens = [1] * 20 + [7, 13, 5]
-    ctx_lens = [rng.randint(0, 90) for _ in range(20)] + [0, 9, 30]
+    query_lens = [1] * 20 + [7, 13, 5, 40, 33]
+    ctx_lens = [rng.randint(0, 90) for _ in range(20)] + [0, 9, 30, 0, 25]
     num_blocks = sum(-(-(q + c) // block_size) for q, c in zip(query_lens, ctx_lens)) + 8
     kc, vc = _pool(g, num_blocks, block_size, hk, d)
     free = torch.randperm(num_blocks, generator=g).tolist()
@@ -124,6 +125,35 @@ def test_each_query_token_of_a_chunk_gets_the_bits_it_gets_alone(hq, hk, ctx):
     assert torch.equal(out, alone)
     expected = reference.paged_attention_naive(query, kc, vc, tables.tolist(), seq_lens, query_lens, d**-0.5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (32, 4, 4, 80)])
+def test_a_long_chunks_tokens_get_the_same_bits_in_any_long_chunk(block_size, hq, hk, d):
+    """Chunks of at least 32 tokens take the tile path (scores and probabilities as small GEMMs over runs of
+    blocks). A token's arithmetic there does not depend on the tile either: the last 33 tokens of a 70-token
+    prompt get the same bits as a chunk of their own (the first 37 in the cache) as inside one chunk of 70,
+    whatever else shares the call."""
+    g = torch.Generator().manual_seed(block_size + hq + d)
+    total, tail = 70, 33
+    per = -(-total // block_size)
+    kc, vc = _pool(g, 2 * per + 4, block_size, hk, d)
+    table = torch.randperm(2 * per + 4, generator=g)[:per].to(torch.int32)
+    query = torch.randn(total, hq, d, generator=g)
+    whole = torch.full_like(query, float("nan"))
+    KERNELS.paged_attention(whole, query, kc, vc, table.view(1, -1), torch.tensor([total], dtype=torch.int32),
+                            torch.tensor([0, total], dtype=torch.int32), d**-0.5)
+    # the tail as its own chunk, after a decode and a 40-token chunk of another sequence in the same call
+    other = torch.randn(41, hq, d, generator=g)
+    batch = torch.cat([other, query[total - tail:]])
+    split = torch.full_like(batch, float("nan"))
+    tables = torch.stack([table, table.roll(1), table])
+    KERNELS.paged_attention(split, batch, kc, vc, tables, torch.tensor([5, 60, total], dtype=torch.int32),
+                            torch.tensor([0, 1, 41, 41 + tail], dtype=torch.int32), d**-0.5)
+    assert not torch.isnan(whole).any()
+    assert torch.equal(split[41:], whole[total - tail:])
+    expected = reference.paged_attention_naive(query, kc, vc, [table.tolist()], [total], [total], d**-0.5)
+    torch.testing.assert_close(whole, expected, atol=2e-6, rtol=2e-5)
 
 
 @needs_kernels

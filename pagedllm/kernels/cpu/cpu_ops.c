@@ -51,6 +51,35 @@ static inline vec hsum_run(const vec v[VW]) {
     const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2], s2[3], 0x88), _mm512_shuffle_f32x4(s2[2], s2[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
 }
+/* dst[e * dst_stride + j] = src[j][e] for a 16 × 16 tile of float32 (rows src[0..15]): 64 shuffles. */
+static inline void transpose_tile(const float *const src[VW], float *dst, int64_t dst_stride) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src[i]);
+    for (int i = 0; i < 8; ++i) { /* per 128-bit lane L: rows 2i, 2i+1 interleaved */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) { /* r[4i + c], lane L: column 4L + c of rows 4i .. 4i+3 */
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) { /* a 4 × 4 transpose of 128-bit lanes across r[c], r[4 + c], r[8 + c], r[12 + c] */
+        const __m512 w0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), w1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+        const __m512 w2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512 w3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+        _mm512_storeu_ps(dst + c * dst_stride, _mm512_shuffle_f32x4(w0, w2, 0x88));
+        _mm512_storeu_ps(dst + (4 + c) * dst_stride, _mm512_shuffle_f32x4(w0, w2, 0xDD));
+        _mm512_storeu_ps(dst + (8 + c) * dst_stride, _mm512_shuffle_f32x4(w1, w3, 0x88));
+        _mm512_storeu_ps(dst + (12 + c) * dst_stride, _mm512_shuffle_f32x4(w1, w3, 0xDD));
+    }
+}
+/* Register tiles: a score tile is QK_ROWS query rows × QK_VECS vectors of keys (one accumulator each, every
+ * broadcast query value feeds QK_VECS FMAs); a probability tile is PV_ROWS rows × four vectors of dims. */
+#define QK_ROWS 6
+#define QK_VECS 4
+#define PV_ROWS 6
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 typedef __m256 vec;
@@ -82,10 +111,50 @@ static inline vec hsum_run(const vec v[VW]) {
     /* u0 = (sums of v0..v3 over the low 128 bits | over the high 128 bits); likewise u1 for v4..v7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+/* dst[e * dst_stride + j] = src[j][e] for an 8 × 8 tile of float32 (rows src[0..7]): 24 shuffles. */
+static inline void transpose_tile(const float *const src[VW], float *dst, int64_t dst_stride) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i]);
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) { /* r[4i + c], 128-bit lane L: column 4L + c of rows 4i .. 4i+3 */
+        r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+        _mm256_storeu_ps(dst + (4 + c) * dst_stride, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+    }
+}
+#define QK_ROWS 6
+#define QK_VECS 2
+#define PV_ROWS 2
 #else
+/* Scalar stand-ins, so that the score and probability tiles below compile for any target. */
+typedef float vec;
 #define VW 1
 #define VECTOR_PATH 0
+#define v_load(p) (*(p))
+#define v_store(p, x) (*(p) = (x))
+#define v_set1(x) (x)
+#define v_zero() 0.f
+#define v_fma(a, b, c) ((a) * (b) + (c))
+#define v_add(a, b) ((a) + (b))
+#define v_mul(a, b) ((a) * (b))
+static inline void transpose_tile(const float *const src[VW], float *dst, int64_t dst_stride) {
+    (void)dst_stride;
+    dst[0] = src[0][0];
+}
+#define QK_ROWS 4
+#define QK_VECS 4
+#define PV_ROWS 4
 #endif
+
+/* ---- The token path: decodes and short chunks, one query token at a time against K/V rows as stored ---- */
 
 /* scores[g * stride] = scale * (q_g · k) for the `group` query rows that share one K row. */
 static inline void group_scores(const float *restrict q, const float *restrict k, int group, int head_dim,
@@ -171,6 +240,125 @@ static inline void group_block_axpy(const float *restrict p, int64_t stride, con
         }
 }
 
+/* ---- The tile path: prompt chunks, scores and probabilities as small GEMMs ---- */
+
+/* kt[e * ldk + j] = key_rows[j][e] for j < ldk (a multiple of VW) and e < width (all KV heads' dims): a run of
+ * keys, transposed. Whole VW × VW tiles go through registers; the scalar loop covers widths VW does not divide. */
+static inline void transpose_keys(const float *const *key_rows, int64_t ldk, int64_t width, float *restrict kt) {
+    if (VECTOR_PATH && width % VW == 0) {
+        for (int64_t j0 = 0; j0 < ldk; j0 += VW)
+            for (int64_t e0 = 0; e0 < width; e0 += VW) {
+                const float *src[VW];
+                for (int j = 0; j < VW; ++j) src[j] = key_rows[j0 + j] + e0;
+                transpose_tile(src, kt + e0 * ldk + j0, ldk);
+            }
+        return;
+    }
+    for (int64_t e = 0; e < width; ++e)
+        for (int64_t j = 0; j < ldk; ++j) kt[e * ldk + j] = key_rows[j][e];
+}
+
+/* out[r * out_stride + j] = scale * (q_r · k_j) for N query rows, given transposed (qt[d * ldq + r]), and the
+ * `keys` keys of a transposed K run (kt[d * ldk + j], QK_VECS·VW columns). Keys run along the vector lanes;
+ * each dot product is one chain of FMAs over d = 0 .. head_dim-1, in that order, whatever the tile. */
+static inline __attribute__((always_inline)) void score_rows(const float *restrict qt, int64_t ldq, const int N,
+                                                             const float *restrict kt, int64_t ldk, int keys,
+                                                             int head_dim, float scale, float *out, int64_t out_stride) {
+    vec acc[QK_ROWS][QK_VECS];
+    for (int r = 0; r < N; ++r)
+        for (int v = 0; v < QK_VECS; ++v) acc[r][v] = v_zero();
+    for (int d = 0; d < head_dim; ++d) {
+        vec k[QK_VECS];
+        for (int v = 0; v < QK_VECS; ++v) k[v] = v_load(kt + d * ldk + v * VW);
+        for (int r = 0; r < N; ++r) {
+            const vec b = v_set1(qt[d * ldq + r]);
+            for (int v = 0; v < QK_VECS; ++v) acc[r][v] = v_fma(b, k[v], acc[r][v]);
+        }
+    }
+    const vec vscale = v_set1(scale);
+    float lanes[VW];
+    for (int r = 0; r < N; ++r)
+        for (int v = 0; v < QK_VECS && v * VW < keys; ++v) {
+            float *o = out + r * out_stride + v * VW;
+            if ((v + 1) * VW <= keys) {
+                v_store(o, v_mul(acc[r][v], vscale));
+            } else {
+                v_store(lanes, v_mul(acc[r][v], vscale));
+                memcpy(o, lanes, sizeof(float) * (size_t)(keys - v * VW));
+            }
+        }
+}
+
+/* score_rows for any n ≤ QK_ROWS rows, each count compiled with its accumulators in registers. */
+static void score_tile(const float *qt, int64_t ldq, int n, const float *kt, int64_t ldk, int keys, int head_dim,
+                       float scale, float *out, int64_t out_stride) {
+    switch (n) {
+#define SCORE_CASE(N) case N: score_rows(qt, ldq, N, kt, ldk, keys, head_dim, scale, out, out_stride); break;
+        SCORE_CASE(1) SCORE_CASE(2) SCORE_CASE(3) SCORE_CASE(4)
+#if QK_ROWS > 4
+        SCORE_CASE(5) SCORE_CASE(6)
+#endif
+#undef SCORE_CASE
+    default: break;
+    }
+}
+
+/* acc[i * acc_stride + d0 ..][: C·VW] += Σ_j p[i * p_stride + j] * v_j[d0 : d0 + C·VW] over the n rows
+ * v_j = v + j * row_stride, for N query rows: each row's sum is taken in registers from zero over j in order,
+ * then added to its accumulator once; the V vectors loaded for one query row serve all N. */
+static inline __attribute__((always_inline)) void weigh_span(const float *restrict p, int64_t p_stride, const int N,
+                                                             const float *restrict v, int64_t row_stride, int n,
+                                                             float *acc, int64_t acc_stride, int d0, const int C) {
+    vec r[PV_ROWS][4];
+    for (int i = 0; i < N; ++i)
+        for (int c = 0; c < C; ++c) r[i][c] = v_zero();
+    for (int j = 0; j < n; ++j) {
+        const float *vj = v + j * row_stride + d0;
+        vec x[4];
+        for (int c = 0; c < C; ++c) x[c] = v_load(vj + c * VW);
+        for (int i = 0; i < N; ++i) {
+            const vec w = v_set1(p[i * p_stride + j]);
+            for (int c = 0; c < C; ++c) r[i][c] = v_fma(w, x[c], r[i][c]);
+        }
+    }
+    for (int i = 0; i < N; ++i)
+        for (int c = 0; c < C; ++c) {
+            float *a = acc + i * acc_stride + d0 + c * VW;
+            v_store(a, v_add(v_load(a), r[i][c]));
+        }
+}
+
+/* All of head_dim (a multiple of VW) in spans of four vectors, the last span shorter. */
+static inline __attribute__((always_inline)) void weigh_rows(const float *p, int64_t p_stride, const int N,
+                                                             const float *v, int64_t row_stride, int n, float *acc,
+                                                             int64_t acc_stride, int head_dim) {
+    int d0 = 0;
+    for (; d0 + 4 * VW <= head_dim; d0 += 4 * VW) weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 4);
+    switch ((head_dim - d0) / VW) {
+    case 3: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 3); break;
+    case 2: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 2); break;
+    case 1: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 1); break;
+    default: break;
+    }
+}
+
+/* weigh_rows for any n ≤ PV_ROWS rows. */
+static void weigh_tile(const float *p, int64_t p_stride, int n, const float *v, int64_t row_stride, int keys,
+                       float *acc, int64_t acc_stride, int head_dim) {
+    switch (n) {
+#define WEIGH_CASE(N) case N: weigh_rows(p, p_stride, N, v, row_stride, keys, acc, acc_stride, head_dim); break;
+        WEIGH_CASE(1) WEIGH_CASE(2)
+#if PV_ROWS > 2
+        WEIGH_CASE(3) WEIGH_CASE(4)
+#endif
+#if PV_ROWS > 4
+        WEIGH_CASE(5) WEIGH_CASE(6)
+#endif
+#undef WEIGH_CASE
+    default: break;
+    }
+}
+
 /* max(row[0:n]), n ≥ 1 (vector lanes: a scalar chain of compares is latency-bound). */
 static inline float row_max(const float *row, int n) {
     float m = row[0];
@@ -239,22 +427,35 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* Query tokens of one sequence per work item (at most): each K/V block is read once for all of them. */
-#define QUERY_TILE 8
+#ifndef QUERY_TILE
+#define QUERY_TILE 16
+#endif
 /* Scores scratch per thread, in floats: the tile shrinks for long contexts × many heads to stay within it. */
-#define SCORES_BUDGET (1 << 20)
+#ifndef SCORES_BUDGET
+#define SCORES_BUDGET (1 << 22)
+#endif
+#ifndef TILE_ROWS
+#define TILE_ROWS 48
+#endif
+/* Chunks at least this long take the tile path; shorter ones (decodes, speculative verifications) the token
+ * path, whose per-token arithmetic is what a lone decode gets. */
+#define TILE_MIN_QUERY_LEN 32
 
 /* PagedAttention for a flat batch of query tokens (decodes and prompt chunks alike): sequence s owns
  * tokens query_start_loc[s] .. query_start_loc[s+1]-1, the last of them at position seq_lens[s] - 1,
  * and token i of its chunk attends causally to the first seq_lens[s] - qlen + i + 1 cached tokens
  * (this step's K/V are already in the cache), read block by block through block_tables[s]:
  * out[t, h*group + g] = softmax(q_t·Kᵀ·scale) V. One work item is a tile of up to QUERY_TILE consecutive
- * query tokens of one sequence (a decode: one token): its blocks are walked once for K and once for V,
- * whole token rows (all KV heads) at a time, the next block prefetched while this one is computed; each
- * K/V block, once loaded, serves every token of the tile and all `group` query heads that share a KV head
- * (GQA). A token's arithmetic does not depend on the tile it is in (same operations, same order), so the
- * result of a token is the same in any batch. With kv_bf16 the caches hold bf16: each block's rows that the
- * tile reads are widened to float32 once per work item into a per-thread buffer, and the float32 code runs
- * on that. Returns 0, or -1 when scratch memory could not be allocated. */
+ * query tokens of one sequence (a decode: one token); its rows are (token, query head) pairs, and each KV
+ * head's rows are scored and weighed together, GQA's `group` query heads included.
+ *
+ * Scores: a run of blocks (QK_VECS vectors of keys) is transposed, so keys lie along the vector lanes, and
+ * the tile's queries are transposed once per work item, so each query value is one broadcast that feeds
+ * QK_VECS FMAs. Probabilities · V: block by block, V rows as they are, a few rows' sums in registers.
+ * A token's arithmetic does not depend on the tile (same operations in the same order for every token),
+ * so each token's result is the same in any batch. With kv_bf16 the caches hold bf16: each block's rows
+ * that the tile reads are widened to float32 once per work item, and the float32 code runs on that.
+ * Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
                         const void *key_cache, const void *value_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
@@ -269,9 +470,18 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     int max_len = 1;
     for (int s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
-    int64_t tile = SCORES_BUDGET / ((int64_t)num_q_heads * max_len);
-    tile = tile < 1 ? 1 : tile > QUERY_TILE ? QUERY_TILE : tile;
+    /* QUERY_TILE tokens, more where few query heads share a KV head (each transposed K run then serves
+     * about TILE_ROWS rows), fewer where the scores of long contexts × many heads would overflow the budget */
+    int64_t tile = TILE_ROWS / group > QUERY_TILE ? TILE_ROWS / group : QUERY_TILE;
+    const int64_t fit = SCORES_BUDGET / ((int64_t)num_q_heads * max_len);
+    tile = tile > fit ? fit : tile;
+    tile = tile < 1 ? 1 : tile;
     const int qtile = (int)tile;
+    /* The tile path scores a run of whole blocks at a time: at least QK_VECS vectors of keys where blocks are small. */
+    const int run_blocks = block_size >= QK_VECS * VW ? 1 : QK_VECS * VW / block_size;
+    const int64_t ldk = ((int64_t)run_blocks * block_size + QK_VECS * VW - 1) / (QK_VECS * VW) * (QK_VECS * VW);
+    const int64_t ldq = (int64_t)qtile * group;             /* one KV head's rows in a tile */
+    const int64_t head_rows = ldq * max_len;                /* scores of one KV head's rows */
     /* tile_start[s]: the first work item of sequence s */
     int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
     if (tile_start == NULL) return -1;
@@ -285,17 +495,29 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     /* One work item (a single-sequence decode) needs no team, no barrier for an idle thread. */
 #pragma omp parallel if (num_items > 1)
     {
-        /* scores[(i * num_q_heads + qh) * max_len + t] for token i of the tile, query head qh */
-        float *scores = malloc(sizeof(float) * (size_t)qtile * (size_t)num_q_heads * (size_t)max_len);
-        float *acc = malloc(sizeof(float) * (size_t)qtile * (size_t)num_q_heads * (size_t)head_dim);
-        float *widened = kv_bf16 ? malloc(sizeof(float) * (size_t)block_stride) : NULL; /* one bf16 block, as float32 */
-        if (scores == NULL || acc == NULL || (kv_bf16 && widened == NULL)) {
+        /* scores[(h * ldq + i * group + g) * max_len + t]: token i of the tile, query head h * group + g */
+        float *scores = malloc(sizeof(float) * (size_t)(num_kv_heads * head_rows));
+        /* acc[(h * ldq + i * group + g) * head_dim + d]: the same rows' outputs */
+        float *acc = malloc(sizeof(float) * (size_t)(num_kv_heads * ldq * head_dim));
+        /* bf16 blocks as float32: one per block of a tile-path run */
+        float *widened = kv_bf16 ? malloc(sizeof(float) * (size_t)(run_blocks * block_stride)) : NULL;
+        float *kt = malloc(sizeof(float) * (size_t)(token_stride * ldk)); /* a run of keys, transposed */
+        const float **key_rows = malloc(sizeof(float *) * (size_t)ldk);     /* each key's row of the run */
+        float *qt = malloc(sizeof(float) * (size_t)(num_kv_heads * head_dim * ldq)); /* the tile's queries, transposed */
+        float *zeros = calloc((size_t)token_stride, sizeof(float));        /* stands in for missing key rows */
+        float *norm = malloc(sizeof(float) * (size_t)(num_kv_heads * ldq)); /* 1 / each tile row's softmax sum */
+        const int ok = scores != NULL && acc != NULL && kt != NULL && qt != NULL && zeros != NULL && norm != NULL &&
+                       key_rows != NULL &&
+                       (!kv_bf16 || widened != NULL);
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; ++item) {
-            if (scores == NULL || acc == NULL || (kv_bf16 && widened == NULL)) continue;
+        for (int64_t it = 0; it < num_items; ++it) {
+            /* last items first: a chunk's later tiles read the most keys, so the threads finish together */
+            const int64_t item = num_items - 1 - it;
+            if (!ok) continue;
             int s = 0, hi = num_seqs - 1; /* the last sequence whose items start at or before this one */
             while (s < hi) {
                 const int mid = (s + hi + 1) / 2;
@@ -307,12 +529,21 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             const int nq = qlen - i0 < qtile ? qlen - i0 : qtile;
             const int64_t first = query_start_loc[s] + i0; /* the tile's first query token */
             const int len0 = seq_lens[s] - qlen + i0 + 1;  /* token i of the tile attends to len0 + i keys */
-            const int num_blocks = (len0 + nq - 1 + block_size - 1) / block_size;
+            const int last = len0 + nq - 1;                /* keys the tile's last token reads */
+            const int num_blocks = (last + block_size - 1) / block_size;
             const int32_t *table = block_tables + s * table_stride;
-            const int64_t head_rows = (int64_t)num_q_heads * max_len;
+            const int rows_all = nq * group;               /* rows per KV head */
 
-            const int last = len0 + nq - 1; /* keys the tile's last token reads */
-            for (int b = 0; b < num_blocks; ++b) { /* pass 1: scaled scores */
+            const int tiled = qlen >= TILE_MIN_QUERY_LEN; /* by the chunk's own length: all its tokens alike */
+            for (int h = 0; tiled && h < num_kv_heads; ++h) /* qt[(h * head_dim + d) * ldq + i * group + g] */
+                for (int i = 0; i < nq; ++i)
+                    for (int g = 0; g < group; ++g) {
+                        const float *qrow = q + (first + i) * q_token_stride + (int64_t)(h * group + g) * head_dim;
+                        float *col = qt + (int64_t)h * head_dim * ldq + i * group + g;
+                        for (int d = 0; d < head_dim; ++d) col[d * ldq] = qrow[d];
+                    }
+
+            for (int b = 0; !tiled && b < num_blocks; ++b) { /* pass 1, token path: scaled scores */
                 const int t0 = b * block_size;
                 const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
                 const float *kb = block_as_f32(kf32, kb16, table[b] * block_stride, rows * token_stride, widened);
@@ -322,54 +553,116 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                     const int len = len0 + i;
                     const int n = len - t0 < block_size ? len - t0 : block_size;
                     const float *qs = q + (first + i) * q_token_stride;
-                    float *sc = scores + i * head_rows;
                     int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
                     for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
                         for (int h = 0; h < num_kv_heads; ++h)
                             run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
                                        token_stride, group, head_dim, scale,
-                                       sc + (int64_t)h * group * max_len + t0 + j0, max_len);
+                                       scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j0, max_len);
                     for (int j = j0; j < n; ++j)
                         for (int h = 0; h < num_kv_heads; ++h)
                             group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
-                                         group, head_dim, scale, sc + (int64_t)h * group * max_len + t0 + j, max_len);
+                                         group, head_dim, scale, scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j,
+                                         max_len);
+                }
+            }
+            for (int b0 = 0; tiled && b0 < num_blocks; b0 += run_blocks) { /* pass 1, tile path: a run of blocks */
+                const int t0 = b0 * block_size;
+                const int nb = num_blocks - b0 < run_blocks ? num_blocks - b0 : run_blocks;
+                const int keys = last - t0 < nb * block_size ? last - t0 : nb * block_size;
+                for (int b = 0; b < nb; ++b) {
+                    const int rows = keys - b * block_size < block_size ? keys - b * block_size : block_size;
+                    const float *kb = block_as_f32(kf32, kb16, table[b0 + b] * block_stride, rows * token_stride,
+                                                   widened + (kv_bf16 ? b * block_stride : 0));
+                    if (b0 + b + 1 < num_blocks)
+                        prefetch_bytes((const char *)key_cache + (int64_t)table[b0 + b + 1] * block_bytes, block_bytes);
+                    for (int j = 0; j < rows; ++j) key_rows[b * block_size + j] = kb + j * token_stride;
+                }
+                for (int64_t j = keys; j < ldk; ++j) key_rows[j] = zeros;
+                transpose_keys(key_rows, ldk, token_stride, kt);
+                const int r0 = (t0 >= len0 ? t0 - len0 + 1 : 0) * group; /* rows of the tokens that reach the run */
+                for (int h = 0; h < num_kv_heads; ++h) {
+                    const float *kth = kt + (int64_t)h * head_dim * ldk, *qth = qt + (int64_t)h * head_dim * ldq;
+                    float *sh = scores + h * head_rows + t0;
+                    for (int j0 = 0; j0 < keys; j0 += QK_VECS * VW)
+                        for (int r = r0; r < rows_all; r += QK_ROWS)
+                            score_tile(qth + r, ldq, rows_all - r < QK_ROWS ? rows_all - r : QK_ROWS, kth + j0, ldk,
+                                       keys - j0, head_dim, scale, sh + r * (int64_t)max_len + j0, max_len);
                 }
             }
             if (num_blocks > 0)
                 prefetch_bytes((const char *)value_cache + (int64_t)table[0] * block_bytes, block_bytes);
-            for (int i = 0; i < nq; ++i) {
-                const int len = len0 + i;
-                for (int qh = 0; qh < num_q_heads; ++qh) { /* softmax, normalised in place */
-                    float *row = scores + i * head_rows + (int64_t)qh * max_len;
+            for (int h = 0; h < num_kv_heads; ++h)
+                for (int r = 0; r < rows_all; ++r) { /* softmax, normalised in place */
+                    float *row = scores + h * head_rows + (int64_t)r * max_len;
+                    const int len = len0 + r / group;
                     const float m = row_max(row, len);
                     const float inv = 1.f / exp_shifted(row, len, m);
-                    for (int t = 0; t < len; ++t) row[t] *= inv;
+                    if (tiled) norm[h * ldq + r] = inv; /* applied to the output row instead */
+                    else
+                        for (int t = 0; t < len; ++t) row[t] *= inv;
+                    /* keys past this token that the tile's later tokens read: weight 0 (adds exact zeros) */
+                    for (int t = len; t < last; ++t) row[t] = 0.f;
                 }
-            }
-            memset(acc, 0, sizeof(float) * (size_t)nq * num_q_heads * head_dim);
+            for (int h = 0; h < num_kv_heads; ++h)
+                memset(acc + (int64_t)h * ldq * head_dim, 0, sizeof(float) * (size_t)rows_all * head_dim);
             for (int b = 0; b < num_blocks; ++b) { /* pass 2: probabilities · V */
                 const int t0 = b * block_size;
-                const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
+                const int rows = last - t0 < block_size ? last - t0 : block_size;
                 const float *vb = block_as_f32(vf32, vb16, table[b] * block_stride, rows * token_stride, widened);
                 if (b + 1 < num_blocks)
                     prefetch_bytes((const char *)value_cache + (int64_t)table[b + 1] * block_bytes, block_bytes);
-                for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) {
-                    const int len = len0 + i;
-                    const int n = len - t0 < block_size ? len - t0 : block_size;
-                    const float *sc = scores + i * head_rows;
-                    float *ac = acc + (int64_t)i * num_q_heads * head_dim;
-                    for (int h = 0; h < num_kv_heads; ++h)
-                        group_block_axpy(sc + (int64_t)h * group * max_len + t0, max_len, vb + (int64_t)h * head_dim,
-                                         token_stride, n, group, head_dim, ac + (int64_t)h * group * head_dim);
+                const int r0 = (t0 >= len0 ? t0 - len0 + 1 : 0) * group; /* rows of the tokens that reach block b */
+                for (int h = 0; h < num_kv_heads; ++h) {
+                    const float *vh = vb + (int64_t)h * head_dim;
+                    const float *ph = scores + h * head_rows + t0;
+                    float *ah = acc + (int64_t)h * ldq * head_dim;
+                    if (!tiled) { /* token path: each token's rows against the rows it reads */
+                        for (int i = r0 / group; i < nq; ++i) {
+                            const int n = len0 + i - t0 < block_size ? len0 + i - t0 : block_size;
+                            group_block_axpy(ph + (int64_t)i * group * max_len, max_len, vh, token_stride, n, group, head_dim,
+                                             ah + (int64_t)i * group * head_dim);
+                        }
+                        continue;
+                    }
+                    if (head_dim % VW) { /* dims the vector tiles cannot cover: a plain loop per row */
+                        for (int r = r0; r < rows_all; ++r)
+                            for (int j = 0; j < rows; ++j) {
+                                const float w = ph[r * (int64_t)max_len + j];
+                                float *a = ah + (int64_t)r * head_dim;
+#pragma omp simd
+                                for (int d = 0; d < head_dim; ++d) a[d] += w * vh[j * token_stride + d];
+                            }
+                        continue;
+                    }
+                    for (int r = r0; r < rows_all; r += PV_ROWS)
+                        weigh_tile(ph + r * (int64_t)max_len, max_len, rows_all - r < PV_ROWS ? rows_all - r : PV_ROWS,
+                                   vh, token_stride, rows, ah + (int64_t)r * head_dim, head_dim, head_dim);
                 }
             }
-            for (int i = 0; i < nq; ++i)
-                memcpy(out + (first + i) * out_token_stride, acc + (int64_t)i * num_q_heads * head_dim,
-                       sizeof(float) * (size_t)num_q_heads * head_dim);
+            for (int i = 0; i < nq; ++i) /* acc[(h * ldq + i * group + g) * head_dim]: query head h * group + g */
+                for (int h = 0; h < num_kv_heads; ++h) {
+                    float *o = out + (first + i) * out_token_stride + (int64_t)h * group * head_dim;
+                    const float *a = acc + ((int64_t)h * ldq + i * group) * head_dim;
+                    if (!tiled) {
+                        memcpy(o, a, sizeof(float) * (size_t)group * head_dim);
+                        continue;
+                    }
+                    for (int g = 0; g < group; ++g) {
+                        const float inv = norm[h * ldq + i * group + g];
+#pragma omp simd
+                        for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = a[g * head_dim + d] * inv;
+                    }
+                }
         }
         free(scores);
         free(acc);
         free(widened);
+        free(kt);
+        free(qt);
+        free(zeros);
+        free(norm);
+        free(key_rows);
     }
     free(tile_start);
     return failed ? -1 : 0;
