@@ -1,7 +1,7 @@
 """CPU PagedAttention A/B: kernels/cpu/cpu_ops.c at a git revision against the working tree, same inputs, same run.
 
 Shapes of the bundled model (9 query / 3 KV heads of 64, block 16): a decode batch, speculative verification
-(4 sequences × 5 query tokens) and prompt chunks. Each case runs 30 layers with a KV cache per layer (decode and
+(4 sequences × 5 query tokens) and prompt chunks (64 tokens and more: the kernel's tile path). Each case runs 30 layers with a KV cache per layer (decode and
 verification: the caches do not fit the CPU's caches, as in a real step) and prints milliseconds per 30
 layers (best of several rounds) and whether both builds gave bit-identical outputs.
 
@@ -21,7 +21,8 @@ from pagedllm.kernels.cpu_kernels import SOURCE, CpuKernels, build_library
 
 BLOCK, HQ, HK, D = 16, 9, 3, 64
 CASES = [  # (sequences, context per sequence after the step, query tokens per sequence, layer caches)
-    (64, 300, 1, 30), (4, 500, 1, 30), (4, 500, 5, 30), (1, 459, 459, 4), (4, 300, 300, 4), (2, 1000, 1000, 2)]
+    (64, 300, 1, 30), (4, 500, 1, 30), (4, 500, 5, 30), (16, 160, 64, 8), (1, 459, 459, 4), (4, 300, 300, 4),
+    (2, 1000, 1000, 2)]
 
 
 def load(source: Path) -> CpuKernels:

@@ -11,6 +11,8 @@ _PREEMPTION_MODES = ("recompute", "swap", "auto")
 # "paged": PagedAttention's BlockManager; the others: the paper's Orca baselines (core/baselines.py).
 KV_CACHE_MANAGERS = ("paged", "orca-oracle", "orca-pow2", "orca-max")
 BATCHING_MODES = ("iteration", "request")
+# vLLM's --scheduling-policy: first come first served, or by each request's priority (lower first), then arrival.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV pool element type: "auto" = the model dtype; "bfloat16" (e.g. a float32 model on the CPU with half the KV
 # bytes); "fp8" = fp8_e4m3 (vLLM's names).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -121,10 +123,14 @@ class SchedulerConfig:
     # "iteration": requests join and leave the batch every step (Orca, vLLM); "request": a batch of
     # requests runs until all of them finish before any other joins (FasterTransformer, paper §6.1).
     batching: str = "iteration"
+    # "fcfs", or "priority": waiting requests are admitted, and running ones kept, lowest `priority` value first
+    # (ties by arrival); the preemption victim is the running group that comes last in that order.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_choice("batching", self.batching, BATCHING_MODES)
+        _check_choice("scheduling_policy", self.policy, SCHEDULING_POLICIES)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}.")

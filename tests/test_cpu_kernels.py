@@ -128,6 +128,25 @@ def test_each_query_token_of_a_chunk_gets_the_bits_it_gets_alone(hq, hk, ctx):
 
 
 @needs_kernels
+def test_raising_the_tile_threshold_keeps_a_long_chunk_on_the_token_path():
+    """Speculative decoding with k ≥ 31 drafts raises min_tile_query_len above 1 + k, so a 40-token verification
+    chunk gets, row for row, the bits of 40 lone decodes."""
+    block_size, hq, hk, d, ctx, qlen = 16, 9, 3, 64, 50, 40
+    g = torch.Generator().manual_seed(7)
+    per = -(-(ctx + qlen) // block_size)
+    kc, vc = _pool(g, per, block_size, hk, d)
+    table = torch.randperm(per, generator=g).to(torch.int32).view(1, -1)
+    query = torch.randn(qlen, hq, d, generator=g)
+    chunk, alone = torch.full_like(query, float("nan")), torch.full_like(query, float("nan"))
+    KERNELS.paged_attention(chunk, query, kc, vc, table, torch.tensor([ctx + qlen], dtype=torch.int32),
+                            torch.tensor([0, qlen], dtype=torch.int32), d**-0.5, min_tile_query_len=2 + 40)
+    KERNELS.paged_attention(alone, query, kc, vc, table.expand(qlen, -1).contiguous(),
+                            torch.arange(ctx + 1, ctx + qlen + 1, dtype=torch.int32),
+                            torch.arange(qlen + 1, dtype=torch.int32), d**-0.5)
+    assert torch.equal(chunk, alone)
+
+
+@needs_kernels
 @pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128), (32, 4, 4, 80)])
 def test_a_long_chunks_tokens_get_the_same_bits_in_any_long_chunk(block_size, hq, hk, d):
     """Chunks of at least 32 tokens take the tile path (scores and probabilities as small GEMMs over runs of

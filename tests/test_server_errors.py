@@ -61,6 +61,8 @@ BAD_INPUT = [
     ("beam-search-stream", cmpl(use_beam_search=True, n=2, temperature=0, stream=True), "stream", "beam search"),
     ("length-penalty-no-beam", cmpl(length_penalty=2.0), "length_penalty", "not effective"),
     ("stream-mistyped", cmpl(stream="maybe"), "stream", "valid boolean"),
+    ("priority-under-fcfs", cmpl(priority=2), "priority", "--scheduling-policy priority"),
+    ("chat-priority-mistyped", chat(priority="high"), "priority", "valid integer"),
     ("chat-missing-messages", ("/v1/chat/completions", {"max_tokens": 4}), "messages", "field required"),
     ("chat-empty-messages", chat(messages=[]), "messages", "at least one"),
     ("chat-message-no-role", chat(messages=[{"content": "Hi"}]), "messages.0.role", "field required"),

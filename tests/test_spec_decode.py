@@ -153,6 +153,19 @@ def test_greedy_identical_on_off(reference, spec):
         assert st["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_long_drafts_keep_verification_on_the_attention_token_path(reference):
+    """The CPU attention kernel's tile path (chunks of 32+ tokens) computes in another order than a decode: with
+    up to 40 drafts a verification chunk is 41 tokens, so the engine raises the tile threshold above it and
+    greedy outputs stay identical."""
+    prompts, ref = reference
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64,
+              speculative_config={**NGRAM, "num_speculative_tokens": 40})
+    assert llm.llm_engine.executor.driver_worker.model_runner.attn_backend.min_tile_query_len == 42
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
+                        use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_identical_under_preemption(reference, mode):
     """6 blocks of 16 tokens for three ~25-token prompts growing by 20: sequences get preempted."""

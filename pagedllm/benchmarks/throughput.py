@@ -63,13 +63,16 @@ class Result:
                 f"{self.output_tokens_per_s:10.1f} out tok/s  {self.total_tokens_per_s:10.1f} total tok/s")
 
 
-def run_pagedllm(llm, wl: Workload) -> Result:
+def run_pagedllm(llm, wl: Workload, longest_first: bool = False) -> Result:
+    """`longest_first`: each request's priority is minus its output length (the engine runs the priority policy),
+    so long requests start early and the schedule's tail is made of short ones."""
     from pagedllm import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in wl.output_len]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    priority = [-n for n in wl.output_len] if longest_first else None
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
+    outs = llm.generate(prompts, params, use_tqdm=True, priority=priority)
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return Result("pagedllm", elapsed, len(outs), sum(map(len, wl.prompts)), n_out)
@@ -213,6 +216,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-attn-implementation", default="paged|sdpa", help="attn_implementation for --compare hf-cb.")
     p.add_argument("--hf-batch-size", type=int, default=64, help="Static batch size for the HF peer.")
     p.add_argument("--hf-num-prompts", type=int, default=None, help="Run the HF peer on only the first N prompts.")
+    p.add_argument("--priority", choices=["none", "longest-output-first"], default="none",
+                   help="longest-output-first: run pagedllm with --scheduling-policy priority and each request's "
+                        "priority = -max_tokens (its output length; the workload sets ignore_eos), the order the "
+                        "lower bound assumes. none: every request at priority 0 (FCFS unless the policy is set).")
     p.add_argument("--output-json", default=None, help="Write the figures to this JSON file.")
     p.add_argument("--lower-bound", action=argparse.BooleanOptionalAction, default=True,
                    help="On CUDA: measure copy bandwidth and bf16 matmul peak here and print the run's efficiency "
@@ -229,6 +236,9 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.engine.arg_utils import EngineArgs
 
     engine_args = EngineArgs.from_cli_args(args)
+    longest_first = args.priority == "longest-output-first"
+    if longest_first:
+        engine_args.scheduling_policy = "priority"
     hf_cb = None
     if args.compare == "hf-cb":  # build the peer first; pagedllm then loads its weights
         from pagedllm.model.loader import resolve_model
@@ -294,9 +304,11 @@ def run(args: argparse.Namespace) -> int:
         stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
         shape = cpu_flops.ModelShape.from_hf_config(llm.llm_engine.hf_config, dtype_bytes=4)
     cpu0 = time.process_time()
-    results = [run_pagedllm(llm, wl)]
+    if longest_first:
+        print("scheduling: priority policy, longest output first", flush=True)
+    results = [run_pagedllm(llm, wl, longest_first)]
     run_cpu_s = time.process_time() - cpu0
-    extra = {"engine_init_s": t_init}
+    extra = {"engine_init_s": t_init, "priority": args.priority}
     st = llm.stats()  # pool-bound runs: how often the pool forced a preemption
     extra.update({k: st[k] for k in ("num_preemptions", "kv_blocks_total") if k in st})
     print(f"pool: {st.get('kv_blocks_total')} blocks, {st.get('num_preemptions')} preemptions", flush=True)

@@ -5,6 +5,11 @@ a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`). W
 pool runs dry, the most recently arrived running group is preempted — swapped to the CPU pool or
 dropped to be recomputed — until the earlier ones fit.
 
+Under ``scheduler_config.policy == "priority"`` (vLLM's ``--scheduling-policy priority``) "earlier" means
+lower ``priority``, then earlier arrival: that order admits waiting groups, serves running ones and picks
+the victim (the last in it). A waiting group of high priority does not preempt running ones; it is
+admitted first as soon as there is room.
+
 The KV manager is the paged `BlockManager` or, for the paper's Orca baselines, a
 `ContiguousBlockManager` (`cache_config.kv_cache_manager`); the loop is the same for all of them.
 
@@ -19,6 +24,7 @@ budget. The recommended FasterTransformer-style configuration is ``batching="req
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -67,6 +73,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.block_manager = make_kv_cache_manager(scheduler_config, cache_config)
         self.waiting: deque[SequenceGroup] = deque()
+        # The order groups are served in: (arrival,) under FCFS, (priority, arrival) under the priority policy.
+        self._order = _priority_order if scheduler_config.policy == "priority" else _arrival_order
         # Request-level batching: ids of the current batch's requests that have not finished.
         self._batch: set[str] = set()
         self.running: list[SequenceGroup] = []
@@ -84,7 +92,15 @@ class Scheduler:
         return self.config.max_num_batched_tokens or self.config.max_model_len
 
     def add_seq_group(self, group: SequenceGroup) -> None:
-        self.waiting.append(group)
+        if self._order is _arrival_order:
+            self.waiting.append(group)
+        else:
+            self._insert_ordered(self.waiting, group)
+
+    def _insert_ordered(self, queue: deque[SequenceGroup], group: SequenceGroup) -> None:
+        """Put `group` into `queue` (kept sorted by the policy's order) after every group that comes before it
+        or ties with it."""
+        queue.insert(bisect.bisect_right(queue, self._order(group), key=self._order), group)
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -156,11 +172,11 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> None:
         # Decodes first so a long prompt chunk never stalls them, then prefill chunks; within
-        # each, earliest arrival first. Victims are the latest-arrived groups not yet placed.
+        # each, earliest in the policy's order first. Victims are the last in that order not yet placed.
         # (This loop runs for every running group every step: it avoids recomputing per-group facts.)
         decodes: list[SequenceGroup] = []
         prefills: list[SequenceGroup] = []
-        for g in sorted(self.running, key=_arrival_time):
+        for g in sorted(self.running, key=self._order):
             (prefills if g.has_prefill() else decodes).append(g)
         pending = decodes + prefills
         placed: list[SequenceGroup] = []
@@ -198,7 +214,7 @@ class Scheduler:
     def _pick_victim(self, pending: list[SequenceGroup], current: SequenceGroup) -> SequenceGroup:
         if not pending:
             return current
-        return max(pending, key=lambda g: g.arrival_time)
+        return max(pending, key=self._order)
 
     def _schedule_swapped(self, out: SchedulerOutputs, budget: _Budget) -> None:
         while self.swapped:
@@ -320,7 +336,10 @@ class Scheduler:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
+            if self._order is _arrival_order:
+                self.swapped.append(group)
+            else:
+                self._insert_ordered(self.swapped, group)
             self.num_swap_preemptions += 1
         else:
             # Recompute: drop the KV cache; prompt + generated tokens become the new prompt.
@@ -328,7 +347,10 @@ class Scheduler:
                 self.block_manager.free(seq)
                 seq.reset_for_recompute()
                 seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(group)
+            if self._order is _arrival_order:
+                self.waiting.appendleft(group)  # it arrived before every waiting group
+            else:
+                self._insert_ordered(self.waiting, group)
             self.num_recompute_preemptions += 1
 
     # -- bookkeeping after a step -----------------------------------------------------------
@@ -356,8 +378,12 @@ def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: Cache
     )
 
 
-def _arrival_time(group: SequenceGroup) -> float:
-    return group.arrival_time
+def _arrival_order(group: SequenceGroup) -> tuple[float]:
+    return (group.arrival_time,)
+
+
+def _priority_order(group: SequenceGroup) -> tuple[int, float]:
+    return (group.priority, group.arrival_time)
 
 
 def _in_lockstep(demand: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:

@@ -133,6 +133,7 @@ class SequenceGroup:
     sampling_params: Any  # SamplingParams; kept untyped so core/ does not import engine-side modules
     arrival_time: float
     prompt: str | None = None
+    priority: int = 0  # under the "priority" scheduling policy: lower values are served first
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

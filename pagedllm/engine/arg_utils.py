@@ -8,6 +8,7 @@ from typing import Any, get_type_hints
 
 from pagedllm.config import (
     BATCHING_MODES,
+    SCHEDULING_POLICIES,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     KV_CACHE_MANAGERS,
@@ -56,6 +57,8 @@ _HELP = {
                         "(max_model_len). Contiguous managers share, swap and cache nothing.",
     "batching": "iteration (requests join and leave every step) or request (a batch runs until all its requests "
                 "finish before others join: FasterTransformer-style with --kv-cache-manager orca-max).",
+    "scheduling_policy": "fcfs (first come, first served) or priority (each request's priority, lower first, then "
+                         "arrival; LLM.generate(priority=[...]) or the API's priority field).",
     "speculative_config": "Speculative decoding, a JSON object like vLLM's: "
                           '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
                           '{"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 8} '
@@ -76,7 +79,7 @@ _HELP = {
                                   "(llguidance: faster masks, unbounded number precision).",
 }
 
-_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "kv_cache_dtype": KV_CACHE_DTYPES,
+_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES, "kv_cache_dtype": KV_CACHE_DTYPES,
             "quantization": QUANTIZATION_METHODS, "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS}
 
 
@@ -107,6 +110,7 @@ class EngineArgs:
     max_capture_tokens: int = 8192
     kv_cache_manager: str = "paged"
     batching: str = "iteration"
+    scheduling_policy: str = "fcfs"
     structured_outputs_backend: str = "auto"
     speculative_config: str | dict | None = None
     kv_cache_dtype: str = "auto"
@@ -165,7 +169,7 @@ class EngineArgs:
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-            async_scheduling=self.async_scheduling, batching=self.batching,
+            async_scheduling=self.async_scheduling, batching=self.batching, policy=self.scheduling_policy,
         )
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         spec = SpeculativeConfig.from_json(self.speculative_config)

@@ -170,29 +170,30 @@ class AsyncEngineFront:
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
-        coalesce: bool = False,
+        coalesce: bool = False, priority: int = 0,
     ) -> AsyncStream:
         """Queue a request for the next step, without waiting for the engine loop.
 
         Raises what `LLMEngine.add_request` raises (ValueError, TypeError) on bad input; a text
         prompt is tokenized by the engine, and an error there ends the stream with it.
-        `coalesce`: see `AsyncStream`."""
+        `coalesce`: see `AsyncStream`. `priority`: see `LLMEngine.add_request`."""
         if not self.is_healthy:
             raise EngineDeadError(self._dead_reason or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.request_checker.check_request(prompt, params)
+        self.request_checker.check_request(prompt, params, priority)
         stream = AsyncStream(request_id, coalesce)
         self._streams[request_id] = stream
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._submit(AddCommand(request_id, prompt, params, arrival))
+        self._submit(AddCommand(request_id, prompt, params, arrival, priority))
         return stream
 
     async def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, arrival_time: float | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority=priority)
         try:
             async for out in stream:
                 yield out

@@ -40,6 +40,7 @@ class AddCommand:
     prompt: PromptType
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 @dataclass
@@ -165,7 +166,7 @@ class EngineLoop:
         for cmd in commands:
             if isinstance(cmd, AddCommand):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority)
                 except Exception as e:  # bad input: the engine is untouched
                     errors[cmd.request_id] = e
             elif isinstance(cmd, AbortCommand):

@@ -178,9 +178,12 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> SequenceGroup:
-        """Validate and queue a request; raises ValueError (engine untouched) on bad input."""
+        """Validate and queue a request; raises ValueError (engine untouched) on bad input. `priority`: under
+        the priority scheduling policy, lower values are served first (ties by arrival)."""
         params = params or SamplingParams()
+        self.request_checker.check_priority(priority)
         self.request_checker.check_params(params)
         text, token_ids = self._tokenize(prompt)
         self.request_checker.check_prompt_ids(token_ids)
@@ -197,6 +200,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=text,
+            priority=priority,
         )
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n
@@ -221,13 +225,14 @@ class LLMEngine:
         sc, cc = self.config.scheduler_config, self.config.cache_config
         return RequestChecker(vocab_size=int(self.hf_config.vocab_size), max_model_len=sc.max_model_len,
                               num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
-                              max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens)
+                              max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
+                              scheduling_policy=sc.policy)
 
-    def check_request(self, prompt: PromptType, params: SamplingParams | None) -> None:
+    def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
         """The checks `add_request` makes, reading only the configuration (safe from another thread).
 
         A text prompt's ids are checked by `add_request` once tokenized."""
-        self.request_checker.check_request(prompt, params)
+        self.request_checker.check_request(prompt, params, priority)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         ids = prompt_token_ids(prompt)  # raises for a malformed prompt

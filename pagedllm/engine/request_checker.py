@@ -20,6 +20,7 @@ class RequestChecker:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int | None
+    scheduling_policy: str = "fcfs"
 
     @property
     def max_seq_len(self) -> int:
@@ -42,6 +43,14 @@ class RequestChecker:
         ):
             raise ValueError("beam search scores raw log-probabilities: penalties must keep their defaults.")
 
+    def check_priority(self, priority: int) -> None:
+        """A request's priority: an int, and other than 0 only under the priority scheduling policy (as vLLM)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}.")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs priority scheduling, which this engine does not run: start it "
+                             f"with scheduling_policy='priority' (--scheduling-policy priority), or leave priority at 0.")
+
     def check_prompt_ids(self, token_ids: list[int]) -> None:
         if len(token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token.")
@@ -57,9 +66,10 @@ class RequestChecker:
                 f"KV pool={self.num_gpu_blocks} blocks) plus one generated token."
             )
 
-    def check_request(self, prompt, params: SamplingParams | None) -> None:
-        """What can be checked without tokenizing: the parameters, and the ids of a token-id prompt
+    def check_request(self, prompt, params: SamplingParams | None, priority: int = 0) -> None:
+        """What can be checked without tokenizing: the parameters and priority, and the ids of a token-id prompt
         (a text prompt's ids are checked once the engine has tokenized it)."""
+        self.check_priority(priority)
         self.check_params(params or SamplingParams())
         ids = prompt_token_ids(prompt)
         if ids is not None:

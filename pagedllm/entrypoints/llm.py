@@ -41,12 +41,16 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for every prompt; outputs come back in input order."""
+        """Generate completions for every prompt; outputs come back in input order. `priority`: one int per
+        prompt, lower served first (needs ``scheduling_policy="priority"``)."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = _final_only(self._as_params_list(sampling_params, len(prompt_list)))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompt_list)} prompts: give one per prompt.")
         with fewer_young_collections():  # engine/gc_heap.py
-            ids = self._add_all(prompt_list, params_list)
+            ids = self._add_all(prompt_list, params_list, priority)
             return self._run(ids, use_tqdm)
 
     def chat(
@@ -109,13 +113,14 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt.")
         return params
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams],
+                 priority: list[int] | None = None) -> list[str]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._request_counter))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, priority=0 if priority is None else priority[i])
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays behind

@@ -40,6 +40,9 @@ BUILD_FLAGS = ("-fopenmp", "-fPIC", "-shared", "-std=c11")  # on top of cpu_isa.
 
 _c_int64, _c_int, _c_float, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
+# Chunks of at least this many query tokens take the attention kernel's tile path by default (BENCHMARKS.md §40).
+TILE_MIN_QUERY_LEN = 32
+
 
 class CpuKernels:
     """Typed wrappers over the built library; inputs are checked before any pointer is handed over."""
@@ -50,7 +53,7 @@ class CpuKernels:
         self._attention = lib.paged_attention_f32
         self._attention.restype = _c_int
         self._attention.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr,
-                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int]
+                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int, _c_int]
         self._cache = lib.reshape_and_cache_f32
         self._cache.restype = None
         self._cache.argtypes = [_ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64]
@@ -93,13 +96,16 @@ class CpuKernels:
         query_start_loc: torch.Tensor,
         scale: float,
         indices_checked: bool = False,
+        min_tile_query_len: int = TILE_MIN_QUERY_LEN,
     ) -> None:
         """Attention for a flat batch whose K/V are already in the cache. out/query [T, Hq, D]; caches
         [num_blocks, block_size, Hk, D]; block_tables [S, ≥ blocks] int32; seq_lens [S] int32 (context
         after this step); query_start_loc [S + 1] int32 (sequence s owns query rows qsl[s]:qsl[s+1], the
         last at position seq_lens[s] - 1; decodes have one row). Causal within each chunk; writes `out`.
         `indices_checked`: these index tensors already passed `check_attention_indices` (the engine
-        checks a step's once, not once per layer)."""
+        checks a step's once, not once per layer). A sequence whose chunk has `min_tile_query_len` or more
+        query tokens takes the kernel's tile path (small GEMMs); shorter ones take the token path, whose
+        arithmetic per token is a lone decode's (speculative verification relies on it)."""
         num_tokens, num_q_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
         num_seqs = query_start_loc.numel() - 1
@@ -118,7 +124,7 @@ class CpuKernels:
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
-            block_size, scale, int(key_cache.dtype == torch.bfloat16),
+            block_size, scale, int(key_cache.dtype == torch.bfloat16), min_tile_query_len,
         )
         if rc != 0:
             raise MemoryError("paged_attention_f32 could not allocate its scratch rows")

@@ -239,6 +239,7 @@ class LlamaDirectForward:
         rms, rope, attention, silu, linear = self._rms, self._rope, self._attention, self._silu, self._linear
         kv_bf16 = int(kv_dtype == torch.bfloat16)
         cache = self._cache_bf16 if kv_bf16 else self._cache
+        min_tile = self.backend.min_tile_query_len
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
         hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.two_inter // 2
         res, normed, qkv, att = residual.data_ptr(), b.normed.data_ptr(), b.qkv.data_ptr(), b.attn.data_ptr()
@@ -265,7 +266,7 @@ class LlamaDirectForward:
             rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
             cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
             if attention(att, q, qkv, qkv_w, key_cache, value_cache, tables, table_stride, lens, qsl, num_seqs,
-                         hq, hk, d, block_size, self.scale, kv_bf16):
+                         hq, hk, d, block_size, self.scale, kv_bf16, min_tile):
                 raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
             run_linear(layer.o, att, o, b.o)
             rms(normed, res, o, h, res, h, layer.ln2, t, h, eps2)

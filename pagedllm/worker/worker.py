@@ -231,7 +231,10 @@ class Worker:
         if self.device.type == "cpu" and self.dtype == torch.float32:
             kernels = cpu_kernels.load_cpu_kernels()
             if kernels is not None:
-                return NativeCpuAttentionBackend(kernels)
+                # A verification chunk (1 + k tokens) must take the token path: its rows then get a plain decode's bits.
+                spec = self.config.speculative_config
+                min_tile = max(cpu_kernels.TILE_MIN_QUERY_LEN, 2 + spec.num_speculative_tokens) if spec else None
+                return NativeCpuAttentionBackend(kernels, min_tile)
         return TorchAttentionBackend()
 
     def _scales_by_cache(self) -> dict[int, tuple[float, float]] | None:

@@ -153,6 +153,8 @@ class SamplingExtras(StructuredOutputsExtras):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: vLLM's request priority: lower is served first, when the server runs --scheduling-policy priority.
+    priority: int = 0
 
     @field_validator("logit_bias")
     @classmethod

@@ -82,7 +82,7 @@ class OpenAIServingChat:
         model, ids, max_tokens, logprobs, tools = self._validate(req)
         params = self.ctx.sampling_params(req, max_tokens, logprobs, structured_outputs=tools.constraint)
         request_id = random_id("chatcmpl")
-        streams = await self.ctx.add_all([ids], params, request_id)
+        streams = await self.ctx.add_all([ids], params, request_id, req.priority)
         if req.stream:
             return self._stream(req, model, request_id, ids, streams, tools)
         final: RequestOutput | None = None

@@ -26,7 +26,8 @@ MAX_LOGPROBS = 20
 #: Most completions per prompt (OpenAI's limit), further capped by max_num_seqs.
 MAX_N = 128
 
-_SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__}
+# Request fields an engine-side ValueError may name first in its message (the error's `param`).
+_SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {"priority"}
 
 
 class OpenAIError(Exception):
@@ -222,13 +223,15 @@ class ServingContext:
             raise error_from_exception(e) from None
 
     # -- engine --------------------------------------------------------------------------------------
-    async def add_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> list[tuple[str, AsyncStream]]:
+    async def add_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                      priority: int = 0) -> list[tuple[str, AsyncStream]]:
         """Add one request per prompt; on any failure abort those already added and raise an OpenAIError."""
         added: list[tuple[str, AsyncStream]] = []
         try:
             for i, ids in enumerate(prompts):
                 rid = f"{prefix}-{i}"
-                added.append((rid, await self.engine.add_request(rid, {"prompt_token_ids": ids}, params, coalesce=True)))
+                added.append((rid, await self.engine.add_request(rid, {"prompt_token_ids": ids}, params, coalesce=True,
+                                                            priority=priority)))
         except BaseException as e:
             self.engine.abort([rid for rid, _ in added])
             if isinstance(e, Exception):

@@ -49,7 +49,7 @@ class OpenAIServingCompletion:
         prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self.ctx.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
         request_id = random_id("cmpl")
-        streams = await self.ctx.add_all(ids, params, request_id)
+        streams = await self.ctx.add_all(ids, params, request_id, req.priority)
         if req.stream:
             return self._stream(req, model, request_id, texts, ids, streams)
         try:

@@ -437,9 +437,6 @@ static inline uint16_t f32_to_bf16(float f) {
 #ifndef TILE_ROWS
 #define TILE_ROWS 48
 #endif
-/* Chunks at least this long take the tile path; shorter ones (decodes, speculative verifications) the token
- * path, whose per-token arithmetic is what a lone decode gets. */
-#define TILE_MIN_QUERY_LEN 32
 
 /* PagedAttention for a flat batch of query tokens (decodes and prompt chunks alike): sequence s owns
  * tokens query_start_loc[s] .. query_start_loc[s+1]-1, the last of them at position seq_lens[s] - 1,
@@ -455,12 +452,15 @@ static inline uint16_t f32_to_bf16(float f) {
  * A token's arithmetic does not depend on the tile (same operations in the same order for every token),
  * so each token's result is the same in any batch. With kv_bf16 the caches hold bf16: each block's rows
  * that the tile reads are widened to float32 once per work item, and the float32 code runs on that.
+ * A sequence's chunk takes the tile path when it has at least min_tile_query_len query tokens, by its own
+ * length, so all its tokens alike; shorter chunks (decodes, speculative verifications) take the token path,
+ * whose per-token arithmetic is a lone decode's.
  * Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
                         const void *key_cache, const void *value_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                         int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int kv_bf16) {
+                        int kv_bf16, int min_tile_query_len) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -534,7 +534,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             const int32_t *table = block_tables + s * table_stride;
             const int rows_all = nq * group;               /* rows per KV head */
 
-            const int tiled = qlen >= TILE_MIN_QUERY_LEN; /* by the chunk's own length: all its tokens alike */
+            const int tiled = qlen >= min_tile_query_len; /* by the chunk's own length: all its tokens alike */
             for (int h = 0; tiled && h < num_kv_heads; ++h) /* qt[(h * head_dim + d) * ldq + i * group + g] */
                 for (int i = 0; i < nq; ++i)
                     for (int g = 0; g < group; ++g) {

@@ -47,8 +47,13 @@ class NativeCpuAttentionBackend:
     name = "cpu-native"
     max_native_query_len = 512
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, min_tile_query_len: int | None = None) -> None:
+        """`min_tile_query_len`: chunks this long or longer take the kernel's tile path (default
+        `cpu_kernels.TILE_MIN_QUERY_LEN`); speculative decoding raises it above its verification length."""
+        from pagedllm.kernels.cpu_kernels import TILE_MIN_QUERY_LEN
+
         self.kernels = kernels
+        self.min_tile_query_len = min_tile_query_len or TILE_MIN_QUERY_LEN
         self._checked_meta: AttentionMetadata | None = None  # the step whose indices passed the check
 
     def forward(self, query, key, value, kv_cache, meta, scale):
@@ -65,7 +70,8 @@ class NativeCpuAttentionBackend:
             self.kernels.paged_attention(out[:rows], query[:rows], key_cache, value_cache,
                                          meta.block_tables[:num_native], meta.seq_lens[:num_native],
                                          meta.query_start_loc[: num_native + 1], scale,
-                                         indices_checked=meta is self._checked_meta)
+                                         indices_checked=meta is self._checked_meta,
+                                         min_tile_query_len=self.min_tile_query_len)
             self._checked_meta = meta  # every layer of a step shares its metadata: checked once
         if num_native < meta.num_seqs:
             if key_cache.dtype != key.dtype:  # a bf16 pool: attend to the K/V as stored, as the native kernel does
