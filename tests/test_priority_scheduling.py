@@ -97,11 +97,12 @@ def test_offline_llm_serves_prompts_by_priority_and_outputs_stay_in_input_order(
     assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
     finished_at = [o.metrics["first_token_time"] for o in outs]
     assert sorted(range(4), key=finished_at.__getitem__) == [1, 3, 2, 0]
+    queued = priority_llm.llm_engine.scheduler.get_num_unfinished_seq_groups()
     with pytest.raises(ValueError, match="one per prompt"):
         priority_llm.generate(prompts, params, use_tqdm=False, priority=[0])
     with pytest.raises(ValueError, match="priority must be an integer"):
         priority_llm.generate(prompts[:1], params, use_tqdm=False, priority=[0.5])
-    assert not priority_llm.llm_engine.has_unfinished_requests()
+    assert priority_llm.llm_engine.scheduler.get_num_unfinished_seq_groups() == queued  # nothing half-added
 
 
 def test_a_priority_under_fcfs_is_refused_with_the_flag_to_use():

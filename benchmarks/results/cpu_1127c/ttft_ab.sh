@@ -1,0 +1,1 @@
+for r in 1 2 3; do for tag in head tree; do if [ $tag = head ]; then PP=/tmp/headtree; else PP=/work/main; fi; for q in gguf none; do echo "$tag $q $(OMP_NUM_THREADS=1 Q=$q PYTHONPATH=$PP HF_HUB_OFFLINE=1 python /work/main/benchmarks/results/cpu_1127c/ttft_cpu_time.py 2>/dev/null | tail -1)"; done; done; done
