@@ -426,36 +426,39 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* Query tokens of one sequence per work item (at most): each K/V block is read once for all of them. */
+/* Tile geometry (each can be overridden with -D when tuning). QUERY_TILE: query tokens of one sequence per work
+ * item, at least; TILE_ROWS: rows per KV head a tile aims for where few query heads share one (MHA gets more
+ * tokens per tile, so each transposed key run serves more rows); SCORES_BUDGET: scores scratch per thread, in
+ * floats: the tile shrinks for long contexts × many heads to stay within it. */
 #ifndef QUERY_TILE
 #define QUERY_TILE 16
 #endif
-/* Scores scratch per thread, in floats: the tile shrinks for long contexts × many heads to stay within it. */
-#ifndef SCORES_BUDGET
-#define SCORES_BUDGET (1 << 22)
-#endif
 #ifndef TILE_ROWS
 #define TILE_ROWS 48
+#endif
+#ifndef SCORES_BUDGET
+#define SCORES_BUDGET (1 << 22)
 #endif
 
 /* PagedAttention for a flat batch of query tokens (decodes and prompt chunks alike): sequence s owns
  * tokens query_start_loc[s] .. query_start_loc[s+1]-1, the last of them at position seq_lens[s] - 1,
  * and token i of its chunk attends causally to the first seq_lens[s] - qlen + i + 1 cached tokens
  * (this step's K/V are already in the cache), read block by block through block_tables[s]:
- * out[t, h*group + g] = softmax(q_t·Kᵀ·scale) V. One work item is a tile of up to QUERY_TILE consecutive
- * query tokens of one sequence (a decode: one token); its rows are (token, query head) pairs, and each KV
- * head's rows are scored and weighed together, GQA's `group` query heads included.
+ * out[t, h*group + g] = softmax(q_t·Kᵀ·scale) V. One work item is a tile of consecutive query tokens of one
+ * sequence (a decode: one token); its rows are (token, query head) pairs, and each KV head's rows (GQA's
+ * `group` query heads of every token) are scored and weighed together. Each K/V block is read once per tile.
  *
- * Scores: a run of blocks (QK_VECS vectors of keys) is transposed, so keys lie along the vector lanes, and
- * the tile's queries are transposed once per work item, so each query value is one broadcast that feeds
- * QK_VECS FMAs. Probabilities · V: block by block, V rows as they are, a few rows' sums in registers.
- * A token's arithmetic does not depend on the tile (same operations in the same order for every token),
- * so each token's result is the same in any batch. With kv_bf16 the caches hold bf16: each block's rows
- * that the tile reads are widened to float32 once per work item, and the float32 code runs on that.
- * A sequence's chunk takes the tile path when it has at least min_tile_query_len query tokens, by its own
- * length, so all its tokens alike; shorter chunks (decodes, speculative verifications) take the token path,
- * whose per-token arithmetic is a lone decode's.
- * Returns 0, or -1 when scratch memory could not be allocated. */
+ * Two paths, chosen per sequence by its chunk's own length, so all tokens of a chunk alike:
+ * - token path (chunks under min_tile_query_len tokens: decodes, speculative verifications): each token's
+ *   rows against K/V rows as stored, one transpose-add tree per 16 keys; a token gets a lone decode's bits.
+ * - tile path (longer prompt chunks): scores as a small GEMM (a run of blocks is transposed so keys lie along
+ *   the vector lanes, the tile's queries are transposed once, and each broadcast query value feeds QK_VECS
+ *   FMAs); probabilities · V block by block with PV_ROWS rows sharing each V load; the softmax's 1/sum is
+ *   applied to the output rows.
+ * On either path a token's arithmetic does not depend on the tile or the batch (keys past a token's position
+ * get weight 0 and add exact zeros), so each token's result is the same in any batch. With kv_bf16 the caches
+ * hold bf16: each block's rows that the tile reads are widened to float32 once per work item, and the float32
+ * code runs on that. Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
                         const void *key_cache, const void *value_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
@@ -507,8 +510,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         float *zeros = calloc((size_t)token_stride, sizeof(float));        /* stands in for missing key rows */
         float *norm = malloc(sizeof(float) * (size_t)(num_kv_heads * ldq)); /* 1 / each tile row's softmax sum */
         const int ok = scores != NULL && acc != NULL && kt != NULL && qt != NULL && zeros != NULL && norm != NULL &&
-                       key_rows != NULL &&
-                       (!kv_bf16 || widened != NULL);
+                       key_rows != NULL && (!kv_bf16 || widened != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -573,7 +575,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                 for (int b = 0; b < nb; ++b) {
                     const int rows = keys - b * block_size < block_size ? keys - b * block_size : block_size;
                     const float *kb = block_as_f32(kf32, kb16, table[b0 + b] * block_stride, rows * token_stride,
-                                                   widened + (kv_bf16 ? b * block_stride : 0));
+                                                   kv_bf16 ? widened + b * block_stride : NULL);
                     if (b0 + b + 1 < num_blocks)
                         prefetch_bytes((const char *)key_cache + (int64_t)table[b0 + b + 1] * block_bytes, block_bytes);
                     for (int j = 0; j < rows; ++j) key_rows[b * block_size + j] = kb + j * token_stride;
@@ -593,7 +595,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             if (num_blocks > 0)
                 prefetch_bytes((const char *)value_cache + (int64_t)table[0] * block_bytes, block_bytes);
             for (int h = 0; h < num_kv_heads; ++h)
-                for (int r = 0; r < rows_all; ++r) { /* softmax, normalised in place */
+                for (int r = 0; r < rows_all; ++r) { /* softmax (the tile path applies its 1 / sum to the outputs) */
                     float *row = scores + h * head_rows + (int64_t)r * max_len;
                     const int len = len0 + r / group;
                     const float m = row_max(row, len);
