@@ -92,15 +92,18 @@ class Scheduler:
         return self.config.max_num_batched_tokens or self.config.max_model_len
 
     def add_seq_group(self, group: SequenceGroup) -> None:
-        if self._order is _arrival_order:
-            self.waiting.append(group)
-        else:
-            self._insert_ordered(self.waiting, group)
+        self._enqueue(self.waiting, group)
 
-    def _insert_ordered(self, queue: deque[SequenceGroup], group: SequenceGroup) -> None:
-        """Put `group` into `queue` (kept sorted by the policy's order) after every group that comes before it
-        or ties with it."""
-        queue.insert(bisect.bisect_right(queue, self._order(group), key=self._order), group)
+    def _enqueue(self, queue: deque[SequenceGroup], group: SequenceGroup, ahead: bool = False) -> None:
+        """Queue `group`. FCFS: at the back, or with `ahead` at the front (a preempted group arrived before
+        every waiting one). Priority policy: at its place in the queue's (priority, arrival) order, after the
+        groups that tie with it."""
+        if self._order is not _arrival_order:
+            queue.insert(bisect.bisect_right(queue, self._order(group), key=self._order), group)
+        elif ahead:
+            queue.appendleft(group)
+        else:
+            queue.append(group)
 
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -336,10 +339,7 @@ class Scheduler:
             out.blocks_to_swap_out.extend(self.block_manager.swap_out(group))
             for seq in group.unfinished_seqs():
                 seq.status = SequenceStatus.SWAPPED
-            if self._order is _arrival_order:
-                self.swapped.append(group)
-            else:
-                self._insert_ordered(self.swapped, group)
+            self._enqueue(self.swapped, group)
             self.num_swap_preemptions += 1
         else:
             # Recompute: drop the KV cache; prompt + generated tokens become the new prompt.
@@ -347,10 +347,7 @@ class Scheduler:
                 self.block_manager.free(seq)
                 seq.reset_for_recompute()
                 seq.status = SequenceStatus.WAITING
-            if self._order is _arrival_order:
-                self.waiting.appendleft(group)  # it arrived before every waiting group
-            else:
-                self._insert_ordered(self.waiting, group)
+            self._enqueue(self.waiting, group, ahead=True)
             self.num_recompute_preemptions += 1
 
     # -- bookkeeping after a step -----------------------------------------------------------
