@@ -73,7 +73,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.block_manager = make_kv_cache_manager(scheduler_config, cache_config)
         self.waiting: deque[SequenceGroup] = deque()
-        # The order groups are served in: (arrival,) under FCFS, (priority, arrival) under the priority policy.
+        # The order groups are served in: arrival under FCFS, (priority, arrival) under the priority policy.
         self._order = _priority_order if scheduler_config.policy == "priority" else _arrival_order
         # Request-level batching: ids of the current batch's requests that have not finished.
         self._batch: set[str] = set()
@@ -375,8 +375,8 @@ def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: Cache
     )
 
 
-def _arrival_order(group: SequenceGroup) -> tuple[float]:
-    return (group.arrival_time,)
+def _arrival_order(group: SequenceGroup) -> float:
+    return group.arrival_time  # a plain float: this key sorts every running group every step
 
 
 def _priority_order(group: SequenceGroup) -> tuple[int, float]:
