@@ -1,9 +1,10 @@
 """CPU PagedAttention A/B: kernels/cpu/cpu_ops.c at a git revision against the working tree, same inputs, same run.
 
 Shapes of the bundled model (9 query / 3 KV heads of 64, block 16): a decode batch, speculative verification
-(4 sequences × 5 query tokens) and prompt chunks (64 tokens and more: the kernel's tile path). Each case runs 30 layers with a KV cache per layer (decode and
-verification: the caches do not fit the CPU's caches, as in a real step) and prints milliseconds per 30
-layers (best of several rounds) and whether both builds gave bit-identical outputs.
+(4 sequences × 5 query tokens) and prompt chunks (64 tokens and more: the kernel's tile path). Each case runs 30
+layers with a KV cache per layer (decode and verification: the caches do not fit the CPU's caches, as in a real
+step) and prints milliseconds per 30 layers (best of several rounds) and whether both builds gave bit-identical
+outputs.
 
     python benchmarks/cpu_attention_ab.py --base-rev cf66d30
 """

@@ -79,8 +79,9 @@ _HELP = {
                                   "(llguidance: faster masks, unbounded number precision).",
 }
 
-_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "quantization": QUANTIZATION_METHODS, "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS}
+_CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES,
+            "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS,
+            "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS}
 
 
 @dataclass

@@ -48,8 +48,9 @@ class RequestChecker:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer (lower is served first), got {priority!r}.")
         if priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(f"priority={priority} needs priority scheduling, which this engine does not run: start it "
-                             f"with scheduling_policy='priority' (--scheduling-policy priority), or leave priority at 0.")
+            raise ValueError(f"priority={priority} needs priority scheduling, which this engine does not run: "
+                             f"start it with scheduling_policy='priority' (--scheduling-policy priority), "
+                             f"or leave priority at 0.")
 
     def check_prompt_ids(self, token_ids: list[int]) -> None:
         if len(token_ids) == 0:

@@ -48,7 +48,8 @@ class LLM:
         prompt_list = self._as_prompt_list(prompts)
         params_list = _final_only(self._as_params_list(sampling_params, len(prompt_list)))
         if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError(f"priority has {len(priority)} values for {len(prompt_list)} prompts: give one per prompt.")
+            raise ValueError(f"priority has {len(priority)} values for {len(prompt_list)} prompts: "
+                             f"give one per prompt.")
         with fewer_young_collections():  # engine/gc_heap.py
             ids = self._add_all(prompt_list, params_list, priority)
             return self._run(ids, use_tqdm)

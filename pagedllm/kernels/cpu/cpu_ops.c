@@ -263,7 +263,8 @@ static inline void transpose_keys(const float *const *key_rows, int64_t ldk, int
  * each dot product is one chain of FMAs over d = 0 .. head_dim-1, in that order, whatever the tile. */
 static inline __attribute__((always_inline)) void score_rows(const float *restrict qt, int64_t ldq, const int N,
                                                              const float *restrict kt, int64_t ldk, int keys,
-                                                             int head_dim, float scale, float *out, int64_t out_stride) {
+                                                             int head_dim, float scale, float *out,
+                                                             int64_t out_stride) {
     vec acc[QK_ROWS][QK_VECS];
     for (int r = 0; r < N; ++r)
         for (int v = 0; v < QK_VECS; ++v) acc[r][v] = v_zero();
@@ -506,7 +507,8 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         float *widened = kv_bf16 ? malloc(sizeof(float) * (size_t)(run_blocks * block_stride)) : NULL;
         float *kt = malloc(sizeof(float) * (size_t)(token_stride * ldk)); /* a run of keys, transposed */
         const float **key_rows = malloc(sizeof(float *) * (size_t)ldk);     /* each key's row of the run */
-        float *qt = malloc(sizeof(float) * (size_t)(num_kv_heads * head_dim * ldq)); /* the tile's queries, transposed */
+        /* the tile's queries, transposed */
+        float *qt = malloc(sizeof(float) * (size_t)(num_kv_heads * head_dim * ldq));
         float *zeros = calloc((size_t)token_stride, sizeof(float));        /* stands in for missing key rows */
         float *norm = malloc(sizeof(float) * (size_t)(num_kv_heads * ldq)); /* 1 / each tile row's softmax sum */
         const int ok = scores != NULL && acc != NULL && kt != NULL && qt != NULL && zeros != NULL && norm != NULL &&
@@ -564,8 +566,8 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                     for (int j = j0; j < n; ++j)
                         for (int h = 0; h < num_kv_heads; ++h)
                             group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
-                                         group, head_dim, scale, scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j,
-                                         max_len);
+                                         group, head_dim, scale,
+                                         scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j, max_len);
                 }
             }
             for (int b0 = 0; tiled && b0 < num_blocks; b0 += run_blocks) { /* pass 1, tile path: a run of blocks */
