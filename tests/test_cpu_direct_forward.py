@@ -1,4 +1,5 @@
-"""The CPU direct forward (model/cpu_direct_forward.py) against the module path it replaces: bit-identical."""
+"""The CPU direct forward (model/cpu_direct_forward.py) against the module path it replaces: bit-identical,
+with GGUF linears (served quantized) and with dense float32 ones (oneDNN's packed GEMMs)."""
 from __future__ import annotations
 
 import pytest
@@ -13,11 +14,11 @@ from pagedllm.model.cpu_direct_forward import (
 from pagedllm.worker.model_input import SequenceChunk
 
 
-@pytest.fixture(scope="module")
-def llm():
+@pytest.fixture(scope="module", params=["gguf", "none"])
+def llm(request):
     from pagedllm import LLM
 
-    return LLM(quantization="gguf", num_gpu_blocks_override=128, max_num_seqs=4)
+    return LLM(quantization=request.param, num_gpu_blocks_override=128, max_num_seqs=4)
 
 
 def _runner(llm):
@@ -88,8 +89,13 @@ def test_built_only_where_it_applies(llm, monkeypatch):
     from pagedllm.model.layers.attention import TorchAttentionBackend
 
     assert LlamaDirectForward.build(model, TorchAttentionBackend()) is None
-    monkeypatch.setattr(model.model.layers[3].mlp.down_proj, "gguf_weight", None)  # one dense linear
-    assert LlamaDirectForward.build(model, runner.attn_backend) is None
+    down = model.model.layers[3].mlp.down_proj
+    if down.gguf_weight is not None:
+        monkeypatch.setattr(down, "gguf_weight", None)  # one dense linear among GGUF ones
+        assert LlamaDirectForward.build(model, runner.attn_backend) is None
+    else:
+        monkeypatch.setattr(down.weight, "data", down.weight.data.to(torch.bfloat16))  # not float32
+        assert LlamaDirectForward.build(model, runner.attn_backend) is None
     monkeypatch.undo()
     assert LlamaDirectForward.build(model, runner.attn_backend) is not None
     monkeypatch.setenv(DIRECT_FORWARD_ENV, "0")

@@ -453,3 +453,24 @@ def test_reloaded_weights_are_repacked(hf_model):
     weights["model.layers.0.mlp.down_proj.weight"] = new
     worker.load_weights(iter(weights.items()))
     torch.testing.assert_close(down.matmul(x, None), F.linear(x, new), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_linear.onednn_linear_available(), reason="torch built without oneDNN")
+def test_one_float32_row_runs_the_dense_weight(monkeypatch):
+    """A packed layer sends one float32 row to F.linear on its dense weight (exactly F.linear's bits) and
+    more rows to the packed GEMM."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
+    packed = cpu_linear.pack_linear_weight(w)
+    calls = []
+    real = cpu_linear.packed_linear
+    monkeypatch.setattr(cpu_linear, "packed_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    for shape in ((1, 80), (1, 1, 80), (2, 80)):
+        x = torch.randn(*shape, generator=g)
+        out = cpu_linear.cpu_linear_forward(x, w, packed, b)
+        assert out.shape == (*shape[:-1], 96)
+        if x.numel() == 80:
+            assert torch.equal(out, F.linear(x, w, b))
+        else:
+            torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    assert calls == [(2, 80)]

@@ -129,6 +129,17 @@ def _gemm(x: torch.Tensor, rows_run: int, packed_weight: torch.Tensor, bias: tor
     return y[:rows] if rows_run != rows else y
 
 
+def cpu_linear_forward(x: torch.Tensor, weight: torch.Tensor, packed_weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x Wᵀ + b for a layer holding both its dense `weight` and the packed copy: one float32 row (a
+    single sequence's decode step) runs ``F.linear`` on the dense weight, whose matrix-vector kernel streams
+    it faster than oneDNN's packed GEMM (1.2x a whole step of the bundled model, BENCHMARKS.md §41); any
+    other shape runs `packed_linear`."""
+    if weight.dtype == torch.float32 and x.numel() == x.shape[-1]:
+        return torch.nn.functional.linear(x, weight, bias)
+    return packed_linear(x, packed_weight, bias)
+
+
 def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x Wᵀ + b with W from `pack_linear_weight`; x is [..., in] in W's dtype.
 

@@ -9,9 +9,11 @@ what depends on the step (the batch's indices, once, not once per layer); then i
 kernels, in the same order, on the same inputs, into buffers reused across layers (and across steps of
 the same token count), so its outputs are bit-identical to the module path's.
 
-Built by the worker for float32 Llama-family models (Llama, Mistral, Qwen2) on the CPU when every linear
-is served as GGUF blocks (``--quantization gguf``) and the native kernels are loaded;
-``PAGEDLLM_CPU_DIRECT_FORWARD=0`` turns it off (the module path then runs every step).
+Built by the worker for float32 Llama-family models (Llama, Mistral, Qwen2) on the CPU when the native
+kernels are loaded and every linear is of one kind: GGUF blocks (``--quantization gguf``, the C GEMMs called
+by pointer) or dense float32 weights (an HF checkpoint or ``--quantization none``: the layer's own
+``forward``, i.e. oneDNN's packed GEMM, so the products are the module path's). ``PAGEDLLM_CPU_DIRECT_FORWARD=0``
+turns it off (the module path then runs every step).
 """
 from __future__ import annotations
 
@@ -33,14 +35,16 @@ DIRECT_FORWARD_ENV = "PAGEDLLM_CPU_DIRECT_FORWARD"
 
 @dataclass(frozen=True)
 class _Linear:
-    """A GGUF linear as the kernel takes it, and its bias (added in place after the product, if any)."""
+    """A linear as the step calls it: a GGUF one by pointer (its bias added in place after the product, if
+    any), or a dense float32 one through its layer's ``forward`` (`dense`; bias included)."""
 
     qtype: int
     data_ptr: int
     out_features: int
     in_features: int
     bias: torch.Tensor | None
-    weight: object  # the GGUFWeight: keeps its blocks alive
+    weight: object  # the GGUFWeight (keeps its blocks alive), or None for a dense linear
+    dense: nn.Module | None = None  # the layer of a dense float32 linear
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,13 @@ class LlamaDirectForward:
         self.final_norm, self.final_eps = inner.norm.weight, float(inner.norm.eps)
         self.max_position = attn.rotary_emb.cos_cache.shape[0]
         self.layers = [self._layer(layer) for layer in inner.layers]
-        methods = {lin.weight.gemm_method for lyr in self.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)}
+        linears = [lin for lyr in self.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)]
+        if len({lin.dense is None for lin in linears}) != 1:
+            raise ValueError("the linears mix GGUF blocks and dense weights")
+        methods = {"dense" if lin.dense is not None else lin.weight.gemm_method for lin in linears}
         if len(methods) != 1:
             raise ValueError(f"the GGUF linears use different GEMM designs {sorted(methods)}")
-        self.gemm_method = methods.pop()
+        self.gemm_method = methods.pop()  # "dense": every linear runs its layer's forward
         self.two_inter = self.layers[0].gate_up.out_features
         self._buffers: _Buffers | None = None
         # (caches, pointers, blocks, block_size, pool dtype)
@@ -130,22 +137,39 @@ class LlamaDirectForward:
         except (AttributeError, ValueError, TypeError, RuntimeError) as e:
             logger.info("CPU direct forward not used: %s", e)
             return None
-        logger.info("CPU direct forward: %d layers on the native + GGUF kernels (GEMM design %s)",
-                    len(fwd.layers), fwd.gemm_method)
+        if fwd.gemm_method == "dense":
+            logger.info("CPU direct forward: %d layers on the native kernels and float32 GEMMs", len(fwd.layers))
+        else:
+            logger.info("CPU direct forward: %d layers on the native + GGUF kernels (GEMM design %s)",
+                        len(fwd.layers), fwd.gemm_method)
         return fwd
 
     def _linear_of(self, module: nn.Module, in_features: int) -> _Linear:
-        w = getattr(module, "gguf_weight", None)
-        if w is None:
-            raise ValueError(f"{type(module).__name__} is not served as GGUF blocks")
         if getattr(getattr(module, "tp", None), "size", 1) != 1:
             raise ValueError("tensor parallelism")
+        w = getattr(module, "gguf_weight", None)
+        if w is None:
+            return self._dense_linear_of(module, in_features)
         if w.in_features != in_features:
             raise ValueError(f"a linear takes {w.in_features} features where {in_features} are expected")
         bias = module.bias
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.out_features,)):
             raise ValueError("a bias that is not float32 [out_features]")
         return _Linear(w.qtype, w.data_ptr, w.out_features, w.in_features, bias, w)
+
+    @staticmethod
+    def _dense_linear_of(module: nn.Module, in_features: int) -> _Linear:
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if not hasattr(module, "matmul") or getattr(module, "fp8_weight", None) is not None \
+                or weight is None or weight.dim() != 2:
+            raise ValueError(f"{type(module).__name__} is neither GGUF blocks nor a dense float32 linear")
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"a dense linear in {weight.dtype} on {weight.device.type} (float32 CPU weights only)")
+        if weight.shape[1] != in_features:
+            raise ValueError(f"a linear takes {weight.shape[1]} features where {in_features} are expected")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)):
+            raise ValueError("a bias that is not float32 [out_features]")
+        return _Linear(-1, 0, weight.shape[0], weight.shape[1], bias, None, module)
 
     def _layer(self, layer: nn.Module) -> _Layer:
         sa, mlp = layer.self_attn, layer.mlp
@@ -235,43 +259,50 @@ class LlamaDirectForward:
         if t == 0:
             return residual
         b = self._buffers_for(t)
-        method = cpu_quant.METHOD_CODES[cpu_quant.choose_method() if self.gemm_method == "auto" else self.gemm_method]
+        gemm = self.gemm_method
+        method = 0 if gemm == "dense" else cpu_quant.METHOD_CODES[cpu_quant.choose_method() if gemm == "auto" else gemm]
         rms, rope, attention, silu, linear = self._rms, self._rope, self._attention, self._silu, self._linear
         kv_bf16 = int(kv_dtype == torch.bfloat16)
         cache = self._cache_bf16 if kv_bf16 else self._cache
         min_tile = self.backend.min_tile_query_len
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
         hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.two_inter // 2
-        res, normed, qkv, att = residual.data_ptr(), b.normed.data_ptr(), b.qkv.data_ptr(), b.attn.data_ptr()
-        o, gu, act, down = b.o.data_ptr(), b.gate_up.data_ptr(), b.act.data_ptr(), b.down.data_ptr()
-        k_ptr, v_ptr = qkv + 4 * q, qkv + 4 * (q + kvs)
+        res, normed, att, act = residual.data_ptr(), b.normed.data_ptr(), b.attn.data_ptr(), b.act.data_ptr()
         pos, slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
         tables, lens, qsl = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr()
         table_stride, num_seqs = meta.block_tables.stride(0), meta.num_seqs
 
-        def run_linear(lin: _Linear, x: int, y: int, out: torch.Tensor) -> None:
-            rc = linear(lin.qtype, lin.data_ptr, lin.out_features, lin.in_features, x, t, y, method)
+        def run_linear(lin: _Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            """x Wᵀ + b as a contiguous [t, out_features] tensor: `out` (GGUF), or the dense GEMM's result."""
+            if lin.dense is not None:  # the layer's own forward: the module path's bits, bias included
+                return lin.dense.forward(x)
+            rc = linear(lin.qtype, lin.data_ptr, lin.out_features, lin.in_features, x.data_ptr(), t, out.data_ptr(),
+                        method)
             if rc:
                 raise RuntimeError(f"quant_linear failed with status {rc} (K={lin.in_features})")
             if lin.bias is not None:
                 out.add_(lin.bias)
+            return out
 
+        down_out = None  # the previous layer's MLP output (a tensor: it must outlive the next norm)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv)):
             eps1, eps2 = self.eps[i]
-            if i == 0:  # as the module path: residual = embedding; hidden = norm(embedding)
+            if down_out is None:  # as the module path: residual = embedding; hidden = norm(embedding)
                 rms(normed, 0, res, h, 0, 0, layer.ln1, t, h, eps1)
             else:  # residual += previous MLP output; hidden = norm(residual)
-                rms(normed, res, down, h, res, h, layer.ln1, t, h, eps1)
-            run_linear(layer.qkv, normed, qkv, b.qkv)
+                rms(normed, res, down_out.data_ptr(), h, res, h, layer.ln1, t, h, eps1)
+            qkv_out = run_linear(layer.qkv, b.normed, b.qkv)
+            qkv = qkv_out.data_ptr()
+            k_ptr, v_ptr = qkv + 4 * q, qkv + 4 * (q + kvs)
             rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
             cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
             if attention(att, q, qkv, qkv_w, key_cache, value_cache, tables, table_stride, lens, qsl, num_seqs,
                          hq, hk, d, block_size, self.scale, kv_bf16, min_tile):
                 raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
-            run_linear(layer.o, att, o, b.o)
-            rms(normed, res, o, h, res, h, layer.ln2, t, h, eps2)
-            run_linear(layer.gate_up, normed, gu, b.gate_up)
-            silu(act, gu, 2 * inter, t, inter)
-            run_linear(layer.down, act, down, b.down)
-        rms(normed, res, down, h, res, h, self.final_norm.data_ptr(), t, h, self.final_eps)
+            o_out = run_linear(layer.o, b.attn, b.o)
+            rms(normed, res, o_out.data_ptr(), h, res, h, layer.ln2, t, h, eps2)
+            gu_out = run_linear(layer.gate_up, b.normed, b.gate_up)
+            silu(act, gu_out.data_ptr(), 2 * inter, t, inter)
+            down_out = run_linear(layer.down, b.act, b.down)
+        rms(normed, res, down_out.data_ptr(), h, res, h, self.final_norm.data_ptr(), t, h, self.final_eps)
         return b.normed

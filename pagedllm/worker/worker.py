@@ -184,7 +184,7 @@ class Worker:
         backend = self.attn_backend()
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
-        if self.quantization == "gguf" and self.device.type == "cpu":
+        if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
             from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 
             self.model_runner.direct_forward = LlamaDirectForward.build(self.model, backend)

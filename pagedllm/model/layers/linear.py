@@ -53,7 +53,7 @@ class PackableGemm:
 
             return fp8_linear.fp8_linear(x, self.fp8_weight, self.fp8_scale, bias, x.dtype)
         if self.packed_weight is not None:
-            return cpu_linear.packed_linear(x, self.packed_weight, bias)
+            return cpu_linear.cpu_linear_forward(x, self.weight, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
 
 
