@@ -129,10 +129,11 @@ def _end_to_end(llm: LLM, n: int, repeats: int) -> dict:
             "round_ratios": [p / c for p, c in zip(t_plain, t_cons)]}
 
 
-def _ttft_while_compiling(llm: LLM, n_plain: int = 8) -> dict:
+def _ttft_while_compiling(llm: LLM, n_plain: int = 8, prompt: str = "JSON:") -> dict:
     """Plain requests decode; a request with a never-seen schema arrives alone, so the steps while its grammar
     compiles are the plain requests' decode steps (TPOT before vs during the compile). Then, under the same load,
-    a plain twin of it arrives: the new request's TTFT is bounded by the twin's TTFT plus the compile time."""
+    a plain twin of it arrives: the new request's TTFT is bounded by the twin's TTFT plus the compile time (its
+    prompt runs, all but the last token, while the grammar compiles, so a long prompt hides the compile)."""
     eng = llm.llm_engine
     for i in range(n_plain):
         eng.add_request(f"plain{i}", f"Story {i}:", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
@@ -163,12 +164,12 @@ def _ttft_while_compiling(llm: LLM, n_plain: int = 8) -> dict:
               "required": []}
     during: list[float] = []
     t_add = time.perf_counter()
-    group = eng.add_request("new_schema", "JSON:", SamplingParams(
+    group = eng.add_request("new_schema", prompt, SamplingParams(
         temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema)))
     ttft_new = first_token("new_schema", t_add, during, group.extra["grammar_future"])
     step_times(3)
     t_add = time.perf_counter()
-    eng.add_request("plain_twin", "JSON:", SamplingParams(temperature=0, max_tokens=8))
+    eng.add_request("plain_twin", prompt, SamplingParams(temperature=0, max_tokens=8))
     ttft_plain = first_token("plain_twin", t_add)
     eng.abort_request([f"plain{i}" for i in range(n_plain)] + ["new_schema", "plain_twin"])
     while eng.has_unfinished_requests():
@@ -187,6 +188,9 @@ def main() -> None:
     ap.add_argument("--mask-steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3, help="end-to-end rounds of each batch, timed alternately")
     ap.add_argument("--ttft-repeats", type=int, default=5, help="new-schema TTFT samples (medians are printed)")
+    ap.add_argument("--ttft-prompt-words", type=int, default=0,
+                    help="the new-schema request's (and its twin's) prompt: this many words of filler text before "
+                         "'JSON:' (0: just 'JSON:')")
     ap.add_argument("--backend", default="xgrammar", choices=["xgrammar", "guidance"],
                     help="the engine's backend for the TTFT and end-to-end parts")
     ap.add_argument("--no-async-scheduling", action="store_true",
@@ -212,10 +216,13 @@ def main() -> None:
     when = "at start-up" if llm.llm_engine.executor.device.type != "cpu" else "here (lazily on CPU)"
     print(f"[engine] {args.backend} tokenizer tables built in "
           f"{1e3 * (so.init_seconds or 0):.0f} ms {when}, before any request", flush=True)
-    samples = [_ttft_while_compiling(llm) for _ in range(args.ttft_repeats)]
+    filler = " ".join(("the quick brown fox jumps over the lazy dog " * (args.ttft_prompt_words // 9 + 1)).split()
+                      [:args.ttft_prompt_words])
+    prompt = f"{filler} JSON:" if filler else "JSON:"
+    samples = [_ttft_while_compiling(llm, prompt=prompt) for _ in range(args.ttft_repeats)]
     t = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
     excess = ", ".join(f"{s['ttft_new_ms'] - s['ttft_plain_ms'] - s['compile_ms']:+.1f}" for s in samples)
-    print(f"[new schema] median of {len(samples)} fresh schemas: TTFT {t['ttft_new_ms']:.1f} ms vs plain twin "
+    print(f"[new schema] prompt of {len(llm.get_tokenizer().encode(prompt))} tokens; median of {len(samples)} fresh schemas: TTFT {t['ttft_new_ms']:.1f} ms vs plain twin "
           f"{t['ttft_plain_ms']:.1f} ms + compile {t['compile_ms']:.1f} ms = "
           f"{t['ttft_plain_ms'] + t['compile_ms']:.1f} ms bound (each: TTFT - bound {excess} ms); others' step time "
           f"{t['tpot_before_ms']:.2f} ms before vs {t['tpot_during_ms']:.2f} ms (max {t['tpot_during_max_ms']:.2f}) "

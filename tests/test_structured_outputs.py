@@ -156,8 +156,8 @@ def test_grammar_that_cannot_finish_ends_with_length(llm):
 
 
 def test_compiling_request_waits_without_stalling_others(llm):
-    """While a new grammar compiles (slowed down here), other requests keep decoding; the constrained one is
-    not scheduled, then runs once its grammar is ready."""
+    """While a new grammar compiles (slowed down here), other requests keep decoding; the constrained one's
+    prompt runs meanwhile up to its last token, and it samples only once its grammar is ready."""
     engine = llm.llm_engine
     manager = engine.structured_output
     real_compile = manager.backend.compile
@@ -171,7 +171,8 @@ def test_compiling_request_waits_without_stalling_others(llm):
     threads = torch.get_num_threads()
     try:
         engine.add_request("plain", "Tell me a story", SamplingParams(temperature=0, max_tokens=12))
-        engine.add_request("json", "JSON:", SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
+        prompt = "Answer in JSON whether you had to wait for the grammar to compile. JSON:"
+        group = engine.add_request("json", prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
             json={"type": "object", "properties": {"waited": {"type": "boolean"}}, "required": ["waited"]})))
         finished: dict[str, object] = {}
         while "plain" not in finished:
@@ -179,6 +180,9 @@ def test_compiling_request_waits_without_stalling_others(llm):
                 if out.finished:
                     finished[out.request_id] = out
         assert "json" not in finished and any(g.request_id == "json" for g in engine._awaiting_grammar)
+        seq = group.seqs[0]
+        assert seq.num_computed_tokens == len(seq.prompt_token_ids) - 1 and not seq.output_token_ids
+        assert engine.get_num_unfinished_requests() == 1
         # A CPU engine's forward pass leaves a core to the compile thread meanwhile, and takes it back after.
         on_cpu = engine.executor.device.type == "cpu"
         assert torch.get_num_threads() == (max(1, threads - 1) if on_cpu else threads)
@@ -193,6 +197,34 @@ def test_compiling_request_waits_without_stalling_others(llm):
         release.set()
     assert json.loads(finished["json"].outputs[0].text) in ({"waited": True}, {"waited": False})
     assert torch.get_num_threads() == threads
+
+
+def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm):
+    """Aborted while its grammar compiles and its prompt has run: its blocks come back, nothing is left over,
+    and the compile finishing later changes nothing."""
+    engine = llm.llm_engine
+    manager = engine.structured_output
+    real_compile = manager.backend.compile
+    release = threading.Event()
+    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
+    try:
+        group = engine.add_request("doomed", "Describe a cat in JSON, with its name and age. JSON:", SamplingParams(
+            temperature=0, max_tokens=20, structured_outputs=SO(json={"type": "object", "properties": {
+                "aborted": {"type": "integer"}}, "required": ["aborted"]})))
+        for _ in range(3):
+            engine.step()
+        assert group.seqs[0].num_computed_tokens > 0 and llm.stats()["kv_blocks_free"] < llm.stats()["kv_blocks_total"]
+        engine.abort_request("doomed")
+        release.set()
+        time.sleep(0.2)
+        engine.step()
+        assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+        assert group.is_finished() and not engine._awaiting_grammar
+    finally:
+        manager.backend.compile = real_compile
+        release.set()
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
 def test_failed_compile_aborts_the_request_also_from_the_cache(llm, monkeypatch):

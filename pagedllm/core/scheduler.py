@@ -166,8 +166,9 @@ class Scheduler:
         """Tokens each unfinished sequence of the group would run this step (may be 0)."""
         demand = []
         chunked = self.config.enable_chunked_prefill
+        hold = 0 if group.may_sample else 1  # a group that may not sample keeps its last token back
         for seq in group.unfinished_seqs():
-            want = seq.num_uncomputed_tokens
+            want = seq.num_uncomputed_tokens - hold
             n = want if want <= token_budget else (token_budget if chunked else 0)
             demand.append((seq, n))
             token_budget -= n
@@ -279,7 +280,9 @@ class Scheduler:
             else:
                 needed = sum(bm.num_blocks_to_grow(s, n) for s, n in demand if n)
             status = bm.can_admit(group, needed)
-            idle = sum(n for _, n in demand) == 0 and not new_batch
+            # A group that may not sample yet is admitted even with nothing to run (its prompt minus the last
+            # token came from the prefix cache): it waits in `running` instead of blocking the queue.
+            idle = sum(n for _, n in demand) == 0 and not new_batch and group.may_sample
             if idle or status is not AllocStatus.OK:
                 if status is AllocStatus.NEVER and not self.running and not self.swapped and not out.scheduled:
                     self.waiting.popleft()

@@ -134,6 +134,9 @@ class SequenceGroup:
     arrival_time: float
     prompt: str | None = None
     priority: int = 0  # under the "priority" scheduling policy: lower values are served first
+    # False while the group may not sample yet (its structured-output grammar still compiles): the scheduler
+    # runs its prompt up to, not including, the last token, whose step would sample.
+    may_sample: bool = True
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

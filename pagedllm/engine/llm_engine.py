@@ -212,10 +212,15 @@ class LLMEngine:
         if grammar is not None:
             if grammar.done() and grammar.exception() is None:  # cached
                 group.extra["structured_output"] = grammar.result()
-            else:  # stays unscheduled until its grammar is ready (or has failed); others keep running
+            else:
+                # Its prompt, all but the last token, runs while the grammar compiles (the last token's step
+                # samples: it waits for the grammar). Others keep running; a failed compile aborts it.
                 group.extra["grammar_future"] = grammar
                 self._awaiting_grammar.append(group)
-                return group
+                group.may_sample = False
+                if len(token_ids) < 2:
+                    return group  # nothing to run before the grammar is ready: enters the scheduler then
+                group.extra["grammar_prefill"] = True
         self.scheduler.add_seq_group(group)
         return group
 
@@ -260,7 +265,8 @@ class LLMEngine:
             for group in [g for g in self._awaiting_grammar if g.request_id == rid]:
                 self._awaiting_grammar.remove(group)
                 for seq in group.seqs:
-                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    if not seq.is_finished():  # (the scheduler has freed those it held)
+                        seq.status = SequenceStatus.FINISHED_ABORTED
         if self._torch_threads is not None:
             self._share_cores_with_compiles()  # the last compiling request may be gone: all threads back
 
@@ -268,11 +274,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished_seqs() or self._inflight is not None or bool(self._awaiting_grammar)
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_seq_groups() + len(self._awaiting_grammar)
+        return self.scheduler.get_num_unfinished_seq_groups() + len(self._grammar_only())
+
+    def _grammar_only(self) -> list[SequenceGroup]:
+        """Requests waiting for their grammar outside the scheduler (one-token prompts)."""
+        return [g for g in self._awaiting_grammar if not g.extra.get("grammar_prefill")]
 
     def _all_groups(self):
         s = self.scheduler
-        return itertools.chain(s.waiting, s.running, s.swapped, self._awaiting_grammar)
+        return itertools.chain(s.waiting, s.running, s.swapped, self._grammar_only())
 
     def _share_cores_with_compiles(self) -> None:
         """CPU engine: one torch thread fewer while a grammar compiles (on its own core), all of them otherwise."""
@@ -290,17 +300,25 @@ class LLMEngine:
         outputs, still = [], []
         for group in self._awaiting_grammar:
             fut = group.extra["grammar_future"]
+            if group.is_finished():  # ended meanwhile (in the scheduler: ignored, aborted)
+                continue
             if not fut.done():
                 still.append(group)
-            elif fut.exception() is not None:
+                continue
+            in_scheduler = group.extra.pop("grammar_prefill", False)
+            del group.extra["grammar_future"]
+            if fut.exception() is not None:
                 logger.error("request %s: its grammar failed to compile: %s", group.request_id, fut.exception())
+                if in_scheduler:
+                    self.scheduler.abort_seq_group(group.request_id)  # frees its prompt's blocks
                 for seq in group.seqs:
                     seq.status = SequenceStatus.FINISHED_ABORTED
                 outputs.append(self.output_processor.make_output(group))
-            else:
-                # The compiled grammar itself from here on: the step reads it for every constrained row.
-                group.extra["structured_output"] = fut.result()
-                del group.extra["grammar_future"]
+                continue
+            # The compiled grammar itself from here on: the step reads it for every constrained row.
+            group.extra["structured_output"] = fut.result()
+            group.may_sample = True
+            if not in_scheduler:
                 self.scheduler.add_seq_group(group)
         self._awaiting_grammar = still
         return outputs

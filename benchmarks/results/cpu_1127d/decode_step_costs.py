@@ -1,5 +1,5 @@
 """Where a 64-sequence float32 decode step goes (issue 18's workload shape): linears, attention, rest, LM head."""
-import sys, time, torch
+import sys, time
 from pagedllm import LLM
 from pagedllm.worker.model_input import SequenceChunk
 kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "auto"

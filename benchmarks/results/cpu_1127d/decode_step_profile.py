@@ -1,5 +1,5 @@
 """torch.profiler of a 64-sequence float32 decode step on the module path (issue 18's workload shape)."""
-import sys, time, torch
+import sys, time
 from torch.profiler import profile, ProfilerActivity
 from pagedllm import LLM
 from pagedllm.worker.model_input import SequenceChunk

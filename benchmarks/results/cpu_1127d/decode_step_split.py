@@ -1,8 +1,7 @@
 """A 64-sequence float32 decode step on the module path, split into linears / attention / the rest (issue 18)."""
-import sys, time, torch
+import sys, time
 from pagedllm import LLM
 from pagedllm.model.layers import linear as L
-from pagedllm.model.layers import attention as A
 from pagedllm.worker.model_input import SequenceChunk
 kv_dtype = sys.argv[1] if len(sys.argv) > 1 else "auto"
 llm = LLM(quantization="none", max_model_len=1024, num_gpu_blocks_override=2048, kv_cache_dtype=kv_dtype)

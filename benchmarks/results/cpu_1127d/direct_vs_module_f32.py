@@ -1,6 +1,6 @@
 """float32 (--quantization none) decode/prefill forward: the direct forward against the module path, alternating
 in one process (same engine, same inputs); checks the hidden states are bit-identical."""
-import sys, time, torch
+import time, torch
 from pagedllm import LLM
 from pagedllm.worker.model_input import SequenceChunk
 llm = LLM(quantization="none", max_model_len=1024, num_gpu_blocks_override=2048)

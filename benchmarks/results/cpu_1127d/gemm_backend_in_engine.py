@@ -1,6 +1,6 @@
 """float32 direct-forward steps (+ LM head) with oneDNN-packed and MKL-packed linears: two engines in one process,
 alternating rounds (10), the median of the per-round ratios and each side's best; tokens' hidden states compared (allclose, not bits: the GEMMs differ)."""
-import os, sys, time, torch
+import os, time, torch
 from pagedllm import LLM
 from pagedllm.worker.model_input import SequenceChunk
 engines = {}
