@@ -155,10 +155,14 @@ def test_grammar_that_cannot_finish_ends_with_length(llm):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text.rstrip("<|im_end|>") in ("alpha", "beta")
 
 
-def test_compiling_request_waits_without_stalling_others(llm):
+@pytest.mark.parametrize("prefill_while_compiling", [True, False], ids=["prefill", "wait"])
+def test_compiling_request_waits_without_stalling_others(llm, prefill_while_compiling, monkeypatch):
     """While a new grammar compiles (slowed down here), other requests keep decoding; the constrained one's
-    prompt runs meanwhile up to its last token, and it samples only once its grammar is ready."""
+    prompt runs meanwhile up to its last token (the GPU engine's default; a CPU engine's waits), and it samples
+    only once its grammar is ready."""
     engine = llm.llm_engine
+    assert engine._prefill_while_compiling == (engine.executor.device.type != "cpu")
+    monkeypatch.setattr(engine, "_prefill_while_compiling", prefill_while_compiling)
     manager = engine.structured_output
     real_compile = manager.backend.compile
     release = threading.Event()
@@ -172,8 +176,9 @@ def test_compiling_request_waits_without_stalling_others(llm):
     try:
         engine.add_request("plain", "Tell me a story", SamplingParams(temperature=0, max_tokens=12))
         prompt = "Answer in JSON whether you had to wait for the grammar to compile. JSON:"
+        key = "waited" if prefill_while_compiling else "waited_too"  # a schema of its own per run: not cached
         group = engine.add_request("json", prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
-            json={"type": "object", "properties": {"waited": {"type": "boolean"}}, "required": ["waited"]})))
+            json={"type": "object", "properties": {key: {"type": "boolean"}}, "required": [key]})))
         finished: dict[str, object] = {}
         while "plain" not in finished:
             for out in engine.step():
@@ -181,7 +186,8 @@ def test_compiling_request_waits_without_stalling_others(llm):
                     finished[out.request_id] = out
         assert "json" not in finished and any(g.request_id == "json" for g in engine._awaiting_grammar)
         seq = group.seqs[0]
-        assert seq.num_computed_tokens == len(seq.prompt_token_ids) - 1 and not seq.output_token_ids
+        assert seq.num_computed_tokens == (len(seq.prompt_token_ids) - 1 if prefill_while_compiling else 0)
+        assert not seq.output_token_ids
         assert engine.get_num_unfinished_requests() == 1
         # A CPU engine's forward pass leaves a core to the compile thread meanwhile, and takes it back after.
         on_cpu = engine.executor.device.type == "cpu"
@@ -195,14 +201,15 @@ def test_compiling_request_waits_without_stalling_others(llm):
     finally:
         manager.backend.compile = real_compile
         release.set()
-    assert json.loads(finished["json"].outputs[0].text) in ({"waited": True}, {"waited": False})
+    assert json.loads(finished["json"].outputs[0].text) in ({key: True}, {key: False})
     assert torch.get_num_threads() == threads
 
 
-def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm):
+def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm, monkeypatch):
     """Aborted while its grammar compiles and its prompt has run: its blocks come back, nothing is left over,
     and the compile finishing later changes nothing."""
     engine = llm.llm_engine
+    monkeypatch.setattr(engine, "_prefill_while_compiling", True)
     manager = engine.structured_output
     real_compile = manager.backend.compile
     release = threading.Event()
@@ -227,24 +234,30 @@ def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm):
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
-def test_failed_compile_aborts_the_request_also_from_the_cache(llm, monkeypatch):
+@pytest.mark.parametrize("prefill_while_compiling", [True, False], ids=["prefill", "wait"])
+def test_failed_compile_aborts_the_request_also_from_the_cache(llm, monkeypatch, prefill_while_compiling):
     """A grammar whose compile fails (after its schema validated) ends its request as aborted, and so does a
-    later request with the same schema, which finds the failed compile in the cache; other requests finish."""
+    later request with the same schema, which finds the failed compile in the cache; other requests finish, and
+    the blocks of a prompt that ran meanwhile come back."""
     engine = llm.llm_engine
+    monkeypatch.setattr(engine, "_prefill_while_compiling", prefill_while_compiling)
     backend = engine.structured_output.backend
     real_compile = backend.compile
 
     def failing_compile(built):
         if "doomed" in str(built):
+            time.sleep(0.2)  # steps run meanwhile (with prefill_while_compiling, the prompt's)
             raise RuntimeError("compile failed on purpose")
         return real_compile(built)
 
     monkeypatch.setattr(backend, "compile", failing_compile)
-    schema = {"type": "object", "properties": {"doomed": {"type": "integer"}}, "required": ["doomed"]}
+    name = f"doomed_{prefill_while_compiling}"  # a schema of its own per run (a failed compile stays cached)
+    schema = {"type": "object", "properties": {name: {"type": "integer"}}, "required": [name]}
     doomed = SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(json=schema))
-    first = llm.generate(["JSON:"], doomed, use_tqdm=False)[0]
+    prompt = "Describe today's weather as a JSON object. JSON:"
+    first = llm.generate([prompt], doomed, use_tqdm=False)[0]
     assert first.outputs[0].finish_reason == "abort" and not first.outputs[0].token_ids
-    outs = llm.generate(["JSON:", "Hello"], [doomed, SamplingParams(temperature=0, max_tokens=5)], use_tqdm=False)
+    outs = llm.generate([prompt, "Hello"], [doomed, SamplingParams(temperature=0, max_tokens=5)], use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "abort"
     assert len(outs[1].outputs[0].token_ids) == 5
     st = llm.stats()

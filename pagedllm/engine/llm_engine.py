@@ -102,6 +102,11 @@ class LLMEngine:
                                      torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32), rows)
             self.structured_output.reserve_buffers(self.config.scheduler_config.max_num_seqs)
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
+        # Their prompts run meanwhile (all but the last token) on a GPU, where the compile has host cores of its
+        # own. A CPU engine gives a core to the compile and runs steps one thread narrower meanwhile: a prompt
+        # there would run at half speed past the compile's end, which made time to first token worse
+        # (BENCHMARKS.md §41), so it waits for its grammar there.
+        self._prefill_while_compiling = self.executor.device.type != "cpu"
         self.output_processor = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -218,7 +223,7 @@ class LLMEngine:
                 group.extra["grammar_future"] = grammar
                 self._awaiting_grammar.append(group)
                 group.may_sample = False
-                if len(token_ids) < 2:
+                if len(token_ids) < 2 or not self._prefill_while_compiling:
                     return group  # nothing to run before the grammar is ready: enters the scheduler then
                 group.extra["grammar_prefill"] = True
         self.scheduler.add_seq_group(group)
