@@ -84,7 +84,8 @@ def direct_forward_enabled() -> bool:
 class LlamaDirectForward:
     """``model.forward`` for a Llama-family model on the CPU's native and GGUF kernels (see module doc)."""
 
-    def __init__(self, model: nn.Module, cpu_kernels, quant_kernels: cpu_quant.QuantKernels, attn_backend) -> None:
+    def __init__(self, model: nn.Module, cpu_kernels, quant_kernels: cpu_quant.QuantKernels | None,
+                 attn_backend) -> None:
         inner = model.model
         self.model = model
         self.embed_tokens = inner.embed_tokens
@@ -92,7 +93,7 @@ class LlamaDirectForward:
         self.kernels = cpu_kernels
         self._rms, self._rope, self._cache, self._attention, self._silu = cpu_kernels.c_functions()
         self._cache_bf16 = cpu_kernels.cache_writer(torch.bfloat16)  # --kv-cache-dtype bfloat16
-        self._linear = quant_kernels.c_functions()[0]
+        self._linear = quant_kernels.c_functions()[0] if quant_kernels is not None else None  # GGUF linears
         first = inner.layers[0]
         attn = first.self_attn
         self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
@@ -133,7 +134,8 @@ class LlamaDirectForward:
             logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
             return None
         try:
-            fwd = cls(model, attn_backend.kernels, cpu_quant.load_quant_kernels(), attn_backend)
+            gguf = any(getattr(m, "gguf_weight", None) is not None for m in model.modules())
+            fwd = cls(model, attn_backend.kernels, cpu_quant.load_quant_kernels() if gguf else None, attn_backend)
         except (AttributeError, ValueError, TypeError, RuntimeError) as e:
             logger.info("CPU direct forward not used: %s", e)
             return None
