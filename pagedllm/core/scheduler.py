@@ -169,6 +169,8 @@ class Scheduler:
         hold = 0 if group.may_sample else 1  # a group that may not sample keeps its last token back
         for seq in group.unfinished_seqs():
             want = seq.num_uncomputed_tokens - hold
+            if want < 0:  # held with nothing uncomputed (never expected: the last token is always computed)
+                want = 0
             n = want if want <= token_budget else (token_budget if chunked else 0)
             demand.append((seq, n))
             token_budget -= n
