@@ -234,6 +234,40 @@ def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm, monkeyp
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
 
+def test_a_lone_held_prompt_waits_for_its_grammar_instead_of_spinning(llm, monkeypatch):
+    """When the only work left is a prompt held at its last token, a step blocks on the compile (as with no work
+    at all) instead of returning at once, so the step loop does not spin against the compile thread."""
+    import pagedllm.engine.llm_engine as engine_module
+
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine, "_prefill_while_compiling", True)
+    manager = engine.structured_output
+    real_compile = manager.backend.compile
+    release = threading.Event()
+    waits = []
+    real_wait = engine_module.wait_futures
+    monkeypatch.setattr(engine_module, "wait_futures", lambda *a, **k: (waits.append(1), real_wait(*a, **k))[1])
+    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
+    try:
+        group = engine.add_request("lone", "Give me a JSON object with a single flag in it. JSON:", SamplingParams(
+            temperature=0, max_tokens=10, structured_outputs=SO(json={"type": "object", "properties": {
+                "lone": {"type": "boolean"}}, "required": ["lone"]})))
+        engine.step()  # the prompt's first part runs: no wait
+        seq = group.seqs[0]
+        assert seq.num_computed_tokens == len(seq.prompt_token_ids) - 1 and not waits
+        for _ in range(2):
+            engine.step()
+        assert len(waits) == 2 and not seq.output_token_ids
+        release.set()
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        manager.backend.compile = real_compile
+        release.set()
+    text = engine.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    assert json.loads(text) in ({"lone": True}, {"lone": False})
+
+
 @pytest.mark.parametrize("prefill_while_compiling", [True, False], ids=["prefill", "wait"])
 def test_failed_compile_aborts_the_request_also_from_the_cache(llm, monkeypatch, prefill_while_compiling):
     """A grammar whose compile fails (after its schema validated) ends its request as aborted, and so does a

@@ -295,12 +295,20 @@ class LLMEngine:
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
+    def _only_held_prompts_left(self) -> bool:
+        """The scheduler has nothing to run but prompts held at their last token (their grammars compile)."""
+        s = self.scheduler
+        for group in itertools.chain(s.waiting, s.running, s.swapped):
+            if group.may_sample or any(seq.num_uncomputed_tokens > 1 for seq in group.unfinished_seqs()):
+                return False
+        return True
+
     def _admit_compiled(self) -> list[RequestOutput]:
         """Move requests whose grammar finished compiling into the scheduler (a failed compile ends the
         request as aborted; validation already caught bad input in add_request)."""
         if not self._awaiting_grammar:
             return []
-        if not self.scheduler.has_unfinished_seqs() and self._inflight is None:  # nothing else to do: wait a bit
+        if self._inflight is None and self._only_held_prompts_left():  # nothing else to do: wait a bit
             wait_futures([g.extra["grammar_future"] for g in self._awaiting_grammar], 0.05, FIRST_COMPLETED)
         outputs, still = [], []
         for group in self._awaiting_grammar:

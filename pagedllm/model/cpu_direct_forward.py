@@ -60,18 +60,17 @@ class _Layer:
 
 
 class _Buffers:
-    """One step's activations for `t` tokens, reused by every layer."""
+    """One step's activations for `t` tokens, reused by every layer. The linears' outputs only where the
+    step writes them (GGUF kernels); dense linears return fresh tensors."""
 
-    def __init__(self, t: int, hidden: int, qkv: int, q: int, two_inter: int) -> None:
+    def __init__(self, t: int, hidden: int, qkv: int, q: int, two_inter: int, linear_outputs: bool) -> None:
         f32 = torch.float32
         self.t = t
         self.normed = torch.empty((t, hidden), dtype=f32)
-        self.qkv = torch.empty((t, qkv), dtype=f32)
         self.attn = torch.empty((t, q), dtype=f32)
-        self.o = torch.empty((t, hidden), dtype=f32)
-        self.gate_up = torch.empty((t, two_inter), dtype=f32)
         self.act = torch.empty((t, two_inter // 2), dtype=f32)
-        self.down = torch.empty((t, hidden), dtype=f32)
+        out = (lambda width: torch.empty((t, width), dtype=f32)) if linear_outputs else (lambda width: None)
+        self.qkv, self.o, self.gate_up, self.down = out(qkv), out(hidden), out(two_inter), out(hidden)
 
 
 def direct_forward_enabled() -> bool:
@@ -232,7 +231,8 @@ class LlamaDirectForward:
     def _buffers_for(self, t: int) -> _Buffers:
         b = self._buffers
         if b is None or b.t != t:
-            b = self._buffers = _Buffers(t, self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.two_inter)
+            b = self._buffers = _Buffers(t, self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.two_inter,
+                                         linear_outputs=self.gemm_method != "dense")
         return b
 
     def _check_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -274,7 +274,7 @@ class LlamaDirectForward:
         tables, lens, qsl = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr()
         table_stride, num_seqs = meta.block_tables.stride(0), meta.num_seqs
 
-        def run_linear(lin: _Linear, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        def run_linear(lin: _Linear, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
             """x Wᵀ + b as a contiguous [t, out_features] tensor: `out` (GGUF), or the dense GEMM's result."""
             if lin.dense is not None:  # the layer's own forward: the module path's bits, bias included
                 return lin.dense.forward(x)
