@@ -255,9 +255,9 @@ def test_a_lone_held_prompt_waits_for_its_grammar_instead_of_spinning(llm, monke
         engine.step()  # the prompt's first part runs: no wait
         seq = group.seqs[0]
         assert seq.num_computed_tokens == len(seq.prompt_token_ids) - 1 and not waits
-        for _ in range(2):
+        for _ in range(4):  # (with asynchronous scheduling the first of them completes the step in flight)
             engine.step()
-        assert len(waits) == 2 and not seq.output_token_ids
+        assert len(waits) >= 3 and not seq.output_token_ids
         release.set()
         while engine.has_unfinished_requests():
             engine.step()
