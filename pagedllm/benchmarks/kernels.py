@@ -59,10 +59,19 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def bench_graph(fn, reps: int = 200, warmup: int = 10) -> tuple[float, bool]:
+FLUSH_MODES = ("write", "read", "none")
+
+
+def bench_graph(fn, reps: int = 200, warmup: int = 10, flush: str = "read") -> tuple[float, bool]:
     """Median ms of one call, timed as a CUDA-graph replay between device events with L2 flushed before
     each (so host launch overhead is out of the number, as the engine's decode graphs will take it out).
-    Falls back to triton's do_bench if the call cannot be captured. → (ms, captured)."""
+    `flush`: "read" (default) reads a 256 MiB buffer, which leaves L2 full of clean lines, as a decode
+    step's kernels find it (they follow GEMMs that read weights and write little); "write" zeroes it, as
+    triton's do_bench does, which leaves L2 full of dirty lines whose write-back the timed call pays for
+    (~10 µs on an H100, BENCHMARKS.md §42.1); "none" does not flush. Falls back to triton's do_bench if
+    the call cannot be captured. → (ms, captured)."""
+    if flush not in FLUSH_MODES:
+        raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}.")
     from triton.testing import do_bench
 
     for _ in range(3):
@@ -80,13 +89,17 @@ def bench_graph(fn, reps: int = 200, warmup: int = 10) -> tuple[float, bool]:
         torch.cuda.synchronize()
     except RuntimeError:
         return do_bench(fn, warmup=25, rep=100, return_mode="median"), False
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    buf = torch.zeros(256 << 20, dtype=torch.int8, device="cuda")
+    words = buf.view(torch.int32)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for _ in range(warmup):
         graph.replay()
     for i in range(reps):
-        flush.zero_()
+        if flush == "write":
+            buf.zero_()
+        elif flush == "read":
+            words.amax()
         starts[i].record()
         graph.replay()
         ends[i].record()
