@@ -447,11 +447,14 @@ def test_reloaded_weights_are_repacked(hf_model):
     worker = llm.llm_engine.executor.driver_worker
     down = worker.model.model.layers[0].mlp.down_proj
     assert down.packed_weight is not None
-    x = torch.randn(5, down.weight.shape[1])
-    new = torch.randn_like(down.weight)
+    out_features, in_features = down.weight_shape()  # float32: the dense copy is released after packing
+    x = torch.randn(5, in_features)
+    new = torch.randn(out_features, in_features)
     weights = dict(hf_model.state_dict())
     weights["model.layers.0.mlp.down_proj.weight"] = new
     worker.load_weights(iter(weights.items()))
+    torch.testing.assert_close(down.matmul(x, None), F.linear(x, new), atol=1e-4, rtol=1e-4)
+    x = torch.randn(300, in_features)  # oneDNN's row counts
     torch.testing.assert_close(down.matmul(x, None), F.linear(x, new), atol=1e-4, rtol=1e-4)
 
 

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model.layers.linear import restore_dense_weights
 from pagedllm.model.models.registry import get_model_class, get_model_max_len, get_sliding_window
 from pagedllm.worker.worker import kv_geometry
 
@@ -225,9 +226,11 @@ def test_original_hub_checkpoint_names(name: str, build, tmp_path: Path) -> None
 
 
 def test_weights_loaded_exactly(build) -> None:
-    """Spot-check the layout conversions: GPT-2's transposed Conv1D, OPT's merged q/k/v, Qwen2's biases."""
+    """Spot-check the layout conversions: GPT-2's transposed Conv1D, OPT's merged q/k/v, Qwen2's biases. (float32
+    linears on the CPU release their dense copy after packing; `restore_dense_weights` rebuilds it exactly.)"""
     gpt2 = build("gpt2")
     m = _model(LLM(model=str(gpt2.path), num_gpu_blocks_override=4, **ENGINE_KW))
+    restore_dense_weights(m)
     c_attn = gpt2.state["transformer.h.1.attn.c_attn.weight"]  # [in, 3·out]
     torch.testing.assert_close(m.transformer.h[1].attn.c_attn.weight, c_attn.t(), rtol=0, atol=0)
     torch.testing.assert_close(m.transformer.h[1].mlp.c_fc.weight, gpt2.state["transformer.h.1.mlp.c_fc.weight"].t(),
@@ -236,6 +239,7 @@ def test_weights_loaded_exactly(build) -> None:
 
     opt = build("opt-350m-style")
     m = _model(LLM(model=str(opt.path), num_gpu_blocks_override=4, **ENGINE_KW))
+    restore_dense_weights(m)
     layer = "model.decoder.layers.2.self_attn."
     expect = torch.cat([opt.state[layer + f"{p}_proj.weight"] for p in "qkv"])
     torch.testing.assert_close(m.model.decoder.layers[2].self_attn.qkv_proj.weight, expect, rtol=0, atol=0)

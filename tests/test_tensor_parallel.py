@@ -96,9 +96,9 @@ def test_tiny_model_kv_replication_tp2_matches_tp1(tiny_llama_dir, tiny_referenc
         model = executor.driver.worker.model
         qkv = model.model.layers[0].self_attn.qkv_proj
         # 2 of 4 query heads + the one replicated KV head (k and v) on this rank.
-        assert tuple(qkv.weight.shape) == ((2 + 1 + 1) * 16, 64)
+        assert tuple(qkv.weight_shape()) == ((2 + 1 + 1) * 16, 64)
         assert executor.driver.worker.cache_engine.gpu_cache[0][0].shape[2] == 1
-        assert tuple(model.lm_head.weight.shape) == (128, 64)  # ceil(255 / 2) vocab rows
+        assert tuple(model.lm_head.weight_shape()) == (128, 64)  # ceil(255 / 2) vocab rows
         out = _tokens(llm.generate(TINY_PROMPTS, _tiny_params(), use_tqdm=False))
         stats = llm.stats()
         executor.check_health()
@@ -121,7 +121,7 @@ def test_bundled_model_tp2_matches_tp1():
     llm = LLM(tensor_parallel_size=2, **kw)  # backend defaults to mp
     try:
         qkv = llm.llm_engine.executor.driver.worker.model.model.layers[0].self_attn.qkv_proj
-        assert tuple(qkv.weight.shape) == ((6 + 2 + 2) * 64, 576)
+        assert tuple(qkv.weight_shape()) == ((6 + 2 + 2) * 64, 576)
         got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     finally:
         llm.llm_engine.executor.shutdown()

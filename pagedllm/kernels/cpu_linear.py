@@ -7,7 +7,9 @@ weight packed once, at load time, into its blocked layout: on a 2-core AVX-512 E
 model's float32 GEMMs at 2-3.7x the rate of ``F.linear`` (BENCHMARKS.md, "CPU GEMM"). Arithmetic
 stays float32 (bfloat16 for bfloat16 weights); only the summation order differs from ``F.linear``.
 
-``PAGEDLLM_CPU_GEMM=torch`` turns packing off (every linear then runs ``F.linear``), for comparison.
+``PAGEDLLM_CPU_GEMM``: ``auto`` (default) packs for oneDNN and also runs float32 linears of few rows on the
+native kernel of kernels/cpu_f32_gemm.py; ``onednn`` packs for oneDNN only; ``torch`` turns packing off (every
+linear then runs ``F.linear``), for comparison.
 
 bfloat16 packing needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT): without it torch's reorder raises inside
 oneDNN. Where the CPU, or the level forced by ``PAGEDLLM_CPU_ISA`` (kernels/cpu_isa.py), lacks them,
@@ -34,20 +36,29 @@ from pagedllm.kernels import cpu_isa
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)  # what oneDNN can pack on some CPU; see packable_dtypes()
 GEMM_ENV = "PAGEDLLM_CPU_GEMM"
-GEMM_CHOICES = ("onednn", "torch")
+GEMM_CHOICES = ("auto", "onednn", "torch")
 EXACT_ROWS = 16  # decode-sized GEMMs keep their exact shape (no wasted rows where steps are shortest)
 BUCKETS_PER_OCTAVE = 8
 SPLIT_ROWS = 512  # from here a remainder GEMM (one more read of the weight) costs less than padding
 
 
-def cpu_gemm_backend() -> str:
-    """'onednn' when oneDNN's packed linear is usable here and not turned off, else 'torch'."""
-    choice = os.environ.get(GEMM_ENV, "onednn").strip().lower()
+def gemm_choice() -> str:
+    choice = os.environ.get(GEMM_ENV, "auto").strip().lower()
     if choice not in GEMM_CHOICES:
         raise ValueError(f"{GEMM_ENV}={choice!r} is not one of {GEMM_CHOICES}")
-    if choice == "onednn" and onednn_linear_available():
+    return choice
+
+
+def cpu_gemm_backend() -> str:
+    """'onednn' when oneDNN's packed linear is usable here and not turned off, else 'torch'."""
+    if gemm_choice() != "torch" and onednn_linear_available():
         return "onednn"
     return "torch"
+
+
+def f32_small_rows_wanted() -> bool:
+    """Whether float32 linears of few rows should run the native kernel (kernels/cpu_f32_gemm.py)."""
+    return gemm_choice() == "auto"
 
 
 def onednn_linear_available() -> bool:

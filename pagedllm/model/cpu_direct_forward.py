@@ -162,15 +162,16 @@ class LlamaDirectForward:
     def _dense_linear_of(module: nn.Module, in_features: int) -> _Linear:
         weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
         if not hasattr(module, "matmul") or getattr(module, "fp8_weight", None) is not None \
-                or weight is None or weight.dim() != 2:
+                or weight is None or (weight.dim() != 2 and getattr(module, "dense_shape", None) is None):
             raise ValueError(f"{type(module).__name__} is neither GGUF blocks nor a dense float32 linear")
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"a dense linear in {weight.dtype} on {weight.device.type} (float32 CPU weights only)")
-        if weight.shape[1] != in_features:
-            raise ValueError(f"a linear takes {weight.shape[1]} features where {in_features} are expected")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)):
+        out_features, in_w = module.weight_shape() if hasattr(module, "weight_shape") else weight.shape
+        if in_w != in_features:
+            raise ValueError(f"a linear takes {in_w} features where {in_features} are expected")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
             raise ValueError("a bias that is not float32 [out_features]")
-        return _Linear(-1, 0, weight.shape[0], weight.shape[1], bias, None, module)
+        return _Linear(-1, 0, out_features, in_w, bias, None, module)
 
     def _layer(self, layer: nn.Module) -> _Layer:
         sa, mlp = layer.self_attn, layer.mlp

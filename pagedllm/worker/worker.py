@@ -17,7 +17,7 @@ from pagedllm.model.layers.attention import (
     TorchAttentionBackend,
     TritonAttentionBackend,
 )
-from pagedllm.model.layers.linear import pack_weights_for_cpu, quantize_weights_fp8
+from pagedllm.model.layers.linear import pack_weights_for_cpu, quantize_weights_fp8, restore_dense_weights
 from pagedllm.model.layers.quantized_linear import (
     attach_gguf_weights,
     log_attach_report,
@@ -121,6 +121,7 @@ class Worker:
         if self.quantization == "gguf":
             raise ValueError("load_weights cannot replace GGUF-quantized weights; build the engine with "
                              "quantization='none' to load other weights.")
+        restore_dense_weights(self.model)  # loaders write the dense weights that packing may have released
         self.model.load_weights(weights)
         self.process_weights_after_loading()
 
@@ -145,8 +146,17 @@ class Worker:
             logger.warning("bfloat16 weights: %s; the linear layers fall back to F.linear in bfloat16 (slow "
                            "here: --dtype float32 runs packed oneDNN GEMMs and the native kernels)", why)
             return "torch (bfloat16 without AVX-512: see the warning above)"
-        pack_weights_for_cpu(self.model)
-        return "onednn (packed weights)"
+        f32_gemm = None
+        if self.dtype == torch.float32 and cpu_linear.f32_small_rows_wanted() \
+                and cpu_kernels.kernels_choice() != "torch":
+            from pagedllm.kernels.cpu_f32_gemm import load_f32_gemm
+
+            f32_gemm = load_f32_gemm()
+        pack_weights_for_cpu(self.model, f32_gemm)
+        if f32_gemm is None:
+            return "onednn (packed weights)"
+        return (f"onednn (packed weights); up to {f32_gemm.max_rows} rows on the native float32 GEMM "
+                f"({f32_gemm.isa} build)")
 
     def cache_block_size_bytes(self) -> int:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)

@@ -6,6 +6,7 @@ takes the full checkpoint tensor and keeps only this rank's shard, so no rank ho
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,21 +17,51 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup, divide, sha
 from pagedllm.kernels import cpu_linear
 
 if TYPE_CHECKING:
+    from pagedllm.kernels.cpu_f32_gemm import F32Gemm
     from pagedllm.kernels.cpu_quant import GGUFWeight
 
 
 class PackableGemm:
     """A layer whose `weight` [out, in] may also be held packed for oneDNN (CPU path, see
     kernels/cpu_linear.py). The packed copy is made after loading and on every reload; the dense
-    `weight` stays the one that loaders write and that tied embeddings read."""
+    `weight` stays the one that loaders write and that tied embeddings read.
+
+    float32 weights on the CPU are also packed into the panels of kernels/cpu_f32_gemm.py (the GEMM of
+    decode-sized row counts). The dense copy is then released where nothing else reads it (not tied to an
+    embedding), so the layer still holds two copies: `restore_dense_weight` rebuilds it from the panels,
+    exactly, before weights are reloaded."""
 
     packed_weight: torch.Tensor | None = None
+    f32_panels: torch.Tensor | None = None  # float32 on the CPU: cpu_f32_gemm's panels
+    f32_gemm: "F32Gemm | None" = None  # the build that packed them
+    dense_shape: tuple[int, int] | None = None  # [out, in] while the dense copy is released
     fp8_weight: torch.Tensor | None = None  # --quantization fp8: [out, in] e4m3 and its [1, out] scales
     fp8_scale: torch.Tensor | None = None
     gguf_weight: "GGUFWeight | None" = None  # --quantization gguf: the GGUF blocks (layers/quantized_linear.py)
 
-    def pack_weight_for_cpu(self) -> None:
+    def pack_weight_for_cpu(self, f32_gemm: "F32Gemm | None" = None, release_dense: bool = False) -> None:
+        """oneDNN's copy; with `f32_gemm` and a float32 weight also its panels, and with `release_dense`
+        the dense copy is dropped (its shape kept)."""
+        self.restore_dense_weight()
         self.packed_weight = cpu_linear.pack_linear_weight(self.weight)
+        self.f32_panels = self.f32_gemm = None
+        if f32_gemm is None or self.weight.dtype != torch.float32:
+            return
+        self.f32_panels, self.f32_gemm = f32_gemm.pack(self.weight.detach().contiguous()), f32_gemm
+        if release_dense:
+            self.dense_shape = (self.weight.shape[0], self.weight.shape[1])
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
+
+    def restore_dense_weight(self) -> None:
+        """Rebuild a released dense weight from the panels (bit for bit)."""
+        if self.dense_shape is None:
+            return
+        self.weight.data = self.f32_gemm.unpack(self.f32_panels, *self.dense_shape)
+        self.dense_shape = None
+
+    def weight_shape(self) -> tuple[int, int]:
+        """[out, in], also while the dense copy is released."""
+        return self.dense_shape or (self.weight.shape[0], self.weight.shape[1])
 
     def quantize_weight_fp8(self) -> bool:
         """Quantize `weight` to e4m3 (per output channel); the bf16 copy is dropped. False if the shape
@@ -52,6 +83,8 @@ class PackableGemm:
             from pagedllm.kernels import fp8_linear
 
             return fp8_linear.fp8_linear(x, self.fp8_weight, self.fp8_scale, bias, x.dtype)
+        if self.f32_panels is not None and x.numel() <= self.f32_gemm.max_rows * x.shape[-1]:
+            return self.f32_gemm.linear(x, self.f32_panels, self.weight_shape()[0], bias)
         if self.packed_weight is not None:
             return cpu_linear.cpu_linear_forward(x, self.weight, self.packed_weight, bias)
         return F.linear(x, self.weight, bias)
@@ -64,11 +97,24 @@ def quantize_weights_fp8(model: nn.Module) -> int:
                if isinstance(layer, PackableGemm) and not name.endswith("lm_head"))
 
 
-def pack_weights_for_cpu(model: nn.Module) -> int:
-    """Pack every PackableGemm layer's weight for oneDNN; returns how many were packed."""
+def restore_dense_weights(model: nn.Module) -> None:
+    """Before reloading: every layer's released dense weight rebuilt from its panels."""
+    for m in model.modules():
+        if isinstance(m, PackableGemm):
+            m.restore_dense_weight()
+
+
+def pack_weights_for_cpu(model: nn.Module, f32_gemm: "F32Gemm | None" = None) -> int:
+    """Pack every PackableGemm layer's weight for oneDNN (and float32 ones into `f32_gemm`'s panels, their
+    dense copy released unless another module shares it); returns how many were packed."""
+    from pagedllm.model.layers.embedding import VocabParallelEmbedding
+
+    uses = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
     layers = [m for m in model.modules() if isinstance(m, PackableGemm) and m.gguf_weight is None]
     for layer in layers:
-        layer.pack_weight_for_cpu()
+        layer.restore_dense_weight()
+        shared = isinstance(layer, VocabParallelEmbedding) or uses[layer.weight.data_ptr()] > 1
+        layer.pack_weight_for_cpu(f32_gemm, release_dense=not shared)
     return len(layers)
 
 

@@ -191,6 +191,7 @@ def resident_weight_bytes(model: nn.Module) -> int:
         w = getattr(m, "gguf_weight", None)
         add(w.data if w is not None else None)
         add(getattr(m, "packed_weight", None))
+        add(getattr(m, "f32_panels", None))
     return total
 
 
@@ -203,6 +204,9 @@ def num_parameters(model: nn.Module) -> int:
         if w is not None and id(w) not in seen:
             seen.add(id(w))
             total += w.out_features * w.in_features
+        shape = getattr(m, "dense_shape", None)  # a float32 weight held as panels (layers/linear.py)
+        if shape is not None:
+            total += shape[0] * shape[1]
     return total
 
 
