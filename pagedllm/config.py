@@ -185,7 +185,8 @@ class SpeculativeConfig:
     # bandwidth-bound; measured in BENCHMARKS.md, see the README section).
     disable_by_batch_size: int = 16
     # A sequence whose recent acceptance rate (exponential average) falls below this stops
-    # speculating for `cooldown_steps` steps, then tries again.
+    # speculating for `cooldown_steps` steps, then tries again (asynchronous engines, or the "fixed"
+    # policy; a synchronous engine's goodput rule weighs acceptance every step: spec_decoder._may_speculate).
     min_acceptance_rate: float = 0.2
     cooldown_steps: int = 16
     # "goodput": per step, verify the draft tokens that raise the expected tokens per second, from measured

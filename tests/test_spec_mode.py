@@ -113,3 +113,25 @@ def test_worth_syncing_only_for_a_sequence_whose_host_tokens_already_match():
     assert dec.worth_syncing()
     copying.extra["structured_output"] = object()  # constrained sequences never speculate
     assert not dec.worth_syncing()
+
+
+@pytest.mark.parametrize("async_steps,policy,cools_down", [(False, "goodput", False), (False, "fixed", True),
+                                                           (True, "goodput", True)])
+def test_the_acceptance_cooldown_holds_where_speculating_costs_more_than_its_rows(async_steps, policy, cools_down):
+    """A synchronous engine's goodput rule already weighs a sequence's acceptance every step, so there a
+    cooled-down sequence may still speculate; asynchronous engines and the fixed policy keep the cooldown."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import SpeculativeConfig
+    from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+    from pagedllm.spec_decode.spec_decoder import SpecDecoder
+
+    seq = Sequence(0, [1, 2, 3], [4], status=SequenceStatus.RUNNING)
+    group = SequenceGroup("r", [seq], None, 0.0, extra={})
+    dec = SpecDecoder(SpeculativeConfig(draft_length_policy=policy), SimpleNamespace(running=[group]), None, 1024,
+                      async_steps=async_steps)
+    assert dec._may_speculate(seq, group)
+    seq.extra["spec_resume_at"] = 10  # low acceptance: cooling down until 10 output tokens
+    assert dec._may_speculate(seq, group) is not cools_down
+    group.extra["beam"] = object()  # beam search never speculates, cooldown or not
+    assert not dec._may_speculate(seq, group)
