@@ -331,3 +331,14 @@ def test_greedy_identical_on_off_with_gguf_quantized_weights(tokenizer, monkeypa
             # the goodput policy (the default) timed decode steps of several sizes: plain and verifying
             assert len(llm.llm_engine.spec_decoder.step_cost.times) >= 2
     assert outs[True] == outs[False]
+
+
+def test_benchmark_slices_keep_their_concurrency():
+    """The on/off benchmark's interleaved slices hold at least 2 × concurrency prompts where there are enough."""
+    from pagedllm.benchmarks.spec_decode import slice_rounds
+
+    assert slice_rounds(100, 4, 5) == 5
+    assert slice_rounds(10, 4, 3) == 1  # 3 slices of 3-4 prompts would mostly run fewer than 4 sequences
+    assert slice_rounds(24, 4, 3) == 3
+    assert slice_rounds(10, 1, 3) == 3
+    assert slice_rounds(1, 64, 5) == 1

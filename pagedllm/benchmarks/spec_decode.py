@@ -136,12 +136,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
+def slice_rounds(num_prompts: int, concurrency: int, rounds: int) -> int:
+    """At most `rounds` slices, each of at least 2 × `concurrency` prompts where there are that many: a closed
+    loop keeps `concurrency` requests in flight only while its slice has requests left to add, so a slice of
+    fewer prompts than that (10 prompts in 3 slices at 4 concurrent) would mostly run fewer sequences."""
+    fewer = max(1, num_prompts // (2 * concurrency))
+    if fewer < rounds:
+        logger.info("%d prompts at %d concurrent: %d interleaved slices instead of %d (a slice holds at least "
+                    "%d prompts)", num_prompts, concurrency, fewer, rounds, 2 * concurrency)
+    return max(1, min(rounds, fewer))
+
+
 def _measure(engines: dict, name: str, prompts: list[list[int]], params: list[SamplingParams], concurrency: int,
              rounds: int, results: dict, outputs: dict, repeats: int = 1) -> None:
     """Run the workload on both engines in `rounds` interleaved slices (off, on, off, on, ...) so that a
     change in the machine's load hits both sides alike; sums the times. `repeats`: the whole workload that
     many times per engine, alternating (for workloads whose concurrency needs all of their requests)."""
     n = len(prompts)
+    rounds = slice_rounds(n, concurrency, rounds)
     cuts = [n * r // rounds for r in range(rounds + 1)]
     for label, engine in engines.items():
         results[label] = {"seconds": 0.0, "output_tokens": 0, "_before": engine.stats()}
