@@ -109,8 +109,9 @@ class SpecDecoder:
         The cooldown holds only where steps are asynchronous, or drafts are verified whatever they cost (the
         "fixed" policy). A synchronous engine with the goodput rule already weighs each sequence's recent
         acceptance against the measured cost of its rows every step, and a cooled-down sequence there only
-        lost the spans it would have copied (float32 CPU, 4 concurrent: 1.39× → 1.56× without it,
-        BENCHMARKS.md §42.4); on an asynchronous engine not speculating also keeps the steps overlapped."""
+        lost the spans it would have copied (float32 CPU, up to 4 concurrent: 1.39× → 1.56× of plain decoding
+        without it, BENCHMARKS.md §42.4); on an asynchronous engine not speculating also keeps the steps
+        overlapped."""
         if not seq.output_token_ids or "beam" in group.extra or "structured_output" in group.extra:
             return False
         if self.mode is None and self.config.draft_length_policy == "goodput":
