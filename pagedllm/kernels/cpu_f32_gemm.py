@@ -16,7 +16,7 @@ import ctypes
 import functools
 import logging
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,25 +43,20 @@ class F32Gemm:
     lib: ctypes.CDLL
     path: Path
     isa: str
+    panel_width: int = field(init=False)
+    tile_rows: int = field(init=False)
+    max_rows: int = field(init=False)  # the largest row count this build takes (more go to oneDNN)
 
     def __post_init__(self) -> None:
         self.lib.f32_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]
         self.lib.f32_gemm.restype = ctypes.c_int
         self.lib.f32_gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
         self.lib.f32_gemm_pack.restype = None
-
-    @property
-    def panel_width(self) -> int:
-        return self.lib.f32_gemm_panel_width()
-
-    @property
-    def tile_rows(self) -> int:
-        return self.lib.f32_gemm_tile_rows()
-
-    @property
-    def max_rows(self) -> int:
-        """The largest row count this build takes (more go to oneDNN)."""
-        return self.tile_rows * (TILES_AVX512 if self.isa.startswith("avx512") else TILES_OTHER)
+        # Read once: every linear call consults them (a ctypes call costs ~1 µs on the per-step path).
+        tiles = TILES_AVX512 if self.isa.startswith("avx512") else TILES_OTHER
+        object.__setattr__(self, "panel_width", self.lib.f32_gemm_panel_width())
+        object.__setattr__(self, "tile_rows", self.lib.f32_gemm_tile_rows())
+        object.__setattr__(self, "max_rows", self.tile_rows * tiles)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """A float32 CPU weight [n, k] → its panels (a flat float32 tensor of ceil(n / panel_width) · k ·

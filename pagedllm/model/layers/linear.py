@@ -109,10 +109,10 @@ def pack_weights_for_cpu(model: nn.Module, f32_gemm: "F32Gemm | None" = None) ->
     dense copy released unless another module shares it); returns how many were packed."""
     from pagedllm.model.layers.embedding import VocabParallelEmbedding
 
+    restore_dense_weights(model)  # a repack: sharing is judged on the real weights
     uses = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
     layers = [m for m in model.modules() if isinstance(m, PackableGemm) and m.gguf_weight is None]
     for layer in layers:
-        layer.restore_dense_weight()
         shared = isinstance(layer, VocabParallelEmbedding) or uses[layer.weight.data_ptr()] > 1
         layer.pack_weight_for_cpu(f32_gemm, release_dense=not shared)
     return len(layers)
