@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.model.layers.inverse_cdf import SampleGenerator, inverse_cdf_sample, uniforms
 from pagedllm.model.layers.sampler import (
     SamplingRow,
     apply_min_p,
@@ -89,7 +90,7 @@ def verify(
     rows: list[SamplingRow],
     drafts: list[int],
     draft_probs: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    generator: SampleGenerator | None = None,
 ) -> VerifyResult:
     """Accept a prefix of `drafts` given the target's k+1 rows of raw logits (rows[i]: the sampling state
     after drafts[:i]). `draft_probs` [k, vocab]: the proposer's distributions (None: one-hot at the drafts)."""
@@ -110,7 +111,7 @@ def verify(
     d = torch.tensor(drafts, device=dev, dtype=torch.long)
     p_d = probs[idx, d]
     q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs[idx, d].to(p_d.dtype)
-    u = torch.rand(k, device=dev, generator=generator, dtype=p_d.dtype)
+    u = uniforms(k, generator).to(dev, p_d.dtype)
     accept = (u * q_d <= p_d).tolist()  # u < p/q without dividing by a zero q
     n = 0
     while n < k and accept[n]:
@@ -126,5 +127,5 @@ def verify(
         total = last.sum()
         if float(total) <= 0.0:  # p == q: a rejection has probability 0; guard against rounding
             last = probs[n]
-    tok = int(torch.multinomial(last, 1, generator=generator).item())
+    tok = int(inverse_cdf_sample(last.unsqueeze(0), uniforms(1, generator).to(dev)).item())
     return VerifyResult(drafts[:n] + [tok], n)

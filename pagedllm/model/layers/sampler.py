@@ -6,10 +6,12 @@ Pipeline per call (stages are skipped entirely when no row needs them):
 2. ``min_tokens``: EOS and ``stop_token_ids`` masked to ``-inf``,
 3. temperature,
 4. top-k, top-p, min-p,
-5. sampling: greedy rows take ``argmax``; random rows use the Gumbel-max trick
-   ``argmax(probs / q)`` with ``q ~ Exponential(1)``; ``q`` is drawn with the row's
-   own generator for seeded rows, so their samples depend only on the seed and
-   the row's history, never on the rest of the batch.
+5. sampling: greedy rows take ``argmax``; random rows on a GPU use the Gumbel-max race
+   ``argmax(probs / q)``, ``q ~ Exponential(1)``; on a CPU (and for rows whose generator
+   draws on the host) one uniform per sample picks the token where it falls in the row's
+   cumulative distribution (``inverse_cdf.py``). A seeded row draws from its own
+   generator, so its samples depend only on the seed and the row's history, never on
+   the rest of the batch.
 
 Log-probs are computed from the *raw* logits (before any processing).
 All device -> host traffic is one non-blocking copy into pinned memory, read by
@@ -18,6 +20,7 @@ All device -> host traffic is one non-blocking copy into pinned memory, read by
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from itertools import chain
 
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from pagedllm.device_utils import async_tensor_h2d
+from pagedllm.model.layers.inverse_cdf import SampleGenerator, draw_uniforms, inverse_cdf_sample
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -34,8 +38,10 @@ _NEG_INF = float("-inf")
 class SamplingRow:
     """One row of the logits batch plus what is needed to sample from it.
 
-    ``generator`` must live on the logits' device (``None`` -> torch's default
-    generator). ``num_samples`` > 1 draws that many tokens independently (with
+    ``generator`` (``None``: torch's default generator) gives the row's random
+    numbers: a torch generator on the logits' device (the engine's on a GPU: the
+    race's exponentials), or a ``random.Random`` (the engine's on a CPU) / CPU torch
+    generator, which draws one uniform per sample on the host. ``num_samples`` > 1 draws that many tokens independently (with
     replacement) from this row, e.g. when a parallel-sampling request forks
     at the end of its prompt.
     """
@@ -43,7 +49,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None
+    generator: SampleGenerator | None = None
     num_samples: int = 1
     eos_token_ids: tuple[int, ...] = ()
 
@@ -270,8 +276,49 @@ class SamplerOutput:
         return results, self.full
 
 
+def _race(probs: torch.Tensor, seeded: list[tuple[int, int, torch.Generator]]) -> torch.Tensor:
+    """Gumbel-max race: ``argmax(probs / q)``, ``q ~ Exponential(1)``; rows ``start .. start + count`` of each
+    span draw ``q`` from its generator (on the probs' device), the others from the device's default one.
+    ``probs`` is overwritten."""
+    q = torch.empty_like(probs)
+    if not seeded:
+        q.exponential_()  # one launch for the batch
+    else:
+        covered = [False] * probs.shape[0]
+        for start, count, gen in seeded:
+            if not isinstance(gen, torch.Generator) or gen.device.type != probs.device.type:
+                raise ValueError(f"race sampling draws on {probs.device}; a generator there is needed, got {gen!r}")
+            q[start:start + count].exponential_(generator=gen)
+            covered[start:start + count] = [True] * count
+        rest = [r for r, c in enumerate(covered) if not c]
+        if rest:
+            q[async_tensor_h2d(rest, torch.long, probs.device)] = torch.empty(
+                (len(rest), probs.shape[1]), dtype=q.dtype, device=probs.device).exponential_()
+    q.clamp_(min=torch.finfo(q.dtype).tiny)  # q == 0 would make 0/0 = NaN win the argmax
+    return probs.div_(q).argmax(dim=-1)
+
+
 class Sampler:
-    """Samples one or more next tokens per row of a logits batch."""
+    """Samples one or more next tokens per row of a logits batch.
+
+    ``random_sampling``: how random rows draw. "auto": inverse-CDF sampling (one uniform per sample,
+    ``inverse_cdf.py``) on a CPU, where the race's exponential per vocabulary entry costs ~1 ms per row,
+    and for any row whose generator draws on the host; on a GPU the Gumbel-max race, whose exponentials
+    are cheap there and which needs one launch per seeded row against ~20 small launches for the
+    inverse-CDF path. "race" / "inverse_cdf" force one (the random-sampling benchmark's peer and ablation).
+    """
+
+    def __init__(self, random_sampling: str = "auto") -> None:
+        if random_sampling not in ("auto", "race", "inverse_cdf"):
+            raise ValueError(f"random_sampling must be 'auto', 'race' or 'inverse_cdf', got {random_sampling!r}")
+        self.random_sampling = random_sampling
+
+    def _by_race(self, gen: SampleGenerator | None, device: torch.device) -> bool:
+        if self.random_sampling != "auto":
+            return self.random_sampling == "race"
+        if device.type == "cpu":
+            return False
+        return gen is None or (isinstance(gen, torch.Generator) and gen.device.type == device.type)
 
     def __call__(
         self,
@@ -399,50 +446,55 @@ class Sampler:
 
         n_greedy = sum(greedy)
         tokens: torch.Tensor | None = None
+        raw_logsumexp: torch.Tensor | None = None
         if n_greedy:
             g = x.argmax(dim=-1)
             tokens = g.index_select(0, flat_rows_t) if flat_rows_t is not None else g
         if n_greedy < num_rows:
-            # Random rows, expanded to one position per sample.
+            # Random rows, expanded to one position per sample; each takes the race or inverse-CDF sampling.
             rand_pos: list[int] = []  # flat positions of random samples
             rand_rows: list[int] = []
-            seeded: list[tuple[int, int, torch.Generator]] = []  # (start, count, gen)
-            unseeded: list[int] = []  # indices into the random sub-batch
+            race_pos: list[int] = []  # positions in the random sub-batch
+            inverse_pos: list[int] = []
+            race_spans: list[tuple[int, int, SampleGenerator]] = []  # (start in race_pos, count, generator)
+            inverse_spans: list[tuple[int, int, SampleGenerator]] = []
             pos = 0
             for i, row in enumerate(rows):
                 s = num_samples[i]
                 if not greedy[i]:
-                    start = len(rand_rows)
+                    gen = row.generator
+                    by_race = self._by_race(gen, device)
+                    chosen, spans = (race_pos, race_spans) if by_race else (inverse_pos, inverse_spans)
+                    if gen is not None:
+                        spans.append((len(chosen), s, gen))
+                    chosen.extend(range(len(rand_rows), len(rand_rows) + s))
                     rand_pos.extend(range(pos, pos + s))
                     rand_rows.extend([i] * s)
-                    if row.generator is not None:
-                        if row.generator.device.type != device.type:
-                            raise ValueError(
-                                f"generator of row {i} is on {row.generator.device}, but "
-                                f"logits are on {device}; they must share a device."
-                            )
-                        seeded.append((start, s, row.generator))
-                    else:
-                        unseeded.extend(range(start, start + s))
                 pos += s
             n_rand = len(rand_rows)
             if n_rand == total:  # every row is random
                 xr = x.index_select(0, flat_rows_t) if flat_rows_t is not None else x
             else:
                 xr = x.index_select(0, async_tensor_h2d(rand_rows, torch.long, device))
-            probs = xr.softmax(dim=-1)
-            q = torch.empty_like(probs)
-            if len(unseeded) == n_rand:
-                q.exponential_()
-            elif unseeded:
-                q[async_tensor_h2d(unseeded, torch.long, device)] = torch.empty(
-                    (len(unseeded), vocab), dtype=q.dtype, device=device
-                ).exponential_()
-            for start, count, gen in seeded:
-                q[start : start + count].exponential_(generator=gen)
-            # Guard against q == 0 (0/0 = NaN would win argmax).
-            q.clamp_(min=torch.finfo(q.dtype).tiny)
-            sampled = probs.div_(q).argmax(dim=-1)
+            if not race_pos:
+                # Unnormalised weights are enough for inverse-CDF sampling; when they are the raw logits'
+                # (no processing, every row random and drawn once), their sum also gives the logprobs'
+                # logsumexp, and the row takes one exp pass instead of a softmax and a logsumexp.
+                top = xr.amax(dim=-1, keepdim=True)
+                weights = torch.exp(xr - top)
+                sampled = inverse_cdf_sample(weights, draw_uniforms(inverse_spans, n_rand, device))
+                if xr is raw:
+                    raw_logsumexp = top.squeeze(1) + weights.sum(dim=-1).log()
+            elif not inverse_pos:
+                sampled = _race(xr.softmax(dim=-1), race_spans)
+            else:
+                probs = xr.softmax(dim=-1)
+                sampled = torch.empty(n_rand, dtype=torch.long, device=device)
+                for where, spans, fn in ((race_pos, race_spans, None), (inverse_pos, inverse_spans, True)):
+                    idx = async_tensor_h2d(where, torch.long, device)
+                    part = probs.index_select(0, idx)
+                    sampled[idx] = (inverse_cdf_sample(part, draw_uniforms(spans, len(where), device)) if fn
+                                    else _race(part, spans))
             if tokens is None:
                 tokens = sampled
             else:
@@ -462,7 +514,9 @@ class Sampler:
         if full is not None:
             tok_lp = full[row_of, tokens]
         else:  # cheap path: gathered raw logit minus the row's logsumexp
-            tok_lp = raw[row_of, tokens] - raw.logsumexp(dim=-1)[row_of]
+            if raw_logsumexp is None:
+                raw_logsumexp = raw.logsumexp(dim=-1)
+            tok_lp = raw[row_of, tokens] - raw_logsumexp[row_of]
 
         parts = [tokens.to(torch.float64), tok_lp.to(torch.float64)]
         k_top = min(max_logprobs, vocab)
@@ -531,10 +585,11 @@ def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device,
     compiles none of the sampler's kernels (CUDA loads a kernel module on its first use). `dtype`: the
     logits' as the model runner hands them over (``model_runner.sampler_logits``: the model's on CUDA)."""
     logits = torch.zeros((2, vocab_size), dtype=dtype, device=device)
-    gen = torch.Generator(device=device).manual_seed(0)  # leaves the default generator's state alone
     greedy = SamplingRow(SamplingParams(temperature=0.0, max_tokens=1), [1], [])
-    rows = [greedy,
+    rows = [greedy,  # a seeded row (inverse-CDF sampling); its own generator leaves the default one alone
             SamplingRow(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.1,
-                                       repetition_penalty=1.1, max_tokens=1), [1], [2], generator=gen)]
+                                       repetition_penalty=1.1, max_tokens=1), [1], [2], generator=random.Random(0))]
     sampler.launch(logits, rows).result()
     sampler.launch(logits, [greedy, greedy]).result()
+    if device.type == "cuda":  # unseeded rows' race: the exponential kernel, drawn from a generator of its own
+        torch.empty_like(logits, dtype=torch.float32).exponential_(generator=torch.Generator(device).manual_seed(0))
