@@ -6,7 +6,8 @@ For each batch size, the same logits (temperature 1; float32 on a CPU, the model
 `Sampler.launch(...).result()` once per arm, alternating: `Sampler("auto")` with the generators the engine gives
 seeded requests on that device (a `random.Random` on a CPU: inverse-CDF sampling, one uniform per sample; a
 device generator on a GPU: the race), `Sampler("race")` with a torch generator per seeded row on the logits'
-device (what every device ran before: an exponential per vocabulary entry), and optionally
+device and torch ops (what every device ran before: an exponential per vocabulary entry; `native_cpu=False`,
+while the other arms take the C kernel on a CPU: `CpuKernels.sample_rows`), and optionally
 `Sampler("inverse_cdf")` with host generators. Seeded rows (a generator each, as `SamplingParams(seed=...)`
 gives) and unseeded rows. Median wall time of `--repeats`; each ratio is race ÷ that arm. All are exact
 samplers: the token frequencies of each over many draws of one small row are printed against the softmax
@@ -33,8 +34,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--check-draws", type=int, default=20000)
     ap.add_argument("--e2e", type=int, default=0, metavar="ROUNDS",
-                    help="also run the bundled model end to end (64 unseeded requests, temperature 1, 64 tokens "
-                         "each) with the engine's sampler switched between auto and race, ROUNDS times each")
+                    help="also run the bundled model end to end (64 unseeded requests of 64 tokens, temperature 1 "
+                         "then greedy) with the engine's sampler switched between the default and the previous "
+                         "one (race, torch ops), ROUNDS times each")
     ap.add_argument("--arms", nargs="+", default=["auto", "race"], choices=["auto", "race", "inverse_cdf"],
                     help="Sampler modes to time (ratios are against race, which must be one of them)")
     args = ap.parse_args()
@@ -54,7 +56,7 @@ def main() -> None:
         host = arm == "inverse_cdf" or (arm == "auto" and dev.type == "cpu")
         return random.Random(seed) if host else torch.Generator(dev).manual_seed(seed)
 
-    samplers = {arm: Sampler(arm) for arm in args.arms}
+    samplers = {arm: Sampler(arm, native_cpu=arm != "race") for arm in args.arms}
     for n in args.rows:
         logits = (torch.randn(n, args.vocab, generator=torch.Generator().manual_seed(n)) * 2).to(dev, dtype)
         for seeded in (True, False):
@@ -85,27 +87,30 @@ def main() -> None:
 
 def end_to_end(rounds: int, device: str) -> None:
     """The bundled model generates 64 × 64 tokens at temperature 1 (unseeded: the race needs torch generators
-    for seeded rows, and the engine's on a CPU are random.Random), the engine's sampler alternating between
-    the default and the race; output tok/s per round and the ratio of summed times."""
+    for seeded rows, and the engine's on a CPU are random.Random) and greedily, the engine's sampler
+    alternating between the default and the previous one (`Sampler("race", native_cpu=False)`: torch ops and
+    the race); output tok/s per round and the ratio of summed times."""
     from pagedllm import LLM
 
     llm = LLM(max_model_len=1024, device=device)
     prompts = [f"Write a short story number {i} about a robot who" for i in range(64)]
-    params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True)
-    llm.generate(prompts[:4], params, use_tqdm=False)
-    times: dict[str, list[float]] = {"auto": [], "race": []}
-    for _ in range(rounds):
-        for arm in times:
-            llm.llm_engine.sampler = Sampler(arm)
-            t0 = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            times[arm].append(time.perf_counter() - t0)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)
+    arms = {"default": Sampler(), "previous": Sampler("race", native_cpu=False)}
+    for temperature in (1.0, 0.0):
+        params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        for _ in range(rounds):
+            for arm, sampler in arms.items():
+                llm.llm_engine.sampler = sampler
+                t0 = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                times[arm].append(time.perf_counter() - t0)
+        tok = 64 * 64
+        per = {arm: ", ".join(f"{tok / t:.0f}" for t in ts) for arm, ts in times.items()}
+        print(f"end to end ({device}, bundled model, 64 requests x 64 tokens, temperature {temperature}): out tok/s "
+              f"per round: default {per['default']}; previous {per['previous']} -> default / previous = "
+              f"{sum(times['previous']) / sum(times['default']):.2f}x", flush=True)
     llm.llm_engine.sampler = Sampler()
-    tok = 64 * 64
-    per = {arm: ", ".join(f"{tok / t:.0f}" for t in ts) for arm, ts in times.items()}
-    print(f"end to end ({device}, bundled model, 64 requests x 64 tokens, temperature 1): out tok/s per round: "
-          f"auto {per['auto']}; race {per['race']} -> auto / race = {sum(times['race']) / sum(times['auto']):.2f}x",
-          flush=True)
 
 
 if __name__ == "__main__":

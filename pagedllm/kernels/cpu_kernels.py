@@ -72,6 +72,9 @@ class CpuKernels:
         self._bitmask = lib.apply_token_bitmask_f32
         self._bitmask.restype = None
         self._bitmask.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64]
+        self._sample = lib.sample_rows_f32
+        self._sample.restype = None
+        self._sample.argtypes = [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _ptr]
 
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
@@ -253,6 +256,31 @@ class CpuKernels:
         ids = torch.tensor(rows, dtype=torch.int64)
         self._bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0), ids.data_ptr(),
                       len(rows), vocab)
+
+    def sample_rows(self, logits: torch.Tensor, inv_temp: torch.Tensor,
+                    u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of the raw ``logits`` [rows, vocab] (float32, not modified) → (int64 tokens,
+        float32 raw log-probabilities of them). ``u`` (float64 [rows]): < 0 takes the row's argmax (its first
+        index), a uniform in [0, 1) samples from ``softmax(logits * inv_temp)`` by inverse CDF (float32
+        ``inv_temp`` [rows])."""
+        _check_matrix(logits, "logits")
+        rows, vocab = logits.shape
+        for t, name, dtype in ((inv_temp, "inv_temp", torch.float32), (u, "u", torch.float64)):
+            if t.dtype != dtype or t.device.type != "cpu" or t.shape != (rows,) or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape ({rows},), got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        if vocab < 1 or vocab > 2**31 - 1:
+            raise ValueError(f"vocab must be in [1, 2**31), got {vocab}")
+        tokens = torch.empty(rows, dtype=torch.int64)
+        logprobs = torch.empty(rows, dtype=torch.float32)
+        ws = torch.empty((rows, -(-vocab // SAMPLE_BLOCK)), dtype=torch.float64)
+        self._sample(logits.data_ptr(), logits.stride(0), rows, vocab, inv_temp.data_ptr(), u.data_ptr(),
+                     tokens.data_ptr(), logprobs.data_ptr(), ws.data_ptr())
+        return tokens, logprobs
+
+
+#: Tokens per block of the native sampler's two-level inverse CDF (SAMPLE_BLOCK in cpu_ops.c).
+SAMPLE_BLOCK = 256
 
 
 def _check_matrix(t: torch.Tensor, name: str) -> None:

@@ -801,3 +801,77 @@ void apply_token_bitmask_f32(float *logits, int64_t logits_stride, const int32_t
         }
     }
 }
+
+/* ---- Sampling (model/layers/sampler.py's native path for float32 logits on the CPU) ---- */
+#define SAMPLE_BLOCK 256
+
+/* Σ exp((row[lo:hi] - m) · it) in float (vector lanes, then the tail). */
+static inline float block_exp_sum(const float *row, int64_t lo, int64_t hi, float m, float it) {
+    float sum = 0.f;
+    int64_t t = lo;
+#if VECTOR_PATH
+    vec vsum = v_zero();
+    const vec vm = v_set1(m), vit = v_set1(it);
+    for (; t + VW <= hi; t += VW) vsum = v_add(vsum, v_exp(v_mul(v_sub(v_load(row + t), vm), vit)));
+    sum = v_reduce(vsum);
+#endif
+    for (; t < hi; ++t) sum += expf((row[t] - m) * it);
+    return sum;
+}
+
+/* For each row r of the raw logits x [rows, vocab] (row stride `stride`; not modified), m = its max:
+ *   logprobs[r] = x[token] - (m + log Σ exp(x - m))   (the raw distribution's log-probability);
+ *   u[r] < 0:  token = the first index of m (greedy);
+ *   u[r] in [0, 1): the first token whose cumulative weight exp((x - m) · inv_temp[r]) exceeds u[r] times
+ *   the row's total (inverse CDF: the block sums of SAMPLE_BLOCK tokens, summed in double, choose a block,
+ *   then a scan of that block). A token of weight 0 (logit -inf) is never chosen.
+ * ws: rows × ceil(vocab / SAMPLE_BLOCK) doubles of scratch. */
+void sample_rows_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, const float *inv_temp,
+                     const double *u, int64_t *tokens, float *logprobs, double *ws) {
+    const int64_t nb = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+#pragma omp parallel for schedule(static) if (rows_parallel(rows, vocab))
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * stride;
+        const float m = row_max(row, (int)vocab);
+        const float it = inv_temp[r];
+        const int random = u[r] >= 0.0;
+        const int tempered = random && it != 1.f;
+        double *bs = ws + r * nb;
+        double s_raw = 0.0, total = 0.0;
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t lo = b * SAMPLE_BLOCK, hi = lo + SAMPLE_BLOCK < vocab ? lo + SAMPLE_BLOCK : vocab;
+            const float e = block_exp_sum(row, lo, hi, m, 1.f);
+            s_raw += e;
+            bs[b] = tempered ? block_exp_sum(row, lo, hi, m, it) : e;
+            total += bs[b];
+        }
+        int64_t tok = 0;
+        if (!random || !(total > 0.0)) {
+            while (tok < vocab - 1 && !(row[tok] == m)) ++tok;
+        } else {
+            double target = u[r] * total;
+            if (target >= total) target = nextafter(total, 0.0);
+            int64_t b = -1, last_block = 0;
+            double cum = 0.0, cum_before_last = 0.0;
+            for (int64_t i = 0; i < nb; ++i) {
+                if (bs[i] > 0.0) { last_block = i; cum_before_last = cum; }
+                if (bs[i] > 0.0 && cum + bs[i] > target) { b = i; break; }
+                cum += bs[i];
+            }
+            if (b < 0) { b = last_block; cum = cum_before_last; }  /* rounding: the last block with weight */
+            const int64_t lo = b * SAMPLE_BLOCK, hi = lo + SAMPLE_BLOCK < vocab ? lo + SAMPLE_BLOCK : vocab;
+            tok = -1;
+            int64_t last = lo;
+            for (int64_t j = lo; j < hi; ++j) {
+                const float w = expf((row[j] - m) * it);
+                if (!(w > 0.f)) continue;
+                last = j;
+                cum += w;
+                if (cum > target) { tok = j; break; }
+            }
+            if (tok < 0) tok = last;  /* the block's scalar sum fell short of its vector sum: its last token */
+        }
+        tokens[r] = tok;
+        logprobs[r] = (float)((double)row[tok] - ((double)m + log(s_raw)));
+    }
+}

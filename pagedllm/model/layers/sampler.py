@@ -298,6 +298,12 @@ def _race(probs: torch.Tensor, seeded: list[tuple[int, int, torch.Generator]]) -
     return probs.div_(q).argmax(dim=-1)
 
 
+def _native_cpu_kernels():
+    from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+
+    return load_cpu_kernels()
+
+
 class Sampler:
     """Samples one or more next tokens per row of a logits batch.
 
@@ -306,12 +312,29 @@ class Sampler:
     and for any row whose generator draws on the host; on a GPU the Gumbel-max race, whose exponentials
     are cheap there and which needs one launch per seeded row against ~20 small launches for the
     inverse-CDF path. "race" / "inverse_cdf" force one (the random-sampling benchmark's peer and ablation).
+    ``native_cpu``: float32 CPU rows without penalties, filters or top logprobs go to the C kernel
+    (``CpuKernels.sample_rows``); False keeps them on torch ops (the benchmark's peer).
     """
 
-    def __init__(self, random_sampling: str = "auto") -> None:
+    def __init__(self, random_sampling: str = "auto", native_cpu: bool = True) -> None:
         if random_sampling not in ("auto", "race", "inverse_cdf"):
             raise ValueError(f"random_sampling must be 'auto', 'race' or 'inverse_cdf', got {random_sampling!r}")
         self.random_sampling = random_sampling
+        self.native_cpu = native_cpu
+
+    @staticmethod
+    def _launch_native(native, logits: torch.Tensor, rows: list[SamplingRow], num_samples: list[int],
+                       greedy: list[bool], temps: list[float], vocab: int) -> SamplerOutput:
+        """CPU float32 rows without penalties, filters or top logprobs, one sample each: the C kernel takes
+        each row's argmax or an inverse-CDF draw at its temperature, and the raw logprob, in one pass
+        (~1 ms for 64 rows of 49 152 against 5-7 ms of torch ops)."""
+        spans = [(i, 1, row.generator) for i, row in enumerate(rows) if not greedy[i] and row.generator is not None]
+        u = draw_uniforms(spans, len(rows), logits.device)
+        u[torch.tensor(greedy, dtype=torch.bool)] = -1.0
+        inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
+        tokens, logprobs = native.sample_rows(logits, inv_temp, u)
+        packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
     def _by_race(self, gen: SampleGenerator | None, device: torch.device) -> bool:
         if self.random_sampling != "auto":
@@ -413,6 +436,14 @@ class Sampler:
             tokens, tok_lp = greedy_sample_with_logprob(logits)
             packed = torch.cat([tokens.to(torch.float64), tok_lp.to(torch.float64)])
             return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
+
+        if (self.native_cpu and device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1 and not need_pen
+                and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
+                and not return_logprobs_tensor and sum(num_samples) == num_rows
+                and (all(greedy) or self.random_sampling != "race")):
+            native = _native_cpu_kernels()
+            if native is not None:  # greedy and plain/tempered random rows: one pass of C per row
+                return self._launch_native(native, logits, rows, num_samples, greedy, temps, vocab)
 
         # ---- logits processing --------------------------------------------- #
         raw = logits.float()  # never modified in place
