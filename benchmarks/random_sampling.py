@@ -4,10 +4,10 @@
 
 For each batch size, the same logits (temperature 1; float32 on a CPU, the model's bf16 on a GPU) go through
 `Sampler.launch(...).result()` once per arm, alternating: `Sampler("auto")` with the generators the engine gives
-seeded requests on that device (a `random.Random` on a CPU: inverse-CDF sampling, one uniform per sample; a
-device generator on a GPU: the race), `Sampler("race")` with a torch generator per seeded row on the logits'
-device and torch ops (what every device ran before: an exponential per vocabulary entry; `native_cpu=False`,
-while the other arms take the C kernel on a CPU: `CpuKernels.sample_rows`), and optionally
+seeded requests (a `random.Random`: one uniform per sample, drawn on the host; one kernel for the batch,
+`CpuKernels.sample_rows` on a CPU, `triton_sample` on a GPU), `Sampler("race")` with a torch generator per
+seeded row on the logits' device and torch ops (what every device ran before: an exponential per vocabulary
+entry; `native_cpu=False`), and optionally
 `Sampler("inverse_cdf")` with host generators. Seeded rows (a generator each, as `SamplingParams(seed=...)`
 gives) and unseeded rows. Median wall time of `--repeats`; each ratio is race ÷ that arm. All are exact
 samplers: the token frequencies of each over many draws of one small row are printed against the softmax
@@ -37,6 +37,10 @@ def main() -> None:
                     help="also run the bundled model end to end (64 unseeded requests of 64 tokens, temperature 1 "
                          "then greedy) with the engine's sampler switched between the default and the previous "
                          "one (race, torch ops), ROUNDS times each")
+    ap.add_argument("--model", default=None, help="the end-to-end model (default: the bundled one)")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--arms", nargs="+", default=["auto", "race"], choices=["auto", "race", "inverse_cdf"],
                     help="Sampler modes to time (ratios are against race, which must be one of them)")
     args = ap.parse_args()
@@ -50,11 +54,9 @@ def main() -> None:
     params = SamplingParams(temperature=1.0)
 
     def make_gen(arm: str, seed: int):
-        """The arm's generator for a seeded row: the engine's on this device for "auto" (LLMEngine._make_generator:
-        a random.Random on a CPU, a device generator on a GPU), a device generator for the race, a host one
-        for inverse-CDF sampling."""
-        host = arm == "inverse_cdf" or (arm == "auto" and dev.type == "cpu")
-        return random.Random(seed) if host else torch.Generator(dev).manual_seed(seed)
+        """The arm's generator for a seeded row: a device generator for the race (what the engine gave seeded
+        requests before), else the engine's (LLMEngine._make_generator: a random.Random)."""
+        return torch.Generator(dev).manual_seed(seed) if arm == "race" else random.Random(seed)
 
     samplers = {arm: Sampler(arm, native_cpu=arm != "race") for arm in args.arms}
     for n in args.rows:
@@ -82,23 +84,27 @@ def main() -> None:
         print(f"{arm}: total variation from the softmax over {draws} draws = {0.5 * (freq - target).abs().sum():.4f}",
               flush=True)
     if args.e2e:
-        end_to_end(args.e2e, args.device)
+        model = {k: v for k, v in (("model", args.model), ("tokenizer", args.tokenizer)) if v is not None}
+        end_to_end(args.e2e, args.device, load_format=args.load_format, dtype=args.dtype, **model)
 
 
-def end_to_end(rounds: int, device: str) -> None:
-    """The bundled model generates 64 × 64 tokens at temperature 1 (unseeded: the race needs torch generators
+def end_to_end(rounds: int, device: str, **llm_kwargs) -> None:
+    """The model (default: the bundled one) generates 64 × 64 tokens at temperature 1 (unseeded: the race needs torch generators
     for seeded rows, and the engine's on a CPU are random.Random) and greedily, the engine's sampler
     alternating between the default and the previous one (`Sampler("race", native_cpu=False)`: torch ops and
     the race); output tok/s per round and the ratio of summed times."""
     from pagedllm import LLM
 
-    llm = LLM(max_model_len=1024, device=device)
+    llm = LLM(max_model_len=1024, device=device, **llm_kwargs)
     prompts = [f"Write a short story number {i} about a robot who" for i in range(64)]
     llm.generate(prompts[:4], SamplingParams(max_tokens=8), use_tqdm=False)
     arms = {"default": Sampler(), "previous": Sampler("race", native_cpu=False)}
     for temperature in (1.0, 0.0):
         params = SamplingParams(temperature=temperature, max_tokens=64, ignore_eos=True)
         times: dict[str, list[float]] = {arm: [] for arm in arms}
+        for sampler in arms.values():  # a warm-up round of each (first-use costs)
+            llm.llm_engine.sampler = sampler
+            llm.generate(prompts, params, use_tqdm=False)
         for _ in range(rounds):
             for arm, sampler in arms.items():
                 llm.llm_engine.sampler = sampler
@@ -107,7 +113,8 @@ def end_to_end(rounds: int, device: str) -> None:
                 times[arm].append(time.perf_counter() - t0)
         tok = 64 * 64
         per = {arm: ", ".join(f"{tok / t:.0f}" for t in ts) for arm, ts in times.items()}
-        print(f"end to end ({device}, bundled model, 64 requests x 64 tokens, temperature {temperature}): out tok/s "
+        print(f"end to end ({device}, {llm_kwargs.get('model', 'bundled model')}, 64 requests x 64 tokens, "
+              f"temperature {temperature}): out tok/s "
               f"per round: default {per['default']}; previous {per['previous']} -> default / previous = "
               f"{sum(times['previous']) / sum(times['default']):.2f}x", flush=True)
     llm.llm_engine.sampler = Sampler()

@@ -196,6 +196,18 @@ def _ttft_while_compiling(llm: LLM, n_plain: int = 8, prompt: str = "JSON:") -> 
             "tpot_during_max_ms": 1e3 * max(during, default=float("nan")), "steps_during": len(during)}
 
 
+def _use_previous_sampler(llm: LLM) -> None:
+    """The engine's sampling as before one-kernel sampling: seeded requests get a generator on the device,
+    and every random row takes the race over torch ops."""
+    from pagedllm.model.layers.sampler import Sampler
+
+    eng = llm.llm_engine
+    dev = eng.executor.device
+    eng.sampler = Sampler("race", native_cpu=False)
+    eng._make_generator = lambda params, index: (  # shadows the engine's (static) method on this instance
+        None if params.seed is None else torch.Generator(dev).manual_seed((params.seed * 1_000_003 + index) % 2**63))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=16)
@@ -214,11 +226,16 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--previous-sampler", action="store_true",
+                    help="sample as the engine did before one-kernel sampling: a device generator per seeded "
+                         "request and the Gumbel-max race over torch ops (the A/B's other arm)")
     args = ap.parse_args()
     model_kwargs = {k: v for k, v in (("model", args.model), ("tokenizer", args.tokenizer)) if v is not None}
     llm = LLM(**model_kwargs, load_format=args.load_format, dtype=args.dtype, num_gpu_blocks_override=1024, max_num_seqs=max(64, args.num_requests), max_model_len=1024,
               structured_outputs_backend=args.backend,
               **({"async_scheduling": False} if args.no_async_scheduling else {}))
+    if args.previous_sampler:
+        _use_previous_sampler(llm)
     cfg = llm.llm_engine.hf_config
     print(f"[model] {args.model or 'bundled'} ({args.load_format} weights): {cfg.num_hidden_layers} layers, hidden "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {llm.llm_engine.config.model_config.dtype} on "
@@ -254,7 +271,8 @@ def main() -> None:
     e = _end_to_end(llm, args.num_requests, args.repeats)
     rounds = ", ".join(f"{100 * r:.1f}" for r in e["round_ratios"])
     mode = "async" if llm.llm_engine.async_scheduling else "sync"
-    print(f"[end-to-end {args.backend}, {mode} scheduling] {e['requests']} JSON-schema requests, {e['output_tokens']} tokens x "
+    mode += " scheduling" + (", previous sampler" if args.previous_sampler else "")
+    print(f"[end-to-end {args.backend}, {mode}] {e['requests']} JSON-schema requests, {e['output_tokens']} tokens x "
           f"{args.repeats} rounds ({e['rounds_with_other_lengths']} with other lengths than the first) (per round: {rounds} %): constrained "
           f"{e['constrained_tok_s']:.1f} tok/s vs unconstrained {e['unconstrained_tok_s']:.1f} tok/s "
           f"-> {100 * e['ratio']:.1f} % (target >= 85 % on CPU, >= 90 % on a GPU)", flush=True)

@@ -3,7 +3,7 @@
 # unconstrained twin (benchmarks/structured_outputs.py), on the bundled SmolLM2-135M (needs the GGUF joined by
 # device_setup.sh's two-call recipe) and on random (dummy) bf16 weights of a Llama-3.2-1B and a Llama-3-8B shape
 # that use the bundled tokenizer (.tok/, vocabulary 49 152), so the grammars mask a real vocabulary.
-# SIZES="135m 1b 8b" picks runs; logs into $OUT.
+# SIZES="135m 1b 8b" picks runs; EXTRA adds arguments (e.g. --previous-sampler) and TAG suffixes the log names.
 set -u
 source benchmarks/gpu/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,7 +23,7 @@ for size in ${SIZES:-135m 1b 8b}; do
   args=""; [ "$size" != 135m ] && args="--model /tmp/so_$size --tokenizer .tok --load-format dummy --dtype bfloat16"
   t0=$(date +%s)
   timeout ${RUN_LIMIT_S:-170} python3 benchmarks/structured_outputs.py --num-requests 64 --repeats ${REPEATS:-5} \
-      --ttft-repeats 3 --backend xgrammar $args ${EXTRA:-} > "$OUT/so_$size.log" 2>&1
-  echo "== $size rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$OUT/summary.txt"
-  grep -a -E "^\[" "$OUT/so_$size.log" | tee -a "$OUT/summary.txt"
+      --ttft-repeats 3 --backend xgrammar $args ${EXTRA:-} > "$OUT/so_$size${TAG:-}.log" 2>&1
+  echo "== $size${TAG:-} rc=$? ($(( $(date +%s) - t0 )) s)" | tee -a "$OUT/summary.txt"
+  grep -a -E "^\[" "$OUT/so_$size${TAG:-}.log" | tee -a "$OUT/summary.txt"
 done

@@ -6,12 +6,14 @@ Pipeline per call (stages are skipped entirely when no row needs them):
 2. ``min_tokens``: EOS and ``stop_token_ids`` masked to ``-inf``,
 3. temperature,
 4. top-k, top-p, min-p,
-5. sampling: greedy rows take ``argmax``; random rows on a GPU use the Gumbel-max race
-   ``argmax(probs / q)``, ``q ~ Exponential(1)``; on a CPU (and for rows whose generator
-   draws on the host) one uniform per sample picks the token where it falls in the row's
-   cumulative distribution (``inverse_cdf.py``). A seeded row draws from its own
-   generator, so its samples depend only on the seed and the row's history, never on
-   the rest of the batch.
+5. sampling: greedy rows take ``argmax``; a random row draws one uniform per sample from
+   its own generator on the host (the engine's: a ``random.Random``) and takes the token
+   where it falls in its cumulative distribution (``inverse_cdf.py``), so a seeded row's
+   samples depend only on the seed and its history, never on the rest of the batch.
+   Rows without penalties, filters or top logprobs take one kernel for the whole batch
+   (``CpuKernels.sample_rows`` on a CPU, ``triton_sample`` on a GPU); rows whose generator
+   lives on a GPU, and unseeded rows there when filters are on, use the Gumbel-max race
+   ``argmax(probs / q)``, ``q ~ Exponential(1)`` from the device's generators.
 
 Log-probs are computed from the *raw* logits (before any processing).
 All device -> host traffic is one non-blocking copy into pinned memory, read by
@@ -298,6 +300,11 @@ def _race(probs: torch.Tensor, seeded: list[tuple[int, int, torch.Generator]]) -
     return probs.div_(q).argmax(dim=-1)
 
 
+def _draws_on_host(gen: SampleGenerator | None) -> bool:
+    """An unseeded row (torch's default CPU generator then) or a host generator."""
+    return gen is None or isinstance(gen, random.Random) or gen.device.type == "cpu"
+
+
 def _native_cpu_kernels():
     from pagedllm.kernels.cpu_kernels import load_cpu_kernels
 
@@ -308,10 +315,12 @@ class Sampler:
     """Samples one or more next tokens per row of a logits batch.
 
     ``random_sampling``: how random rows draw. "auto": inverse-CDF sampling (one uniform per sample,
-    ``inverse_cdf.py``) on a CPU, where the race's exponential per vocabulary entry costs ~1 ms per row,
-    and for any row whose generator draws on the host; on a GPU the Gumbel-max race, whose exponentials
-    are cheap there and which needs one launch per seeded row against ~20 small launches for the
-    inverse-CDF path. "race" / "inverse_cdf" force one (the random-sampling benchmark's peer and ablation).
+    ``inverse_cdf.py``) for every row whose generator draws on the host (the engine's) and every row on a
+    CPU, where the race's exponential per vocabulary entry costs ~1 ms per row; on a GPU, a row of a
+    generator there and an unseeded row that needs torch ops (filters, penalties) take the Gumbel-max race,
+    whose exponentials are cheap there. Rows without filters take one kernel for the batch either way.
+    "race" / "inverse_cdf" force one (the random-sampling benchmark's peer and ablation); "race" also keeps
+    GPU rows off the one-launch kernel.
     ``native_cpu``: float32 CPU rows without penalties, filters or top logprobs go to the C kernel
     (``CpuKernels.sample_rows``); False keeps them on torch ops (the benchmark's peer).
     """
@@ -333,6 +342,23 @@ class Sampler:
         u[torch.tensor(greedy, dtype=torch.bool)] = -1.0
         inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
         tokens, logprobs = native.sample_rows(logits, inv_temp, u)
+        packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
+
+    @staticmethod
+    def _launch_one_kernel(logits: torch.Tensor, rows: list[SamplingRow], num_samples: list[int],
+                           greedy: list[bool], temps: list[float], vocab: int) -> SamplerOutput:
+        """CUDA rows without penalties, filters or top logprobs, one sample each, random ones drawing on the
+        host: one Triton launch (kernels/triton_sample.py) takes each row's argmax or its inverse-CDF draw
+        at its temperature, and the raw logprob; the uniforms and temperatures go over in one copy."""
+        from pagedllm.kernels.triton_sample import sample_with_logprob
+
+        spans = [(i, 1, row.generator) for i, row in enumerate(rows) if not greedy[i] and row.generator is not None]
+        u = draw_uniforms(spans, len(rows), torch.device("cpu"))
+        u[torch.tensor(greedy, dtype=torch.bool)] = -1.0
+        host = torch.stack([u, torch.tensor([1.0 / t for t in temps], dtype=torch.float64)], dim=1)
+        params = host.pin_memory().to(logits.device, non_blocking=True)
+        tokens, logprobs = sample_with_logprob(logits, params)
         packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
         return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
@@ -437,6 +463,11 @@ class Sampler:
             packed = torch.cat([tokens.to(torch.float64), tok_lp.to(torch.float64)])
             return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
+        if (device.type == "cuda" and not all(greedy) and not need_pen and not ban_rows
+                and not (need_topk or need_topp or need_minp) and max_logprobs < 0 and not return_logprobs_tensor
+                and sum(num_samples) == num_rows and self.random_sampling != "race"
+                and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows))):
+            return self._launch_one_kernel(logits, rows, num_samples, greedy, temps, vocab)
         if (self.native_cpu and device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1 and not need_pen
                 and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
                 and not return_logprobs_tensor and sum(num_samples) == num_rows
@@ -612,7 +643,8 @@ __all__ = [
 def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device,
                     dtype: torch.dtype = torch.float32) -> None:
     """Sample once from dummy logits with a greedy row and a random row (temperature, top-k, top-p, min-p,
-    penalties), and once with greedy rows only (the one-pass kernel on CUDA), so the first request loads or
+    penalties), once with greedy rows only (the one-pass kernel on CUDA) and once with a greedy and a plain
+    random row (the one-kernel path), so the first request loads or
     compiles none of the sampler's kernels (CUDA loads a kernel module on its first use). `dtype`: the
     logits' as the model runner hands them over (``model_runner.sampler_logits``: the model's on CUDA)."""
     logits = torch.zeros((2, vocab_size), dtype=dtype, device=device)
@@ -622,5 +654,7 @@ def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device,
                                        repetition_penalty=1.1, max_tokens=1), [1], [2], generator=random.Random(0))]
     sampler.launch(logits, rows).result()
     sampler.launch(logits, [greedy, greedy]).result()
+    plain = SamplingRow(SamplingParams(temperature=0.8, max_tokens=1), [1], [], generator=random.Random(0))
+    sampler.launch(logits, [greedy, plain]).result()  # the one-kernel path (C on a CPU, Triton on a GPU)
     if device.type == "cuda":  # unseeded rows' race: the exponential kernel, drawn from a generator of its own
         torch.empty_like(logits, dtype=torch.float32).exponential_(generator=torch.Generator(device).manual_seed(0))

@@ -1,0 +1,88 @@
+"""One-launch sampling on a GPU (kernels/triton_sample.py, compiled on CUDA, interpreted on CPU) against the
+plain-torch references: greedy rows are the first argmax, random rows the inverse CDF of the tempered softmax
+(model/layers/inverse_cdf.py), logprobs the raw distribution's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+# First: without CUDA it sets TRITON_INTERPRET, which the kernel module's @triton.jit reads at import.
+from tests.triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim
+
+# isort: split
+from pagedllm.kernels.reference import greedy_sample_with_logprob as greedy_reference
+from pagedllm.kernels.triton_sample import sample_with_logprob
+from pagedllm.model.layers.inverse_cdf import inverse_cdf_sample
+
+interpreter_numpy_shim()
+
+
+def _params(u: torch.Tensor, inv_temp: torch.Tensor) -> torch.Tensor:
+    return torch.stack([u.double(), inv_temp.double()], dim=1).contiguous().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [7, 2048, 5000])
+def test_greedy_rows_match_the_reference(dtype: torch.dtype, vocab: int) -> None:
+    logits = (torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 4).to(dtype)
+    logits[1] = float("-inf")
+    logits[1, vocab // 2] = 3.0
+    logits[2, :] = 1.5  # all tied: the first token
+    tok, lp = sample_with_logprob(logits.to(DEVICE), _params(torch.full((4,), -1.0), torch.ones(4)))
+    want_tok, want_lp = greedy_reference(logits)
+    assert tok.cpu().tolist() == want_tok.tolist()
+    torch.testing.assert_close(lp.cpu(), want_lp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_random_rows_match_the_inverse_cdf_reference(temperature: float) -> None:
+    rows, vocab = (256, 5000) if ON_CUDA else (24, 5000)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    logits[:, 1000:3000] = float("-inf")  # a masked span crossing the kernel's blocks
+    u = torch.rand(rows, generator=g, dtype=torch.float64)
+    u[:3] = torch.tensor([0.0, 1.0 - 2**-53, 0.5], dtype=torch.float64)
+    tok, lp = sample_with_logprob(logits.to(DEVICE), _params(u, torch.full((rows,), 1 / temperature)))
+    tok = tok.cpu()
+    ref = inverse_cdf_sample((logits / temperature).softmax(-1), u)
+    assert (tok == ref).float().mean() >= 0.99  # only a u within rounding of a boundary may differ
+    assert not ((tok >= 1000) & (tok < 3000)).any()
+    torch.testing.assert_close(lp.cpu(), logits.log_softmax(-1).gather(1, tok[:, None])[:, 0], rtol=0, atol=2e-5)
+
+
+def test_frequencies_follow_the_tempered_softmax() -> None:
+    n, vocab = (20_000, 12) if ON_CUDA else (3_000, 12)
+    logits = (torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)) * 1.5).expand(n, vocab).contiguous()
+    u = torch.rand(n, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    tok, _ = sample_with_logprob(logits.to(DEVICE), _params(u, torch.full((n,), 1 / 0.8)))
+    freq = torch.bincount(tok.cpu(), minlength=vocab).double() / n
+    target = (logits[0] / 0.8).softmax(-1).double()
+    assert 0.5 * (freq - target).abs().sum() < (0.02 if ON_CUDA else 0.05)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="contiguous along the vocabulary"):
+        sample_with_logprob(torch.zeros(8, 4, device=DEVICE).t(), torch.zeros(4, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="params must be"):
+        sample_with_logprob(torch.zeros(2, 4, device=DEVICE), torch.zeros(2, 2, device=DEVICE))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the sampler takes the Triton kernel on CUDA only")
+def test_sampler_seeded_rows_take_the_kernel_with_their_own_uniforms() -> None:
+    import random
+
+    from pagedllm.model.layers.sampler import Sampler, SamplingRow
+    from pagedllm.sampling_params import SamplingParams
+
+    logits = torch.randn(64, 128256, device="cuda", dtype=torch.bfloat16) * 3
+    params = SamplingParams(temperature=0.7, seed=1)
+    rows = [SamplingRow(params, [1, 2], [], random.Random(i)) if i % 4 else
+            SamplingRow(SamplingParams(temperature=0.0), [1, 2], []) for i in range(64)]
+    got, _ = Sampler().launch(logits, rows).result()
+    u = torch.tensor([random.Random(i).random() if i % 4 else 0.0 for i in range(64)], dtype=torch.float64)
+    want = inverse_cdf_sample((logits.float() / 0.7).softmax(-1), u.cuda()).cpu()
+    want[::4] = logits.float().argmax(-1).cpu()[::4]
+    tokens = torch.tensor([r.token_ids[0] for r in got])
+    assert (tokens == want).float().mean() >= 0.95
+    lp = logits.float().log_softmax(-1).cpu().gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([r.logprobs[0] for r in got], dtype=torch.float32), lp, rtol=0, atol=1e-4)
