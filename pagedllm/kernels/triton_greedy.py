@@ -17,28 +17,34 @@ _BLOCK = 4096
 
 
 @triton.jit
+def online_max_step(x, start, best, best_idx, run_sum):
+    """One chunk ``x`` (float32, tokens ``start ..``) of a row's streaming pass: the running max ``best``, its
+    first index and the softmax normaliser ``run_sum`` (relative to the max, rescaled as it grows)
+    → (new max, its first index, new normaliser, the finite shift the chunk's exponentials used)."""
+    chunk_max = tl.max(x, 0)
+    chunk_idx = tl.argmax(x, 0).to(tl.int64) + start
+    best_idx = tl.where(chunk_max > best, chunk_idx, best_idx)  # strict: an earlier chunk keeps a tie
+    new_max = tl.maximum(best, chunk_max)
+    # new_max is finite from the first chunk with a finite logit on; before that both terms are 0.
+    safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+    run_sum = run_sum * tl.exp(best - safe) + tl.sum(tl.exp(x - safe), 0)
+    return new_max, best_idx, run_sum, safe
+
+
+@triton.jit
 def _greedy_logprob_kernel(logits_ptr, stride, vocab, token_ptr, logprob_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     offs = tl.arange(0, BLOCK)
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = tl.full((), 0, tl.int64)
-    run_max = tl.full((), float("-inf"), tl.float32)
     run_sum = tl.full((), 0.0, tl.float32)
     for start in range(0, vocab, BLOCK):
         tok = start + offs
         x = tl.load(base + tok, mask=tok < vocab, other=float("-inf")).to(tl.float32)
-        chunk_max = tl.max(x, 0)
-        chunk_idx = tl.argmax(x, 0).to(tl.int64) + start
-        best_idx = tl.where(chunk_max > best, chunk_idx, best_idx)  # strict: an earlier chunk keeps a tie
-        best = tl.maximum(best, chunk_max)
-        new_max = tl.maximum(run_max, chunk_max)
-        # new_max is finite from the first chunk with a finite logit on; before that both terms are 0.
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(x - safe), 0)
-        run_max = new_max
+        best, best_idx, run_sum, _ = online_max_step(x, start, best, best_idx, run_sum)
     tl.store(token_ptr + row, best_idx)
-    tl.store(logprob_ptr + row, best - (run_max + tl.log(run_sum)))
+    tl.store(logprob_ptr + row, best - (best + tl.log(run_sum)))
 
 
 def greedy_sample_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

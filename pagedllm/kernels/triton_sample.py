@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton_greedy import online_max_step
+
 _BLOCK = 4096
 
 
@@ -39,15 +41,9 @@ def _sample_kernel(logits_ptr, stride, vocab, params_ptr, token_ptr, logprob_ptr
     for start in range(0, vocab, BLOCK):
         tok = start + offs
         x = tl.load(base + tok, mask=tok < vocab, other=float("-inf")).to(tl.float32)
-        chunk_max = tl.max(x, 0)
-        chunk_idx = tl.argmax(x, 0).to(tl.int64) + start
-        best_idx = tl.where(chunk_max > best, chunk_idx, best_idx)  # strict: an earlier chunk keeps a tie
-        new_max = tl.maximum(best, chunk_max)
-        # new_max is finite from the first chunk with a finite logit on; before that both terms are 0.
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(best - safe) + tl.sum(tl.exp(x - safe), 0)
-        run_sum_t = run_sum_t * tl.exp((best - safe) * inv_temp) + tl.sum(tl.exp((x - safe) * inv_temp), 0)
-        best = new_max
+        old_max = best
+        best, best_idx, run_sum, safe = online_max_step(x, start, best, best_idx, run_sum)
+        run_sum_t = run_sum_t * tl.exp((old_max - safe) * inv_temp) + tl.sum(tl.exp((x - safe) * inv_temp), 0)
     token = best_idx
     if u >= 0:
         # 2. Block sums of exp((x - max) * inv_temp) until they pass u * total; the token inside that block.
