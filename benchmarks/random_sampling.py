@@ -79,7 +79,8 @@ def main() -> None:
     row = (torch.randn(1, vocab, generator=torch.Generator().manual_seed(7)) * 1.5).to(dev)
     target = row.float().softmax(-1)[0].cpu().double()
     for arm, sampler in samplers.items():
-        got = sampler.launch(row, [SamplingRow(params, [], [], make_gen(arm, 1), num_samples=draws)]).result()[0][0].token_ids
+        one_row = [SamplingRow(params, [], [], make_gen(arm, 1), num_samples=draws)]
+        got = sampler.launch(row, one_row).result()[0][0].token_ids
         freq = torch.bincount(torch.tensor(got), minlength=vocab).double() / draws
         print(f"{arm}: total variation from the softmax over {draws} draws = {0.5 * (freq - target).abs().sum():.4f}",
               flush=True)
@@ -89,8 +90,8 @@ def main() -> None:
 
 
 def end_to_end(rounds: int, device: str, **llm_kwargs) -> None:
-    """The model (default: the bundled one) generates 64 × 64 tokens at temperature 1 (unseeded: the race needs torch generators
-    for seeded rows, and the engine's on a CPU are random.Random) and greedily, the engine's sampler
+    """The model (default: the bundled one) generates 64 × 64 tokens at temperature 1 (unseeded: the race needs
+    torch generators for seeded rows, and the engine's are random.Random) and greedily, the engine's sampler
     alternating between the default and the previous one (`Sampler("race", native_cpu=False)`: torch ops and
     the race); output tok/s per round and the ratio of summed times."""
     from pagedllm import LLM

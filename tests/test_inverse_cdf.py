@@ -107,3 +107,23 @@ def test_bad_modes_and_generators_are_refused() -> None:
     rows = [SamplingRow(SamplingParams(temperature=1.0), [], [], random.Random(0))]
     with pytest.raises(ValueError, match="race sampling draws on cpu"):
         Sampler("race")(torch.zeros(1, 8), rows)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="only a GPU batch mixes the race and inverse-CDF rows")
+def test_a_gpu_batch_mixing_device_and_host_generators() -> None:
+    """With a filter on (torch ops), a row of a device generator takes the race and a row of a host generator the
+    inverse CDF, in one batch; each gives what it gives alone."""
+    sampler = Sampler()
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(8)).cuda() * 2
+    params = SamplingParams(temperature=0.9, top_k=40)
+
+    def rows() -> list[SamplingRow]:
+        return [SamplingRow(params, [], [], torch.Generator("cuda").manual_seed(1)),
+                SamplingRow(params, [], [], random.Random(2)),
+                SamplingRow(params, [], [])]
+
+    together = [r.token_ids[0] for r in sampler(logits, rows())[0]]
+    alone = [sampler(logits[i:i + 1], [rows()[i]])[0][0].token_ids[0] for i in range(2)]
+    assert together[:2] == alone
+    top40 = logits.topk(40, dim=-1).indices.cpu()
+    assert all(t in top40[i].tolist() for i, t in enumerate(together))

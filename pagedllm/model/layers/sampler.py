@@ -41,11 +41,11 @@ class SamplingRow:
     """One row of the logits batch plus what is needed to sample from it.
 
     ``generator`` (``None``: torch's default generator) gives the row's random
-    numbers: a torch generator on the logits' device (the engine's on a GPU: the
-    race's exponentials), or a ``random.Random`` (the engine's on a CPU) / CPU torch
-    generator, which draws one uniform per sample on the host. ``num_samples`` > 1 draws that many tokens independently (with
-    replacement) from this row, e.g. when a parallel-sampling request forks
-    at the end of its prompt.
+    numbers: a ``random.Random`` (the engine's, on every device) or a CPU torch
+    generator draws one uniform per sample on the host; a torch generator on the
+    logits' GPU draws the race's exponentials there. ``num_samples`` > 1 draws that
+    many tokens independently (with replacement) from this row, e.g. when a
+    parallel-sampling request forks at the end of its prompt.
     """
 
     params: SamplingParams
@@ -463,17 +463,16 @@ class Sampler:
             packed = torch.cat([tokens.to(torch.float64), tok_lp.to(torch.float64)])
             return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
-        if (device.type == "cuda" and not all(greedy) and not need_pen and not ban_rows
-                and not (need_topk or need_topp or need_minp) and max_logprobs < 0 and not return_logprobs_tensor
-                and sum(num_samples) == num_rows and self.random_sampling != "race"
+        # Rows that one kernel can take: argmax or a draw at a temperature, the raw logprob, one sample each.
+        plain = (not need_pen and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
+                 and not return_logprobs_tensor and sum(num_samples) == num_rows)
+        if (plain and device.type == "cuda" and not all(greedy) and self.random_sampling != "race"
                 and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows))):
             return self._launch_one_kernel(logits, rows, num_samples, greedy, temps, vocab)
-        if (self.native_cpu and device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1 and not need_pen
-                and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
-                and not return_logprobs_tensor and sum(num_samples) == num_rows
-                and (all(greedy) or self.random_sampling != "race")):
+        if (plain and self.native_cpu and device.type == "cpu" and logits.dtype == torch.float32
+                and logits.stride(1) == 1 and (all(greedy) or self.random_sampling != "race")):
             native = _native_cpu_kernels()
-            if native is not None:  # greedy and plain/tempered random rows: one pass of C per row
+            if native is not None:
                 return self._launch_native(native, logits, rows, num_samples, greedy, temps, vocab)
 
         # ---- logits processing --------------------------------------------- #
@@ -549,14 +548,14 @@ class Sampler:
                     raw_logsumexp = top.squeeze(1) + weights.sum(dim=-1).log()
             elif not inverse_pos:
                 sampled = _race(xr.softmax(dim=-1), race_spans)
-            else:
+            else:  # some rows of each kind (a GPU batch mixing device and host generators)
                 probs = xr.softmax(dim=-1)
                 sampled = torch.empty(n_rand, dtype=torch.long, device=device)
-                for where, spans, fn in ((race_pos, race_spans, None), (inverse_pos, inverse_spans, True)):
-                    idx = async_tensor_h2d(where, torch.long, device)
-                    part = probs.index_select(0, idx)
-                    sampled[idx] = (inverse_cdf_sample(part, draw_uniforms(spans, len(where), device)) if fn
-                                    else _race(part, spans))
+                race_idx = async_tensor_h2d(race_pos, torch.long, device)
+                sampled[race_idx] = _race(probs.index_select(0, race_idx), race_spans)
+                inverse_idx = async_tensor_h2d(inverse_pos, torch.long, device)
+                sampled[inverse_idx] = inverse_cdf_sample(probs.index_select(0, inverse_idx),
+                                                          draw_uniforms(inverse_spans, len(inverse_pos), device))
             if tokens is None:
                 tokens = sampled
             else:
