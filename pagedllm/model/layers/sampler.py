@@ -332,33 +332,30 @@ class Sampler:
         self.native_cpu = native_cpu
 
     @staticmethod
-    def _launch_native(native, logits: torch.Tensor, rows: list[SamplingRow], num_samples: list[int],
-                       greedy: list[bool], temps: list[float], vocab: int) -> SamplerOutput:
-        """CPU float32 rows without penalties, filters or top logprobs, one sample each: the C kernel takes
-        each row's argmax or an inverse-CDF draw at its temperature, and the raw logprob, in one pass
-        (~1 ms for 64 rows of 49 152 against 5-7 ms of torch ops)."""
-        spans = [(i, 1, row.generator) for i, row in enumerate(rows) if not greedy[i] and row.generator is not None]
-        u = draw_uniforms(spans, len(rows), logits.device)
-        u[torch.tensor(greedy, dtype=torch.bool)] = -1.0
-        inv_temp = torch.tensor([1.0 / t for t in temps], dtype=torch.float32)
-        tokens, logprobs = native.sample_rows(logits, inv_temp, u)
-        packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
-        return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
-
-    @staticmethod
-    def _launch_one_kernel(logits: torch.Tensor, rows: list[SamplingRow], num_samples: list[int],
-                           greedy: list[bool], temps: list[float], vocab: int) -> SamplerOutput:
-        """CUDA rows without penalties, filters or top logprobs, one sample each, random ones drawing on the
-        host: one Triton launch (kernels/triton_sample.py) takes each row's argmax or its inverse-CDF draw
-        at its temperature, and the raw logprob; the uniforms and temperatures go over in one copy."""
-        from pagedllm.kernels.triton_sample import sample_with_logprob
-
+    def _plain_row_params(rows: list[SamplingRow], greedy: list[bool], temps: list[float]) -> torch.Tensor:
+        """The one-kernel paths' per-row inputs, on the host: float64 ``[rows, 2]`` of (u, 1 / temperature),
+        u < 0 for a greedy row, else one uniform from the row's generator."""
         spans = [(i, 1, row.generator) for i, row in enumerate(rows) if not greedy[i] and row.generator is not None]
         u = draw_uniforms(spans, len(rows), torch.device("cpu"))
         u[torch.tensor(greedy, dtype=torch.bool)] = -1.0
-        host = torch.stack([u, torch.tensor([1.0 / t for t in temps], dtype=torch.float64)], dim=1)
-        params = host.pin_memory().to(logits.device, non_blocking=True)
-        tokens, logprobs = sample_with_logprob(logits, params)
+        return torch.stack([u, torch.tensor([1.0 / t for t in temps], dtype=torch.float64)], dim=1)
+
+    def _launch_one_kernel(self, logits: torch.Tensor, rows: list[SamplingRow], num_samples: list[int],
+                           greedy: list[bool], temps: list[float], vocab: int) -> SamplerOutput | None:
+        """Rows without penalties, filters or top logprobs, one sample each: one kernel takes each row's argmax
+        or its inverse-CDF draw at its temperature, and the raw logprob (~1 ms for 64 rows of 49 152 against
+        5-7 ms of torch ops on a CPU; one launch against one per seeded row on a GPU). The C kernel on a CPU
+        (None when it is unavailable), Triton on CUDA, whose row inputs go over in one copy."""
+        native = _native_cpu_kernels() if logits.device.type == "cpu" else None
+        if logits.device.type == "cpu" and native is None:
+            return None  # before any draw: the torch path draws the rows' numbers itself
+        params = self._plain_row_params(rows, greedy, temps)
+        if native is not None:
+            tokens, logprobs = native.sample_rows(logits, params[:, 1].float().contiguous(), params[:, 0].contiguous())
+        else:
+            from pagedllm.kernels.triton_sample import sample_with_logprob
+
+            tokens, logprobs = sample_with_logprob(logits, params.pin_memory().to(logits.device, non_blocking=True))
         packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
         return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
@@ -466,14 +463,15 @@ class Sampler:
         # Rows that one kernel can take: argmax or a draw at a temperature, the raw logprob, one sample each.
         plain = (not need_pen and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
                  and not return_logprobs_tensor and sum(num_samples) == num_rows)
-        if (plain and device.type == "cuda" and not all(greedy) and self.random_sampling != "race"
-                and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows))):
-            return self._launch_one_kernel(logits, rows, num_samples, greedy, temps, vocab)
-        if (plain and self.native_cpu and device.type == "cpu" and logits.dtype == torch.float32
-                and logits.stride(1) == 1 and (all(greedy) or self.random_sampling != "race")):
-            native = _native_cpu_kernels()
-            if native is not None:
-                return self._launch_native(native, logits, rows, num_samples, greedy, temps, vocab)
+        one_kernel = plain and (
+            (device.type == "cuda" and not all(greedy) and self.random_sampling != "race"
+             and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows)))
+            or (device.type == "cpu" and self.native_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1
+                and (all(greedy) or self.random_sampling != "race")))
+        if one_kernel:
+            out = self._launch_one_kernel(logits, rows, num_samples, greedy, temps, vocab)
+            if out is not None:
+                return out
 
         # ---- logits processing --------------------------------------------- #
         raw = logits.float()  # never modified in place
