@@ -510,10 +510,12 @@ class LLMEngine:
         if rows:
             if row_idx != list(range(logits.shape[0])):
                 logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
+            bitmask = None
             if step.mask_job is not None:
-                apply_token_bitmask_(logits, self.structured_output.mask_result(step.mask_job), step.mask_rows)
+                bitmask = (self.structured_output.mask_result(step.mask_job), step.mask_rows)
             has_beam = any("beam" in item.group.extra for item in step.owners)
-            step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam)
+            step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam,
+                                                      token_bitmask=bitmask)
 
     def _complete_step(self, step: LaunchedStep, then: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs. `then` runs

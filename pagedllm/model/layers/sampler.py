@@ -332,30 +332,40 @@ class Sampler:
         self.native_cpu = native_cpu
 
     @staticmethod
-    def _plain_row_params(rows: list[SamplingRow], greedy: list[bool], temps: list[float]) -> torch.Tensor:
+    def _plain_row_params(rows: list[SamplingRow], greedy: list[bool], temps: list[float],
+                          mask_rows: list[int] | None = None) -> torch.Tensor:
         """The one-kernel paths' per-row inputs, on the host: float64 ``[rows, 2]`` of (u, 1 / temperature),
-        u < 0 for a greedy row, else one uniform from the row's generator."""
+        u < 0 for a greedy row, else one uniform from the row's generator; with `mask_rows`, a third column
+        flags the rows the kernel masks with the step's token bitmask."""
         spans = [(i, 1, row.generator) for i, row in enumerate(rows) if not greedy[i] and row.generator is not None]
         u = draw_uniforms(spans, len(rows), torch.device("cpu"))
         u[torch.tensor(greedy, dtype=torch.bool)] = -1.0
-        return torch.stack([u, torch.tensor([1.0 / t for t in temps], dtype=torch.float64)], dim=1)
+        cols = [u, torch.tensor([1.0 / t for t in temps], dtype=torch.float64)]
+        if mask_rows is not None:
+            flags = torch.zeros(len(rows), dtype=torch.float64)
+            flags[mask_rows] = 1.0
+            cols.append(flags)
+        return torch.stack(cols, dim=1)
 
     def _launch_one_kernel(self, logits: torch.Tensor, rows: list[SamplingRow], num_samples: list[int],
-                           greedy: list[bool], temps: list[float], vocab: int) -> SamplerOutput | None:
+                           greedy: list[bool], temps: list[float], vocab: int,
+                           folded_mask: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput | None:
         """Rows without penalties, filters or top logprobs, one sample each: one kernel takes each row's argmax
         or its inverse-CDF draw at its temperature, and the raw logprob (~1 ms for 64 rows of 49 152 against
         5-7 ms of torch ops on a CPU; one launch against one per seeded row on a GPU). The C kernel on a CPU
-        (None when it is unavailable), Triton on CUDA, whose row inputs go over in one copy."""
+        (None when it is unavailable), Triton on CUDA, whose row inputs go over in one copy and which applies
+        `folded_mask` (a pinned token bitmask and its rows) as it reads the logits."""
         native = _native_cpu_kernels() if logits.device.type == "cpu" else None
         if logits.device.type == "cpu" and native is None:
             return None  # before any draw: the torch path draws the rows' numbers itself
-        params = self._plain_row_params(rows, greedy, temps)
+        params = self._plain_row_params(rows, greedy, temps, None if folded_mask is None else folded_mask[1])
         if native is not None:
             tokens, logprobs = native.sample_rows(logits, params[:, 1].float().contiguous(), params[:, 0].contiguous())
         else:
             from pagedllm.kernels.triton_sample import sample_with_logprob
 
-            tokens, logprobs = sample_with_logprob(logits, params.pin_memory().to(logits.device, non_blocking=True))
+            tokens, logprobs = sample_with_logprob(logits, params.pin_memory().to(logits.device, non_blocking=True),
+                                                   None if folded_mask is None else folded_mask[0])
         packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
         return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
@@ -371,27 +381,35 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         return_logprobs_tensor: bool = False,
+        token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> tuple[list[RowSample], torch.Tensor | None]:
         """Sample from ``logits`` ``[len(rows), vocab]``.
 
         Returns per-row results and, if ``return_logprobs_tensor``, the raw
         ``log_softmax`` of ``logits`` (``[len(rows), vocab]`` float32).
         """
-        return self.launch(logits, rows, return_logprobs_tensor).result()
+        return self.launch(logits, rows, return_logprobs_tensor, token_bitmask).result()
 
     def launch(
         self,
         logits: torch.Tensor,
         rows: list[SamplingRow],
         return_logprobs_tensor: bool = False,
+        token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
     ) -> SamplerOutput:
         """Queue the sampling of ``logits`` ``[len(rows), vocab]`` on its device without waiting for it
-        (nothing here synchronises with the device); `SamplerOutput.result()` reads it back."""
+        (nothing here synchronises with the device); `SamplerOutput.result()` reads it back.
+
+        `token_bitmask` (structured outputs): the step's packed bitmask and the rows it constrains, applied as
+        `apply_token_bitmask_` does. On a GPU, rows that one kernel samples read a pinned mask in place inside
+        that kernel (no masking launch); otherwise the logits are masked first (in place)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must have shape [len(rows)={len(rows)}, vocab], got "
                 f"{tuple(logits.shape)}."
             )
+        if token_bitmask is not None and not token_bitmask[1]:
+            token_bitmask = None
         if not rows:
             empty = logits.float().log_softmax(-1) if return_logprobs_tensor else None
             return SamplerOutput([], [], 0, logits.shape[-1], None, None, empty)
@@ -452,7 +470,7 @@ class Sampler:
                 max_logprobs = max(max_logprobs, p.logprobs)
 
         if (device.type == "cuda" and all(greedy) and not need_pen and not ban_rows and max_logprobs < 0
-                and not return_logprobs_tensor and sum(num_samples) == num_rows):
+                and not return_logprobs_tensor and sum(num_samples) == num_rows and token_bitmask is None):
             # The common decode step: one pass over the logits instead of a float32 copy + argmax + logsumexp.
             from pagedllm.kernels.triton_greedy import greedy_sample_with_logprob
 
@@ -463,13 +481,23 @@ class Sampler:
         # Rows that one kernel can take: argmax or a draw at a temperature, the raw logprob, one sample each.
         plain = (not need_pen and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
                  and not return_logprobs_tensor and sum(num_samples) == num_rows)
+        host_draws_on_gpu = (device.type == "cuda" and self.random_sampling != "race"
+                             and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows)))
         one_kernel = plain and (
-            (device.type == "cuda" and not all(greedy) and self.random_sampling != "race"
-             and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows)))
+            (host_draws_on_gpu and (not all(greedy) or token_bitmask is not None))
             or (device.type == "cpu" and self.native_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1
                 and (all(greedy) or self.random_sampling != "race")))
+        folded_mask = None
+        if token_bitmask is not None:
+            mask = token_bitmask[0]
+            if one_kernel and device.type == "cuda" and (mask.is_pinned() or mask.device == device):
+                if mask.shape[0] < num_rows:  # before any draw from the rows' generators
+                    raise ValueError(f"bitmask has {mask.shape[0]} rows for {num_rows} logits rows")
+                folded_mask = token_bitmask
+            else:
+                apply_token_bitmask_(logits, *token_bitmask)
         if one_kernel:
-            out = self._launch_one_kernel(logits, rows, num_samples, greedy, temps, vocab)
+            out = self._launch_one_kernel(logits, rows, num_samples, greedy, temps, vocab, folded_mask)
             if out is not None:
                 return out
 
@@ -653,5 +681,8 @@ def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device,
     sampler.launch(logits, [greedy, greedy]).result()
     plain = SamplingRow(SamplingParams(temperature=0.8, max_tokens=1), [1], [], generator=random.Random(0))
     sampler.launch(logits, [greedy, plain]).result()  # the one-kernel path (C on a CPU, Triton on a GPU)
+    if device.type == "cuda":  # the same kernel reading a structured-output bitmask (pinned, as the manager's)
+        mask = torch.full((2, (vocab_size + 31) // 32), -1, dtype=torch.int32).pin_memory()
+        sampler.launch(logits, [greedy, plain], token_bitmask=(mask, [1])).result()
     if device.type == "cuda":  # unseeded rows' race: the exponential kernel, drawn from a generator of its own
         torch.empty_like(logits, dtype=torch.float32).exponential_(generator=torch.Generator(device).manual_seed(0))
