@@ -79,10 +79,9 @@ def test_load_every_request_ends_exactly_once(server):
 
 def test_sigterm_in_flight_finish_or_end_visibly(server):
     """Runs last on the module's server: short streams finish, long ones end with a visible error."""
-    async def one(client, max_tokens):
+    async def one(client, max_tokens, events):
         body = {"prompt": "Tell me a story.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                 "temperature": 0}
-        events = []
         async with client.stream("POST", server.url("/v1/completions"), json=body) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
@@ -91,9 +90,15 @@ def test_sigterm_in_flight_finish_or_end_visibly(server):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
-            tasks = [asyncio.create_task(one(client, m)) for m in (4, 4, 120, 120)]
-            while server.metrics()["vllm:num_requests_running"] < 4:
-                await asyncio.sleep(0.1)
+            streams = [[] for _ in range(4)]
+            tasks = [asyncio.create_task(one(client, m, ev)) for m, ev in zip((4, 4, 120, 120), streams)]
+            # Signal once the long streams are decoding. The short ones may already be done by then (a 4-token
+            # request can finish between two polls, so "4 running" may never be seen): they must end as
+            # "length" either way.
+            deadline = time.monotonic() + 60
+            while not (streams[2] and streams[3]):
+                assert time.monotonic() < deadline, f"the long streams never started: {streams}"
+                await asyncio.sleep(0.02)
             t0 = time.monotonic()
             server.proc.send_signal(signal.SIGTERM)
             results = await asyncio.gather(*tasks)
