@@ -96,3 +96,14 @@ def test_a_weight_shared_with_an_embedding_keeps_its_dense_copy():
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     pack_weights_for_cpu(model, _gemm(None))
     assert head.weight.shape == (30, 16) and head.dense_shape is None and head.f32_panels is not None
+
+
+def test_row_limit_follows_the_build_and_the_cpu_onednn_runs_on():
+    from pagedllm.kernels.cpu_f32_gemm import ROWS_AVX2_CPU, native_row_limit
+
+    assert native_row_limit("avx512_bf16", "avx512_bf16", 12) == 48
+    assert native_row_limit("avx512", "avx512_bf16", 12) == 48
+    # oneDNN runs AVX2 as well only where the CPU has nothing higher; forced AVX2 on AVX-512 keeps 2 tiles.
+    assert native_row_limit("avx2", "avx2", 6) == ROWS_AVX2_CPU >= 256
+    assert native_row_limit("avx2", "avx512", 6) == 12
+    assert native_row_limit("portable", "avx2", 4) == 8

@@ -29,9 +29,13 @@ logger = logging.getLogger("pagedllm")
 SOURCE = Path(__file__).with_name("cpu") / "f32_gemm.c"
 BUILD_FLAGS = ("-ffp-contract=fast",)  # the tiles' multiply-adds as FMAs
 # Rows up to this many tiles run here, more run oneDNN: at 4 tiles (48 rows) of an AVX-512 build the two
-# were even over the bundled model's GEMMs (§42.3); AVX2 and portable builds keep 2 tiles.
+# were even over the bundled model's GEMMs (§42.3); portable builds, and an AVX2 build on a CPU where oneDNN
+# runs AVX-512 (PAGEDLLM_CPU_ISA=avx2 on an AVX-512 CPU), keep 2 tiles.
 TILES_AVX512 = 4
 TILES_OTHER = 2
+# On an AVX2-only CPU oneDNN runs AVX2 too, and this kernel was 1.1-2.1x faster than its packed GEMM from 1 to
+# 512 rows over the bundled model's GEMMs (0.95x at 1 024) on an AMD EPYC Zen 3 (BENCHMARKS.md §44.2).
+ROWS_AVX2_CPU = 512
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -53,10 +57,10 @@ class F32Gemm:
         self.lib.f32_gemm_pack.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
         self.lib.f32_gemm_pack.restype = None
         # Read once: every linear call consults them (a ctypes call costs ~1 µs on the per-step path).
-        tiles = TILES_AVX512 if self.isa.startswith("avx512") else TILES_OTHER
         object.__setattr__(self, "panel_width", self.lib.f32_gemm_panel_width())
         object.__setattr__(self, "tile_rows", self.lib.f32_gemm_tile_rows())
-        object.__setattr__(self, "max_rows", self.tile_rows * tiles)
+        object.__setattr__(self, "max_rows", native_row_limit(self.isa, cpu_isa.detect_cpu_isa().detected,
+                                                             self.tile_rows))
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """A float32 CPU weight [n, k] → its panels (a flat float32 tensor of ceil(n / panel_width) · k ·
@@ -91,6 +95,16 @@ class F32Gemm:
         self.lib.f32_gemm(x2.data_ptr(), x2.stride(0), x2.shape[0], k, panels.data_ptr(), out_features,
                           None if bias is None else bias.data_ptr(), y.data_ptr(), out_features)
         return y.reshape(*lead, out_features)
+
+
+def native_row_limit(build_isa: str, cpu_detected: str, tile_rows: int) -> int:
+    """The most rows a build for `build_isa` takes before oneDNN's packed GEMM does better, on a CPU whose highest
+    level is `cpu_detected` (oneDNN picks its own kernels by that, whatever PAGEDLLM_CPU_ISA says)."""
+    if build_isa.startswith("avx512"):
+        return tile_rows * TILES_AVX512
+    if build_isa == "avx2" and cpu_detected == "avx2":
+        return ROWS_AVX2_CPU
+    return tile_rows * TILES_OTHER
 
 
 @functools.cache
