@@ -73,8 +73,8 @@ def _random_bitmask(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_bitmask_read_in_the_kernel_equals_masking_the_logits_first(dtype: torch.dtype) -> None:
-    """Flagged rows sample (greedy and random) and score as if the logits had been masked in place; rows not
-    flagged ignore their bitmask row."""
+    """Flagged rows (a negative 1 / temperature) sample, greedy and random, and score as if the logits had been
+    masked in place; rows not flagged ignore their bitmask row."""
     rows, vocab = 12, 5000  # two of the kernel's blocks, the last one partial
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
@@ -82,13 +82,13 @@ def test_a_bitmask_read_in_the_kernel_equals_masking_the_logits_first(dtype: tor
     flagged = [0, 1, 2, 5, 6, 7, 9]
     u = torch.rand(rows, generator=g, dtype=torch.float64)
     u[[0, 3, 5]] = -1.0  # greedy rows, flagged and not
-    flags = torch.zeros(rows, dtype=torch.float64)
-    flags[flagged] = 1.0
-    params = torch.stack([u, torch.full((rows,), 1 / 0.7, dtype=torch.float64), flags], dim=1).contiguous()
+    inv_temp = torch.full((rows,), 1 / 0.7, dtype=torch.float64)
+    signed = inv_temp.clone()
+    signed[flagged] *= -1  # a negative 1 / temperature flags a masked row
     mask_dev = bitmask.pin_memory() if ON_CUDA else bitmask
-    tok, lp = sample_with_logprob(logits.to(DEVICE), params.to(DEVICE), mask_dev)
+    tok, lp = sample_with_logprob(logits.to(DEVICE), _params(u, signed), mask_dev)
     masked = apply_token_bitmask(logits.float(), bitmask[:rows], flagged)
-    want_tok, want_lp = sample_with_logprob(masked.to(DEVICE), params[:, :2].contiguous().to(DEVICE))
+    want_tok, want_lp = sample_with_logprob(masked.to(DEVICE), _params(u, inv_temp))
     assert tok.cpu().tolist() == want_tok.cpu().tolist()
     torch.testing.assert_close(lp.cpu(), want_lp.cpu(), rtol=0, atol=1e-5)
     allowed = ((bitmask[:rows, tok.cpu() // 32].diagonal() >> (tok.cpu() % 32)) & 1) == 1
@@ -100,12 +100,12 @@ def test_bad_arguments_are_refused() -> None:
         sample_with_logprob(torch.zeros(8, 4, device=DEVICE).t(), torch.zeros(4, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="params must be"):
         sample_with_logprob(torch.zeros(2, 4, device=DEVICE), torch.zeros(2, 2, device=DEVICE))
-    with pytest.raises(ValueError, match="params must be"):  # a bitmask needs the third column
-        sample_with_logprob(torch.zeros(2, 64, device=DEVICE), torch.zeros(2, 2, dtype=torch.float64, device=DEVICE),
-                            torch.zeros(2, 2, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="bitmask must be"):  # too few words for the vocabulary
-        sample_with_logprob(torch.zeros(2, 64, device=DEVICE), torch.zeros(2, 3, dtype=torch.float64, device=DEVICE),
+        sample_with_logprob(torch.zeros(2, 64, device=DEVICE), torch.zeros(2, 2, dtype=torch.float64, device=DEVICE),
                             torch.zeros(2, 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="bitmask must be"):  # fewer mask rows than logits rows
+        sample_with_logprob(torch.zeros(2, 64, device=DEVICE), torch.zeros(2, 2, dtype=torch.float64, device=DEVICE),
+                            torch.zeros(1, 2, dtype=torch.int32, device=DEVICE))
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the sampler takes the Triton kernel on CUDA only")

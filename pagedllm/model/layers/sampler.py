@@ -335,17 +335,15 @@ class Sampler:
     def _plain_row_params(rows: list[SamplingRow], greedy: list[bool], temps: list[float],
                           mask_rows: list[int] | None = None) -> torch.Tensor:
         """The one-kernel paths' per-row inputs, on the host: float64 ``[rows, 2]`` of (u, 1 / temperature),
-        u < 0 for a greedy row, else one uniform from the row's generator; with `mask_rows`, a third column
-        flags the rows the kernel masks with the step's token bitmask."""
+        u < 0 for a greedy row, else one uniform from the row's generator; the rows in `mask_rows` (the Triton
+        kernel masks them with the step's token bitmask) carry -1 / temperature."""
         spans = [(i, 1, row.generator) for i, row in enumerate(rows) if not greedy[i] and row.generator is not None]
         u = draw_uniforms(spans, len(rows), torch.device("cpu"))
         u[torch.tensor(greedy, dtype=torch.bool)] = -1.0
-        cols = [u, torch.tensor([1.0 / t for t in temps], dtype=torch.float64)]
-        if mask_rows is not None:
-            flags = torch.zeros(len(rows), dtype=torch.float64)
-            flags[mask_rows] = 1.0
-            cols.append(flags)
-        return torch.stack(cols, dim=1)
+        inv_temps = [1.0 / t for t in temps]
+        for i in mask_rows or ():
+            inv_temps[i] = -inv_temps[i]
+        return torch.stack([u, torch.tensor(inv_temps, dtype=torch.float64)], dim=1)
 
     def _launch_one_kernel(self, logits: torch.Tensor, rows: list[SamplingRow], num_samples: list[int],
                            greedy: list[bool], temps: list[float], vocab: int,
@@ -681,8 +679,9 @@ def warm_up_sampler(sampler: "Sampler", vocab_size: int, device: torch.device,
     sampler.launch(logits, [greedy, greedy]).result()
     plain = SamplingRow(SamplingParams(temperature=0.8, max_tokens=1), [1], [], generator=random.Random(0))
     sampler.launch(logits, [greedy, plain]).result()  # the one-kernel path (C on a CPU, Triton on a GPU)
-    if device.type == "cuda":  # the same kernel reading a structured-output bitmask (pinned, as the manager's)
+    if device.type == "cuda":
+        # The same kernel reading a structured-output bitmask (pinned, as the manager's); then unseeded rows'
+        # race: the exponential kernel, drawn from a generator of its own.
         mask = torch.full((2, (vocab_size + 31) // 32), -1, dtype=torch.int32).pin_memory()
         sampler.launch(logits, [greedy, plain], token_bitmask=(mask, [1])).result()
-    if device.type == "cuda":  # unseeded rows' race: the exponential kernel, drawn from a generator of its own
         torch.empty_like(logits, dtype=torch.float32).exponential_(generator=torch.Generator(device).manual_seed(0))
