@@ -123,5 +123,6 @@ def sample_with_logprob(logits: torch.Tensor, params: torch.Tensor,
     if rows:
         mask = tokens if bitmask is None else bitmask  # any pointer when there is no mask: never read
         _sample_kernel[(rows,)](logits, logits.stride(0), vocab, params, tokens, logprobs, mask,
-                                0 if bitmask is None else bitmask.stride(0), HAS_MASK=bitmask is not None, BLOCK=_BLOCK, num_warps=8)
+                                0 if bitmask is None else bitmask.stride(0), HAS_MASK=bitmask is not None,
+                                BLOCK=_BLOCK, num_warps=8)
     return tokens, logprobs

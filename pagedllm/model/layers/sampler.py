@@ -479,7 +479,7 @@ class Sampler:
         # Rows that one kernel can take: argmax or a draw at a temperature, the raw logprob, one sample each.
         plain = (not need_pen and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
                  and not return_logprobs_tensor and sum(num_samples) == num_rows)
-        host_draws_on_gpu = (device.type == "cuda" and self.random_sampling != "race"
+        host_draws_on_gpu = (plain and device.type == "cuda" and self.random_sampling != "race"
                              and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows)))
         one_kernel = plain and (
             (host_draws_on_gpu and (not all(greedy) or token_bitmask is not None))
