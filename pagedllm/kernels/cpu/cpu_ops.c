@@ -132,7 +132,7 @@ static inline void transpose_tile(const float *const src[VW], float *dst, int64_
 }
 #define QK_ROWS 6
 #define QK_VECS 2
-#define PV_ROWS 2
+#define PV_ROWS 3
 #else
 /* Scalar stand-ins, so that the score and probability tiles below compile for any target. */
 typedef float vec;
@@ -198,46 +198,6 @@ static inline void run_scores(const float *restrict q, const float *restrict k, 
 #else
     (void)q, (void)k, (void)row_stride, (void)group, (void)head_dim, (void)scale, (void)out, (void)stride;
 #endif
-}
-
-/* acc[g, :] += Σ_j p[g * stride + j] * v_j over the n (≤ block_size) rows v_j = v + j * row_stride,
- * for the `group` query rows that share these V rows. The block's rows are summed in registers and
- * added to `acc` once, so consecutive tokens do not chain through memory. */
-static inline void group_block_axpy(const float *restrict p, int64_t stride, const float *restrict v,
-                                    int64_t row_stride, int n, int group, int head_dim, float *restrict acc) {
-#if VECTOR_PATH
-    if (head_dim % VW == 0) {
-        for (int g = 0; g < group; ++g) {
-            const float *pg = p + g * stride;
-            float *a = acc + g * head_dim;
-            for (int d0 = 0; d0 < head_dim; d0 += 4 * VW) { /* four independent accumulators */
-                const int chunks = (head_dim - d0) / VW < 4 ? (head_dim - d0) / VW : 4;
-                vec r0 = v_zero(), r1 = r0, r2 = r0, r3 = r0;
-                for (int j = 0; j < n; ++j) {
-                    const vec w = v_set1(pg[j]);
-                    const float *vj = v + j * row_stride + d0;
-                    r0 = v_fma(w, v_load(vj), r0);
-                    if (chunks > 1) r1 = v_fma(w, v_load(vj + VW), r1);
-                    if (chunks > 2) r2 = v_fma(w, v_load(vj + 2 * VW), r2);
-                    if (chunks > 3) r3 = v_fma(w, v_load(vj + 3 * VW), r3);
-                }
-                v_store(a + d0, v_add(v_load(a + d0), r0));
-                if (chunks > 1) v_store(a + d0 + VW, v_add(v_load(a + d0 + VW), r1));
-                if (chunks > 2) v_store(a + d0 + 2 * VW, v_add(v_load(a + d0 + 2 * VW), r2));
-                if (chunks > 3) v_store(a + d0 + 3 * VW, v_add(v_load(a + d0 + 3 * VW), r3));
-            }
-        }
-        return;
-    }
-#endif
-    for (int g = 0; g < group; ++g)
-        for (int j = 0; j < n; ++j) {
-            const float w = p[g * stride + j];
-            const float *vj = v + j * row_stride;
-            float *a = acc + g * head_dim;
-#pragma omp simd
-            for (int d = 0; d < head_dim; ++d) a[d] += w * vj[d];
-        }
 }
 
 /* ---- The tile path: prompt chunks, scores and probabilities as small GEMMs ---- */
@@ -306,7 +266,8 @@ static void score_tile(const float *qt, int64_t ldq, int n, const float *kt, int
 
 /* acc[i * acc_stride + d0 ..][: C·VW] += Σ_j p[i * p_stride + j] * v_j[d0 : d0 + C·VW] over the n rows
  * v_j = v + j * row_stride, for N query rows: each row's sum is taken in registers from zero over j in order,
- * then added to its accumulator once; the V vectors loaded for one query row serve all N. */
+ * then added to its accumulator once; each V vector loaded serves all N rows (N·C chains of FMAs, enough to
+ * hide the FMA latency, plus N broadcast weights and one V vector: 16 registers for AVX2's 3 × 4). */
 static inline __attribute__((always_inline)) void weigh_span(const float *restrict p, int64_t p_stride, const int N,
                                                              const float *restrict v, int64_t row_stride, int n,
                                                              float *acc, int64_t acc_stride, int d0, const int C) {
@@ -315,11 +276,11 @@ static inline __attribute__((always_inline)) void weigh_span(const float *restri
         for (int c = 0; c < C; ++c) r[i][c] = v_zero();
     for (int j = 0; j < n; ++j) {
         const float *vj = v + j * row_stride + d0;
-        vec x[4];
-        for (int c = 0; c < C; ++c) x[c] = v_load(vj + c * VW);
-        for (int i = 0; i < N; ++i) {
-            const vec w = v_set1(p[i * p_stride + j]);
-            for (int c = 0; c < C; ++c) r[i][c] = v_fma(w, x[c], r[i][c]);
+        vec w[PV_ROWS];
+        for (int i = 0; i < N; ++i) w[i] = v_set1(p[i * p_stride + j]);
+        for (int c = 0; c < C; ++c) {
+            const vec x = v_load(vj + c * VW);
+            for (int i = 0; i < N; ++i) r[i][c] = v_fma(w[i], x, r[i][c]);
         }
     }
     for (int i = 0; i < N; ++i)
@@ -350,7 +311,10 @@ static void weigh_tile(const float *p, int64_t p_stride, int n, const float *v, 
 #define WEIGH_CASE(N) case N: weigh_rows(p, p_stride, N, v, row_stride, keys, acc, acc_stride, head_dim); break;
         WEIGH_CASE(1) WEIGH_CASE(2)
 #if PV_ROWS > 2
-        WEIGH_CASE(3) WEIGH_CASE(4)
+        WEIGH_CASE(3)
+#endif
+#if PV_ROWS > 3
+        WEIGH_CASE(4)
 #endif
 #if PV_ROWS > 4
         WEIGH_CASE(5) WEIGH_CASE(6)
@@ -358,6 +322,30 @@ static void weigh_tile(const float *p, int64_t p_stride, int n, const float *v, 
 #undef WEIGH_CASE
     default: break;
     }
+}
+
+/* acc[g, :] += Σ_j p[g * stride + j] * v_j over the n (≤ block_size) rows v_j = v + j * row_stride,
+ * for the `group` query rows that share these V rows (the token path). Each row's block sum is taken in
+ * registers and added to `acc` once, so consecutive tokens do not chain through memory; PV_ROWS rows share
+ * each V load. */
+static inline void group_block_axpy(const float *restrict p, int64_t stride, const float *restrict v,
+                                    int64_t row_stride, int n, int group, int head_dim, float *restrict acc) {
+#if VECTOR_PATH
+    if (head_dim % VW == 0) {
+        for (int g0 = 0; g0 < group; g0 += PV_ROWS)
+            weigh_tile(p + g0 * stride, stride, group - g0 < PV_ROWS ? group - g0 : PV_ROWS, v, row_stride, n,
+                       acc + (int64_t)g0 * head_dim, head_dim, head_dim);
+        return;
+    }
+#endif
+    for (int g = 0; g < group; ++g)
+        for (int j = 0; j < n; ++j) {
+            const float w = p[g * stride + j];
+            const float *vj = v + j * row_stride;
+            float *a = acc + g * head_dim;
+#pragma omp simd
+            for (int d = 0; d < head_dim; ++d) a[d] += w * vj[d];
+        }
 }
 
 /* max(row[0:n]), n ≥ 1 (vector lanes: a scalar chain of compares is latency-bound). */
@@ -401,6 +389,16 @@ static inline float exp_shifted(float *row, int n, float m) {
 
 static inline void prefetch_bytes(const void *block, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)block + i, 0, 3);
+}
+
+/* Prefetches block[done : upto) by 64-byte lines and returns the new `done` (no-op for a NULL block). The token
+ * path fetches the next block a slice per piece of work on the current one: a whole block's prefetches at once
+ * queue on the core's few miss buffers and the work stalls behind them (a random-block read with this much work
+ * per byte: +40 % bandwidth in slices, nothing as one burst). */
+static inline int64_t prefetch_upto(const char *block, int64_t done, int64_t upto) {
+    if (block == NULL) return done;
+    for (; done < upto; done += 64) __builtin_prefetch(block + done, 0, 3);
+    return done;
 }
 
 typedef uint32_t __attribute__((may_alias)) u32_alias;
@@ -551,24 +549,30 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                 const int t0 = b * block_size;
                 const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
                 const float *kb = block_as_f32(kf32, kb16, table[b] * block_stride, rows * token_stride, widened);
-                if (b + 1 < num_blocks)
-                    prefetch_bytes((const char *)key_cache + (int64_t)table[b + 1] * block_bytes, block_bytes);
+                const char *next = b + 1 < num_blocks ? (const char *)key_cache + (int64_t)table[b + 1] * block_bytes
+                                                      : NULL;
+                /* the next block in slices: one per KV head of each run of VW keys */
+                const int64_t slices = (int64_t)((block_size + VW - 1) / VW) * num_kv_heads;
+                int64_t fetched = 0, slice = 0;
                 for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) { /* the tokens that reach block b */
                     const int len = len0 + i;
                     const int n = len - t0 < block_size ? len - t0 : block_size;
                     const float *qs = q + (first + i) * q_token_stride;
                     int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
                     for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
-                        for (int h = 0; h < num_kv_heads; ++h)
+                        for (int h = 0; h < num_kv_heads; ++h) {
                             run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
                                        token_stride, group, head_dim, scale,
                                        scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j0, max_len);
+                            if (slice < slices) fetched = prefetch_upto(next, fetched, block_bytes * ++slice / slices);
+                        }
                     for (int j = j0; j < n; ++j)
                         for (int h = 0; h < num_kv_heads; ++h)
                             group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
                                          group, head_dim, scale,
                                          scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j, max_len);
                 }
+                prefetch_upto(next, fetched, block_bytes); /* whatever the slices left */
             }
             for (int b0 = 0; tiled && b0 < num_blocks; b0 += run_blocks) { /* pass 1, tile path: a run of blocks */
                 const int t0 = b0 * block_size;
@@ -614,10 +618,11 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                 const int t0 = b * block_size;
                 const int rows = last - t0 < block_size ? last - t0 : block_size;
                 const float *vb = block_as_f32(vf32, vb16, table[b] * block_stride, rows * token_stride, widened);
-                if (b + 1 < num_blocks)
-                    prefetch_bytes((const char *)value_cache + (int64_t)table[b + 1] * block_bytes, block_bytes);
+                const char *next = b + 1 < num_blocks ? (const char *)value_cache + (int64_t)table[b + 1] * block_bytes
+                                                      : NULL;
+                int64_t fetched = 0; /* the next block in slices, one per KV head */
                 const int r0 = (t0 >= len0 ? t0 - len0 + 1 : 0) * group; /* rows of the tokens that reach block b */
-                for (int h = 0; h < num_kv_heads; ++h) {
+                for (int h = 0; h < num_kv_heads; fetched = prefetch_upto(next, fetched, block_bytes * ++h / num_kv_heads)) {
                     const float *vh = vb + (int64_t)h * head_dim;
                     const float *ph = scores + h * head_rows + t0;
                     float *ah = acc + (int64_t)h * ldq * head_dim;
@@ -672,6 +677,11 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     return failed ? -1 : 0;
 }
 
+/* Tokens ahead whose cache rows the write requests while it stores the current one. */
+#ifndef WRITE_AHEAD
+#define WRITE_AHEAD 4
+#endif
+
 /* dst[0:n] = src[0:n] as the pool stores it: float32 as is, or rounded to bf16. */
 static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
     if (!bf16) {
@@ -687,8 +697,17 @@ static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
  * padding and skipped. */
 static void write_kv_rows(const float *key, const float *value, int64_t src_stride, char *key_cache, char *value_cache,
                           const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int elem) {
+    const int64_t row_bytes = row * elem;
 #pragma omp parallel for schedule(static) if (num_tokens > 64)
     for (int64_t t = 0; t < num_tokens; ++t) {
+        /* A decode's slots lie in blocks no one touched lately: each store would wait for its lines one by one
+         * (read for ownership), so the rows a few tokens ahead are requested for writing now. */
+        const int64_t ahead = t + WRITE_AHEAD < num_tokens ? slot_mapping[t + WRITE_AHEAD] : -1;
+        if (ahead >= 0)
+            for (int64_t i = 0; i < row_bytes; i += 64) {
+                __builtin_prefetch(key_cache + ahead * row_bytes + i, 1, 3);
+                __builtin_prefetch(value_cache + ahead * row_bytes + i, 1, 3);
+            }
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         store_row(key_cache + slot * row * elem, key + t * src_stride, row, elem == 2);
