@@ -257,6 +257,7 @@ typedef __m512 vf;
 #define VI_SET32 _mm512_set1_epi32
 #define VI_ZERO _mm512_setzero_si512
 #define VI_ADD32 _mm512_add_epi32
+#define VI_ADD16 _mm512_add_epi16
 #define VI_MADDUBS _mm512_maddubs_epi16
 #define VI_MADD16 _mm512_madd_epi16
 #define VI_SLL32_4(a) _mm512_slli_epi32((a), 4)
@@ -287,6 +288,7 @@ typedef __m256 vf;
 #define VI_SET32 _mm256_set1_epi32
 #define VI_ZERO _mm256_setzero_si256
 #define VI_ADD32 _mm256_add_epi32
+#define VI_ADD16 _mm256_add_epi16
 #define VI_MADDUBS _mm256_maddubs_epi16
 #define VI_MADD16 _mm256_madd_epi16
 #define VI_SLL32_4(a) _mm256_slli_epi32((a), 4)
@@ -310,12 +312,24 @@ typedef __m256 vf;
 #endif
 
 #if defined(LANES)
+static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
 #if !defined(HAVE_VDOT)
-/* u ≤ 15 (a nibble): the 16-bit pair sums of maddubs cannot saturate (2·15·127). */
-#define VDOT(acc, u, s) VI_ADD32((acc), VI_MADD16(VI_MADDUBS((u), (s)), VI_SET16(1)))
+/* Σ_p u[p]·x[p] over a block's 8 chunks of nibbles u (≤ 15) and int8 activations x, as 32-bit lanes, without a
+ * dot-product instruction: maddubs's 16-bit pair sums cannot saturate (2·15·128), and the 8 of them are summed in
+ * 16-bit lanes (|sum| ≤ 8·2·15·128 = 30 720 < 2^15, so no lane wraps) and widened once: 17 instructions where
+ * widening each (maddubs, madd, add) took 24. The integers are exact either way, so every bit after them is the
+ * same. */
+static inline __attribute__((always_inline)) vi nibble_block_dot(const vi u[8], const int8_t *xb) {
+    vi a0 = VI_MADDUBS(u[0], VI_SET32(ld32(xb))), a1 = VI_MADDUBS(u[1], VI_SET32(ld32(xb + 4)));
+    for (int p = 2; p < 8; p += 2) {
+        a0 = VI_ADD16(a0, VI_MADDUBS(u[p], VI_SET32(ld32(xb + 4 * p))));
+        a1 = VI_ADD16(a1, VI_MADDUBS(u[p + 1], VI_SET32(ld32(xb + 4 * p + 4))));
+    }
+    return VI_MADD16(VI_ADD16(a0, a1), VI_SET16(1));
+}
 #endif
 
-static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 
 /* Block b of a group: its quants, and the scale vectors of lanes sr.. (y += dv·dx·Σq·x + mv·s). */
 static inline __attribute__((always_inline)) const uint8_t *r16_block_scales(const int type, const uint8_t *gp,
@@ -369,28 +383,27 @@ static inline __attribute__((always_inline)) void r16_tile(
         }
         for (int m = 0; m < mc; ++m) {
             const int8_t *xb = xq + m * K + b * QK;
-            vi s0 = VI_ZERO(), s1 = VI_ZERO();
 #if !defined(HAVE_VDOT)
+            vi sum;
             if (type == T_Q8_0) { /* bytes up to 255: two nibble planes, the high one weighted 16 */
-                vi h0 = VI_ZERO(), h1 = VI_ZERO();
-                for (int p = 0; p < 8; p += 2) {
-                    const vi x0 = VI_SET32(ld32(xb + 4 * p)), x1 = VI_SET32(ld32(xb + 4 * p + 4));
-                    s0 = VDOT(s0, VI_AND(w[p], lo4), x0);
-                    h0 = VDOT(h0, VI_AND(VI_SRL4(w[p]), lo4), x0);
-                    s1 = VDOT(s1, VI_AND(w[p + 1], lo4), x1);
-                    h1 = VDOT(h1, VI_AND(VI_SRL4(w[p + 1]), lo4), x1);
+                vi lo[8], hi[8];
+                for (int p = 0; p < 8; ++p) {
+                    lo[p] = VI_AND(w[p], lo4);
+                    hi[p] = VI_AND(VI_SRL4(w[p]), lo4);
                 }
-                s0 = VI_ADD32(s0, VI_SLL32_4(h0));
-                s1 = VI_ADD32(s1, VI_SLL32_4(h1));
-            } else
-#endif
-            {
-                for (int p = 0; p < 8; p += 2) {
-                    s0 = VDOT(s0, w[p], VI_SET32(ld32(xb + 4 * p)));
-                    s1 = VDOT(s1, w[p + 1], VI_SET32(ld32(xb + 4 * p + 4)));
-                }
+                sum = VI_ADD32(nibble_block_dot(lo, xb), VI_SLL32_4(nibble_block_dot(hi, xb)));
+            } else {
+                sum = nibble_block_dot(w, xb);
+            }
+            const vf isum = VF_CVT(sum);
+#else
+            vi s0 = VI_ZERO(), s1 = VI_ZERO();
+            for (int p = 0; p < 8; p += 2) {
+                s0 = VDOT(s0, w[p], VI_SET32(ld32(xb + 4 * p)));
+                s1 = VDOT(s1, w[p + 1], VI_SET32(ld32(xb + 4 * p + 4)));
             }
             const vf isum = VF_CVT(VI_ADD32(s0, s1));
+#endif
             acc[m] = VF_FMA(isum, VF_MUL(dv, VF_SET1(xd[m * nb + b])), acc[m]);
             corr[m] = VF_FMA(mv, VF_SET1(xs[m * nb + b]), corr[m]);
         }
