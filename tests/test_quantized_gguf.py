@@ -110,6 +110,32 @@ def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
         assert torch.equal(y, outs["portable"]), lv
 
 
+@pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
+def test_int8_sums_of_extreme_blocks_are_exact_on_every_isa_level(type_name):
+    """Every nibble at 15 (Q8_0: every byte at 127) and every activation quantized to ±127: the largest integer
+    sums a block can give, where the AVX2 path's 16-bit partial sums come closest to wrapping. Every level
+    gives the portable build's bits, and the result matches the reference."""
+    qtype, n, k = GGML_TYPES[type_name], 24, 512
+    header = 4 if type_name in ("Q4_1", "Q4_K") else 2  # the fp16 scale (and minimum) of each block
+    elems, nbytes = BLOCK_LAYOUT[qtype]
+    raw = random_blocks(qtype, n, k, seed=qtype + 4).reshape(n, k // elems, nbytes)
+    raw[:, :, header:] = 0x7F if type_name == "Q8_0" else 0xFF
+    raw = raw.reshape(n, -1)
+    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(raw), qtype, n, k)
+    x = torch.full((6, k), 3.0)
+    x[1::2] = -3.0  # rows of +127 and rows of -127
+    outs = {lv: cpu_quant.load_quant_kernels(lv).linear(x, w, "int8")
+            for lv in cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(_DETECTED) + 1]}
+    for lv, y in outs.items():
+        assert torch.equal(y, outs["portable"]), lv
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k).astype(np.float32))
+    ref = reference.gguf_linear(x, dense, "int8")
+    torch.testing.assert_close(outs["portable"], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
 def test_gemm_choice_env(monkeypatch):
     monkeypatch.delenv(cpu_quant.GEMM_ENV, raising=False)
     assert cpu_quant.choose_method() == "int8"

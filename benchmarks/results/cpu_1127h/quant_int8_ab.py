@@ -12,14 +12,14 @@ from pagedllm.kernels import cpu_isa, cpu_quant
 from pagedllm.kernels.cpu_kernels import build_library
 
 p = argparse.ArgumentParser(); p.add_argument("--base-rev", default="HEAD"); p.add_argument("--rounds", type=int, default=7)
-p.add_argument("--batch-sizes", default="1,4,16,64")
+p.add_argument("--batch-sizes", default="1,4,16,64"); p.add_argument("--new-flags", default="")
 args = p.parse_args()
 isa = cpu_isa.detect_cpu_isa()
 extra = cpu_quant.vnni_flags(isa)
 text = subprocess.run(["git", "show", f"{args.base_rev}:pagedllm/kernels/cpu/quant_ops.c"], check=True, capture_output=True, text=True).stdout
 with tempfile.TemporaryDirectory() as tmp:
     base = Path(tmp) / "quant_ops.c"; base.write_text(text)
-    paths = {args.base_rev: build_library(base, isa.name, extra), "working tree": build_library(cpu_quant.SOURCE, isa.name, extra)}
+    paths = {args.base_rev: build_library(base, isa.name, extra), "working tree": build_library(cpu_quant.SOURCE, isa.name, extra + tuple(args.new_flags.split()))}
 builds = {n: cpu_quant.QuantKernels(ctypes.CDLL(str(pth)), pth) for n, pth in paths.items()}
 llm = LLM(max_num_seqs=4, num_gpu_blocks_override=64)
 model = llm.llm_engine.executor.driver_worker.model

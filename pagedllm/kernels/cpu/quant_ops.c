@@ -36,7 +36,9 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12 };
 #define QK 32
 #define QK_K 256
 #define GR 16 /* output rows per group */
+#ifndef PF_AHEAD
 #define PF_AHEAD 2048
+#endif
 
 static inline float h2f(uint16_t h) {
 #if defined(__F16C__)

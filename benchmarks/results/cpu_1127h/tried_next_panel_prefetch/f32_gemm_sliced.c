@@ -1,0 +1,149 @@
+/* float32 GEMM for decode-sized row counts on the CPU: y[m, n] = x[m, k] · w[n, k]ᵀ (+ bias).
+ *
+ * A decode step multiplies a few rows by every weight of the model, and the weights come from memory each
+ * step. oneDNN's packed GEMM reaches under half of what the memory allows at 4-16 rows and under half of the
+ * FMA peak at 64 (BENCHMARKS.md §42.3). This kernel streams each weight once per MR rows: the weight is packed
+ * at load into panels of NB output columns, K rows of NB contiguous floats each, so that a panel is one
+ * linear read; a tile of MR rows × NB columns keeps its 2·MR vector accumulators in registers while it walks
+ * the panel. Panels are shared out among the OpenMP threads (libgomp, torch's pool); the rows beyond MR
+ * re-read the panel from L2.
+ *
+ * Each output is one FMA chain over k in order, whatever the row count, the row's place in the batch or the
+ * thread count: a row's result does not depend on the batch it runs in (speculative verification relies on
+ * that), only on the packed weight.
+ *
+ * The panel is prefetched PREFETCH_ROWS rows ahead: without it the tile's arithmetic and the panel's memory
+ * latency did not overlap, and 4 rows took 1.4x as long as one (BENCHMARKS.md §42.3).
+ *
+ * Built per ISA level by pagedllm/kernels/cpu_f32_gemm.py (kernels/cpu_isa.py's flags, -ffp-contract=fast):
+ * AVX-512 (NB 32, MR 12), AVX2+FMA (NB 16, MR 6), portable (NB 8, MR 4); GCC vector extensions, so one source
+ * serves all levels.
+ */
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#define VEC_BYTES 64
+#define MR 12
+#elif defined(__AVX2__)
+#define VEC_BYTES 32
+#define MR 6
+#else
+#define VEC_BYTES 16
+#define MR 4
+#endif
+#define VL (VEC_BYTES / 4)
+#define NB (2 * VL)
+#ifndef NEXT_PANEL_LOCALITY
+#define NEXT_PANEL_LOCALITY 2
+#endif
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 32
+#endif
+
+typedef float vf __attribute__((vector_size(VEC_BYTES), aligned(4)));
+
+static inline vf vfma(vf acc, vf w, float x) {
+    /* contracted to one FMA by -ffp-contract=fast */
+    return acc + w * x;
+}
+
+int f32_gemm_panel_width(void) { return NB; }
+int f32_gemm_tile_rows(void) { return MR; }
+
+/* w [n, k] (row stride ldw) → ceil(n / NB) panels of k × NB floats: panel p, row kk holds
+ * w[p·NB + j][kk] for j < NB, zeros past n. `out` holds panels · k · NB floats. */
+void f32_gemm_pack(const float *w, int64_t ldw, int64_t n, int64_t k, float *out) {
+    int64_t panels = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = out + p * k * NB;
+        for (int j = 0; j < NB; j++) {
+            int64_t col = p * NB + j;
+            for (int64_t kk = 0; kk < k; kk++)
+                dst[kk * NB + j] = col < n ? w[col * ldw + kk] : 0.0f;
+        }
+    }
+}
+
+/* One tile: rows x[0:m) (m ≤ MR, a compile-time constant where inlined) against one panel; writes
+ * `cols` (≤ NB) columns of y. */
+static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panel,
+                                                       int64_t k, float *y, int64_t ldy, int cols,
+                                                       const float *bias, const float *pf_base, const int64_t pf_every,
+                                                       const int m) {
+    vf a0[MR], a1[MR];
+    for (int r = 0; r < m; r++) {
+        a0[r] = (vf){0};
+        a1[r] = (vf){0};
+    }
+    int64_t pf_count = 0;
+    for (int64_t kk = 0; kk < k; kk++) {
+        __builtin_prefetch(panel + (kk + PREFETCH_ROWS) * NB);
+        __builtin_prefetch(panel + (kk + PREFETCH_ROWS) * NB + VL);
+        if (pf_base && ++pf_count == pf_every) {
+            pf_count = 0;
+            __builtin_prefetch(pf_base, 0, NEXT_PANEL_LOCALITY);
+            pf_base += NB;
+        }
+        vf w0 = *(const vf *)(panel + kk * NB);
+        vf w1 = *(const vf *)(panel + kk * NB + VL);
+        for (int r = 0; r < m; r++) {
+            float xv = x[r * ldx + kk];
+            a0[r] = vfma(a0[r], w0, xv);
+            a1[r] = vfma(a1[r], w1, xv);
+        }
+    }
+    for (int r = 0; r < m; r++) {
+        float lanes[NB];
+        *(vf *)lanes = a0[r];
+        *(vf *)(lanes + VL) = a1[r];
+        float *dst = y + r * ldy;
+        if (bias) {
+            for (int j = 0; j < cols; j++) dst[j] = lanes[j] + bias[j];
+        } else {
+            for (int j = 0; j < cols; j++) dst[j] = lanes[j];
+        }
+    }
+}
+
+#define TILE_CASE(M) \
+    case M: tile(x, ldx, panel, k, y, ldy, cols, bias, pf_base, pf_every, M); break;
+
+static void tile_any(const float *x, int64_t ldx, const float *panel, int64_t k, float *y, int64_t ldy,
+                     int cols, const float *bias, const float *pf_base, int64_t pf_every, int m) {
+    switch (m) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+#if MR > 4
+        TILE_CASE(5) TILE_CASE(6)
+#endif
+#if MR > 6
+        TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+#endif
+        default: break;
+    }
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) · Wᵀ (+ bias [n], or NULL), W packed by
+ * f32_gemm_pack. Returns 0. */
+int f32_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *packed, int64_t n,
+             const float *bias, float *y, int64_t ldy) {
+    int64_t panels = (n + NB - 1) / NB;
+#pragma omp parallel for schedule(static) if (panels > 1 && m * n * k > 65536)
+    for (int64_t p = 0; p < panels; p++) {
+        const float *panel = packed + p * k * NB;
+        int cols = (int)(n - p * NB < NB ? n - p * NB : NB);
+        const float *b = bias ? bias + p * NB : 0;
+        /* the tiles after the first (reading the panel from L2) request the next panel's k lines into L2, a slice
+         * each, spread over their k steps: the next panel's first tile then does not wait on memory */
+        const float *next_panel = p + 1 < panels ? panel + k * NB : 0;
+        const int64_t later = (m - 1) / MR, slice = later > 0 ? (k + later - 1) / later : 0;
+        for (int64_t r0 = 0, t = 0; r0 < m; r0 += MR, t++) {
+            int rows = (int)(m - r0 < MR ? m - r0 : MR);
+            const float *pf = t > 0 && next_panel ? next_panel + (t - 1) * slice * NB : 0;
+            tile_any(x + r0 * ldx, ldx, panel, k, y + r0 * ldy + p * NB, ldy, cols, b, pf,
+                     slice > 0 ? (k / slice > 0 ? k / slice : 1) : 1, rows);
+        }
+    }
+    return 0;
+}
+
