@@ -1,6 +1,5 @@
 """Decode-only timing of the CPU paged attention: 4 KB pages vs huge pages for the caches; variant builds via -D flags."""
 import ctypes, sys, time
-from pathlib import Path
 import torch
 from pagedllm.kernels import cpu_isa
 from pagedllm.kernels.cpu_kernels import SOURCE, CpuKernels, build_library

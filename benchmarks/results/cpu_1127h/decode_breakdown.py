@@ -2,8 +2,7 @@
 
     PYTHONPATH=. python benchmarks/results/cpu_1127h/decode_breakdown.py 64
 """
-import gc, time, collections, sys
-import torch
+import time, collections, sys
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 from pagedllm.kernels.cpu_f32_gemm import F32Gemm
