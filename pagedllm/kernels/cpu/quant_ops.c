@@ -332,7 +332,6 @@ static inline __attribute__((always_inline)) vi nibble_block_dot(const vi u[8], 
 }
 #endif
 
-
 /* Block b of a group: its quants, and the scale vectors of lanes sr.. (y += dv·dx·Σq·x + mv·s). */
 static inline __attribute__((always_inline)) const uint8_t *r16_block_scales(const int type, const uint8_t *gp,
                                                                              const int64_t b, const int sr, vf *dv,
