@@ -196,7 +196,8 @@ def test_verification_steps_replay_decode_graphs_and_equal_eager(tmp_path):
         motif = [rng.randrange(1, 1024) for _ in range(rng.randint(3, 9))]
         prompts.append((motif * 12)[: rng.randint(8, 90)])
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(4, 48), ignore_eos=True) for _ in prompts]
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "draft_length_policy": "fixed"}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "draft_length_policy": "fixed"}
     kw = dict(num_gpu_blocks_override=256, max_num_seqs=16)
     plain, _ = _generate(model_dir, prompts, params, **kw)
     eager, eager_runner = _generate(model_dir, prompts, params, enforce_eager=True, speculative_config=spec, **kw)

@@ -17,7 +17,8 @@ from pagedllm.spec_decode.rejection_sampler import processed_logits, verify
 # "fixed": every proposed token is verified, so the mechanics below (rollback, preemption, CoW) are exercised
 # whatever the machine's timing; the default goodput policy is tested with the GGUF default below and in
 # test_spec_draft_length.py.
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "draft_length_policy": "fixed"}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "draft_length_policy": "fixed"}
 # float32 everywhere (CPU's default already): exactness is a property of the algorithm, checked without
 # bf16 rounding. In bf16 on CUDA the verification pass (k+1 query tokens per sequence, other GEMM shapes
 # and attention kernels) rounds differently from a decode step, so near-tie argmaxes can flip and greedy
@@ -73,6 +74,18 @@ def test_speculative_config_errors():
         SpeculativeConfig.from_json("{method")
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=2)
+
+
+def test_prompt_lookup_bounds_default_as_in_vllm():
+    """A bound left out equals the one given; with neither, both are 5 (vLLM's SpeculativeConfig)."""
+    def bounds(**kw):
+        c = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 4, **kw})
+        return c.prompt_lookup_min, c.prompt_lookup_max
+
+    assert bounds(prompt_lookup_max=4) == (4, 4)
+    assert bounds(prompt_lookup_min=2) == (2, 2)
+    assert bounds() == (5, 5)
+    assert bounds(prompt_lookup_min=1, prompt_lookup_max=3) == (1, 3)
     assert SpeculativeConfig.from_json('{"num_speculative_tokens": 2}').num_speculative_tokens == 2
 
 

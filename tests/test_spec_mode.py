@@ -73,7 +73,7 @@ def test_async_engine_with_speculation_measures_both_modes_and_keeps_greedy_outp
     kw = dict(max_model_len=256, dtype="float32", num_gpu_blocks_override=64, async_scheduling=True)
     ref = [o.outputs[0].token_ids for o in LLM(**kw).generate([{"prompt_token_ids": p} for p in prompts], params,
                                                                use_tqdm=False)]
-    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw)
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}, **kw)
     outs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
     assert outs == ref

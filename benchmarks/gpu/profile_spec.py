@@ -2,7 +2,7 @@
 speculation off and on (same engine settings as `pagedllm bench spec-decode`), per-step wall time by step
 kind (the model runner's path), then a cProfile of the host side of the "on" engine.
 
-    python benchmarks/gpu/profile_spec.py MODEL_DIR [--load-format dummy] [--dtype float32] [--concurrency 4]
+    python benchmarks/gpu/profile_spec.py [MODEL_DIR] [--load-format dummy] [--dtype float32] [--concurrency 4]
 """
 import argparse
 import cProfile
@@ -42,11 +42,12 @@ def timed_steps(engine: LLMEngine) -> collections.defaultdict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("model")
+    p.add_argument("model", nargs="?", default=None, help="default: the bundled model")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=1)
+    p.add_argument("--dump", default=None, help="also write each cProfile to DUMP_<label>.prof")
     p.add_argument("--profile", nargs="*", default=["on"], help="engines to run under cProfile (off, on)")
     a = p.parse_args()
     engines = {}
@@ -73,8 +74,10 @@ def main() -> None:
         run_closed_loop(engines[label], prompts, params, a.concurrency, "prof")
         torch.cuda.synchronize()
         pr.disable()
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(60)
-        pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(80)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(40)
+        if a.dump:
+            pr.dump_stats(f"{a.dump}_{label}.prof")
 
 
 if __name__ == "__main__":
