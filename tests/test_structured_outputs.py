@@ -14,6 +14,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedllm.core.sequence import SequenceStatus  # noqa: E402
 from pagedllm.structured_output.sample_schemas import SCHEMAS, max_tokens_for  # noqa: E402
 
 SO = StructuredOutputsParams
@@ -155,14 +156,18 @@ def test_grammar_that_cannot_finish_ends_with_length(llm):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text.rstrip("<|im_end|>") in ("alpha", "beta")
 
 
-@pytest.mark.parametrize("prefill_while_compiling", [True, False], ids=["prefill", "wait"])
-def test_compiling_request_waits_without_stalling_others(llm, prefill_while_compiling, monkeypatch):
+@pytest.mark.parametrize("mode", ["prefill", "wait", "defer"])
+def test_compiling_request_waits_without_stalling_others(llm, mode, monkeypatch):
     """While a new grammar compiles (slowed down here), other requests keep decoding; the constrained one's
-    prompt runs meanwhile up to its last token (the GPU engine's default; a CPU engine's waits), and it samples
-    only once its grammar is ready."""
+    prompt runs meanwhile up to its last token (prefill: the GPU engine's default), or not at all (wait: a CPU
+    engine's, for a long prompt), or whole with its last logits row kept (defer: a CPU engine's, for a short
+    prompt); it samples only once its grammar is ready, and a deferred first token is the one the request gets
+    when its grammar is already compiled."""
     engine = llm.llm_engine
     assert engine._prefill_while_compiling == (engine.executor.device.type != "cpu")
+    prefill_while_compiling = mode == "prefill"
     monkeypatch.setattr(engine, "_prefill_while_compiling", prefill_while_compiling)
+    monkeypatch.setattr(engine, "_defer_sample_max_prompt", 64 if mode == "defer" else 0)
     manager = engine.structured_output
     real_compile = manager.backend.compile
     release = threading.Event()
@@ -176,9 +181,10 @@ def test_compiling_request_waits_without_stalling_others(llm, prefill_while_comp
     try:
         engine.add_request("plain", "Tell me a story", SamplingParams(temperature=0, max_tokens=12))
         prompt = "Answer in JSON whether you had to wait for the grammar to compile. JSON:"
-        key = "waited" if prefill_while_compiling else "waited_too"  # a schema of its own per run: not cached
-        group = engine.add_request("json", prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
-            json={"type": "object", "properties": {key: {"type": "boolean"}}, "required": [key]})))
+        key = f"waited_{mode}"  # a schema of its own per run: not cached
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
+            json={"type": "object", "properties": {key: {"type": "boolean"}}, "required": [key]}))
+        group = engine.add_request("json", prompt, params)
         finished: dict[str, object] = {}
         while "plain" not in finished:
             for out in engine.step():
@@ -186,7 +192,9 @@ def test_compiling_request_waits_without_stalling_others(llm, prefill_while_comp
                     finished[out.request_id] = out
         assert "json" not in finished and any(g.request_id == "json" for g in engine._awaiting_grammar)
         seq = group.seqs[0]
-        assert seq.num_computed_tokens == (len(seq.prompt_token_ids) - 1 if prefill_while_compiling else 0)
+        n_prompt = len(seq.prompt_token_ids)
+        assert seq.num_computed_tokens == {"prefill": n_prompt - 1, "wait": 0, "defer": n_prompt}[mode]
+        assert ("held_logits" in group.extra) == (mode == "defer")
         assert not seq.output_token_ids
         assert engine.get_num_unfinished_requests() == 1
         # A CPU engine's forward pass leaves a core to the compile thread meanwhile, and takes it back after.
@@ -203,13 +211,101 @@ def test_compiling_request_waits_without_stalling_others(llm, prefill_while_comp
         release.set()
     assert json.loads(finished["json"].outputs[0].text) in ({key: True}, {key: False})
     assert torch.get_num_threads() == threads
+    again = llm.generate([prompt], params, use_tqdm=False)[0]  # the grammar is cached now: sampled in its step
+    assert again.outputs[0].token_ids == finished["json"].outputs[0].token_ids
+    bm = engine.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
 
 
-def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm, monkeypatch):
-    """Aborted while its grammar compiles and its prompt has run: its blocks come back, nothing is left over,
-    and the compile finishing later changes nothing."""
+def test_a_deferred_first_sample_forks_and_draws_as_an_immediate_one(llm, monkeypatch):
+    """n = 3 seeded samples of a short prompt whose grammar compiled while its prompt ran whole: the first
+    tokens come from the kept logits row (three forks), and every output equals the one the same request
+    gets once the grammar is cached (sampled in the prompt's own step)."""
     engine = llm.llm_engine
-    monkeypatch.setattr(engine, "_prefill_while_compiling", True)
+    monkeypatch.setattr(engine, "_prefill_while_compiling", False)
+    monkeypatch.setattr(engine, "_defer_sample_max_prompt", 64)
+    manager = engine.structured_output
+    real_compile = manager.backend.compile
+    release = threading.Event()
+    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
+    schema = {"type": "object", "properties": {"forked": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["forked"]}
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24, structured_outputs=SO(json=schema))
+    try:
+        group = engine.add_request("forks", "Pick a number as JSON:", params)
+        engine.step()
+        assert "held_logits" in group.extra and not group.seqs[0].output_token_ids
+        release.set()
+        done = None
+        deadline = time.monotonic() + 60
+        while done is None and time.monotonic() < deadline:
+            done = next((o for o in engine.step() if o.finished), None)
+    finally:
+        manager.backend.compile = real_compile
+        release.set()
+    again = llm.generate(["Pick a number as JSON:"], params, use_tqdm=False)[0]
+    assert len(done.outputs) == 3
+    for c in done.outputs:
+        jsonschema.validate(json.loads(c.text), schema)
+    assert [c.token_ids for c in done.outputs] == [c.token_ids for c in again.outputs]
+    st = llm.stats()
+    assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_a_deferred_request_preempted_before_its_grammar_is_ready_samples_in_a_step_of_its_own(preemption_mode):
+    """A short constrained prompt ran whole while its grammar compiled, then lost its place to older requests
+    (recompute or swap) before the grammar was ready: the kept logits are dropped, its last prompt token runs
+    again once it is back, and that step samples; the output is the one it gets with the grammar cached."""
+    small = LLM(num_gpu_blocks_override=8, max_model_len=256, preemption_mode=preemption_mode, swap_space=0.05)
+    engine = small.llm_engine
+    if engine._prefill_while_compiling:
+        pytest.skip("a CPU engine's path")
+    manager = engine.structured_output
+    real_compile = manager.backend.compile
+    release = threading.Event()
+    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
+    schema = {"type": "object", "properties": {"preempted": {"type": "boolean"}}, "required": ["preempted"]}
+    params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(json=schema))
+    long = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    finished: dict[str, object] = {}
+    try:
+        engine.add_request("a", "Write a long story about a lighthouse keeper.", long)
+        engine.add_request("b", "Write a long story about a mountain village.", long)
+        group = engine.add_request("json", "JSON:", params)
+        seq = group.seqs[0]
+        for _ in range(200):
+            engine.step()
+            if "held_logits" in group.extra and seq.status != SequenceStatus.RUNNING:
+                break
+        assert "held_logits" in group.extra and seq.status != SequenceStatus.RUNNING  # held, then preempted
+        release.set()
+        group.extra["grammar_future"].result(timeout=60)  # ready while it is out: the next step finds it so
+        engine.step()
+        assert "held_logits" not in group.extra and not seq.output_token_ids
+        deadline = time.monotonic() + 120
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        manager.backend.compile = real_compile
+        release.set()
+    assert set(finished) == {"a", "b", "json"}
+    again = small.generate(["JSON:"], params, use_tqdm=False)[0]
+    assert finished["json"].outputs[0].token_ids == again.outputs[0].token_ids
+    jsonschema.validate(json.loads(again.outputs[0].text), schema)
+    st = small.stats()
+    assert st["num_preemptions"] > 0 and st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("mode", ["prefill", "defer"])
+def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm, mode, monkeypatch):
+    """Aborted while its grammar compiles and its prompt has run (to its last token, or whole with its logits
+    kept): its blocks come back, nothing is left over, and the compile finishing later changes nothing."""
+    engine = llm.llm_engine
+    monkeypatch.setattr(engine, "_prefill_while_compiling", mode == "prefill")
+    monkeypatch.setattr(engine, "_defer_sample_max_prompt", 64)
     manager = engine.structured_output
     real_compile = manager.backend.compile
     release = threading.Event()
@@ -217,9 +313,10 @@ def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm, monkeyp
     try:
         group = engine.add_request("doomed", "Describe a cat in JSON, with its name and age. JSON:", SamplingParams(
             temperature=0, max_tokens=20, structured_outputs=SO(json={"type": "object", "properties": {
-                "aborted": {"type": "integer"}}, "required": ["aborted"]})))
+                f"aborted_{mode}": {"type": "integer"}}, "required": [f"aborted_{mode}"]})))
         for _ in range(3):
             engine.step()
+        assert group.defer_sample == ("held_logits" in group.extra) == (mode == "defer")
         assert group.seqs[0].num_computed_tokens > 0 and llm.stats()["kv_blocks_free"] < llm.stats()["kv_blocks_total"]
         engine.abort_request("doomed")
         release.set()

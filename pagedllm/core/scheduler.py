@@ -166,7 +166,8 @@ class Scheduler:
         """Tokens each unfinished sequence of the group would run this step (may be 0)."""
         demand = []
         chunked = self.config.enable_chunked_prefill
-        hold = 0 if group.may_sample else 1  # a group that may not sample keeps its last token back
+        # A group that may not sample keeps its last token back, unless its first sample is deferred.
+        hold = 0 if group.may_sample or group.defer_sample else 1
         for seq in group.unfinished_seqs():
             want = seq.num_uncomputed_tokens - hold
             if want < 0:  # held with nothing uncomputed (never expected: the last token is always computed)

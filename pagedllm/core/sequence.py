@@ -137,6 +137,9 @@ class SequenceGroup:
     # False while the group may not sample yet (its structured-output grammar still compiles): the scheduler
     # runs its prompt up to, not including, the last token, whose step would sample.
     may_sample: bool = True
+    # With may_sample False: the last prompt token runs all the same, and the engine keeps that step's logits
+    # row to sample the first token from once the grammar is ready (no step of its own for it).
+    defer_sample: bool = False
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

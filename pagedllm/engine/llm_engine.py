@@ -45,6 +45,10 @@ from pagedllm.worker.model_input import (
 logger = logging.getLogger("pagedllm")
 
 PromptType = str | list[int] | dict
+# A CPU engine runs a constrained prompt of at most this many tokens while its grammar compiles (on one of the
+# cores, the step on the rest) and samples the first token from the kept logits once the grammar is ready.
+# A longer prompt waits for the grammar: at half the threads its prefill would outlast the compile.
+_CPU_DEFER_SAMPLE_MAX_PROMPT = 64
 
 
 class LLMEngine:
@@ -104,10 +108,13 @@ class LLMEngine:
             self.structured_output.reserve_buffers(self.config.scheduler_config.max_num_seqs)
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
         # Their prompts run meanwhile (all but the last token) on a GPU, where the compile has host cores of its
-        # own. A CPU engine gives a core to the compile and runs steps one thread narrower meanwhile: a prompt
-        # there would run at half speed past the compile's end, which made time to first token worse
-        # (BENCHMARKS.md §41), so it waits for its grammar there.
+        # own. A CPU engine gives a core to the compile and runs steps one thread narrower meanwhile: a long
+        # prompt there would run at half speed past the compile's end, which made time to first token worse
+        # (BENCHMARKS.md §41), so it waits for its grammar there. A short one runs whole while the grammar
+        # compiles, and its first token is sampled from the kept logits as soon as the grammar is ready:
+        # no step of its own after the compile (§46).
         self._prefill_while_compiling = self.executor.device.type != "cpu"
+        self._defer_sample_max_prompt = _CPU_DEFER_SAMPLE_MAX_PROMPT
         self.output_processor = OutputProcessor(
             self.scheduler,
             self.tokenizer,
@@ -224,7 +231,9 @@ class LLMEngine:
                 group.extra["grammar_future"] = grammar
                 self._awaiting_grammar.append(group)
                 group.may_sample = False
-                if len(token_ids) < 2 or not self._prefill_while_compiling:
+                group.defer_sample = (not self._prefill_while_compiling and "beam" not in group.extra
+                                      and len(token_ids) <= self._defer_sample_max_prompt)
+                if not group.defer_sample and (len(token_ids) < 2 or not self._prefill_while_compiling):
                     return group  # nothing to run before the grammar is ready: enters the scheduler then
                 group.extra["grammar_prefill"] = True
         self.scheduler.add_seq_group(group)
@@ -298,21 +307,25 @@ class LLMEngine:
             torch.set_num_threads(want)
 
     def _only_held_prompts_left(self) -> bool:
-        """The scheduler has nothing to run but prompts held at their last token (their grammars compile)."""
+        """The scheduler has nothing to run but prompts held at their last token, or run whole with their first
+        sample deferred (their grammars compile)."""
         s = self.scheduler
         for group in itertools.chain(s.waiting, s.running, s.swapped):
-            if group.may_sample or any(seq.num_uncomputed_tokens > 1 for seq in group.unfinished_seqs()):
+            held = 0 if group.defer_sample else 1
+            if group.may_sample or any(seq.num_uncomputed_tokens > held for seq in group.unfinished_seqs()):
                 return False
         return True
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self, may_wait: bool = True) -> list[RequestOutput]:
         """Move requests whose grammar finished compiling into the scheduler (a failed compile ends the
-        request as aborted; validation already caught bad input in add_request)."""
+        request as aborted; validation already caught bad input in add_request); sample the first token of
+        those whose prompt already ran whole. `may_wait`: with nothing else to run, wait up to 50 ms for a
+        compile first."""
         if not self._awaiting_grammar:
             return []
-        if self._inflight is None and self._only_held_prompts_left():  # nothing else to do: wait a bit
+        if may_wait and self._inflight is None and self._only_held_prompts_left():  # nothing else to do: wait a bit
             wait_futures([g.extra["grammar_future"] for g in self._awaiting_grammar], 0.05, FIRST_COMPLETED)
-        outputs, still = [], []
+        outputs, still, held = [], [], []
         for group in self._awaiting_grammar:
             fut = group.extra["grammar_future"]
             if group.is_finished():  # ended meanwhile (in the scheduler: ignored, aborted)
@@ -333,10 +346,56 @@ class LLMEngine:
             # The compiled grammar itself from here on: the step reads it for every constrained row.
             group.extra["structured_output"] = fut.result()
             group.may_sample = True
+            group.defer_sample = False
+            if "held_logits" in group.extra:
+                held.append(group)
             if not in_scheduler:
                 self.scheduler.add_seq_group(group)
         self._awaiting_grammar = still
+        if held:
+            outputs.extend(self._sample_held_logits(held))
         return outputs
+
+    def _sample_held_logits(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """The first token of requests whose prompt ran whole while their grammar compiled, sampled from the
+        logits row their last prompt step kept, under the now compiled grammar's mask."""
+        owners: list[ScheduledSequence] = []
+        rows: list[SamplingRow] = []
+        logits: list[torch.Tensor] = []
+        for group in groups:
+            row = group.extra.pop("held_logits")
+            seq = group.seqs[0]
+            if seq.status != SequenceStatus.RUNNING:
+                # Preempted since (recompute or swap): its last prompt token runs again, and that step samples.
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.get_len() - 1)
+                continue
+            owners.append(ScheduledSequence(group, seq, 0))
+            rows.append(self._sampling_row(group, seq))
+            logits.append(row)
+            seq.num_pending_tokens += 1  # (_append_samples takes it back)
+        if not owners:
+            return []
+        live = list(range(len(owners)))
+        job = self.structured_output.start_fill([(it.seq, it.group.extra["structured_output"]) for it in owners],
+                                                overlap=False, rows=live, batch=len(owners))
+        bitmask = (self.structured_output.mask_result(job), live)
+        samples, full_logprobs = self.sampler.launch(torch.stack(logits), rows, token_bitmask=bitmask).result()
+        touched: dict[str, SequenceGroup] = {}
+        self._append_samples(owners, samples, full_logprobs, touched)
+        for group in self.scheduler.free_finished_seq_groups():
+            touched[group.request_id] = group
+        make = self.output_processor.make_output
+        return [make(g) for g in touched.values()
+                if g.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY or g.is_finished()]
+
+    def _sampling_row(self, group: SequenceGroup, seq: Sequence) -> SamplingRow:
+        """What the sampler needs for one sequence's next token; a single sequence's first sample draws
+        best_of tokens (the group forks at the end of its prompt)."""
+        fork_at_prompt_end = (not seq.output_token_ids and not seq.num_pending_tokens and len(group.seqs) == 1
+                              and "beam" not in group.extra)
+        num_samples = group.extra["best_of"] if fork_at_prompt_end else 1
+        return SamplingRow(group.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
+                           seq.extra.get("generator"), num_samples, self.eos_token_ids)
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -386,6 +445,8 @@ class LLMEngine:
                 outputs.extend(self._complete_step(cur))
                 if planned:
                     spec.step_finished()  # a whole step timed on the host: the draft-length cost model
+        if self._awaiting_grammar:  # a grammar that compiled while this step ran: its held first token now
+            outputs.extend(self._admit_compiled(may_wait=False))
         if spec is not None:
             spec.step_done(spec_mode, self.num_generation_tokens_total - tokens_before,
                            time.perf_counter() - start, small)
@@ -431,7 +492,7 @@ class LLMEngine:
         # whose matcher still lacks prev's token are filled once prev has completed (see `step`).
         row = 0
         for item, chunk in zip(scheduled, chunks):
-            if chunk.sample:
+            if chunk.sample and item.group.may_sample:
                 if "structured_output" in item.group.extra:
                     step.mask_rows.append(row)
                     step.mask_seqs.append((item.seq, item.group.extra["structured_output"]))
@@ -487,18 +548,18 @@ class LLMEngine:
         layout = logits_row_layout(chunks)
         rows: list[SamplingRow] = []
         row_idx: list[int] = []
-        eos = self.eos_token_ids
         from_history: dict[int, bool] = {}  # per distinct SamplingParams: does sampling read the host's history?
         for item, chunk, (lo, hi) in zip(scheduled, chunks, layout):
             if not chunk.sample:
                 continue
             group, seq = item.group, item.seq
+            if not group.may_sample:  # its first sample waits for the grammar: keep the row (a copy)
+                group.extra["held_logits"] = logits[hi - 1].clone()
+                continue
             params = group.sampling_params
-            fork_at_prompt_end = (not seq.output_token_ids and not seq.num_pending_tokens and len(group.seqs) == 1
-                                  and "beam" not in group.extra)
-            num_samples = group.extra["best_of"] if fork_at_prompt_end else 1
-            rows.append(SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.extra.get("generator"),
-                                    num_samples, eos))
+            row = self._sampling_row(group, seq)
+            num_samples = row.num_samples
+            rows.append(row)
             step.row_of_seq[seq.seq_id] = len(row_idx)
             row_idx.append(hi - 1)
             step.owners.append(item)
