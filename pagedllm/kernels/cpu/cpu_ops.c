@@ -171,11 +171,17 @@ static inline void group_scores(const float *restrict q, const float *restrict k
         return;
     }
 #endif
+    /* Eight lanes summed in a fixed order, not an `omp simd` reduction: this is inlined into several loops, and
+     * the order a compiler picks for such a reduction could differ between them, so a query token would not get
+     * the same bits in a chunk as alone. */
     for (int g = 0; g < group; ++g) {
         const float *qg = q + g * head_dim;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int d = 0; d < head_dim; ++d) acc += qg[d] * k[d];
+        float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        int d = 0;
+        for (; d + 8 <= head_dim; d += 8)
+            for (int l = 0; l < 8; ++l) lane[l] += qg[d + l] * k[d + l];
+        float acc = ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+        for (; d < head_dim; ++d) acc += qg[d] * k[d];
         scores[g * stride] = scale * acc;
     }
 }
