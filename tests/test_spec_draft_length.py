@@ -75,15 +75,3 @@ def test_bursty_acceptance_makes_deep_drafts_worth_verifying():
     cost = linear(10, 2)
     assert choose_draft_lengths(1, 1, [0.5], [4], cost) == [2]  # as independent tokens: 0.5, 0.25, ...
     assert choose_draft_lengths(1, 1, [0.5], [4], cost, depth=[0.95, 0.95, 0.95]) == [4]
-
-
-def test_an_overlapped_plain_step_is_the_baseline_to_beat():
-    """Four rows, one doubtful draft (first-token acceptance 0.3): against a synchronous 4-row step (2.4 ms)
-    verifying it looks worth it; against the overlapped plain step an asynchronous engine would run instead
-    (1.3 ms), it is not."""
-    cost = StepCostModel({4: 0.0024, 8: 0.0026}).estimate
-    assert choose_draft_lengths(4, 4, [0.3], [4], cost) != [0]
-    assert choose_draft_lengths(4, 4, [0.3], [4], cost, base_cost=0.0013) == [0]
-    # A confident long draft still beats the overlap.
-    assert choose_draft_lengths(1, 1, [0.95], [4], StepCostModel({1: 0.002, 5: 0.0023}).estimate,
-                                depth=[0.95] * 3, base_cost=0.0012) == [4]

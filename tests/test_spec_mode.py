@@ -135,33 +135,3 @@ def test_the_acceptance_cooldown_holds_where_speculating_costs_more_than_its_row
     assert dec._may_speculate(seq, group) is not cools_down
     group.extra["beam"] = object()  # beam search never speculates, cooldown or not
     assert not dec._may_speculate(seq, group)
-
-
-def test_worth_syncing_weighs_the_drafts_against_an_overlapped_plain_step():
-    """Asynchronous engine, goodput policy: once both step costs are measured, a lone doubtful draft among four
-    sequences does not stop the overlap, a likely one does; every 16th refusal is overruled (both costs stay
-    measured)."""
-    from types import SimpleNamespace
-
-    from pagedllm.config import SpeculativeConfig
-    from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
-    from pagedllm.spec_decode.draft_length import StepCostModel
-    from pagedllm.spec_decode.spec_decoder import _EXPLORE_EVERY, SpecDecoder
-
-    def group(i: int, prompt: list[int], output: list[int]) -> SequenceGroup:
-        return SequenceGroup(f"r{i}", [Sequence(i, prompt, list(output), status=SequenceStatus.RUNNING)], None, 0.0)
-
-    running = [group(i, [10 * i + 1, 10 * i + 2, 10 * i + 3], [10 * i + 4]) for i in range(3)]
-    copying = group(3, [1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4])  # "1 2 3 4" recurs: drafts 5, 6, 7, 8
-    running.append(copying)
-    dec = SpecDecoder(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=4), SimpleNamespace(running=running),
-                      None, 1024, async_steps=True)
-    assert dec.worth_syncing()  # nothing measured yet: speculate, and measure
-    dec.step_cost = StepCostModel({4: 0.0024, 8: 0.0026})
-    dec.plain_step_cost.record(4, 0.0019)
-    copying.seqs[0].extra["spec_first"] = 0.3
-    answers = [dec.worth_syncing() for _ in range(_EXPLORE_EVERY)]
-    assert answers == [False] * (_EXPLORE_EVERY - 1) + [True]
-    copying.seqs[0].extra["spec_first"] = 0.95
-    dec.stats.accepted_per_pos, dec.stats.drafted_per_pos = [95, 90, 86, 82], [100, 95, 90, 86]
-    assert dec.worth_syncing()

@@ -434,17 +434,13 @@ class LLMEngine:
                 prev = None
             if not cur.sampling_launched:
                 self._launch_sampling(cur)
-        overlapped = prev is not None  # this step waits for the one before it, launched by the previous call
         if prev is not None:
             outputs.extend(self._complete_step(prev))
-        plain_rows = None  # an overlapped decode-only step without drafts: what not speculating costs
         if cur is not None:
             # After prev completed: a block filled by prev's token is hashed with its real id.
             self.scheduler.mark_computed(cur.scheduled)
             if self.async_scheduling and not cur.needs_host_results:
                 self._inflight = cur
-                if overlapped and not drafts and all(it.num_new_tokens == 1 for it in sched.scheduled):
-                    plain_rows = len(sched.scheduled)
             else:
                 outputs.extend(self._complete_step(cur))
                 if planned:
@@ -453,7 +449,7 @@ class LLMEngine:
             outputs.extend(self._admit_compiled(may_wait=False))
         if spec is not None:
             spec.step_done(spec_mode, self.num_generation_tokens_total - tokens_before,
-                           time.perf_counter() - start, small, plain_rows)
+                           time.perf_counter() - start, small)
         return outputs
 
     def _launch_forward(self, sched: SchedulerOutputs, prev: LaunchedStep | None,

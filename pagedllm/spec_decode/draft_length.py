@@ -55,8 +55,7 @@ class StepCostModel:
 
 
 def choose_draft_lengths(base_rows: int, base_tokens: int, acceptance: list[float], max_lengths: list[int],
-                         cost: Callable[[int], float | None], depth: list[float] | None = None,
-                         base_cost: float | None = None) -> list[int]:
+                         cost: Callable[[int], float | None], depth: list[float] | None = None) -> list[int]:
     """Draft tokens to verify per candidate sequence.
 
     `base_rows`: the step's query rows without drafts; `base_tokens`: the tokens it yields without drafts (one
@@ -64,9 +63,7 @@ def choose_draft_lengths(base_rows: int, base_tokens: int, acceptance: list[floa
     proposed `max_lengths[i]` tokens; `depth[j]`: the probability that draft token j + 2 is accepted once the
     j + 1 before it were (acceptance is bursty: a copied span tends to continue; None: the same as the first
     token's, independent tokens); `cost(rows)` estimates the step's seconds (None: unknown, then every draft
-    is verified); `base_cost`: the step's seconds without any draft, when that differs from `cost(base_rows)`
-    (an asynchronous engine's plain steps overlap the host with the device; a step that verifies drafts
-    cannot)."""
+    is verified)."""
     if cost(base_rows) is None:
         return list(max_lengths)
     tokens: list[tuple[float, int]] = []
@@ -79,8 +76,7 @@ def choose_draft_lengths(base_rows: int, base_tokens: int, acceptance: list[floa
             tokens.append((gain, i))
     tokens.sort(key=lambda t: -t[0])  # stable: a sequence's shallower tokens stay first
     expected = float(base_tokens)
-    plain = cost(base_rows) if base_cost is None else base_cost
-    best_rate, best_n = expected / max(plain, 1e-9), 0
+    best_rate, best_n = expected / max(cost(base_rows), 1e-9), 0
     for n, (gain, _) in enumerate(tokens, 1):
         expected += gain
         rate = expected / max(cost(base_rows + n), 1e-9)

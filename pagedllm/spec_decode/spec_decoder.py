@@ -54,11 +54,7 @@ class SpecDecoder:
         self.scheduler = scheduler
         self.max_seq_len = max_seq_len
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
-        self.step_cost = StepCostModel()  # synchronous decode-only steps (speculation mode), by query rows
-        # Asynchronous engines: overlapped decode-only steps without drafts, by query rows (the cost of not
-        # speculating, which a synchronous step's time overstates: the host's work no longer overlaps).
-        self.plain_step_cost = StepCostModel() if async_steps else None
-        self._syncs_declined = 0  # worth_syncing's goodput refusals (every _EXPLORE_EVERY-th is overruled)
+        self.step_cost = StepCostModel()
         self._timing: tuple[int, float] | None = None  # (query rows, start) of a decode-only step in flight
         self._num_choices = 0  # goodput choices made (every _EXPLORE_EVERY-th verifies every proposal)
         self.mode = SpecModeChooser() if async_steps else None
@@ -83,16 +79,12 @@ class SpecDecoder:
         """False while plain asynchronous steps measure faster than speculation (spec_decode/mode.py)."""
         return self.mode is None or self.mode.speculate()
 
-    def step_done(self, speculated: bool, tokens: int, seconds: float, small_batch: bool,
-                  plain_rows: int | None = None) -> None:
+    def step_done(self, speculated: bool, tokens: int, seconds: float, small_batch: bool) -> None:
         """An engine step ended (`speculated`: it ran in speculation mode, synchronously where `worth_syncing`
         said so; `small_batch`: it began with few enough sequences to speculate): small-batch steps feed the
-        mode choice. `plain_rows`: the query rows of a decode-only step that overlapped its predecessor without
-        drafts (its time is what not speculating costs)."""
+        mode choice."""
         if self.mode is None or not small_batch:
             return
-        if plain_rows is not None and self.plain_step_cost is not None:
-            self.plain_step_cost.record(plain_rows, seconds)
         if not speculated and not self.mode.speculate():
             self.stats.num_steps_off_by_rate += 1
         self.mode.record(speculated, tokens, seconds)
@@ -102,33 +94,14 @@ class SpecDecoder:
         drafts: only when some running sequence that may speculate already matches earlier text in the tokens
         the host has (one step behind the device). A copied span is found one token late; outside one (most
         steps of ordinary text, or every sequence in its cooldown) steps stay asynchronous instead of waiting
-        on the device to propose nothing (BENCHMARKS §30). Under the goodput policy, also only when the drafts
-        on offer are expected to yield more tokens per second in a synchronous step than the rows would in an
-        overlapped plain one: one sequence of four with a doubtful draft is not worth giving up the overlap
-        (BENCHMARKS §46); every `_EXPLORE_EVERY`-th refusal is overruled, so that both costs stay measured."""
+        on the device to propose nothing (BENCHMARKS §30)."""
         if self.ngram is None:
             return True
-        rows = 0
-        candidates: list[tuple[Sequence, int]] = []
         for group in self.scheduler.running:
             for seq in group.get_seqs(SequenceStatus.RUNNING):
-                rows += 1
-                if self._may_speculate(seq, group):
-                    drafts = self.ngram.propose(seq.token_ids)
-                    if drafts:
-                        candidates.append((seq, len(drafts)))
-        if not candidates:
-            return False
-        plain = None if self.plain_step_cost is None else self.plain_step_cost.estimate(rows)
-        if plain is None or self.config.draft_length_policy != "goodput" or self.step_cost.estimate(rows) is None:
-            return True
-        prior, depth = self._acceptance_model()
-        lengths = choose_draft_lengths(rows, rows, [s.extra.get("spec_first", prior) for s, _ in candidates],
-                                       [k for _, k in candidates], self.step_cost.estimate, depth, base_cost=plain)
-        if any(lengths):
-            return True
-        self._syncs_declined += 1
-        return self._syncs_declined % _EXPLORE_EVERY == 0
+                if self._may_speculate(seq, group) and self.ngram.propose(seq.token_ids, 1):
+                    return True
+        return False
 
     def _may_speculate(self, seq: Sequence, group: SequenceGroup) -> bool:
         """The sequence decodes, is neither beam search nor constrained, and is not in an acceptance cooldown.
@@ -214,7 +187,13 @@ class SpecDecoder:
         self._num_choices += 1
         if self._num_choices % _EXPLORE_EVERY == 0:
             return max_lengths
-        prior, depth = self._acceptance_model()
+        st = self.stats
+        # rate[j]: P(draft positions 0..j all accepted | position j drafted), engine-wide.
+        rate = [a / d if d else None for a, d in zip(st.accepted_per_pos, st.drafted_per_pos)]
+        prior = rate[0] if rate and rate[0] is not None else _FIRST_PRIOR
+        # P(position j + 1 accepted | 0..j accepted); an unknown depth counts as the first position's rate.
+        depth = [rate[j + 1] / rate[j] if rate[j] and rate[j + 1] is not None else prior
+                 for j in range(len(rate) - 1)]
         rates = [it.seq.extra.get("spec_first", prior) for it, _, _ in candidates]
         base_tokens = sum(1 for it in sched.scheduled if it.completes)
         lengths = choose_draft_lengths(sched.num_batched_tokens, base_tokens, rates, max_lengths,
@@ -223,17 +202,6 @@ class SpecDecoder:
             if k == 0:  # not worth it now: drift back toward the engine-wide rate, to be tried again later
                 it.seq.extra["spec_first"] = rate + _BACK_TO_PRIOR * (prior - rate)
         return lengths
-
-    def _acceptance_model(self) -> tuple[float, list[float]]:
-        """(a first draft token's engine-wide acceptance, P(position j + 1 accepted | 0..j accepted) per j)."""
-        st = self.stats
-        # rate[j]: P(draft positions 0..j all accepted | position j drafted), engine-wide.
-        rate = [a / d if d else None for a, d in zip(st.accepted_per_pos, st.drafted_per_pos)]
-        prior = rate[0] if rate and rate[0] is not None else _FIRST_PRIOR
-        # An unknown depth counts as the first position's rate.
-        depth = [rate[j + 1] / rate[j] if rate[j] and rate[j + 1] is not None else prior
-                 for j in range(len(rate) - 1)]
-        return prior, depth
 
     def step_finished(self) -> None:
         """The step planned last has completed on the host: its time joins the step-cost model."""
