@@ -2,6 +2,7 @@
 always hold, leave unconstrained neighbours untouched, survive n > 1, beam search and preemption."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -156,6 +157,29 @@ def test_grammar_that_cannot_finish_ends_with_length(llm):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text.rstrip("<|im_end|>") in ("alpha", "beta")
 
 
+@contextlib.contextmanager
+def compiles_held(engine):
+    """The engine's grammar compiles wait for the yielded event (set, and the backend restored, on exit)."""
+    backend = engine.structured_output.backend
+    real_compile = backend.compile
+    release = threading.Event()
+    backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
+    try:
+        yield release
+    finally:
+        backend.compile = real_compile
+        release.set()
+
+
+def step_until(engine, finished: dict, done, seconds: float = 60.0) -> None:
+    """Step the engine until `done()` (or `seconds` pass), keeping finished outputs by request id."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+
+
 @pytest.mark.parametrize("mode", ["prefill", "wait", "defer"])
 def test_compiling_request_waits_without_stalling_others(llm, mode, monkeypatch):
     """While a new grammar compiles (slowed down here), other requests keep decoding; the constrained one's
@@ -168,28 +192,16 @@ def test_compiling_request_waits_without_stalling_others(llm, mode, monkeypatch)
     prefill_while_compiling = mode == "prefill"
     monkeypatch.setattr(engine, "_prefill_while_compiling", prefill_while_compiling)
     monkeypatch.setattr(engine, "_defer_sample_max_prompt", 64 if mode == "defer" else 0)
-    manager = engine.structured_output
-    real_compile = manager.backend.compile
-    release = threading.Event()
-
-    def slow_compile(built):
-        release.wait(30)
-        return real_compile(built)
-
-    manager.backend.compile = slow_compile
     threads = torch.get_num_threads()
-    try:
+    finished: dict[str, object] = {}
+    with compiles_held(engine) as release:
         engine.add_request("plain", "Tell me a story", SamplingParams(temperature=0, max_tokens=12))
         prompt = "Answer in JSON whether you had to wait for the grammar to compile. JSON:"
         key = f"waited_{mode}"  # a schema of its own per run: not cached
         params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(
             json={"type": "object", "properties": {key: {"type": "boolean"}}, "required": [key]}))
         group = engine.add_request("json", prompt, params)
-        finished: dict[str, object] = {}
-        while "plain" not in finished:
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        step_until(engine, finished, lambda: "plain" in finished)
         assert "json" not in finished and any(g.request_id == "json" for g in engine._awaiting_grammar)
         seq = group.seqs[0]
         n_prompt = len(seq.prompt_token_ids)
@@ -201,14 +213,7 @@ def test_compiling_request_waits_without_stalling_others(llm, mode, monkeypatch)
         on_cpu = engine.executor.device.type == "cpu"
         assert torch.get_num_threads() == (max(1, threads - 1) if on_cpu else threads)
         release.set()
-        deadline = time.monotonic() + 60
-        while "json" not in finished and time.monotonic() < deadline:
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-    finally:
-        manager.backend.compile = real_compile
-        release.set()
+        step_until(engine, finished, lambda: "json" in finished)
     assert json.loads(finished["json"].outputs[0].text) in ({key: True}, {key: False})
     assert torch.get_num_threads() == threads
     again = llm.generate([prompt], params, use_tqdm=False)[0]  # the grammar is cached now: sampled in its step
@@ -224,25 +229,17 @@ def test_a_deferred_first_sample_forks_and_draws_as_an_immediate_one(llm, monkey
     engine = llm.llm_engine
     monkeypatch.setattr(engine, "_prefill_while_compiling", False)
     monkeypatch.setattr(engine, "_defer_sample_max_prompt", 64)
-    manager = engine.structured_output
-    real_compile = manager.backend.compile
-    release = threading.Event()
-    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
     schema = {"type": "object", "properties": {"forked": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["forked"]}
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24, structured_outputs=SO(json=schema))
-    try:
+    finished: dict[str, object] = {}
+    with compiles_held(engine) as release:
         group = engine.add_request("forks", "Pick a number as JSON:", params)
         engine.step()
         assert "held_logits" in group.extra and not group.seqs[0].output_token_ids
         release.set()
-        done = None
-        deadline = time.monotonic() + 60
-        while done is None and time.monotonic() < deadline:
-            done = next((o for o in engine.step() if o.finished), None)
-    finally:
-        manager.backend.compile = real_compile
-        release.set()
+        step_until(engine, finished, lambda: "forks" in finished)
+    done = finished["forks"]
     again = llm.generate(["Pick a number as JSON:"], params, use_tqdm=False)[0]
     assert len(done.outputs) == 3
     for c in done.outputs:
@@ -261,15 +258,11 @@ def test_a_deferred_request_preempted_before_its_grammar_is_ready_samples_in_a_s
     engine = small.llm_engine
     if engine._prefill_while_compiling:
         pytest.skip("a CPU engine's path")
-    manager = engine.structured_output
-    real_compile = manager.backend.compile
-    release = threading.Event()
-    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
     schema = {"type": "object", "properties": {"preempted": {"type": "boolean"}}, "required": ["preempted"]}
     params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=SO(json=schema))
     long = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
     finished: dict[str, object] = {}
-    try:
+    with compiles_held(engine) as release:
         engine.add_request("a", "Write a long story about a lighthouse keeper.", long)
         engine.add_request("b", "Write a long story about a mountain village.", long)
         group = engine.add_request("json", "JSON:", params)
@@ -283,14 +276,7 @@ def test_a_deferred_request_preempted_before_its_grammar_is_ready_samples_in_a_s
         group.extra["grammar_future"].result(timeout=60)  # ready while it is out: the next step finds it so
         engine.step()
         assert "held_logits" not in group.extra and not seq.output_token_ids
-        deadline = time.monotonic() + 120
-        while engine.has_unfinished_requests() and time.monotonic() < deadline:
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-    finally:
-        manager.backend.compile = real_compile
-        release.set()
+        step_until(engine, finished, lambda: not engine.has_unfinished_requests(), 120)
     assert set(finished) == {"a", "b", "json"}
     again = small.generate(["JSON:"], params, use_tqdm=False)[0]
     assert finished["json"].outputs[0].token_ids == again.outputs[0].token_ids
@@ -306,11 +292,7 @@ def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm, mode, m
     engine = llm.llm_engine
     monkeypatch.setattr(engine, "_prefill_while_compiling", mode == "prefill")
     monkeypatch.setattr(engine, "_defer_sample_max_prompt", 64)
-    manager = engine.structured_output
-    real_compile = manager.backend.compile
-    release = threading.Event()
-    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
-    try:
+    with compiles_held(engine) as release:
         group = engine.add_request("doomed", "Describe a cat in JSON, with its name and age. JSON:", SamplingParams(
             temperature=0, max_tokens=20, structured_outputs=SO(json={"type": "object", "properties": {
                 f"aborted_{mode}": {"type": "integer"}}, "required": [f"aborted_{mode}"]})))
@@ -324,9 +306,6 @@ def test_aborting_a_request_whose_grammar_compiles_frees_its_prompt(llm, mode, m
         engine.step()
         assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
         assert group.is_finished() and not engine._awaiting_grammar
-    finally:
-        manager.backend.compile = real_compile
-        release.set()
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
 
@@ -338,14 +317,10 @@ def test_a_lone_held_prompt_waits_for_its_grammar_instead_of_spinning(llm, monke
 
     engine = llm.llm_engine
     monkeypatch.setattr(engine, "_prefill_while_compiling", True)
-    manager = engine.structured_output
-    real_compile = manager.backend.compile
-    release = threading.Event()
     waits = []
     real_wait = engine_module.wait_futures
     monkeypatch.setattr(engine_module, "wait_futures", lambda *a, **k: (waits.append(1), real_wait(*a, **k))[1])
-    manager.backend.compile = lambda built: (release.wait(30), real_compile(built))[1]
-    try:
+    with compiles_held(engine) as release:
         group = engine.add_request("lone", "Give me a JSON object with a single flag in it. JSON:", SamplingParams(
             temperature=0, max_tokens=10, structured_outputs=SO(json={"type": "object", "properties": {
                 "lone": {"type": "boolean"}}, "required": ["lone"]})))
@@ -358,9 +333,6 @@ def test_a_lone_held_prompt_waits_for_its_grammar_instead_of_spinning(llm, monke
         release.set()
         while engine.has_unfinished_requests():
             engine.step()
-    finally:
-        manager.backend.compile = real_compile
-        release.set()
     text = engine.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
     assert json.loads(text) in ({"lone": True}, {"lone": False})
 
