@@ -63,7 +63,8 @@ _HELP = {
                           '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
                           '{"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 8} '
                           "(self-speculation: the model's first layers draft); also disable_by_batch_size, "
-                          "prompt_lookup_min, min_acceptance_rate, cooldown_steps. Greedy outputs are unchanged; "
+                          "prompt_lookup_min (as in vLLM, a lookup bound left out equals the other; neither: 5), "
+                          "min_acceptance_rate, cooldown_steps. Greedy outputs are unchanged; "
                           "sampled ones keep their distribution.",
     "kv_cache_dtype": "KV pool element type: auto (the model dtype); bfloat16 (any device: a float32 model "
                       "on the CPU stores and streams half the KV bytes); fp8 / fp8_e4m3, or fp8_e5m2 (CUDA only; "
