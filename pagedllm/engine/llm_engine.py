@@ -382,11 +382,7 @@ class LLMEngine:
         samples, full_logprobs = self.sampler.launch(torch.stack(logits), rows, token_bitmask=bitmask).result()
         touched: dict[str, SequenceGroup] = {}
         self._append_samples(owners, samples, full_logprobs, touched)
-        for group in self.scheduler.free_finished_seq_groups():
-            touched[group.request_id] = group
-        make = self.output_processor.make_output
-        return [make(g) for g in touched.values()
-                if g.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY or g.is_finished()]
+        return self._outputs_of(touched)
 
     def _sampling_row(self, group: SequenceGroup, seq: Sequence) -> SamplingRow:
         """What the sampler needs for one sequence's next token; a single sequence's first sample draws
@@ -597,6 +593,11 @@ class LLMEngine:
             self._append_samples(step.owners, samples, full_logprobs, touched)
         if then is not None:
             then()
+        return self._outputs_of(touched)
+
+    def _outputs_of(self, touched: dict[str, SequenceGroup]) -> list[RequestOutput]:
+        """Outputs of the groups that progressed, once finished groups left the scheduler (FINAL_ONLY requests:
+        only when finished)."""
         for group in self.scheduler.free_finished_seq_groups():
             touched[group.request_id] = group
         make = self.output_processor.make_output
