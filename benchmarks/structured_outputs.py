@@ -196,6 +196,13 @@ def _ttft_while_compiling(llm: LLM, n_plain: int = 8, prompt: str = "JSON:") -> 
             "tpot_during_max_ms": 1e3 * max(during, default=float("nan")), "steps_during": len(during)}
 
 
+def ttft_summary(samples: list[dict]) -> tuple[dict, str]:
+    """Medians of `_ttft_while_compiling` samples, and each sample's TTFT minus its bound (twin + compile), in ms."""
+    med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+    excess = ", ".join(f"{s['ttft_new_ms'] - s['ttft_plain_ms'] - s['compile_ms']:+.1f}" for s in samples)
+    return med, excess
+
+
 def _use_previous_sampler(llm: LLM) -> None:
     """The engine's sampling as before one-kernel sampling: seeded requests get a generator on the device,
     and every random row takes the race over torch ops."""
@@ -261,8 +268,7 @@ def main() -> None:
                       [:args.ttft_prompt_words])
     prompt = f"{filler} JSON:" if filler else "JSON:"
     samples = [_ttft_while_compiling(llm, prompt=prompt) for _ in range(args.ttft_repeats)]
-    t = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-    excess = ", ".join(f"{s['ttft_new_ms'] - s['ttft_plain_ms'] - s['compile_ms']:+.1f}" for s in samples)
+    t, excess = ttft_summary(samples)
     print(f"[new schema] prompt of {len(llm.get_tokenizer().encode(prompt))} tokens; median of {len(samples)} fresh schemas: TTFT {t['ttft_new_ms']:.1f} ms vs plain twin "
           f"{t['ttft_plain_ms']:.1f} ms + compile {t['compile_ms']:.1f} ms = "
           f"{t['ttft_plain_ms'] + t['compile_ms']:.1f} ms bound (each: TTFT - bound {excess} ms); others' step time "

@@ -6,12 +6,11 @@ requests decode meanwhile; bound = the plain twin's TTFT + the compile time).
     python benchmarks/results/cpu_1127i/ttft_defer_ab.py [--words 0 20 40] [--pairs 5]
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from structured_outputs import _ttft_while_compiling  # noqa: E402
+from structured_outputs import _ttft_while_compiling, ttft_summary  # noqa: E402
 
 from pagedllm import LLM  # noqa: E402
 
@@ -35,8 +34,7 @@ def main() -> None:
                 eng._defer_sample_max_prompt = 10_000 if mode == "defer" else 0
                 res[mode].append(_ttft_while_compiling(llm, prompt=prompt))
         for mode, samples in res.items():
-            med = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
-            excess = ", ".join(f"{s['ttft_new_ms'] - s['ttft_plain_ms'] - s['compile_ms']:+.1f}" for s in samples)
+            med, excess = ttft_summary(samples)
             print(f"prompt {n_tok:3d} tokens, {mode:5s}: TTFT {med['ttft_new_ms']:6.1f} ms vs bound "
                   f"{med['ttft_plain_ms'] + med['compile_ms']:6.1f} (twin {med['ttft_plain_ms']:.1f} + compile "
                   f"{med['compile_ms']:.1f}); TTFT - bound per schema: {excess}; others' step "
