@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from tiny_models import save_tiny_llama
-from pagedllm.worker.cuda_graph import capture_batch_sizes, is_graphable
+from pagedllm.worker.cuda_graph import capture_batch_sizes, is_graphable, route_to_faster_buckets
 from pagedllm.worker.model_input import SequenceChunk, logits_rows, split_into_decode_rows
 
 
@@ -28,6 +28,19 @@ def test_capture_batch_sizes_are_buckets_up_to_max_num_seqs():
     assert all(b - a <= max(8, a // 8) for a, b in zip(big, big[1:]))  # padding stays small
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_batch_sizes(0)
+
+
+def test_batches_route_to_a_clearly_faster_larger_bucket():
+    """Replay times as measured on an H100 for Llama-3-8B's decode graphs (ms; BENCHMARKS.md §47.1), plus small
+    buckets: a bucket runs as the fastest larger one when that is at least 3 % faster, never below 128 rows."""
+    times = {64: 5.0, 96: 9.0, 128: 6.0, 136: 7.0, 144: 6.5, 400: 12.615, 416: 11.519, 432: 10.370, 448: 15.406,
+             464: 11.391, 480: 11.183, 496: 11.234}
+    route = route_to_faster_buckets(times)
+    assert route == {64: 64, 96: 96, 128: 128, 136: 144, 144: 144, 400: 432, 416: 432, 432: 432, 448: 480,
+                     464: 464, 480: 480, 496: 496}
+    assert route_to_faster_buckets(times, min_bucket=0)[96] == 128  # the floor is what kept 96 in place
+    assert route_to_faster_buckets(times, min_gain=0.0)[464] == 480  # 1.8 % faster: below the default gain
+    assert route_to_faster_buckets({}) == {}
 
 
 def test_only_pure_decode_steps_that_fit_are_graphable():
@@ -78,11 +91,15 @@ def test_warm_up_steps_run_with_any_block_size(tmp_path, block_size):
     assert worker.model_runner.warm_up_steps(worker.cache_engine.gpu_cache) == ["steps prefill/mixed/decode"]
 
 
-def _generate(model_dir, prompts, params, **kw):
+def _generate(model_dir, prompts, params, before=None, **kw):
+    """Greedy outputs on CUDA → (token ids per request and sample, the model runner); `before(runner)` runs
+    between start-up and generation."""
     from pagedllm import LLM
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=256,
               block_size=16, **kw)
+    if before is not None:
+        before(llm.llm_engine.executor.driver_worker.model_runner)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     runner = llm.llm_engine.executor.driver_worker.model_runner
     return [[list(c.token_ids) for c in o.outputs] for o in outs], runner
@@ -113,6 +130,14 @@ def test_graph_decode_equals_eager_with_padded_buckets(tmp_path):
     assert runner.graph_runner is not None and runner.graph_runner.batch_sizes == [1, 2, 4, 8, 16]
     assert replays and any(n not in (1, 2, 4, 8, 16) for n in replays)  # padded buckets were used
     assert graphed == eager
+    assert all(r >= b for b, r in runner.graph_runner.route.items())
+
+    def route_all_to_16(model_runner):  # as if every bucket had timed slower than 16
+        model_runner.graph_runner.route = {b: 16 for b in model_runner.graph_runner.batch_sizes}
+
+    routed, runner = _generate(model_dir, prompts, params, before=route_all_to_16, num_gpu_blocks_override=256,
+                               max_num_seqs=16)
+    assert routed == eager and runner.graph_runner.bucket(1) == 16
 
 
 @pytest.mark.cuda

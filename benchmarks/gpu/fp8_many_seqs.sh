@@ -23,6 +23,7 @@ declare -A W=( [sharegpt1000]="--dataset sharegpt-like --num-prompts 1000 --max-
   [sharegpt3000]="--dataset sharegpt-like --num-prompts 3000 --max-model-len 2048"
   [sharegpt5000]="--dataset sharegpt-like --num-prompts 5000 --max-model-len 2048"
   [short]="--num-prompts 1000 --input-len-min 8 --input-len-max 64 --output-len 64 --max-model-len 2048"
+  [u440]="--num-prompts 440 --input-len-min 32 --input-len-max 64 --output-len 256 --max-model-len 2048"
   [long]="--num-prompts 96 --input-len-min 2000 --input-len-max 6000 --output-len 128 --max-model-len 8192" )
 declare -A C=( [bf16]="--kv-cache-dtype auto" [kv8]="--kv-cache-dtype fp8" [w8kv8]="--quantization fp8 --kv-cache-dtype fp8" )
 for run in ${RUNS:-l7b:sharegpt1000:bf16 l7b:sharegpt1000:kv8 l7b:sharegpt1000:w8kv8}; do

@@ -3,9 +3,10 @@
 A decode step launches a few hundred small kernels whose host-side cost (Python + launches) dwarfs
 their device time at small and medium batch sizes. The runner captures the whole model forward
 once per bucket (1, 2, 4, 8, 16, 24, …, 256, 272, …, 512, 544, … up to ``max_num_seqs``) into one shared memory pool and
-replays it. A batch of ``n`` decodes runs in the smallest bucket ``B ≥ n``; rows ``n..B`` are
-padding: slot ``-1`` (``reshape_and_cache`` skips it), context length 1 over block 0 (finite values,
-no NaN), and their outputs are ignored.
+replays it. A batch of ``n`` decodes runs in the smallest bucket ``B ≥ n``, or in a larger one whose graph
+replayed faster at start-up (see :func:`route_to_faster_buckets`); rows ``n..B`` are padding: slot ``-1``
+(``reshape_and_cache`` skips it), context length 1 over block 0 (finite values, no NaN), and their outputs
+are ignored.
 
 The attention metadata seen by the captured kernels is built on the static buffers with
 ``max_seq_len = max_model_len`` (it only bounds the split-KV count, which therefore depends on the
@@ -13,6 +14,7 @@ bucket alone) and every block table padded to ``max_model_len / block_size`` ent
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -35,6 +37,32 @@ def capture_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = ([b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, min(max_num_seqs, 257), 8))
              + list(range(272, min(max_num_seqs, 513), 16)) + list(range(544, max_num_seqs, 32)))
     return sorted(set(b for b in sizes if b < max_num_seqs) | {max_num_seqs})
+
+
+# Buckets below this keep their own graph: there decode is bound by the weights' bytes, the replay times are flat,
+# and a larger bucket would change the attention kernel's split count (it falls with the batch), which a replay
+# over padding rows does not time.
+MIN_ROUTED_BUCKET = 128
+# A larger bucket takes over only when its replay is at least this much faster (not for noise).
+MIN_ROUTING_GAIN = 0.03
+
+
+def route_to_faster_buckets(times_ms: dict[int, float], min_bucket: int = MIN_ROUTED_BUCKET,
+                            min_gain: float = MIN_ROUTING_GAIN) -> dict[int, int]:
+    """bucket → the bucket its batches run in: itself, or the fastest larger bucket when that one replays at least
+    `min_gain` faster. cuBLAS picks a GEMM kernel per row count, and some row counts get a slow one: on an H100 a
+    Llama-3-8B decode graph replayed in 15.4 ms at 448 rows and 11.2 ms at 480 (BENCHMARKS.md §47.1). Padding
+    rows cost only their GEMM rows (no KV reads), which is what the replay times."""
+    route: dict[int, int] = {}
+    best: int | None = None  # the fastest routable bucket at or above b
+    for b in sorted(times_ms, reverse=True):
+        if b < min_bucket:
+            route[b] = b
+            continue
+        if best is None or times_ms[b] < times_ms[best]:
+            best = b
+        route[b] = best if times_ms[best] <= (1 - min_gain) * times_ms[b] else b
+    return route
 
 
 def is_graphable(chunks: list[SequenceChunk], max_batch: int, max_blocks: int) -> bool:
@@ -83,6 +111,8 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replay_ms: dict[int, float] = {}  # the routable buckets' replay times (time_buckets)
+        self.route: dict[int, int] = {b: b for b in self.batch_sizes}
         self.pool = None
         self._copied = torch.cuda.Event()  # host staging may be rewritten once the last copies are done
 
@@ -110,8 +140,9 @@ class CUDAGraphRunner:
         self._dev32.copy_(self._host32)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first, into one shared pool (warm-up run before each capture)."""
+    def capture(self, time_buckets: bool = True) -> None:
+        """Capture every bucket, largest first, into one shared pool (warm-up run before each capture); then,
+        with `time_buckets`, time them for routing (time_buckets)."""
         t0 = time.perf_counter()
         self._reset_padding()
         torch.cuda.synchronize(self.device)
@@ -128,12 +159,41 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         logger.info("Captured CUDA graphs for %d decode batch sizes (1..%d) in %.2f s",
                     len(self.batch_sizes), self.max_batch, time.perf_counter() - t0)
+        if time_buckets:
+            self.time_buckets()
+
+    @torch.inference_mode()
+    def time_buckets(self, reps: int = 2) -> None:
+        """Replay every bucket from MIN_ROUTED_BUCKET up over padding rows (best of `reps`) and route each to
+        the fastest larger bucket where that one is clearly faster (route_to_faster_buckets)."""
+        sizes = [b for b in self.batch_sizes if b >= MIN_ROUTED_BUCKET]
+        if len(sizes) < 2:
+            return
+        t0 = time.perf_counter()
+        self._reset_padding()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for b in sizes:
+            self.graphs[b].replay()  # warm (the first replay of a graph uploads it)
+            best = float("inf")
+            for _ in range(reps):
+                start.record()
+                self.graphs[b].replay()
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end))
+            self.replay_ms[b] = best
+        self.route.update(route_to_faster_buckets(self.replay_ms))
+        moved = [f"{b}→{r} ({self.replay_ms[b]:.2f}→{self.replay_ms[r]:.2f} ms)"
+                 for b, r in self.route.items() if r != b]
+        logger.info("Timed %d decode graphs in %.2f s; %d run as a larger, faster bucket%s", len(sizes),
+                    time.perf_counter() - t0, len(moved), (": " + ", ".join(moved)) if moved else "")
 
     def bucket(self, n: int) -> int:
-        for b in self.batch_sizes:
-            if b >= n:
-                return b
-        raise ValueError(f"batch of {n} decodes exceeds the largest captured batch {self.max_batch}.")
+        """The bucket a batch of `n` decodes replays: the smallest holding it, or the faster one it routes to."""
+        i = bisect.bisect_left(self.batch_sizes, n)
+        if i == len(self.batch_sizes):
+            raise ValueError(f"batch of {n} decodes exceeds the largest captured batch {self.max_batch}.")
+        return self.route[self.batch_sizes[i]]
 
     def can_run(self, chunks: list[SequenceChunk]) -> bool:
         return bool(self.graphs) and is_graphable(chunks, self.max_batch, self.max_blocks)
@@ -189,7 +249,8 @@ def measure_capture_memory(
     before = torch.cuda.memory_reserved(device)
     runner = ModelRunner(model, device, block_size, attn_backend)
     runner.capture_cuda_graphs(kv_caches, max_num_seqs, max_model_len, max_num_batched_tokens,
-                               piecewise=max_capture_tokens > 0, max_capture_tokens=max_capture_tokens or None)
+                               piecewise=max_capture_tokens > 0, max_capture_tokens=max_capture_tokens or None,
+                               time_buckets=False)
     after = torch.cuda.memory_reserved(device)
     del runner
     torch.cuda.synchronize(device)

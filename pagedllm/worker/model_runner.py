@@ -44,13 +44,14 @@ class ModelRunner:
     def capture_cuda_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int,
                             max_num_batched_tokens: int | None = None, piecewise: bool = True,
                             max_capture_tokens: int | None = None, verify_query_len: int = 0,
-                            verify_max_num_seqs: int = 0) -> None:
+                            verify_max_num_seqs: int = 0, time_buckets: bool = True) -> None:
         """Warm start (CUDA only): capture decode-step graphs for bucketed batches up to max_num_seqs,
         piecewise graphs for token buckets up to max_num_batched_tokens, and compile every Triton
         attention variant the steps can reach, so that no step pays for a compilation. With
         `verify_query_len` >= 2 (speculative decoding), steps of up to `verify_max_num_seqs` sequences
         of up to that many query tokens each replay the decode graphs too, one row per query token
-        (the buckets then reach verify_max_num_seqs × verify_query_len rows)."""
+        (the buckets then reach verify_max_num_seqs × verify_query_len rows). `time_buckets`: time the decode
+        graphs and route batches to faster larger buckets (cuda_graph.route_to_faster_buckets)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
         from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
@@ -60,7 +61,7 @@ class ModelRunner:
         verify_rows = min(verify_max_num_seqs, max_num_seqs) * verify_query_len if verify_query_len >= 2 else 0
         runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size,
                                  max(max_num_seqs, verify_rows), max_model_len)
-        runner.capture()
+        runner.capture(time_buckets)
         self.graph_runner = runner
         self.table_width = runner.max_blocks
         if verify_rows:
