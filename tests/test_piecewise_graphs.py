@@ -111,12 +111,16 @@ def test_the_offline_llm_on_a_large_gpu_defaults_to_1024_sequences(monkeypatch):
     assert EngineArgs(device="cuda").create_engine_config(4096, "llm_class").scheduler_config.max_num_batched_tokens == 8192
 
 
-def _run(model_dir, prompts, params, **kw):
+def _run(model_dir, prompts, params, before=None, **kw):
+    """Greedy outputs on CUDA → (token ids, the model runner, its step summary); `before(runner)` runs between
+    start-up and generation."""
     from pagedllm import LLM
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
               block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
     runner = llm.llm_engine.executor.driver_worker.model_runner
+    if before is not None:
+        before(runner)
     stats = runner.enable_step_stats()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [[list(c.token_ids) for c in o.outputs] for o in outs], runner, stats.summary()
@@ -162,6 +166,14 @@ def test_piecewise_mixed_steps_equal_eager_greedy(tmp_path):
     assert "mixed/eager" in dec_stats
     assert graphed == eager
     assert decode_only == eager
+    pw = runner.piecewise_runner
+    assert set(pw.replay_ms) == {b for b in pw.buckets if b >= 128} and all(r >= b for b, r in pw.route.items())
+
+    def route_all_to_the_largest(model_runner):  # as if every bucket had timed slower than the largest
+        model_runner.piecewise_runner.route = {b: 256 for b in model_runner.piecewise_runner.buckets}
+
+    routed, _, routed_stats = _run(model_dir, prompts, params, before=route_all_to_the_largest)
+    assert routed == eager and "mixed/piecewise" in routed_stats
 
 
 @pytest.mark.cuda

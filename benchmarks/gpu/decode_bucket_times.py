@@ -58,6 +58,14 @@ def main() -> None:
         print(f"{b:>7}{times[b]:>9.3f}{1e3 * times[b] / b:>9.1f}  {note}")
     print(f"{slower} of {len(sizes)} buckets have a faster larger bucket")
     print("the engine's routing (bucket → bucket it replays):", {b: r for b, r in gr.route.items() if r != b})
+    pw = engine.executor.driver_worker.model_runner.piecewise_runner
+    if pw is not None:
+        if not pw.replay_ms:
+            pw.time_buckets(reps=2)
+        print(f"{'tokens':>7}{'ms':>9}{'us/tok':>9}  piecewise buckets (no attention), routed to")
+        for b, ms in pw.replay_ms.items():
+            print(f"{b:>7}{ms:>9.3f}{1e3 * ms / b:>9.2f}  {pw.route[b] if pw.route[b] != b else ''}")
+        times["piecewise"] = pw.replay_ms
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "quantization": a.quantization, "times_ms": times}, f, indent=1)

@@ -51,7 +51,7 @@ class ModelRunner:
         `verify_query_len` >= 2 (speculative decoding), steps of up to `verify_max_num_seqs` sequences
         of up to that many query tokens each replay the decode graphs too, one row per query token
         (the buckets then reach verify_max_num_seqs × verify_query_len rows). `time_buckets`: time the decode
-        graphs and route batches to faster larger buckets (cuda_graph.route_to_faster_buckets)."""
+        and piecewise graphs and route steps to faster larger buckets (cuda_graph.route_to_faster_buckets)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
         from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
@@ -73,6 +73,8 @@ class ModelRunner:
                                   max_num_batched_tokens or max_model_len,
                                   max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
         pw.capture()
+        if time_buckets:
+            pw.time_buckets()
         t0 = time.perf_counter()
         done = warm_up_attention(self.attn_backend, kv_caches[0], *pw.qkv_like_steps(min(pw.max_tokens, 512)),
                                  pw.static_out, self.table_width, attn[3])

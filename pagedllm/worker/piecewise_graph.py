@@ -1,6 +1,7 @@
 """Piecewise CUDA graphs for steps that carry prefill chunks (mixed prefill + decode, prefill-only).
 
-A step of ``T`` tokens runs in the smallest captured token bucket ``B >= T``. For each bucket the model
+A step of ``T`` tokens runs in the smallest captured token bucket ``B >= T``, or in a larger one whose pieces
+replayed clearly faster at start-up (``time_buckets``). For each bucket the model
 forward is captured as ``num_layers + 1`` graphs split at the attention calls (vLLM splits a
 torch.compile graph at attention; here the split happens by hand, at the attention backend): piece 0
 is the embedding and layer 0 up to its attention, piece i the rest of layer i-1 and layer i up to its
@@ -163,6 +164,8 @@ class PiecewiseGraphRunner:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.sites: dict[int, list[_Site]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replay_ms: dict[int, float] = {}  # the routable buckets' replay times (time_buckets)
+        self.route: dict[int, int] = {b: b for b in self.buckets}
 
     def _capture_meta(self, t: int, backend) -> AttentionMetadata:
         # Only the backend is read during capture (attention itself runs at replay).
@@ -198,6 +201,36 @@ class PiecewiseGraphRunner:
         logger.info("Captured piecewise CUDA graphs for %d token buckets (%d..%d tokens, %d pieces) in %.2f s",
                     len(self.buckets), self.buckets[0], self.max_tokens, n_pieces, time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def time_buckets(self, reps: int = 1) -> None:
+        """Replay every bucket's pieces from MIN_ROUTED_BUCKET tokens up without the attention between them
+        (what the bucket's padding rows cost: their GEMM rows; best of `reps` after a warm replay) and route
+        each to the fastest larger bucket where that one is clearly faster (cuda_graph.route_to_faster_buckets)."""
+        from pagedllm.worker.cuda_graph import MIN_ROUTED_BUCKET, route_to_faster_buckets
+
+        sizes = [b for b in self.buckets if b >= MIN_ROUTED_BUCKET]
+        if len(sizes) < 2:
+            return
+        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for b in sizes:
+            best = float("inf")
+            for i in range(reps + 1):
+                start.record()
+                for graph in self.graphs[b]:
+                    graph.replay()
+                end.record()
+                end.synchronize()
+                if i:  # the first replay uploads the graphs
+                    best = min(best, start.elapsed_time(end))
+            self.replay_ms[b] = best
+        self.static_out.zero_()
+        self.route.update(route_to_faster_buckets(self.replay_ms))
+        moved = [f"{b}→{r} ({self.replay_ms[b]:.2f}→{self.replay_ms[r]:.2f} ms)"
+                 for b, r in self.route.items() if r != b]
+        logger.info("Timed %d piecewise token buckets in %.2f s; %d run as a larger, faster bucket%s", len(sizes),
+                    time.perf_counter() - t0, len(moved), (": " + ", ".join(moved)) if moved else "")
+
     def qkv_like_steps(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of `rows` tokens laid out as the steps hand them to attention (strided views of one
         qkv buffer), for warming up the kernels with the strides they will see."""
@@ -215,6 +248,7 @@ class PiecewiseGraphRunner:
         b = bucket_for(t, self.buckets)
         if b is None:
             raise ValueError(f"a step of {t} tokens exceeds the largest captured bucket {self.max_tokens}.")
+        b = self.route[b]
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         graphs, sites = self.graphs[b], self.sites[b]
