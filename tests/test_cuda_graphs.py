@@ -43,6 +43,21 @@ def test_batches_route_to_a_clearly_faster_larger_bucket():
     assert route_to_faster_buckets({}) == {}
 
 
+def test_graph_buckets_are_routed_only_in_one_process():
+    """Tensor-parallel ranks must replay the same bucket (their graphs' all-reduces must match), so no rank
+    routes by its own timings."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import ParallelConfig
+    from pagedllm.worker.worker import Worker
+
+    def worker(tp):
+        return SimpleNamespace(config=SimpleNamespace(parallel_config=ParallelConfig(tensor_parallel_size=tp)))
+
+    assert Worker.routes_graph_buckets(worker(1)) is True
+    assert Worker.routes_graph_buckets(worker(2)) is False
+
+
 def test_only_pure_decode_steps_that_fit_are_graphable():
     dec = [SequenceChunk(i, [7], 20, [3, 4], sample=True) for i in range(3)]
     assert is_graphable(dec, max_batch=4, max_blocks=2)

@@ -206,7 +206,8 @@ class Worker:
                 self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
                 piecewise=mc.max_capture_tokens > 0, max_capture_tokens=mc.max_capture_tokens or None,
                 verify_query_len=1 + spec.num_speculative_tokens if spec is not None else 0,
-                verify_max_num_seqs=spec.disable_by_batch_size if spec is not None else 0)
+                verify_max_num_seqs=spec.disable_by_batch_size if spec is not None else 0,
+                time_buckets=self.routes_graph_buckets())
             logger.info("Warm start (graphs captured, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
 
     def use_cuda_graphs(self) -> bool:
@@ -214,6 +215,13 @@ class Worker:
         every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
         graphs match up across ranks at replay, as they do in eager steps."""
         return self.device.type == "cuda" and not self.config.model_config.enforce_eager
+
+    def routes_graph_buckets(self) -> bool:
+        """Whether steps may run in a larger, faster-timed graph bucket (worker/cuda_graph.py): only in one
+        process. Each rank would time its own graphs and could route a batch differently from the others,
+        while their graphs' all-reduces must match, so under tensor parallelism every rank keeps the smallest
+        bucket."""
+        return self.config.parallel_config.tensor_parallel_size == 1
 
     def calibrate_kv_scales(self, token_ids: list[int] | None = None) -> KVCalibration:
         """One forward pass over the calibration prompt (`token_ids`, by default the built-in text's tokens,
