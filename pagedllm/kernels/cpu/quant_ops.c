@@ -39,6 +39,13 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12 };
 #ifndef PF_AHEAD
 #define PF_AHEAD 2048
 #endif
+/* Tiles of at most PF_FEW_ROWS activation rows prefetch the weights PF_AHEAD_FEW_ROWS bytes ahead: their arithmetic
+ * per weight byte is small, so the stream needs a longer lead (one row: 1.04-1.09x the int8 linears' speed on an
+ * AVX2 Zen 3; at 16-64 rows the longer lead cost 1-9 %, BENCHMARKS.md §45.2 and §47.3). */
+#ifndef PF_AHEAD_FEW_ROWS
+#define PF_AHEAD_FEW_ROWS 8192
+#endif
+#define PF_FEW_ROWS 2
 
 static inline float h2f(uint16_t h) {
 #if defined(__F16C__)
@@ -361,16 +368,17 @@ static inline __attribute__((always_inline)) void r16_tile(
     for (int64_t b = 0; b < nb; ++b) {
         vf dv, mv;
         const uint8_t *qs = r16_block_scales(type, gp, b, sr, &dv, &mv);
-        _mm_prefetch((const char *)qs + PF_AHEAD, _MM_HINT_T0);
-        _mm_prefetch((const char *)qs + PF_AHEAD + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)qs + PF_AHEAD + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)qs + PF_AHEAD + 192, _MM_HINT_T0);
-        _mm_prefetch((const char *)qs + PF_AHEAD + 256, _MM_HINT_T0);
+        const char *pf = (const char *)qs + (mc <= PF_FEW_ROWS ? PF_AHEAD_FEW_ROWS : PF_AHEAD);
+        _mm_prefetch(pf, _MM_HINT_T0);
+        _mm_prefetch(pf + 64, _MM_HINT_T0);
+        _mm_prefetch(pf + 128, _MM_HINT_T0);
+        _mm_prefetch(pf + 192, _MM_HINT_T0);
+        _mm_prefetch(pf + 256, _MM_HINT_T0);
         if (type == T_Q8_0) {
-            _mm_prefetch((const char *)qs + PF_AHEAD + 320, _MM_HINT_T0);
-            _mm_prefetch((const char *)qs + PF_AHEAD + 384, _MM_HINT_T0);
-            _mm_prefetch((const char *)qs + PF_AHEAD + 448, _MM_HINT_T0);
-            _mm_prefetch((const char *)qs + PF_AHEAD + 512, _MM_HINT_T0);
+            _mm_prefetch(pf + 320, _MM_HINT_T0);
+            _mm_prefetch(pf + 384, _MM_HINT_T0);
+            _mm_prefetch(pf + 448, _MM_HINT_T0);
+            _mm_prefetch(pf + 512, _MM_HINT_T0);
         }
         vi w[8];
         if (type == T_Q8_0) {
