@@ -6,6 +6,7 @@ runs (graphs vs eager, swap preemption, copy-on-write forks) need CUDA and are s
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -41,6 +42,78 @@ def test_batches_route_to_a_clearly_faster_larger_bucket():
     assert route_to_faster_buckets(times, min_bucket=0)[96] == 128  # the floor is what kept 96 in place
     assert route_to_faster_buckets(times, min_gain=0.0)[464] == 480  # 1.8 % faster: below the default gain
     assert route_to_faster_buckets({}) == {}
+
+
+class _Clock:
+    """A stand-in for the device: graphs advance it by their cost (plus an upload cost on their first replay),
+    events read it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def event(self, enable_timing=False):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.t = clock.now
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        return Event()
+
+    def graph(self, ms, upload_ms=100.0):
+        clock = self
+
+        class Graph:
+            first = True
+
+            def replay(self):
+                clock.now += ms + (upload_ms if self.first else 0.0)
+                self.first = False
+
+        return Graph()
+
+
+def test_start_up_timing_routes_both_runners_by_their_replays(monkeypatch, caplog):
+    """Both runners' `time_buckets` on stand-in graphs with known costs (as the H100 measured Llama-3-8B's, ms):
+    the first replay (the graph's upload) is not counted, buckets under 128 are not timed, the routes follow the
+    times, and the start-up log names each routed bucket."""
+    import logging
+
+    from pagedllm.worker import cuda_graph, piecewise_graph
+
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    costs = {64: 5.0, 128: 6.8, 448: 15.4, 480: 11.0, 512: 11.6}
+
+    dec = object.__new__(cuda_graph.CUDAGraphRunner)
+    dec.batch_sizes = sorted(costs)
+    dec.graphs = {b: clock.graph(ms) for b, ms in costs.items()}
+    dec.replay_ms, dec.route = {}, {b: b for b in dec.batch_sizes}
+    dec._reset_padding = lambda: None
+    pw = object.__new__(piecewise_graph.PiecewiseGraphRunner)
+    pw.buckets = sorted(costs)
+    pw.graphs = {b: [clock.graph(ms / 2), clock.graph(ms / 2)] for b, ms in costs.items()}  # two pieces each
+    pw.replay_ms, pw.route = {}, {b: b for b in pw.buckets}
+    pw.static_out = torch.ones(4)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        dec.time_buckets()
+        pw.time_buckets()
+    for runner in (dec, pw):
+        assert runner.replay_ms == pytest.approx({b: ms for b, ms in costs.items() if b >= 128})
+        assert runner.route == {64: 64, 128: 128, 448: 480, 480: 480, 512: 512}
+    assert dec.bucket(450) == 480 and dec.bucket(100) == 128 and dec.bucket(1) == 64
+    assert not pw.static_out.any()  # the attention output buffer the pieces read is left clean
+    logged = [re.sub(r"in [0-9.]+ s", "in T s", r.getMessage()) for r in caplog.records
+              if r.getMessage().startswith("Timed")]
+    assert logged == ["Timed 4 decode graphs in T s; 1 run as a larger, faster bucket: 448→480 (15.40→11.00 ms)",
+                      "Timed 4 piecewise token buckets in T s; 1 run as a larger, faster bucket: "
+                      "448→480 (15.40→11.00 ms)"]
 
 
 def test_graph_buckets_are_routed_only_in_one_process():

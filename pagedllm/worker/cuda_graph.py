@@ -65,6 +65,13 @@ def route_to_faster_buckets(times_ms: dict[int, float], min_bucket: int = MIN_RO
     return route
 
 
+def log_routes(kind: str, replay_ms: dict[int, float], route: dict[int, int], seconds: float) -> None:
+    """One start-up line: how many buckets of `kind` were timed, and each one that runs as a larger bucket."""
+    moved = [f"{b}→{r} ({replay_ms[b]:.2f}→{replay_ms[r]:.2f} ms)" for b, r in route.items() if r != b]
+    logger.info("Timed %d %s in %.2f s; %d run as a larger, faster bucket%s", len(replay_ms), kind, seconds,
+                len(moved), (": " + ", ".join(moved)) if moved else "")
+
+
 def is_graphable(chunks: list[SequenceChunk], max_batch: int, max_blocks: int) -> bool:
     """True for a pure decode step that fits the captured shapes."""
     if not chunks or len(chunks) > max_batch:
@@ -183,10 +190,7 @@ class CUDAGraphRunner:
                 best = min(best, start.elapsed_time(end))
             self.replay_ms[b] = best
         self.route.update(route_to_faster_buckets(self.replay_ms))
-        moved = [f"{b}→{r} ({self.replay_ms[b]:.2f}→{self.replay_ms[r]:.2f} ms)"
-                 for b, r in self.route.items() if r != b]
-        logger.info("Timed %d decode graphs in %.2f s; %d run as a larger, faster bucket%s", len(sizes),
-                    time.perf_counter() - t0, len(moved), (": " + ", ".join(moved)) if moved else "")
+        log_routes("decode graphs", self.replay_ms, self.route, time.perf_counter() - t0)
 
     def bucket(self, n: int) -> int:
         """The bucket a batch of `n` decodes replays: the smallest holding it, or the faster one it routes to."""

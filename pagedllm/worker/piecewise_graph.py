@@ -206,7 +206,7 @@ class PiecewiseGraphRunner:
         """Replay every bucket's pieces from MIN_ROUTED_BUCKET tokens up without the attention between them
         (what the bucket's padding rows cost: their GEMM rows; best of `reps` after a warm replay) and route
         each to the fastest larger bucket where that one is clearly faster (cuda_graph.route_to_faster_buckets)."""
-        from pagedllm.worker.cuda_graph import MIN_ROUTED_BUCKET, route_to_faster_buckets
+        from pagedllm.worker.cuda_graph import MIN_ROUTED_BUCKET, log_routes, route_to_faster_buckets
 
         sizes = [b for b in self.buckets if b >= MIN_ROUTED_BUCKET]
         if len(sizes) < 2:
@@ -226,10 +226,7 @@ class PiecewiseGraphRunner:
             self.replay_ms[b] = best
         self.static_out.zero_()
         self.route.update(route_to_faster_buckets(self.replay_ms))
-        moved = [f"{b}→{r} ({self.replay_ms[b]:.2f}→{self.replay_ms[r]:.2f} ms)"
-                 for b, r in self.route.items() if r != b]
-        logger.info("Timed %d piecewise token buckets in %.2f s; %d run as a larger, faster bucket%s", len(sizes),
-                    time.perf_counter() - t0, len(moved), (": " + ", ".join(moved)) if moved else "")
+        log_routes("piecewise token buckets", self.replay_ms, self.route, time.perf_counter() - t0)
 
     def qkv_like_steps(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v of `rows` tokens laid out as the steps hand them to attention (strided views of one
