@@ -166,15 +166,17 @@ class DeviceConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "ngram_gpu", "draft_model")
 _DEFAULT_PROMPT_LOOKUP = 5  # n-gram length when neither prompt_lookup_min nor prompt_lookup_max is given (vLLM's)
 DRAFT_LENGTH_POLICIES = ("goodput", "fixed")
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's names). `ngram`: prompt lookup; `draft_model`: the target's own first
-    `draft_num_layers` layers (self-speculation, sharing its embeddings, lm_head and paged KV)."""
+    """Speculative decoding (vLLM's names). `ngram`: prompt lookup; `ngram_gpu`: prompt lookup proposed,
+    verified and accepted on the device, so that speculating steps overlap the host (greedy requests; others use
+    `ngram`'s path, spec_decode/device_ngram.py); `draft_model`: the target's own first `draft_num_layers` layers
+    (self-speculation, sharing its embeddings, lm_head and paged KV)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4

@@ -212,6 +212,111 @@ def test_greedy_identical_with_prefix_caching_and_n2(reference):
     assert not bm.block_tables
 
 
+NGRAM_GPU = {"method": "ngram_gpu", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _device_loop(llm):
+    return llm.llm_engine.device_spec
+
+
+def test_device_ngram_greedy_identical_and_overlapped(reference):
+    """`ngram_gpu`: proposal, verification and acceptance on the device, read one step late; same tokens."""
+    prompts, ref = reference
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
+                        use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    # The copying prompt alone: its 19 tokens after the first in far fewer steps (accepted on the device).
+    loop = _device_loop(llm)
+    before = loop.num_steps
+    out = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=20),
+                       use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == ref[0][0]
+    assert loop.num_steps - before <= 12
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    bm.check_invariants()
+
+
+def test_device_ngram_leaves_and_rejoins_around_other_requests(reference):
+    """A sampled request and a late greedy one make the engine drain the mode and run ordinary steps; greedy
+    outputs stay exact with prefix caching on, and no block leaks."""
+    prompts, ref = reference
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, enable_prefix_caching=True,
+              speculative_config=NGRAM_GPU)
+    eng = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    eng.add_request("g0", {"prompt_token_ids": prompts[0]}, greedy)
+    eng.add_request("g1", {"prompt_token_ids": prompts[1]}, greedy)
+    outputs = {}
+    while _device_loop(llm).num_steps < 2:
+        for o in eng.step():
+            outputs[o.request_id] = o
+    entries = _device_loop(llm).num_entries
+    eng.add_request("s", {"prompt_token_ids": prompts[2]}, SamplingParams(temperature=1.0, seed=1, max_tokens=6))
+    eng.add_request("g2", {"prompt_token_ids": prompts[2]}, greedy)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outputs[o.request_id] = o
+    assert [list(outputs[f"g{i}"].outputs[0].token_ids) for i in range(3)] == [r[0] for r in ref]
+    assert len(outputs["s"].outputs[0].token_ids) == 6
+    assert _device_loop(llm).num_entries > entries  # it came back once the sampled request finished
+    bm = eng.scheduler.block_manager
+    bm.check_invariants()
+    assert not bm.block_tables
+
+
+def test_device_ngram_gives_way_when_the_pool_is_short(tokenizer):
+    """Twelve blocks of 8 tokens hold two ~30-token prompts growing by 20, but not with 2 (k + 1) = 18 tokens of
+    look-ahead each: the engine falls back to ordinary steps (no livelock), and the outputs are unchanged."""
+    prompts = _prompts(tokenizer)[:2]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    ref, _ = _run(prompts, params, num_gpu_blocks_override=64, block_size=8)  # (block size changes float sums)
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=12, block_size=8,
+              speculative_config={**NGRAM_GPU, "num_speculative_tokens": 8})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
+    assert _device_loop(llm).num_pool_fallbacks > 0
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+
+
+def test_device_ngram_up_to_the_model_length(tokenizer):
+    """Rows past max_model_len (the last k steps of a sequence that runs to the limit) write no KV and emit nothing."""
+    prompt = _prompts(tokenizer)[0]
+    params = SamplingParams(temperature=0, max_tokens=None)
+    outs = []
+    for spec in (None, {**NGRAM_GPU, "num_speculative_tokens": 8}):
+        llm = LLM(max_model_len=48, dtype=F32, num_gpu_blocks_override=16, speculative_config=spec)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        outs.append((list(out.token_ids), out.finish_reason))
+    assert outs[0] == outs[1] and len(prompt) + len(outs[0][0]) == 48
+    assert _device_loop(llm).num_steps > 0
+
+
+def test_device_ngram_abort_and_stop_strings(reference, tokenizer):
+    prompts, ref = reference
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU)
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=40))
+    while _device_loop(llm).num_steps < 2:
+        eng.step()
+    eng.abort_request(["0", "1", "2"])
+    while eng.has_unfinished_requests():
+        eng.step()
+    bm = eng.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    # A stop string inside an accepted draft ends the output where it would without speculation.
+    stop = tokenizer.decode(ref[0][0][8:10])
+    params = SamplingParams(temperature=0, max_tokens=20, stop=[stop])
+    out = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert tokenizer.decode(ref[0][0]).startswith(out.text)
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+
+
 @pytest.mark.slow
 def test_beam_search_unaffected(reference):
     prompts, _ = reference

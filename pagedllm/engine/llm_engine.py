@@ -132,6 +132,14 @@ class LLMEngine:
             self.spec_decoder = SpecDecoder(self.config.speculative_config, self.scheduler, self.executor,
                                             self.max_seq_len, async_steps=self.async_scheduling)
         self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
+        self.device_spec = None
+        if self.spec_decoder is not None and self.config.speculative_config.method == "ngram_gpu":
+            from pagedllm.engine.device_spec_loop import DeviceSpecLoop
+
+            if not hasattr(self.executor, "driver_worker"):
+                raise ValueError('speculative_config method "ngram_gpu" needs the single-process executor '
+                                 '(tensor_parallel_size=1); use "ngram" with tensor parallelism.')
+            self.device_spec = DeviceSpecLoop(self)
         logger.info("Asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
         freeze_startup_heap()
 
@@ -405,6 +413,10 @@ class LLMEngine:
         outputs: list[RequestOutput] = self._admit_compiled()
         if self._torch_threads is not None:
             self._share_cores_with_compiles()
+        if self.device_spec is not None:
+            device_outputs = self.device_spec.step()
+            if device_outputs is not None:
+                return outputs + device_outputs
         prev, self._inflight = self._inflight, None
         spec = self.spec_decoder
         small = spec is not None and spec.small_batch()

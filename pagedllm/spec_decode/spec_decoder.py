@@ -58,7 +58,7 @@ class SpecDecoder:
         self._timing: tuple[int, float] | None = None  # (query rows, start) of a decode-only step in flight
         self._num_choices = 0  # goodput choices made (every _EXPLORE_EVERY-th verifies every proposal)
         self.mode = SpecModeChooser() if async_steps else None
-        if config.method == "ngram":
+        if config.method in ("ngram", "ngram_gpu"):
             self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
             self.draft = None

@@ -208,6 +208,31 @@ class ModelRunner:
         return logits
 
 
+    @torch.inference_mode()
+    def run_decode_rows(self, rows, kv_caches) -> torch.Tensor:
+        """Logits [R, V] of decode rows built on the device (`spec_decode.device_ngram.DecodeRows`), run eagerly
+        (CUDA engines replay them in the decode graphs instead: engine/device_spec_loop.py)."""
+        n = int(rows.input_ids.shape[0])
+        seq_lens_cpu = rows.seq_lens.tolist()
+        meta = AttentionMetadata(
+            slot_mapping=rows.slot_mapping,
+            block_tables=rows.block_tables,
+            seq_lens=rows.seq_lens,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            seq_lens_cpu=seq_lens_cpu,
+            query_lens_cpu=[1] * n,
+            num_decodes=n,
+            max_seq_len=max(seq_lens_cpu, default=0),
+            max_query_len=1,
+            backend=self.attn_backend,
+        )
+        if self.direct_forward is not None and self.direct_forward.can_run(meta):
+            hidden = self.direct_forward(rows.input_ids, rows.positions, kv_caches, meta)
+        else:
+            hidden = self.model(rows.input_ids, rows.positions, kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+
 def sampler_logits(logits: torch.Tensor) -> torch.Tensor:
     """The logits as the sampler takes them: on CUDA in the model's dtype (the sampler's kernels read 16-bit
     logits and compute in float32; a float32 copy of [rows, vocab] cost ~0.4 ms a step at 1 000 rows of a
