@@ -62,7 +62,9 @@ _HELP = {
     "speculative_config": "Speculative decoding, a JSON object like vLLM's: "
                           '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
                           '{"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 8} '
-                          "(self-speculation: the model's first layers draft); also disable_by_batch_size, "
+                          "(self-speculation: the model's first layers draft) or method ngram_gpu (greedy requests "
+                          "on CUDA: n-gram drafts proposed, verified and accepted on the device, overlapping the "
+                          "host; bit-exact in float32 only); also disable_by_batch_size, "
                           "prompt_lookup_min (as in vLLM, a lookup bound left out equals the other; neither: 5), "
                           "min_acceptance_rate, cooldown_steps. Greedy outputs are unchanged; "
                           "sampled ones keep their distribution.",
