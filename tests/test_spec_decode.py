@@ -295,19 +295,26 @@ def test_device_ngram_up_to_the_model_length(tokenizer):
     assert _device_loop(llm).num_steps > 0
 
 
-def test_device_ngram_abort_and_stop_strings(reference, tokenizer):
-    prompts, ref = reference
-    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU)
+def _abort_mid_run(llm, prompts, started) -> None:
+    """Queue every prompt (greedy, 40 tokens), step until `started()`, abort them all, run out: no block held."""
     eng = llm.llm_engine
     for i, p in enumerate(prompts):
         eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=40))
-    while _device_loop(llm).num_steps < 2:
+    while not started():
         eng.step()
-    eng.abort_request(["0", "1", "2"])
+    eng.abort_request([str(i) for i in range(len(prompts))])
     while eng.has_unfinished_requests():
         eng.step()
     bm = eng.scheduler.block_manager
     assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    bm.check_invariants()
+
+
+def test_device_ngram_abort_and_stop_strings(reference, tokenizer):
+    prompts, ref = reference
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU)
+    _abort_mid_run(llm, prompts, lambda: _device_loop(llm).num_steps >= 2)
+    bm = llm.llm_engine.scheduler.block_manager
     # A stop string inside an accepted draft ends the output where it would without speculation.
     stop = tokenizer.decode(ref[0][0][8:10])
     params = SamplingParams(temperature=0, max_tokens=20, stop=[stop])
@@ -329,17 +336,7 @@ def test_beam_search_unaffected(reference):
 def test_abort_mid_speculation_frees_blocks(reference):
     prompts, _ = reference
     llm = LLM(max_model_len=256, num_gpu_blocks_override=64, speculative_config=NGRAM, dtype=F32)
-    eng = llm.llm_engine
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=40))
-    while eng.stats()["spec_decode_num_drafts"] == 0:
-        eng.step()
-    eng.abort_request(["0", "1", "2"])
-    while eng.has_unfinished_requests():
-        eng.step()
-    bm = eng.scheduler.block_manager
-    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
-    bm.check_invariants()
+    _abort_mid_run(llm, prompts, lambda: llm.llm_engine.stats()["spec_decode_num_drafts"] > 0)
 
 
 @pytest.mark.slow
