@@ -752,6 +752,9 @@ class LLMEngine:
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
             **(self.spec_decoder.stats.as_dict() if self.spec_decoder is not None else {}),
+            **({"spec_decode_num_device_steps": self.device_spec.num_steps,
+                "spec_decode_num_device_entries": self.device_spec.num_entries}
+               if self.device_spec is not None else {}),
             **{f"kv_frac_{k}": v for k, v in self.kv_memory_breakdown().fractions().items()},
         }
 
