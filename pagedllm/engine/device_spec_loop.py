@@ -144,11 +144,9 @@ class DeviceSpecLoop:
             # The ordinary scheduler takes over (it preempts if it must); the mode is retried a while later.
             self._skip_steps = _SKIP_AFTER_FULL_POOL
             self.num_pool_fallbacks += 1
-            if self.inflight is None:
-                self._trim(members)
-                return outputs or None
             outputs.extend(self._drain())
-            return outputs
+            self._trim(members)  # (those given look-ahead blocks before the pool ran short)
+            return outputs or None
         if self.inflight is None:
             self.num_entries += 1
         launched = self._launch(members)
