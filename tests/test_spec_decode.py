@@ -284,6 +284,11 @@ def test_device_ngram_gives_way_when_the_pool_is_short(tokenizer):
     assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
 
 
+def test_device_ngram_needs_one_process():
+    with pytest.raises(ValueError, match="ngram_gpu.*single-process"):
+        LLM(max_model_len=256, dtype=F32, tensor_parallel_size=2, speculative_config=NGRAM_GPU)
+
+
 def test_device_ngram_up_to_the_model_length(tokenizer):
     """Rows past max_model_len (the last k steps of a sequence that runs to the limit) write no KV and emit nothing."""
     prompt = _prompts(tokenizer)[0]

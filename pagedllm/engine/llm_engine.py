@@ -136,10 +136,7 @@ class LLMEngine:
         if self.spec_decoder is not None and self.config.speculative_config.method == "ngram_gpu":
             from pagedllm.engine.device_spec_loop import DeviceSpecLoop
 
-            if not hasattr(self.executor, "driver_worker"):
-                raise ValueError('speculative_config method "ngram_gpu" needs the single-process executor '
-                                 '(tensor_parallel_size=1); use "ngram" with tensor parallelism.')
-            self.device_spec = DeviceSpecLoop(self)
+            self.device_spec = DeviceSpecLoop(self)  # (one process only: _check_async_scheduling)
         logger.info("Asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
         freeze_startup_heap()
 
@@ -159,7 +156,8 @@ class LLMEngine:
 
     def _check_async_scheduling(self) -> None:
         """The next step reads the sampled tokens from the device, so every rank must share the sampler's
-        memory: tensor-parallel executors run synchronously."""
+        memory: tensor-parallel executors run synchronously. `ngram_gpu` keeps its state in this process's
+        worker too."""
         pc = self.config.parallel_config
         single = pc.tensor_parallel_size == 1 and pc.distributed_executor_backend in (None, "uni")
         if self.config.scheduler_config.async_scheduling and not single:
@@ -167,6 +165,11 @@ class LLMEngine:
                 "async_scheduling needs the single-process executor (tensor_parallel_size=1, "
                 "distributed_executor_backend None or 'uni'); turn it off for tensor parallelism."
             )
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "ngram_gpu" and not single:
+            raise ValueError('speculative_config method "ngram_gpu" needs the single-process executor '
+                             "(tensor_parallel_size=1, distributed_executor_backend None or 'uni'); use \"ngram\" "
+                             "with tensor parallelism.")
 
     def _resolve_async_scheduling(self) -> bool:
         """On by default for CUDA in one process: where the host can run ahead of the device."""
