@@ -54,8 +54,8 @@ class DeviceSpecLoop:
         self.device = worker.device
         self.block_size = engine.config.cache_config.block_size
         self.max_model_len = engine.config.scheduler_config.max_model_len
-        self.width = engine.max_seq_len + 2 * (self.k + 1)
-        self.hist = torch.zeros((self.max_seqs, self.width), dtype=torch.long, device=self.device)
+        width = engine.max_seq_len + 2 * (self.k + 1)  # a history row takes a whole step's tokens past the limit
+        self.hist = torch.zeros((self.max_seqs, width), dtype=torch.long, device=self.device)
         self.lens = torch.zeros(self.max_seqs, dtype=torch.long, device=self.device)
         self.remaining = torch.zeros(self.max_seqs, dtype=torch.long, device=self.device)
         self.slot_of: dict[int, int] = {}  # seq_id → row of hist

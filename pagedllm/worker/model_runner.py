@@ -207,7 +207,6 @@ class ModelRunner:
                        StepWork.of(chunks, int(logits_indices.numel())))
         return logits
 
-
     @torch.inference_mode()
     def run_decode_rows(self, rows, kv_caches) -> torch.Tensor:
         """Logits [R, V] of decode rows built on the device (`spec_decode.device_ngram.DecodeRows`), run eagerly
