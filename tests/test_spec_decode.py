@@ -219,16 +219,21 @@ def _device_loop(llm):
     return llm.llm_engine.device_spec
 
 
-def test_device_ngram_greedy_identical_and_overlapped(reference):
-    """`ngram_gpu`: proposal, verification and acceptance on the device, read one step late; same tokens."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_device_ngram_greedy_identical_and_overlapped(reference, async_scheduling):
+    """`ngram_gpu`: proposal, verification and acceptance on the device, read one step late; same tokens. With
+    asynchronous scheduling (as on CUDA) the mode is entered from the prompt step still in flight: the first
+    token is copied into the device's history there, before the host has seen it."""
     prompts, ref = reference
-    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU)
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU,
+              async_scheduling=async_scheduling)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
                         use_tqdm=False)
     assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
     st = llm.stats()
     assert st["spec_decode_num_accepted_tokens"] > 0 and st["spec_decode_num_device_steps"] > 0
     assert st["spec_decode_num_device_entries"] >= 1
+    assert (_device_loop(llm).num_entries_in_flight > 0) == async_scheduling
     # The copying prompt alone: its 19 tokens after the first in far fewer steps (accepted on the device).
     loop = _device_loop(llm)
     before = loop.num_steps
@@ -241,12 +246,13 @@ def test_device_ngram_greedy_identical_and_overlapped(reference):
     bm.check_invariants()
 
 
-def test_device_ngram_leaves_and_rejoins_around_other_requests(reference):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_device_ngram_leaves_and_rejoins_around_other_requests(reference, async_scheduling):
     """A sampled request and a late greedy one make the engine drain the mode and run ordinary steps; greedy
     outputs stay exact with prefix caching on, and no block leaks."""
     prompts, ref = reference
     llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, enable_prefix_caching=True,
-              speculative_config=NGRAM_GPU)
+              speculative_config=NGRAM_GPU, async_scheduling=async_scheduling)
     eng = llm.llm_engine
     greedy = SamplingParams(temperature=0, max_tokens=20)
     eng.add_request("g0", {"prompt_token_ids": prompts[0]}, greedy)
@@ -269,6 +275,26 @@ def test_device_ngram_leaves_and_rejoins_around_other_requests(reference):
     assert not bm.block_tables
 
 
+def test_device_ngram_admits_prompts_without_draining(reference):
+    """Closed loop at two concurrent, greedy only: each new request's prompt runs as its own step while the mode
+    keeps running the others, and joins from that step in flight. Same tokens; no block held afterwards."""
+    from pagedllm.benchmarks.spec_decode import run_closed_loop
+
+    prompts, ref = reference
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU,
+              async_scheduling=True)
+    eng, loop = llm.llm_engine, _device_loop(llm)
+    eng.spec_decoder.mode = None  # always speculate where the mode applies (no timing-based chooser)
+    order = [0, 1, 2, 1, 0, 2]
+    _, outs = run_closed_loop(eng, [prompts[i] for i in order], [SamplingParams(temperature=0, max_tokens=20)] * 6,
+                              2, "adm")
+    assert outs == [ref[i][0] for i in order]
+    assert loop.num_admissions >= 3 and loop.num_entries < loop.num_admissions
+    bm = eng.scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+    bm.check_invariants()
+
+
 def test_device_ngram_gives_way_when_the_pool_is_short(tokenizer):
     """Twelve blocks of 8 tokens hold two ~30-token prompts growing by 20, but not with 2 (k + 1) = 18 tokens of
     look-ahead each: the engine falls back to ordinary steps (no livelock), and the outputs are unchanged."""
@@ -276,7 +302,7 @@ def test_device_ngram_gives_way_when_the_pool_is_short(tokenizer):
     params = SamplingParams(temperature=0, max_tokens=20)
     ref, _ = _run(prompts, params, num_gpu_blocks_override=64, block_size=8)  # (block size changes float sums)
     llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=12, block_size=8,
-              speculative_config={**NGRAM_GPU, "num_speculative_tokens": 8})
+              speculative_config={**NGRAM_GPU, "num_speculative_tokens": 8}, async_scheduling=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
     assert _device_loop(llm).num_pool_fallbacks > 0
@@ -319,7 +345,8 @@ def _abort_mid_run(llm, prompts, started) -> None:
 
 def test_device_ngram_abort_and_stop_strings(reference, tokenizer):
     prompts, ref = reference
-    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU)
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=NGRAM_GPU,
+              async_scheduling=True)  # (as on CUDA: entries from a step in flight, drains without a wait)
     _abort_mid_run(llm, prompts, lambda: _device_loop(llm).num_steps >= 2)
     bm = llm.llm_engine.scheduler.block_manager
     # A stop string inside an accepted draft ends the output where it would without speculation.

@@ -162,6 +162,18 @@ class Scheduler:
         out.num_batched_tokens = budget.tokens_used
         return out
 
+    def schedule_prompts(self, max_new_seqs: int) -> SchedulerOutputs:
+        """Admit up to `max_new_seqs` waiting sequences (their prompt chunks) and schedule nothing else: the
+        running sequences advance elsewhere (the engine's device-side speculation). Never preempts."""
+        out = SchedulerOutputs()
+        seqs_used = sum(g.max_num_running_seqs() for g in self.running)
+        budget = _Budget(self.max_num_batched_tokens, min(self.config.max_num_seqs, seqs_used + max_new_seqs),
+                         seqs_used=seqs_used)
+        if not self.swapped and self.config.batching != "request":
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = budget.tokens_used
+        return out
+
     def _demand(self, group: SequenceGroup, token_budget: int) -> list[tuple[Sequence, int]]:
         """Tokens each unfinished sequence of the group would run this step (may be 0)."""
         demand = []

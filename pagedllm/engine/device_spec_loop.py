@@ -33,6 +33,14 @@ logger = logging.getLogger("pagedllm")
 _SKIP_AFTER_FULL_POOL = 32
 
 
+def _plain_greedy(group: SequenceGroup) -> bool:
+    """One greedy sequence without logprobs, penalties, beams or a grammar: what the mode decodes."""
+    p = group.sampling_params
+    return not (len(group.seqs) != 1 or "beam" in group.extra or "structured_output" in group.extra
+                or p.temperature > 0 or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.presence_penalty or p.frequency_penalty or (group.extra.get("best_of") or 1) > 1)
+
+
 @dataclass
 class _DeviceStep:
     members: list[tuple[SequenceGroup, Sequence]]
@@ -70,6 +78,8 @@ class DeviceSpecLoop:
         # Host staging, two of each: a step's copies may still be queued when the next step is staged (the one
         # before it has completed by then).
         self._host_idx_cap = [torch.zeros((2, self.max_seqs), dtype=torch.long, pin_memory=self._pin) for _ in range(2)]
+        self._host_hist = [torch.zeros((self.max_seqs, width), dtype=torch.long, pin_memory=self._pin)
+                           for _ in range(2)]  # an entering sequence's tokens
         self._host_tables = [torch.zeros((self.max_seqs, table_width), dtype=torch.int32, pin_memory=self._pin)
                              for _ in range(2)]
         self.drafts = torch.zeros((self.max_seqs, self.k), dtype=torch.long, device=self.device)
@@ -84,60 +94,86 @@ class DeviceSpecLoop:
         if self.graph_runner is not None and self.graph_runner.graphs:
             self._capture()
         self.inflight: _DeviceStep | None = None
+        self._unread: torch.cuda.Event | None = None  # a step drained without waiting for it
         self.num_steps = 0  # steps run in this mode (launched)
         self.num_entries = 0  # times the mode was entered
+        self.num_entries_in_flight = 0  # of those, from an ordinary step still in flight
+        self.num_admissions = 0  # prompt steps launched while the mode ran
         self.num_pool_fallbacks = 0  # times the pool could not hold the look-ahead blocks
         self._skip_steps = 0  # ordinary steps left before the mode is tried again (after a full pool)
 
     # -- eligibility --------------------------------------------------------------------------
-    def _members(self, strict: bool = True) -> list[tuple[SequenceGroup, Sequence]] | None:
-        """The running sequences, when all may run in this mode; else None. Not `strict`: a sequence that
-        would qualify once the ordinary step in flight has completed (its token still pending) counts too."""
+    def _members(self, prev=None) -> list[tuple[SequenceGroup, Sequence]] | None:
+        """The running sequences, when all may run in this mode; else None. `prev`: the ordinary step in flight
+        (its sampled tokens are still on the device); a sequence whose last token it holds may enter, the token
+        copied on the device."""
         eng, s = self.engine, self.engine.scheduler
         if s.waiting or s.swapped or eng._awaiting_grammar or not s.running:
             return None
         spec = eng.spec_decoder
         if not spec.small_batch() or not spec.mode_allows():
             return None
+        sampled = prev.sampler_output.sampled_token_ids if prev is not None and prev.sampler_output else None
         members = []
         for group in s.running:
-            p = group.sampling_params
-            if (len(group.seqs) != 1 or "beam" in group.extra or "structured_output" in group.extra
-                    or p.temperature > 0 or p.logprobs is not None or p.repetition_penalty != 1.0
-                    or p.presence_penalty or p.frequency_penalty or (group.extra.get("best_of") or 1) > 1):
+            if not _plain_greedy(group):
                 return None
+            p = group.sampling_params
             seq = group.seqs[0]
             if seq.is_finished():
                 continue
-            if seq.status != SequenceStatus.RUNNING or not seq.output_token_ids:
+            if seq.status != SequenceStatus.RUNNING:
                 return None
-            if seq.seq_id not in self.slot_of and len(seq.output_token_ids) + seq.num_pending_tokens < p.min_tokens:
-                return None
-            if seq.seq_id not in self.slot_of and (seq.num_uncomputed_tokens != 1 or (strict and seq.num_pending_tokens)):
-                return None
+            if seq.seq_id not in self.slot_of:
+                if len(seq.output_token_ids) + seq.num_pending_tokens < p.min_tokens:
+                    return None
+                if seq.num_pending_tokens:  # its last token is prev's sample, not yet on the host
+                    if seq.num_pending_tokens != 1 or sampled is None or seq.seq_id not in prev.row_of_seq:
+                        return None
+                elif not seq.output_token_ids:
+                    return None
+                if seq.num_uncomputed_tokens != 1:
+                    return None
             members.append((group, seq))
         return members if 0 < len(members) <= self.max_seqs else None
 
+    def _admit(self, outputs: list) -> None:
+        """While the mode runs, launch the waiting prompts as an ordinary prefill-only step when every waiting
+        request may join the mode: they enter it from that step in flight (`_members`), the running
+        sequences' device state untouched."""
+        eng, s = self.engine, self.engine.scheduler
+        room = self.max_seqs - len(s.running)
+        if (s.swapped or eng._awaiting_grammar or len(s.waiting) > room
+                or not all(_plain_greedy(g) for g in s.waiting)):
+            return
+        sched = s.schedule_prompts(room)
+        outputs.extend(eng._finish_ignored(g) for g in sched.ignored_groups)
+        if sched.is_empty():
+            return
+        cur = eng._launch_forward(sched, None)
+        eng._launch_sampling(cur)
+        s.mark_computed(cur.scheduled)
+        self.num_admissions += 1
+        if cur.needs_host_results:
+            outputs.extend(eng._complete_step(cur))
+        else:
+            eng._inflight = cur
+
     # -- the step -----------------------------------------------------------------------------
-    def step(self) -> list | None:
-        """One engine step in this mode: its outputs, or None when the mode does not apply (the caller then
-        runs an ordinary step)."""
+    def step(self, outputs: list) -> bool:
+        """One engine step in this mode, its outputs appended to `outputs`. False when the mode does not apply
+        (after draining it, if it was running): the caller then runs an ordinary step in the same call."""
         eng = self.engine
         if self.inflight is None and self._skip_steps:  # the pool was short of blocks lately: ordinary steps
             self._skip_steps -= 1
-            return None
-        members = self._members(strict=self.inflight is not None or eng._inflight is None)
+            return False
+        if self.inflight is not None and eng.scheduler.waiting:
+            self._admit(outputs)
+        prev = eng._inflight  # an ordinary step in flight (its tokens still on the device)
+        members = self._members(prev)
         if members is None:
-            if self.inflight is None:
-                return None
-            return self._drain() or None
-        outputs = []
-        if self.inflight is None and eng._inflight is not None:  # an ordinary step is in flight: finish it first
-            prev, eng._inflight = eng._inflight, None
-            outputs.extend(eng._complete_step(prev))
-            members = self._members()
-            if members is None:
-                return outputs
+            outputs.extend(self._drain())
+            return False
         start = time.perf_counter()
         tokens_before = eng.num_generation_tokens_total
         if not self._reserve(members):
@@ -146,17 +182,26 @@ class DeviceSpecLoop:
             self.num_pool_fallbacks += 1
             outputs.extend(self._drain())
             self._trim(members)  # (those given look-ahead blocks before the pool ran short)
-            return outputs or None
+            return False
         if self.inflight is None:
             self.num_entries += 1
-        launched = self._launch(members)
+            self.num_entries_in_flight += prev is not None
+        eng._inflight = None
+        launched = self._launch(members, prev)
         self.num_steps += 1
-        prev, self.inflight = self.inflight, launched
-        if prev is not None:
-            outputs.extend(self._complete(prev))
+        done, self.inflight = self.inflight, launched
+        if prev is not None:  # queued before this step, which reads its tokens on the device
+            outputs.extend(eng._complete_step(prev))
+        if done is not None:
+            outputs.extend(self._complete(done))
         eng.spec_decoder.step_done(True, eng.num_generation_tokens_total - tokens_before,
                                    time.perf_counter() - start, True)
-        return outputs
+        return True
+
+    def skips_host_drafts(self, sched) -> bool:
+        """True when an ordinary step admits a prompt (or recomputes one): the mode resumes from that step while
+        it is in flight, so host-side drafts would only make it synchronous."""
+        return any(item.num_new_tokens > 1 or not item.seq.output_token_ids for item in sched.scheduled)
 
     def _reserve(self, members) -> bool:
         """Blocks for 2 (k + 1) tokens past the host's view of each sequence (copy-on-write copies run now)."""
@@ -172,14 +217,24 @@ class DeviceSpecLoop:
                 self.worker.cache_engine.copy(copies)
         return True
 
-    def _enter(self, group: SequenceGroup, seq: Sequence) -> int:
+    def _enter(self, group: SequenceGroup, seq: Sequence, ring: int, prev) -> int:
+        """A row of `hist` for a sequence entering the mode: its host tokens (staged in pinned memory), then the
+        token `prev` sampled for it when that is still on the device."""
         used = set(self.slot_of.values())
         slot = next(i for i in range(self.max_seqs) if i not in used)
         self.slot_of[seq.seq_id] = slot
-        ids = torch.tensor(seq.token_ids, dtype=torch.long)
-        self.hist[slot, : len(ids)].copy_(ids, non_blocking=False)
-        self.lens[slot] = len(ids)
-        left = min(group.extra["max_tokens"] - len(seq.output_token_ids), self.engine.max_seq_len - seq.get_len())
+        ids = seq.token_ids
+        n = len(ids)
+        staged = self._host_hist[ring]
+        staged.numpy()[slot, :n] = ids
+        self.hist[slot, :n].copy_(staged[slot, :n], non_blocking=self._pin)
+        if seq.num_pending_tokens:
+            row = prev.row_of_seq[seq.seq_id]
+            self.hist[slot, n : n + 1].copy_(prev.sampler_output.sampled_token_ids[row : row + 1])
+            n += 1
+        self.lens[slot] = n
+        known = len(seq.output_token_ids) + seq.num_pending_tokens
+        left = min(group.extra["max_tokens"] - known, self.engine.max_seq_len - n)
         self.remaining[slot] = max(0, left)
         return slot
 
@@ -205,10 +260,31 @@ class DeviceSpecLoop:
                                       torch.minimum(accepted, num_real)[:, None].double(),
                                       num_real[:, None].double()], dim=1))
 
+    def _pre_kernel(self, n: int) -> int:
+        """CUDA: `_pre` in one kernel, the rows written straight into the decode graph's static buffers; → the
+        bucket to replay."""
+        from pagedllm.kernels.triton_ngram import propose_rows
+
+        gr = self.graph_runner
+        b = gr.bucket(n * (self.k + 1))
+        propose_rows(self.hist, self.lens, self.idx[:n], self.tables[:n], self.capacity[:n], self.k, self.nmin,
+                     self.nmax, self.block_size, self.max_model_len, self.drafts[:n], self.num_real[:n],
+                     gr.input_ids, gr.positions, gr.slot_mapping, gr.seq_lens, gr.block_tables, b)
+        return b
+
+    def _post_kernel(self, n: int, logits: torch.Tensor) -> None:
+        """CUDA: `_post` in two kernels (the argmax the plain greedy sampler takes, then acceptance)."""
+        from pagedllm.kernels.triton_greedy import greedy_sample_with_logprob
+        from pagedllm.kernels.triton_ngram import accept_append
+
+        pred, logprob = greedy_sample_with_logprob(logits)
+        accept_append(pred, logprob, self.drafts[:n], self.num_real[:n], self.idx[:n], self.hist, self.lens,
+                      self.remaining, self.out)
+
     @torch.inference_mode()
     def _capture(self) -> None:
-        """CUDA: per sequence count, `_pre` (ending in the decode graph's static buffers) and `_post` (from its
-        output) as two graphs around the decode graph's bucket, so a step costs three replays, not ~150 launches."""
+        """CUDA: per sequence count, `_pre_kernel` (ending in the decode graph's static buffers) and
+        `_post_kernel` (from its output) as two graphs around the decode graph's bucket: a step is three replays."""
         gr = self.graph_runner
         q = self.k + 1
         t0 = time.perf_counter()
@@ -218,14 +294,14 @@ class DeviceSpecLoop:
             if n * q > gr.max_batch:
                 break
             for _ in range(2):  # warm-up: kernels loaded, allocator cached (no KV is written: nothing replays)
-                b = gr.fill_device_rows(self._pre(n))
-                self._post(n, model.compute_logits(gr.outputs[b][: n * q]))
+                b = self._pre_kernel(n)
+                self._post_kernel(n, model.compute_logits(gr.outputs[b][: n * q]))
             torch.cuda.synchronize(self.device)
             pre, post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(pre, pool=pool):
-                b = gr.fill_device_rows(self._pre(n))
+                b = self._pre_kernel(n)
             with torch.cuda.graph(post, pool=pool):
-                self._post(n, model.compute_logits(gr.outputs[b][: n * q]))
+                self._post_kernel(n, model.compute_logits(gr.outputs[b][: n * q]))
             self.graphs[n] = (pre, b, post)
         torch.cuda.synchronize(self.device)
         self.hist.zero_()
@@ -235,15 +311,19 @@ class DeviceSpecLoop:
                     len(self.graphs), time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def _launch(self, members) -> _DeviceStep:
+    def _launch(self, members, prev) -> _DeviceStep:
+        if self._unread is not None:  # a dropped step's staging buffers are reused below
+            self._unread.synchronize()
+            self._unread = None
+        ring = self._ring
+        self._ring ^= 1
         live = {seq.seq_id for _, seq in members}
         for sid in [s for s in self.slot_of if s not in live]:  # finished, aborted or preempted meanwhile
             del self.slot_of[sid]
-        slots = [self.slot_of[seq.seq_id] if seq.seq_id in self.slot_of else self._enter(g, seq) for g, seq in members]
+        slots = [self.slot_of[seq.seq_id] if seq.seq_id in self.slot_of else self._enter(g, seq, ring, prev)
+                 for g, seq in members]
         n = len(members)
         bm = self.engine.scheduler.block_manager
-        ring = self._ring
-        self._ring ^= 1
         staged_ic, staged_tables = self._host_idx_cap[ring], self._host_tables[ring]
         host_ic, host_tables = staged_ic.numpy(), staged_tables.numpy()
         host_tables[:n] = 0
@@ -306,6 +386,9 @@ class DeviceSpecLoop:
     def _drain(self) -> list:
         """Complete the step in flight and leave the mode: every sequence's blocks trimmed to its tokens."""
         step, self.inflight = self.inflight, None
+        if step is not None and all(seq.is_finished() for _, seq in step.members):
+            # Nothing in it for the host (its sequences stopped in the step before): no need to wait for it.
+            self._unread, step = step.done, None
         outputs = self._complete(step) if step is not None else []
         self._trim(step.members if step is not None else [])
         self.slot_of.clear()

@@ -416,10 +416,8 @@ class LLMEngine:
         outputs: list[RequestOutput] = self._admit_compiled()
         if self._torch_threads is not None:
             self._share_cores_with_compiles()
-        if self.device_spec is not None:
-            device_outputs = self.device_spec.step()
-            if device_outputs is not None:
-                return outputs + device_outputs
+        if self.device_spec is not None and self.device_spec.step(outputs):
+            return outputs
         prev, self._inflight = self._inflight, None
         spec = self.spec_decoder
         small = spec is not None and spec.small_batch()
@@ -431,7 +429,8 @@ class LLMEngine:
         outputs.extend(self._finish_ignored(g) for g in sched.ignored_groups)
         # Speculation needs every input token on the host: only when no step is in flight (and, with
         # asynchronous scheduling, while speculating measures faster than not: spec_decode/mode.py).
-        planned = spec is not None and prev is None and spec.mode_allows()
+        planned = (spec is not None and prev is None and spec.mode_allows()
+                   and not (self.device_spec is not None and self.device_spec.skips_host_drafts(sched)))
         drafts = spec.plan(sched) if planned else {}
         cur = None
         if not sched.is_empty():
