@@ -177,6 +177,32 @@ def test_piecewise_mixed_steps_equal_eager_greedy(tmp_path):
 
 
 @pytest.mark.cuda
+def test_single_sequence_steps_replay_whole_graphs_equal_eager(tmp_path):
+    """Prompts run one at a time (each step one sequence's chunk; prompts past the 256-token budget take two
+    chunks, the second attending to the first's cached KV) replay the whole-step graphs, attention inside,
+    and give the eager greedy tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    model_dir = save_tiny_llama(tmp_path)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 1024) for _ in range(n)] for n in (2, 7, 64, 65, 200, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    results = {}
+    for label, kw in (("eager", {"enforce_eager": True}), ("graphs", {})):
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
+                  block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+        runner = llm.llm_engine.executor.driver_worker.model_runner
+        stats = runner.enable_step_stats()
+        outs = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)
+                for p in prompts]
+        results[label] = (outs, runner, stats.summary())
+    assert results["graphs"][0] == results["eager"][0]
+    runner, stats = results["graphs"][1], results["graphs"][2]
+    assert "prefill/whole" in stats and "prefill/piecewise" not in stats
+    assert sorted(runner.piecewise_runner.full_graphs) == runner.piecewise_runner.buckets  # all <= 2048 tokens
+
+
+@pytest.mark.cuda
 def test_warm_start_first_step_costs_a_steady_step(tmp_path):
     """After LLM() returns, the first mixed step compiles nothing: it takes about what the same step
     takes later (generous 3x bound, plus 5 ms of slack for timer noise)."""

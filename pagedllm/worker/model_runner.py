@@ -73,6 +73,7 @@ class ModelRunner:
                                   max_num_batched_tokens or max_model_len,
                                   max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
         pw.capture()
+        pw.capture_full(self.table_width)
         if time_buckets:
             pw.time_buckets()
         t0 = time.perf_counter()
@@ -191,7 +192,7 @@ class ModelRunner:
                                 [r for _, r in pending_inputs], prev_sampled_token_ids)
         pw = self.piecewise_runner
         if pw is not None and kv_caches is pw.kv_caches and pw.can_run(chunks):
-            path = "piecewise"
+            path = "whole" if pw.takes_whole(meta) else "piecewise"
             hidden = pw.run(input_ids, positions, meta)
         elif self.direct_forward is not None and self.direct_forward.can_run(meta):
             path = "direct"

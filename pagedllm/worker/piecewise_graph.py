@@ -30,6 +30,9 @@ from pagedllm.worker.model_input import SequenceChunk
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
+# Single-sequence steps (one prompt chunk, no decodes) up to this many tokens replay one whole graph each,
+# attention inside: the ~60 attention-kernel launches of a piecewise replay cost 3-7 ms of host time.
+FULL_GRAPH_MAX_TOKENS = 2048
 
 
 def capture_token_counts(max_num_batched_tokens: int, max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS) -> list[int]:
@@ -166,6 +169,10 @@ class PiecewiseGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.replay_ms: dict[int, float] = {}  # the routable buckets' replay times (time_buckets)
         self.route: dict[int, int] = {b: b for b in self.buckets}
+        # Whole-step graphs of single-sequence steps (capture_full): bucket → graph, and its output.
+        self.full_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.full_outputs: dict[int, torch.Tensor] = {}
+        self._full_meta: AttentionMetadata | None = None
 
     def _capture_meta(self, t: int, backend) -> AttentionMetadata:
         # Only the backend is read during capture (attention itself runs at replay).
@@ -200,6 +207,65 @@ class PiecewiseGraphRunner:
         n_pieces = sum(len(g) for g in self.graphs.values())
         logger.info("Captured piecewise CUDA graphs for %d token buckets (%d..%d tokens, %d pieces) in %.2f s",
                     len(self.buckets), self.buckets[0], self.max_tokens, n_pieces, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def capture_full(self, table_width: int, max_tokens: int = FULL_GRAPH_MAX_TOKENS) -> None:
+        """Capture the whole forward, attention included, for steps of one sequence's chunk (no decodes), per
+        token bucket up to `max_tokens`. Attention reads static metadata (the chunk's KV slots, padding rows
+        -1; its block table, context length and query range); its prefill kernel is launched for the
+        bucket's rows and skips the tiles past the chunk, which it reads from the device."""
+        sizes = [b for b in self.buckets if b <= max_tokens]
+        if not sizes:
+            return
+        t0 = time.perf_counter()
+        dev, mt = self.device, self.max_tokens
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((mt,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros((1, table_width), dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+            seq_lens_cpu=[1], query_lens_cpu=[1], num_decodes=0, max_seq_len=1, max_query_len=1,
+            backend=self.attn_backend,
+        )
+        self._full_meta = meta
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for t in reversed(sizes):
+                # The launch grid covers t rows; KV slots are all -1 here, so capturing writes no cache.
+                step = AttentionMetadata(meta.slot_mapping[:t], meta.block_tables, meta.seq_lens,
+                                         meta.query_start_loc, [t], [t], 0, t, t, self.attn_backend)
+                ids, pos = self.input_ids[:t], self.positions[:t]
+                self.model(ids, pos, self.kv_caches, step)  # warm-up: compiles, sizes the allocator
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self.model(ids, pos, self.kv_caches, step)
+                self.full_graphs[t], self.full_outputs[t] = graph, out
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        torch.cuda.synchronize(dev)
+        logger.info("Captured whole-step CUDA graphs for single-sequence steps of %d..%d tokens (%d buckets) "
+                    "in %.2f s", sizes[0], sizes[-1], len(sizes), time.perf_counter() - t0)
+
+    def takes_whole(self, meta: AttentionMetadata) -> bool:
+        """True when the step (one sequence's chunk, no decodes) replays a whole-step graph."""
+        if meta.num_decodes or meta.num_seqs != 1 or not self.full_graphs:
+            return False
+        b = bucket_for(meta.max_query_len, self.buckets)
+        return b in self.full_graphs and meta.block_tables.shape[1] <= self._full_meta.block_tables.shape[1]
+
+    def _run_whole(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
+        b = bucket_for(t, self.buckets)
+        static = self._full_meta
+        static.slot_mapping[:t].copy_(meta.slot_mapping)
+        if b > t:
+            static.slot_mapping[t:b].fill_(-1)
+        width = meta.block_tables.shape[1]
+        static.block_tables[:, :width].copy_(meta.block_tables)
+        static.seq_lens.copy_(meta.seq_lens)
+        static.query_start_loc.copy_(meta.query_start_loc)
+        self.full_graphs[b].replay()
+        return self.full_outputs[b][:t]
 
     @torch.inference_mode()
     def time_buckets(self, reps: int = 1) -> None:
@@ -245,9 +311,11 @@ class PiecewiseGraphRunner:
         b = bucket_for(t, self.buckets)
         if b is None:
             raise ValueError(f"a step of {t} tokens exceeds the largest captured bucket {self.max_tokens}.")
-        b = self.route[b]
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
+        if self.takes_whole(meta):
+            return self._run_whole(t, meta)
+        b = self.route[b]
         graphs, sites = self.graphs[b], self.sites[b]
         for i, graph in enumerate(graphs):
             graph.replay()

@@ -1,4 +1,4 @@
-"""Per-step timing by step kind (decode-only / mixed / prefill-only) and path (graph / piecewise / eager / direct).
+"""Per-step timing by step kind (decode-only / mixed / prefill-only) and path (graph / whole / piecewise / eager / direct).
 
 Opt-in (``ModelRunner.enable_step_stats``): each step records two CUDA events around its forward and
 logits (no host sync at record time); ``summary()`` synchronises once and reads them. The interval is
@@ -17,7 +17,7 @@ import torch
 from pagedllm.worker.model_input import SequenceChunk
 
 STEP_KINDS = ("decode", "mixed", "prefill")
-STEP_PATHS = ("graph", "piecewise", "eager", "direct")
+STEP_PATHS = ("graph", "whole", "piecewise", "eager", "direct")
 
 
 def step_kind(chunks: list[SequenceChunk]) -> str:
