@@ -1,4 +1,5 @@
-import sys, time
+"""Tokens per device step of ngram_gpu on the CPU (float32, 30 copy prompts, always speculating) per k:min:max."""
+import sys
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.spec_decode import run_closed_loop, make_copy_prompts
 cfgs = [tuple(map(int, c.split(":"))) for c in sys.argv[1:]]
