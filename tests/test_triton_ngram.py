@@ -64,7 +64,7 @@ def test_propose_rows_matches_the_torch_steps(k: int, nmin: int, nmax: int) -> N
     assert (slot_map[:r] == -1).any()  # some rows lie past a sequence's blocks
     assert seq_lens[:r].cpu().tolist() == rows.seq_lens.tolist()
     assert torch.equal(block_tables[:r, :table_width].cpu(), rows.block_tables)
-    # Padding rows, as CUDAGraphRunner.fill_device_rows leaves them.
+    # Padding rows: token 0 at position 0, no KV write, one token of context, block 0.
     assert ids[r:].cpu().tolist() == [0] * (bucket - r) and pos[r:].cpu().tolist() == [0] * (bucket - r)
     assert slot_map[r:].cpu().tolist() == [-1] * (bucket - r) and seq_lens[r:].cpu().tolist() == [1] * (bucket - r)
     assert block_tables[r:, 0].cpu().tolist() == [0] * (bucket - r)

@@ -10,9 +10,12 @@ steps do. The host learns step t's tokens while step t + 1 runs:
 - before queueing a step it gives each sequence blocks for 2 (k + 1) tokens past what it knows: the step in
   flight may add up to k + 1 tokens, and the new step writes k + 1 rows.
 
-Anything else (a request arriving, a sampled or constrained request, a full pool, the mode chooser preferring
+A sequence enters from the ordinary step still in flight (the token it sampled is copied into the history on
+the device), and greedy requests that arrive while the mode runs are admitted beside it: their prompts run as a
+prefill-only step (`Scheduler.schedule_prompts`) and they join from that step in flight. Anything else (a sampled
+or constrained request, more sequences than `disable_by_batch_size`, a full pool, the mode chooser preferring
 plain steps) drains the mode: the step in flight completes, the sequences' blocks are trimmed to their tokens,
-and the ordinary scheduler takes over.
+and the ordinary scheduler takes over in the same `step()` call.
 """
 from __future__ import annotations
 

@@ -237,25 +237,6 @@ class CUDAGraphRunner:
         self.graphs[b].replay()
         return self.outputs[b][:n]
 
-    def fill_device_rows(self, rows) -> int:
-        """Copy decode rows already on the device (`spec_decode.device_ngram.DecodeRows`) into the static buffers
-        by device ops (capturable), the rest of their bucket made padding; → the bucket to replay."""
-        n = int(rows.input_ids.shape[0])
-        b = self.bucket(n)
-        self.input_ids[:n].copy_(rows.input_ids)
-        self.positions[:n].copy_(rows.positions)
-        self.slot_mapping[:n].copy_(rows.slot_mapping)
-        self.seq_lens[:n].copy_(rows.seq_lens)
-        width = min(rows.block_tables.shape[1], self.max_blocks)
-        self.block_tables[:n, :width].copy_(rows.block_tables[:, :width])
-        if b > n:
-            self.input_ids[n:b].zero_()
-            self.positions[n:b].zero_()
-            self.slot_mapping[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(1)
-            self.block_tables[n:b, 0].zero_()
-        return b
-
 
 def measure_capture_memory(
     model: nn.Module, kv_caches, attn_backend, block_size: int, max_num_seqs: int, max_model_len: int,
