@@ -199,7 +199,7 @@ def test_single_sequence_steps_replay_whole_graphs_equal_eager(tmp_path):
     assert results["graphs"][0] == results["eager"][0]
     runner, stats = results["graphs"][1], results["graphs"][2]
     assert "prefill/whole" in stats and "prefill/piecewise" not in stats
-    assert sorted(runner.piecewise_runner.full_graphs) == runner.piecewise_runner.buckets  # all <= 2048 tokens
+    assert sorted(runner.piecewise_runner.whole_graphs) == runner.piecewise_runner.buckets  # all <= 2048 tokens
 
 
 @pytest.mark.cuda

@@ -22,12 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.core.block_manager import cdiv
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.spec_decode.device_ngram import accept_greedy, append_history, build_rows, propose_ngrams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.launched_step import LaunchedStep
 
 logger = logging.getLogger("pagedllm")
 
@@ -106,7 +110,7 @@ class DeviceSpecLoop:
         self._skip_steps = 0  # ordinary steps left before the mode is tried again (after a full pool)
 
     # -- eligibility --------------------------------------------------------------------------
-    def _members(self, prev=None) -> list[tuple[SequenceGroup, Sequence]] | None:
+    def _members(self, prev: LaunchedStep | None = None) -> list[tuple[SequenceGroup, Sequence]] | None:
         """The running sequences, when all may run in this mode; else None. `prev`: the ordinary step in flight
         (its sampled tokens are still on the device); a sequence whose last token it holds may enter, the token
         copied on the device."""
@@ -220,7 +224,7 @@ class DeviceSpecLoop:
                 self.worker.cache_engine.copy(copies)
         return True
 
-    def _enter(self, group: SequenceGroup, seq: Sequence, ring: int, prev) -> int:
+    def _enter(self, group: SequenceGroup, seq: Sequence, ring: int, prev: LaunchedStep | None) -> int:
         """A row of `hist` for a sequence entering the mode: its host tokens (staged in pinned memory), then the
         token `prev` sampled for it when that is still on the device."""
         used = set(self.slot_of.values())
@@ -314,7 +318,7 @@ class DeviceSpecLoop:
                     len(self.graphs), time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def _launch(self, members, prev) -> _DeviceStep:
+    def _launch(self, members, prev: LaunchedStep | None) -> _DeviceStep:
         if self._unread is not None:  # a dropped step's staging buffers are reused below
             self._unread.synchronize()
             self._unread = None

@@ -73,7 +73,7 @@ class ModelRunner:
                                   max_num_batched_tokens or max_model_len,
                                   max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
         pw.capture()
-        pw.capture_full(self.table_width)
+        pw.capture_whole(self.table_width)
         if time_buckets:
             pw.time_buckets()
         t0 = time.perf_counter()

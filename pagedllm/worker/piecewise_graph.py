@@ -14,6 +14,10 @@ token ids and positions, never written to the KV cache (attention never sees the
 
 So a mixed step costs ``num_layers + 1`` graph replays plus the attention launches instead of a few
 hundred eager launches, and the graphs never bake in the sequence layout.
+
+A step that is one sequence's chunk and nothing else (a prompt at low load) needs no layout at all: up to
+``WHOLE_GRAPH_MAX_TOKENS`` it replays one whole-step graph per bucket with attention inside, reading static
+metadata (``capture_whole``), one replay instead of ~2 launches per layer from the host.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ logger = logging.getLogger("pagedllm")
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
 # Single-sequence steps (one prompt chunk, no decodes) up to this many tokens replay one whole graph each,
 # attention inside: the ~60 attention-kernel launches of a piecewise replay cost 3-7 ms of host time.
-FULL_GRAPH_MAX_TOKENS = 2048
+WHOLE_GRAPH_MAX_TOKENS = 2048
 
 
 def capture_token_counts(max_num_batched_tokens: int, max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS) -> list[int]:
@@ -169,10 +173,10 @@ class PiecewiseGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.replay_ms: dict[int, float] = {}  # the routable buckets' replay times (time_buckets)
         self.route: dict[int, int] = {b: b for b in self.buckets}
-        # Whole-step graphs of single-sequence steps (capture_full): bucket → graph, and its output.
-        self.full_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.full_outputs: dict[int, torch.Tensor] = {}
-        self._full_meta: AttentionMetadata | None = None
+        # Whole-step graphs of single-sequence steps (capture_whole): bucket → graph, and its output.
+        self.whole_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.whole_outputs: dict[int, torch.Tensor] = {}
+        self._whole_meta: AttentionMetadata | None = None
 
     def _capture_meta(self, t: int, backend) -> AttentionMetadata:
         # Only the backend is read during capture (attention itself runs at replay).
@@ -209,7 +213,7 @@ class PiecewiseGraphRunner:
                     len(self.buckets), self.buckets[0], self.max_tokens, n_pieces, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def capture_full(self, table_width: int, max_tokens: int = FULL_GRAPH_MAX_TOKENS) -> None:
+    def capture_whole(self, table_width: int, max_tokens: int = WHOLE_GRAPH_MAX_TOKENS) -> None:
         """Capture the whole forward, attention included, for steps of one sequence's chunk (no decodes), per
         token bucket up to `max_tokens`. Attention reads static metadata (the chunk's KV slots, padding rows
         -1; its block table, context length and query range); its prefill kernel is launched for the
@@ -227,7 +231,7 @@ class PiecewiseGraphRunner:
             seq_lens_cpu=[1], query_lens_cpu=[1], num_decodes=0, max_seq_len=1, max_query_len=1,
             backend=self.attn_backend,
         )
-        self._full_meta = meta
+        self._whole_meta = meta
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -241,7 +245,7 @@ class PiecewiseGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     out = self.model(ids, pos, self.kv_caches, step)
-                self.full_graphs[t], self.full_outputs[t] = graph, out
+                self.whole_graphs[t], self.whole_outputs[t] = graph, out
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
         logger.info("Captured whole-step CUDA graphs for single-sequence steps of %d..%d tokens (%d buckets) "
@@ -249,14 +253,14 @@ class PiecewiseGraphRunner:
 
     def takes_whole(self, meta: AttentionMetadata) -> bool:
         """True when the step (one sequence's chunk, no decodes) replays a whole-step graph."""
-        if meta.num_decodes or meta.num_seqs != 1 or not self.full_graphs:
+        if meta.num_decodes or meta.num_seqs != 1 or not self.whole_graphs:
             return False
         b = bucket_for(meta.max_query_len, self.buckets)
-        return b in self.full_graphs and meta.block_tables.shape[1] <= self._full_meta.block_tables.shape[1]
+        return b in self.whole_graphs and meta.block_tables.shape[1] <= self._whole_meta.block_tables.shape[1]
 
     def _run_whole(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
         b = bucket_for(t, self.buckets)
-        static = self._full_meta
+        static = self._whole_meta
         static.slot_mapping[:t].copy_(meta.slot_mapping)
         if b > t:
             static.slot_mapping[t:b].fill_(-1)
@@ -264,8 +268,8 @@ class PiecewiseGraphRunner:
         static.block_tables[:, :width].copy_(meta.block_tables)
         static.seq_lens.copy_(meta.seq_lens)
         static.query_start_loc.copy_(meta.query_start_loc)
-        self.full_graphs[b].replay()
-        return self.full_outputs[b][:t]
+        self.whole_graphs[b].replay()
+        return self.whole_outputs[b][:t]
 
     @torch.inference_mode()
     def time_buckets(self, reps: int = 1) -> None:
