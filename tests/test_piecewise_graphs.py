@@ -16,7 +16,9 @@ from pagedllm.engine.arg_utils import EngineArgs
 from tiny_models import save_tiny_llama
 from pagedllm.worker.model_input import SequenceChunk
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.piecewise_graph import bucket_for, capture_token_counts, is_piecewise_graphable, non_owning_view
+from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.worker.piecewise_graph import (WHOLE_GRAPH_MAX_CONTEXT, bucket_for, capture_token_counts,
+                                             fits_whole_graph, is_piecewise_graphable, non_owning_view)
 from pagedllm.worker.step_stats import StepStats, format_summary, step_kind
 
 
@@ -159,21 +161,76 @@ def test_piecewise_mixed_steps_equal_eager_greedy(tmp_path):
     eager, eager_runner, eager_stats = _run(model_dir, prompts, params, enforce_eager=True)
     assert eager_runner.piecewise_runner is None and all(k.endswith("/eager") for k in eager_stats)
     decode_only, _, dec_stats = _run(model_dir, prompts, params, max_capture_tokens=0)
-    graphed, runner, stats = _run(model_dir, prompts, params)
+    assert "mixed/eager" in dec_stats
+    assert decode_only == eager
+    whole, _, whole_stats = _run(model_dir, prompts, params)
+    assert "mixed/whole" in whole_stats and "prefill/whole" in whole_stats and "decode/graph" in whole_stats
+    assert not any(k.endswith(("/eager", "/piecewise")) for k in whole_stats)
+    assert whole == eager
+
+    def without_whole_graphs(model_runner):
+        model_runner.piecewise_runner.whole_graphs.clear()
+
+    graphed, runner, stats = _run(model_dir, prompts, params, before=without_whole_graphs)
     assert runner.piecewise_runner is not None and runner.piecewise_runner.max_tokens == 256
     assert "mixed/piecewise" in stats and "prefill/piecewise" in stats and "decode/graph" in stats
-    assert not any(k.endswith("/eager") for k in stats)
-    assert "mixed/eager" in dec_stats
+    assert not any(k.endswith(("/eager", "/whole")) for k in stats)
     assert graphed == eager
-    assert decode_only == eager
     pw = runner.piecewise_runner
     assert set(pw.replay_ms) == {b for b in pw.buckets if b >= 128} and all(r >= b for b, r in pw.route.items())
 
     def route_all_to_the_largest(model_runner):  # as if every bucket had timed slower than the largest
+        without_whole_graphs(model_runner)
         model_runner.piecewise_runner.route = {b: 256 for b in model_runner.piecewise_runner.buckets}
 
     routed, _, routed_stats = _run(model_dir, prompts, params, before=route_all_to_the_largest)
     assert routed == eager and "mixed/piecewise" in routed_stats
+
+
+def test_fits_whole_graph_bounds_sequences_table_width_and_context():
+    def meta(seq_lens: list[int], width: int = 4) -> AttentionMetadata:
+        n = len(seq_lens)
+        return AttentionMetadata(torch.zeros(n, dtype=torch.int64), torch.zeros((n, width), dtype=torch.int32),
+                                 torch.tensor(seq_lens), torch.zeros(n + 1, dtype=torch.int32), seq_lens, [1] * n,
+                                 n, max(seq_lens), 1)
+
+    assert fits_whole_graph(meta([5, 9, 300]), True, num_seq_slots=3, table_width=4)
+    assert not fits_whole_graph(meta([5, 9, 300]), False, num_seq_slots=3, table_width=4)  # bucket not captured
+    assert not fits_whole_graph(meta([5, 9, 300, 2]), True, num_seq_slots=3, table_width=4)  # more sequences
+    assert not fits_whole_graph(meta([5, 9], width=5), True, num_seq_slots=3, table_width=4)  # a wider table
+    assert fits_whole_graph(meta([5, WHOLE_GRAPH_MAX_CONTEXT]), True, num_seq_slots=3, table_width=4)
+    assert not fits_whole_graph(meta([5, WHOLE_GRAPH_MAX_CONTEXT + 1]), True, num_seq_slots=3, table_width=4)
+
+
+@pytest.mark.cuda
+def test_whole_graphs_take_steps_up_to_their_sequence_slots(tmp_path):
+    """A step of more sequences than the whole graphs' static slots replays the piecewise graphs; one of at
+    most that many, the whole graphs. Both give the eager greedy tokens (12 requests at once, then 3)."""
+    from pagedllm import LLM, SamplingParams
+
+    model_dir = save_tiny_llama(tmp_path)
+    rng = random.Random(6)
+    batches = [[[rng.randrange(1, 1024) for _ in range(rng.randint(5, 40))] for _ in range(n)] for n in (12, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for label, kw in (("eager", {"enforce_eager": True}), ("graphs", {})):
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
+                  block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+        runner = llm.llm_engine.executor.driver_worker.model_runner
+        if runner.piecewise_runner is not None:
+            runner.piecewise_runner.whole_graphs.clear()
+            runner.piecewise_runner.capture_whole(runner.table_width, max_seqs=4)
+        summaries, outs = [], []
+        for batch in batches:
+            stats = runner.enable_step_stats()
+            done = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            outs.append([list(o.outputs[0].token_ids) for o in done])
+            summaries.append(stats.summary())
+        results[label] = (outs, summaries)
+    assert results["graphs"][0] == results["eager"][0]
+    many, few = results["graphs"][1]
+    assert "prefill/piecewise" in many and not any(k.endswith("/whole") for k in many)
+    assert "prefill/whole" in few and not any(k.endswith("/piecewise") for k in few)
 
 
 @pytest.mark.cuda

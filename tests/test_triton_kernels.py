@@ -121,6 +121,58 @@ def test_long_prefill_chunks_match_reference(dtype):
     assert _rel_err(out, _reference(query, kc, vc, meta, 128**-0.5)) < _TOL[dtype]
 
 
+def _padded_layout(meta, num_rows: int, max_seqs: int):
+    """The step's layout in static-sized buffers as a whole-step graph holds them: `max_seqs` sequences
+    (padding ones with no query rows and garbage tables), `num_rows` query rows (padding rows past the step)."""
+    n = meta.num_seqs
+    t = int(meta.query_start_loc[-1])
+    bt = torch.randint(0, 3, (max_seqs, meta.block_tables.shape[1] + 3), dtype=torch.int32).to(DEVICE)
+    bt[:n, : meta.block_tables.shape[1]] = meta.block_tables
+    seq_lens = torch.randint(1, 50, (max_seqs,), dtype=torch.int32).to(DEVICE)
+    seq_lens[:n] = meta.seq_lens
+    qsl = torch.full((max_seqs + 1,), t, dtype=torch.int32, device=DEVICE)
+    qsl[: n + 1] = meta.query_start_loc
+    return bt, seq_lens, qsl
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,head_dim,group", _SHAPES + [(16, 64, 3)])
+def test_unified_attention_matches_reference(dtype, block_size, head_dim, group):
+    """One launch over decodes and chunks alike, its grid from the static sizes only (padding rows and
+    sequences, as a whole-step graph replays it), matches the reference on the real rows and leaves the
+    padding rows untouched."""
+    from pagedllm.kernels.triton_unified_attention import unified_attention
+
+    rng = random.Random(block_size * 7 + head_dim + group)
+    long = 600 if ON_CUDA else 90
+    seq_lens = [rng.randint(1, 40), rng.randint(41, long), 1, rng.randint(2, long)]
+    query_lens = [1, 1, 1, 1]
+    prefill_q = [rng.randint(2, 40), rng.randint(1, 30), rng.randint(17, 45)]
+    prefill_ctx = [0, rng.randint(1, 70), rng.randint(block_size, 2 * block_size)]
+    seq_lens += [q + c for q, c in zip(prefill_q, prefill_ctx)]
+    query_lens += prefill_q
+    query, kc, vc, meta = _make_batch(rng, dtype, block_size, head_dim, 2, group, seq_lens, query_lens)
+    t = query.shape[0]
+    padded_q = torch.cat([query, torch.randn(13, *query.shape[1:], device=DEVICE).to(dtype)])
+    bt, lens, qsl = _padded_layout(meta, t + 13, max_seqs=12)
+    out = torch.full_like(padded_q, float("nan"))
+    unified_attention(padded_q, kc, vc, bt, lens, qsl, head_dim**-0.5, out)
+    assert not out[:t].isnan().any()
+    assert out[t:].isnan().all()  # padding rows: never written
+    assert _rel_err(out[:t], _reference(query, kc, vc, meta, head_dim**-0.5)) < _TOL[dtype]
+
+
+def test_unified_attention_rejects_mismatched_layout():
+    from pagedllm.kernels.triton_unified_attention import unified_attention
+
+    q = torch.zeros(4, 2, 64, device=DEVICE)
+    kc = torch.zeros(3, 8, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="3 sequence lengths need 4 query start offsets"):
+        unified_attention(q, kc, kc, torch.zeros(3, 2, dtype=torch.int32, device=DEVICE),
+                          torch.ones(3, dtype=torch.int32, device=DEVICE),
+                          torch.zeros(3, dtype=torch.int32, device=DEVICE), 0.1, torch.empty_like(q))
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 16])
 def test_decode_split_kv_is_exact_reduction(num_splits):
     """Flash-decoding: any split count gives the same attention (empty splits included)."""

@@ -27,6 +27,11 @@ class AttentionMetadata:
     backend: Any = None  # the AttentionBackend the layers call
     # Derived once per step by the torch backend and shared by all layers (decodes grouped by length).
     decode_buckets: list | None = None
+    # A whole-step graph's static buffers: block_tables / seq_lens / query_start_loc cover a fixed number of
+    # sequences (padding ones own no query rows) and the layout is read on the device, so attention runs as
+    # one launch whose grid depends on those sizes only (kernels/triton_unified_attention.py); the host lists
+    # describe the capture, not the step.
+    unified: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -56,7 +56,8 @@ class ModelRunner:
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
         from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
         from pagedllm.worker.cuda_graph import CUDAGraphRunner
-        from pagedllm.worker.piecewise_graph import DEFAULT_MAX_CAPTURE_TOKENS, PiecewiseGraphRunner
+        from pagedllm.worker.piecewise_graph import (DEFAULT_MAX_CAPTURE_TOKENS, WHOLE_GRAPH_MAX_SEQS,
+                                                     PiecewiseGraphRunner)
 
         verify_rows = min(verify_max_num_seqs, max_num_seqs) * verify_query_len if verify_query_len >= 2 else 0
         runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size,
@@ -73,7 +74,7 @@ class ModelRunner:
                                   max_num_batched_tokens or max_model_len,
                                   max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
         pw.capture()
-        pw.capture_whole(self.table_width)
+        pw.capture_whole(self.table_width, min(max_num_seqs, WHOLE_GRAPH_MAX_SEQS))
         if time_buckets:
             pw.time_buckets()
         t0 = time.perf_counter()
@@ -192,7 +193,7 @@ class ModelRunner:
                                 [r for _, r in pending_inputs], prev_sampled_token_ids)
         pw = self.piecewise_runner
         if pw is not None and kv_caches is pw.kv_caches and pw.can_run(chunks):
-            path = "whole" if pw.takes_whole(meta) else "piecewise"
+            path = "whole" if pw.takes_whole(int(input_ids.shape[0]), meta) else "piecewise"
             hidden = pw.run(input_ids, positions, meta)
         elif self.direct_forward is not None and self.direct_forward.can_run(meta):
             path = "direct"

@@ -15,9 +15,11 @@ token ids and positions, never written to the KV cache (attention never sees the
 So a mixed step costs ``num_layers + 1`` graph replays plus the attention launches instead of a few
 hundred eager launches, and the graphs never bake in the sequence layout.
 
-A step that is one sequence's chunk and nothing else (a prompt at low load) needs no layout at all: up to
-``WHOLE_GRAPH_MAX_TOKENS`` it replays one whole-step graph per bucket with attention inside, reading static
-metadata (``capture_whole``), one replay instead of ~2 launches per layer from the host.
+A step of up to ``WHOLE_GRAPH_MAX_TOKENS`` tokens and the scheduler's sequence cap (at most
+``WHOLE_GRAPH_MAX_SEQS``) replays one whole-step graph per bucket instead, attention inside: the layout is
+static metadata read on the device, and one launch per layer attends for decodes and chunks alike
+(``capture_whole``, kernels/triton_unified_attention.py). One replay instead of ~2 launches per layer from
+the host, which cost more than a small model's whole step.
 """
 from __future__ import annotations
 
@@ -34,9 +36,11 @@ from pagedllm.worker.model_input import SequenceChunk
 logger = logging.getLogger("pagedllm")
 
 DEFAULT_MAX_CAPTURE_TOKENS = 8192
-# Single-sequence steps (one prompt chunk, no decodes) up to this many tokens replay one whole graph each,
-# attention inside: the ~60 attention-kernel launches of a piecewise replay cost 3-7 ms of host time.
+# Steps up to this many tokens (and sequences) replay one whole graph each, attention inside: the ~60
+# attention-kernel launches of a piecewise replay cost 3-7 ms of host time (BENCHMARKS.md §49-§50).
 WHOLE_GRAPH_MAX_TOKENS = 2048
+WHOLE_GRAPH_MAX_SEQS = 256
+WHOLE_GRAPH_MAX_CONTEXT = 4096
 
 
 def capture_token_counts(max_num_batched_tokens: int, max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS) -> list[int]:
@@ -60,6 +64,15 @@ def bucket_for(num_tokens: int, buckets: list[int]) -> int | None:
         if b >= num_tokens:
             return b
     return None
+
+
+def fits_whole_graph(meta: AttentionMetadata, bucket_captured: bool, num_seq_slots: int, table_width: int) -> bool:
+    """Whether a step laid out as `meta` may replay a whole-step graph: its bucket was
+    captured, its sequences fit the graphs' static slots and block-table width, and no sequence's context is
+    longer than WHOLE_GRAPH_MAX_CONTEXT (the unified kernel has no split-KV; past that, a few long decodes are
+    faster in the decode kernel of a piecewise step than the launches it saves)."""
+    return (bucket_captured and meta.num_seqs <= num_seq_slots and meta.block_tables.shape[1] <= table_width
+            and meta.max_seq_len <= WHOLE_GRAPH_MAX_CONTEXT)
 
 
 def is_piecewise_graphable(chunks: list[SequenceChunk], max_tokens: int) -> bool:
@@ -213,32 +226,34 @@ class PiecewiseGraphRunner:
                     len(self.buckets), self.buckets[0], self.max_tokens, n_pieces, time.perf_counter() - t0)
 
     @torch.inference_mode()
-    def capture_whole(self, table_width: int, max_tokens: int = WHOLE_GRAPH_MAX_TOKENS) -> None:
-        """Capture the whole forward, attention included, for steps of one sequence's chunk (no decodes), per
-        token bucket up to `max_tokens`. Attention reads static metadata (the chunk's KV slots, padding rows
-        -1; its block table, context length and query range); its prefill kernel is launched for the
-        bucket's rows and skips the tiles past the chunk, which it reads from the device."""
+    def capture_whole(self, table_width: int, max_seqs: int, max_tokens: int = WHOLE_GRAPH_MAX_TOKENS) -> None:
+        """Capture the whole forward, attention included, per token bucket up to `max_tokens`, for steps of up
+        to `max_seqs` sequences, decodes and prefill chunks in any mix. Attention reads static metadata (the
+        step's KV slots, padding rows -1; block tables, context lengths and query ranges of `max_seqs`
+        sequences, padding ones without rows) in one launch whose grid covers the bucket's rows and every
+        sequence slot (kernels/triton_unified_attention.py)."""
         sizes = [b for b in self.buckets if b <= max_tokens]
-        if not sizes:
+        if not sizes or max_seqs < 1:
             return
         t0 = time.perf_counter()
         dev, mt = self.device, self.max_tokens
         meta = AttentionMetadata(
             slot_mapping=torch.full((mt,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros((1, table_width), dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
-            seq_lens_cpu=[1], query_lens_cpu=[1], num_decodes=0, max_seq_len=1, max_query_len=1,
-            backend=self.attn_backend,
+            block_tables=torch.zeros((max_seqs, table_width), dtype=torch.int32, device=dev),
+            seq_lens=torch.zeros(max_seqs, dtype=torch.int32, device=dev),
+            query_start_loc=torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev),
+            seq_lens_cpu=[0] * max_seqs, query_lens_cpu=[0] * max_seqs, num_decodes=0, max_seq_len=0,
+            max_query_len=0, backend=self.attn_backend, unified=True,
         )
         self._whole_meta = meta
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for t in reversed(sizes):
-                # The launch grid covers t rows; KV slots are all -1 here, so capturing writes no cache.
+                # No sequence owns a row here and every KV slot is -1: capturing writes no cache.
                 step = AttentionMetadata(meta.slot_mapping[:t], meta.block_tables, meta.seq_lens,
-                                         meta.query_start_loc, [t], [t], 0, t, t, self.attn_backend)
+                                         meta.query_start_loc, meta.seq_lens_cpu, meta.query_lens_cpu, 0, 0, 0,
+                                         self.attn_backend, unified=True)
                 ids, pos = self.input_ids[:t], self.positions[:t]
                 self.model(ids, pos, self.kv_caches, step)  # warm-up: compiles, sizes the allocator
                 stream.synchronize()
@@ -248,26 +263,28 @@ class PiecewiseGraphRunner:
                 self.whole_graphs[t], self.whole_outputs[t] = graph, out
         torch.cuda.current_stream(dev).wait_stream(stream)
         torch.cuda.synchronize(dev)
-        logger.info("Captured whole-step CUDA graphs for single-sequence steps of %d..%d tokens (%d buckets) "
-                    "in %.2f s", sizes[0], sizes[-1], len(sizes), time.perf_counter() - t0)
+        logger.info("Captured whole-step CUDA graphs for steps of up to %d sequences, %d..%d tokens (%d buckets) "
+                    "in %.2f s", max_seqs, sizes[0], sizes[-1], len(sizes), time.perf_counter() - t0)
 
-    def takes_whole(self, meta: AttentionMetadata) -> bool:
-        """True when the step (one sequence's chunk, no decodes) replays a whole-step graph."""
-        if meta.num_decodes or meta.num_seqs != 1 or not self.whole_graphs:
+    def takes_whole(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """True when the step replays a whole-step graph (``fits_whole_graph``)."""
+        static = self._whole_meta
+        if static is None:
             return False
-        b = bucket_for(meta.max_query_len, self.buckets)
-        return b in self.whole_graphs and meta.block_tables.shape[1] <= self._whole_meta.block_tables.shape[1]
+        return fits_whole_graph(meta, bucket_for(num_tokens, self.buckets) in self.whole_graphs,
+                                static.seq_lens.shape[0], static.block_tables.shape[1])
 
     def _run_whole(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
         b = bucket_for(t, self.buckets)
-        static = self._whole_meta
+        static, n = self._whole_meta, meta.num_seqs
         static.slot_mapping[:t].copy_(meta.slot_mapping)
         if b > t:
             static.slot_mapping[t:b].fill_(-1)
         width = meta.block_tables.shape[1]
-        static.block_tables[:, :width].copy_(meta.block_tables)
-        static.seq_lens.copy_(meta.seq_lens)
-        static.query_start_loc.copy_(meta.query_start_loc)
+        static.block_tables[:n, :width].copy_(meta.block_tables)
+        static.seq_lens[:n].copy_(meta.seq_lens)
+        static.query_start_loc[: n + 1].copy_(meta.query_start_loc)
+        static.query_start_loc[n + 1 :].fill_(t)  # the sequence slots past the step own no rows
         self.whole_graphs[b].replay()
         return self.whole_outputs[b][:t]
 
@@ -317,7 +334,7 @@ class PiecewiseGraphRunner:
             raise ValueError(f"a step of {t} tokens exceeds the largest captured bucket {self.max_tokens}.")
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
-        if self.takes_whole(meta):
+        if self.takes_whole(t, meta):
             return self._run_whole(t, meta)
         b = self.route[b]
         graphs, sites = self.graphs[b], self.sites[b]

@@ -120,6 +120,12 @@ class TritonAttentionBackend:
         if workspace is None:
             workspace = self.workspaces[query.device] = triton_attention.DecodeWorkspace.allocate(query.device)
         fp8_dot = self.fp8_dot_dtype if kv_quant.is_fp8(key_cache.dtype) else None
+        if meta.unified:
+            from pagedllm.kernels.triton_unified_attention import unified_attention
+
+            return unified_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale, torch.empty_like(query) if out is None else out,
+                                     k_scale, v_scale, fp8_dot)
         return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace,
                                                 k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot)
 

@@ -1,0 +1,169 @@
+"""One launch for a whole step's attention (decodes and prefill chunks alike), its layout read on the device.
+
+The decode and prefill kernels of ``triton_attention`` size their grids from host-known numbers (the number of
+decodes, the longest chunk), so a captured graph would bake a step's layout in. This kernel's grid depends only
+on the sizes of its buffers: ``num_tokens // BLOCK_Q + max_num_seqs`` query tiles × KV heads. Sequence ``i``'s
+tiles are numbered from ``query_start_loc[i] // BLOCK_Q + i`` (disjoint, at most that many in all); each
+program finds its sequence by a binary search over ``query_start_loc`` and exits when its tile is past the
+sequence's query rows. Padding sequences (``query_start_loc`` equal to the step's token count from there on)
+have no rows. So a whole-step CUDA graph (``worker/piecewise_graph.PiecewiseGraphRunner.capture_whole``)
+replays any mix of decodes and chunks up to its sizes, as vLLM's unified Triton attention does.
+
+A tile holds BLOCK_Q query tokens × the query heads of one KV head (padded to a power of two) as its rows, so
+each K/V tile is read once per KV head, as the decode kernel does, and a decode row fills GROUP rows of it.
+Keys are gathered through the block table and attended causally with an online softmax, as in the prefill
+kernel; FP8 pools are read with their scales folded in (``triton_attention.resolve_fp8_dot``). There is no
+split-KV: a step of few sequences with long contexts is better served by the decode kernel (the whole-step
+graphs are for short steps, where launches cost more than the kernel).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.triton_attention import _check_shapes, _dot_operand, _precision, prefill_launch, resolve_fp8_dot
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, max_num_seqs, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first tile (query_start_loc[i] // BLOCK_Q + i) is at or before `tile`."""
+    lo: tl.int32 = 0
+    hi = max_num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _unified_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
+    scale, k_scale, v_scale, max_num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_ko, stride_kh,
+    stride_vb, stride_vo, stride_vh,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, tile, max_num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    qi = q_tile * BLOCK_Q + r // GROUP_PAD  # the row's query token within the sequence's chunk
+    g = r % GROUP_PAD
+    head = kvh * GROUP + g
+    row_ok = (qi < q_len) & (g < GROUP)
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    tok = (q_start + qi).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = _dot_operand(q, DOT)
+    q_pos = ctx + qi  # absolute position of each row's token
+
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
+    qk_scale = scale * k_scale * 1.4426950408889634
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)  # the tile's last token's keys (causal)
+    offs = tl.arange(0, BLOCK_N)
+    for n_start in range(0, kv_end, BLOCK_N):
+        pos = n_start + offs
+        ok = pos < kv_end
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ko + kvh * stride_kh + dims[None, :],
+                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vo + kvh * stride_vh + dims[None, :],
+                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
+        visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite from the first tile on: every row sees key 0
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+        m_i = m_new
+    o = acc * v_scale / l_i[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+# Rows of a tile: a decode fills GROUP of them, so a tile as tall as the prefill kernel's (64) wastes most of its
+# dots on decode-heavy steps (LLaMA-7B, 190 decodes + 800 prompt tokens: 37.9 ms a step against 32.6 ms for the
+# decode and prefill kernels, BENCHMARKS.md §50); 16 is the least tl.dot takes.
+TILE_ROWS = 16
+
+
+def unified_launch(group: int, dim_pad: int, block_size: int, query_bytes: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_Q, GROUP_PAD, BLOCK_N, num_warps, num_stages): TILE_ROWS rows (more if the group is larger) shared
+    by BLOCK_Q tokens × the KV head's query heads padded to a power of two; the keys per tile, warps and
+    stages of the prefill kernel (``prefill_launch``)."""
+    _, block_n, warps, stages = prefill_launch(dim_pad, block_size, query_bytes)
+    group_pad = triton.next_power_of_2(group)
+    return max(1, TILE_ROWS // group_pad), group_pad, block_n, warps, stages
+
+
+def unified_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8_dot_dtype: str | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of every query row of `query` [T, Hq, D] over its sequence's cached K/V, in one
+    launch whose grid depends only on T and ``len(seq_lens)``. Sequence i owns rows
+    ``query_start_loc[i]:query_start_loc[i+1]`` (len(seq_lens) + 1 entries, non-decreasing, at most T; padding
+    sequences repeat the last value) and ``seq_lens[i]`` tokens of context including them. Writes `out`."""
+    group, d = _check_shapes(query, key_cache, value_cache)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"unified attention: {num_seqs} sequence lengths need {num_seqs + 1} query start "
+                         f"offsets and {num_seqs} block-table rows, got {query_start_loc.shape[0]} and "
+                         f"{block_tables.shape[0]}.")
+    dot = resolve_fp8_dot(query, key_cache, fp8_dot_dtype)
+    t, hk = query.shape[0], key_cache.shape[2]
+    if t == 0 or num_seqs == 0:
+        return out
+    dim_pad = triton.next_power_of_2(d)
+    block_q, group_pad, block_n, num_warps, num_stages = unified_launch(group, dim_pad, key_cache.shape[1],
+                                                                        query.element_size())
+    grid = (t // block_q + num_seqs, hk)
+    _unified_kernel[grid](
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        scale, k_scale, v_scale, num_seqs,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, DIM_PAD=dim_pad,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
