@@ -113,13 +113,18 @@ def test_the_offline_llm_on_a_large_gpu_defaults_to_1024_sequences(monkeypatch):
     assert EngineArgs(device="cuda").create_engine_config(4096, "llm_class").scheduler_config.max_num_batched_tokens == 8192
 
 
+def _tiny_cuda_llm(model_dir, **kw):
+    """The tiny float32 model on CUDA with a 256-token step budget (prompts past it are chunked)."""
+    from pagedllm import LLM
+
+    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
+               block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+
+
 def _run(model_dir, prompts, params, before=None, **kw):
     """Greedy outputs on CUDA → (token ids, the model runner, its step summary); `before(runner)` runs between
     start-up and generation."""
-    from pagedllm import LLM
-
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
-              block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+    llm = _tiny_cuda_llm(model_dir, **kw)
     runner = llm.llm_engine.executor.driver_worker.model_runner
     if before is not None:
         before(runner)
@@ -206,7 +211,7 @@ def test_fits_whole_graph_bounds_sequences_table_width_and_context():
 def test_whole_graphs_take_steps_up_to_their_sequence_slots(tmp_path):
     """A step of more sequences than the whole graphs' static slots replays the piecewise graphs; one of at
     most that many, the whole graphs. Both give the eager greedy tokens (12 requests at once, then 3)."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
     model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(6)
@@ -214,8 +219,7 @@ def test_whole_graphs_take_steps_up_to_their_sequence_slots(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     results = {}
     for label, kw in (("eager", {"enforce_eager": True}), ("graphs", {})):
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
-                  block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+        llm = _tiny_cuda_llm(model_dir, **kw)
         runner = llm.llm_engine.executor.driver_worker.model_runner
         if runner.piecewise_runner is not None:
             runner.piecewise_runner.whole_graphs.clear()
@@ -238,7 +242,7 @@ def test_single_sequence_steps_replay_whole_graphs_equal_eager(tmp_path):
     """Prompts run one at a time (each step one sequence's chunk; prompts past the 256-token budget take two
     chunks, the second attending to the first's cached KV) replay the whole-step graphs, attention inside,
     and give the eager greedy tokens."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
     model_dir = save_tiny_llama(tmp_path)
     rng = random.Random(9)
@@ -246,8 +250,7 @@ def test_single_sequence_steps_replay_whole_graphs_equal_eager(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     results = {}
     for label, kw in (("eager", {"enforce_eager": True}), ("graphs", {})):
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", device="cuda", max_model_len=512,
-                  block_size=16, num_gpu_blocks_override=512, max_num_seqs=16, max_num_batched_tokens=256, **kw)
+        llm = _tiny_cuda_llm(model_dir, **kw)
         runner = llm.llm_engine.executor.driver_worker.model_runner
         stats = runner.enable_step_stats()
         outs = [list(llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids)

@@ -75,6 +75,16 @@ def _reference(query, key_cache, value_cache, meta, scale):
     return reference.paged_attention(q, fresh_k, fresh_v, kc, vc, meta, scale)
 
 
+def _ragged_step(rng: random.Random, block_size: int, last_chunk: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """(seq_lens, query_lens): ragged decodes (one of them long enough to split), then a fresh prompt and two
+    chunks with context, the last one `last_chunk` tokens long (a range)."""
+    long = 600 if ON_CUDA else 90
+    seq_lens = [rng.randint(1, 40), rng.randint(41, long), 1, rng.randint(2, long)]
+    prefill_q = [rng.randint(2, 40), rng.randint(1, 30), rng.randint(*last_chunk)]
+    prefill_ctx = [0, rng.randint(1, 70), rng.randint(block_size, 2 * block_size)]
+    return seq_lens + [q + c for q, c in zip(prefill_q, prefill_ctx)], [1, 1, 1, 1] + prefill_q
+
+
 _TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 _DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32, torch.float16]
 if ON_CUDA:
@@ -89,14 +99,7 @@ def test_paged_attention_matches_reference(dtype, block_size, head_dim, group):
     rng = random.Random(block_size * 1000 + head_dim * 10 + group + (7 if dtype == torch.float32 else 0))
     kv_heads = 2
     scale = head_dim**-0.5
-    long = 600 if ON_CUDA else 90
-    # Ragged decodes (one of them long enough to split), then a fresh prompt and two chunks with context.
-    seq_lens = [rng.randint(1, 40), rng.randint(41, long), 1, rng.randint(2, long)]
-    query_lens = [1, 1, 1, 1]
-    prefill_q = [rng.randint(2, 40), rng.randint(1, 30), rng.randint(1, 30)]
-    prefill_ctx = [0, rng.randint(1, 70), rng.randint(block_size, 2 * block_size)]
-    seq_lens += [q + c for q, c in zip(prefill_q, prefill_ctx)]
-    query_lens += prefill_q
+    seq_lens, query_lens = _ragged_step(rng, block_size, last_chunk=(1, 30))
     query, kc, vc, meta = _make_batch(rng, dtype, block_size, head_dim, kv_heads, group, seq_lens, query_lens)
     out = torch.full_like(query, float("nan"))  # every element must be written
     triton_attention.paged_attention(query, kc, vc, meta, scale, out=out)
@@ -144,13 +147,7 @@ def test_unified_attention_matches_reference(dtype, block_size, head_dim, group)
     from pagedllm.kernels.triton_unified_attention import unified_attention
 
     rng = random.Random(block_size * 7 + head_dim + group)
-    long = 600 if ON_CUDA else 90
-    seq_lens = [rng.randint(1, 40), rng.randint(41, long), 1, rng.randint(2, long)]
-    query_lens = [1, 1, 1, 1]
-    prefill_q = [rng.randint(2, 40), rng.randint(1, 30), rng.randint(17, 45)]
-    prefill_ctx = [0, rng.randint(1, 70), rng.randint(block_size, 2 * block_size)]
-    seq_lens += [q + c for q, c in zip(prefill_q, prefill_ctx)]
-    query_lens += prefill_q
+    seq_lens, query_lens = _ragged_step(rng, block_size, last_chunk=(17, 45))  # several 16-row tiles
     query, kc, vc, meta = _make_batch(rng, dtype, block_size, head_dim, 2, group, seq_lens, query_lens)
     t = query.shape[0]
     padded_q = torch.cat([query, torch.randn(13, *query.shape[1:], device=DEVICE).to(dtype)])

@@ -210,6 +210,41 @@ def _reduce_kernel(
 
 
 @triton.jit
+def _attend_causal(
+    q, q_pos, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+    qk_scale, dims, dim_ok,
+    ROWS: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """Online softmax (eq. 4, base 2) of the query rows `q` at absolute positions `q_pos` over KV head `kvh`'s keys
+    0 .. kv_end-1, gathered through the block-table row `table` in tiles of BLOCK_N, each row seeing keys up to its
+    own position → (unnormalised output, row sums). `qk_scale` is softmax scale · k_scale · log2(e)."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
+    offs = tl.arange(0, BLOCK_N)
+    for n_start in range(0, kv_end, BLOCK_N):
+        pos = n_start + offs
+        ok = pos < kv_end
+        blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ko + kvh * stride_kh + dims[None, :],
+                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vo + kvh * stride_vh + dims[None, :],
+                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
+        visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite from the first tile on: every row sees key 0
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
+        m_i = m_new
+    return acc, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     scale, k_scale, v_scale, seq_offset,
@@ -244,32 +279,13 @@ def _prefill_kernel(
     q = _dot_operand(q, DOT)
     q_pos = ctx + rows  # absolute position of each query row
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    qk_scale = scale * k_scale * 1.4426950408889634
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys up to the last row's position (causal), never past the sequence.
     kv_end = tl.minimum(seq_len, ctx + (m_tile + 1) * BLOCK_M)
-    offs = tl.arange(0, BLOCK_N)
-    for n_start in range(0, kv_end, BLOCK_N):
-        pos = n_start + offs
-        ok = pos < kv_end
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ko + kvh * stride_kh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vo + kvh * stride_vh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
-        visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
-        m_i = m_new
+    acc, l_i = _attend_causal(q, q_pos, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+                              stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                              scale * k_scale * 1.4426950408889634, dims, dim_ok,
+                              BLOCK_M, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton_attention import _check_shapes, _dot_operand, _precision, prefill_launch, resolve_fp8_dot
+from pagedllm.kernels.triton_attention import (_attend_causal, _check_shapes, _dot_operand, _precision, prefill_launch,
+                                               resolve_fp8_dot)
 
 
 @triton.jit
@@ -78,31 +79,12 @@ def _unified_kernel(
     q = _dot_operand(q, DOT)
     q_pos = ctx + qi  # absolute position of each row's token
 
-    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, DIM_PAD], tl.float32)
-    qk_scale = scale * k_scale * 1.4426950408889634
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)  # the tile's last token's keys (causal)
-    offs = tl.arange(0, BLOCK_N)
-    for n_start in range(0, kv_end, BLOCK_N):
-        pos = n_start + offs
-        ok = pos < kv_end
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ko + kvh * stride_kh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vo + kvh * stride_vh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
-        visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite from the first tile on: every row sees key 0
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
-        m_i = m_new
+    acc, l_i = _attend_causal(q, q_pos, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+                              stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                              scale * k_scale * 1.4426950408889634, dims, dim_ok,
+                              BLOCK_Q * GROUP_PAD, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
