@@ -16,6 +16,7 @@ interpreter_numpy_shim()
 interpreter_bf16_dot_shim()
 
 from pagedllm.kernels import kv_quant, reference, triton_attention, triton_cache_ops  # noqa: E402
+from pagedllm.kernels.triton_unified_attention import unified_attention  # noqa: E402
 from test_triton_kernels import _make_batch, _reference, _rel_err  # noqa: E402
 
 _FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -93,13 +94,15 @@ def _fp8_tolerance(dot: str | None) -> float:
 _DOTS = [None, "bf16"] if _QDTYPE == torch.bfloat16 else [None, "fp16", "bf16"]
 
 
+@pytest.mark.parametrize("kernel", ["paged", "unified"])
 @pytest.mark.parametrize("fp8_dot", _DOTS)
 @pytest.mark.parametrize("dtype", _FP8, ids=str)
 @pytest.mark.parametrize("block_size,head_dim,group", _SHAPES)
-def test_paged_attention_on_fp8_cache_matches_reference(dtype, block_size, head_dim, group, fp8_dot):
-    """Decode (split-KV) and prefill kernels read fp8 · scale, dots in fp8_dot (None: the default, fp16 for
-    16-bit queries): compared with the torch reference on the dequantized cache (only rounding of q and p
-    and summation order differ) and on the unquantized cache (quantization error)."""
+def test_paged_attention_on_fp8_cache_matches_reference(dtype, block_size, head_dim, group, fp8_dot, kernel):
+    """Decode (split-KV) and prefill kernels, or the unified kernel of whole-step graphs, read fp8 · scale, dots
+    in fp8_dot (None: the default, fp16 for 16-bit queries): compared with the torch reference on the
+    dequantized cache (only rounding of q and p and summation order differ) and on the unquantized cache
+    (quantization error)."""
     rng = random.Random(block_size + head_dim + group)
     long = 600 if ON_CUDA else 90
     seq_lens = [rng.randint(1, 40), rng.randint(41, long), 1]
@@ -112,8 +115,12 @@ def test_paged_attention_on_fp8_cache_matches_reference(dtype, block_size, head_
     kq, vq = kv_quant.quantize(kc, dtype, k_scale), kv_quant.quantize(vc, dtype, v_scale)
     scale = head_dim**-0.5
     out = torch.full_like(query, float("nan"))
-    triton_attention.paged_attention(query, kq, vq, meta, scale, out=out, k_scale=k_scale, v_scale=v_scale,
-                                     fp8_dot_dtype=fp8_dot)
+    if kernel == "paged":
+        triton_attention.paged_attention(query, kq, vq, meta, scale, out=out, k_scale=k_scale, v_scale=v_scale,
+                                         fp8_dot_dtype=fp8_dot)
+    else:
+        unified_attention(query, kq, vq, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, out,
+                          k_scale, v_scale, fp8_dot)
     assert not out.isnan().any()
     deq = _reference(query, kv_quant.dequantize(kq, torch.float32, k_scale),
                      kv_quant.dequantize(vq, torch.float32, v_scale), meta, scale)
