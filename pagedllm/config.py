@@ -226,24 +226,66 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, value: Any) -> SpeculativeConfig | None:
         """From a dict or a JSON string (the CLI's --speculative-config); None/empty stays None."""
-        import json
-
         if value is None or value == "" or value == {}:
             return None
-        if isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")  # noqa: TRY004
-        names = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"unknown speculative_config key(s) {unknown}; allowed: {sorted(names)}")
-        return cls(**value)
+        return _config_from_json(cls, "speculative_config", value)
+
+
+def _config_from_json(cls: type, name: str, value: Any) -> Any:
+    """`cls` from an instance of it, a dict or a JSON string (a CLI flag), naming unknown keys."""
+    import json
+
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")  # noqa: TRY004
+    names = set(cls.__dataclass_fields__)
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"unknown {name} key(s) {unknown}; allowed: {sorted(names)}")
+    return cls(**value)
+
+
+# vLLM's CUDA-graph modes that this engine has. FULL (the default): a whole-step graph for every step that fits one
+# (decode steps in the decode graphs; steps with prompt chunks of up to 2 048 tokens and 256 sequences in whole-step
+# graphs with one unified attention launch), piecewise graphs split at attention for larger steps.
+# FULL_AND_PIECEWISE: decode graphs, piecewise graphs for every step with prompt chunks. FULL_DECODE_ONLY: decode
+# graphs only. NONE: no graphs (as enforce_eager). vLLM's PIECEWISE (no full graphs at all) is not offered.
+CUDAGRAPH_MODES = ("FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
+
+
+@dataclass
+class CompilationConfig:
+    """vLLM's ``compilation_config``, the part that applies here: which steps replay CUDA graphs."""
+
+    cudagraph_mode: str = "FULL"
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode == "PIECEWISE":
+            raise ValueError("compilation_config.cudagraph_mode 'PIECEWISE' (no full graphs) is not offered: decode "
+                             "steps always replay full graphs here; use 'FULL_AND_PIECEWISE' for piecewise graphs of "
+                             f"the other steps. Allowed: {list(CUDAGRAPH_MODES)}.")
+        _check_choice("compilation_config.cudagraph_mode", self.cudagraph_mode, CUDAGRAPH_MODES)
+
+    @classmethod
+    def from_json(cls, value: Any) -> CompilationConfig:
+        """From a dict or a JSON string (the CLI's --compilation-config); None/empty is the default."""
+        if value is None or value == "" or value == {}:
+            return cls()
+        return _config_from_json(cls, "compilation_config", value)
+
+    @property
+    def piecewise_graphs(self) -> bool:
+        return self.cudagraph_mode in ("FULL", "FULL_AND_PIECEWISE")
+
+    @property
+    def whole_step_graphs(self) -> bool:
+        return self.cudagraph_mode == "FULL"
 
 
 @dataclass
@@ -254,3 +296,4 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     speculative_config: SpeculativeConfig | None = None
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)

@@ -303,3 +303,39 @@ def test_warm_up_steps_leave_greedy_outputs_unchanged(tmp_path):
             assert worker.model_runner.warm_up_steps(worker.cache_engine.gpu_cache)
         outs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_compilation_config_cudagraph_mode_as_vllm_names_it():
+    import argparse
+    from types import SimpleNamespace
+
+    from pagedllm.config import CompilationConfig
+    from pagedllm.worker.worker import Worker
+
+    def mode(value) -> CompilationConfig:
+        return EngineArgs(device="cpu", compilation_config=value).create_engine_config(4096).compilation_config
+
+    default = mode(None)
+    assert (default.cudagraph_mode, default.piecewise_graphs, default.whole_step_graphs) == ("FULL", True, True)
+    fp = mode('{"cudagraph_mode": "FULL_AND_PIECEWISE"}')
+    assert (fp.piecewise_graphs, fp.whole_step_graphs) == (True, False)
+    decode_only = mode({"cudagraph_mode": "FULL_DECODE_ONLY"})
+    assert (decode_only.piecewise_graphs, decode_only.whole_step_graphs) == (False, False)
+    with pytest.raises(ValueError, match="'PIECEWISE'.*is not offered.*FULL_AND_PIECEWISE"):
+        mode({"cudagraph_mode": "PIECEWISE"})
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
+        mode({"cudagraph_mode": "full"})
+    with pytest.raises(ValueError, match=r"unknown compilation_config key\(s\) \['level'\]"):
+        mode({"level": 3})
+    with pytest.raises(ValueError, match="compilation_config is not valid JSON"):
+        mode("{cudagraph_mode: NONE}")
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--compilation-config", '{"cudagraph_mode": "NONE"}']))
+    none = args.replace(device="cpu").create_engine_config(4096).compilation_config
+    assert none.cudagraph_mode == "NONE"
+    # NONE captures nothing, as enforce_eager: the worker's switch for CUDA graphs reads it.
+    for cfg, want in ((none, False), (default, True)):
+        stub = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(
+            model_config=SimpleNamespace(enforce_eager=False), compilation_config=cfg))
+        assert Worker.use_cuda_graphs(stub) is want

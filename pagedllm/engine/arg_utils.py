@@ -13,6 +13,7 @@ from pagedllm.config import (
     QUANTIZATION_METHODS,
     KV_CACHE_MANAGERS,
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
@@ -49,6 +50,10 @@ _HELP = {
     "enforce_eager": "Disable CUDA graphs.",
     "max_capture_tokens": "Steps with prefill chunks of up to this many tokens replay piecewise CUDA graphs "
                           "(split at attention); 0: only decode-only steps are captured.",
+    "compilation_config": "A JSON object like vLLM's; here only cudagraph_mode: FULL (default: decode graphs, whole-"
+                          "step graphs for steps of up to 2048 tokens and 256 sequences, piecewise beyond), "
+                          "FULL_AND_PIECEWISE (decode graphs, piecewise for steps with prompt chunks), "
+                          "FULL_DECODE_ONLY or NONE.",
     "async_scheduling": "Schedule and launch step t+1 while the device still runs step t (outputs arrive one "
                         "step later); default: on for CUDA with one process, off otherwise.",
     "kv_cache_manager": "KV memory management: paged (PagedAttention) or the paper's contiguous-reservation "
@@ -112,6 +117,7 @@ class EngineArgs:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     max_capture_tokens: int = 8192
+    compilation_config: str | dict | None = None
     kv_cache_manager: str = "paged"
     batching: str = "iteration"
     scheduling_policy: str = "fcfs"
@@ -179,7 +185,8 @@ class EngineArgs:
         spec = SpeculativeConfig.from_json(self.speculative_config)
         if spec is not None and self.kv_cache_manager != "paged":
             raise ValueError("speculative decoding needs kv_cache_manager='paged' (it rolls back rejected slots).")
-        return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device), spec)
+        return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device), spec,
+                            CompilationConfig.from_json(self.compilation_config))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -44,14 +44,17 @@ class ModelRunner:
     def capture_cuda_graphs(self, kv_caches, max_num_seqs: int, max_model_len: int,
                             max_num_batched_tokens: int | None = None, piecewise: bool = True,
                             max_capture_tokens: int | None = None, verify_query_len: int = 0,
-                            verify_max_num_seqs: int = 0, time_buckets: bool = True) -> None:
+                            verify_max_num_seqs: int = 0, time_buckets: bool = True,
+                            whole_steps: bool = True) -> None:
         """Warm start (CUDA only): capture decode-step graphs for bucketed batches up to max_num_seqs,
         piecewise graphs for token buckets up to max_num_batched_tokens, and compile every Triton
         attention variant the steps can reach, so that no step pays for a compilation. With
         `verify_query_len` >= 2 (speculative decoding), steps of up to `verify_max_num_seqs` sequences
         of up to that many query tokens each replay the decode graphs too, one row per query token
         (the buckets then reach verify_max_num_seqs × verify_query_len rows). `time_buckets`: time the decode
-        and piecewise graphs and route steps to faster larger buckets (cuda_graph.route_to_faster_buckets)."""
+        and piecewise graphs and route steps to faster larger buckets (cuda_graph.route_to_faster_buckets).
+        `whole_steps`: also capture whole-step graphs for steps with prompt chunks (piecewise_graph.capture_whole;
+        cudagraph_mode FULL)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
         from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
@@ -74,7 +77,8 @@ class ModelRunner:
                                   max_num_batched_tokens or max_model_len,
                                   max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
         pw.capture()
-        pw.capture_whole(self.table_width, min(max_num_seqs, WHOLE_GRAPH_MAX_SEQS))
+        if whole_steps:
+            pw.capture_whole(self.table_width, min(max_num_seqs, WHOLE_GRAPH_MAX_SEQS))
         if time_buckets:
             pw.time_buckets()
         t0 = time.perf_counter()

@@ -199,12 +199,13 @@ class Worker:
 
             self.model_runner.direct_forward = LlamaDirectForward.build(self.model, backend)
         if self.use_cuda_graphs():
-            sc, mc = self.config.scheduler_config, self.config.model_config
+            sc, mc, cc = self.config.scheduler_config, self.config.model_config, self.config.compilation_config
             t0 = time.perf_counter()
             spec = self.config.speculative_config
             self.model_runner.capture_cuda_graphs(
                 self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
-                piecewise=mc.max_capture_tokens > 0, max_capture_tokens=mc.max_capture_tokens or None,
+                piecewise=mc.max_capture_tokens > 0 and cc.piecewise_graphs,
+                whole_steps=cc.whole_step_graphs, max_capture_tokens=mc.max_capture_tokens or None,
                 verify_query_len=1 + spec.num_speculative_tokens if spec is not None else 0,
                 verify_max_num_seqs=spec.disable_by_batch_size if spec is not None else 0,
                 time_buckets=self.routes_graph_buckets())
@@ -214,7 +215,8 @@ class Worker:
         """Decode steps replay CUDA graphs on CUDA unless enforce_eager is set. Under tensor parallelism
         every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
         graphs match up across ranks at replay, as they do in eager steps."""
-        return self.device.type == "cuda" and not self.config.model_config.enforce_eager
+        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
+                and self.config.compilation_config.cudagraph_mode != "NONE")
 
     def routes_graph_buckets(self) -> bool:
         """Whether steps may run in a larger, faster-timed graph bucket (worker/cuda_graph.py): only in one
