@@ -1,8 +1,9 @@
-"""Compiles every Triton kernel of pagedllm for sm_90 (Hopper) on a machine without a GPU: the kernels' own Python
-wrappers run on CPU tensors (so each launch has the constexprs, specialisations and dtypes a GPU step would give it)
-against a driver that targets sm_90 and launches nothing, and Triton's NVIDIA backend builds each launch with its
-bundled ptxas. Run by tests/test_kernel_compile.py in a process without TRITON_INTERPRET; prints one line per
-compiled kernel variant ("name bytes"), and fails on the first kernel that does not build."""
+"""Compiles every Triton kernel of pagedllm for sm_90 (Hopper), and all but the FP8 ones for sm_80 (Ampere), on a
+machine without a GPU: the kernels' own Python wrappers run on CPU tensors (so each launch has the constexprs,
+specialisations and dtypes a GPU step would give it) against a driver that targets that architecture and launches
+nothing, and Triton's NVIDIA backend builds each launch with its bundled ptxas. Run by tests/test_kernel_compile.py
+in a process without TRITON_INTERPRET; prints one line per compiled kernel variant ("sm_NN name bytes"), and fails
+on the first kernel that does not build."""
 from __future__ import annotations
 
 import torch
@@ -11,14 +12,18 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 
-class _HopperCompileOnly:
-    """The parts of Triton's driver interface a launch asks for, answered for an sm_90 device at index 0."""
+class _CompileOnlyDriver:
+    """The parts of Triton's driver interface a launch asks for, answered for one CUDA architecture. Its device
+    index is the architecture's number: each JIT function keeps its kernels (and its target) per device index."""
+
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
 
     def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
     def get_current_device(self) -> int:
-        return 0
+        return self.arch
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
@@ -27,12 +32,12 @@ class _HopperCompileOnly:
         return torch.device("cpu")
 
 
-def _compile_only(compiled: list[tuple[str, int]]):
+def _compile_only(compiled: list[tuple[str, str, int]]):
     launch = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, len(kernel.asm["cubin"])))
+        compiled.append((f"sm_{driver.active.arch}", self.fn.__name__, len(kernel.asm["cubin"])))
         return kernel
 
     return run
@@ -62,7 +67,7 @@ def _attention(cache_dtype: torch.dtype) -> None:
     unified_attention(gqa3, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(gqa3))
 
 
-def _sampling_and_layers() -> None:
+def _sampling_and_layers(fp8: bool) -> None:
     from pagedllm.kernels import triton_bitmask, triton_fp8_quant, triton_fused_ops, triton_greedy, triton_sample
 
     bf16 = torch.bfloat16
@@ -80,7 +85,8 @@ def _sampling_and_layers() -> None:
     qk = torch.zeros(8, 3 * 128, dtype=bf16)
     cos = torch.zeros(64, 64, dtype=torch.float32)
     triton_fused_ops.rotary_embedding(torch.arange(8), qk[:, :256], qk[:, 256:], cos, cos, 64)
-    triton_fp8_quant.quantize_activation_rows(x)
+    if fp8:
+        triton_fp8_quant.quantize_activation_rows(x)
 
 
 def _ngram() -> None:
@@ -99,15 +105,16 @@ def _ngram() -> None:
 
 
 def main() -> None:
-    compiled: list[tuple[str, int]] = []
-    driver.set_active(_HopperCompileOnly())
+    compiled: list[tuple[str, str, int]] = []
     JITFunction.run = _compile_only(compiled)
-    for cache in (torch.bfloat16, torch.float8_e4m3fn):
-        _attention(cache)
-    _sampling_and_layers()
-    _ngram()
-    for name, size in compiled:
-        print(name, size)
+    for arch, caches in ((90, (torch.bfloat16, torch.float8_e4m3fn)), (80, (torch.bfloat16,))):
+        driver.set_active(_CompileOnlyDriver(arch))
+        for cache in caches:
+            _attention(cache)
+        _sampling_and_layers(fp8=arch >= 89)
+        _ngram()
+    for arch, name, size in compiled:
+        print(arch, name, size)
 
 
 if __name__ == "__main__":
