@@ -491,3 +491,11 @@ def test_benchmark_slices_keep_their_concurrency():
     assert slice_rounds(24, 4, 3) == 3
     assert slice_rounds(10, 1, 3) == 3
     assert slice_rounds(1, 64, 5) == 1
+
+
+def test_benchmark_reports_each_rounds_ratio():
+    from pagedllm.benchmarks.spec_decode import _spread, round_ratios
+
+    result = {"off": {"round_tok_s": [100.0, 200.0, 50.0]}, "on": {"round_tok_s": [150.0, 190.0, 60.0]}}
+    assert round_ratios(result) == pytest.approx([1.5, 0.95, 1.2])
+    assert _spread([1.5, 0.95, 1.2]) == "0.95-1.50 (median 1.20, 3 rounds)"

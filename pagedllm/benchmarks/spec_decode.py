@@ -156,7 +156,7 @@ def _measure(engines: dict, name: str, prompts: list[list[int]], params: list[Sa
     rounds = slice_rounds(n, concurrency, rounds)
     cuts = [n * r // rounds for r in range(rounds + 1)]
     for label, engine in engines.items():
-        results[label] = {"seconds": 0.0, "output_tokens": 0, "_before": engine.stats()}
+        results[label] = {"seconds": 0.0, "output_tokens": 0, "round_tok_s": [], "_before": engine.stats()}
         outputs[label] = []
     for r in [r for _ in range(repeats) for r in range(rounds)]:
         lo, hi = cuts[r], cuts[r + 1]
@@ -164,8 +164,10 @@ def _measure(engines: dict, name: str, prompts: list[list[int]], params: list[Sa
             continue
         for label, engine in engines.items():
             dt, outs = run_closed_loop(engine, prompts[lo:hi], params[lo:hi], concurrency, f"{name}{label}r{r}")
+            tokens = sum(len(o) for o in outs)
             results[label]["seconds"] += dt
-            results[label]["output_tokens"] += sum(len(o) for o in outs)
+            results[label]["output_tokens"] += tokens
+            results[label]["round_tok_s"].append(tokens / dt)
             outputs[label] += outs
     for label, engine in engines.items():
         e = results[label]
@@ -174,6 +176,17 @@ def _measure(engines: dict, name: str, prompts: list[list[int]], params: list[Sa
         logger.info("%s c=%d spec %s: %d output tokens in %.1f s = %.1f tok/s, acceptance %.2f, length %.2f", name,
                     concurrency, label, e["output_tokens"], e["seconds"], e["output_tok_s"], e["acceptance_rate"],
                     e["mean_acceptance_length"])
+
+
+def round_ratios(result: dict) -> list[float]:
+    """On ÷ off tok/s of each interleaved slice or repeat (`_measure`'s rounds, in order): the spread of the
+    machine's noise around the summed ratio."""
+    return [on / off for on, off in zip(result["on"]["round_tok_s"], result["off"]["round_tok_s"])]
+
+
+def _spread(ratios: list[float]) -> str:
+    ordered = sorted(ratios)
+    return f"{ordered[0]:.2f}-{ordered[-1]:.2f} (median {ordered[len(ordered) // 2]:.2f}, {len(ordered)} rounds)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,6 +232,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'sharegpt-like, ' + str(args.sharegpt_concurrency):<22}{e['off']['output_tok_s']:>11.1f}"
               f"{e['on']['output_tok_s']:>11.1f}{e['ratio']:>7.2f}x{e['on']['acceptance_rate']:>8.2f}"
               f"{e['on']['mean_acceptance_length']:>8.2f}{'':>11}")
+    for label, e in [*((f"copy, {c} concurrent", e) for c, e in results["copy"].items()),
+                     *([("sharegpt-like", results["sharegpt"])] if results["sharegpt"] else [])]:
+        e["round_ratios"] = round_ratios(e)
+        print(f"{label}: on/off per round {_spread(e['round_ratios'])}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
