@@ -159,6 +159,31 @@ def test_unified_attention_matches_reference(dtype, block_size, head_dim, group)
     assert _rel_err(out[:t], _reference(query, kc, vc, meta, head_dim**-0.5)) < _TOL[dtype]
 
 
+def test_whole_step_staging_serves_successive_layouts_from_one_static_metadata():
+    """The whole-step graphs' static metadata, staged step after step (7 sequences, then 2, then 7 with other
+    tables, then one prompt: fewer slots and narrower tables than the step before leave stale entries behind),
+    gives the unified kernel each step's reference attention; padding rows get KV slot -1 and stay unwritten."""
+    from pagedllm.kernels.triton_unified_attention import unified_attention
+    from pagedllm.worker.piecewise_graph import stage_whole_step, static_whole_metadata
+
+    rng = random.Random(21)
+    bucket, dtype = 128, torch.float32
+    static = static_whole_metadata(bucket, max_seqs=9, table_width=16, device=torch.device(DEVICE))
+    layouts = [_ragged_step(rng, 16, last_chunk=(17, 30)), ([5, 30], [1, 12]), _ragged_step(rng, 16, (2, 9)),
+               ([40], [40])]
+    for seq_lens, query_lens in layouts:
+        query, kc, vc, meta = _make_batch(rng, dtype, 16, 64, 2, 3, seq_lens, query_lens)
+        t = query.shape[0]
+        meta.slot_mapping = torch.arange(t, device=DEVICE)
+        stage_whole_step(static, t, bucket, meta)
+        assert static.slot_mapping[:t].tolist() == list(range(t)) and (static.slot_mapping[t:] == -1).all()
+        rows = torch.cat([query, torch.randn(bucket - t, *query.shape[1:], device=DEVICE)])
+        out = torch.full_like(rows, float("nan"))
+        unified_attention(rows, kc, vc, static.block_tables, static.seq_lens, static.query_start_loc, 0.125, out)
+        assert out[t:].isnan().all()
+        assert _rel_err(out[:t], _reference(query, kc, vc, meta, 0.125)) < _TOL[dtype]
+
+
 def test_unified_attention_rejects_mismatched_layout():
     from pagedllm.kernels.triton_unified_attention import unified_attention
 

@@ -75,6 +75,34 @@ def fits_whole_graph(meta: AttentionMetadata, bucket_captured: bool, num_seq_slo
             and meta.max_seq_len <= WHOLE_GRAPH_MAX_CONTEXT)
 
 
+def static_whole_metadata(max_tokens: int, max_seqs: int, table_width: int, device: torch.device,
+                          backend=None) -> AttentionMetadata:
+    """The whole-step graphs' static metadata: KV slots for `max_tokens` rows (all -1), and block tables, context
+    lengths and query offsets for `max_seqs` sequence slots (all empty)."""
+    return AttentionMetadata(
+        slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros((max_seqs, table_width), dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(max_seqs, dtype=torch.int32, device=device),
+        query_start_loc=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
+        seq_lens_cpu=[0] * max_seqs, query_lens_cpu=[0] * max_seqs, num_decodes=0, max_seq_len=0,
+        max_query_len=0, backend=backend, unified=True,
+    )
+
+
+def stage_whole_step(static: AttentionMetadata, num_tokens: int, bucket: int, meta: AttentionMetadata) -> None:
+    """Copy a step of `num_tokens` tokens laid out as `meta` into the static metadata before a replay of `bucket`:
+    padding rows write no KV, and the sequence slots past the step own no rows. What the previous step left past
+    the step's block-table columns and in unused slots is never read (no position reaches it)."""
+    t, n = num_tokens, meta.num_seqs
+    static.slot_mapping[:t].copy_(meta.slot_mapping)
+    if bucket > t:
+        static.slot_mapping[t:bucket].fill_(-1)
+    static.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+    static.seq_lens[:n].copy_(meta.seq_lens)
+    static.query_start_loc[: n + 1].copy_(meta.query_start_loc)
+    static.query_start_loc[n + 1 :].fill_(t)
+
+
 def is_piecewise_graphable(chunks: list[SequenceChunk], max_tokens: int) -> bool:
     """Any step whose token count fits the largest bucket (decode-only steps too, when the decode
     graphs cannot take them)."""
@@ -236,15 +264,8 @@ class PiecewiseGraphRunner:
         if not sizes or max_seqs < 1:
             return
         t0 = time.perf_counter()
-        dev, mt = self.device, self.max_tokens
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((mt,), -1, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros((max_seqs, table_width), dtype=torch.int32, device=dev),
-            seq_lens=torch.zeros(max_seqs, dtype=torch.int32, device=dev),
-            query_start_loc=torch.zeros(max_seqs + 1, dtype=torch.int32, device=dev),
-            seq_lens_cpu=[0] * max_seqs, query_lens_cpu=[0] * max_seqs, num_decodes=0, max_seq_len=0,
-            max_query_len=0, backend=self.attn_backend, unified=True,
-        )
+        dev = self.device
+        meta = static_whole_metadata(self.max_tokens, max_seqs, table_width, dev, self.attn_backend)
         self._whole_meta = meta
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -276,15 +297,7 @@ class PiecewiseGraphRunner:
 
     def _run_whole(self, t: int, meta: AttentionMetadata) -> torch.Tensor:
         b = bucket_for(t, self.buckets)
-        static, n = self._whole_meta, meta.num_seqs
-        static.slot_mapping[:t].copy_(meta.slot_mapping)
-        if b > t:
-            static.slot_mapping[t:b].fill_(-1)
-        width = meta.block_tables.shape[1]
-        static.block_tables[:n, :width].copy_(meta.block_tables)
-        static.seq_lens[:n].copy_(meta.seq_lens)
-        static.query_start_loc[: n + 1].copy_(meta.query_start_loc)
-        static.query_start_loc[n + 1 :].fill_(t)  # the sequence slots past the step own no rows
+        stage_whole_step(self._whole_meta, t, b, meta)
         self.whole_graphs[b].replay()
         return self.whole_outputs[b][:t]
 
