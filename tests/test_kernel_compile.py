@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 
+# First, as in every kernel test: without CUDA it sets TRITON_INTERPRET before Triton is imported in this process, so
+# the other kernel tests of the run get interpreted kernels whatever order they run in (the check itself runs in
+# a subprocess without it).
+import triton_setup  # noqa: F401
+
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parent.parent
+UNSUPPORTED_TRITON = 3  # kernel_compile_check.py's exit status when this Triton lacks its hooks
 
 
 def _nvidia_backend() -> bool:
@@ -38,6 +44,8 @@ def test_every_triton_kernel_compiles_for_sm90_and_sm80():
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "kernel_compile_check.py")], env=env,
                           capture_output=True, text=True, timeout=900)
+    if done.returncode == UNSUPPORTED_TRITON:
+        pytest.skip(done.stderr.strip())
     assert done.returncode == 0, done.stderr[-3000:]
     built: dict[str, set[str]] = {}
     for line in done.stdout.splitlines():

@@ -197,8 +197,7 @@ class ModelRunner:
                                 [r for _, r in pending_inputs], prev_sampled_token_ids)
         pw = self.piecewise_runner
         if pw is not None and kv_caches is pw.kv_caches and pw.can_run(chunks):
-            path = "whole" if pw.takes_whole(int(input_ids.shape[0]), meta) else "piecewise"
-            hidden = pw.run(input_ids, positions, meta)
+            hidden, path = pw.run(input_ids, positions, meta)
         elif self.direct_forward is not None and self.direct_forward.can_run(meta):
             path = "direct"
             hidden = self.direct_forward(input_ids, positions, kv_caches, meta)

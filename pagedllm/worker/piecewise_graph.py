@@ -339,8 +339,10 @@ class PiecewiseGraphRunner:
     def can_run(self, chunks: list[SequenceChunk]) -> bool:
         return bool(self.graphs) and is_piecewise_graphable(chunks, self.max_tokens)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the bucket of len(input_ids) tokens, attention eagerly in between → hidden states [T, H]."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> tuple[torch.Tensor, str]:
+        """Replay the bucket of len(input_ids) tokens → (hidden states [T, H], the path: "whole" when a whole-step
+        graph took the step, else "piecewise", attention eagerly between the pieces)."""
         t = input_ids.shape[0]
         b = bucket_for(t, self.buckets)
         if b is None:
@@ -348,7 +350,7 @@ class PiecewiseGraphRunner:
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
         if self.takes_whole(t, meta):
-            return self._run_whole(t, meta)
+            return self._run_whole(t, meta), "whole"
         b = self.route[b]
         graphs, sites = self.graphs[b], self.sites[b]
         for i, graph in enumerate(graphs):
@@ -357,4 +359,4 @@ class PiecewiseGraphRunner:
                 site = sites[i]
                 self.attn_backend.forward(site.query[:t], site.key[:t], site.value[:t],
                                           self.kv_caches[site.kv_index], meta, site.scale, out=self.static_out[:t])
-        return self.outputs[b][:t]
+        return self.outputs[b][:t], "piecewise"
