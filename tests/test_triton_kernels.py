@@ -168,9 +168,10 @@ def test_whole_step_staging_serves_successive_layouts_from_one_static_metadata()
 
     rng = random.Random(21)
     bucket, dtype = 128, torch.float32
-    static = static_whole_metadata(bucket, max_seqs=9, table_width=16, device=torch.device(DEVICE))
     layouts = [_ragged_step(rng, 16, last_chunk=(17, 30)), ([5, 30], [1, 12]), _ragged_step(rng, 16, (2, 9)),
                ([40], [40])]
+    width = max(-(-max(seq_lens) // 16) + 2 for seq_lens, _ in layouts)  # _make_batch's widest table
+    static = static_whole_metadata(bucket, max_seqs=9, table_width=width, device=torch.device(DEVICE))
     for seq_lens, query_lens in layouts:
         query, kc, vc, meta = _make_batch(rng, dtype, 16, 64, 2, 3, seq_lens, query_lens)
         t = query.shape[0]

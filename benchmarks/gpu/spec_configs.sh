@@ -10,7 +10,7 @@ for cfg in ${CONFIGS:-4:4:4 8:1:4 8:2:4}; do
   IFS=: read -r k mn mx <<< "$cfg"
   t0=$(date +%s)
   timeout ${BENCH_S:-200} python3 -m pagedllm.benchmarks.spec_decode --dtype ${DTYPE:-float32} --device cuda \
-    --num-prompts 100 --max-tokens 64 --concurrency 1 4 --sharegpt-prompts ${SHAREGPT:-0} --sharegpt-concurrency 64 \
+    --num-prompts 100 --max-tokens ${MAX_TOKENS:-64} --concurrency 1 4 --sharegpt-prompts ${SHAREGPT:-0} --sharegpt-concurrency 64 \
     --sharegpt-max-out 256 --max-model-len 2048 --num-gpu-blocks 8192 \
     --speculative-config "{\"method\": \"${METHOD:-ngram}\", \"num_speculative_tokens\": $k, \"prompt_lookup_min\": $mn, \"prompt_lookup_max\": $mx}" \
     --out "$OUT/${METHOD:-ngram}_k${k}_min${mn}_max${mx}.json" > "$OUT/${METHOD:-ngram}_k${k}_min${mn}_max${mx}.log" 2>&1

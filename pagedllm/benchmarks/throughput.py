@@ -383,11 +383,17 @@ def run_llama_cpp_peer(args: argparse.Namespace, model: str | None, wl: Workload
 def report_bound(llm, wl: Workload, elapsed_s: float, bandwidth: float, peak: float, stats) -> dict:
     """Print the efficiency against the lower bound and the step-time breakdown; → figures for the JSON."""
     from pagedllm.benchmarks.lower_bound import ModelShape, format_bound, lower_bound, with_step_count
+    from pagedllm.model.fp8_checkpoint import detect_fp8_checkpoint, keeps_fp8
     from pagedllm.worker.step_stats import format_summary
 
     eng = llm.llm_engine
     cc, sc = eng.config.cache_config, eng.config.scheduler_config
-    fp8_weights = eng.config.model_config.quantization == "fp8"
+    mc = eng.config.model_config
+    fp8_format = detect_fp8_checkpoint(eng.hf_config) if mc.load_format != "dummy" else None
+    # Decoder linears hold 1-byte weights with --quantization fp8, or from an FP8 checkpoint kept as such.
+    fp8_weights = mc.quantization == "fp8" or (
+        fp8_format is not None and fp8_format.weight_strategy != "block"
+        and keeps_fp8("cuda", eng.executor.dtype, mc.quantization))
     shape = ModelShape.from_hf_config(eng.hf_config, dtype_bytes=eng.executor.dtype.itemsize,
                                       kv_dtype_bytes=1 if cc.cache_dtype.startswith("fp8") else None,
                                       matmul_weight_bytes=1 if fp8_weights else None)

@@ -82,7 +82,9 @@ _HELP = {
     "quantization": "Weight quantization: fp8 (bf16 linear weights → e4m3 per output channel at load, "
                     "per-token activation scales, torch._scaled_mm; CUDA only); gguf (a .gguf file's Q4_0/Q4_1/"
                     "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
-                    "such a file on the CPU); none (dequantize every tensor at load).",
+                    "such a file on the CPU); none (dequantize every tensor at load). An FP8 checkpoint "
+                    "(compressed-tensors or quant_method fp8 in config.json) loads in FP8 on CUDA without this flag "
+                    "(none: dequantized), dequantized on the CPU.",
     "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
                                   "(llguidance: faster masks, unbounded number precision).",
 }

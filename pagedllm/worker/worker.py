@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from typing import Iterable
 
 import torch
@@ -12,6 +13,15 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
 from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, kv_quant
 from pagedllm.model import loader
+from pagedllm.model.fp8_checkpoint import (
+    build_for_fp8_checkpoint,
+    detect_fp8_checkpoint,
+    finish_fp8_checkpoint,
+    fp8_checkpoint_weights,
+    keeps_fp8,
+    log_fp8_checkpoint,
+    prepare_for_fp8_checkpoint,
+)
 from pagedllm.model.layers.attention import (
     NativeCpuAttentionBackend,
     TorchAttentionBackend,
@@ -73,7 +83,12 @@ class Worker:
         if config.model_config.quantization == "fp8" and device != "cuda":
             raise ValueError(f"quantization='fp8' needs a CUDA device (torch._scaled_mm on Hopper); this engine "
                              f"runs on {device!r}: leave quantization unset.")
+        if config.model_config.quantization == "fp8" and self.dtype != torch.bfloat16:
+            raise ValueError(f"quantization='fp8' runs _scaled_mm with row-wise scales, whose outputs are bfloat16: "
+                             f"use dtype='bfloat16' (or 'auto'), not {config.model_config.dtype!r}.")
         self.gguf_path = self._gguf_source()
+        # A checkpoint stored in FP8 (model/fp8_checkpoint.py): its layers load as such.
+        self.fp8_format = None if config.model_config.load_format == "dummy" else detect_fp8_checkpoint(hf_config)
         # --quantization gguf (the default for a quantized GGUF on the CPU) keeps the file's blocks.
         self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
                                                  self.dtype)
@@ -91,10 +106,16 @@ class Worker:
         # What this process held on the device before this worker's model (another engine in the same
         # process): gpu_memory_utilization is this engine's share, so profiling leaves that memory out.
         self.memory_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        with torch.device(self.device):
-            model = cls(self.hf_config, self.tp, self.dtype)
+        if self.fp8_format is not None:  # e4m3 weights allocated as such
+            model = build_for_fp8_checkpoint(lambda: cls(self.hf_config, self.tp, self.dtype), self.device,
+                                             self.fp8_format, keeps_fp8(self.device.type, self.dtype, mc.quantization))
+        else:
+            with torch.device(self.device):
+                model = cls(self.hf_config, self.tp, self.dtype)
         if mc.load_format == "dummy":
             init_dummy_weights(model, seed=mc.seed)
+        elif self.fp8_format is not None:
+            self._load_fp8_checkpoint(model)
         else:
             model.load_weights(loader.iterate_weights(self.model_dir, mc.load_format))
         self.model = model.eval()
@@ -104,6 +125,16 @@ class Worker:
             "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",
             type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,
         )
+
+    def _load_fp8_checkpoint(self, model) -> None:
+        """Load an FP8 checkpoint: its e4m3 layers stay FP8 or are dequantized to the model's dtype (keeps_fp8)."""
+        mc = self.config.model_config
+        keep_fp8 = keeps_fp8(self.device.type, self.dtype, mc.quantization)
+        tensors: Counter = Counter()
+        prepare_for_fp8_checkpoint(model)
+        model.load_weights(fp8_checkpoint_weights(loader.iterate_weights(self.model_dir, mc.load_format),
+                                                  self.fp8_format, tensors))
+        log_fp8_checkpoint(self.fp8_format, tensors, finish_fp8_checkpoint(model, keep_fp8), self.dtype)
 
     def _gguf_source(self) -> str | None:
         """The .gguf file the model comes from, if it does."""
@@ -121,6 +152,9 @@ class Worker:
         if self.quantization == "gguf":
             raise ValueError("load_weights cannot replace GGUF-quantized weights; build the engine with "
                              "quantization='none' to load other weights.")
+        if self.fp8_format is not None:
+            raise ValueError("load_weights cannot replace the weights of a model loaded from an FP8 checkpoint; "
+                             "build a new engine for the new checkpoint.")
         restore_dense_weights(self.model)  # loaders write the dense weights that packing may have released
         self.model.load_weights(weights)
         self.process_weights_after_loading()
@@ -138,6 +172,8 @@ class Worker:
             report = attach_gguf_weights(self.model, self.gguf_path, gemm_method=gemm)
             log_attach_report(report)
             return f"gguf quantized ({report.quantized_layers} layers, GEMM design {gemm})"
+        if (kept := sum(getattr(m, "fp8_weight", None) is not None for m in self.model.modules())):
+            return f"fp8 _scaled_mm ({kept} layers from the FP8 checkpoint)"
         if self.device.type != "cpu":
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":

@@ -68,11 +68,60 @@ class PackableGemm:
         does not suit _scaled_mm (the layer then stays bf16)."""
         from pagedllm.kernels import fp8_linear
 
+        if self.fp8_weight is not None:  # already FP8 (an FP8 checkpoint's layer)
+            return True
         if not fp8_linear.can_quantize(self.weight):
             return False
         self.fp8_weight, self.fp8_scale = fp8_linear.quantize_weight(self.weight)
         self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
         return True
+
+    # -- FP8 checkpoints (model/fp8_checkpoint.py) ------------------------------------------------
+    checkpoint_scale_shards: set[int] | None = None  # which stacked sub-matrices received scales
+
+    @property
+    def num_weight_shards(self) -> int:
+        """Checkpoint tensors stacked into this layer's weight (q/k/v: 3, gate/up: 2, otherwise 1)."""
+        return 1
+
+    def expect_checkpoint_scales(self) -> None:
+        """Before an FP8 checkpoint loads: a float32 per-row `weight_scale` [this rank's rows] that its scales load
+        into, optional (layers the checkpoint leaves unquantized get none)."""
+        scale = nn.Parameter(torch.ones(self.weight_shape()[0], dtype=torch.float32, device=self.weight.device),
+                             requires_grad=False)
+        scale.weight_loader = self.load_checkpoint_scale
+        scale.optional = True
+        self.weight_scale = scale
+        self.checkpoint_scale_shards = set()
+
+    def load_checkpoint_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Rows are not split across ranks here (row-parallel and replicated layers)."""
+        if loaded.shape != param.shape:
+            raise ValueError(f"expected {param.shape[0]} per-row scales, checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded)
+        self.checkpoint_scale_shards.add(shard_id)
+
+    def finish_checkpoint_scales(self, keep_fp8: bool) -> str:
+        """After loading: "fp8" (the e4m3 values kept, bit for bit, with the per-row scales), "dequantized" (the
+        scales multiplied into the weight), or "plain" (the checkpoint stored this layer unquantized)."""
+        from pagedllm.kernels import fp8_linear
+
+        scale = self.weight_scale.data
+        loaded, self.checkpoint_scale_shards = self.checkpoint_scale_shards, None
+        del self.weight_scale
+        if not loaded:
+            return "plain"
+        if len(loaded) != self.num_weight_shards:
+            raise ValueError(f"the checkpoint stores {len(loaded)} of the {self.num_weight_shards} projections "
+                             f"fused into one layer ({type(self).__name__}) in FP8 and the others unquantized: "
+                             f"all or none must be FP8.")
+        if keep_fp8 and fp8_linear.can_quantize(self.weight):
+            self.fp8_weight = self.weight.data.to(torch.float8_e4m3fn)  # exact: the values came from e4m3
+            self.fp8_scale = scale[None, :].contiguous()
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype, device=self.weight.device)
+            return "fp8"
+        self.weight.data = (self.weight.data.float() * scale[:, None]).to(self.weight.dtype)
+        return "dequantized"
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gguf_weight is not None:
@@ -156,6 +205,19 @@ class ColumnParallelLinear(nn.Module, PackableGemm):
         if loaded.shape[0] != full_rows:
             raise ValueError(f"expected {full_rows} rows for shard {shard_id}, checkpoint has {loaded.shape[0]}")
         param.data[offset : offset + rows].copy_(loaded[start : start + rows])
+
+    @property
+    def num_weight_shards(self) -> int:
+        return len(self.output_sizes)
+
+    def load_checkpoint_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """Per-row scales of one stacked sub-matrix, sharded as its weight rows are."""
+        offset, start, rows = self.shard_range(shard_id)
+        if loaded.shape != (self.output_sizes[shard_id],):
+            raise ValueError(f"expected {self.output_sizes[shard_id]} per-row scales for shard {shard_id}, "
+                             f"checkpoint has {tuple(loaded.shape)}")
+        param.data[offset : offset + rows].copy_(loaded[start : start + rows])
+        self.checkpoint_scale_shards.add(shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -51,6 +51,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.init_args = (head_dim, max_position, params, dtype)  # to compute the caches again elsewhere
         inv_freq = _inv_freq(head_dim, params).float()
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

@@ -109,6 +109,7 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qkv_bias = False
+    loads_fp8_checkpoints = True  # [out, in] linears: model/fp8_checkpoint.py's per-row scales fit them
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()

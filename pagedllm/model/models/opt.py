@@ -125,6 +125,7 @@ class OPTForCausalLM(nn.Module):
     """HF-compatible parameter names; q/k/v are merged into `qkv_proj` at load time."""
 
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+    loads_fp8_checkpoints = True  # [out, in] linears: model/fp8_checkpoint.py's per-row scales fit them
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()

@@ -36,11 +36,16 @@ def load_named_weights(
         param = params.get(name)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        if param.dtype == torch.float8_e4m3fn and tensor.dtype != param.dtype:
+            # Allocated in e4m3 for an FP8 checkpoint (model/fp8_checkpoint.py), which stores it unquantized.
+            param.data = torch.empty(param.shape, dtype=param.unquantized_dtype, device=param.device)
         loader = getattr(param, "weight_loader", default_weight_loader)
         loader(param, tensor.to(param.dtype), shard_id)
         loaded_names.add(name)
     tied = {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
-    missing = [n for n in params if n not in loaded_names and n not in tied]
+    # `optional` parameters (an FP8 checkpoint's per-row scales) stay at their initial value when not in the checkpoint.
+    missing = [n for n, p in params.items()
+               if n not in loaded_names and n not in tied and not getattr(p, "optional", False)]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
