@@ -98,16 +98,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights_and_matches_transformer
 def test_tied_embeddings_stay_one_parameter_through_the_meta_build(tmp_path):
     """The bundled model's shape (LM head tied to the embeddings), as a channel-scaled FP8 checkpoint: the tie
     survives the meta-device build, and the engine generates what transformers does on the dequantized twin."""
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
-
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True)
-    hf = HFLlama(cfg).eval()
-    for prm in hf.parameters():
-        prm.data.normal_(0, 0.08)
-    hf.save_pretrained(tmp_path / "src")
+    save_tiny_llama(tmp_path / "src", tie_word_embeddings=True)
     twin = write_fp8_checkpoint(tmp_path / "src", tmp_path / "fp8", "ct-channel")
     llm = LLM(model=str(tmp_path / "fp8"), **ENGINE_KW)
     model = llm.llm_engine.executor.driver_worker.model

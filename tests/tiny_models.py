@@ -4,14 +4,15 @@ from __future__ import annotations
 import torch
 
 
-def save_tiny_llama(path) -> str:
-    """A 3-layer GQA Llama (hidden 256, 8 q / 2 KV heads, vocab 1024), weights N(0, 0.08), saved to `path`."""
+def save_tiny_llama(path, tie_word_embeddings: bool = False) -> str:
+    """A 3-layer GQA Llama (hidden 256, 8 q / 2 KV heads, vocab 1024), weights N(0, 0.08), saved to `path`
+    (`tie_word_embeddings`: the LM head shares the embeddings, as in the bundled model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
+                      tie_word_embeddings=tie_word_embeddings)
     hf = LlamaForCausalLM(cfg).to(torch.float32).eval()
     for p in hf.parameters():
         p.data.normal_(0, 0.08)

@@ -106,16 +106,17 @@ class Worker:
         # What this process held on the device before this worker's model (another engine in the same
         # process): gpu_memory_utilization is this engine's share, so profiling leaves that memory out.
         self.memory_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        keep_fp8 = keeps_fp8(self.device.type, self.dtype, mc.quantization)
         if self.fp8_format is not None:  # e4m3 weights allocated as such
             model = build_for_fp8_checkpoint(lambda: cls(self.hf_config, self.tp, self.dtype), self.device,
-                                             self.fp8_format, keeps_fp8(self.device.type, self.dtype, mc.quantization))
+                                             self.fp8_format, keep_fp8)
         else:
             with torch.device(self.device):
                 model = cls(self.hf_config, self.tp, self.dtype)
         if mc.load_format == "dummy":
             init_dummy_weights(model, seed=mc.seed)
         elif self.fp8_format is not None:
-            self._load_fp8_checkpoint(model)
+            self._load_fp8_checkpoint(model, keep_fp8)
         else:
             model.load_weights(loader.iterate_weights(self.model_dir, mc.load_format))
         self.model = model.eval()
@@ -126,10 +127,9 @@ class Worker:
             type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,
         )
 
-    def _load_fp8_checkpoint(self, model) -> None:
-        """Load an FP8 checkpoint: its e4m3 layers stay FP8 or are dequantized to the model's dtype (keeps_fp8)."""
+    def _load_fp8_checkpoint(self, model, keep_fp8: bool) -> None:
+        """Load an FP8 checkpoint: its e4m3 layers stay FP8 (`keep_fp8`) or are dequantized to the model's dtype."""
         mc = self.config.model_config
-        keep_fp8 = keeps_fp8(self.device.type, self.dtype, mc.quantization)
         tensors: Counter = Counter()
         prepare_for_fp8_checkpoint(model)
         model.load_weights(fp8_checkpoint_weights(loader.iterate_weights(self.model_dir, mc.load_format),
