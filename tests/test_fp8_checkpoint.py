@@ -265,5 +265,11 @@ def test_fp8_checkpoint_on_cuda_equals_quantization_fp8_of_the_same_values(sourc
     assert torch.equal(a.fp8_weight.view(torch.uint8), b.fp8_weight.view(torch.uint8))
     assert torch.equal(a.fp8_scale, b.fp8_scale)
     assert _greedy(from_ckpt) == _greedy(requant)
+    # The checkpoint's linears are allocated in e4m3 (meta-device build): loading never holds their bf16 copies,
+    # which --quantization fp8 holds until it quantizes.
+    ckpt_worker = from_ckpt.llm_engine.executor.driver_worker
+    requant_worker = requant.llm_engine.executor.driver_worker
+    assert ckpt_worker.model_memory_bytes == requant_worker.model_memory_bytes
+    assert ckpt_worker.model_load_peak_bytes < requant_worker.model_load_peak_bytes
     with pytest.raises(ValueError, match="outputs are bfloat16: use dtype='bfloat16'"):
         LLM(model=str(source), quantization="fp8", **{**kw, "dtype": "float16"})

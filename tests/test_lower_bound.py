@@ -76,3 +76,21 @@ def test_bound_at_a_runs_step_count_charges_the_weights_per_step():
     assert with_step_count(slow, shape, 5).decode_s == pytest.approx(110.4)
     with pytest.raises(ValueError, match="steps"):
         with_step_count(lb, shape, 0)
+
+
+def test_throughput_benchmark_runs_the_engines_default_dtype_and_the_peer_follows_it():
+    """`bench throughput` leaves --dtype at "auto" (bfloat16 on CUDA, float32 on the CPU), and the HF peers resolve
+    it as the engine does, also for a device named with its index."""
+    import argparse
+
+    import torch
+
+    from pagedllm.benchmarks import throughput
+    from pagedllm.worker.worker import resolve_dtype
+
+    parser = argparse.ArgumentParser()
+    throughput.add_args(parser)
+    assert parser.parse_args([]).dtype == "auto"
+    assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cuda:0") == torch.bfloat16
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("float16", "cuda:1") == torch.float16

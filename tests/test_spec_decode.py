@@ -499,3 +499,18 @@ def test_benchmark_reports_each_rounds_ratio():
     result = {"off": {"round_tok_s": [100.0, 200.0, 50.0]}, "on": {"round_tok_s": [150.0, 190.0, 60.0]}}
     assert round_ratios(result) == pytest.approx([1.5, 0.95, 1.2])
     assert _spread([1.5, 0.95, 1.2]) == "0.95-1.50 (median 1.20, 3 rounds)"
+
+
+def test_benchmark_reports_how_many_outputs_batching_alone_changes(capsys):
+    """The off engine's outputs at each later concurrency are held against the first: the agreement that batching
+    alone leaves, next to the on/off `identical` count."""
+    from pagedllm.benchmarks.spec_decode import print_batching_reference
+
+    copy = {"1": {}, "4": {}, "8": {}}
+    outputs = {"copy1": {"off": [[1, 2], [3], [4, 5]]}, "copy4": {"off": [[1, 2], [3, 9], [4, 5]]},
+               "copy8": {"off": [[1, 2], [3], [4, 5]]}}
+    print_batching_reference(copy, outputs)
+    assert copy["4"]["identical_off_vs_concurrency_1"] == "2/3"
+    assert copy["8"]["identical_off_vs_concurrency_1"] == "3/3"
+    assert "identical_off_vs_concurrency_1" not in copy["1"]
+    assert "4 vs 1 concurrent (batching alone): 2/3 identical" in capsys.readouterr().out

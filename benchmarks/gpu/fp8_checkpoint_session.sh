@@ -9,8 +9,8 @@ source benchmarks/gpu/device_setup.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/summary.txt"
 git log -1 --format='%h %s' 2>/dev/null | tee -a "$OUT/summary.txt"
-timeout ${TEST_S:-260} python3 -m pytest tests/test_fp8_checkpoint.py tests/test_fp8_weights.py tests/test_triton_kernels.py \
-  tests/test_piecewise_graphs.py tests/test_cuda_graphs.py -q -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+TESTS=${TESTS:-tests/test_fp8_checkpoint.py tests/test_fp8_weights.py tests/test_triton_kernels.py tests/test_piecewise_graphs.py tests/test_cuda_graphs.py}
+timeout ${TEST_S:-260} python3 -m pytest $TESTS -q -rf -p no:cacheprovider > "$OUT/tests.txt" 2>&1
 echo "== tests rc=$?" | tee -a "$OUT/summary.txt"; tail -5 "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
 python3 - <<'PY'
 from transformers import LlamaConfig
@@ -23,5 +23,5 @@ for run in ${RUNS:-ckpt requant}; do
   if [ $run = ckpt ]; then M="--model /tmp/l8b-fp8 --dtype bfloat16"; else M="--model /tmp/l8b --load-format dummy --dtype bfloat16 --quantization fp8"; fi
   timeout ${RUN_S:-110} python3 benchmarks/throughput.py $M $W > "$OUT/$run.log" 2>&1
   echo "== $run rc=$?" | tee -a "$OUT/summary.txt"
-  grep -v "it/s\]\|s/it\]" "$OUT/$run.log" | grep "FP8 checkpoint\|Loaded\|KV cache:\|engine init\|tok/s\|lower bound\|pool:" | cut -c1-300 | tee -a "$OUT/summary.txt"
+  grep -v "it/s\]\|s/it\]" "$OUT/$run.log" | grep "FP8 checkpoint\|Loaded\|Model loading\|KV cache:\|engine init\|tok/s\|lower bound\|pool:" | cut -c1-300 | tee -a "$OUT/summary.txt"
 done

@@ -189,6 +189,18 @@ def _spread(ratios: list[float]) -> str:
     return f"{ordered[0]:.2f}-{ordered[-1]:.2f} (median {ordered[len(ordered) // 2]:.2f}, {len(ordered)} rounds)"
 
 
+def print_batching_reference(copy_results: dict, outputs: dict) -> None:
+    """How many greedy outputs of the off engine agree between two concurrencies: without speculation, only the
+    batching differs. Where the dtype's GEMMs and attention are not batch-invariant (bf16 on CUDA), this is the
+    agreement to hold the on/off `identical` count against."""
+    counts = list(copy_results)
+    for c in counts[1:]:
+        a, b = outputs[f"copy{counts[0]}"]["off"], outputs[f"copy{c}"]["off"]
+        same = sum(x == y for x, y in zip(a, b))
+        copy_results[c]["identical_off_vs_concurrency_" + counts[0]] = f"{same}/{len(a)}"
+        print(f"off engine, {c} vs {counts[0]} concurrent (batching alone): {same}/{len(a)} identical")
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     results: dict = {"speculative_config": json.loads(args.speculative_config), "copy": {}, "sharegpt": {}}
@@ -226,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'copy, ' + c + ' concurrent':<22}{e['off']['output_tok_s']:>11.1f}{e['on']['output_tok_s']:>11.1f}"
               f"{e['ratio']:>7.2f}x{e['on']['acceptance_rate']:>8.2f}{e['on']['mean_acceptance_length']:>8.2f}"
               f"{e['identical']:>11}")
+    print_batching_reference(results["copy"], outputs)
     if results["sharegpt"]:
         e = results["sharegpt"]
         e["ratio"] = e["on"]["output_tok_s"] / e["off"]["output_tok_s"]

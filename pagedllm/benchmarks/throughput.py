@@ -110,7 +110,9 @@ def build_hf_cb_model(model_dir: str, dtype: str, device: str, attn_implementati
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    from pagedllm.worker.worker import resolve_dtype
+
+    torch_dtype = resolve_dtype(dtype, device)  # the engine's own choice for "auto"
     cfg = AutoConfig.from_pretrained(model_dir)
     with torch.device(device):
         try:
@@ -175,14 +177,14 @@ def run_hf_cb(model, wl: Workload, num_blocks: int | None = None) -> Result:
 
 def load_hf_reference(model: str | None, dtype: str, device: str):
     """The same weights through transformers' own loader (GGUF or HF dir)."""
-    import torch
     from pathlib import Path
     from transformers import AutoModelForCausalLM
 
     from pagedllm.model.loader import resolve_model
+    from pagedllm.worker.worker import resolve_dtype
 
     path = Path(resolve_model(model))
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    torch_dtype = resolve_dtype(dtype, device)  # the engine's own choice for "auto"
     if path.suffix == ".gguf":
         m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
     else:
@@ -226,7 +228,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "against the lower bound of benchmarks/lower_bound.py, plus a step-time breakdown. On CPU: "
                         "measure the fp32 FMA peak here and print the run's GFLOP/s against it (benchmarks/cpu_flops.py).")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(dtype="float32")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,8 +53,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """The model dtype: "auto" is bfloat16 on CUDA (any "cuda:N") and float32 elsewhere."""
     if dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return _DTYPES[dtype]
 
 
@@ -106,6 +107,8 @@ class Worker:
         # What this process held on the device before this worker's model (another engine in the same
         # process): gpu_memory_utilization is this engine's share, so profiling leaves that memory out.
         self.memory_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         keep_fp8 = keeps_fp8(self.device.type, self.dtype, mc.quantization)
         if self.fp8_format is not None:  # e4m3 weights allocated as such
             model = build_for_fp8_checkpoint(lambda: cls(self.hf_config, self.tp, self.dtype), self.device,
@@ -126,6 +129,13 @@ class Worker:
             "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",
             type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,
         )
+        if self.device.type == "cuda":
+            # The peak shows whether loading ever held more than the final weights (an FP8 checkpoint must not
+            # pass through its bf16 size).
+            self.model_memory_bytes = torch.cuda.memory_allocated(self.device) - self.memory_baseline
+            self.model_load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.memory_baseline
+            logger.info("Model loading took %.2f GiB (peak %.2f GiB while loading)",
+                        self.model_memory_bytes / 2**30, self.model_load_peak_bytes / 2**30)
 
     def _load_fp8_checkpoint(self, model, keep_fp8: bool) -> None:
         """Load an FP8 checkpoint: its e4m3 layers stay FP8 (`keep_fp8`) or are dequantized to the model's dtype."""
