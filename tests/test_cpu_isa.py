@@ -242,3 +242,16 @@ def test_fma_peak_and_step_flops_count():
     shape = ModelShape(num_layers=2, hidden=8, intermediate=16, num_heads=2, num_kv_heads=1, head_dim=4, vocab=50)
     n_mm = 2 * (8 * 4 * 4 + 2 * 4 * 8 + 3 * 8 * 16)
     assert cpu_flops.step_flops(shape, 4, work.attended, 2) == 2 * n_mm * 4 + 4 * 2 * 2 * 4 * 28 + 2 * 8 * 50 * 2
+
+
+def test_a_run_whose_host_slowed_down_is_flagged(capsys):
+    """The CPU throughput benchmark reads the FMA peak before, between and after the systems it compares; a spread
+    above 15 % (BENCHMARKS.md §52.4: 234 against 369-378 GFLOP/s on a shared host) marks the run unreliable."""
+    from pagedllm.benchmarks import cpu_flops
+
+    steady = cpu_flops.host_speed_report([("before pagedllm", 370e9), ("after pagedllm", 360e9), ("after hf", 375e9)])
+    assert steady["host_speed_steady"] and "WARNING" not in capsys.readouterr().out
+    noisy = cpu_flops.host_speed_report([("before pagedllm", 233.8e9), ("after pagedllm", 369e9), ("after hf", 375e9)])
+    out = capsys.readouterr().out
+    assert not noisy["host_speed_steady"] and noisy["fma_peak_spread"] == pytest.approx(375 / 233.8 - 1)
+    assert "WARNING" in out and "before pagedllm 233.8" in out and "not reliable" in out

@@ -103,6 +103,27 @@ def measure_cpu_peak() -> CpuPeak:
     return CpuPeak(isa, torch.get_num_threads(), *measure_fma_peak_both(isa), measure_matmul_peak_cpu())
 
 
+HOST_SPEED_TOLERANCE = 0.15  # readings further apart than this mark a same-run comparison as unreliable
+
+
+def host_speed_report(readings: list[tuple[str, float]], tolerance: float = HOST_SPEED_TOLERANCE) -> dict:
+    """Print the FMA peak read at several points of a run (`(when, FLOP/s)`); a shared host whose speed changed
+    between them by more than `tolerance` gets a warning, since same-run ratios assume both systems saw the same
+    machine. → JSON figures."""
+    values = [v for _, v in readings]
+    spread = max(values) / min(values) - 1.0
+    listed = ", ".join(f"{when} {v / 1e9:.1f}" for when, v in readings)
+    steady = spread <= tolerance
+    if steady:
+        print(f"host speed steady: FMA peak (GFLOP/s) {listed}; spread {spread:.0%}")
+    else:
+        print(f"WARNING: the host's speed changed during the run: FMA peak (GFLOP/s) {listed}; spread {spread:.0%} "
+              f"> {tolerance:.0%}. Something else ran on these cores (another process or guest) or their clock "
+              f"changed, so this run's figures and ratios are not reliable: run it again on a quiet machine.")
+    return {"fma_peak_readings": [{"when": w, "flops": v} for w, v in readings], "fma_peak_spread": spread,
+            "host_speed_steady": steady}
+
+
 def step_flops(shape: ModelShape, num_tokens: int, attended: int, logits_rows: int) -> float:
     return (2.0 * shape.matmul_params * num_tokens + 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended
             + 2.0 * shape.hidden * shape.vocab * logits_rows)

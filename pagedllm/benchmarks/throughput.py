@@ -319,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         extra.update(report_bound(llm, wl, results[0].elapsed_s, bandwidth, peak, stats))
     if cpu_work:
         extra.update(cpu_flops.report(shape, stats, peak, results[0].elapsed_s, run_cpu_s))
+        fma_readings = [("before pagedllm", peak.fma_flops), ("after pagedllm", cpu_flops.measure_fma_peak(peak.isa))]
     if args.compare == "hf":
         del llm
         hf = load_hf_reference(engine_args.model, args.dtype, device)
@@ -332,6 +333,10 @@ def run(args: argparse.Namespace) -> int:
         results.append(run_llama_cpp_peer(args, engine_args.model, wl, extra))
     for r in results:
         print(r.row())
+    if cpu_work:
+        if len(results) > 1:
+            fma_readings.append((f"after {results[-1].system}", cpu_flops.measure_fma_peak(peak.isa)))
+        extra.update(cpu_flops.host_speed_report(fma_readings))
     if cpu_work and len(results) == 2 and results[1].num_requests == results[0].num_requests:
         useful = extra["steps_flops"]["all"]["flops"]
         print(f"same useful work ({useful / 1e12:.3f} TFLOP) per system: " + ", ".join(
