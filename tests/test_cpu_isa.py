@@ -255,3 +255,22 @@ def test_a_run_whose_host_slowed_down_is_flagged(capsys):
     out = capsys.readouterr().out
     assert not noisy["host_speed_steady"] and noisy["fma_peak_spread"] == pytest.approx(375 / 233.8 - 1)
     assert "WARNING" in out and "before pagedllm 233.8" in out and "not reliable" in out
+
+
+def test_a_float32_engine_on_an_amx_bf16_cpu_hints_at_bfloat16(monkeypatch, caplog):
+    """Dense float32 weights leave AMX-BF16 tiles unused: the worker says so once, and only where the CPU has the
+    tiles and oneDNN can pack bfloat16 weights."""
+    import logging
+
+    from pagedllm.worker import worker
+
+    cases = [(frozenset({"avx512f", "amx_bf16"}), None, True),
+             (frozenset({"avx512f"}), None, False),
+             (frozenset({"avx512f", "amx_bf16"}), "no bf16 packing here", False)]
+    for flags, reason, hinted in cases:
+        monkeypatch.setattr(cpu_isa, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(cpu_linear, "bf16_packing_unsupported_reason", lambda reason=reason: reason)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            worker.log_amx_bf16_hint()
+        assert ("--dtype bfloat16" in caplog.text) == hinted, (flags, reason, caplog.text)

@@ -59,6 +59,14 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def log_amx_bf16_hint() -> None:
+    """On a CPU with AMX-BF16 tiles, say once that dense float32 weights leave them unused."""
+    if "amx_bf16" in cpu_isa.cpu_flags() and cpu_linear.bf16_packing_unsupported_reason() is None:
+        logger.info("This CPU has AMX-BF16 tiles, which float32 GEMMs leave unused: --dtype bfloat16 runs them "
+                    "(1.6x faster end to end on the bundled model, BENCHMARKS.md §52.5; outputs then differ from "
+                    "float32's).")
+
+
 def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
     """(num_layers, KV heads this rank holds, head_dim) from a HF config."""
     heads = hf_config.num_attention_heads
@@ -129,6 +137,8 @@ class Worker:
             "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",
             type(model).__name__, n_params / 1e6, self.dtype, self.device, gemm, time.perf_counter() - t0,
         )
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.quantization != "gguf":
+            log_amx_bf16_hint()
         if self.device.type == "cuda":
             # The peak shows whether loading ever held more than the final weights (an FP8 checkpoint must not
             # pass through its bf16 size).
