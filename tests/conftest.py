@@ -45,10 +45,12 @@ def hf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pagedllm.model.gguf_loader import transformers_dense_gguf_kwargs
     from pagedllm.model.loader import default_model_path
 
     path = Path(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 **transformers_dense_gguf_kwargs())
     return model.eval()
 
 

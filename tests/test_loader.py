@@ -200,7 +200,8 @@ def hf_reference_state_dict() -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     path = Path(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True,
+                                                 **gguf_loader.transformers_dense_gguf_kwargs())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -180,13 +180,15 @@ def load_hf_reference(model: str | None, dtype: str, device: str):
     from pathlib import Path
     from transformers import AutoModelForCausalLM
 
+    from pagedllm.model.gguf_loader import transformers_dense_gguf_kwargs
     from pagedllm.model.loader import resolve_model
     from pagedllm.worker.worker import resolve_dtype
 
     path = Path(resolve_model(model))
     torch_dtype = resolve_dtype(dtype, device)  # the engine's own choice for "auto"
     if path.suffix == ".gguf":
-        m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype)
+        m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype,
+                                                 **transformers_dense_gguf_kwargs())
     else:
         m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     return m.to(device).eval()

@@ -422,6 +422,17 @@ def _write_weights(tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, max
     )
 
 
+def transformers_dense_gguf_kwargs() -> dict:
+    """Keyword arguments for transformers' `from_pretrained(..., gguf_file=...)` that load the file as dense
+    weights. This is what the references and peers mean: newer transformers keep the blocks packed instead, where
+    the `kernels` package publishes a GGUF matmul for the device."""
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:  # transformers without packed GGUF weights: it always dequantizes
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def _write_tokenizer(path: Path, out_dir: Path, info: GGUFModelInfo) -> None:
     from transformers import AutoTokenizer
 
