@@ -249,9 +249,10 @@ def test_a_run_whose_host_slowed_down_is_flagged(capsys):
     above 15 % (BENCHMARKS.md §52.4: 234 against 369-378 GFLOP/s on a shared host) marks the run unreliable."""
     from pagedllm.benchmarks import cpu_flops
 
-    steady = cpu_flops.host_speed_report([("before pagedllm", 370e9), ("after pagedllm", 360e9), ("after hf", 375e9)])
+    steady = cpu_flops.host_speed_report([("before pagedllm", 370e9), ("after pagedllm", 360e9), ("at the end", 375e9)])
     assert steady["host_speed_steady"] and "WARNING" not in capsys.readouterr().out
-    noisy = cpu_flops.host_speed_report([("before pagedllm", 233.8e9), ("after pagedllm", 369e9), ("after hf", 375e9)])
+    noisy = cpu_flops.host_speed_report([("before pagedllm", 233.8e9), ("after pagedllm", 369e9),
+                                         ("at the end", 375e9)])
     out = capsys.readouterr().out
     assert not noisy["host_speed_steady"] and noisy["fma_peak_spread"] == pytest.approx(375 / 233.8 - 1)
     assert "WARNING" in out and "before pagedllm 233.8" in out and "not reliable" in out
