@@ -77,3 +77,23 @@ def test_bf16_pool_under_a_float32_model_on_cuda(tmp_path):
         ppl[kv] = _perplexity(llm, ids)
         del llm
     assert abs(ppl["bfloat16"] / ppl["auto"] - 1) < 1e-2, ppl
+
+
+def test_a_bfloat16_model_attends_through_the_native_kernels(text_ids, monkeypatch):
+    """A bfloat16 model on the CPU takes the native attention backend (its q/k/v widened to float32 for the
+    kernels, BENCHMARKS.md §52.9). In 16-token chunks every chunk and decode runs the kernels' token path, so the
+    perplexity it gives equals the torch backend's to bf16 precision."""
+    from pagedllm.model.layers.attention import NativeCpuAttentionBackend
+
+    ids = text_ids[:300]
+    kw = dict(device="cpu", dtype="bfloat16", quantization="none", max_model_len=1024, max_num_batched_tokens=16,
+              num_gpu_blocks_override=64)
+    native = LLM(**kw)
+    assert native.llm_engine.executor.driver_worker.model_runner.attn_backend.name == "cpu-native"
+    p_native = _perplexity(native, ids)
+    del native
+    monkeypatch.setattr(NativeCpuAttentionBackend, "model_dtypes", (torch.float32,))
+    reference = LLM(**kw)
+    assert reference.llm_engine.executor.driver_worker.model_runner.attn_backend.name == "torch"
+    p_torch = _perplexity(reference, ids)
+    assert abs(p_native / p_torch - 1) < 5e-3, (p_native, p_torch)

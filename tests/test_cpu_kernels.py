@@ -241,6 +241,27 @@ def test_native_backend_equals_torch_backend_on_mixed_batches(block_size, hq, hk
 
 
 @needs_kernels
+@pytest.mark.parametrize("block_size,hq,hk,d", [(16, 9, 3, 64), (8, 8, 2, 128)])
+def test_native_backend_serves_a_bfloat16_model(block_size, hq, hk, d):
+    """A bfloat16 model's q/k/v go through the kernels widened to float32 (decodes and short chunks) or through
+    torch's SDPA in bf16 (the 33- and 40-token prompt chunks): the pool holds the bf16 K/V bit for bit, and the
+    output matches float32 attention over the same bf16 values to bf16 precision."""
+    query, key, value, kc, vc, meta = _mixed_batch(block_size + hq, block_size, hq, hk, d)
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    kc2, vc2 = kc.clone(), vc.clone()
+    q16, k16, v16 = query.bfloat16(), key.bfloat16(), value.bfloat16()
+    expected = TorchAttentionBackend().forward(q16.float(), k16.float(), v16.float(), (kc, vc), meta, d**-0.5)
+    meta.decode_buckets = None
+    out = NativeCpuAttentionBackend(KERNELS).forward(q16, k16, v16, (kc2, vc2), meta, d**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    assert torch.equal(kc2.view(torch.int16), kc.view(torch.int16)) and torch.equal(vc2.view(torch.int16),
+                                                                                    vc.view(torch.int16))
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    decode_rows = 20  # the token path: float32 arithmetic, one rounding to bf16 at the end
+    torch.testing.assert_close(out[:decode_rows], expected[:decode_rows].bfloat16(), atol=0, rtol=2**-7)
+
+
+@needs_kernels
 def test_backend_checks_each_steps_indices_once_and_refuses_bad_ones():
     """Indices are checked once per step (not per layer), and a new step's bad block id is still refused."""
     query, key, value, kc, vc, meta = _mixed_batch(3, 16, 9, 3, 64)

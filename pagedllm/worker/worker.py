@@ -63,7 +63,7 @@ def log_amx_bf16_hint() -> None:
     """On a CPU with AMX-BF16 tiles, say once that dense float32 weights leave them unused."""
     if "amx_bf16" in cpu_isa.cpu_flags() and cpu_linear.bf16_packing_unsupported_reason() is None:
         logger.info("This CPU has AMX-BF16 tiles, which float32 GEMMs leave unused: --dtype bfloat16 runs them "
-                    "(1.6x faster end to end on the bundled model, BENCHMARKS.md §52.5; outputs then differ from "
+                    "(1.9-2.0x faster end to end on the bundled model, BENCHMARKS.md §52.9; outputs then differ from "
                     "float32's).")
 
 
@@ -304,7 +304,7 @@ class Worker:
     def attn_backend(self):
         if self.device.type == "cuda":
             return TritonAttentionBackend(self.kv_spec.k_scale, self.kv_spec.v_scale, self._scales_by_cache())
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.device.type == "cpu" and self.dtype in NativeCpuAttentionBackend.model_dtypes:
             kernels = cpu_kernels.load_cpu_kernels()
             if kernels is not None:
                 # A verification chunk (1 + k tokens) must take the token path: its rows then get a plain decode's bits.

@@ -46,6 +46,9 @@ class NativeCpuAttentionBackend:
 
     name = "cpu-native"
     max_native_query_len = 512
+    #: Model dtypes served: a bfloat16 model's q/k/v are widened to float32 (exactly) for the kernels, which
+    #: read its bf16 pool as they read a float32 model's bf16 pool; the output is rounded back to bf16.
+    model_dtypes = (torch.float32, torch.bfloat16)
 
     def __init__(self, kernels, min_tile_query_len: int | None = None) -> None:
         """`min_tile_query_len`: chunks this long or longer take the kernel's tile path (default
@@ -58,21 +61,29 @@ class NativeCpuAttentionBackend:
 
     def forward(self, query, key, value, kv_cache, meta, scale):
         key_cache, value_cache = kv_cache
-        self.kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        widen = query.dtype != torch.float32  # a bfloat16 model (model_dtypes)
+        self.kernels.reshape_and_cache(key.float() if widen else key, value.float() if widen else value,
+                                       key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        if meta.max_query_len <= self.max_native_query_len:
+        # A bf16 model's prompt chunks run torch's SDPA in bf16, faster there than the kernel's float32 tile path;
+        # its decodes and verifications (the token path) take the kernel.
+        limit = self.min_tile_query_len - 1 if widen else self.max_native_query_len
+        if meta.max_query_len <= limit:
             num_native, rows = meta.num_seqs, query.shape[0]
         else:  # the leading chunks up to the first long one
             lens = meta.query_lens_cpu
-            num_native = next((i for i, n in enumerate(lens) if n > self.max_native_query_len), len(lens))
+            num_native = next((i for i, n in enumerate(lens) if n > limit), len(lens))
             rows = sum(lens[:num_native])
         if num_native:
-            self.kernels.paged_attention(out[:rows], query[:rows], key_cache, value_cache,
-                                         meta.block_tables[:num_native], meta.seq_lens[:num_native],
+            native_out = torch.empty(rows, *query.shape[1:]) if widen else out[:rows]
+            self.kernels.paged_attention(native_out, query[:rows].float() if widen else query[:rows], key_cache,
+                                         value_cache, meta.block_tables[:num_native], meta.seq_lens[:num_native],
                                          meta.query_start_loc[: num_native + 1], scale,
                                          indices_checked=meta is self._checked_meta,
                                          min_tile_query_len=self.min_tile_query_len)
             self._checked_meta = meta  # every layer of a step shares its metadata: checked once
+            if widen:
+                out[:rows] = native_out
         if num_native < meta.num_seqs:
             if key_cache.dtype != key.dtype:  # a bf16 pool: attend to the K/V as stored, as the native kernel does
                 key, value = key.to(key_cache.dtype).to(key.dtype), value.to(value_cache.dtype).to(value.dtype)
