@@ -65,8 +65,8 @@ class NativeCpuAttentionBackend:
         self.kernels.reshape_and_cache(key.float() if widen else key, value.float() if widen else value,
                                        key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
-        # A bf16 model's prompt chunks run torch's SDPA in bf16, faster there than the kernel's float32 tile path;
-        # its decodes and verifications (the token path) take the kernel.
+        # A bf16 model's prompt chunks keep torch's SDPA in bf16 (as fast as the kernel's float32 tile path there,
+        # BENCHMARKS.md §52.9, and without widening whole chunks); its decodes and verifications take the kernel.
         limit = self.min_tile_query_len - 1 if widen else self.max_native_query_len
         if meta.max_query_len <= limit:
             num_native, rows = meta.num_seqs, query.shape[0]
