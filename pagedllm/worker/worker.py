@@ -63,8 +63,8 @@ def log_amx_bf16_hint() -> None:
     """On a CPU with AMX-BF16 tiles, say once that dense float32 weights leave them unused."""
     if "amx_bf16" in cpu_isa.cpu_flags() and cpu_linear.bf16_packing_unsupported_reason() is None:
         logger.info("This CPU has AMX-BF16 tiles, which float32 GEMMs leave unused: --dtype bfloat16 runs them "
-                    "(1.9-2.0x faster end to end on the bundled model, BENCHMARKS.md §52.9; outputs then differ from "
-                    "float32's).")
+                    "(on the bundled model 1.9-2.0x faster with 64 sequences in flight, 0.88x with one; "
+                    "BENCHMARKS.md §52.9; outputs then differ from float32's).")
 
 
 def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
