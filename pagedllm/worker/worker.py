@@ -102,6 +102,9 @@ class Worker:
         self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
                                                  self.dtype)
         self.model = None
+        # What loading took on a CUDA device, and its peak (load_model); 0 elsewhere.
+        self.model_memory_bytes = 0
+        self.model_load_peak_bytes = 0
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
 
