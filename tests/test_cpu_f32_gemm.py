@@ -101,8 +101,8 @@ def test_a_weight_shared_with_an_embedding_keeps_its_dense_copy():
 def test_row_limit_follows_the_build_and_the_cpu_onednn_runs_on():
     from pagedllm.kernels.cpu_f32_gemm import ROWS_AVX2_CPU, native_row_limit
 
-    assert native_row_limit("avx512_bf16", "avx512_bf16", 12) == 48
-    assert native_row_limit("avx512", "avx512_bf16", 12) == 48
+    assert native_row_limit("avx512_bf16", "avx512_bf16", 12) == 96
+    assert native_row_limit("avx512", "avx512_bf16", 12) == 96
     # oneDNN runs AVX2 as well only where the CPU has nothing higher; forced AVX2 on AVX-512 keeps 2 tiles.
     assert native_row_limit("avx2", "avx2", 6) == ROWS_AVX2_CPU >= 256
     assert native_row_limit("avx2", "avx512", 6) == 12

@@ -28,10 +28,11 @@ logger = logging.getLogger("pagedllm")
 
 SOURCE = Path(__file__).with_name("cpu") / "f32_gemm.c"
 BUILD_FLAGS = ("-ffp-contract=fast",)  # the tiles' multiply-adds as FMAs
-# Rows up to this many tiles run here, more run oneDNN: at 4 tiles (48 rows) of an AVX-512 build the two
-# were even over the bundled model's GEMMs (§42.3); portable builds, and an AVX2 build on a CPU where oneDNN
-# runs AVX-512 (PAGEDLLM_CPU_ISA=avx2 on an AVX-512 CPU), keep 2 tiles.
-TILES_AVX512 = 4
+# Rows up to this many tiles run here, more run oneDNN. Before AVX-512 builds prefetched the next panel the two
+# were even at 4 tiles (48 rows, §42.3); with it this kernel took 0.75-0.89x oneDNN's time from 48 to 96 rows
+# and 0.94x at 128 over the bundled model's GEMMs on a Xeon with AMX (§53.1). Portable builds, and an AVX2
+# build on a CPU where oneDNN runs AVX-512 (PAGEDLLM_CPU_ISA=avx2 on an AVX-512 CPU), keep 2 tiles.
+TILES_AVX512 = 8
 TILES_OTHER = 2
 # On an AVX2-only CPU oneDNN runs AVX2 too, and this kernel was 1.1-2.1x faster than its packed GEMM from 1 to
 # 512 rows over the bundled model's GEMMs (0.95x at 1 024) on an AMD EPYC Zen 3 (BENCHMARKS.md §44.2).

@@ -33,6 +33,22 @@
 #endif
 #define VL (VEC_BYTES / 4)
 #define NB (2 * VL)
+/* The tiles after a panel's first request the next panel into L2, a slice each (see f32_gemm). On an AMD
+ * Zen 3 with AVX2 that was 0.83-0.94x at 64-256 rows (BENCHMARKS.md §45.3); on an AVX-512 Xeon it gave
+ * 1.06-1.19x at 16-128 rows (§53.1), so AVX-512 builds do it from NEXT_PANEL_MIN_TILES tiles of rows. */
+#ifndef NEXT_PANEL_PREFETCH
+#if defined(__AVX512F__)
+#define NEXT_PANEL_PREFETCH 1
+#else
+#define NEXT_PANEL_PREFETCH 0
+#endif
+#endif
+#ifndef NEXT_PANEL_MIN_TILES
+#define NEXT_PANEL_MIN_TILES 2
+#endif
+#ifndef NEXT_PANEL_LOCALITY
+#define NEXT_PANEL_LOCALITY 2
+#endif
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 32
 #endif
@@ -66,7 +82,8 @@ void f32_gemm_pack(const float *w, int64_t ldw, int64_t n, int64_t k, float *out
  * `cols` (≤ NB) columns of y. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panel,
                                                        int64_t k, float *y, int64_t ldy, int cols,
-                                                       const float *bias, const int m) {
+                                                       const float *bias, const char *pf, const int64_t pf_lines,
+                                                       const int m) {
     vf a0[MR], a1[MR];
     for (int r = 0; r < m; r++) {
         a0[r] = (vf){0};
@@ -75,6 +92,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     for (int64_t kk = 0; kk < k; kk++) {
         __builtin_prefetch(panel + (kk + PREFETCH_ROWS) * NB);
         __builtin_prefetch(panel + (kk + PREFETCH_ROWS) * NB + VL);
+        if (NEXT_PANEL_PREFETCH && kk < pf_lines) /* one line of the next panel per k step, from the slice's start */
+            __builtin_prefetch(pf + kk * 64, 0, NEXT_PANEL_LOCALITY);
         vf w0 = *(const vf *)(panel + kk * NB);
         vf w1 = *(const vf *)(panel + kk * NB + VL);
         for (int r = 0; r < m; r++) {
@@ -97,10 +116,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
 }
 
 #define TILE_CASE(M) \
-    case M: tile(x, ldx, panel, k, y, ldy, cols, bias, M); break;
+    case M: tile(x, ldx, panel, k, y, ldy, cols, bias, pf, pf_lines, M); break;
 
 static void tile_any(const float *x, int64_t ldx, const float *panel, int64_t k, float *y, int64_t ldy,
-                     int cols, const float *bias, int m) {
+                     int cols, const float *bias, const char *pf, int64_t pf_lines, int m) {
     switch (m) {
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
 #if MR > 4
@@ -123,9 +142,25 @@ int f32_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *pac
         const float *panel = packed + p * k * NB;
         int cols = (int)(n - p * NB < NB ? n - p * NB : NB);
         const float *b = bias ? bias + p * NB : 0;
-        for (int64_t r0 = 0; r0 < m; r0 += MR) {
+        /* The first tile reads the panel from memory, the others from L2. With enough tiles, each later one
+         * requests a slice of the next panel's lines (one per k step), so that its first tile finds it in L2:
+         * the memory traffic overlaps the later tiles' arithmetic. The bits do not change. */
+        const int64_t tiles = (m + MR - 1) / MR;
+        const int64_t lines = k * NB * 4 / 64;
+        const int prefetch_next = NEXT_PANEL_PREFETCH && p + 1 < panels && tiles >= NEXT_PANEL_MIN_TILES;
+        const int64_t slice = prefetch_next ? (lines + tiles - 2) / (tiles - 1) : 0;
+        for (int64_t r0 = 0, t = 0; r0 < m; r0 += MR, t++) {
             int rows = (int)(m - r0 < MR ? m - r0 : MR);
-            tile_any(x + r0 * ldx, ldx, panel, k, y + r0 * ldy + p * NB, ldy, cols, b, rows);
+            const char *pf = (const char *)(panel + k * NB);
+            int64_t pf_lines = 0;
+            if (t > 0 && slice > 0) {
+                int64_t first = (t - 1) * slice, left = lines - first;
+                pf += first * 64;
+                pf_lines = left <= 0 ? 0 : left < slice ? left : slice;
+            }
+            if (pf_lines > k) /* two tiles: the first k lines (two per k step were slower: §53.1) */
+                pf_lines = k;
+            tile_any(x + r0 * ldx, ldx, panel, k, y + r0 * ldy + p * NB, ldy, cols, b, pf, pf_lines, rows);
         }
     }
     return 0;
