@@ -296,21 +296,18 @@ def test_fp8_block_bytes_are_half_of_bf16():
     assert CacheEngine.get_cache_block_size(32, 8, 128, 16, torch.float8_e4m3fn) * 2 == bf16
 
 
-def test_kv_cache_dtype_choices_and_cpu_error():
-    from pagedllm import LLM
+def test_kv_cache_dtype_choices():
+    """The CPU's FP8 pools: tests/test_cpu_fp8_kv_cache.py."""
     from pagedllm.config import CacheConfig
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         CacheConfig(cache_dtype="int4")
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        kv_quant.resolve_cache_dtype("fp8", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device or the CPU"):
+        kv_quant.resolve_cache_dtype("fp8", torch.float32, "mps")
     assert kv_quant.resolve_cache_dtype("fp8", torch.bfloat16, "cuda") == torch.float8_e4m3fn
     assert kv_quant.resolve_cache_dtype("fp8_e5m2", torch.bfloat16, "cuda") == torch.float8_e5m2
     assert kv_quant.resolve_cache_dtype("auto", torch.bfloat16, "cpu") == torch.bfloat16
     assert kv_quant.resolve_cache_dtype("bfloat16", torch.float32, "cpu") == torch.bfloat16  # any device
-    if not ON_CUDA:
-        with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*CUDA"):
-            LLM(kv_cache_dtype="fp8", device="cpu", num_gpu_blocks_override=8)
 
 
 @pytest.mark.cuda

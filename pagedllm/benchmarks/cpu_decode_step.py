@@ -175,7 +175,7 @@ def _forward_without_kernels(llm, fwd, context: int = 64) -> dict[str, float]:
     # Fills blocks no request holds: run after the timed generations (a later request would not read them).
     runner.execute_model([SequenceChunk(-1, [5] * context, 0, table, sample=True)], kv)
     ids, pos, meta, _ = runner.prepare_inputs([SequenceChunk(-1, [7], context, table, sample=True)])
-    names = ("_linear", "_attention", "_rms", "_rope", "_cache", "_cache_bf16", "_silu")
+    names = ("_linear", "_attention", "_rms", "_rope", "_cache", "_cache_bf16", "_cache_fp8", "_silu")
     saved = {n: getattr(fwd, n) for n in names}
     out = {"direct forward, 1 token": _best_ms(lambda: fwd(ids, pos, kv, meta))}
     try:
@@ -183,7 +183,7 @@ def _forward_without_kernels(llm, fwd, context: int = 64) -> dict[str, float]:
         out["  linears skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
         fwd._attention = lambda *a: 0
         out["  and attention skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
-        fwd._rms = fwd._rope = fwd._cache = fwd._cache_bf16 = fwd._silu = lambda *a: None
+        fwd._rms = fwd._rope = fwd._cache = fwd._cache_bf16 = fwd._cache_fp8 = fwd._silu = lambda *a: None
         out["  every kernel skipped (Python)"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
     finally:
         for n, f in saved.items():

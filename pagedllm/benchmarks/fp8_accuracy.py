@@ -18,6 +18,7 @@ agreement over every position of the fixed text.
     pagedllm bench fp8-accuracy --configs bf16 fp8-kv fp8-kv-w8          # GPU (issue 21 targets)
     pagedllm bench fp8-accuracy --configs bf16 fp8-kv fp8-kv-s1 fp8-kv-w8 fp8-kv-s1-w8   # calibrated vs 1.0
     pagedllm bench fp8-accuracy --device cpu --configs fp32 bf16 --num-prompts 4 --max-tokens 8
+    pagedllm bench fp8-accuracy --device cpu --configs fp32 fp32-fp8-kv fp32-fp8-kv-e5m2 fp32-bf16-kv  # CPU pools
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from importlib import resources
 
 logger = logging.getLogger("pagedllm")
 
-#: name → engine arguments (beyond device / model); FP8 needs CUDA. FP8 KV pools use scales of 1.0 (the
+#: name → engine arguments (beyond device / model); FP8 weights need CUDA. FP8 KV pools use scales of 1.0 (the
 #: engine's default); the "-cal" configurations calibrate per-layer scales at start-up (calculate_kv_scales).
 CONFIGS: dict[str, dict] = {
     "fp32": {"dtype": "float32"},
@@ -44,6 +45,11 @@ CONFIGS: dict[str, dict] = {
     "fp8-kv-w8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": "fp8"},
     "fp8-kv-cal-w8": {"dtype": "bfloat16", "kv_cache_dtype": "fp8", "quantization": "fp8",
                       "calculate_kv_scales": True},
+    # The CPU's FP8 pools (native kernels) under a float32 model: against "fp32".
+    "fp32-fp8-kv": {"dtype": "float32", "kv_cache_dtype": "fp8"},
+    "fp32-fp8-kv-cal": {"dtype": "float32", "kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+    "fp32-fp8-kv-e5m2": {"dtype": "float32", "kv_cache_dtype": "fp8_e5m2"},
+    "fp32-bf16-kv": {"dtype": "float32", "kv_cache_dtype": "bfloat16"},
 }
 
 

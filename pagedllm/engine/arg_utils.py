@@ -74,8 +74,9 @@ _HELP = {
                           "min_acceptance_rate, cooldown_steps. Greedy outputs are unchanged; "
                           "sampled ones keep their distribution.",
     "kv_cache_dtype": "KV pool element type: auto (the model dtype); bfloat16 (any device: a float32 model "
-                      "on the CPU stores and streams half the KV bytes); fp8 / fp8_e4m3, or fp8_e5m2 (CUDA only; "
-                      "per-layer scales, see --calculate-kv-scales).",
+                      "on the CPU stores and streams half the KV bytes); fp8 / fp8_e4m3, or fp8_e5m2 (one byte per "
+                      "value, per-layer scales, see --calculate-kv-scales; CUDA, or the CPU with its native "
+                      "kernels).",
     "calculate_kv_scales": "FP8 KV pools: calibrate per-layer k/v scales at start-up from one forward pass over a "
                            "built-in text (amax / 200 for keys, / 100 for values, as vLLM); default off: scales of "
                            "1.0 (measured better on the bundled model, BENCHMARKS.md). Ignored for plain pools.",

@@ -53,13 +53,16 @@ class CpuKernels:
         self._attention = lib.paged_attention_f32
         self._attention.restype = _c_int
         self._attention.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr,
-                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int, _c_int]
+                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int, _c_int, _c_float, _c_float]
         self._cache = lib.reshape_and_cache_f32
         self._cache.restype = None
         self._cache.argtypes = [_ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64]
         self._cache_bf16 = lib.reshape_and_cache_bf16
         self._cache_bf16.restype = None
         self._cache_bf16.argtypes = self._cache.argtypes
+        self._cache_fp8 = lib.reshape_and_cache_fp8
+        self._cache_fp8.restype = None
+        self._cache_fp8.argtypes = self._cache.argtypes + [_c_int, _c_float, _c_float]
         self._rms = lib.rms_norm_f32
         self._rms.restype = None
         self._rms.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64, _c_float]
@@ -80,13 +83,25 @@ class CpuKernels:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
         without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py).
         The cache write is the float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and
-        paged_attention takes the pool's ``kv_bf16`` flag as its last argument."""
+        paged_attention takes the pool's ``kv_format`` code, min_tile_query_len, k_scale and v_scale last."""
         return self._rms, self._rotary, self._cache, self._attention, self._silu
 
-    def cache_writer(self, cache_dtype: torch.dtype):
-        """The C cache write for a pool of `cache_dtype` (float32 or bfloat16)."""
-        _check_cache_dtype(cache_dtype)
-        return self._cache_bf16 if cache_dtype == torch.bfloat16 else self._cache
+    def fp8_cache_function(self):
+        """The fp8 pool's C cache write without checks: the float32 pool's arguments, then e5m2 (0: e4m3fn),
+        k_scale, v_scale."""
+        return self._cache_fp8
+
+    def cache_writer(self, cache_dtype: torch.dtype, k_scale: float = 1.0, v_scale: float = 1.0):
+        """The C cache write for a pool of `cache_dtype`, called as the float32 pool's is: (key, value,
+        src_stride, key_cache, value_cache, slot_mapping, num_tokens, row). An fp8 pool's divides keys by
+        `k_scale` and values by `v_scale` (plain pools ignore them)."""
+        fmt = kv_format(cache_dtype)
+        if fmt == KV_FORMATS[torch.bfloat16]:
+            return self._cache_bf16
+        if fmt == KV_FORMATS[torch.float32]:
+            return self._cache
+        e5m2, cache_fp8 = int(cache_dtype == torch.float8_e5m2), self._cache_fp8
+        return lambda *args: cache_fp8(*args, e5m2, k_scale, v_scale)
 
     def paged_attention(
         self,
@@ -100,6 +115,8 @@ class CpuKernels:
         scale: float,
         indices_checked: bool = False,
         min_tile_query_len: int = TILE_MIN_QUERY_LEN,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Attention for a flat batch whose K/V are already in the cache. out/query [T, Hq, D]; caches
         [num_blocks, block_size, Hk, D]; block_tables [S, ≥ blocks] int32; seq_lens [S] int32 (context
@@ -108,7 +125,8 @@ class CpuKernels:
         `indices_checked`: these index tensors already passed `check_attention_indices` (the engine
         checks a step's once, not once per layer). A sequence whose chunk has `min_tile_query_len` or more
         query tokens takes the kernel's tile path (small GEMMs); shorter ones take the token path, whose
-        arithmetic per token is a lone decode's (speculative verification relies on it)."""
+        arithmetic per token is a lone decode's (speculative verification relies on it). An fp8 pool's
+        keys read as fp8 · `k_scale` and its values as fp8 · `v_scale`."""
         num_tokens, num_q_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
         num_seqs = query_start_loc.numel() - 1
@@ -127,7 +145,7 @@ class CpuKernels:
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
-            block_size, scale, int(key_cache.dtype == torch.bfloat16), min_tile_query_len,
+            block_size, scale, kv_format(key_cache.dtype), min_tile_query_len, k_scale, v_scale,
         )
         if rc != 0:
             raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
@@ -159,9 +177,10 @@ class CpuKernels:
 
     def reshape_and_cache(
         self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
-        """key/value [T, Hk, D] (token rows may be strided) → their slots; slots < 0 are skipped."""
+        """key/value [T, Hk, D] (token rows may be strided) → their slots; slots < 0 are skipped. An fp8
+        pool stores key / `k_scale` and value / `v_scale` (kernels/kv_quant.py's quantize)."""
         _check_rows(key, "key")
         _check_rows(value, "value")
         if key.stride(0) != value.stride(0):
@@ -175,7 +194,7 @@ class CpuKernels:
         if key.shape[0] and int(slot_mapping.max()) >= key_cache.shape[0] * key_cache.shape[1]:
             raise ValueError(f"slot_mapping holds slots beyond the pool's {key_cache.shape[0] * key_cache.shape[1]}")
         row = key.shape[1] * key.shape[2]
-        write = self.cache_writer(key_cache.dtype)
+        write = self.cache_writer(key_cache.dtype, k_scale, v_scale)
         write(key.data_ptr(), value.data_ptr(), key.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
               slot_mapping.data_ptr(), key.shape[0], row)
 
@@ -296,17 +315,26 @@ def _check_f32_cpu(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
 
 
-#: Pool dtypes the native kernels read and write (--kv-cache-dtype auto on a float32 model, or bfloat16).
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+#: Pool dtypes the native kernels read and write (--kv-cache-dtype auto on a float32 model, bfloat16, or fp8)
+#: and the C side's code for each (cpu_ops.c's KV_F32 ... KV_FP8_E5M2).
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+CACHE_DTYPES = tuple(KV_FORMATS)
+
+
+def kv_format(dtype: torch.dtype) -> int:
+    """The C kernels' code for a pool of `dtype`; a ValueError for a dtype they do not take."""
+    _check_cache_dtype(dtype)
+    return KV_FORMATS[dtype]
 
 
 def _check_cache_dtype(dtype: torch.dtype) -> None:
-    if dtype not in CACHE_DTYPES:
-        raise ValueError(f"the native CPU kernels take float32 or bfloat16 KV pools, got {dtype}")
+    if dtype not in KV_FORMATS:
+        raise ValueError(f"the native CPU kernels take float32, bfloat16, float8_e4m3fn or float8_e5m2 KV pools, "
+                         f"got {dtype}")
 
 
 def _check_cache(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    """A KV pool of `dtype` (float32 or bfloat16; key and value pools alike) on the CPU."""
+    """A KV pool of `dtype` (one of CACHE_DTYPES; key and value pools alike) on the CPU."""
     _check_cache_dtype(t.dtype)
     if t.dtype != dtype or t.device.type != "cpu":
         raise ValueError(f"{name} must be a {dtype} CPU tensor like key_cache, got {t.dtype} on {t.device}")

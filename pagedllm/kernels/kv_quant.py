@@ -63,7 +63,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 
 def resolve_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
     """The pool dtype for ``--kv-cache-dtype``: "auto" is the model's, "bfloat16" a bf16 pool on any device;
-    FP8 pools need CUDA (the Triton kernels)."""
+    FP8 pools need CUDA (the Triton kernels) or the CPU (its native kernels; the worker checks they load)."""
     if cache_dtype == "auto":
         return model_dtype
     if cache_dtype == "bfloat16":
@@ -71,9 +71,10 @@ def resolve_cache_dtype(cache_dtype: str, model_dtype: torch.dtype, device: str)
     if cache_dtype not in _FP8_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of ['auto', 'bfloat16', {', '.join(map(repr, _FP8_DTYPES))}], "
                          f"got {cache_dtype!r}.")
-    if device != "cuda":
-        raise ValueError(f"kv_cache_dtype={cache_dtype!r} needs a CUDA device (the FP8 cache is read and written "
-                         f"by the Triton kernels); this engine runs on {device!r}: use kv_cache_dtype='auto'.")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"kv_cache_dtype={cache_dtype!r} needs a CUDA device or the CPU (the FP8 cache is read and "
+                         f"written by the Triton or the native CPU kernels); this engine runs on {device!r}: use "
+                         f"kv_cache_dtype='auto'.")
     return _FP8_DTYPES[cache_dtype]
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_quant
-from pagedllm.kernels.cpu_kernels import CACHE_DTYPES
+from pagedllm.kernels.cpu_kernels import KV_FORMATS
 from pagedllm.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
@@ -92,6 +92,7 @@ class LlamaDirectForward:
         self.kernels = cpu_kernels
         self._rms, self._rope, self._cache, self._attention, self._silu = cpu_kernels.c_functions()
         self._cache_bf16 = cpu_kernels.cache_writer(torch.bfloat16)  # --kv-cache-dtype bfloat16
+        self._cache_fp8 = cpu_kernels.fp8_cache_function()  # --kv-cache-dtype fp8 / fp8_e5m2 (format and scales last)
         self._linear = quant_kernels.c_functions()[0] if quant_kernels is not None else None  # GGUF linears
         first = inner.layers[0]
         attn = first.self_attn
@@ -113,8 +114,8 @@ class LlamaDirectForward:
         self.gemm_method = methods.pop()  # "dense": every linear runs its layer's forward
         self.two_inter = self.layers[0].gate_up.out_features
         self._buffers: _Buffers | None = None
-        # (caches, pointers, blocks, block_size, pool dtype)
-        self._kv: tuple[list, list[tuple[int, int]], int, int, torch.dtype] | None = None
+        # (caches, pointers, blocks, block_size, pool dtype, (k_scale, v_scale) per layer)
+        self._kv: tuple[list, list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]] | None = None
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -199,9 +200,10 @@ class LlamaDirectForward:
                       layer.post_attention_layernorm.weight.data_ptr(), rope.cos_cache.data_ptr(),
                       rope.sin_cache.data_ptr())
 
-    def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype]:
-        """(key, value) pointers per layer, the pool's block count, block size and dtype (float32 or
-        bfloat16), checked once per pool list."""
+    def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]]:
+        """(key, value) pointers per layer, the pool's block count, block size and dtype (one of
+        cpu_kernels.CACHE_DTYPES), and each layer's FP8 (k_scale, v_scale) from the backend; checked once per
+        pool list."""
         cached = self._kv
         if cached is not None and cached[0] is kv_caches and cached[1][0][0] == kv_caches[0][0].data_ptr():
             return cached[1:]
@@ -212,16 +214,17 @@ class LlamaDirectForward:
             raise ValueError(f"KV cache of shape {shape} does not hold [blocks, block_size, "
                              f"{self.num_kv_heads}, {self.head_dim}]")
         dtype = kv_caches[0][0].dtype
-        if dtype not in CACHE_DTYPES:
-            raise ValueError(f"KV caches must be float32 or bfloat16, got {dtype}")
+        if dtype not in KV_FORMATS:
+            raise ValueError(f"KV caches must be float32, bfloat16 or fp8, got {dtype}")
         ptrs = []
         for k, v in kv_caches:
             for t in (k, v):
                 if t.dtype != dtype or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
                     raise ValueError(f"KV caches must be contiguous {dtype} CPU tensors of one shape")
             ptrs.append((k.data_ptr(), v.data_ptr()))
-        self._kv = (kv_caches, ptrs, shape[0], shape[1], dtype)  # holds the list: its id is never reused under us
-        return ptrs, shape[0], shape[1], dtype
+        scales = [tuple(map(float, self.backend.scales_for(k))) for k, _ in kv_caches]
+        self._kv = (kv_caches, ptrs, shape[0], shape[1], dtype, scales)  # holds the list: its id is never reused
+        return ptrs, shape[0], shape[1], dtype, scales
 
     # -- the step ----------------------------------------------------------------------------
     def can_run(self, meta: AttentionMetadata) -> bool:
@@ -253,7 +256,7 @@ class LlamaDirectForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
                  ) -> torch.Tensor:
         """The final hidden states [T, hidden] (a buffer the next call overwrites), as ``model(...)`` returns."""
-        kv, num_blocks, block_size, kv_dtype = self._kv_pointers(kv_caches)
+        kv, num_blocks, block_size, kv_dtype, kv_scales = self._kv_pointers(kv_caches)
         self._check_step(input_ids, positions, meta, num_blocks, block_size)
         t = input_ids.shape[0]
         residual = self.embed_tokens(input_ids)
@@ -265,8 +268,9 @@ class LlamaDirectForward:
         gemm = self.gemm_method
         method = 0 if gemm == "dense" else cpu_quant.METHOD_CODES[cpu_quant.choose_method() if gemm == "auto" else gemm]
         rms, rope, attention, silu, linear = self._rms, self._rope, self._attention, self._silu, self._linear
-        kv_bf16 = int(kv_dtype == torch.bfloat16)
-        cache = self._cache_bf16 if kv_bf16 else self._cache
+        kv_fmt = KV_FORMATS[kv_dtype]
+        fp8, e5m2 = kv_fmt >= KV_FORMATS[torch.float8_e4m3fn], int(kv_dtype == torch.float8_e5m2)
+        cache, cache_fp8 = self._cache_bf16 if kv_dtype == torch.bfloat16 else self._cache, self._cache_fp8
         min_tile = self.backend.min_tile_query_len
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
         hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.two_inter // 2
@@ -298,9 +302,13 @@ class LlamaDirectForward:
             qkv = qkv_out.data_ptr()
             k_ptr, v_ptr = qkv + 4 * q, qkv + 4 * (q + kvs)
             rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
-            cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
+            k_scale, v_scale = kv_scales[i]
+            if fp8:
+                cache_fp8(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs, e5m2, k_scale, v_scale)
+            else:
+                cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
             if attention(att, q, qkv, qkv_w, key_cache, value_cache, tables, table_stride, lens, qsl, num_seqs,
-                         hq, hk, d, block_size, self.scale, kv_bf16, min_tile):
+                         hq, hk, d, block_size, self.scale, kv_fmt, min_tile, k_scale, v_scale):
                 raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
             o_out = run_linear(layer.o, b.attn, b.o)
             rms(normed, res, o_out.data_ptr(), h, res, h, layer.ln2, t, h, eps2)

@@ -313,7 +313,13 @@ class Worker:
                 # A verification chunk (1 + k tokens) must take the token path: its rows then get a plain decode's bits.
                 spec = self.config.speculative_config
                 min_tile = max(cpu_kernels.TILE_MIN_QUERY_LEN, 2 + spec.num_speculative_tokens) if spec else None
-                return NativeCpuAttentionBackend(kernels, min_tile)
+                return NativeCpuAttentionBackend(kernels, min_tile, self.kv_spec.k_scale, self.kv_spec.v_scale,
+                                                 self._scales_by_cache(), fp8_pool=self.kv_spec.is_fp8)
+        if self.kv_spec.is_fp8:
+            raise ValueError(f"kv_cache_dtype={self.config.cache_config.cache_dtype!r} on the CPU needs the native "
+                             f"CPU kernels (a C compiler, {cpu_kernels.KERNELS_ENV}=native) and a float32 or "
+                             f"bfloat16 model; here attention runs in torch ({self.dtype}): use kv_cache_dtype="
+                             f"'auto' or 'bfloat16'.")
         return TorchAttentionBackend()
 
     def _scales_by_cache(self) -> dict[int, tuple[float, float]] | None:

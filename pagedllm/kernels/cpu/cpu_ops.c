@@ -9,7 +9,9 @@
  * Cache layout, as everywhere in pagedllm: [num_blocks, block_size, num_kv_heads, head_dim], so token j
  * of block b, head h starts at ((b * block_size + j) * num_kv_heads + h) * head_dim. The pool holds
  * float32 or, with --kv-cache-dtype bfloat16, bf16 (half the bytes that attention streams): written with
- * round-to-nearest-even as torch's .to(torch.bfloat16), read back exactly by a 16-bit shift.
+ * round-to-nearest-even as torch's .to(torch.bfloat16), read back exactly by a 16-bit shift. With
+ * --kv-cache-dtype fp8 / fp8_e4m3 / fp8_e5m2 it holds one byte per value (a quarter of float32's): x / scale
+ * saturated and rounded to nearest even, as kernels/kv_quant.py's quantize, read back as fp8 · scale.
  * The torch reference (kernels/reference.py) is the oracle these are tested against.
  */
 #include <math.h>
@@ -417,10 +419,105 @@ static inline const float *bf16_to_f32(float *restrict dst, const uint16_t *rest
     return dst;
 }
 
-/* A block's first n values as float32: in the float32 pool as they are, in the bf16 pool widened into `widened`. */
-static inline const float *block_as_f32(const float *f32_pool, const uint16_t *bf16_pool, int64_t offset, int64_t n,
-                                        float *widened) {
-    return bf16_pool != NULL ? bf16_to_f32(widened, bf16_pool + offset, n) : f32_pool + offset;
+/* The pool's element type (paged_attention_f32's kv_format, the cache writes' format). */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3 };
+
+static inline int kv_elem_bytes(int format) { return format == KV_F32 ? 4 : format == KV_BF16 ? 2 : 1; }
+
+/* fp8 src[0:n] → float32 dst[0:n] times scale, without vector instructions beyond the compiler's: the float32 bits
+ * built in integers (a subnormal normalised by its leading bit), independent of the FPU's denormal mode. */
+static inline void fp8_to_f32_plain(float *restrict dst, const uint8_t *restrict src, int64_t n, int e5m2,
+                                    float scale) {
+    const uint32_t mbits = e5m2 ? 2u : 3u, shift = 23u - mbits, sub_mask = (1u << mbits) - 1u;
+    const uint32_t rebias = (e5m2 ? 112u : 120u) << 23; /* 127 - the format's exponent bias */
+    const uint32_t sub_exp = e5m2 ? 111u : 118u;        /* float32 exponent field of the subnormal step 2^-16 / 2^-9 */
+    const uint32_t special = e5m2 ? 0x7Cu : 0x7Fu, top = e5m2 ? 0x7f800000u : 0x7fc00000u, nan = 0x7fc00000u;
+    u32_alias *d = (u32_alias *)dst;
+    for (int64_t i = 0; i < n; ++i) {
+        const uint32_t b = src[i], mag = b & 0x7Fu, m = mag & sub_mask;
+        const uint32_t lead = (m >= 4u) + (m >= 2u); /* a subnormal's leading bit (m < 8) */
+        const uint32_t sub_bits = m ? ((sub_exp + lead) << 23) | ((m << (23u - lead)) & 0x7FFFFFu) : 0u;
+        const uint32_t bits = mag > sub_mask ? (mag << shift) + rebias : sub_bits;
+        float f;
+        uint32_t u;
+        memcpy(&f, &bits, sizeof f);
+        f *= scale;
+        memcpy(&u, &f, sizeof u);
+        const uint32_t spec = mag == special ? top : nan; /* the top code(s): inf / NaN */
+        d[i] = (mag >= special ? spec : u) | ((b & 0x80u) << 24);
+    }
+}
+
+/* dst[0:n] = fp8 src[0:n] (e4m3fn, or e5m2) as float32 times scale: fp8.float() * scale, the product rounded
+ * once. With F16C each byte becomes an fp16 exactly and the hardware widens it: e5m2 is fp16's top byte, and an
+ * e4m3 magnitude shifted left by 7 is the fp16 of its value · 2^-8 (normal and subnormal alike), so its scale
+ * carries the 2^8 (a power of two: still one rounding). e4m3's NaN code (0x7F) is the one fix-up. */
+static inline const float *fp8_to_f32(float *restrict dst, const uint8_t *restrict src, int64_t n, int e5m2,
+                                      float scale) {
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+    const float mul = e5m2 ? scale : scale * 256.f;
+    const __m256i lo7 = _mm256_set1_epi16(0x7F), hi1 = _mm256_set1_epi16(0x80);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 vmul = _mm512_set1_ps(mul), vnan = _mm512_set1_ps(NAN);
+    for (; i + 16 <= n; i += 16) {
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
+        const __m256i mag = _mm256_and_si256(w, lo7);
+        const __m256i h = e5m2 ? _mm256_slli_epi16(w, 8)
+                               : _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(w, hi1), 8));
+        __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), vmul);
+        if (!e5m2) f = _mm512_mask_mov_ps(f, _mm256_cmpeq_epi16_mask(mag, lo7), vnan);
+        _mm512_storeu_ps(dst + i, f);
+    }
+#endif
+    const __m256 vmul8 = _mm256_set1_ps(mul), vnan8 = _mm256_set1_ps(NAN);
+    for (; i + 8 <= n; i += 8) {
+        const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
+        const __m128i mag = _mm_and_si128(w, _mm256_castsi256_si128(lo7));
+        const __m128i h = e5m2 ? _mm_slli_epi16(w, 8)
+                               : _mm_or_si128(_mm_slli_epi16(mag, 7),
+                                              _mm_slli_epi16(_mm_and_si128(w, _mm256_castsi256_si128(hi1)), 8));
+        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), vmul8);
+        if (!e5m2) {
+            const __m256i is_nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm256_castsi256_si128(lo7)));
+            f = _mm256_blendv_ps(f, vnan8, _mm256_castsi256_ps(is_nan));
+        }
+        _mm256_storeu_ps(dst + i, f);
+    }
+#endif
+    fp8_to_f32_plain(dst + i, src + i, n - i, e5m2, scale);
+    return dst;
+}
+
+/* x / scale saturated to the format's largest finite value and rounded to the nearest fp8 (ties to even), as
+ * kernels/kv_quant.py's quantize (torch's clamp, then .to(float8)); NaN stays NaN. */
+static inline uint8_t f32_to_fp8(float x, int e5m2, float scale) {
+    const float y = x / scale;
+    uint32_t u;
+    memcpy(&u, &y, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return sign | 0x7Fu;
+    float a = fabsf(y);
+    const float max_finite = e5m2 ? 57344.f : 448.f;
+    if (a > max_finite) a = max_finite;
+    if (a < (e5m2 ? 0x1p-14f : 0x1p-6f)) /* subnormal steps of 2^-16 / 2^-9 (the top one rounds to the min normal) */
+        return sign | (uint8_t)nearbyintf(a * (e5m2 ? 0x1p16f : 0x1p9f));
+    memcpy(&u, &a, sizeof u);
+    const int drop = e5m2 ? 21 : 20; /* float32 mantissa bits the format drops */
+    u += ((1u << (drop - 1)) - 1u) + ((u >> drop) & 1u);
+    return sign | (uint8_t)((u >> drop) - ((e5m2 ? 112u : 120u) << (23 - drop)));
+}
+
+/* A block's first n values as float32: in a float32 pool as they are, in a bf16 or fp8 pool widened into
+ * `widened` (fp8 times its scale). `pool` is the cache's base, `offset` in elements. */
+static inline const float *block_as_f32(int format, const void *pool, int64_t offset, int64_t n, float *widened,
+                                        float scale) {
+    switch (format) {
+    case KV_BF16: return bf16_to_f32(widened, (const uint16_t *)pool + offset, n);
+    case KV_FP8_E4M3: return fp8_to_f32(widened, (const uint8_t *)pool + offset, n, 0, scale);
+    case KV_FP8_E5M2: return fp8_to_f32(widened, (const uint8_t *)pool + offset, n, 1, scale);
+    default: return (const float *)pool + offset;
+    }
 }
 
 /* float32 → bf16, round to nearest even (NaN stays NaN), as torch's conversion. */
@@ -461,20 +558,19 @@ static inline uint16_t f32_to_bf16(float f) {
  *   FMAs); probabilities · V block by block with PV_ROWS rows sharing each V load; the softmax's 1/sum is
  *   applied to the output rows.
  * On either path a token's arithmetic does not depend on the tile or the batch (keys past a token's position
- * get weight 0 and add exact zeros), so each token's result is the same in any batch. With kv_bf16 the caches
- * hold bf16: each block's rows that the tile reads are widened to float32 once per work item, and the float32
- * code runs on that. Returns 0, or -1 when scratch memory could not be allocated. */
+ * get weight 0 and add exact zeros), so each token's result is the same in any batch. kv_format: the caches
+ * hold float32 (KV_F32), bf16 or fp8 (keys times k_scale, values times v_scale): each block's rows that the tile
+ * reads are widened to float32 once per work item, and the float32 code runs on that. Returns 0, or -1 when
+ * scratch memory could not be allocated. */
 int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
                         const void *key_cache, const void *value_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                         int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int kv_bf16, int min_tile_query_len) {
+                        int kv_format, int min_tile_query_len, float k_scale, float v_scale) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
-    const int64_t block_bytes = block_stride * (kv_bf16 ? 2 : 4);
-    const float *kf32 = key_cache, *vf32 = value_cache;
-    const uint16_t *kb16 = kv_bf16 ? key_cache : NULL, *vb16 = kv_bf16 ? value_cache : NULL;
+    const int64_t block_bytes = block_stride * kv_elem_bytes(kv_format);
     int max_len = 1;
     for (int s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_len) max_len = seq_lens[s];
@@ -508,7 +604,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         /* acc[(h * ldq + i * group + g) * head_dim + d]: the same rows' outputs */
         float *acc = malloc(sizeof(float) * (size_t)(num_kv_heads * ldq * head_dim));
         /* bf16 blocks as float32: one per block of a tile-path run */
-        float *widened = kv_bf16 ? malloc(sizeof(float) * (size_t)(run_blocks * block_stride)) : NULL;
+        float *widened = kv_format != KV_F32 ? malloc(sizeof(float) * (size_t)(run_blocks * block_stride)) : NULL;
         float *kt = malloc(sizeof(float) * (size_t)(token_stride * ldk)); /* a run of keys, transposed */
         const float **key_rows = malloc(sizeof(float *) * (size_t)ldk);     /* each key's row of the run */
         /* the tile's queries, transposed */
@@ -516,7 +612,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         float *zeros = calloc((size_t)token_stride, sizeof(float));        /* stands in for missing key rows */
         float *norm = malloc(sizeof(float) * (size_t)(num_kv_heads * ldq)); /* 1 / each tile row's softmax sum */
         const int ok = scores != NULL && acc != NULL && kt != NULL && qt != NULL && zeros != NULL && norm != NULL &&
-                       key_rows != NULL && (!kv_bf16 || widened != NULL);
+                       key_rows != NULL && (kv_format == KV_F32 || widened != NULL);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -554,7 +650,8 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             for (int b = 0; !tiled && b < num_blocks; ++b) { /* pass 1, token path: scaled scores */
                 const int t0 = b * block_size;
                 const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
-                const float *kb = block_as_f32(kf32, kb16, table[b] * block_stride, rows * token_stride, widened);
+                const float *kb = block_as_f32(kv_format, key_cache, table[b] * block_stride, rows * token_stride,
+                                               widened, k_scale);
                 const char *next = b + 1 < num_blocks ? (const char *)key_cache + (int64_t)table[b + 1] * block_bytes
                                                       : NULL;
                 /* the next block in slices: one per KV head of each run of VW keys */
@@ -586,8 +683,9 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                 const int keys = last - t0 < nb * block_size ? last - t0 : nb * block_size;
                 for (int b = 0; b < nb; ++b) {
                     const int rows = keys - b * block_size < block_size ? keys - b * block_size : block_size;
-                    const float *kb = block_as_f32(kf32, kb16, table[b0 + b] * block_stride, rows * token_stride,
-                                                   kv_bf16 ? widened + b * block_stride : NULL);
+                    const float *kb = block_as_f32(kv_format, key_cache, table[b0 + b] * block_stride,
+                                                   rows * token_stride,
+                                                   kv_format != KV_F32 ? widened + b * block_stride : NULL, k_scale);
                     if (b0 + b + 1 < num_blocks)
                         prefetch_bytes((const char *)key_cache + (int64_t)table[b0 + b + 1] * block_bytes, block_bytes);
                     for (int j = 0; j < rows; ++j) key_rows[b * block_size + j] = kb + j * token_stride;
@@ -623,7 +721,8 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             for (int b = 0; b < num_blocks; ++b) { /* pass 2: probabilities · V */
                 const int t0 = b * block_size;
                 const int rows = last - t0 < block_size ? last - t0 : block_size;
-                const float *vb = block_as_f32(vf32, vb16, table[b] * block_stride, rows * token_stride, widened);
+                const float *vb = block_as_f32(kv_format, value_cache, table[b] * block_stride, rows * token_stride,
+                                               widened, v_scale);
                 const char *next = b + 1 < num_blocks ? (const char *)value_cache + (int64_t)table[b + 1] * block_bytes
                                                       : NULL;
                 int64_t fetched = 0; /* the next block in slices, one per KV head */
@@ -688,22 +787,27 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
 #define WRITE_AHEAD 4
 #endif
 
-/* dst[0:n] = src[0:n] as the pool stores it: float32 as is, or rounded to bf16. */
-static inline void store_row(void *dst, const float *src, int64_t n, int bf16) {
-    if (!bf16) {
+/* dst[0:n] = src[0:n] as the pool stores it: float32 as is, rounded to bf16, or quantized to fp8 by `scale`. */
+static inline void store_row(void *dst, const float *src, int64_t n, int format, float scale) {
+    if (format == KV_F32) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
-        return;
+    } else if (format == KV_BF16) {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    } else {
+        uint8_t *d = dst;
+        const int e5m2 = format == KV_FP8_E5M2;
+        for (int64_t i = 0; i < n; ++i) d[i] = f32_to_fp8(src[i], e5m2, scale);
     }
-    uint16_t *d = dst;
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
 }
 
 /* Write each token's K and V rows (num_kv_heads * head_dim floats, `src_stride` floats apart) into
- * slot slot_mapping[t] of the caches (elements of `elem` bytes: 4 = float32, 2 = bf16); slots < 0 are
+ * slot slot_mapping[t] of the caches (of `format`; fp8 keys by k_scale, values by v_scale); slots < 0 are
  * padding and skipped. */
 static void write_kv_rows(const float *key, const float *value, int64_t src_stride, char *key_cache, char *value_cache,
-                          const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int elem) {
-    const int64_t row_bytes = row * elem;
+                          const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int format, float k_scale,
+                          float v_scale) {
+    const int64_t row_bytes = row * kv_elem_bytes(format);
 #pragma omp parallel for schedule(static) if (num_tokens > 64)
     for (int64_t t = 0; t < num_tokens; ++t) {
         /* A decode's slots lie in blocks no one touched lately: each store would wait for its lines one by one
@@ -716,20 +820,30 @@ static void write_kv_rows(const float *key, const float *value, int64_t src_stri
             }
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
-        store_row(key_cache + slot * row * elem, key + t * src_stride, row, elem == 2);
-        store_row(value_cache + slot * row * elem, value + t * src_stride, row, elem == 2);
+        store_row(key_cache + slot * row_bytes, key + t * src_stride, row, format, k_scale);
+        store_row(value_cache + slot * row_bytes, value + t * src_stride, row, format, v_scale);
     }
 }
 
 void reshape_and_cache_f32(const float *key, const float *value, int64_t src_stride, float *key_cache,
                            float *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row) {
-    write_kv_rows(key, value, src_stride, (char *)key_cache, (char *)value_cache, slot_mapping, num_tokens, row, 4);
+    write_kv_rows(key, value, src_stride, (char *)key_cache, (char *)value_cache, slot_mapping, num_tokens, row, KV_F32,
+                  1.f, 1.f);
 }
 
 /* The same for a bf16 pool: each float is rounded to the nearest bf16 (ties to even). */
 void reshape_and_cache_bf16(const float *key, const float *value, int64_t src_stride, uint16_t *key_cache,
                             uint16_t *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row) {
-    write_kv_rows(key, value, src_stride, (char *)key_cache, (char *)value_cache, slot_mapping, num_tokens, row, 2);
+    write_kv_rows(key, value, src_stride, (char *)key_cache, (char *)value_cache, slot_mapping, num_tokens, row,
+                  KV_BF16, 1.f, 1.f);
+}
+
+/* The same for an fp8 pool (e4m3fn, or e5m2 where e5m2 != 0): x / scale saturated and rounded to nearest even. */
+void reshape_and_cache_fp8(const float *key, const float *value, int64_t src_stride, uint8_t *key_cache,
+                           uint8_t *value_cache, const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int e5m2,
+                           float k_scale, float v_scale) {
+    write_kv_rows(key, value, src_stride, (char *)key_cache, (char *)value_cache, slot_mapping, num_tokens, row,
+                  e5m2 ? KV_FP8_E5M2 : KV_FP8_E4M3, k_scale, v_scale);
 }
 
 /* ---- Fused elementwise ops: the CPU twins of kernels/triton_fused_ops.py (float32) ---- */

@@ -36,13 +36,32 @@ class TorchAttentionBackend:
         return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale)
 
 
-class NativeCpuAttentionBackend:
+class KVScales:
+    """Per-layer FP8 KV scales for a backend: `layer_scales` maps a layer's key cache (its ``data_ptr()``) to
+    that layer's calibrated (k_scale, v_scale); a cache not in it (or no mapping) uses (k_scale, v_scale).
+    Keyed by the cache, the scales follow every path that attends through it (eager steps, graph replays,
+    self-speculation sharing the target's caches). Plain pools ignore them."""
+
+    def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0,
+                 layer_scales: dict[int, tuple[float, float]] | None = None) -> None:
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.layer_scales = dict(layer_scales or {})
+
+    def scales_for(self, key_cache: torch.Tensor) -> tuple[float, float]:
+        """(k_scale, v_scale) of the layer owning `key_cache`."""
+        if not self.layer_scales:
+            return self.k_scale, self.v_scale
+        return self.layer_scales.get(key_cache.data_ptr(), (self.k_scale, self.v_scale))
+
+
+class NativeCpuAttentionBackend(KVScales):
     """The CPU path with native kernels (kernels/cpu_kernels.py): decodes and prompt chunks read K/V
     straight through their block tables, the whole step in one call per layer. A chunk longer than
     `max_native_query_len` goes to the torch reference instead: torch's SDPA, blocked like a GEMM, is
     faster on long fresh prompts (BENCHMARKS.md §1). The choice is per chunk, by its own length (the engine
     orders a step's chunks shortest first, so the native ones are a leading run): a token's attention
-    does not depend on what else shares its step."""
+    does not depend on what else shares its step. An FP8 pool (--kv-cache-dtype fp8 / fp8_e5m2 on the CPU)
+    sends every chunk to the kernel, which reads fp8 · scale (KVScales) as it reads bf16."""
 
     name = "cpu-native"
     max_native_query_len = 512
@@ -50,24 +69,31 @@ class NativeCpuAttentionBackend:
     #: read its bf16 pool as they read a float32 model's bf16 pool; the output is rounded back to bf16.
     model_dtypes = (torch.float32, torch.bfloat16)
 
-    def __init__(self, kernels, min_tile_query_len: int | None = None) -> None:
+    def __init__(self, kernels, min_tile_query_len: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                 layer_scales: dict[int, tuple[float, float]] | None = None, fp8_pool: bool = False) -> None:
         """`min_tile_query_len`: chunks this long or longer take the kernel's tile path (default
-        `cpu_kernels.TILE_MIN_QUERY_LEN`); speculative decoding raises it above its verification length."""
+        `cpu_kernels.TILE_MIN_QUERY_LEN`); speculative decoding raises it above its verification length.
+        `fp8_pool`: the KV pool is FP8, so no chunk goes to torch's SDPA (it would read the pool unscaled)."""
         from pagedllm.kernels.cpu_kernels import TILE_MIN_QUERY_LEN
 
+        super().__init__(k_scale, v_scale, layer_scales)
         self.kernels = kernels
         self.min_tile_query_len = min_tile_query_len or TILE_MIN_QUERY_LEN
+        if fp8_pool:
+            self.max_native_query_len = 1 << 62  # every chunk, whatever its length
+        self.fp8_pool = fp8_pool
         self._checked_meta: AttentionMetadata | None = None  # the step whose indices passed the check
 
     def forward(self, query, key, value, kv_cache, meta, scale):
         key_cache, value_cache = kv_cache
+        k_scale, v_scale = self.scales_for(key_cache)
         widen = query.dtype != torch.float32  # a bfloat16 model (model_dtypes)
         self.kernels.reshape_and_cache(key.float() if widen else key, value.float() if widen else value,
-                                       key_cache, value_cache, meta.slot_mapping)
+                                       key_cache, value_cache, meta.slot_mapping, k_scale, v_scale)
         out = torch.empty_like(query)
         # A bf16 model's prompt chunks keep torch's SDPA in bf16 (as fast as the kernel's float32 tile path there,
         # BENCHMARKS.md §52.9, and without widening whole chunks); its decodes and verifications take the kernel.
-        limit = self.min_tile_query_len - 1 if widen else self.max_native_query_len
+        limit = self.min_tile_query_len - 1 if widen and not self.fp8_pool else self.max_native_query_len
         if meta.max_query_len <= limit:
             num_native, rows = meta.num_seqs, query.shape[0]
         else:  # the leading chunks up to the first long one
@@ -80,7 +106,8 @@ class NativeCpuAttentionBackend:
                                          value_cache, meta.block_tables[:num_native], meta.seq_lens[:num_native],
                                          meta.query_start_loc[: num_native + 1], scale,
                                          indices_checked=meta is self._checked_meta,
-                                         min_tile_query_len=self.min_tile_query_len)
+                                         min_tile_query_len=self.min_tile_query_len, k_scale=k_scale,
+                                         v_scale=v_scale)
             self._checked_meta = meta  # every layer of a step shares its metadata: checked once
             if widen:
                 out[:rows] = native_out
@@ -92,33 +119,23 @@ class NativeCpuAttentionBackend:
         return out
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(KVScales):
     """Triton kernels (kernels/triton_*.py): the CUDA path. Same contract as TorchAttentionBackend.
 
     Owns one split-KV decode workspace per device, shared by every layer and every captured CUDA graph;
     it grows when a call needs more (the capture warm-up sizes it before each capture).
 
-    FP8 pools store x / scale: `layer_scales` maps a layer's key cache (its ``data_ptr()``) to that layer's
-    calibrated (k_scale, v_scale); a cache not in it (or no mapping) uses (k_scale, v_scale). Keyed by the
-    cache, the scales follow every path that attends through it (eager steps, piecewise-graph replays,
-    self-speculation sharing the target's caches). `fp8_dot_dtype`: the FP8 kernels' dot dtype (None: the
-    kernels' default, ``triton_attention.resolve_fp8_dot``). Plain pools ignore all three."""
+    FP8 pools store x / scale, with the scales of KVScales. `fp8_dot_dtype`: the FP8 kernels' dot dtype
+    (None: the kernels' default, ``triton_attention.resolve_fp8_dot``). Plain pools ignore the three."""
 
     name = "triton"
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0,
                  layer_scales: dict[int, tuple[float, float]] | None = None,
                  fp8_dot_dtype: str | None = None) -> None:
+        super().__init__(k_scale, v_scale, layer_scales)
         self.workspaces: dict[torch.device, DecodeWorkspace] = {}
-        self.k_scale, self.v_scale = k_scale, v_scale
-        self.layer_scales = dict(layer_scales or {})
         self.fp8_dot_dtype = fp8_dot_dtype
-
-    def scales_for(self, key_cache: torch.Tensor) -> tuple[float, float]:
-        """(k_scale, v_scale) of the layer owning `key_cache`."""
-        if not self.layer_scales:
-            return self.k_scale, self.v_scale
-        return self.layer_scales.get(key_cache.data_ptr(), (self.k_scale, self.v_scale))
 
     def forward(self, query, key, value, kv_cache, meta, scale, out=None):
         """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor."""
