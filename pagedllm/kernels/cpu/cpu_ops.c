@@ -424,10 +424,9 @@ enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_FP8_E5M2 = 3 };
 
 static inline int kv_elem_bytes(int format) { return format == KV_F32 ? 4 : format == KV_BF16 ? 2 : 1; }
 
-/* fp8 src[0:n] → float32 dst[0:n] times scale, without vector instructions beyond the compiler's: the float32 bits
+/* fp8 src[0:n] → float32 dst[0:n] (unscaled), without vector instructions beyond the compiler's: the float32 bits
  * built in integers (a subnormal normalised by its leading bit), independent of the FPU's denormal mode. */
-static inline void fp8_to_f32_plain(float *restrict dst, const uint8_t *restrict src, int64_t n, int e5m2,
-                                    float scale) {
+static inline void fp8_decode_plain(float *restrict dst, const uint8_t *restrict src, int64_t n, int e5m2) {
     const uint32_t mbits = e5m2 ? 2u : 3u, shift = 23u - mbits, sub_mask = (1u << mbits) - 1u;
     const uint32_t rebias = (e5m2 ? 112u : 120u) << 23; /* 127 - the format's exponent bias */
     const uint32_t sub_exp = e5m2 ? 111u : 118u;        /* float32 exponent field of the subnormal step 2^-16 / 2^-9 */
@@ -438,14 +437,24 @@ static inline void fp8_to_f32_plain(float *restrict dst, const uint8_t *restrict
         const uint32_t lead = (m >= 4u) + (m >= 2u); /* a subnormal's leading bit (m < 8) */
         const uint32_t sub_bits = m ? ((sub_exp + lead) << 23) | ((m << (23u - lead)) & 0x7FFFFFu) : 0u;
         const uint32_t bits = mag > sub_mask ? (mag << shift) + rebias : sub_bits;
-        float f;
-        uint32_t u;
-        memcpy(&f, &bits, sizeof f);
-        f *= scale;
-        memcpy(&u, &f, sizeof u);
         const uint32_t spec = mag == special ? top : nan; /* the top code(s): inf / NaN */
-        d[i] = (mag >= special ? spec : u) | ((b & 0x80u) << 24);
+        d[i] = (mag >= special ? spec : bits) | ((b & 0x80u) << 24);
     }
+}
+
+/* The same times scale (the product rounded once). Long runs go through a table of the 256 codes. */
+static inline void fp8_to_f32_plain(float *restrict dst, const uint8_t *restrict src, int64_t n, int e5m2,
+                                    float scale) {
+    if (n >= 1024) {
+        uint8_t codes[256];
+        float table[256];
+        for (int c = 0; c < 256; ++c) codes[c] = (uint8_t)c;
+        fp8_decode_plain(table, codes, 256, e5m2);
+        for (int64_t i = 0; i < n; ++i) dst[i] = table[src[i]] * scale;
+        return;
+    }
+    fp8_decode_plain(dst, src, n, e5m2);
+    for (int64_t i = 0; i < n; ++i) dst[i] *= scale;
 }
 
 /* dst[0:n] = fp8 src[0:n] (e4m3fn, or e5m2) as float32 times scale: fp8.float() * scale, the product rounded
