@@ -180,3 +180,26 @@ def test_fp8_pool_survives_swap_preemption_and_copy_on_write():
     assert stats["num_swap_preemptions"] > 0 and stats["num_swapped_out_blocks"] > 0, stats
     assert stats["num_cow_copies"] > 0, stats
     assert all(len(o) == 2 for o in want[-2:])
+
+
+@needs_kernels
+def test_a_bfloat16_model_on_an_fp8_pool():
+    """A bfloat16 model's q/k/v are widened for the kernels, which also take its long prompt chunks on an fp8 pool
+    (torch's SDPA would read the pool unscaled): its greedy continuations stay those of the bf16 pool at most
+    positions (teacher-forced)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.benchmarks.fp8_accuracy import teacher_forced
+
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = PROMPTS[:4] + [" ".join(["The quick brown fox jumps over the lazy dog."] * 12)]  # a long chunk
+    bf16 = LLM(dtype="bfloat16", max_model_len=512, num_gpu_blocks_override=64)
+    outs = bf16.generate(prompts, sp, use_tqdm=False)
+    ids = [list(o.prompt_token_ids) for o in outs]
+    want = [list(o.outputs[0].token_ids) for o in outs]
+    assert len(ids[-1]) >= cpu_kernels.TILE_MIN_QUERY_LEN  # on a bf16 pool this chunk would take torch's SDPA
+    del bf16
+    llm = LLM(dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=512, num_gpu_blocks_override=64)
+    backend = llm.llm_engine.executor.driver_worker.model_runner.attn_backend
+    assert backend.fp8_pool and backend.max_native_query_len >= 1 << 30
+    same, total = teacher_forced(llm, ids, want)
+    assert same / total >= 0.85, (same, total)
