@@ -460,39 +460,37 @@ static inline void fp8_to_f32_plain(float *restrict dst, const uint8_t *restrict
 /* dst[0:n] = fp8 src[0:n] (e4m3fn, or e5m2) as float32 times scale: fp8.float() * scale, the product rounded
  * once. With F16C each byte becomes an fp16 exactly and the hardware widens it: e5m2 is fp16's top byte, and an
  * e4m3 magnitude shifted left by 7 is the fp16 of its value · 2^-8 (normal and subnormal alike), so its scale
- * carries the 2^8 (a power of two: still one rounding). e4m3's NaN code (0x7F) is the one fix-up. */
+ * carries the 2^8 (a power of two: still one rounding); e4m3's NaN code (0x7F) gets an fp16 NaN's exponent. */
+#if defined(__F16C__) && defined(__AVX2__)
+static inline __m256i fp8x16_to_half(__m256i w, int e5m2) {
+    if (e5m2) return _mm256_slli_epi16(w, 8);
+    const __m256i lo7 = _mm256_set1_epi16(0x7F);
+    const __m256i mag = _mm256_and_si256(w, lo7);
+    const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(mag, lo7), _mm256_set1_epi16(0x7E00));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    return _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(mag, 7), nan), sign);
+}
+#endif
+
 static inline const float *fp8_to_f32(float *restrict dst, const uint8_t *restrict src, int64_t n, int e5m2,
                                       float scale) {
     int64_t i = 0;
 #if defined(__F16C__) && defined(__AVX2__)
     const float mul = e5m2 ? scale : scale * 256.f;
-    const __m256i lo7 = _mm256_set1_epi16(0x7F), hi1 = _mm256_set1_epi16(0x80);
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    const __m512 vmul = _mm512_set1_ps(mul), vnan = _mm512_set1_ps(NAN);
+#if defined(__AVX512F__)
+    const __m512 vmul = _mm512_set1_ps(mul);
     for (; i + 16 <= n; i += 16) {
-        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i)));
-        const __m256i mag = _mm256_and_si256(w, lo7);
-        const __m256i h = e5m2 ? _mm256_slli_epi16(w, 8)
-                               : _mm256_or_si256(_mm256_slli_epi16(mag, 7), _mm256_slli_epi16(_mm256_and_si256(w, hi1), 8));
-        __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), vmul);
-        if (!e5m2) f = _mm512_mask_mov_ps(f, _mm256_cmpeq_epi16_mask(mag, lo7), vnan);
-        _mm512_storeu_ps(dst + i, f);
+        const __m256i h = fp8x16_to_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i))), e5m2);
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtph_ps(h), vmul));
+    }
+#else
+    const __m256 vmul = _mm256_set1_ps(mul);
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = fp8x16_to_half(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(src + i))), e5m2);
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), vmul));
+        _mm256_storeu_ps(dst + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), vmul));
     }
 #endif
-    const __m256 vmul8 = _mm256_set1_ps(mul), vnan8 = _mm256_set1_ps(NAN);
-    for (; i + 8 <= n; i += 8) {
-        const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
-        const __m128i mag = _mm_and_si128(w, _mm256_castsi256_si128(lo7));
-        const __m128i h = e5m2 ? _mm_slli_epi16(w, 8)
-                               : _mm_or_si128(_mm_slli_epi16(mag, 7),
-                                              _mm_slli_epi16(_mm_and_si128(w, _mm256_castsi256_si128(hi1)), 8));
-        __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), vmul8);
-        if (!e5m2) {
-            const __m256i is_nan = _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm256_castsi256_si128(lo7)));
-            f = _mm256_blendv_ps(f, vnan8, _mm256_castsi256_ps(is_nan));
-        }
-        _mm256_storeu_ps(dst + i, f);
-    }
 #endif
     fp8_to_f32_plain(dst + i, src + i, n - i, e5m2, scale);
     return dst;
