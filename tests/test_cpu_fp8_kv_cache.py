@@ -203,3 +203,25 @@ def test_a_bfloat16_model_on_an_fp8_pool():
     assert backend.fp8_pool and backend.max_native_query_len >= 1 << 30
     same, total = teacher_forced(llm, ids, want)
     assert same / total >= 0.85, (same, total)
+
+
+@needs_kernels
+def test_speculation_on_an_fp8_pool_keeps_greedy_outputs():
+    """Verification rows take the kernel's token path over the fp8 pool like decodes do, and rejected drafts'
+    slots are rewritten: n-gram speculation on and off give the same greedy tokens, and no block leaks."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n", "one two three four one two three four one two",
+               "The cat sat on the mat. The cat sat on the", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = {}
+    for on in (False, True):
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+        llm = LLM(quantization="none", kv_cache_dtype="fp8", max_model_len=256, num_gpu_blocks_override=64,
+                  speculative_config=spec if on else None)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        bm = llm.llm_engine.scheduler.block_manager
+        assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+        if on:
+            assert llm.llm_engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert outs[True] == outs[False]
