@@ -170,7 +170,9 @@ def test_fp8_pool_survives_swap_preemption_and_copy_on_write():
     prompts = PROMPTS + PROMPTS[:2]
 
     def run(**kw):
-        llm = LLM(quantization="none", kv_cache_dtype="fp8", max_model_len=256, **kw)
+        # At most 8 rows a decode step: the float32 GEMM's native row limit on every build (portable: 8), whose rows
+        # have the same bits in any batch, so preemption cannot change a token through the batch it runs in.
+        llm = LLM(quantization="none", kv_cache_dtype="fp8", max_model_len=256, max_num_seqs=8, **kw)
         outs = [[list(c.token_ids) for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
         return outs, llm.llm_engine.stats()
 
