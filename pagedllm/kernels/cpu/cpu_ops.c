@@ -610,7 +610,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         float *scores = malloc(sizeof(float) * (size_t)(num_kv_heads * head_rows));
         /* acc[(h * ldq + i * group + g) * head_dim + d]: the same rows' outputs */
         float *acc = malloc(sizeof(float) * (size_t)(num_kv_heads * ldq * head_dim));
-        /* bf16 blocks as float32: one per block of a tile-path run */
+        /* bf16 or fp8 blocks as float32: one per block of a tile-path run */
         float *widened = kv_format != KV_F32 ? malloc(sizeof(float) * (size_t)(run_blocks * block_stride)) : NULL;
         float *kt = malloc(sizeof(float) * (size_t)(token_stride * ldk)); /* a run of keys, transposed */
         const float **key_rows = malloc(sizeof(float *) * (size_t)ldk);     /* each key's row of the run */
