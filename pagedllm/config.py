@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.batch_invariance import batch_invariant_from_env
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -48,6 +50,8 @@ class ModelConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     max_capture_tokens: int = 8192  # piecewise graphs for steps up to this many tokens (0: none)
     quantization: str | None = None  # --quantization: None or one of QUANTIZATION_METHODS
+    # vLLM's VLLM_BATCH_INVARIANT=1 (pagedllm/batch_invariance.py): outputs independent of batching and chunking
+    batch_invariant: bool = field(default_factory=batch_invariant_from_env)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_capture_tokens, int) or self.max_capture_tokens < 0:

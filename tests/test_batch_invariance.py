@@ -1,9 +1,89 @@
-"""The CPU default (GGUF weights served quantized) gives a request the same greedy tokens and the same
-logprobs, bit for bit, whatever shares its steps: alone, or batched with a long prompt whose chunk takes
-torch's attention (the choice of attention is per chunk, not per step)."""
+"""Batch invariance on the CPU.
+
+By default (GGUF weights served quantized) a request gets the same greedy tokens and logprobs, bit for bit,
+whatever shares its steps: alone, or batched with a long prompt whose chunk takes torch's attention (the choice
+of attention is per chunk, not per step).
+
+With VLLM_BATCH_INVARIANT=1 (pagedllm/batch_invariance.py) its tokens and logprobs are also the same after a
+prefix-cache hit and under chunked prefill, and batched with long prompts on float32 weights: on the bundled
+model with float32 and GGUF-quantized weights and float32 and FP8 KV pools. Also the kernels' pieces of it, and a
+clear error where the mode cannot be given."""
 from __future__ import annotations
 
+import pytest
+import torch
+
 from pagedllm import LLM, SamplingParams
+from pagedllm.batch_invariance import BATCH_INVARIANT_ENV, batch_invariant_from_env, unsupported_reason
+from pagedllm.config import ModelConfig
+from pagedllm.kernels import cpu_kernels
+from pagedllm.kernels.cpu_f32_gemm import load_f32_gemm
+from pagedllm.model.layers.attention import NO_TILE_PATH
+
+KERNELS = cpu_kernels.load_cpu_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler: the CPU path runs torch")
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("true", True), ("ON", True), ("0", False), ("", False),
+                                            ("off", False)])
+def test_the_environment_variable(monkeypatch, value, expected):
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, value)
+    assert batch_invariant_from_env() is expected
+    assert ModelConfig().batch_invariant is expected
+
+
+def test_a_bad_value_names_the_allowed_ones(monkeypatch):
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "maybe")
+    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT='maybe'.*use 1 .* or 0"):
+        ModelConfig()
+
+
+def test_unsupported_configurations_are_named():
+    assert "CPU path only" in unsupported_reason("cuda", "bfloat16", None, False, False)
+    assert "native CPU kernels" in unsupported_reason("cpu", "float32", None, False, True)
+    assert "dtype='float32'" in unsupported_reason("cpu", "bfloat16", None, True, False)
+    assert "native float32 GEMM" in unsupported_reason("cpu", "float32", None, True, False)
+    assert unsupported_reason("cpu", "float32", "gguf", True, False) is None
+    assert unsupported_reason("cpu", "float32", None, True, True) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn], ids=["f32", "e4m3"])
+def test_token_path_gives_every_token_of_a_long_chunk_its_lone_bits(cache_dtype):
+    """A 70-token chunk after 20 cached tokens, all on the token path, against each token as a one-token chunk
+    over the same keys (what a decode, or a prefix-cache hit that leaves one token, computes)."""
+    g = torch.Generator().manual_seed(3)
+    hq, hk, d, bs, ctx, qlen = 9, 3, 64, 16, 20, 70
+    nb = -(-(ctx + qlen) // bs)
+    kc = torch.randn(nb, bs, hk, d, generator=g).to(cache_dtype)
+    vc = torch.randn(nb, bs, hk, d, generator=g).to(cache_dtype)
+    q = torch.randn(qlen, hq, d, generator=g)
+    table = torch.randperm(nb, generator=g).to(torch.int32).view(1, nb)
+    chunk = torch.empty_like(q)
+    KERNELS.paged_attention(chunk, q, kc, vc, table, torch.tensor([ctx + qlen], dtype=torch.int32),
+                            torch.tensor([0, qlen], dtype=torch.int32), 0.125, min_tile_query_len=NO_TILE_PATH,
+                            k_scale=0.5, v_scale=0.7)
+    for i in range(qlen):
+        alone = torch.empty_like(q[i:i + 1])
+        KERNELS.paged_attention(alone, q[i:i + 1].clone(), kc, vc, table, torch.tensor([ctx + i + 1], dtype=torch.int32),
+                                torch.tensor([0, 1], dtype=torch.int32), 0.125, k_scale=0.5, v_scale=0.7)
+        assert torch.equal(chunk[i], alone[0]), f"token {i}"
+
+
+@needs_kernels
+def test_native_gemm_for_every_row_count_gives_each_row_its_lone_bits():
+    gemm = load_f32_gemm()
+    if gemm is None:
+        pytest.skip("the native float32 GEMM could not be built")
+    every = gemm.for_every_row_count()
+    assert every.max_rows >= 1 << 40 and every.isa == gemm.isa and every.max_rows > gemm.max_rows
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 96, generator=g)
+    x = torch.randn(gemm.max_rows + 37, 96, generator=g)  # past the default limit, with a partial row tile
+    panels = every.pack(w)
+    y = every.linear(x, panels, 200, None)
+    for i in (0, 11, 12, gemm.max_rows, x.shape[0] - 1):
+        assert torch.equal(y[i], every.linear(x[i:i + 1], panels, 200, None)[0]), f"row {i}"
 
 
 def test_cpu_outputs_do_not_depend_on_what_shares_the_step(tokenizer):
@@ -21,3 +101,48 @@ def test_cpu_outputs_do_not_depend_on_what_shares_the_step(tokenizer):
                                                       zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                       for o in outs]
     assert runs[4] == runs[1]
+
+
+CHAT_TARGET = "The capital of France is"
+
+
+def _chat(tok, content: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+
+
+def _tokens_and_logprobs(llm: LLM, prompts: list[str], index: int) -> tuple[list[int], list[float]]:
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    out = llm.generate(prompts, sp, use_tqdm=False)[index].outputs[0]
+    return list(out.token_ids), [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [("none", "auto"), (None, "fp8")],
+                         ids=["float32-weights-f32-kv", "gguf-weights-fp8-kv"])
+def test_outputs_do_not_depend_on_batch_chunking_or_prefix_cache(monkeypatch, quantization, kv_cache_dtype):
+    """Without the mode the FP8 run's second answer (after the chat template's blocks were cached by another
+    request) read "L'aujourcé" against "L'Allema de" alone on this model (BENCHMARKS.md §54)."""
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    kw = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=512)
+    llm = LLM(enable_prefix_caching=True, num_gpu_blocks_override=256, **kw)
+    tok = llm.get_tokenizer()
+    target = _chat(tok, CHAT_TARGET)
+    alone = _tokens_and_logprobs(llm, [target], 0)
+    _tokens_and_logprobs(llm, [_chat(tok, "List three colours:")], 0)  # caches the template's blocks
+    assert _tokens_and_logprobs(llm, [target], 0) == alone  # a prefix-cache hit: a shorter first chunk
+    # batched with three ~150-token prompts: steps of several hundred rows (oneDNN's row counts by default)
+    longs = [_chat(tok, "word " * 150 + str(i)) for i in range(3)]
+    assert _tokens_and_logprobs(llm, [*longs, target], 3) == alone
+    del llm
+    chunked = LLM(max_num_batched_tokens=16, num_gpu_blocks_override=128, **kw)  # the prompt in 16-token chunks
+    assert _tokens_and_logprobs(chunked, [target], 0) == alone
+
+
+@needs_kernels
+def test_configurations_without_invariance_are_refused(monkeypatch):
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*float32 \(or GGUF-quantized\) weights"):
+        LLM(dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=16)
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "onednn")
+    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*native float32 GEMM"):
+        LLM(quantization="none", max_model_len=256, num_gpu_blocks_override=16)

@@ -16,7 +16,7 @@ import ctypes
 import functools
 import logging
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ class F32Gemm:
     lib: ctypes.CDLL
     path: Path
     isa: str
+    row_limit: int | None = None  # None: where this kernel beats oneDNN here (native_row_limit)
     panel_width: int = field(init=False)
     tile_rows: int = field(init=False)
     max_rows: int = field(init=False)  # the largest row count this build takes (more go to oneDNN)
@@ -60,8 +61,12 @@ class F32Gemm:
         # Read once: every linear call consults them (a ctypes call costs ~1 µs on the per-step path).
         object.__setattr__(self, "panel_width", self.lib.f32_gemm_panel_width())
         object.__setattr__(self, "tile_rows", self.lib.f32_gemm_tile_rows())
-        object.__setattr__(self, "max_rows", native_row_limit(self.isa, cpu_isa.detect_cpu_isa().detected,
-                                                             self.tile_rows))
+        object.__setattr__(self, "max_rows", self.row_limit if self.row_limit is not None else
+                           native_row_limit(self.isa, cpu_isa.detect_cpu_isa().detected, self.tile_rows))
+
+    def for_every_row_count(self) -> F32Gemm:
+        """This build taking linears of any row count (batch invariance: none goes to oneDNN)."""
+        return replace(self, row_limit=1 << 62)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """A float32 CPU weight [n, k] → its panels (a flat float32 tensor of ceil(n / panel_width) · k ·

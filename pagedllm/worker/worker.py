@@ -9,6 +9,7 @@ from typing import Iterable
 
 import torch
 
+from pagedllm import batch_invariance
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
 from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, kv_quant
@@ -113,6 +114,8 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
             cpu_isa.detect_cpu_isa()  # logs the ISA level once; a bad PAGEDLLM_CPU_ISA fails here, before loading
+        if self.config.model_config.batch_invariant:
+            self._check_batch_invariance()
         mc = self.config.model_config
         cls = get_model_class(self.hf_config)
         # What this process held on the device before this worker's model (another engine in the same
@@ -149,6 +152,23 @@ class Worker:
             self.model_load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.memory_baseline
             logger.info("Model loading took %.2f GiB (peak %.2f GiB while loading)",
                         self.model_memory_bytes / 2**30, self.model_load_peak_bytes / 2**30)
+
+    def _check_batch_invariance(self) -> None:
+        """VLLM_BATCH_INVARIANT=1: a clear error where this engine cannot give it, before the model loads."""
+        native_f32_gemm = False
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.quantization != "gguf":
+            from pagedllm.kernels.cpu_f32_gemm import load_f32_gemm
+
+            native_f32_gemm = (cpu_linear.f32_small_rows_wanted() and cpu_linear.cpu_gemm_backend() == "onednn"
+                               and cpu_kernels.kernels_choice() != "torch" and load_f32_gemm() is not None)
+        native_kernels = self.device.type == "cpu" and cpu_kernels.load_cpu_kernels() is not None
+        why = batch_invariance.unsupported_reason(self.device.type, str(self.dtype).removeprefix("torch."),
+                                                  self.quantization, native_kernels, native_f32_gemm)
+        if why is not None:
+            raise ValueError(f"{batch_invariance.BATCH_INVARIANT_ENV}=1: {why}")
+        logger.info("Batch invariance on (%s=1): every chunk on the attention kernel's token path%s",
+                    batch_invariance.BATCH_INVARIANT_ENV,
+                    "" if self.quantization == "gguf" else ", float32 linears on the native GEMM at every row count")
 
     def _load_fp8_checkpoint(self, model, keep_fp8: bool) -> None:
         """Load an FP8 checkpoint: its e4m3 layers stay FP8 (`keep_fp8`) or are dequantized to the model's dtype."""
@@ -211,6 +231,8 @@ class Worker:
             from pagedllm.kernels.cpu_f32_gemm import load_f32_gemm
 
             f32_gemm = load_f32_gemm()
+        if self.config.model_config.batch_invariant and f32_gemm is not None:  # _check_batch_invariance passed
+            f32_gemm = f32_gemm.for_every_row_count()
         pack_weights_for_cpu(self.model, f32_gemm)
         if f32_gemm is None:
             return "onednn (packed weights)"
@@ -257,6 +279,10 @@ class Worker:
             from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 
             self.model_runner.direct_forward = LlamaDirectForward.build(self.model, backend)
+            if self.config.model_config.batch_invariant and self.model_runner.direct_forward is None:
+                logger.warning("%s=1 without the CPU direct forward: the module path's torch ops (norms, "
+                               "activations) are not checked for batch invariance here, only the attention "
+                               "kernel and the GEMMs", batch_invariance.BATCH_INVARIANT_ENV)
         if self.use_cuda_graphs():
             sc, mc, cc = self.config.scheduler_config, self.config.model_config, self.config.compilation_config
             t0 = time.perf_counter()
@@ -314,7 +340,8 @@ class Worker:
                 spec = self.config.speculative_config
                 min_tile = max(cpu_kernels.TILE_MIN_QUERY_LEN, 2 + spec.num_speculative_tokens) if spec else None
                 return NativeCpuAttentionBackend(kernels, min_tile, self.kv_spec.k_scale, self.kv_spec.v_scale,
-                                                 self._scales_by_cache(), fp8_pool=self.kv_spec.is_fp8)
+                                                 self._scales_by_cache(), fp8_pool=self.kv_spec.is_fp8,
+                                                 batch_invariant=self.config.model_config.batch_invariant)
         if self.kv_spec.is_fp8:
             raise ValueError(f"kv_cache_dtype={self.config.cache_config.cache_dtype!r} on the CPU needs the native "
                              f"CPU kernels (a C compiler, {cpu_kernels.KERNELS_ENV}=native) and a float32 or "

@@ -12,6 +12,8 @@ from pagedllm.kernels.metadata import AttentionMetadata
 if TYPE_CHECKING:
     from pagedllm.kernels.triton_attention import DecodeWorkspace
 
+NO_TILE_PATH = 1 << 30  # a min_tile_query_len no chunk reaches (the kernel takes a C int)
+
 
 class AttentionBackend(Protocol):
     def forward(
@@ -70,17 +72,21 @@ class NativeCpuAttentionBackend(KVScales):
     model_dtypes = (torch.float32, torch.bfloat16)
 
     def __init__(self, kernels, min_tile_query_len: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                 layer_scales: dict[int, tuple[float, float]] | None = None, fp8_pool: bool = False) -> None:
+                 layer_scales: dict[int, tuple[float, float]] | None = None, fp8_pool: bool = False,
+                 batch_invariant: bool = False) -> None:
         """`min_tile_query_len`: chunks this long or longer take the kernel's tile path (default
         `cpu_kernels.TILE_MIN_QUERY_LEN`); speculative decoding raises it above its verification length.
-        `fp8_pool`: the KV pool is FP8, so no chunk goes to torch's SDPA (it would read the pool unscaled)."""
+        `fp8_pool`: the KV pool is FP8, so no chunk goes to torch's SDPA (it would read the pool unscaled).
+        `batch_invariant` (pagedllm/batch_invariance.py): every chunk on the kernel's token path, so a token's
+        bits do not depend on its chunk's length either."""
         from pagedllm.kernels.cpu_kernels import TILE_MIN_QUERY_LEN
 
         super().__init__(k_scale, v_scale, layer_scales)
         self.kernels = kernels
-        self.min_tile_query_len = min_tile_query_len or TILE_MIN_QUERY_LEN
-        if fp8_pool:
+        self.min_tile_query_len = NO_TILE_PATH if batch_invariant else min_tile_query_len or TILE_MIN_QUERY_LEN
+        if fp8_pool or batch_invariant:
             self.max_native_query_len = 1 << 62  # every chunk, whatever its length
+        self.batch_invariant = batch_invariant
         self.fp8_pool = fp8_pool
         self._checked_meta: AttentionMetadata | None = None  # the step whose indices passed the check
 

@@ -1,0 +1,53 @@
+"""Batch invariance (vLLM's ``VLLM_BATCH_INVARIANT=1``): a request's outputs do not depend on what it is
+batched with, how its prompt is chunked, or which of its blocks came from the prefix cache.
+
+The CPU path already gives a token the same bits in any batch for a fixed chunking: the native attention
+kernel chooses its path by the chunk's own length, the GGUF GEMMs and the native float32 GEMM compute each row
+alone. Two choices still depend on the step, and this mode pins them:
+- attention: chunks of ``TILE_MIN_QUERY_LEN`` tokens or more take the kernel's tile path, and chunks over 512
+  tokens torch's SDPA; both sum in other orders than the token path, so a prompt read after a prefix-cache hit
+  (a shorter chunk) got other bits than the same prompt computed whole. Here every chunk takes the token path.
+- float32 linears: above ``F32Gemm.max_rows`` rows oneDNN's GEMM runs (another summation order). Here the native
+  kernel takes every row count.
+
+An FP8 KV cache makes the difference visible: a last-bit change before the quantization moves a value to the
+next e4m3 code, and a greedy output changes (BENCHMARKS.md §54). The GPU path has no batch-invariant kernels
+(cuBLAS and the split-KV decode choose their reductions by batch size), so the mode is refused there.
+"""
+from __future__ import annotations
+
+import os
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def batch_invariant_from_env() -> bool:
+    """Whether ``VLLM_BATCH_INVARIANT`` asks for batch invariance (1/true/yes/on; unset or 0/false/no/off: no)."""
+    value = os.environ.get(BATCH_INVARIANT_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{BATCH_INVARIANT_ENV}={value!r}: use 1 (batch-invariant outputs) or 0 (the default).")
+
+
+def unsupported_reason(device: str, dtype: str, quantization: str | None, native_kernels: bool,
+                       native_f32_gemm: bool) -> str | None:
+    """Why batch invariance cannot be given to this engine (None: it can). `dtype` is the resolved model dtype's
+    name, `quantization` the resolved weight format ("gguf" or None)."""
+    if device != "cpu":
+        return (f"batch invariance is implemented for the CPU path only; on {device} the GEMMs and the split-KV "
+                f"decode choose their reduction order by batch size. Unset {BATCH_INVARIANT_ENV}.")
+    if not native_kernels:
+        return ("batch invariance needs the native CPU kernels (a C compiler, PAGEDLLM_CPU_KERNELS unset or "
+                "'native'): torch's attention sums in an order that depends on the chunk.")
+    if quantization == "gguf":
+        return None
+    if dtype != "float32":
+        return (f"batch invariance on the CPU needs float32 (or GGUF-quantized) weights: {dtype} GEMMs run in "
+                f"oneDNN, whose summation order depends on the row count. Use dtype='float32'.")
+    if not native_f32_gemm:
+        return ("batch invariance with float32 weights needs the native float32 GEMM (kernels/cpu/f32_gemm.c; "
+                "PAGEDLLM_CPU_GEMM unset or 'auto').")
+    return None
