@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -91,13 +92,16 @@ def main() -> int:
                    help="allowed server RSS growth (API server + engine core) from the end of round 1 to the end of the last round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--server-args", default="",
+                   help="more `pagedllm serve` flags, e.g. \"--kv-cache-dtype fp8\" or a --speculative-config")
     args = p.parse_args()
 
     server = RemoteServer(["--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-model-len",
                            str(args.max_model_len), "--swap-space", "0.05", "--max-num-seqs", str(args.max_num_seqs),
-                           "--enable-prefix-caching", "--api-key", KEY])
+                           "--enable-prefix-caching", "--api-key", KEY, *shlex.split(args.server_args)])
     report: dict = {"cpu": _cpu_model(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                    "date": time.strftime("%Y-%m-%d"), "pool_blocks": args.num_gpu_blocks}
+                    "date": time.strftime("%Y-%m-%d"), "pool_blocks": args.num_gpu_blocks,
+                    "server_args": args.server_args}
     try:
         t0 = time.monotonic()
         statuses, fuzz_failures = fuzz_schema(server.base_url, AUTH, args.fuzz_examples, args.seed)
