@@ -146,3 +146,27 @@ def test_configurations_without_invariance_are_refused(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "onednn")
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*native float32 GEMM"):
         LLM(quantization="none", max_model_len=256, num_gpu_blocks_override=16)
+
+
+@needs_kernels
+def test_recompute_preemption_keeps_outputs_bit_for_bit(monkeypatch):
+    """A pool too small for the batch preempts by recompute: a preempted request's prompt and generated tokens come
+    back as one long chunk, which by default takes the attention kernel's tile path (its tokens were decoded on
+    the token path). With the mode every output, logprobs included, equals that of a pool large enough for all."""
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+
+    def run(blocks: int):
+        llm = LLM(kv_cache_dtype="fp8", max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=blocks,
+                  preemption_mode="recompute")
+        tok = llm.get_tokenizer()
+        prompts = [_chat(tok, p) for p in ("The capital of France is", "List three colours:", "def fibonacci(n):",
+                                           "Once upon a time, in a small village by the sea,", "The quick brown fox")]
+        sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+        outs = [(list(o.outputs[0].token_ids), [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return outs, llm.llm_engine.stats()
+
+    want, _ = run(128)
+    got, stats = run(20)
+    assert stats["num_recompute_preemptions"] > 0, stats
+    assert got == want
