@@ -170,3 +170,14 @@ def test_recompute_preemption_keeps_outputs_bit_for_bit(monkeypatch):
     got, stats = run(20)
     assert stats["num_recompute_preemptions"] > 0, stats
     assert got == want
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engines_refuse_the_mode(monkeypatch, tmp_path):
+    from tiny_models import save_tiny_llama
+
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: batch invariance is implemented for the CPU path"):
+        LLM(model=save_tiny_llama(tmp_path), skip_tokenizer_init=True, device="cuda", max_model_len=256,
+            num_gpu_blocks_override=16)
