@@ -123,7 +123,7 @@ def test_outputs_do_not_depend_on_batch_chunking_or_prefix_cache(monkeypatch, qu
     """Without the mode the FP8 run's second answer (after the chat template's blocks were cached by another
     request) read "L'aujourcé" against "L'Allema de" alone on this model (BENCHMARKS.md §54)."""
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
-    kw = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=512)
+    kw = dict(quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_model_len=512, device="cpu")
     llm = LLM(enable_prefix_caching=True, num_gpu_blocks_override=256, **kw)
     tok = llm.get_tokenizer()
     target = _chat(tok, CHAT_TARGET)
@@ -142,10 +142,10 @@ def test_outputs_do_not_depend_on_batch_chunking_or_prefix_cache(monkeypatch, qu
 def test_configurations_without_invariance_are_refused(monkeypatch):
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*float32 \(or GGUF-quantized\) weights"):
-        LLM(dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=16)
+        LLM(dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=16, device="cpu")
     monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "onednn")
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*native float32 GEMM"):
-        LLM(quantization="none", max_model_len=256, num_gpu_blocks_override=16)
+        LLM(quantization="none", max_model_len=256, num_gpu_blocks_override=16, device="cpu")
 
 
 @needs_kernels
@@ -157,7 +157,7 @@ def test_recompute_preemption_keeps_outputs_bit_for_bit(monkeypatch):
 
     def run(blocks: int):
         llm = LLM(kv_cache_dtype="fp8", max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=blocks,
-                  preemption_mode="recompute")
+                  preemption_mode="recompute", device="cpu")
         tok = llm.get_tokenizer()
         prompts = [_chat(tok, p) for p in ("The capital of France is", "List three colours:", "def fibonacci(n):",
                                            "Once upon a time, in a small village by the sea,", "The quick brown fox")]
