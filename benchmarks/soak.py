@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest_server import RemoteServer  # noqa: E402
 from reliability import LoadResult, fuzz_schema, run_load, send_hostile  # noqa: E402
 
+from pagedllm.batch_invariance import batch_invariant_from_env  # noqa: E402
+
 logging.basicConfig(level=logging.INFO, format="%(asctime)s soak: %(message)s")
 log = logging.getLogger("soak")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -92,16 +94,20 @@ def main() -> int:
                    help="allowed server RSS growth (API server + engine core) from the end of round 1 to the end of the last round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--check-seeded", action=argparse.BooleanOptionalAction, default=None,
+                   help="also require seeded sampled requests (n=2, best_of, stop strings) to equal themselves served "
+                        "alone; default: on when VLLM_BATCH_INVARIANT=1 is set for the server")
     p.add_argument("--server-args", default="",
                    help="more `pagedllm serve` flags, e.g. \"--kv-cache-dtype fp8\" or a --speculative-config")
     args = p.parse_args()
 
+    check_seeded = batch_invariant_from_env() if args.check_seeded is None else args.check_seeded
     server = RemoteServer(["--num-gpu-blocks-override", str(args.num_gpu_blocks), "--max-model-len",
                            str(args.max_model_len), "--swap-space", "0.05", "--max-num-seqs", str(args.max_num_seqs),
                            "--enable-prefix-caching", "--api-key", KEY, *shlex.split(args.server_args)])
     report: dict = {"cpu": _cpu_model(), "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
                     "date": time.strftime("%Y-%m-%d"), "pool_blocks": args.num_gpu_blocks,
-                    "server_args": args.server_args}
+                    "server_args": args.server_args, "check_seeded": check_seeded}
     try:
         t0 = time.monotonic()
         statuses, fuzz_failures = fuzz_schema(server.base_url, AUTH, args.fuzz_examples, args.seed)
@@ -120,7 +126,8 @@ def main() -> int:
         wall = 0.0
         for r in range(args.rounds):
             t0 = time.monotonic()
-            res = asyncio.run(run_load(server.base_url, AUTH, args.num_requests, args.max_tokens, args.seed + r))
+            res = asyncio.run(run_load(server.base_url, AUTH, args.num_requests, args.max_tokens, args.seed + r,
+                                       check_seeded=check_seeded))
             wall += time.monotonic() - t0
             m = server.wait_idle(120)
             leaked_per_round.append(int(m["pagedllm:kv_blocks_total"] - m["pagedllm:kv_blocks_free"]))

@@ -16,8 +16,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 class RemoteServer(ServerProcess):
     """`pagedllm serve ARGS` on 127.0.0.1:<free port>; waits until /health answers 200."""
 
-    def __init__(self, args: list[str], startup_timeout: float = 240.0, launcher: list[str] | None = None) -> None:
-        super().__init__(args, startup_timeout, launcher)
+    def __init__(self, args: list[str], startup_timeout: float = 240.0, launcher: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        super().__init__(args, startup_timeout, launcher, env=env)
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples summed over labels: {'vllm:num_requests_running': 0.0, ...}."""

@@ -71,7 +71,8 @@ def _attention(cache_dtype: torch.dtype) -> None:
 
 
 def _sampling_and_layers(fp8: bool) -> None:
-    from pagedllm.kernels import triton_bitmask, triton_fp8_quant, triton_fused_ops, triton_greedy, triton_sample
+    from pagedllm.kernels import (triton_bitmask, triton_fp8_quant, triton_fused_ops, triton_greedy,
+                                  triton_invariant_matmul, triton_sample)
 
     bf16 = torch.bfloat16
     logits = torch.zeros(4, 1000, dtype=bf16)
@@ -88,6 +89,8 @@ def _sampling_and_layers(fp8: bool) -> None:
     qk = torch.zeros(8, 3 * 128, dtype=bf16)
     cos = torch.zeros(64, 64, dtype=torch.float32)
     triton_fused_ops.rotary_embedding(torch.arange(8), qk[:, :256], qk[:, 256:], cos, cos, 64)
+    for dtype in (bf16, torch.float32):  # the batch-invariant GEMM: tensor-core and IEEE float32 dots
+        triton_invariant_matmul.invariant_linear(x.to(dtype), torch.zeros(96, 256, dtype=dtype))
     if fp8:
         triton_fp8_quant.quantize_activation_rows(x)
 

@@ -235,7 +235,7 @@ async def _one(client: httpx.AsyncClient, plan: dict[str, Any], refs: dict[str, 
                     return
             else:
                 r = await coro
-            _judge_whole(r, plan, n, tag, res, time.monotonic() - t0)
+            _judge_whole(r, plan, n, tag, res, time.monotonic() - t0, refs=refs)
             return
         finish: dict[int, str] = {}
         text: dict[int, str] = {}
@@ -290,7 +290,8 @@ async def _one(client: httpx.AsyncClient, plan: dict[str, Any], refs: dict[str, 
         res.problems.append(f"{tag}: {type(e).__name__}: {e}")
 
 
-def _judge_whole(r: httpx.Response, plan, n, tag, res: LoadResult, latency: float, content: bytes | None = None) -> None:
+def _judge_whole(r: httpx.Response, plan, n, tag, res: LoadResult, latency: float, content: bytes | None = None,
+                 refs: dict | None = None) -> None:
     content = r.content if content is None else content
     if plan["kind"] == "bad" and r.status_code != 400:
         res.outcomes["lost"] += 1
@@ -311,7 +312,8 @@ def _judge_whole(r: httpx.Response, plan, n, tag, res: LoadResult, latency: floa
         return
     res.outcomes["completed"] += 1
     res.latencies.append(latency)
-    _check_outputs(plan, n, obj.get("usage"), {c["index"]: c.get("text", "") for c in obj["choices"]}, tag, {}, res)
+    texts = {c["index"]: c["message"]["content"] if plan.get("chat") else c.get("text", "") for c in obj["choices"]}
+    _check_outputs(plan, n, obj.get("usage"), texts, tag, refs or {}, res)
 
 
 def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult) -> None:
@@ -321,35 +323,44 @@ def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult) -> None:
         got = (usage or {}).get("completion_tokens")
         if got != want:
             res.problems.append(f"{tag}: completion_tokens {got} != n*max_tokens {want}")
-    key = _ref_key(plan)
-    if key in refs and text.get(0) != refs[key]:
-        res.problems.append(f"{tag}: greedy output {text.get(0)!r} != served alone {refs[key]!r}")
+    key = _ref_key(plan, seeded=True)
+    if key in refs and text != refs[key]:
+        what = "greedy" if plan["kind"] in GREEDY_KINDS else "seeded"
+        res.problems.append(f"{tag}: {what} output {text!r} != served alone {refs[key]!r}")
 
 
-def _ref_key(plan) -> str | None:
-    if plan["kind"] not in ("greedy", "chat"):
+GREEDY_KINDS = ("greedy", "chat")
+SEEDED_KINDS = ("sampled_n2", "best_of", "stop")  # temperature > 0 with a per-request seed
+
+
+def _ref_key(plan, seeded: bool) -> str | None:
+    """The reference a request's outputs must equal: greedy ones always; seeded sampled ones with `seeded`."""
+    if plan["kind"] not in GREEDY_KINDS + (SEEDED_KINDS if seeded else ()):
         return None
     return f"{plan['kind']}|{json.dumps(plan['body'], sort_keys=True)}"
 
 
-async def _references(client: httpx.AsyncClient, plans, res: LoadResult) -> dict[str, str]:
-    """Each distinct greedy request served alone, before the load."""
-    refs: dict[str, str] = {}
+async def _references(client: httpx.AsyncClient, plans, seeded: bool) -> dict[str, dict[int, str]]:
+    """Each distinct greedy (and, with `seeded`, seeded sampled) request served alone, before the load: its
+    choices' texts by index."""
+    refs: dict[str, dict[int, str]] = {}
     for plan in plans:
-        key = _ref_key(plan)
+        key = _ref_key(plan, seeded)
         if key is None or key in refs:
             continue
         path = "/v1/chat/completions" if plan.get("chat") else "/v1/completions"
         r = await client.post(path, json=plan["body"])
         r.raise_for_status()
-        ch = r.json()["choices"][0]
-        refs[key] = ch["message"]["content"] if plan.get("chat") else ch["text"]
+        refs[key] = {ch["index"]: ch["message"]["content"] if plan.get("chat") else ch["text"]
+                     for ch in r.json()["choices"]}
     return refs
 
 
 async def run_load(base_url: str, headers: dict[str, str], n_requests: int, max_tokens: int = 4, seed: int = 0,
-                   timeout: float = 600.0) -> LoadResult:
-    """All requests at once (one connection each); every one must end exactly once, visibly."""
+                   timeout: float = 600.0, check_seeded: bool = False) -> LoadResult:
+    """All requests at once (one connection each); every one must end exactly once, visibly. Greedy requests must
+    equal themselves served alone; with `check_seeded` seeded sampled ones too (n > 1, best_of and stop strings
+    included: exact where the server is batch-invariant, or where nothing changes a request's chunking)."""
     rng = random.Random(seed)
     plans = [_plan(i, rng, max_tokens) for i in range(n_requests)]
     res = LoadResult(sent=n_requests)
@@ -359,6 +370,6 @@ async def run_load(base_url: str, headers: dict[str, str], n_requests: int, max_
     limits = httpx.Limits(max_connections=n_requests + 8, max_keepalive_connections=n_requests + 8,
                           keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as client:
-        refs = await _references(client, plans, res)
+        refs = await _references(client, plans, check_seeded)
         await asyncio.gather(*(_one(client, p, refs, res) for p in plans))
     return res

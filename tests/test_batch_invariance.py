@@ -39,7 +39,10 @@ def test_a_bad_value_names_the_allowed_ones(monkeypatch):
 
 
 def test_unsupported_configurations_are_named():
-    assert "CPU path only" in unsupported_reason("cuda", "bfloat16", None, False, False)
+    assert unsupported_reason("cuda", "bfloat16", None, False, False) is None
+    assert "FP8 weights" in unsupported_reason("cuda", "bfloat16", None, False, False, fp8_weights=True)
+    assert "tensor_parallel_size=1" in unsupported_reason("cuda", "bfloat16", None, False, False,
+                                                          tensor_parallel_size=2)
     assert "native CPU kernels" in unsupported_reason("cpu", "float32", None, False, True)
     assert "dtype='float32'" in unsupported_reason("cpu", "bfloat16", None, True, False)
     assert "native float32 GEMM" in unsupported_reason("cpu", "float32", None, True, False)
@@ -172,12 +175,53 @@ def test_recompute_preemption_keeps_outputs_bit_for_bit(monkeypatch):
     assert got == want
 
 
+def _ids_and_logprobs(llm: LLM, prompts: list[list[int]], index: int, max_tokens: int = 12):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)[index].outputs[0]
+    return list(out.token_ids), [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engines_refuse_the_mode(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cuda_outputs_do_not_depend_on_batch_chunking_prefix_cache_or_speculation(monkeypatch, kv_cache_dtype):
+    """The bundled model in bfloat16 on CUDA: a request's tokens and logprobs are bit for bit the same alone, after
+    a prefix-cache hit, batched with long prompts, in 16-token chunks, and with n-gram speculation (whose
+    verifications add query rows to every GEMM). Without the mode the batched run's logprobs differ (BENCHMARKS.md
+    §54: the split-KV decode splits a long context by the step's sequence count)."""
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    kw = dict(skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+              max_model_len=1024)
+    g = torch.Generator().manual_seed(1)
+    # 600 tokens: the split-KV decode kernel would split this context by the step's sequence count
+    target = [int(t) for t in torch.randint(1, 30000, (600,), generator=g)]
+    longs = [[int(t) for t in torch.randint(1, 30000, (300,), generator=g)] for _ in range(15)]
+    llm = LLM(enable_prefix_caching=True, num_gpu_blocks_override=1024, **kw)
+    alone = _ids_and_logprobs(llm, [target], 0)
+    _ids_and_logprobs(llm, [target[:-7] + [5, 6, 7]], 0)  # caches all but the last block
+    assert _ids_and_logprobs(llm, [target], 0) == alone
+    assert _ids_and_logprobs(llm, [*longs, target], 15) == alone
+    del llm
+    chunked = LLM(max_num_batched_tokens=64, num_gpu_blocks_override=256, **kw)
+    assert _ids_and_logprobs(chunked, [target], 0) == alone
+    del chunked
+    repeat = (target[:20] * 30)[:600]  # a prompt the n-gram proposer can copy from
+    plain = LLM(num_gpu_blocks_override=256, **kw)
+    want = _ids_and_logprobs(plain, [repeat], 0, max_tokens=40)
+    del plain
+    spec = LLM(num_gpu_blocks_override=256, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "draft_length_policy": "fixed"}, **kw)
+    assert _ids_and_logprobs(spec, [repeat], 0, max_tokens=40) == want
+    assert spec.llm_engine.stats().get("spec_decode_num_draft_tokens", 0) > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_weights_refuse_the_mode(monkeypatch, tmp_path):
     from tiny_models import save_tiny_llama
 
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
-    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: batch invariance is implemented for the CPU path"):
-        LLM(model=save_tiny_llama(tmp_path), skip_tokenizer_init=True, device="cuda", max_model_len=256,
-            num_gpu_blocks_override=16)
+    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*FP8 weights"):
+        LLM(model=save_tiny_llama(tmp_path), skip_tokenizer_init=True, device="cuda", quantization="fp8",
+            max_model_len=256, num_gpu_blocks_override=16)

@@ -1,7 +1,8 @@
 """Reliability suite, fast subset (the 1 000-stream version is benchmarks/soak.py): schema fuzzing and
 hostile bodies never give a 5xx or a dropped connection; a load of concurrent streams with mixed n,
-best_of, stop strings, prefix caching, disconnects and aborts ends every request exactly once; the pool
-comes back whole; SIGTERM lets in-flight requests finish or ends them visibly."""
+best_of, stop strings, prefix caching, disconnects and aborts ends every request exactly once, and every greedy
+or seeded request with the text it gets served alone (the server runs with VLLM_BATCH_INVARIANT=1, so preemption
+cannot change it); the pool comes back whole; SIGTERM lets in-flight requests finish or ends them visibly."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("schemathesis")
 
 from conftest_server import RemoteServer  # noqa: E402
+
+from pagedllm.batch_invariance import BATCH_INVARIANT_ENV  # noqa: E402
 from reliability import fuzz_schema, run_load, send_hostile  # noqa: E402
 
 KEY = "rel-key"
@@ -29,7 +32,9 @@ ARGS = ["--num-gpu-blocks-override", "32", "--max-model-len", "128", "--swap-spa
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer(ARGS)
+    # Batch-invariant (pagedllm/batch_invariance.py): a preempted request recomputes its tokens in other chunks, and
+    # only then do its greedy and seeded outputs equal themselves served alone on every CPU, bit for bit.
+    srv = RemoteServer(ARGS, env={BATCH_INVARIANT_ENV: "1"})
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.logs()[-3000:]
 
@@ -66,7 +71,7 @@ def test_hostile_bodies_are_clean_4xx(server):
 
 def test_load_every_request_ends_exactly_once(server):
     before = server.metrics()
-    res = asyncio.run(run_load(server.base_url, AUTH, n_requests=150, max_tokens=6, seed=17))
+    res = asyncio.run(run_load(server.base_url, AUTH, n_requests=150, max_tokens=6, seed=17, check_seeded=True))
     after = server.wait_idle(60)
     print("load outcomes:", dict(res.outcomes), "p99 %.2f s" % res.p(0.99),
           "preemptions", after["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"])

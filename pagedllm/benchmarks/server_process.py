@@ -24,11 +24,12 @@ class ServerProcess:
     """`pagedllm serve FLAGS` on 127.0.0.1 (a free port unless `port` is given); ready once /health answers 200.
 
     `launcher` replaces `-m pagedllm.entrypoints.cli` (a script that wraps the CLI, e.g. to inject faults).
+    `env`: variables set for the server on top of this process's (e.g. ``VLLM_BATCH_INVARIANT``).
     The server's stdout and stderr go to a temporary log file (`logs()`, `tail()`).
     """
 
     def __init__(self, flags: list[str], startup_timeout: float = 240.0, launcher: list[str] | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, env: dict[str, str] | None = None) -> None:
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="pagedllm-serve-", suffix=".log", delete=False)
@@ -36,7 +37,7 @@ class ServerProcess:
                "--port", str(self.port), *flags]
         logger.info("starting: %s", " ".join(cmd))
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
         self._wait_ready(startup_timeout)
 
     @property

@@ -28,7 +28,12 @@ from pagedllm.model.layers.attention import (
     TorchAttentionBackend,
     TritonAttentionBackend,
 )
-from pagedllm.model.layers.linear import pack_weights_for_cpu, quantize_weights_fp8, restore_dense_weights
+from pagedllm.model.layers.linear import (
+    PackableGemm,
+    pack_weights_for_cpu,
+    quantize_weights_fp8,
+    restore_dense_weights,
+)
 from pagedllm.model.layers.quantized_linear import (
     attach_gguf_weights,
     log_attach_report,
@@ -162,10 +167,17 @@ class Worker:
             native_f32_gemm = (cpu_linear.f32_small_rows_wanted() and cpu_linear.cpu_gemm_backend() == "onednn"
                                and cpu_kernels.kernels_choice() != "torch" and load_f32_gemm() is not None)
         native_kernels = self.device.type == "cpu" and cpu_kernels.load_cpu_kernels() is not None
+        mc = self.config.model_config
+        fp8_weights = mc.quantization == "fp8" or self.fp8_format is not None
         why = batch_invariance.unsupported_reason(self.device.type, str(self.dtype).removeprefix("torch."),
-                                                  self.quantization, native_kernels, native_f32_gemm)
+                                                  self.quantization, native_kernels, native_f32_gemm,
+                                                  fp8_weights=fp8_weights, tensor_parallel_size=self.tp.size)
         if why is not None:
             raise ValueError(f"{batch_invariance.BATCH_INVARIANT_ENV}=1: {why}")
+        if self.device.type == "cuda":
+            logger.info("Batch invariance on (%s=1): every step eager, attention through the unified kernel, "
+                        "linears through the fixed-tile Triton GEMM", batch_invariance.BATCH_INVARIANT_ENV)
+            return
         logger.info("Batch invariance on (%s=1): every chunk on the attention kernel's token path%s",
                     batch_invariance.BATCH_INVARIANT_ENV,
                     "" if self.quantization == "gguf" else ", float32 linears on the native GEMM at every row count")
@@ -218,6 +230,11 @@ class Worker:
         if (kept := sum(getattr(m, "fp8_weight", None) is not None for m in self.model.modules())):
             return f"fp8 _scaled_mm ({kept} layers from the FP8 checkpoint)"
         if self.device.type != "cpu":
+            if self.config.model_config.batch_invariant:  # _check_batch_invariance passed
+                for m in self.model.modules():
+                    if isinstance(m, PackableGemm):
+                        m.invariant_gemm = True
+                return "triton batch-invariant GEMM (VLLM_BATCH_INVARIANT=1)"
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
             return "torch"
@@ -301,7 +318,8 @@ class Worker:
         every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
         graphs match up across ranks at replay, as they do in eager steps."""
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
-                and self.config.compilation_config.cudagraph_mode != "NONE")
+                and self.config.compilation_config.cudagraph_mode != "NONE"
+                and not self.config.model_config.batch_invariant)  # its steps run eagerly (batch_invariance.py)
 
     def routes_graph_buckets(self) -> bool:
         """Whether steps may run in a larger, faster-timed graph bucket (worker/cuda_graph.py): only in one
@@ -332,7 +350,8 @@ class Worker:
 
     def attn_backend(self):
         if self.device.type == "cuda":
-            return TritonAttentionBackend(self.kv_spec.k_scale, self.kv_spec.v_scale, self._scales_by_cache())
+            return TritonAttentionBackend(self.kv_spec.k_scale, self.kv_spec.v_scale, self._scales_by_cache(),
+                                          batch_invariant=self.config.model_config.batch_invariant)
         if self.device.type == "cpu" and self.dtype in NativeCpuAttentionBackend.model_dtypes:
             kernels = cpu_kernels.load_cpu_kernels()
             if kernels is not None:

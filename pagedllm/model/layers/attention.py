@@ -138,10 +138,14 @@ class TritonAttentionBackend(KVScales):
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0,
                  layer_scales: dict[int, tuple[float, float]] | None = None,
-                 fp8_dot_dtype: str | None = None) -> None:
+                 fp8_dot_dtype: str | None = None, batch_invariant: bool = False) -> None:
+        """`batch_invariant` (pagedllm/batch_invariance.py): every step through the unified kernel, whose key
+        loop and tiles are a token's own whatever the step holds (the decode kernel splits a context by the
+        step's sequence count)."""
         super().__init__(k_scale, v_scale, layer_scales)
         self.workspaces: dict[torch.device, DecodeWorkspace] = {}
         self.fp8_dot_dtype = fp8_dot_dtype
+        self.batch_invariant = batch_invariant
 
     def forward(self, query, key, value, kv_cache, meta, scale, out=None):
         """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor."""
@@ -154,7 +158,7 @@ class TritonAttentionBackend(KVScales):
         if workspace is None:
             workspace = self.workspaces[query.device] = triton_attention.DecodeWorkspace.allocate(query.device)
         fp8_dot = self.fp8_dot_dtype if kv_quant.is_fp8(key_cache.dtype) else None
-        if meta.unified:
+        if meta.unified or self.batch_invariant:
             from pagedllm.kernels.triton_unified_attention import unified_attention
 
             return unified_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,

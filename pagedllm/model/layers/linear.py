@@ -38,6 +38,7 @@ class PackableGemm:
     fp8_weight: torch.Tensor | None = None  # --quantization fp8: [out, in] e4m3 and its [1, out] scales
     fp8_scale: torch.Tensor | None = None
     gguf_weight: "GGUFWeight | None" = None  # --quantization gguf: the GGUF blocks (layers/quantized_linear.py)
+    invariant_gemm: bool = False  # CUDA under VLLM_BATCH_INVARIANT=1: kernels/triton_invariant_matmul.py
 
     def pack_weight_for_cpu(self, f32_gemm: "F32Gemm | None" = None, release_dense: bool = False) -> None:
         """oneDNN's copy; with `f32_gemm` and a float32 weight also its panels, and with `release_dense`
@@ -132,6 +133,10 @@ class PackableGemm:
             from pagedllm.kernels import fp8_linear
 
             return fp8_linear.fp8_linear(x, self.fp8_weight, self.fp8_scale, bias, x.dtype)
+        if self.invariant_gemm:
+            from pagedllm.kernels.triton_invariant_matmul import invariant_linear
+
+            return invariant_linear(x, self.weight, bias)
         if self.f32_panels is not None and x.numel() <= self.f32_gemm.max_rows * x.shape[-1]:
             return self.f32_gemm.linear(x, self.f32_panels, self.weight_shape()[0], bias)
         if self.packed_weight is not None:

@@ -1,0 +1,49 @@
+"""The batch-invariant GEMM (kernels/triton_invariant_matmul.py): each row's bits are those of the row alone, at
+any row count and tile remainder, and the result is F.linear's to rounding. Compiled on CUDA (float32, bfloat16,
+float16); under Triton's interpreter on the CPU (float32, float16: the interpreter's tl.dot mishandles bf16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # sets TRITON_INTERPRET without CUDA
+
+triton = pytest.importorskip("triton")
+interpreter_numpy_shim()
+
+from pagedllm.kernels.triton_invariant_matmul import BLOCK_M, invariant_linear  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16] if ON_CUDA else [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_rows_have_their_lone_bits_and_match_f_linear(dtype, bias):
+    g = torch.Generator().manual_seed(0)
+    n, k = 80, 200 if ON_CUDA else 96  # neither a multiple of the tile width or depth
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    rows = 2 * BLOCK_M + 5 if ON_CUDA else BLOCK_M + 3
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    y = invariant_linear(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert ((y.float() - ref).norm() / ref.norm()).item() < TOL[dtype]
+    for m in (1, 2, 17, BLOCK_M, rows):  # the first m rows, as their own launches
+        assert torch.equal(invariant_linear(x[:m], w, b), y[:m]), m
+    for i in (0, BLOCK_M - 1, BLOCK_M, rows - 1):
+        assert torch.equal(invariant_linear(x[i:i + 1], w, b)[0], y[i]), i
+
+
+def test_leading_dims_strides_and_errors():
+    w = torch.randn(8, 16).to(DEVICE)
+    x = torch.randn(2, 3, 32).to(DEVICE)[..., ::2]  # a strided last dim
+    y = invariant_linear(x, w)
+    assert y.shape == (2, 3, 8)
+    assert torch.allclose(y, F.linear(x, w), atol=1e-5)
+    assert invariant_linear(torch.empty(0, 16).to(DEVICE), w).shape == (0, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        invariant_linear(x.half(), w)
+    with pytest.raises(ValueError, match=r"weight must be \[out, 16\]"):
+        invariant_linear(torch.randn(4, 16).to(DEVICE), torch.randn(8, 15).to(DEVICE))
