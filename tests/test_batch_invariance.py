@@ -225,3 +225,33 @@ def test_cuda_fp8_weights_refuse_the_mode(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*FP8 weights"):
         LLM(model=save_tiny_llama(tmp_path), skip_tokenizer_init=True, device="cuda", quantization="fp8",
             max_model_len=256, num_gpu_blocks_override=16)
+
+
+def test_invariant_sampler_gives_a_row_its_lone_result_in_any_batch():
+    """Sampler(batch_invariant=True): a seeded row's token and logprob, and a greedy row's logprob, are the same alone
+    and beside rows that would otherwise move the batch to another path (top-p, best_of samples, a random row
+    beside greedy ones)."""
+    import random as _random
+
+    from pagedllm.model.layers.sampler import Sampler, SamplingRow
+
+    sampler = Sampler(batch_invariant=True)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 5000, generator=g) * 3
+    seeded = SamplingParams(temperature=0.8, seed=5)
+    greedy = SamplingParams(temperature=0)
+    others = {"top_p": SamplingParams(temperature=1.0, top_p=0.9), "best_of": SamplingParams(temperature=1.0, n=3)}
+
+    def sample(rows, x):
+        return [(s.token_ids, s.logprobs) for s in sampler.launch(x, rows).result()[0]]
+
+    def row(params, seed=None, n=1):
+        return SamplingRow(params, [1, 2], [], _random.Random(seed) if seed is not None else None, n)
+
+    alone_seeded = sample([row(seeded, 7)], logits[:1])[0]
+    alone_greedy = sample([row(greedy)], logits[1:2])[0]
+    for name, params in others.items():
+        n = 3 if name == "best_of" else 1
+        got = sample([row(seeded, 7), row(greedy), row(params, 3, n)], logits[:3])
+        assert got[0] == alone_seeded, name
+        assert got[1] == alone_greedy, name

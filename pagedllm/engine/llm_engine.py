@@ -83,7 +83,7 @@ class LLMEngine:
             sc.max_model_len,
         )
         self.scheduler = Scheduler(sc, cc)
-        self.sampler = Sampler()
+        self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
             warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device, self.executor.dtype)
         self._seq_counter = itertools.count()

@@ -323,13 +323,18 @@ class Sampler:
     GPU rows off the one-launch kernel.
     ``native_cpu``: float32 CPU rows without penalties, filters or top logprobs go to the C kernel
     (``CpuKernels.sample_rows``); False keeps them on torch ops (the benchmark's peer).
+    ``batch_invariant`` (pagedllm/batch_invariance.py): every batch takes the torch ops, row by row. The one-kernel
+    paths are chosen per batch (a batch with a filtered row, a row drawing best_of samples or, for the greedy
+    kernel, one random row leaves them), and they sum a row's probabilities in another order than the torch ops,
+    so a seeded row's token, or a greedy row's logprob, would depend on what shares its step.
     """
 
-    def __init__(self, random_sampling: str = "auto", native_cpu: bool = True) -> None:
+    def __init__(self, random_sampling: str = "auto", native_cpu: bool = True, batch_invariant: bool = False) -> None:
         if random_sampling not in ("auto", "race", "inverse_cdf"):
             raise ValueError(f"random_sampling must be 'auto', 'race' or 'inverse_cdf', got {random_sampling!r}")
         self.random_sampling = random_sampling
         self.native_cpu = native_cpu
+        self.batch_invariant = batch_invariant
 
     @staticmethod
     def _plain_row_params(rows: list[SamplingRow], greedy: list[bool], temps: list[float],
@@ -467,7 +472,8 @@ class Sampler:
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs, p.logprobs)
 
-        if (device.type == "cuda" and all(greedy) and not need_pen and not ban_rows and max_logprobs < 0
+        if (device.type == "cuda" and not self.batch_invariant and all(greedy) and not need_pen and not ban_rows
+                and max_logprobs < 0
                 and not return_logprobs_tensor and sum(num_samples) == num_rows and token_bitmask is None):
             # The common decode step: one pass over the logits instead of a float32 copy + argmax + logsumexp.
             from pagedllm.kernels.triton_greedy import greedy_sample_with_logprob
@@ -477,8 +483,8 @@ class Sampler:
             return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
         # Rows that one kernel can take: argmax or a draw at a temperature, the raw logprob, one sample each.
-        plain = (not need_pen and not ban_rows and not (need_topk or need_topp or need_minp) and max_logprobs < 0
-                 and not return_logprobs_tensor and sum(num_samples) == num_rows)
+        plain = (not self.batch_invariant and not need_pen and not ban_rows and not (need_topk or need_topp or need_minp)
+                 and max_logprobs < 0 and not return_logprobs_tensor and sum(num_samples) == num_rows)
         host_draws_on_gpu = (plain and device.type == "cuda" and self.random_sampling != "race"
                              and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows)))
         one_kernel = plain and (
