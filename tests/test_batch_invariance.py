@@ -255,3 +255,20 @@ def test_invariant_sampler_gives_a_row_its_lone_result_in_any_batch():
         got = sample([row(seeded, 7), row(greedy), row(params, 3, n)], logits[:3])
         assert got[0] == alone_seeded, name
         assert got[1] == alone_greedy, name
+
+
+@needs_kernels
+def test_speculation_keeps_greedy_tokens_and_logprobs_bit_for_bit(monkeypatch):
+    """The mode keeps speculation exact on the CPU: n-gram verified rows give a greedy request plain decoding's tokens
+    and logprobs. The default CPU path gives this too (verifications take the token path there as well); this guards
+    the paths the mode changes (every chunk on the token path, the sampler's torch ops)."""
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    kw = dict(device="cpu", max_model_len=512, num_gpu_blocks_override=128)
+    plain = LLM(**kw)
+    repeat = plain.get_tokenizer().encode("The capital of France is Paris. The capital of Spain is Madrid. " * 6)
+    want = _ids_and_logprobs(plain, [repeat], 0, max_tokens=40)
+    del plain
+    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3, "draft_length_policy": "fixed"}, **kw)
+    assert _ids_and_logprobs(spec, [repeat], 0, max_tokens=40) == want
+    assert spec.llm_engine.stats()["spec_decode_num_draft_tokens"] > 0
