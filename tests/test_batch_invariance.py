@@ -146,6 +146,9 @@ def test_configurations_without_invariance_are_refused(monkeypatch):
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*float32 \(or GGUF-quantized\) weights"):
         LLM(dtype="bfloat16", max_model_len=256, num_gpu_blocks_override=16, device="cpu")
+    with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: speculative method 'ngram_gpu'.*use method 'ngram'"):
+        LLM(max_model_len=256, num_gpu_blocks_override=16, device="cpu",
+            speculative_config={"method": "ngram_gpu", "num_speculative_tokens": 4})
     monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "onednn")
     with pytest.raises(ValueError, match=r"VLLM_BATCH_INVARIANT=1: .*native float32 GEMM"):
         LLM(quantization="none", max_model_len=256, num_gpu_blocks_override=16, device="cpu")

@@ -172,6 +172,10 @@ class Worker:
         why = batch_invariance.unsupported_reason(self.device.type, str(self.dtype).removeprefix("torch."),
                                                   self.quantization, native_kernels, native_f32_gemm,
                                                   fp8_weights=fp8_weights, tensor_parallel_size=self.tp.size)
+        spec = self.config.speculative_config
+        if why is None and spec is not None and spec.method == "ngram_gpu":
+            why = ("speculative method 'ngram_gpu' verifies and samples in its own device kernels, which are not "
+                   "checked for batch invariance: use method 'ngram'.")
         if why is not None:
             raise ValueError(f"{batch_invariance.BATCH_INVARIANT_ENV}=1: {why}")
         if self.device.type == "cuda":
