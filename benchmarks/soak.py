@@ -2,9 +2,13 @@
 on a pool of a few dozen blocks with mixed n, best_of, stop strings, prefix caching, bad requests,
 client disconnects and aborts, repeated for --rounds. Prints requests sent / completed / failed by
 class / lost / blocks leaked / server RSS per round / latency, and exits non-zero if anything was
-lost, leaked, answered with a 5xx, or the server's memory grew after the first round.
+lost, leaked, answered with a 5xx, or the server's memory grew after the first round, or if a greedy
+request's output differed from the same request served alone (with --check-seeded, the default under
+VLLM_BATCH_INVARIANT=1, seeded sampled ones too). --server-args adds serve flags (an FP8 pool, speculation);
+more --max-tokens makes the pool preempt.
 
     python benchmarks/soak.py --num-requests 1000 --num-gpu-blocks 48
+    VLLM_BATCH_INVARIANT=1 python benchmarks/soak.py --max-tokens 24 --server-args "--kv-cache-dtype fp8"
 """
 from __future__ import annotations
 
