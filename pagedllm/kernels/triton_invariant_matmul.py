@@ -21,7 +21,9 @@ BLOCK_K = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
 NUM_WARPS, NUM_STAGES = 4, 3
 
 
-@triton.jit
+# The row count is not specialised on (Triton would compile a variant for M == 1 and for M % 16 == 0): one compile
+# per layer shape, which the engine's warm-up forward makes, so no request compiles.
+@triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
