@@ -12,9 +12,10 @@ choices still depend on the step, and this mode pins them:
 
 CUDA. cuBLAS picks a kernel, and a reduction order, per GEMM shape; the split-KV decode kernel splits a context
 by the step's sequence count; decode, prefill and unified attention kernels tile keys differently. Here every
-linear runs the fixed-tile Triton GEMM (kernels/triton_invariant_matmul.py), every step's attention the unified
-kernel (one key loop per token, from key 0 in tiles of a fixed width), and steps run eagerly. The norms, rotary
-embedding, activation and sampling kernels already work row by row.
+linear runs the Triton GEMM of kernels/triton_invariant_matmul.py (no split-K, a fixed K-tile depth), and every
+step's attention the unified kernel (one key loop per token, from key 0 in tiles of a fixed width), inside the CUDA
+graphs as in eager steps: a graph bucket's padding rows change neither. The norms, rotary embedding, activation
+and sampling kernels already work row by row.
 
 A last-bit difference matters: an FP8 KV cache rounds it to the next e4m3 code, a bfloat16 model to the next
 bf16 value, and a greedy output changes (BENCHMARKS.md §54).

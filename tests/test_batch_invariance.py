@@ -189,8 +189,8 @@ def _ids_and_logprobs(llm: LLM, prompts: list[list[int]], index: int, max_tokens
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_cuda_outputs_do_not_depend_on_batch_chunking_prefix_cache_or_speculation(monkeypatch, kv_cache_dtype):
     """The bundled model in bfloat16 on CUDA: a request's tokens and logprobs are bit for bit the same alone, after
-    a prefix-cache hit, batched with long prompts, in 16-token chunks, and with n-gram speculation (whose
-    verifications add query rows to every GEMM). Without the mode the batched run's logprobs differ (BENCHMARKS.md
+    a prefix-cache hit, batched with long prompts, in 64-token chunks, eagerly instead of in CUDA graphs, and with
+    n-gram speculation (whose verifications add query rows to every GEMM). Without the mode the batched run's logprobs differ (BENCHMARKS.md
     §54: the split-KV decode splits a long context by the step's sequence count)."""
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
     kw = dict(skip_tokenizer_init=True, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
@@ -208,6 +208,11 @@ def test_cuda_outputs_do_not_depend_on_batch_chunking_prefix_cache_or_speculatio
     chunked = LLM(max_num_batched_tokens=64, num_gpu_blocks_override=256, **kw)
     assert _ids_and_logprobs(chunked, [target], 0) == alone
     del chunked
+    # The engines above replay CUDA graphs (decode buckets pad the batch with rows; prompt steps replay token
+    # buckets): an eager engine gives the same bits.
+    eager = LLM(enforce_eager=True, num_gpu_blocks_override=256, **kw)
+    assert _ids_and_logprobs(eager, [*longs[:3], target], 3) == alone
+    del eager
     repeat = (target[:20] * 30)[:600]  # a prompt the n-gram proposer can copy from
     plain = LLM(num_gpu_blocks_override=256, **kw)
     want = _ids_and_logprobs(plain, [repeat], 0, max_tokens=40)

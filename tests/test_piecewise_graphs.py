@@ -334,9 +334,10 @@ def test_compilation_config_cudagraph_mode_as_vllm_names_it():
     args = EngineArgs.from_cli_args(parser.parse_args(["--compilation-config", '{"cudagraph_mode": "NONE"}']))
     none = args.replace(device="cpu").create_engine_config(4096).compilation_config
     assert none.cudagraph_mode == "NONE"
-    # NONE captures nothing, as enforce_eager: the worker's switch for CUDA graphs reads it. So does
-    # VLLM_BATCH_INVARIANT=1, whose steps run eagerly.
-    for cfg, invariant, want in ((none, False, False), (default, False, True), (default, True, False)):
+    # NONE captures nothing, as enforce_eager: the worker's switch for CUDA graphs reads it. VLLM_BATCH_INVARIANT=1
+    # keeps the graphs (their padding rows change no row's bits: tests/test_batch_invariance.py on CUDA).
+    for cfg, invariant, want in ((none, False, False), (default, False, True), (default, True, True),
+                                 (none, True, False)):
         stub = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(
             model_config=SimpleNamespace(enforce_eager=False, batch_invariant=invariant), compilation_config=cfg))
         assert Worker.use_cuda_graphs(stub) is want

@@ -12,7 +12,8 @@ from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # sets TRITON_
 triton = pytest.importorskip("triton")
 interpreter_numpy_shim()
 
-from pagedllm.kernels.triton_invariant_matmul import BLOCK_M, invariant_linear  # noqa: E402
+from pagedllm.kernels.triton_invariant_matmul import (BLOCK_M, TILES_16BIT, invariant_linear,  # noqa: E402
+                                                      tile_config, warm_up_row_counts)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if ON_CUDA else [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -25,15 +26,30 @@ def test_rows_have_their_lone_bits_and_match_f_linear(dtype, bias):
     n, k = 80, 200 if ON_CUDA else 96  # neither a multiple of the tile width or depth
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
     b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
-    rows = 2 * BLOCK_M + 5 if ON_CUDA else BLOCK_M + 3
+    # On CUDA the 16-bit launches below take every tile class of TILES_16BIT (by their row counts).
+    rows = 300 if ON_CUDA else BLOCK_M + 3
     x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
     y = invariant_linear(x, w, b)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     assert ((y.float() - ref).norm() / ref.norm()).item() < TOL[dtype]
-    for m in (1, 2, 17, BLOCK_M, rows):  # the first m rows, as their own launches
+    counts = (1, 2, 16, 17, 32, 33, 64, 65, 256, 257, rows) if ON_CUDA else (1, 2, 17, BLOCK_M, rows)
+    for m in counts:  # the first m rows, as their own launches
         assert torch.equal(invariant_linear(x[:m], w, b), y[:m]), m
     for i in (0, BLOCK_M - 1, BLOCK_M, rows - 1):
         assert torch.equal(invariant_linear(x[i:i + 1], w, b)[0], y[i]), i
+
+
+def test_tile_classes_cover_every_row_count():
+    """16-bit launches take the first class that holds their rows; float32 keeps the one 64 × 64 tile; the warm-up
+    launches one row count per class."""
+    assert [tile_config(m, torch.bfloat16)[0] for m in (1, 16, 17, 32, 33, 64, 65, 256, 257, 10 ** 6)] == \
+        [16, 16, 32, 32, 64, 64, 128, 128, 128, 128]
+    assert tile_config(10 ** 6, torch.float16)[:2] == (128, 128)
+    assert {tile_config(m, torch.float32) for m in (1, 100, 10 ** 6)} == {(BLOCK_M, 64, 4, 3)}
+    counts = warm_up_row_counts(torch.bfloat16)
+    assert len(counts) == len(TILES_16BIT)
+    assert [tile_config(m, torch.bfloat16) for m in counts] == [cfg for _, cfg in TILES_16BIT]
+    assert warm_up_row_counts(torch.float32) == [1]
 
 
 def test_leading_dims_strides_and_errors():

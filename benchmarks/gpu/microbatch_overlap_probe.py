@@ -9,6 +9,9 @@ stream from memory; a real paged KV pool), captured as one CUDA graph:
 Prints each graph's replay time (median of warm replays) and the per-kernel-class time of the 1-stream step.
 
     python benchmarks/gpu/microbatch_overlap_probe.py --batch 1024 --context 70 --splits 1 2 4
+
+``--blas cublaslt --carveouts -1 16 32`` also runs each split with cuBLASLt's GEMMs told to leave that many SMs
+free, so that another stream's attention can run beside them (the partitioned GEMMs NanoFlow relies on).
 """
 from __future__ import annotations
 
@@ -59,9 +62,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="0: the shape's")
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--carveouts", type=int, nargs="+", default=[-1],
+                    help="SMs the GEMMs leave free (torch._C._set_sm_carveout_experimental; cuBLASLt only); -1: unset")
+    ap.add_argument("--blas", default="default", choices=("default", "cublaslt"),
+                    help="torch.backends.cuda.preferred_blas_library (the carve-out applies to cuBLASLt)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     hidden, hq, hk, d, inter, n_layers = SHAPES[args.shape]
     n_layers = args.layers or n_layers
     block = 16
@@ -77,7 +86,8 @@ def main() -> None:
     max_len = per_seq * block
     results = {}
     profile_1 = None
-    for n in args.splits:
+    for carveout, n in [(c, n) for c in args.carveouts for n in args.splits]:
+        torch._C._set_sm_carveout_experimental(None if carveout < 0 else carveout)
         bounds = [b * i // n for i in range(n + 1)]
         ranges = [(bounds[i], bounds[i + 1]) for i in range(n)]
         streams = [torch.cuda.Stream() for _ in range(n)]
@@ -117,10 +127,10 @@ def main() -> None:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        results[n] = statistics.median(times)
-        print(f"{args.shape} batch {b} context {ctx} layers {n_layers}: {n} stream(s): "
-              f"{results[n]:.3f} ms (min {min(times):.3f}, max {max(times):.3f})", flush=True)
-        if n == 1:
+        results[(carveout, n)] = statistics.median(times)
+        print(f"{args.shape} batch {b} context {ctx} layers {n_layers}, carve-out {carveout}: {n} stream(s): "
+              f"{results[(carveout, n)]:.3f} ms (min {min(times):.3f}, max {max(times):.3f})", flush=True)
+        if n == 1 and profile_1 is None:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 graph.replay()
@@ -135,13 +145,13 @@ def main() -> None:
             print("  1-stream kernel time by kind (ms):", profile_1, flush=True)
         del graph
         torch.cuda.synchronize()
-    base = results.get(1)
-    for n, ms in results.items():
+    base = results.get((args.carveouts[0], 1))
+    for (carveout, n), ms in results.items():
         if base:
-            print(f"  {n} stream(s) ÷ 1 stream: {ms / base:.3f}")
+            print(f"  carve-out {carveout}, {n} stream(s) ÷ carve-out {args.carveouts[0]}, 1 stream: {ms / base:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "ms": results,
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "ms": {f"carveout{c}_streams{n}": v for (c, n), v in results.items()},
                        "one_stream_kernels_ms": profile_1}, f, indent=1)
 
 

@@ -1,12 +1,15 @@
 """A GEMM whose rows do not depend on the row count: the CUDA path's linears under VLLM_BATCH_INVARIANT=1.
 
 cuBLAS picks a kernel per problem shape, and with it the order in which each output sums over K (tile depth,
-split-K), so a token's logits change with the number of rows its step has. Here every launch uses one tile
-shape (`BLOCK_M` × `BLOCK_N`, `BLOCK_K` deep, the same warps and stages), no split-K, and each output element
-sums its K tiles in order from zero: a row's result is the same bits whatever rows share the launch. vLLM's batch
-invariance does the same with a persistent Triton matmul; this one is written here from that description.
+split-K), so a token's logits change with the number of rows its step has. Here no launch splits K: each output
+element sums its `BLOCK_K`-deep tiles in order from zero, and `BLOCK_K` is fixed per dtype, so a row's result is
+the same bits whatever rows share the launch. vLLM's batch invariance does the same with a persistent Triton
+matmul; this one is written here from that description.
 
-It trades speed for that (no per-shape tuning); the mode is for reproducible outputs, not throughput.
+The tile's rows, columns, warps and stages do not enter a row's sums: on an H200, 52 such configurations gave every
+row of eight layer shapes at 1–1 000 rows the same bits as the 64 × 64 tile (BENCHMARKS.md §55). So 16-bit
+launches take their tile by the row count (`tile_config`): small tiles that spread a decode step's few rows over
+the SMs, 128-row tiles for prompts. float32 (IEEE products, 32 deep) keeps the one 64 × 64 tile.
 """
 from __future__ import annotations
 
@@ -19,10 +22,27 @@ BLOCK_M, BLOCK_N = 64, 64
 # (their shared-memory tiles are twice as large).
 BLOCK_K = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
 NUM_WARPS, NUM_STAGES = 4, 3
+# 16-bit operands: (largest row count, (BLOCK_M, BLOCK_N, warps, stages)), the first class that holds the launch's
+# rows. Chosen from the H200 sweep of §55 (benchmarks/gpu/invariant_gemm_configs.py) over the Llama-3-8B and SmolLM2
+# layer shapes; none changes a row's bits.
+TILES_16BIT = (
+    (16, (16, 64, 4, 4)),
+    (32, (32, 64, 4, 4)),
+    (64, (64, 64, 4, 4)),
+    (256, (128, 64, 8, 4)),
+    (1 << 62, (128, 128, 8, 3)),
+)
+
+
+def tile_config(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch of `m` rows; BLOCK_K is BLOCK_K[dtype] always."""
+    if dtype == torch.float32:
+        return BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+    return next(cfg for rows, cfg in TILES_16BIT if m <= rows)
 
 
 # The row count is not specialised on (Triton would compile a variant for M == 1 and for M % 16 == 0): one compile
-# per layer shape, which the engine's warm-up forward makes, so no request compiles.
+# per layer shape and tile class, which the engine's warm-up (graph capture, or its warm-up steps) makes.
 @triton.jit(do_not_specialize=["M"])
 def _invariant_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K,
@@ -67,11 +87,34 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     m, n = x2.shape[0], w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        bm, bn, warps, stages = tile_config(m, x.dtype)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _invariant_matmul_kernel[grid](
             x2, w, bias if bias is not None else out, out, m, n, k,
             x2.stride(0), w.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K[x.dtype], num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K[x.dtype], num_warps=warps, num_stages=stages,
         )
     return out.reshape(*lead, n)
+
+
+def warm_up_row_counts(dtype: torch.dtype) -> list[int]:
+    """One row count per tile class of `dtype`: launching each compiles every variant a step can reach."""
+    if dtype == torch.float32:
+        return [1]
+    return [rows if rows < (1 << 62) else TILES_16BIT[-2][0] + 1 for rows, _ in TILES_16BIT]
+
+
+def warm_up_invariant_linears(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
+    """Compile the kernel for every (weight, bias) layer shape at every tile class, on zero rows of input, so that
+    no step compiles (an eager engine's first long prompt would otherwise wait ~1 s per class). Returns the number
+    of launches."""
+    seen: set[tuple] = set()
+    for weight, bias in linears:
+        key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        for m in warm_up_row_counts(weight.dtype):
+            invariant_linear(torch.zeros((m, weight.shape[1]), dtype=weight.dtype, device=weight.device), weight, bias)
+    return len(seen) * len(warm_up_row_counts(torch.bfloat16))

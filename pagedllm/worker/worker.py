@@ -179,8 +179,9 @@ class Worker:
         if why is not None:
             raise ValueError(f"{batch_invariance.BATCH_INVARIANT_ENV}=1: {why}")
         if self.device.type == "cuda":
-            logger.info("Batch invariance on (%s=1): every step eager, attention through the unified kernel, "
-                        "linears through the fixed-tile Triton GEMM", batch_invariance.BATCH_INVARIANT_ENV)
+            logger.info("Batch invariance on (%s=1): attention through the unified kernel, linears through the "
+                        "Triton GEMM without split-K (both also inside the CUDA graphs)",
+                        batch_invariance.BATCH_INVARIANT_ENV)
             return
         logger.info("Batch invariance on (%s=1): every chunk on the attention kernel's token path%s",
                     batch_invariance.BATCH_INVARIANT_ENV,
@@ -235,10 +236,7 @@ class Worker:
             return f"fp8 _scaled_mm ({kept} layers from the FP8 checkpoint)"
         if self.device.type != "cpu":
             if self.config.model_config.batch_invariant:  # _check_batch_invariance passed
-                for m in self.model.modules():
-                    if isinstance(m, PackableGemm):
-                        m.invariant_gemm = True
-                return "triton batch-invariant GEMM (VLLM_BATCH_INVARIANT=1)"
+                return self._use_invariant_gemms()
             return "torch"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
             return "torch"
@@ -317,13 +315,32 @@ class Worker:
                 time_buckets=self.routes_graph_buckets())
             logger.info("Warm start (graphs captured, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
 
+    def _use_invariant_gemms(self) -> str:
+        """Every linear through the batch-invariant Triton GEMM, its variants compiled now (one per layer shape and
+        tile class), so that no step compiles."""
+        from pagedllm.kernels.triton_invariant_matmul import warm_up_invariant_linears
+
+        t0 = time.perf_counter()
+        linears = []
+        for m in self.model.modules():
+            if isinstance(m, PackableGemm):
+                m.invariant_gemm = True
+                bias = getattr(m, "bias", None)
+                # A row-parallel layer adds its bias after the GEMM: warm up both variants where there is one.
+                linears += [(m.weight, None)] + ([(m.weight, bias)] if bias is not None else [])
+        with torch.inference_mode():
+            launches = warm_up_invariant_linears(linears)
+        torch.cuda.synchronize(self.device)
+        logger.info("Batch-invariant GEMM: %d layer-shape variants compiled in %.2f s", launches,
+                    time.perf_counter() - t0)
+        return "triton batch-invariant GEMM (VLLM_BATCH_INVARIANT=1)"
+
     def use_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs on CUDA unless enforce_eager is set. Under tensor parallelism
         every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
         graphs match up across ranks at replay, as they do in eager steps."""
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
-                and self.config.compilation_config.cudagraph_mode != "NONE"
-                and not self.config.model_config.batch_invariant)  # its steps run eagerly (batch_invariance.py)
+                and self.config.compilation_config.cudagraph_mode != "NONE")
 
     def routes_graph_buckets(self) -> bool:
         """Whether steps may run in a larger, faster-timed graph bucket (worker/cuda_graph.py): only in one
