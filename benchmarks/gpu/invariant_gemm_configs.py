@@ -17,6 +17,7 @@ import json
 import torch
 import triton
 
+from pagedllm.benchmarks.lower_bound import mean_cuda_ms
 from pagedllm.kernels.triton_invariant_matmul import BLOCK_K, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_WARPS, \
     _invariant_matmul_kernel
 
@@ -34,18 +35,6 @@ def launch(x, w, out, bm, bn, bk, warps, stages):
                                    HAS_BIAS=False, PREC="ieee" if x.dtype == torch.float32 else "tf32",
                                    BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
-
-
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(iters):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / iters
 
 
 def main():
@@ -71,7 +60,7 @@ def main():
                      ref_cfg[3])
         res = {"cublas_ms": {}, "configs": {}}
         for m in a.rows:
-            res["cublas_ms"][m] = timed(lambda: x[:m] @ w.t())
+            res["cublas_ms"][m] = mean_cuda_ms(lambda: x[:m] @ w.t(), 20)
         for bm, bn, wp, st in cands:
             key = f"{bm}x{bn}w{wp}s{st}"
             try:
@@ -80,7 +69,7 @@ def main():
                 for m in a.rows:
                     got = launch(x[:m], w, out[:m], bm, bn, bk, wp, st)
                     same &= bool(torch.equal(got, ref[:m]))
-                ms = {m: timed(lambda: launch(x[:m], w, out[:m], bm, bn, bk, wp, st)) for m in a.rows}
+                ms = {m: mean_cuda_ms(lambda: launch(x[:m], w, out[:m], bm, bn, bk, wp, st), 20) for m in a.rows}
                 res["configs"][key] = {"same_bits": same, "ms": ms}
             except Exception as exc:  # out of shared memory, etc.
                 res["configs"][key] = {"error": str(exc)[:120]}

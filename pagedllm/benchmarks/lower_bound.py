@@ -166,15 +166,22 @@ def measure_matmul_peak(n: int = 8192, iters: int = 10, fp8: bool = False) -> fl
     else:
         def product():
             a @ b
-    for _ in range(3):
-        product()
+    return 2 * n**3 / (mean_cuda_ms(product, iters) / 1e3)
+
+
+def mean_cuda_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    """The mean device time of `fn()` in ms over `iters` back-to-back calls after `warmup` calls (CUDA events)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        product()
+        fn()
     end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * iters / (start.elapsed_time(end) / 1e3)
+    end.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 def format_bound(lb: LowerBound, elapsed_s: float) -> str:
