@@ -40,20 +40,21 @@ def test_rows_have_their_lone_bits_and_match_f_linear(dtype, bias):
 
 
 def test_tile_classes_cover_every_row_count():
-    """16-bit launches take the first class that holds their rows (a wide layer the 128 × 128 tile from 65 rows);
-    float32 keeps the one 64 × 64 tile; the warm-up's row counts reach every tile."""
+    """Launches take the first class that holds their rows (a wide 16-bit layer the 128 × 128 tile from 65 rows;
+    float32 16-row tiles up to 16 rows, else 64 × 64); the warm-up's row counts reach every tile."""
     sms = 132
     assert [tile_config(m, 4096, torch.bfloat16, sms)[:2] for m in (1, 16, 17, 32, 33, 64, 65, 256, 257, 10 ** 6)] == \
         [(16, 64), (16, 64), (32, 64), (32, 64), (64, 64), (64, 64), (128, 64), (128, 64), (128, 128), (128, 128)]
     assert tile_config(200, 28672, torch.bfloat16, sms) == WIDE_TILE  # 2 × 224 tiles of 128 × 128 ≥ 132 SMs
     assert tile_config(200, 4096, torch.float16, sms)[:2] == (128, 64)  # 2 × 32 < 132
     assert tile_config(200, 4096, torch.bfloat16, 16)[:2] == (128, 128)  # a GPU of 16 SMs
-    assert {tile_config(m, 4096, torch.float32, sms) for m in (1, 100, 10 ** 6)} == {(BLOCK_M, 64, 4, 3)}
+    assert [tile_config(m, 4096, torch.float32, sms)[:2] for m in (1, 16, 17, 10 ** 6)] == \
+        [(16, 64), (16, 64), (BLOCK_M, 64), (BLOCK_M, 64)]
     counts = warm_up_row_counts(torch.bfloat16)
     assert len(counts) == len(TILES_16BIT)
     reached = {tile_config(m, n, torch.bfloat16, sms) for m in counts for n in (64, 10 ** 6)}
     assert reached == {cfg for _, cfg in TILES_16BIT} | {WIDE_TILE}
-    assert warm_up_row_counts(torch.float32) == [1]
+    assert warm_up_row_counts(torch.float32) == [16, 17]
 
 
 def test_leading_dims_strides_and_errors():

@@ -7,9 +7,9 @@ the same bits whatever rows share the launch. vLLM's batch invariance does the s
 matmul; this one is written here from that description.
 
 The tile's rows, columns, warps and stages do not enter a row's sums: on an H200, 52 such configurations gave every
-row of eight layer shapes at 1–1 000 rows the same bits as the 64 × 64 tile (BENCHMARKS.md §55). So 16-bit
-launches take their tile by the row count (`tile_config`): small tiles that spread a decode step's few rows over
-the SMs, 128-row tiles for prompts. float32 (IEEE products, 32 deep) keeps the one 64 × 64 tile.
+row of eight bf16 layer shapes at 1–1 000 rows, and of four float32 ones at 1–200 rows, the same bits as the 64 × 64
+tile (BENCHMARKS.md §55). So launches take their tile by the row count (`tile_config`): small tiles that spread a
+decode step's few rows over the SMs, 128-row tiles for prompts (float32: 16-row tiles up to 16 rows, else 64 × 64).
 """
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ TILES_16BIT = (
     (256, (128, 64, 8, 4)),
     (1 << 62, (128, 128, 8, 3)),
 )
+# float32 (IEEE products): 16-row tiles took 0.44-0.49x the 64 x 64 tile's time at 1-16 rows on four layer shapes;
+# from 64 rows no other tile won on all of them (§55). All 52 configurations gave the 64 x 64 tile's bits here too.
+TILES_32BIT = (
+    (16, (16, 64, 4, 4)),
+    (1 << 62, (BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES)),
+)
 # In the 65-256 row class a wide layer (enough 128 x 128 tiles to give every SM one) takes the larger tile: at 200 rows
 # on the H200 gate_up and lm_head ran 1.14x and 1.34x faster so, while down, qkv and o (fewer column tiles) did not.
 WIDE_TILE = (128, 128, 8, 3)
@@ -43,7 +49,7 @@ def tile_config(m: int, n: int, dtype: torch.dtype, num_sms: int) -> tuple[int, 
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch of `m` rows × `n` columns on a GPU of `num_sms` SMs;
     BLOCK_K is BLOCK_K[dtype] always, so no choice here changes a row's bits."""
     if dtype == torch.float32:
-        return BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES
+        return next(cfg for rows, cfg in TILES_32BIT if m <= rows)
     rows, cfg = next((rows, cfg) for rows, cfg in TILES_16BIT if m <= rows)
     if rows == 256 and triton.cdiv(m, WIDE_TILE[0]) * triton.cdiv(n, WIDE_TILE[1]) >= num_sms:
         return WIDE_TILE
@@ -115,9 +121,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def warm_up_row_counts(dtype: torch.dtype) -> list[int]:
     """Row counts that reach every tile of `dtype` (each class's largest, and one past the last bound): launching
     each compiles every variant a step can reach (the wide tile of the 65-256 class is the last class's tile)."""
-    if dtype == torch.float32:
-        return [1]
-    return [rows if rows < (1 << 62) else TILES_16BIT[-2][0] + 1 for rows, _ in TILES_16BIT]
+    table = TILES_32BIT if dtype == torch.float32 else TILES_16BIT
+    return [rows if rows < (1 << 62) else table[-2][0] + 1 for rows, _ in table]
 
 
 def warm_up_invariant_linears(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
@@ -132,4 +137,4 @@ def warm_up_invariant_linears(linears: list[tuple[torch.Tensor, torch.Tensor | N
         seen.add(key)
         for m in warm_up_row_counts(weight.dtype):
             invariant_linear(torch.zeros((m, weight.shape[1]), dtype=weight.dtype, device=weight.device), weight, bias)
-    return len(seen) * len(warm_up_row_counts(torch.bfloat16))
+    return sum(len(warm_up_row_counts(dtype)) for _, dtype, _, _ in seen)
