@@ -13,7 +13,8 @@ triton = pytest.importorskip("triton")
 interpreter_numpy_shim()
 
 from pagedllm.kernels.triton_invariant_matmul import (BLOCK_M, TILES_16BIT, WIDE_TILE,  # noqa: E402
-                                                      invariant_linear, tile_config, warm_up_row_counts)
+                                                      invariant_linear, tile_config, warm_up_invariant_linears,
+                                                      warm_up_row_counts)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16] if ON_CUDA else [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -68,3 +69,13 @@ def test_leading_dims_strides_and_errors():
         invariant_linear(x.half(), w)
     with pytest.raises(ValueError, match=r"weight must be \[out, 16\]"):
         invariant_linear(torch.randn(4, 16).to(DEVICE), torch.randn(8, 15).to(DEVICE))
+
+
+def test_warm_up_launches_each_layer_shape_once_per_tile_class():
+    """The worker's warm-up: layers that share a shape (and bias-ness and dtype) compile once; every tile class of
+    each is launched."""
+    dt = torch.float16 if ON_CUDA else torch.float32
+    w1, w2 = torch.randn(8, 16).to(DEVICE, dt), torch.randn(8, 16).to(DEVICE, dt)
+    w3, b3 = torch.randn(4, 16).to(DEVICE, dt), torch.randn(4).to(DEVICE, dt)
+    launches = warm_up_invariant_linears([(w1, None), (w2, None), (w3, b3), (w3, None)])
+    assert launches == 3 * len(warm_up_row_counts(dt))
