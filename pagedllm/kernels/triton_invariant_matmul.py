@@ -126,9 +126,9 @@ def warm_up_row_counts(dtype: torch.dtype) -> list[int]:
 
 
 def warm_up_invariant_linears(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> int:
-    """Compile the kernel for every (weight, bias) layer shape at every tile class, on zero rows of input, so that
-    no step compiles (an eager engine's first long prompt would otherwise wait ~1 s per class). Returns the number
-    of launches."""
+    """Compile the kernel for every (weight, bias) layer shape at every tile class by launching it on rows of zeros,
+    so that no step compiles (an eager engine's first long prompt would otherwise wait ~1 s per class). Returns the
+    number of launches."""
     seen: set[tuple] = set()
     for weight, bias in linears:
         key = (tuple(weight.shape), weight.dtype, weight.device, bias is not None)

@@ -331,8 +331,8 @@ class Worker:
         with torch.inference_mode():
             launches = warm_up_invariant_linears(linears)
         torch.cuda.synchronize(self.device)
-        logger.info("Batch-invariant GEMM: %d layer-shape variants compiled in %.2f s", launches,
-                    time.perf_counter() - t0)
+        logger.info("Batch-invariant GEMM: compiled by %d warm-up launches (layer shapes × tile classes) in %.2f s",
+                    launches, time.perf_counter() - t0)
         return "triton batch-invariant GEMM (VLLM_BATCH_INVARIANT=1)"
 
     def use_cuda_graphs(self) -> bool:
