@@ -38,6 +38,13 @@ def test_rows_have_their_lone_bits_and_match_f_linear(dtype, bias):
         assert torch.equal(invariant_linear(x[:m], w, b), y[:m]), m
     for i in (0, BLOCK_M - 1, BLOCK_M, rows - 1):
         assert torch.equal(invariant_linear(x[i:i + 1], w, b)[0], y[i]), i
+    if ON_CUDA and dtype != torch.float32:  # a layer wide enough for WIDE_TILE from 65 rows (every SM gets a tile)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        wide = (torch.randn(128 * sms, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+        assert tile_config(65, wide.shape[0], dtype, sms) == WIDE_TILE
+        yw = invariant_linear(x, wide)
+        for m in (1, 64, 65, 200, 256, rows):
+            assert torch.equal(invariant_linear(x[:m], wide), yw[:m]), m
 
 
 def test_tile_classes_cover_every_row_count():
