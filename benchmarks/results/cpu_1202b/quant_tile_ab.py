@@ -1,3 +1,6 @@
+"""A/B of quant_ops.c builds (§55.4): "before" is the source of 0d30506 saved to /tmp/q/quant_ops_before.c, "after" the
+working tree (a tried variant). The bundled model's quantized linears in sequence, best of 7, same inputs; prints
+ms per pass and whether the bits agree. Usage: python quant_tile_ab.py ROWS[,ROWS...] [avx2|LEVEL]"""
 import ctypes, time, sys
 from pathlib import Path
 import torch
