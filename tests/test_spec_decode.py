@@ -120,6 +120,44 @@ def test_rejection_sampler_distribution_chi_square(top_p, random_q):
         assert chisquare(counts[keep], expected).pvalue > 0.01
 
 
+@pytest.mark.parametrize("make_generator", [lambda s: random.Random(s), lambda s: torch.Generator().manual_seed(s)],
+                         ids=["random.Random", "torch.Generator"])
+def test_one_hot_drafts_emit_what_plain_sampling_would(make_generator):
+    """With deterministic drafts, verification emits the tokens that plain decoding samples from the same rows with
+    the same seed, and leaves the generator where plain decoding would: one uniform per emitted token. Drafts that
+    match the plain samples for 0..k positions, and a wrong draft after them."""
+    from pagedllm.model.layers.sampler import Sampler
+
+    sampler = Sampler(batch_invariant=True)  # the torch ops: what a seeded row takes under VLLM_BATCH_INVARIANT=1
+    g = torch.Generator().manual_seed(3)
+    vocab, k = 300, 4
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    for trial in range(12):
+        logits = torch.randn(k + 1, vocab, generator=g) * 2
+
+        def plain(gen, upto):  # tokens sampled one step at a time, as decoding without speculation samples them
+            out = []
+            for i in range(upto):
+                row = SamplingRow(params, [0], list(out), gen)
+                out.append(sampler.launch(logits[i:i + 1].clone(), [row]).result()[0][0].token_ids[0])
+            return out
+
+        want_all = plain(make_generator(trial), k + 1)
+        matched = trial % (k + 1)  # drafts right for this many positions, then one wrong (unless all k match)
+        drafts = want_all[:matched] + [(t + 1) % vocab for t in want_all[matched:k]]
+        gen = make_generator(trial)
+        rows = [SamplingRow(params, [0], drafts[:i]) for i in range(k + 1)]
+        res = verify(logits, rows, drafts, generator=gen)
+        assert res.num_accepted == matched
+        assert res.token_ids == want_all[:matched + 1]
+        ref = make_generator(trial)
+        plain(ref, matched + 1)
+        if isinstance(gen, random.Random):
+            assert gen.getstate() == ref.getstate()
+        else:
+            assert torch.equal(gen.get_state(), ref.get_state())
+
+
 def test_rejection_sampler_greedy_is_argmax():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
     rows = [SamplingRow(SamplingParams(temperature=0), [0], [])] * 3

@@ -9,12 +9,17 @@ top-k, top-p, min-p), giving the target distribution p_i.
   (the "bonus" token when all k are accepted). Outputs are token for token those of plain decoding.
 - Random rows: d_i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); on rejection the token is
   drawn from normalize(max(p_i - q_i, 0)); when all k are accepted, the bonus token is drawn from p_k.
-  The emitted tokens are then distributed exactly as sampling from p would give. Proposers here are
-  deterministic (q_i is one-hot at d_i), a special case: accept with probability p_i(d_i), resample from
-  p_i with d_i removed. `q` may also be given as full distributions (tested against a random q).
+  The emitted tokens are then distributed exactly as sampling from p would give. `q` may be given as full
+  distributions (tested against a random q).
+- The proposers here are deterministic (q_i one-hot at d_i). Then each row is sampled as the ordinary sampler
+  samples it (inverse CDF over exp(x - max x), one uniform), and d_i is accepted while the sample equals it.
+  Accepting has probability p_i(d_i), and a rejected row's sample is p_i conditioned on not being d_i, which
+  is the residual above. The generator gives one uniform per emitted token, in order, as plain decoding
+  draws them, so a seeded sequence emits the tokens that plain decoding would emit from the same logits.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -105,12 +110,14 @@ def verify(
         while n < k and drafts[n] == best[n]:
             n += 1
         return VerifyResult(drafts[:n] + [best[n]], n)
+    if draft_probs is None:
+        return _sample_and_match(x, drafts, generator)
     probs = x.softmax(dim=-1)
     dev = probs.device
     idx = torch.arange(k, device=dev)
     d = torch.tensor(drafts, device=dev, dtype=torch.long)
     p_d = probs[idx, d]
-    q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs[idx, d].to(p_d.dtype)
+    q_d = draft_probs[idx, d].to(p_d.dtype)
     u = uniforms(k, generator).to(dev, p_d.dtype)
     accept = (u * q_d <= p_d).tolist()  # u < p/q without dividing by a zero q
     n = 0
@@ -119,13 +126,46 @@ def verify(
     if n == k:
         last = probs[k]
     else:
-        if draft_probs is None:
-            last = probs[n].clone()
-            last[drafts[n]] = 0.0
-        else:
-            last = (probs[n] - draft_probs[n].to(probs.dtype)).clamp_(min=0.0)
+        last = (probs[n] - draft_probs[n].to(probs.dtype)).clamp_(min=0.0)
         total = last.sum()
         if float(total) <= 0.0:  # p == q: a rejection has probability 0; guard against rounding
             last = probs[n]
     tok = int(inverse_cdf_sample(last.unsqueeze(0), uniforms(1, generator).to(dev)).item())
     return VerifyResult(drafts[:n] + [tok], n)
+
+
+def _sample_and_match(x: torch.Tensor, drafts: list[int], generator: SampleGenerator | None) -> VerifyResult:
+    """One-hot drafts: sample all k+1 processed rows `x` as the sampler does, keep the samples up to the first
+    one that differs from its draft, and leave `generator` as if it had drawn one uniform per kept sample."""
+    k = len(drafts)
+    saved = _generator_state(generator)
+    u = _single_draws(k + 1, generator)
+    weights = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    samples = inverse_cdf_sample(weights, u.to(weights.device)).tolist()
+    n = 0
+    while n < k and samples[n] == drafts[n]:
+        n += 1
+    if saved is not None and n < k:  # rewind, then draw exactly the n + 1 uniforms of the emitted tokens
+        _set_generator_state(generator, saved)
+        _single_draws(n + 1, generator)
+    return VerifyResult(drafts[:n] + [samples[n]], n)
+
+
+def _single_draws(n: int, generator: SampleGenerator | None) -> torch.Tensor:
+    """n uniforms drawn one at a time, as the sampler draws them for n steps of one row."""
+    if generator is None or isinstance(generator, random.Random):  # n draws are n single draws here
+        return uniforms(n, generator)
+    return torch.cat([uniforms(1, generator) for _ in range(n)])
+
+
+def _generator_state(generator: SampleGenerator | None):
+    if generator is None:  # torch's default generator: unseeded, how many numbers it gives does not matter
+        return None
+    return generator.getstate() if isinstance(generator, random.Random) else generator.get_state()
+
+
+def _set_generator_state(generator: SampleGenerator, state) -> None:
+    if isinstance(generator, random.Random):
+        generator.setstate(state)
+    else:
+        generator.set_state(state)

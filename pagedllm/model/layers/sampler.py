@@ -579,12 +579,13 @@ class Sampler:
             elif not inverse_pos:
                 sampled = _race(xr.softmax(dim=-1), race_spans)
             else:  # some rows of each kind (a GPU batch mixing device and host generators)
-                probs = xr.softmax(dim=-1)
                 sampled = torch.empty(n_rand, dtype=torch.long, device=device)
                 race_idx = async_tensor_h2d(race_pos, torch.long, device)
-                sampled[race_idx] = _race(probs.index_select(0, race_idx), race_spans)
+                sampled[race_idx] = _race(xr.index_select(0, race_idx).softmax(dim=-1), race_spans)
                 inverse_idx = async_tensor_h2d(inverse_pos, torch.long, device)
-                sampled[inverse_idx] = inverse_cdf_sample(probs.index_select(0, inverse_idx),
+                # The weights of the branch above, so a seeded row samples the same whatever shares its step.
+                xi = xr.index_select(0, inverse_idx)
+                sampled[inverse_idx] = inverse_cdf_sample(torch.exp(xi - xi.amax(dim=-1, keepdim=True)),
                                                           draw_uniforms(inverse_spans, len(inverse_pos), device))
             if tokens is None:
                 tokens = sampled
