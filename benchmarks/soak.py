@@ -1,8 +1,9 @@
 """Soak test of `pagedllm serve`: schema fuzz + hostile bodies, then N concurrent streams (default 1 000)
 on a pool of a few dozen blocks with mixed n, best_of, stop strings, prefix caching, bad requests,
-client disconnects and aborts, repeated for --rounds. Prints requests sent / completed / failed by
-class / lost / blocks leaked / server RSS per round / latency, and exits non-zero if anything was
-lost, leaked, answered with a 5xx, or the server's memory grew after the first round, or if a greedy
+client disconnects, aborts and choice / regex / JSON-schema constraints, repeated for --rounds. Prints requests
+sent / completed / failed by class / lost / blocks leaked / server RSS per round / latency, and exits non-zero
+if anything was lost, leaked, answered with a 5xx, or the server's memory grew after the first round, if a
+constrained output that the grammar ended breaks its constraint, or if a greedy
 request's output differed from the same request served alone (with --check-seeded, the default under
 VLLM_BATCH_INVARIANT=1, seeded sampled ones too). --server-args adds serve flags (an FP8 pool, speculation);
 more --max-tokens makes the pool preempt.
@@ -140,6 +141,7 @@ def main() -> int:
             total.outcomes.update(res.outcomes)
             total.problems += res.problems
             total.latencies += res.latencies
+            total.constrained.update(res.constrained)
             log.info("round %d/%d: %s, p99 %.2f s, blocks leaked %d, server RSS %.0f MiB", r + 1, args.rounds,
                      dict(res.outcomes), res.p(0.99), leaked_per_round[-1], rss_mb[-1])
         # Memory is stable when the last round ends where the first one did (the first warms allocators up).
@@ -149,7 +151,8 @@ def main() -> int:
             fuzz_cases=sum(statuses.values()), fuzz_failures=len(fuzz_failures), hostile_cases=sum(hstat.values()),
             hostile_failures=len(hostile_failures), blocks_leaked_after_fuzz=fuzz_leaked, rounds=args.rounds,
             sent=total.sent, accounted=accounted, outcomes=dict(sorted(total.outcomes.items())), lost=total.lost,
-            output_problems=len(total.problems), blocks_leaked=max(leaked_per_round), running_after=m["vllm:num_requests_running"],
+            output_problems=len(total.problems), constrained_outputs=dict(sorted(total.constrained.items())),
+            blocks_leaked=max(leaked_per_round), running_after=m["vllm:num_requests_running"],
             preemptions=m["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"],
             server_rss_mib=rss_mb, rss_growth_mib=rss_growth,
             rss_growth_per_round_mib=[round(b - a, 1) for a, b in zip(rss_mb[1:], rss_mb[2:])],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -176,6 +177,7 @@ class LoadResult:
     outcomes: Counter = field(default_factory=Counter)  # completed / error:<code> / client_disconnect / lost
     problems: list[str] = field(default_factory=list)  # lost requests and wrong outputs
     latencies: list[float] = field(default_factory=list)  # completed requests, seconds
+    constrained: Counter = field(default_factory=Counter)  # constrained outputs by "form:finish_reason"
 
     @property
     def lost(self) -> int:
@@ -187,9 +189,11 @@ class LoadResult:
 
 
 def _plan(i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
-    """Request i of the load: a mix of streams and whole responses, n, best_of, stop strings, aborts."""
+    """Request i of the load: a mix of streams and whole responses, n, best_of, stop strings, aborts, and
+    requests under a choice, regex or JSON-schema constraint."""
     prompt = PROMPTS[i % len(PROMPTS)]
-    kind = rng.choice(["greedy", "greedy", "sampled_n2", "best_of", "stop", "chat", "disconnect", "abort", "bad"])
+    kind = rng.choice(["greedy", "greedy", "sampled_n2", "best_of", "stop", "chat", "disconnect", "abort", "bad",
+                       "constrained"])
     base = {"prompt": prompt, "max_tokens": max_tokens}
     if kind == "bad":  # refused with a 400 while the rest run
         wrong = rng.choice([{"temprature": 0.5}, {"max_tokens": -1}, {"n": "2"}, {"logit_bias": {"x": 1}}])
@@ -208,6 +212,11 @@ def _plan(i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
         return {"kind": kind, "stream": True, "chat": True,
                 "body": {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
                          "temperature": 0, "ignore_eos": True}}
+    if kind == "constrained":  # a grammar per request: n = 2 forks it, preemption replays it
+        form, constraint = rng.choice(list(CONSTRAINTS.items()))
+        return {"kind": kind, "stream": rng.random() < 0.5, "form": form,
+                "body": {**base, **constraint, "temperature": 1.0, "seed": i, "n": rng.choice([1, 2]),
+                         "max_tokens": 4 * max_tokens}}
     if kind == "disconnect":
         return {"kind": kind, "stream": True, "disconnect_after": rng.randint(1, 3),
                 "body": {**base, "temperature": 1.0, "ignore_eos": True, "max_tokens": 4 * max_tokens}}
@@ -284,7 +293,7 @@ async def _one(client: httpx.AsyncClient, plan: dict[str, Any], refs: dict[str, 
         else:
             res.outcomes["completed"] += 1
             res.latencies.append(time.monotonic() - t0)
-            _check_outputs(plan, n, usage, text, tag, refs, res)
+            _check_outputs(plan, n, usage, text, tag, refs, res, finish)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.outcomes["lost"] += 1
         res.problems.append(f"{tag}: {type(e).__name__}: {e}")
@@ -313,11 +322,43 @@ def _judge_whole(r: httpx.Response, plan, n, tag, res: LoadResult, latency: floa
     res.outcomes["completed"] += 1
     res.latencies.append(latency)
     texts = {c["index"]: c["message"]["content"] if plan.get("chat") else c.get("text", "") for c in obj["choices"]}
-    _check_outputs(plan, n, obj.get("usage"), texts, tag, refs or {}, res)
+    finish = {c["index"]: c["finish_reason"] for c in obj["choices"]}
+    _check_outputs(plan, n, obj.get("usage"), texts, tag, refs or {}, res, finish)
 
 
-def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult) -> None:
+#: The constrained requests' forms: each output that ends by the grammar (finish_reason "stop") must satisfy it.
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "choice": {"guided_choice": ["red", "green", "blue"]},
+    "regex": {"guided_regex": "[0-9]{3}-[0-9]{2}"},
+    "json": {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["id"], "additionalProperties": False}}}},
+}
+
+
+def constraint_problem(form: str, text: str) -> str | None:
+    """Why `text` breaks the constraint of `form` (CONSTRAINTS), or None."""
+    if form == "choice":
+        return None if text in CONSTRAINTS["choice"]["guided_choice"] else "not one of the choices"
+    if form == "regex":
+        return None if re.fullmatch(CONSTRAINTS["regex"]["guided_regex"], text) else "does not match the regex"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e}"
+    ok = isinstance(obj, dict) and set(obj) == {"id"} and type(obj["id"]) is int and 0 <= obj["id"] <= 999
+    return None if ok else "does not follow the schema"
+
+
+def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult, finish: dict[int, str] | None = None) -> None:
     body = plan["body"]
+    if plan["kind"] == "constrained":
+        for i, t in text.items():
+            reason = (finish or {}).get(i)
+            res.constrained[f"{plan['form']}:{reason}"] += 1
+            why = constraint_problem(plan["form"], t) if reason == "stop" else None
+            if why:
+                res.problems.append(f"{tag}: {plan['form']} output {t!r} {why}")
     if body.get("ignore_eos") and not body.get("stop"):
         want = n * body["max_tokens"]
         got = (usage or {}).get("completion_tokens")
@@ -330,7 +371,7 @@ def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult) -> None:
 
 
 GREEDY_KINDS = ("greedy", "chat")
-SEEDED_KINDS = ("sampled_n2", "best_of", "stop")  # temperature > 0 with a per-request seed
+SEEDED_KINDS = ("sampled_n2", "best_of", "stop", "constrained")  # temperature > 0 with a per-request seed
 
 
 def _ref_key(plan, seeded: bool) -> str | None:

@@ -19,7 +19,7 @@ pytest.importorskip("schemathesis")
 from conftest_server import RemoteServer  # noqa: E402
 
 from pagedllm.batch_invariance import BATCH_INVARIANT_ENV  # noqa: E402
-from reliability import fuzz_schema, run_load, send_hostile  # noqa: E402
+from reliability import constraint_problem, fuzz_schema, run_load, send_hostile  # noqa: E402
 
 KEY = "rel-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -78,8 +78,19 @@ def test_load_every_request_ends_exactly_once(server):
     assert res.lost == 0 and res.problems == [], "\n".join(res.problems[:10])
     assert sum(res.outcomes.values()) == res.sent
     assert res.outcomes["completed"] >= res.sent // 2
+    # Constrained outputs that their grammar ended were checked against it (_check_outputs), each form at least once.
+    print("constrained outputs:", dict(res.constrained))
+    assert {k.split(":")[0] for k, v in res.constrained.items() if k.endswith(":stop") and v} == {"choice", "regex", "json"}
     _assert_idle(server)
     _serves_normally(server)
+
+
+def test_the_load_catches_an_output_that_breaks_its_constraint():
+    assert constraint_problem("choice", "green") is None and constraint_problem("choice", "purple")
+    assert constraint_problem("regex", "123-45") is None and constraint_problem("regex", "123-456")
+    assert constraint_problem("json", '{"id": 7}') is None
+    for bad in ('{"id": 7', '{"id": "7"}', '{"id": 1000}', '{"id": 7, "x": 1}', "[7]"):
+        assert constraint_problem("json", bad), bad
 
 
 def test_sigterm_in_flight_finish_or_end_visibly(server):
