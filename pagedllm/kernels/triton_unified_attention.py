@@ -117,11 +117,15 @@ def unified_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8_dot_dtype: str | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query row of `query` [T, Hq, D] over its sequence's cached K/V, in one
     launch whose grid depends only on T and ``len(seq_lens)``. Sequence i owns rows
     ``query_start_loc[i]:query_start_loc[i+1]`` (len(seq_lens) + 1 entries, non-decreasing, at most T; padding
-    sequences repeat the last value) and ``seq_lens[i]`` tokens of context including them. Writes `out`."""
+    sequences repeat the last value) and ``seq_lens[i]`` tokens of context including them. Writes `out`.
+    `block_n` keys per tile, `num_warps`, `num_stages`: launch parameters (defaults: ``unified_launch``)."""
     group, d = _check_shapes(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
@@ -133,8 +137,9 @@ def unified_attention(
     if t == 0 or num_seqs == 0:
         return out
     dim_pad = triton.next_power_of_2(d)
-    block_q, group_pad, block_n, num_warps, num_stages = unified_launch(group, dim_pad, key_cache.shape[1],
-                                                                        query.element_size())
+    block_q, group_pad, default_n, default_warps, default_stages = unified_launch(group, dim_pad, key_cache.shape[1],
+                                                                                  query.element_size())
+    block_n, num_warps, num_stages = block_n or default_n, num_warps or default_warps, num_stages or default_stages
     grid = (t // block_q + num_seqs, hk)
     _unified_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
