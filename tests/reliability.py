@@ -189,11 +189,11 @@ class LoadResult:
 
 
 def _plan(i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
-    """Request i of the load: a mix of streams and whole responses, n, best_of, stop strings, aborts, and
-    requests under a choice, regex or JSON-schema constraint."""
+    """Request i of the load: a mix of streams and whole responses, n, best_of, stop strings, aborts,
+    requests under a choice, regex or JSON-schema constraint, and calls of a named tool."""
     prompt = PROMPTS[i % len(PROMPTS)]
     kind = rng.choice(["greedy", "greedy", "sampled_n2", "best_of", "stop", "chat", "disconnect", "abort", "bad",
-                       "constrained"])
+                       "constrained", "tool"])
     base = {"prompt": prompt, "max_tokens": max_tokens}
     if kind == "bad":  # refused with a 400 while the rest run
         wrong = rng.choice([{"temprature": 0.5}, {"max_tokens": -1}, {"n": "2"}, {"logit_bias": {"x": 1}}])
@@ -217,6 +217,11 @@ def _plan(i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
         return {"kind": kind, "stream": rng.random() < 0.5, "form": form,
                 "body": {**base, **constraint, "temperature": 1.0, "seed": i, "n": rng.choice([1, 2]),
                          "max_tokens": 4 * max_tokens}}
+    if kind == "tool":  # a named function: its arguments are generated under the function's JSON schema
+        return {"kind": kind, "stream": rng.random() < 0.5, "chat": True, "form": "json",
+                "body": {"messages": [{"role": "user", "content": prompt}], "tools": [ITEM_TOOL],
+                         "tool_choice": {"type": "function", "function": {"name": "record_item"}},
+                         "temperature": 1.0, "seed": i, "max_tokens": 2 * max_tokens}}  # the chat template's tokens
     if kind == "disconnect":
         return {"kind": kind, "stream": True, "disconnect_after": rng.randint(1, 3),
                 "body": {**base, "temperature": 1.0, "ignore_eos": True, "max_tokens": 4 * max_tokens}}
@@ -272,6 +277,8 @@ async def _one(client: httpx.AsyncClient, plan: dict[str, Any], refs: dict[str, 
                     usage = obj["usage"]
                 for ch in obj.get("choices", []):
                     piece = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                    for call in (ch.get("delta") or {}).get("tool_calls") or []:  # a call's arguments, in pieces
+                        piece = (piece or "") + ((call.get("function") or {}).get("arguments") or "")
                     text[ch["index"]] = text.get(ch["index"], "") + (piece or "")
                     if ch.get("finish_reason") is not None:
                         if ch["index"] in finish:
@@ -321,9 +328,18 @@ def _judge_whole(r: httpx.Response, plan, n, tag, res: LoadResult, latency: floa
         return
     res.outcomes["completed"] += 1
     res.latencies.append(latency)
-    texts = {c["index"]: c["message"]["content"] if plan.get("chat") else c.get("text", "") for c in obj["choices"]}
+    texts = {c["index"]: _whole_text(c, plan) for c in obj["choices"]}
     finish = {c["index"]: c["finish_reason"] for c in obj["choices"]}
     _check_outputs(plan, n, obj.get("usage"), texts, tag, refs or {}, res, finish)
+
+
+def _whole_text(choice: dict, plan: dict) -> str:
+    """A whole response's choice as the load compares it: its text, or a tool call's arguments."""
+    if not plan.get("chat"):
+        return choice.get("text", "")
+    message = choice["message"]
+    calls = "".join(c["function"]["arguments"] for c in message.get("tool_calls") or [])
+    return (message.get("content") or "") + calls
 
 
 #: The constrained requests' forms: each output that ends by the grammar (finish_reason "stop") must satisfy it.
@@ -334,6 +350,10 @@ CONSTRAINTS: dict[str, dict[str, Any]] = {
         "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
         "required": ["id"], "additionalProperties": False}}}},
 }
+#: The tool requests' function: its arguments follow the "json" form's schema.
+ITEM_TOOL = {"type": "function", "function": {
+    "name": "record_item", "description": "Record an item by its id.",
+    "parameters": CONSTRAINTS["json"]["response_format"]["json_schema"]["schema"]}}
 
 
 def constraint_problem(form: str, text: str) -> str | None:
@@ -352,11 +372,12 @@ def constraint_problem(form: str, text: str) -> str | None:
 
 def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult, finish: dict[int, str] | None = None) -> None:
     body = plan["body"]
-    if plan["kind"] == "constrained":
+    if plan["kind"] in ("constrained", "tool"):
+        ended = ("stop", "tool_calls") if plan["kind"] == "tool" else ("stop",)
         for i, t in text.items():
             reason = (finish or {}).get(i)
-            res.constrained[f"{plan['form']}:{reason}"] += 1
-            why = constraint_problem(plan["form"], t) if reason == "stop" else None
+            res.constrained[f"{plan['kind'] if plan['kind'] == 'tool' else plan['form']}:{reason}"] += 1
+            why = constraint_problem(plan["form"], t) if reason in ended else None
             if why:
                 res.problems.append(f"{tag}: {plan['form']} output {t!r} {why}")
     if body.get("ignore_eos") and not body.get("stop"):
@@ -371,7 +392,7 @@ def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult, finish: dic
 
 
 GREEDY_KINDS = ("greedy", "chat")
-SEEDED_KINDS = ("sampled_n2", "best_of", "stop", "constrained")  # temperature > 0 with a per-request seed
+SEEDED_KINDS = ("sampled_n2", "best_of", "stop", "constrained", "tool")  # temperature > 0 with a per-request seed
 
 
 def _ref_key(plan, seeded: bool) -> str | None:
@@ -392,8 +413,7 @@ async def _references(client: httpx.AsyncClient, plans, seeded: bool) -> dict[st
         path = "/v1/chat/completions" if plan.get("chat") else "/v1/completions"
         r = await client.post(path, json=plan["body"])
         r.raise_for_status()
-        refs[key] = {ch["index"]: ch["message"]["content"] if plan.get("chat") else ch["text"]
-                     for ch in r.json()["choices"]}
+        refs[key] = {ch["index"]: _whole_text(ch, plan) for ch in r.json()["choices"]}
     return refs
 
 

@@ -80,7 +80,8 @@ def test_load_every_request_ends_exactly_once(server):
     assert res.outcomes["completed"] >= res.sent // 2
     # Constrained outputs that their grammar ended were checked against it (_check_outputs), each form at least once.
     print("constrained outputs:", dict(res.constrained))
-    assert {k.split(":")[0] for k, v in res.constrained.items() if k.endswith(":stop") and v} == {"choice", "regex", "json"}
+    ended = {k.split(":")[0] for k, v in res.constrained.items() if k.endswith((":stop", ":tool_calls")) and v}
+    assert ended == {"choice", "regex", "json", "tool"}
     _assert_idle(server)
     _serves_normally(server)
 
