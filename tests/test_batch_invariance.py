@@ -284,9 +284,9 @@ def test_speculation_keeps_greedy_tokens_and_logprobs_bit_for_bit(monkeypatch):
 
 @needs_kernels
 def test_speculation_keeps_seeded_samples_token_for_token(monkeypatch):
-    """Seeded sampled requests (temperature 0.8, top-p 0.95) get plain decoding's tokens with n-gram speculation
-    under the mode: verification samples each row as the sampler does and draws one uniform per emitted token
-    (spec_decode/rejection_sampler.py). Before, it drew k + 1 per verification, so a seeded request's text
+    """Seeded sampled requests (temperature 0.8, top-p 0.95) get plain decoding's tokens and logprobs with n-gram
+    speculation under the mode: verification samples each row as the sampler does and draws one uniform per emitted
+    token (spec_decode/rejection_sampler.py). Before, it drew k + 1 per verification, so a seeded request's text
     depended on which steps speculated, hence on what shared them (found by benchmarks/soak.py, BENCHMARKS §56)."""
     monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
     kw = dict(device="cpu", max_model_len=512, num_gpu_blocks_override=128)
@@ -294,12 +294,13 @@ def test_speculation_keeps_seeded_samples_token_for_token(monkeypatch):
     tok = plain.get_tokenizer()
     prompts = [tok.encode(t * 5) for t in ("The capital of France is Paris. The capital of Spain is Madrid. ",
                                            "def add(a, b):\n    return a + b\n\n", "one two three four five six ")]
-    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_tokens=40, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=11 + i, max_tokens=40, ignore_eos=True, logprobs=1)
               for i in range(len(prompts))]
 
-    def tokens(llm):
+    def tokens(llm):  # and their logprobs, bit for bit
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return [(list(c.token_ids), [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+                for c in (o.outputs[0] for o in outs)]
 
     want = tokens(plain)
     del plain
