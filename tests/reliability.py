@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import jsonschema
 
 ERROR_TYPES = {"invalid_request_error", "server_error"}
 
@@ -342,18 +343,18 @@ def _whole_text(choice: dict, plan: dict) -> str:
     return (message.get("content") or "") + calls
 
 
+ITEM_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
+               "required": ["id"], "additionalProperties": False}
 #: The constrained requests' forms: each output that ends by the grammar (finish_reason "stop") must satisfy it.
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "choice": {"guided_choice": ["red", "green", "blue"]},
     "regex": {"guided_regex": "[0-9]{3}-[0-9]{2}"},
-    "json": {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": {
-        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
-        "required": ["id"], "additionalProperties": False}}}},
+    "json": {"response_format": {"type": "json_schema", "json_schema": {"name": "item", "schema": ITEM_SCHEMA}}},
 }
 #: The tool requests' function: its arguments follow the "json" form's schema.
 ITEM_TOOL = {"type": "function", "function": {
     "name": "record_item", "description": "Record an item by its id.",
-    "parameters": CONSTRAINTS["json"]["response_format"]["json_schema"]["schema"]}}
+    "parameters": ITEM_SCHEMA}}
 
 
 def constraint_problem(form: str, text: str) -> str | None:
@@ -363,11 +364,12 @@ def constraint_problem(form: str, text: str) -> str | None:
     if form == "regex":
         return None if re.fullmatch(CONSTRAINTS["regex"]["guided_regex"], text) else "does not match the regex"
     try:
-        obj = json.loads(text)
+        jsonschema.validate(json.loads(text), ITEM_SCHEMA)
     except json.JSONDecodeError as e:
         return f"not JSON: {e}"
-    ok = isinstance(obj, dict) and set(obj) == {"id"} and type(obj["id"]) is int and 0 <= obj["id"] <= 999
-    return None if ok else "does not follow the schema"
+    except jsonschema.ValidationError as e:
+        return f"does not follow the schema: {e.message}"
+    return None
 
 
 def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult, finish: dict[int, str] | None = None) -> None:
@@ -376,7 +378,7 @@ def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult, finish: dic
         ended = ("stop", "tool_calls") if plan["kind"] == "tool" else ("stop",)
         for i, t in text.items():
             reason = (finish or {}).get(i)
-            res.constrained[f"{plan['kind'] if plan['kind'] == 'tool' else plan['form']}:{reason}"] += 1
+            res.constrained[f"{'tool' if plan['kind'] == 'tool' else plan['form']}:{reason}"] += 1
             why = constraint_problem(plan["form"], t) if reason in ended else None
             if why:
                 res.problems.append(f"{tag}: {plan['form']} output {t!r} {why}")
