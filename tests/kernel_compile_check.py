@@ -119,12 +119,41 @@ def _hooks_present() -> bool:
     return hasattr(driver, "set_active") and "warmup" in inspect.signature(JITFunction.run).parameters
 
 
+def _fp8_v_operand() -> None:
+    """The unified kernel on an FP8 pool (sm_90), with and without ``fp8_upcast``: one line each, "upcast=B
+    shared_byte_loads=N ldmatrix_trans=M", counted in its PTX (how V's transposed dot operand is read)."""
+    from pagedllm.kernels import kv_layout
+    from pagedllm.kernels.triton_unified_attention import unified_attention
+
+    kernels = []
+    launch = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernels.append(launch(self, *args, grid=grid, warmup=True, **kwargs))
+        return kernels[-1]
+
+    JITFunction.run = run
+    driver.set_active(_CompileOnlyDriver(90))
+    n = 8
+    kc = kv_layout.to_layout(torch.zeros(16, 16, 8, 128, dtype=torch.float8_e4m3fn), kv_layout.HEAD_MAJOR)
+    q = torch.zeros(n, 32, 128, dtype=torch.bfloat16)
+    for upcast in (True, False):
+        unified_attention(q, kc, kc, torch.zeros(n, 128, dtype=torch.int32), torch.full((n,), 500, dtype=torch.int32),
+                          torch.arange(n + 1, dtype=torch.int32), 0.1, q.clone(), fp8_upcast=upcast)
+        ptx = kernels[-1].asm["ptx"]
+        print(f"upcast={upcast} shared_byte_loads={ptx.count('ld.shared.b8') + ptx.count('ld.shared.u8')} "
+              f"ldmatrix_trans={ptx.count('.trans.shared')}")
+
+
 def main() -> None:
     if not _hooks_present():
         import triton
 
         print(f"Triton {triton.__version__}: no swappable driver or compile-only launch", file=sys.stderr)
         raise SystemExit(UNSUPPORTED_TRITON)
+    if sys.argv[1:] == ["--fp8-v-operand"]:
+        _fp8_v_operand()
+        return
     compiled: list[tuple[str, str, int]] = []
     JITFunction.run = _compile_only(compiled)
     for arch, caches in ((90, (torch.bfloat16, torch.float8_e4m3fn)), (80, (torch.bfloat16,))):

@@ -103,7 +103,7 @@ def _decode_kernel(
     WRITE_PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, TABLE_ROW: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,10 +145,8 @@ def _decode_kernel(
         else:
             blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ko + kvh * stride_kh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vo + kvh * stride_vh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
+        k = _kv_tile(k_cache_ptr, blk, slot, kvh * stride_kh, stride_kb, stride_ko, dims, ok, dim_ok, q.dtype, False)
+        v = _kv_tile(v_cache_ptr, blk, slot, kvh * stride_vh, stride_vb, stride_vo, dims, ok, dim_ok, q.dtype, UPCAST)
         s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -210,15 +208,32 @@ def _reduce_kernel(
 
 
 @triton.jit
+def _kv_tile(cache_ptr, blk, slot, head_offset, stride_b, stride_o, dims, ok, dim_ok, dot_dtype, UPCAST: tl.constexpr):
+    """One K or V tile [keys, dims] gathered through the block numbers `blk`. With UPCAST (an FP8 pool's V tile),
+    converted to `dot_dtype` right after the load, through a select: otherwise Triton 3.6 keeps the tile 8-bit in
+    shared memory and, for sm_90, reads V's transposed dot operand one byte at a time (64 ``ld.shared.b8`` per thread
+    per 64-key tile); converted first, it reaches shared memory as 16-bit and ``ldmatrix.trans`` reads it. K's
+    operand needs no transpose and stays 8-bit (converting it too was slower; BENCHMARKS.md §57.1)."""
+    x = tl.load(cache_ptr + blk[:, None] * stride_b + slot[:, None] * stride_o + head_offset + dims[None, :],
+                mask=ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        x = tl.where(ok[:, None], x.to(dot_dtype), 0.0)
+    return x
+
+
+@triton.jit
 def _attend_causal(
-    q, q_pos, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+    q, q_pos, table, table_row, kv_end, k_cache_ptr, v_cache_ptr, kvh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
     qk_scale, dims, dim_ok,
     ROWS: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    TABLE_ROW: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Online softmax (eq. 4, base 2) of the query rows `q` at absolute positions `q_pos` over KV head `kvh`'s keys
     0 .. kv_end-1, gathered through the block-table row `table` in tiles of BLOCK_N, each row seeing keys up to its
-    own position → (unnormalised output, row sums). `qk_scale` is softmax scale · k_scale · log2(e)."""
+    own position → (unnormalised output, row sums). `qk_scale` is softmax scale · k_scale · log2(e). With
+    TABLE_ROW > 0, `table_row` holds the row's first TABLE_ROW entries, loaded before the loop (as the decode
+    kernel does): the K/V addresses then need no load of their own."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
@@ -226,12 +241,13 @@ def _attend_causal(
     for n_start in range(0, kv_end, BLOCK_N):
         pos = n_start + offs
         ok = pos < kv_end
-        blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        if TABLE_ROW > 0:
+            blk = tl.gather(table_row, tl.minimum(pos // BLOCK_SIZE, TABLE_ROW - 1), 0).to(tl.int64)
+        else:
+            blk = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ko + kvh * stride_kh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vo + kvh * stride_vh + dims[None, :],
-                    mask=ok[:, None] & dim_ok[None, :], other=0.0)
+        k = _kv_tile(k_cache_ptr, blk, slot, kvh * stride_kh, stride_kb, stride_ko, dims, ok, dim_ok, q.dtype, False)
+        v = _kv_tile(v_cache_ptr, blk, slot, kvh * stride_vh, stride_vb, stride_vo, dims, ok, dim_ok, q.dtype, UPCAST)
         s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
         visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -282,10 +298,10 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys up to the last row's position (causal), never past the sequence.
     kv_end = tl.minimum(seq_len, ctx + (m_tile + 1) * BLOCK_M)
-    acc, l_i = _attend_causal(q, q_pos, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+    acc, l_i = _attend_causal(q, q_pos, table, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
                               stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                               scale * k_scale * 1.4426950408889634, dims, dim_ok,
-                              BLOCK_M, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC)
+                              BLOCK_M, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, 0, False)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -441,6 +457,7 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8_dot_dtype: str | None = None,
+    fp8_upcast: bool = False,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] → [S, Hq, D] over each sequence's seq_lens[i] keys.
 
@@ -456,7 +473,8 @@ def paged_decode_attention(
     `num_warps` (default 4; an FP8 pool with a program per SM: 64 keys on 2 warps, the fastest of a sweep of
     tiles, warps, stages and splits, §29.2; below that, 128 keys on 4 warps).
     `fp8_dot_dtype`: with an FP8 cache, the dtype of the tile's dots, "fp16" (default for 16-bit queries)
-    or "bf16"; fp32 accumulation either way (``resolve_fp8_dot``).
+    or "bf16"; fp32 accumulation either way (``resolve_fp8_dot``). `fp8_upcast`: convert each FP8 V tile to the
+    dots' dtype right after its load (``_kv_tile``); off by default, slower here on an H200 (BENCHMARKS.md §57.1).
     """
     if reduce not in _REDUCE_MODES:
         raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}.")
@@ -520,6 +538,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), merge_chunk),
         HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile, PREC=_precision(query, dot), DOT=dot,
+        UPCAST=fp8_upcast and key_cache.element_size() == 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:

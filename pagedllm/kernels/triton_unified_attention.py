@@ -12,7 +12,11 @@ replays any mix of decodes and chunks up to its sizes, as vLLM's unified Triton 
 A tile holds BLOCK_Q query tokens × the query heads of one KV head (padded to a power of two) as its rows, so
 each K/V tile is read once per KV head, as the decode kernel does, and a decode row fills GROUP rows of it.
 Keys are gathered through the block table and attended causally with an online softmax, as in the prefill
-kernel; FP8 pools are read with their scales folded in (``triton_attention.resolve_fp8_dot``). There is no
+kernel; each program loads its sequence's block-table row before the loop when the table has at most 256 columns
+(as the decode kernel does), so the K/V loads need no load of their own. FP8 pools are read with their scales folded
+in (``triton_attention.resolve_fp8_dot``), each V tile converted to fp16 right after its load
+(``triton_attention._kv_tile``). Both made an FP8 pool's unified attention 1.3-1.35x faster on an H200 (BENCHMARKS.md
+§57.1). There is no
 split-KV: a step of few sequences with long contexts is better served by the decode kernel (the whole-step
 graphs are for short steps, where launches cost more than the kernel).
 """
@@ -22,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton_attention import (_attend_causal, _check_shapes, _dot_operand, _precision, prefill_launch,
-                                               resolve_fp8_dot)
+from pagedllm.kernels.triton_attention import (_MAX_TABLE_ROW, _attend_causal, _check_shapes, _dot_operand, _precision,
+                                               prefill_launch, resolve_fp8_dot)
 
 
 @triton.jit
@@ -48,12 +52,12 @@ def _unified_kernel(
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh,
     stride_vb, stride_vo, stride_vh,
-    stride_bt,
+    stride_bt, table_width,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, TABLE_ROW: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -80,11 +84,15 @@ def _unified_kernel(
     q_pos = ctx + qi  # absolute position of each row's token
 
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    table_row = table
+    if TABLE_ROW > 0:
+        cols = tl.arange(0, TABLE_ROW)
+        table_row = tl.load(table + cols, mask=cols < table_width, other=0)
     kv_end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)  # the tile's last token's keys (causal)
-    acc, l_i = _attend_causal(q, q_pos, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+    acc, l_i = _attend_causal(q, q_pos, table, table_row, kv_end, k_cache_ptr, v_cache_ptr, kvh,
                               stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
                               scale * k_scale * 1.4426950408889634, dims, dim_ok,
-                              BLOCK_Q * GROUP_PAD, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC)
+                              BLOCK_Q * GROUP_PAD, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, TABLE_ROW, UPCAST)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -120,12 +128,17 @@ def unified_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    preload_table: bool | None = None,
+    fp8_upcast: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query row of `query` [T, Hq, D] over its sequence's cached K/V, in one
     launch whose grid depends only on T and ``len(seq_lens)``. Sequence i owns rows
     ``query_start_loc[i]:query_start_loc[i+1]`` (len(seq_lens) + 1 entries, non-decreasing, at most T; padding
     sequences repeat the last value) and ``seq_lens[i]`` tokens of context including them. Writes `out`.
-    `block_n` keys per tile, `num_warps`, `num_stages`: launch parameters (defaults: ``unified_launch``)."""
+    `block_n` keys per tile, `num_warps`, `num_stages`: launch parameters (defaults: ``unified_launch``).
+    `preload_table`: load each sequence's block-table row before the loop (default: when the table has at most 256
+    columns and Triton has ``tl.gather``). `fp8_upcast`: convert an FP8 pool's V tiles right after their load (default
+    True; False is the former path, kept for comparison)."""
     group, d = _check_shapes(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
@@ -140,6 +153,12 @@ def unified_attention(
     block_q, group_pad, default_n, default_warps, default_stages = unified_launch(group, dim_pad, key_cache.shape[1],
                                                                                   query.element_size())
     block_n, num_warps, num_stages = block_n or default_n, num_warps or default_warps, num_stages or default_stages
+    table_width = block_tables.shape[1]
+    if preload_table is None:
+        preload_table = hasattr(tl, "gather") and table_width <= _MAX_TABLE_ROW
+    elif preload_table and not hasattr(tl, "gather"):
+        raise ValueError(f"preload_table=True needs tl.gather (Triton >= 3.2); this is Triton {triton.__version__}.")
+    table_row = triton.next_power_of_2(table_width) if preload_table and table_width else 0
     grid = (t // block_q + num_seqs, hk)
     _unified_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
@@ -147,10 +166,11 @@ def unified_attention(
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), table_width,
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
+        TABLE_ROW=table_row, UPCAST=key_cache.element_size() == 1 and fp8_upcast is not False,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
