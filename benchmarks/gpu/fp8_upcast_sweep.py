@@ -89,7 +89,6 @@ def decode_part(bw: float) -> dict:
               f"{best[0]:.3f} ({row[best[1]]['frac_of_copy_bw']:.0%}, x{row[best[1]]['over_bf16']:.2f} bf16)",
               flush=True)
         rows[key] = row
-        del x
         torch.cuda.empty_cache()
     return rows
 
