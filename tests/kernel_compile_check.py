@@ -1,49 +1,16 @@
 """Compiles every Triton kernel of pagedllm for sm_90 (Hopper), and all but the FP8 ones for sm_80 (Ampere), on a
 machine without a GPU: the kernels' own Python wrappers run on CPU tensors (so each launch has the constexprs,
-specialisations and dtypes a GPU step would give it) against a driver that targets that architecture and launches
+specialisations and dtypes a GPU step would give it) inside ``triton_compile_only.compile_only``, which launches
 nothing, and Triton's NVIDIA backend builds each launch with its bundled ptxas. Run by tests/test_kernel_compile.py
 in a process without TRITON_INTERPRET; prints one line per compiled kernel variant ("sm_NN name bytes"), and fails
 on the first kernel that does not build."""
 from __future__ import annotations
 
-import inspect
 import sys
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime.driver import driver
-from triton.runtime.jit import JITFunction
 
-
-class _CompileOnlyDriver:
-    """The parts of Triton's driver interface a launch asks for, answered for one CUDA architecture. Its device
-    index is the architecture's number: each JIT function keeps its kernels (and its target) per device index."""
-
-    def __init__(self, arch: int) -> None:
-        self.arch = arch
-
-    def get_current_target(self) -> GPUTarget:
-        return GPUTarget("cuda", self.arch, 32)
-
-    def get_current_device(self) -> int:
-        return self.arch
-
-    def get_current_stream(self, device: int | None = None) -> int:
-        return 0
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-def _compile_only(compiled: list[tuple[str, str, int]]):
-    launch = JITFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((f"sm_{driver.active.arch}", self.fn.__name__, len(kernel.asm["cubin"])))
-        return kernel
-
-    return run
+from pagedllm.kernels.triton_compile_only import compile_only, hooks_present, ptxas_usage
 
 
 def _attention(cache_dtype: torch.dtype) -> None:
@@ -115,38 +82,29 @@ def _ngram() -> None:
 UNSUPPORTED_TRITON = 3
 
 
-def _hooks_present() -> bool:
-    return hasattr(driver, "set_active") and "warmup" in inspect.signature(JITFunction.run).parameters
-
-
 def _fp8_v_operand() -> None:
     """The unified kernel on an FP8 pool (sm_90), with and without ``fp8_upcast``: one line each, "upcast=B
-    shared_byte_loads=N ldmatrix_trans=M", counted in its PTX (how V's transposed dot operand is read)."""
+    shared_byte_loads=N ldmatrix_trans=M registers=R spill_stores=S", the first two counted in its PTX (how V's
+    transposed dot operand is read), the others from ptxas."""
     from pagedllm.kernels import kv_layout
     from pagedllm.kernels.triton_unified_attention import unified_attention
 
-    kernels = []
-    launch = JITFunction.run
-
-    def run(self, *args, grid, warmup, **kwargs):
-        kernels.append(launch(self, *args, grid=grid, warmup=True, **kwargs))
-        return kernels[-1]
-
-    JITFunction.run = run
-    driver.set_active(_CompileOnlyDriver(90))
     n = 8
     kc = kv_layout.to_layout(torch.zeros(16, 16, 8, 128, dtype=torch.float8_e4m3fn), kv_layout.HEAD_MAJOR)
     q = torch.zeros(n, 32, 128, dtype=torch.bfloat16)
-    for upcast in (True, False):
-        unified_attention(q, kc, kc, torch.zeros(n, 128, dtype=torch.int32), torch.full((n,), 500, dtype=torch.int32),
-                          torch.arange(n + 1, dtype=torch.int32), 0.1, q.clone(), fp8_upcast=upcast)
-        ptx = kernels[-1].asm["ptx"]
-        print(f"upcast={upcast} shared_byte_loads={ptx.count('ld.shared.b8') + ptx.count('ld.shared.u8')} "
-              f"ldmatrix_trans={ptx.count('.trans.shared')}")
+    with compile_only(90) as compiled:
+        for upcast in (True, False):
+            unified_attention(q, kc, kc, torch.zeros(n, 128, dtype=torch.int32),
+                              torch.full((n,), 500, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32), 0.1,
+                              q.clone(), fp8_upcast=upcast)
+            ptx, use = compiled[-1].ptx, ptxas_usage(compiled[-1])
+            print(f"upcast={upcast} shared_byte_loads={ptx.count('ld.shared.b8') + ptx.count('ld.shared.u8')} "
+                  f"ldmatrix_trans={ptx.count('.trans.shared')} registers={use['registers']} "
+                  f"spill_stores={use['spill_stores']}")
 
 
 def main() -> None:
-    if not _hooks_present():
+    if not hooks_present():
         import triton
 
         print(f"Triton {triton.__version__}: no swappable driver or compile-only launch", file=sys.stderr)
@@ -154,16 +112,14 @@ def main() -> None:
     if sys.argv[1:] == ["--fp8-v-operand"]:
         _fp8_v_operand()
         return
-    compiled: list[tuple[str, str, int]] = []
-    JITFunction.run = _compile_only(compiled)
     for arch, caches in ((90, (torch.bfloat16, torch.float8_e4m3fn)), (80, (torch.bfloat16,))):
-        driver.set_active(_CompileOnlyDriver(arch))
-        for cache in caches:
-            _attention(cache)
-        _sampling_and_layers(fp8=arch >= 89)
-        _ngram()
-    for arch, name, size in compiled:
-        print(arch, name, size)
+        with compile_only(arch) as compiled:
+            for cache in caches:
+                _attention(cache)
+            _sampling_and_layers(fp8=arch >= 89)
+            _ngram()
+        for launch in compiled:
+            print(f"sm_{launch.arch}", launch.name, len(launch.kernel.asm["cubin"]))
 
 
 if __name__ == "__main__":

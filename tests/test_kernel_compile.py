@@ -68,9 +68,13 @@ def test_unified_kernel_reads_an_fp8_v_tile_as_16_bit_through_ldmatrix():
     """An FP8 V tile converted right after its load reaches shared memory as fp16 and is read transposed by
     ldmatrix; left 8-bit (fp8_upcast=False, the former path) it is read byte by byte (BENCHMARKS.md §57.1: 1.3x the
     kernel's time on an H200)."""
-    counts = {}
+    runs = {}
     for line in _run_check("--fp8-v-operand").stdout.splitlines():
         fields = dict(f.split("=") for f in line.split())
-        counts[fields["upcast"]] = (int(fields["shared_byte_loads"]), int(fields["ldmatrix_trans"]))
-    assert counts["True"][0] == 0 and counts["True"][1] > 0, counts
-    assert counts["False"][0] > 0, counts  # the check sees the difference it guards
+        upcast = fields.pop("upcast")
+        runs[upcast] = {k: int(v) for k, v in fields.items()}
+    new, old = runs["True"], runs["False"]
+    assert new["shared_byte_loads"] == 0 and new["ldmatrix_trans"] > 0, runs
+    assert old["shared_byte_loads"] > 0, runs  # the check sees the difference it guards
+    # ptxas's figures (kernels/triton_compile_only.ptxas_usage): fewer registers, so more programs per SM, no spills.
+    assert 0 < new["registers"] < old["registers"] and new["spill_stores"] == 0, runs
