@@ -94,6 +94,24 @@ def test_prefix_cache_reuses_full_blocks_and_verifies_tokens():
     assert bm.get_num_free_gpu_blocks() == 16
 
 
+def test_reset_prefix_cache_only_while_no_block_is_in_use():
+    bm = BlockManager(block_size=4, num_gpu_blocks=16, enable_caching=True)
+    a = _seq(0, 10)
+    _grow(bm, a, 10)
+    bm.cache_computed_blocks(a)
+    assert not bm.reset_prefix_cache()  # a holds its blocks: nothing changes
+    b = _seq(1, 10)
+    assert bm.allocate_cached_prefix(b) == 8
+    bm.free(a)
+    bm.free(b)
+    assert bm.reset_prefix_cache()
+    assert bm.gpu_pool.num_cached_blocks() == 0 and bm.get_num_free_gpu_blocks() == 16
+    c = _seq(2, 10)
+    assert bm.allocate_cached_prefix(c) == 0
+    bm.free(c)
+    bm.check_invariants()
+
+
 def test_prefix_cache_evicts_lru_when_full():
     bm = BlockManager(block_size=2, num_gpu_blocks=4, enable_caching=True)
     a = _seq(0, 5)

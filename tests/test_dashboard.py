@@ -151,7 +151,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-prefix-caching", "--api-key", KEY])
+    # Dev mode also serves vLLM's POST /reset_prefix_cache (test_reset_prefix_cache_route_in_dev_mode).
+    srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-prefix-caching", "--api-key", KEY],
+                       env={"VLLM_SERVER_DEV_MODE": "1"})
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.logs()[-3000:]
 
@@ -232,6 +234,40 @@ def test_events_stream_history_then_snapshots(server):
     assert ids == sorted(ids) and len(set(ids)) == 3
     times = [data["time"] for _, data in events[1:]]
     assert 0.1 < (times[-1] - times[0]) / 2 < 1.0  # ~4 Hz
+
+
+def test_reset_prefix_cache_route_in_dev_mode(server):
+    """VLLM_SERVER_DEV_MODE=1: POST /reset_prefix_cache (behind the API key) drops every cached prefix when no
+    request holds blocks (200: a repeated prompt then hits nothing), answers 409 while one does, 400 for
+    reset_running_requests=true. Without dev mode the route does not exist (test_server_openai)."""
+    url = server.url("/reset_prefix_cache")
+    assert httpx.post(url, timeout=30).status_code == 401
+    prompt = ("A cache keeps what was computed so that it need not be computed again. A prefix cache keeps the "
+              "keys and values of a prompt's leading blocks, and a later prompt that starts the same way reuses")
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def hits_of_one_request() -> float:
+        before = server.metrics()["vllm:prefix_cache_hits_total"]
+        assert httpx.post(server.url("/v1/completions"), json=body, headers=AUTH, timeout=60).status_code == 200
+        return server.metrics()["vllm:prefix_cache_hits_total"] - before
+
+    hits_of_one_request()
+    assert hits_of_one_request() >= 16  # at least one 16-token block reused
+    server.wait_idle()
+    assert httpx.post(url, headers=AUTH, timeout=30).status_code == 200
+    assert hits_of_one_request() == 0
+    r = httpx.post(url, params={"reset_running_requests": "true"}, headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reset_running_requests"
+    long_body = {**body, "max_tokens": 200, "ignore_eos": True}
+    with httpx.stream("POST", server.url("/v1/completions"), json={**long_body, "stream": True}, headers=AUTH,
+                      timeout=120) as stream:
+        lines = stream.iter_lines()
+        while not next(lines).startswith("data: "):  # the request runs and holds blocks
+            pass
+        r = httpx.post(url, headers=AUTH, timeout=30)
+        assert r.status_code == 409 and "Prefix cache reset failed" in r.json()["error"]["message"]
+    server.wait_idle()  # the closed stream aborted the request and freed its blocks
+    assert hits_of_one_request() > 0  # the refused reset dropped nothing
 
 
 def test_no_dashboard_flag_removes_the_routes():

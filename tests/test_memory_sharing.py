@@ -135,7 +135,7 @@ def test_greedy_same_with_and_without_prefix_caching_and_shared_prefix(llm, llm_
     prompts = _ids(llm, [SYSTEM + q for q in QUESTIONS[:4]])
     n_sys_blocks = len(llm.get_tokenizer().encode(SYSTEM)) // BLOCK
     reference = _one_by_one(llm, prompts, GREEDY)  # no caching, one at a time
-    llm_pc.llm_engine.scheduler.block_manager.gpu_pool.reset_prefix_cache()
+    assert llm_pc.reset_prefix_cache()
     before = llm_pc.stats()
     first = llm_pc.generate(prompts[:1], GREEDY, use_tqdm=False)
     assert first[0].num_cached_tokens == 0  # nothing cached yet
@@ -152,6 +152,28 @@ def test_greedy_same_with_and_without_prefix_caching_and_shared_prefix(llm, llm_
     n = len(prompts[0]["prompt_token_ids"])
     assert again[0].num_cached_tokens == (n - 1) // BLOCK * BLOCK
     assert _tokens(again) == reference[:1]
+
+
+def test_reset_prefix_cache_as_vllm_names_it(llm_pc):
+    """LLM.reset_prefix_cache(): a prompt cached before the reset is computed again after it, with the same tokens;
+    refused (False, nothing dropped) while a request holds blocks; reset_running_requests=True is a clear error."""
+    prompts = _ids(llm_pc, [SYSTEM + QUESTIONS[5]])
+    n = len(prompts[0]["prompt_token_ids"])
+    first = llm_pc.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm_pc.generate(prompts, GREEDY, use_tqdm=False)[0].num_cached_tokens == (n - 1) // BLOCK * BLOCK
+    eng = llm_pc.llm_engine
+    eng.add_request("held", prompts[0], GREEDY)
+    eng.step()
+    assert not llm_pc.reset_prefix_cache()
+    with pytest.raises(ValueError, match=r"reset_running_requests=True\) is not supported"):
+        llm_pc.reset_prefix_cache(reset_running_requests=True)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert llm_pc.generate(prompts, GREEDY, use_tqdm=False)[0].num_cached_tokens > 0  # nothing was dropped
+    assert llm_pc.reset_prefix_cache()
+    after = llm_pc.generate(prompts, GREEDY, use_tqdm=False)
+    assert after[0].num_cached_tokens == 0
+    assert _tokens(after) == _tokens(first)
 
 
 def test_shared_prefix_blocks_are_never_written(llm_pc):

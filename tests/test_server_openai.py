@@ -172,6 +172,11 @@ def test_stop_strings_and_echo(client, llm_greedy):
     assert full.startswith(echo.choices[0].text[len(PROMPTS[0]):])
 
 
+def test_reset_prefix_cache_needs_dev_mode(server):
+    # vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (test_dashboard tests the route).
+    assert httpx.post(server.url("/reset_prefix_cache"), timeout=30).status_code == 404
+
+
 def test_tokenize_detokenize(server):
     tok = httpx.post(server.url("/tokenize"), json={"prompt": "Hello world"}).json()
     assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == 1024

@@ -286,6 +286,9 @@ class ContiguousBlockManager:
     def record_prefix_lookup(self, seq: Sequence, hit_tokens: int) -> None:
         return None
 
+    def reset_prefix_cache(self) -> bool:
+        return True  # nothing is cached
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         return None
 

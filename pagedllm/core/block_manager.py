@@ -163,6 +163,14 @@ class BlockManager:
         self.block_tables[seq.seq_id] = table
         return len(table) * self.block_size
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's ``reset_prefix_cache``: only while no device block is in use (a
+        running sequence's full blocks would be cached again by its next step); False, changing nothing, otherwise."""
+        if self.get_num_free_gpu_blocks() != self.num_gpu_blocks:
+            return False
+        self.gpu_pool.reset_prefix_cache()
+        return True
+
     def record_prefix_lookup(self, seq: Sequence, hit_tokens: int) -> None:
         """Count one admitted lookup (a request that waits and retries is counted once)."""
         if self.enable_caching:

@@ -38,6 +38,10 @@ from pagedllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
 
+
+def _reset_prefix_cache(engine: LLMEngine) -> bool:
+    return engine.reset_prefix_cache()
+
 __all__ = ["AsyncEngineFront", "AsyncLLMEngine", "AsyncStream", "EngineDeadError", "EngineStepError",
            "FrontSink", "StepObserver"]
 
@@ -154,7 +158,8 @@ class AsyncEngineFront:
         """Run `fn(engine)` on the engine loop between two steps and return its result.
 
         For readers that need a consistent view (the dashboard's block snapshot): `fn` must be
-        quick (it delays the next step), must not change the engine, and (for the engine-core
+        quick (it delays the next step), must not change what a step in flight relies on (reading, or
+        ``reset_prefix_cache``, which acts only while no block is in use), and (for the engine-core
         process) must be a module-level function whose result pickles.
         """
         if not self.is_healthy:
@@ -166,6 +171,11 @@ class AsyncEngineFront:
             return await done
         finally:
             self._calls.pop(call_id, None)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block between two steps (``LLMEngine.reset_prefix_cache``): False while requests
+        hold KV blocks."""
+        return await self.call_between_steps(_reset_prefix_cache)
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(

@@ -705,6 +705,22 @@ class LLMEngine:
         logger.warning("request %s can never fit in the KV pool and was dropped", group.request_id)
         return self.output_processor.make_output(group)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached prefix block (vLLM's name): True once done; False, with a warning, while requests hold
+        KV blocks (their full blocks stay cached). `reset_running_requests=True` (vLLM preempts the running requests
+        first) is refused with a ValueError: abort them or let them finish."""
+        if reset_running_requests:
+            raise ValueError("reset_prefix_cache(reset_running_requests=True) is not supported: pagedllm resets the "
+                             "prefix cache only while no request holds KV blocks; abort the running requests or "
+                             "let them finish, then reset.")
+        bm = self.scheduler.block_manager
+        if bm.reset_prefix_cache():
+            logger.info("Prefix cache reset.")
+            return True
+        logger.warning("Prefix cache not reset: %d KV blocks are in use by %d unfinished requests.",
+                       bm.num_gpu_blocks - bm.get_num_free_gpu_blocks(), self.get_num_unfinished_requests())
+        return False
+
     # -- observability ----------------------------------------------------------------------
     def kv_memory_breakdown(self) -> KVMemoryBreakdown:
         """Where the device KV pool's token slots go now (the paper's Fig. 2; see core/kv_accounting.py)."""

@@ -84,6 +84,10 @@ class LLM:
         """KV pool and scheduler counters (see LLMEngine.stats)."""
         return self.llm_engine.stats()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prompt prefix (e.g. between benchmark runs); see ``LLMEngine.reset_prefix_cache``."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
     # -- internals --------------------------------------------------------------------------
     def _require_tokenizer(self):
         tok = self.llm_engine.tokenizer

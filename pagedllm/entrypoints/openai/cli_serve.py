@@ -85,7 +85,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.serving_common import ServingContext
-    from pagedllm.entrypoints.openai.server import GracefulServer, build_app
+    from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, GracefulServer, build_app
     from pagedllm.tokenizer import get_tokenizer
 
     if args.model_tag is not None:
@@ -116,7 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=checker.block_size, num_gpu_blocks=checker.num_gpu_blocks,
     )
     app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
-                    dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request)
+                    dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request,
+                    dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1")
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], info.model_dir, info.device, info.dtype, checker.num_gpu_blocks, checker.block_size,

@@ -84,9 +84,15 @@ class GracefulServer(uvicorn.Server):
             logger.info("aborted %d request(s) still running at shutdown", n)
 
 
+# vLLM's switch for its development routes (here: POST /reset_prefix_cache).
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
-              protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True) -> FastAPI:
-    """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py)."""
+              protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True,
+              dev_mode: bool = False) -> FastAPI:
+    """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py).
+    `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development route ``POST /reset_prefix_cache``."""
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     board = None  # the live KV-cache dashboard (set below unless turned off)
@@ -188,6 +194,21 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         ctx.check_model(req.model)
         ctx.check_ids(req.tokens, "tokens")
         return dump(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
+
+    if dev_mode:
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
+            """vLLM's development route: 200 once every cached prefix is dropped, 409 while requests hold KV
+            blocks."""
+            if reset_running_requests:
+                raise OpenAIError("reset_running_requests=true is not supported: the prefix cache is reset only "
+                                  "while no request holds KV blocks; retry when the running requests finish.",
+                                  param="reset_running_requests")
+            logger.info("Resetting prefix cache...")
+            if not await ctx.engine.reset_prefix_cache():
+                raise OpenAIError("Prefix cache reset failed: requests still hold KV blocks; retry when they finish.",
+                                  code="conflict", status=409)
+            return Response(status_code=200)
 
     return app
 
