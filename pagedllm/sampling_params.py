@@ -146,6 +146,29 @@ def _normalise_stop_token_ids(value: Any) -> list[int]:
     return out
 
 
+def _token_id(name: str, t: Any) -> int:
+    if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+        raise ValueError(f"{name} must hold non-negative int token ids, got {t!r} (type {_type_name(t)}).")
+    return int(t)
+
+
+def _normalise_logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> float or None, got {value!r} "
+                         f"(type {_type_name(value)}).")
+    return {_token_id("logit_bias", t): _check_float(f"logit_bias[{t}]", b) for t, b in value.items()}
+
+
+def _normalise_allowed_token_ids(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids or None, got {value!r}.")
+    return [_token_id("allowed_token_ids", t) for t in value]
+
+
 # --------------------------------------------------------------------------- #
 # SamplingParams
 # --------------------------------------------------------------------------- #
@@ -186,6 +209,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     #: Every step's cumulative output, or only the final one (see RequestOutputKind).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    #: Token id → value added to its logit before any other processing (OpenAI's ``logit_bias``; -100 / 100
+    #: in effect ban / force a token).
+    logit_bias: dict[int, float] | None = None
+    #: Only these token ids may be sampled (every other logit is -inf before any other processing).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._normalise_and_check_types()
@@ -244,6 +272,8 @@ class SamplingParams:
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self.output_kind = _check_output_kind(self.output_kind)
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
 
     def _verify_args(self) -> None:
         if self.n < 1:
@@ -308,6 +338,9 @@ class SamplingParams:
             )
 
     def _verify_beam_search(self) -> None:
+        if self.has_logit_adjustments:
+            raise ValueError("logit_bias and allowed_token_ids are not supported with beam search; drop them or "
+                             "sample instead.")
         if self._resolved_best_of == 1:
             raise ValueError(
                 f"best_of must be greater than 1 when using beam search, got "
@@ -365,6 +398,12 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def has_logit_adjustments(self) -> bool:
+        """``logit_bias`` or ``allowed_token_ids`` is set: the sampler changes the row's logits first (and such a
+        request does not speculate)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def output_text_buffer_length(self) -> int:

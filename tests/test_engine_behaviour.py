@@ -79,6 +79,28 @@ def test_eos_min_tokens_and_ignore_eos(llm):
     assert len(ig.token_ids) == 10 and ig.finish_reason == "length"
 
 
+def test_logit_bias_and_allowed_token_ids(llm):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids on the bundled model: +100 forces a token, -100 bans the
+    greedy one, allowed_token_ids bounds every sample; a plain request in the same batch keeps its tokens."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    first = plain[0].outputs[0].token_ids[0]
+    forced = tok.encode(" banana")[0]
+    allowed = [tok.encode(w)[0] for w in (" yes", " no", " maybe")]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={forced: 100.0}),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={first: -100.0}),
+              SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+              greedy]
+    outs = llm.generate([PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [forced] * 6
+    assert outs[1].outputs[0].token_ids[0] != first
+    assert all(set(c.token_ids) <= set(allowed) for c in outs[2].outputs)
+    assert outs[3].outputs[0].token_ids == plain[2].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"logit_bias token ids must be in \[0, "):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
+
+
 def test_logprobs_and_prompt_logprobs(llm):
     out = llm.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2),
                        use_tqdm=False)[0]

@@ -195,6 +195,49 @@ def test_min_tokens_masks_eos_and_stop_token_ids(device: str) -> None:
     assert r.logprobs[0] == pytest.approx(raw[r.token_ids[0]].item(), abs=1e-5)
 
 
+def test_logit_bias_and_allowed_token_ids(device: str) -> None:
+    """logit_bias is added before sampling (100 forces a token, -100 bans one); allowed_token_ids restricts the
+    support; both leave other rows and the raw logprobs alone, greedy and random, and a batch of rows with
+    adjustments equals each row sampled alone."""
+    mk = partial(_row, device=device)
+    logits = _logits(4, device=device)
+    top = int(logits[0].argmax())
+    forced = (top + 7) % VOCAB
+    greedy_bias = SamplingParams(temperature=0.0, logit_bias={forced: 100.0, top: -100.0})
+    allowed = [3, 11, 29]
+    logits[1, allowed] = torch.tensor([1.0, 0.5, 0.0], device=device)
+    logits[1, 0] = 20.0  # the likeliest token by far, not allowed
+    sampled_allowed = SamplingParams(temperature=1.0, allowed_token_ids=allowed)
+    plain = SamplingParams(temperature=0.0)
+    rows = [mk(greedy_bias), mk(sampled_allowed, seed=5, num_samples=200), mk(plain), mk(greedy_bias)]
+    res = _sample(logits, rows)
+    assert res[0].token_ids == [forced] and res[3].token_ids == [forced]
+    assert set(res[1].token_ids) <= set(allowed) and len(set(res[1].token_ids)) > 1
+    assert res[2].token_ids == [int(logits[2].argmax())]  # a row without adjustments is untouched
+    raw = torch.log_softmax(logits.float(), -1)
+    assert res[0].logprobs[0] == pytest.approx(raw[0, forced].item(), abs=1e-5)  # raw, as vLLM reports
+    alone = _sample(logits[1:2], [mk(sampled_allowed, seed=5, num_samples=200)])[0]
+    assert alone.token_ids == res[1].token_ids
+    # The distribution over the allowed tokens is the softmax of their logits alone.
+    counts = Counter(_sample(logits[1:2], [mk(sampled_allowed, seed=9, num_samples=4000)])[0].token_ids)
+    want = torch.softmax(logits[1, allowed].float(), -1)
+    for tok, w in zip(allowed, want.tolist()):
+        assert counts[tok] / 4000 == pytest.approx(w, abs=0.03)
+
+
+def test_logit_adjustment_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="logit_bias must hold non-negative int token ids"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="finite"):
+        SamplingParams(logit_bias={1: float("nan")})
+    with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="not supported with beam search"):
+        SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, logit_bias={1: 1.0})
+    assert SamplingParams(logit_bias={}).has_logit_adjustments is False
+    assert SamplingParams(allowed_token_ids=(4, 5)).allowed_token_ids == [4, 5]
+
+
 # --------------------------------------------------------------------------- #
 # Penalties vs. a per-row reference
 # --------------------------------------------------------------------------- #

@@ -142,6 +142,20 @@ def test_seed_reproducibility(client):
     assert a != c
 
 
+def test_logit_bias_and_allowed_token_ids(server, client):
+    """OpenAI's logit_bias (completions and chat) and vLLM's allowed_token_ids (extra body) through the official
+    client."""
+    ids = httpx.post(server.url("/tokenize"), json={"prompt": " banana yes no"}, timeout=30).json()["tokens"]
+    banana, yes, no = ids[0], ids[-2], ids[-1]
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                     logit_bias={str(banana): 100}, extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == " banana" * 3
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Say anything."}],
+                                          max_tokens=5, temperature=1.0, seed=7,
+                                          extra_body={"allowed_token_ids": [yes, no], "ignore_eos": True})
+    assert chat.choices[0].message.content.replace(" yes", "").replace(" no", "") == ""
+
+
 def test_logprobs_completion_and_chat(client):
     resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs

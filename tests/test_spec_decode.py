@@ -193,6 +193,21 @@ def reference(tokenizer):
     return prompts, outs
 
 
+def test_requests_with_logit_adjustments_do_not_speculate(tokenizer, reference):
+    """A logit_bias / allowed_token_ids request is served beside speculating ones without drafts of its own (the
+    rejection sampler does not apply them): the plain requests keep plain decoding's tokens, and every token of the
+    adjusted request obeys its bias."""
+    prompts, want = reference
+    banned = want[0][0][0]
+    params = [SamplingParams(temperature=0, max_tokens=20)] * 2 + [
+        SamplingParams(temperature=0, max_tokens=20, logit_bias={banned: -100.0})]
+    outs, st = _run([prompts[1], prompts[2], prompts[0]], params, num_gpu_blocks_override=64,
+                    speculative_config=NGRAM)
+    assert outs[:2] == [want[1], want[2]]
+    assert banned not in outs[2][0]
+    assert st["spec_decode_num_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
 def test_greedy_identical_on_off(reference, spec):
     prompts, ref = reference

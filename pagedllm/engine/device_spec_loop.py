@@ -41,9 +41,11 @@ _SKIP_AFTER_FULL_POOL = 32
 
 
 def _plain_greedy(group: SequenceGroup) -> bool:
-    """One greedy sequence without logprobs, penalties, beams or a grammar: what the mode decodes."""
+    """One greedy sequence without logprobs, penalties, logit adjustments, beams or a grammar: what the mode
+    decodes."""
     p = group.sampling_params
     return not (len(group.seqs) != 1 or "beam" in group.extra or "structured_output" in group.extra
+                or p.has_logit_adjustments
                 or p.temperature > 0 or p.logprobs is not None or p.repetition_penalty != 1.0
                 or p.presence_penalty or p.frequency_penalty or (group.extra.get("best_of") or 1) > 1)
 

@@ -42,6 +42,10 @@ class RequestChecker:
             params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
         ):
             raise ValueError("beam search scores raw log-probabilities: penalties must keep their defaults.")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be in [0, {self.vocab_size}), got {sorted(bad)[:5]}.")
 
     def check_priority(self, priority: int) -> None:
         """A request's priority: an int, and other than 0 only under the priority scheduling policy (as vLLM)."""

@@ -104,7 +104,8 @@ class SpecDecoder:
         return False
 
     def _may_speculate(self, seq: Sequence, group: SequenceGroup) -> bool:
-        """The sequence decodes, is neither beam search nor constrained, and is not in an acceptance cooldown.
+        """The sequence decodes, is neither beam search nor constrained (a grammar, logit_bias or allowed_token_ids),
+        and is not in an acceptance cooldown.
 
         The cooldown holds only where steps are asynchronous, or drafts are verified whatever they cost (the
         "fixed" policy). A synchronous engine with the goodput rule already weighs each sequence's recent
@@ -112,7 +113,8 @@ class SpecDecoder:
         lost the spans it would have copied (float32 CPU, up to 4 concurrent: 1.39× → 1.56× of plain decoding
         without it, BENCHMARKS.md §42.4); on an asynchronous engine not speculating also keeps the steps
         overlapped."""
-        if not seq.output_token_ids or "beam" in group.extra or "structured_output" in group.extra:
+        if (not seq.output_token_ids or "beam" in group.extra or "structured_output" in group.extra
+                or group.sampling_params.has_logit_adjustments):
             return False
         if self.mode is None and self.config.draft_length_policy == "goodput":
             return True

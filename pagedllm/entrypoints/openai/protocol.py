@@ -150,6 +150,8 @@ class SamplingExtras(StructuredOutputsExtras):
     stop_token_ids: list[int] | None = None
     #: OpenAI's token-id → bias map; validated (keys are token ids, values in [-100, 100]).
     logit_bias: dict[str, float] | None = None
+    #: vLLM's: only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

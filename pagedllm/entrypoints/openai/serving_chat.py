@@ -71,7 +71,7 @@ class OpenAIServingChat:
         if req.logprobs:
             logprobs = req.top_logprobs or 0
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
-        self.ctx.check_logit_bias(req.logit_bias)
+        self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         ids = render_messages(self.ctx, req.messages, req.add_generation_prompt, req.chat_template,
                               tools.template_tools())
         self.ctx.check_length(len(ids), max_tokens, "messages", max_param)

@@ -139,16 +139,15 @@ class ServingContext:
             self.limits.check_total_tokens(total)
         return texts, ids
 
-    def check_logit_bias(self, logit_bias: dict[str, float] | None) -> None:
-        """Keys were checked to be decimal token ids by the protocol; here: inside the vocabulary.
-
-        The engine has no logit-bias support yet, so a valid non-empty map is refused (never ignored).
-        """
-        if not logit_bias:
-            return
-        self.check_ids([int(k) for k in logit_bias], "logit_bias")
-        raise OpenAIError("logit_bias is not supported by this server yet.", param="logit_bias",
-                          code="not_implemented")
+    def check_logit_adjustments(self, logit_bias: dict[str, float] | None, allowed_token_ids: list[int] | None) -> None:
+        """logit_bias keys (decimal token ids, checked by the protocol) and allowed_token_ids: inside the
+        vocabulary."""
+        if logit_bias:
+            self.check_ids([int(k) for k in logit_bias], "logit_bias")
+        if allowed_token_ids is not None:
+            if not allowed_token_ids:
+                raise OpenAIError("allowed_token_ids must list at least one token id.", param="allowed_token_ids")
+            self.check_ids(allowed_token_ids, "allowed_token_ids")
 
     def check_fits_pool(self, n_prompt: int, max_tokens: int | None, req: Any, max_tokens_param: str) -> None:
         """400 for a request that could never finish in the KV pool, even alone (instead of a livelock)."""
@@ -218,6 +217,8 @@ class ServingContext:
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 structured_outputs=so,
+                logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
+                allowed_token_ids=req.allowed_token_ids,
             )
         except ValueError as e:
             raise error_from_exception(e) from None

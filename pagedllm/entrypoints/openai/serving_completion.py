@@ -36,7 +36,7 @@ class OpenAIServingCompletion:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise OpenAIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.", param="logprobs")
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
-        self.ctx.check_logit_bias(req.logit_bias)
+        self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         texts, ids = self.ctx.completion_prompts(req.prompt)
         for prompt_ids in ids:
             self.ctx.check_length(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")

@@ -2,6 +2,8 @@
 
 Pipeline per call (stages are skipped entirely when no row needs them):
 
+0. ``allowed_token_ids`` (every other token to ``-inf``) and ``logit_bias`` (added), as vLLM applies them
+   before penalties,
 1. penalties (repetition / frequency / presence),
 2. ``min_tokens``: EOS and ``stop_token_ids`` masked to ``-inf``,
 3. temperature,
@@ -85,6 +87,25 @@ def _flat_index(seqs: list[list[int]], vocab: int) -> np.ndarray:
 def _col(values: list[float], device: torch.device) -> torch.Tensor:
     """Per-row float32 column ``[B, 1]``."""
     return async_tensor_h2d(values, torch.float32, device).unsqueeze(1)
+
+
+def apply_logit_adjustments(x: torch.Tensor, allow_only: list[int], allow_rows: list[int], allow_toks: list[int],
+                            bias_rows: list[int], bias_toks: list[int], bias_vals: list[float]) -> torch.Tensor:
+    """A copy of `x` whose rows `allow_only` keep only their (allow_rows, allow_toks) entries (the rest -inf), then
+    with `bias_vals` added at (bias_rows, bias_toks): ``allowed_token_ids`` and ``logit_bias``."""
+    device = x.device
+    if allow_only:
+        keep = torch.zeros_like(x, dtype=torch.bool)
+        keep[async_tensor_h2d(allow_rows, torch.long, device), async_tensor_h2d(allow_toks, torch.long, device)] = True
+        restricted = torch.zeros(x.shape[0], 1, dtype=torch.bool, device=device)
+        restricted[async_tensor_h2d(allow_only, torch.long, device)] = True
+        x = torch.where(restricted & ~keep, _NEG_INF, x)
+    else:
+        x = x.clone()
+    if bias_rows:
+        x.index_put_((async_tensor_h2d(bias_rows, torch.long, device), async_tensor_h2d(bias_toks, torch.long, device)),
+                     async_tensor_h2d(bias_vals, torch.float32, device), accumulate=True)
+    return x
 
 
 def apply_penalties(
@@ -435,8 +456,22 @@ class Sampler:
         num_samples: list[int] = []
         ban_rows: list[int] = []
         ban_toks: list[int] = []
+        bias_rows: list[int] = []  # logit_bias entries, flat
+        bias_toks: list[int] = []
+        bias_vals: list[float] = []
+        allow_rows: list[int] = []  # allowed_token_ids entries, flat
+        allow_toks: list[int] = []
+        allow_only: list[int] = []  # rows restricted to their allowed tokens
         for i, row in enumerate(rows):
             p = row.params
+            if p.logit_bias:
+                bias_rows.extend([i] * len(p.logit_bias))
+                bias_toks.extend(p.logit_bias)
+                bias_vals.extend(p.logit_bias.values())
+            if p.allowed_token_ids is not None:
+                allow_only.append(i)
+                allow_rows.extend([i] * len(p.allowed_token_ids))
+                allow_toks.extend(p.allowed_token_ids)
             if row.num_samples < 1:
                 raise ValueError(f"num_samples must be at least 1, got {row.num_samples}.")
             num_samples.append(row.num_samples)
@@ -472,8 +507,9 @@ class Sampler:
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs, p.logprobs)
 
+        adjust = bool(bias_rows or allow_only)
         if (device.type == "cuda" and not self.batch_invariant and all(greedy) and not need_pen and not ban_rows
-                and max_logprobs < 0
+                and not adjust and max_logprobs < 0
                 and not return_logprobs_tensor and sum(num_samples) == num_rows and token_bitmask is None):
             # The common decode step: one pass over the logits instead of a float32 copy + argmax + logsumexp.
             from pagedllm.kernels.triton_greedy import greedy_sample_with_logprob
@@ -483,7 +519,8 @@ class Sampler:
             return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
 
         # Rows that one kernel can take: argmax or a draw at a temperature, the raw logprob, one sample each.
-        plain = (not self.batch_invariant and not need_pen and not ban_rows and not (need_topk or need_topp or need_minp)
+        plain = (not self.batch_invariant and not need_pen and not ban_rows and not adjust
+                 and not (need_topk or need_topp or need_minp)
                  and max_logprobs < 0 and not return_logprobs_tensor and sum(num_samples) == num_rows)
         host_draws_on_gpu = (plain and device.type == "cuda" and self.random_sampling != "race"
                              and all(greedy[i] or _draws_on_host(row.generator) for i, row in enumerate(rows)))
@@ -508,6 +545,8 @@ class Sampler:
         # ---- logits processing --------------------------------------------- #
         raw = logits.float()  # never modified in place
         x = raw
+        if adjust:
+            x = apply_logit_adjustments(raw, allow_only, allow_rows, allow_toks, bias_rows, bias_toks, bias_vals)
         if need_pen:
             x = apply_penalties(x, pen_prompts, pen_outputs, presence, frequency, repetition)
         if ban_rows:
