@@ -1,9 +1,11 @@
 """Soak test of `pagedllm serve`: schema fuzz + hostile bodies, then N concurrent streams (default 1 000)
 on a pool of a few dozen blocks with mixed n, best_of, stop strings, prefix caching, bad requests,
-client disconnects, aborts, choice / regex / JSON-schema constraints and named tool calls, repeated for
+client disconnects, aborts, choice / regex / JSON-schema constraints, named tool calls and requests whose
+allowed_token_ids and logit_bias leave a few words, repeated for
 --rounds. Prints requests sent / completed / failed by class / lost / blocks leaked / server RSS per round /
 latency, and exits non-zero if anything was lost, leaked, answered with a 5xx, or the server's memory grew
-after the first round, if a constrained output that the grammar ended breaks its constraint, or if a greedy
+after the first round, if a constrained output that the grammar ended (or any allowed_token_ids output) breaks its
+constraint, or if a greedy
 request's output differed from the same request served alone (with --check-seeded, the default under
 VLLM_BATCH_INVARIANT=1, seeded sampled ones too). --server-args adds serve flags (an FP8 pool, speculation);
 more --max-tokens makes the pool preempt.

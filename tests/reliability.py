@@ -189,12 +189,13 @@ class LoadResult:
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def _plan(i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
+def _plan(i: int, rng: random.Random, max_tokens: int, allowed: dict[str, int]) -> dict[str, Any]:
     """Request i of the load: a mix of streams and whole responses, n, best_of, stop strings, aborts,
-    requests under a choice, regex or JSON-schema constraint, and calls of a named tool."""
+    requests under a choice, regex or JSON-schema constraint, calls of a named tool, and requests whose
+    allowed_token_ids (`allowed`: word → its one token id) and logit_bias leave only some words."""
     prompt = PROMPTS[i % len(PROMPTS)]
     kind = rng.choice(["greedy", "greedy", "sampled_n2", "best_of", "stop", "chat", "disconnect", "abort", "bad",
-                       "constrained", "tool"])
+                       "constrained", "tool", "allowed"])
     base = {"prompt": prompt, "max_tokens": max_tokens}
     if kind == "bad":  # refused with a 400 while the rest run
         wrong = rng.choice([{"temprature": 0.5}, {"max_tokens": -1}, {"n": "2"}, {"logit_bias": {"x": 1}}])
@@ -223,6 +224,11 @@ def _plan(i: int, rng: random.Random, max_tokens: int) -> dict[str, Any]:
                 "body": {"messages": [{"role": "user", "content": prompt}], "tools": [ITEM_TOOL],
                          "tool_choice": {"type": "function", "function": {"name": "record_item"}},
                          "temperature": 1.0, "seed": i, "max_tokens": 2 * max_tokens}}  # the chat template's tokens
+    if kind == "allowed":  # the words' tokens only, one of them banned by a -100 bias
+        banned = rng.choice(sorted(allowed))
+        return {"kind": kind, "stream": rng.random() < 0.5, "form": "allowed", "words": sorted(set(allowed) - {banned}),
+                "body": {**base, "temperature": 1.0, "seed": i, "n": rng.choice([1, 2]), "ignore_eos": True,
+                         "allowed_token_ids": sorted(allowed.values()), "logit_bias": {str(allowed[banned]): -100}}}
     if kind == "disconnect":
         return {"kind": kind, "stream": True, "disconnect_after": rng.randint(1, 3),
                 "body": {**base, "temperature": 1.0, "ignore_eos": True, "max_tokens": 4 * max_tokens}}
@@ -357,8 +363,14 @@ ITEM_TOOL = {"type": "function", "function": {
     "parameters": ITEM_SCHEMA}}
 
 
-def constraint_problem(form: str, text: str) -> str | None:
-    """Why `text` breaks the constraint of `form` (CONSTRAINTS), or None."""
+#: Words the "allowed" requests may emit (those the tokenizer makes one token each, with a leading space).
+ALLOWED_WORDS = (" red", " green", " blue", " yellow")
+
+
+def constraint_problem(form: str, text: str, words: list[str] | None = None) -> str | None:
+    """Why `text` breaks the constraint of `form` (CONSTRAINTS; "allowed": a run of `words`), or None."""
+    if form == "allowed":
+        return None if re.fullmatch("(?:" + "|".join(map(re.escape, words)) + ")*", text) else "has other words"
     if form == "choice":
         return None if text in CONSTRAINTS["choice"]["guided_choice"] else "not one of the choices"
     if form == "regex":
@@ -374,6 +386,12 @@ def constraint_problem(form: str, text: str) -> str | None:
 
 def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult, finish: dict[int, str] | None = None) -> None:
     body = plan["body"]
+    if plan["kind"] == "allowed":  # every token obeys allowed_token_ids and logit_bias, however the output ends
+        for i, t in text.items():
+            res.constrained[f"allowed:{(finish or {}).get(i)}"] += 1
+            why = constraint_problem("allowed", t, plan["words"])
+            if why:
+                res.problems.append(f"{tag}: allowed_token_ids output {t!r} {why} than {plan['words']}")
     if plan["kind"] in ("constrained", "tool"):
         ended = ("stop", "tool_calls") if plan["kind"] == "tool" else ("stop",)
         for i, t in text.items():
@@ -394,7 +412,7 @@ def _check_outputs(plan, n, usage, text, tag, refs, res: LoadResult, finish: dic
 
 
 GREEDY_KINDS = ("greedy", "chat")
-SEEDED_KINDS = ("sampled_n2", "best_of", "stop", "constrained", "tool")  # temperature > 0 with a per-request seed
+SEEDED_KINDS = ("sampled_n2", "best_of", "stop", "constrained", "tool", "allowed")  # temperature > 0, a seed each
 
 
 def _ref_key(plan, seeded: bool) -> str | None:
@@ -419,13 +437,25 @@ async def _references(client: httpx.AsyncClient, plans, seeded: bool) -> dict[st
     return refs
 
 
+async def _one_token_words(client: httpx.AsyncClient, words: tuple[str, ...]) -> dict[str, int]:
+    """word → token id, for the words the server's tokenizer makes one token (at least two of them)."""
+    out = {}
+    for w in words:
+        r = await client.post("/tokenize", json={"prompt": w, "add_special_tokens": False})
+        r.raise_for_status()
+        if len(ids := r.json()["tokens"]) == 1:
+            out[w] = ids[0]
+    if len(out) < 2:
+        raise RuntimeError(f"the tokenizer makes fewer than two of {words} one token each: {out}")
+    return out
+
+
 async def run_load(base_url: str, headers: dict[str, str], n_requests: int, max_tokens: int = 4, seed: int = 0,
                    timeout: float = 600.0, check_seeded: bool = False) -> LoadResult:
     """All requests at once (one connection each); every one must end exactly once, visibly. Greedy requests must
     equal themselves served alone; with `check_seeded` seeded sampled ones too (n > 1, best_of and stop strings
     included: exact where the server is batch-invariant, or where nothing changes a request's chunking)."""
     rng = random.Random(seed)
-    plans = [_plan(i, rng, max_tokens) for i in range(n_requests)]
     res = LoadResult(sent=n_requests)
     # An idle keep-alive connection is dropped by the client after 1 s, well before uvicorn's 5 s server-side
     # timeout: with equal timeouts a request sent on a connection the server is closing at that moment ends
@@ -433,6 +463,8 @@ async def run_load(base_url: str, headers: dict[str, str], n_requests: int, max_
     limits = httpx.Limits(max_connections=n_requests + 8, max_keepalive_connections=n_requests + 8,
                           keepalive_expiry=1.0)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits) as client:
+        allowed = await _one_token_words(client, ALLOWED_WORDS)
+        plans = [_plan(i, rng, max_tokens, allowed) for i in range(n_requests)]
         refs = await _references(client, plans, check_seeded)
         await asyncio.gather(*(_one(client, p, refs, res) for p in plans))
     return res

@@ -82,6 +82,7 @@ def test_load_every_request_ends_exactly_once(server):
     print("constrained outputs:", dict(res.constrained))
     ended = {k.split(":")[0] for k, v in res.constrained.items() if k.endswith((":stop", ":tool_calls")) and v}
     assert ended == {"choice", "regex", "json", "tool"}
+    assert res.constrained["allowed:length"] > 0  # allowed_token_ids + logit_bias outputs, every one checked
     _assert_idle(server)
     _serves_normally(server)
 
@@ -92,6 +93,9 @@ def test_the_load_catches_an_output_that_breaks_its_constraint():
     assert constraint_problem("json", '{"id": 7}') is None
     for bad in ('{"id": 7', '{"id": "7"}', '{"id": 1000}', '{"id": 7, "x": 1}', "[7]"):
         assert constraint_problem("json", bad), bad
+    words = [" red", " blue"]
+    assert constraint_problem("allowed", " red blue red", words) is None
+    assert constraint_problem("allowed", " red green", words) and constraint_problem("allowed", " redblue x", words)
 
 
 def test_sigterm_in_flight_finish_or_end_visibly(server):
