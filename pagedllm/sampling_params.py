@@ -214,6 +214,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     #: Only these token ids may be sampled (every other logit is -inf before any other processing).
     allowed_token_ids: list[int] | None = None
+    #: Keep only the prompt's last k tokens (-1: as many as fit with one generated token), as vLLM.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._normalise_and_check_types()
@@ -274,6 +276,11 @@ class SamplingParams:
         self.output_kind = _check_output_kind(self.output_kind)
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
+        self.truncate_prompt_tokens = _check_opt_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
+                and self.truncate_prompt_tokens != -1:
+            raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 (as many as fit), got "
+                             f"{self.truncate_prompt_tokens}.")
 
     def _verify_args(self) -> None:
         if self.n < 1:

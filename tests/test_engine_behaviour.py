@@ -101,6 +101,25 @@ def test_logit_bias_and_allowed_token_ids(llm):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens, exactly as a prompt of just
+    those tokens; -1 keeps as many as fit; a k that could never fit, or below -1 / 0, is a clear error."""
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    greedy = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    cut = llm.generate(PROMPTS[1], SamplingParams(truncate_prompt_tokens=4, **greedy), use_tqdm=False)[0]
+    alone = llm.generate({"prompt_token_ids": ids[-4:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-4:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    long = (ids * 200)[:1500]  # longer than max_model_len 1024
+    out = llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=-1, **greedy),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-1023:] and len(out.outputs[0].token_ids) == 1  # one slot left
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=5000 exceeds the longest prompt"):
+        llm.generate(PROMPTS[1], SamplingParams(truncate_prompt_tokens=5000), use_tqdm=False)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be at least 1, or -1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_logprobs_and_prompt_logprobs(llm):
     out = llm.generate(["The sky is"], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2),
                        use_tqdm=False)[0]

@@ -156,6 +156,20 @@ def test_logit_bias_and_allowed_token_ids(server, client):
     assert chat.choices[0].message.content.replace(" yes", "").replace(" no", "") == ""
 
 
+def test_truncate_prompt_tokens(server, client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what runs, are counted, and are echoed."""
+    prompt = "Once upon a time, in a land far away,"
+    ids = httpx.post(server.url("/tokenize"), json={"prompt": prompt}, timeout=30).json()["tokens"]
+    last3 = httpx.post(server.url("/detokenize"), json={"tokens": ids[-3:]}, timeout=30).json()["prompt"]
+    cut = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3 < len(ids)
+    assert cut.choices[0].text.startswith(last3) and not cut.choices[0].text.startswith(prompt)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=2, extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+
+
 def test_logprobs_completion_and_chat(client):
     resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs

@@ -210,6 +210,7 @@ class LLMEngine:
         self.request_checker.check_priority(priority)
         self.request_checker.check_params(params)
         text, token_ids = self._tokenize(prompt)
+        token_ids = self.request_checker.truncate(token_ids, params.truncate_prompt_tokens)
         self.request_checker.check_prompt_ids(token_ids)
         limit = self.max_seq_len
         if any(g.request_id == request_id for g in self._all_groups()):

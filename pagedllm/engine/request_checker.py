@@ -74,11 +74,27 @@ class RequestChecker:
     def check_request(self, prompt, params: SamplingParams | None, priority: int = 0) -> None:
         """What can be checked without tokenizing: the parameters and priority, and the ids of a token-id prompt
         (a text prompt's ids are checked once the engine has tokenized it)."""
+        params = params or SamplingParams()
         self.check_priority(priority)
-        self.check_params(params or SamplingParams())
+        self.check_params(params)
         ids = prompt_token_ids(prompt)
         if ids is not None:
-            self.check_prompt_ids(ids)
+            self.check_prompt_ids(self.truncate(ids, params.truncate_prompt_tokens))
+
+    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (vLLM's field; -1: as many as fit with one generated
+        token); ValueError when more could never fit."""
+        k = truncate_prompt_tokens
+        if k is None:
+            return token_ids
+        limit = self.max_seq_len - 1
+        if k == -1:
+            k = limit
+        elif k > limit:
+            raise ValueError(f"truncate_prompt_tokens={k} exceeds the longest prompt this engine takes ({limit} "
+                             f"tokens: max_model_len={self.max_model_len}, KV pool={self.num_gpu_blocks} blocks, "
+                             f"less one generated token); pass at most {limit}, or -1.")
+        return token_ids[-k:] if len(token_ids) > k else token_ids
 
 
 def prompt_token_ids(prompt) -> list[int] | None:

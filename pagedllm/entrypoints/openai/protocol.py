@@ -152,6 +152,8 @@ class SamplingExtras(StructuredOutputsExtras):
     logit_bias: dict[str, float] | None = None
     #: vLLM's: only these token ids may be sampled.
     allowed_token_ids: list[int] | None = None
+    #: vLLM's: keep only the prompt's last k tokens (-1: as many as fit).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

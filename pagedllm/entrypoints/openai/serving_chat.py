@@ -74,6 +74,7 @@ class OpenAIServingChat:
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         ids = render_messages(self.ctx, req.messages, req.add_generation_prompt, req.chat_template,
                               tools.template_tools())
+        ids = self.ctx.truncate(ids, req.truncate_prompt_tokens)
         self.ctx.check_length(len(ids), max_tokens, "messages", max_param)
         self.ctx.check_fits_pool(len(ids), max_tokens, req, max_param)
         return model, ids, max_tokens, logprobs, tools

@@ -139,6 +139,13 @@ class ServingContext:
             self.limits.check_total_tokens(total)
         return texts, ids
 
+    def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (a 400 naming the field if k never fits)."""
+        try:
+            return self.engine.request_checker.truncate(token_ids, truncate_prompt_tokens)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens") from None
+
     def check_logit_adjustments(self, logit_bias: dict[str, float] | None, allowed_token_ids: list[int] | None) -> None:
         """logit_bias keys (decimal token ids, checked by the protocol) and allowed_token_ids: inside the
         vocabulary."""
@@ -218,7 +225,7 @@ class ServingContext:
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 structured_outputs=so,
                 logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
-                allowed_token_ids=req.allowed_token_ids,
+                allowed_token_ids=req.allowed_token_ids, truncate_prompt_tokens=req.truncate_prompt_tokens,
             )
         except ValueError as e:
             raise error_from_exception(e) from None

@@ -38,6 +38,10 @@ class OpenAIServingCompletion:
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         texts, ids = self.ctx.completion_prompts(req.prompt)
+        kept = [self.ctx.truncate(prompt_ids, req.truncate_prompt_tokens) for prompt_ids in ids]
+        # echo returns what the model saw: a truncated prompt's text is decoded from the ids it kept.
+        texts = [t if len(k) == len(full) else None for t, k, full in zip(texts, kept, ids)]
+        ids = kept
         for prompt_ids in ids:
             self.ctx.check_length(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
             self.ctx.check_fits_pool(len(prompt_ids), req.max_tokens, req, "max_tokens")
