@@ -94,9 +94,11 @@ def test_worth_syncing_only_for_a_sequence_whose_host_tokens_already_match():
     from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
     from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
+    from pagedllm import SamplingParams
+
     def group(prompt: list[int], output: list[int], **extra) -> SequenceGroup:
         seq = Sequence(0, prompt, list(output), status=SequenceStatus.RUNNING)
-        return SequenceGroup("r", [seq], None, 0.0, extra=dict(extra))
+        return SequenceGroup("r", [seq], SamplingParams(), 0.0, extra=dict(extra))
 
     running: list[SequenceGroup] = []
     dec = SpecDecoder(SpeculativeConfig(prompt_lookup_min=2), SimpleNamespace(running=running), None, 1024,
@@ -110,6 +112,10 @@ def test_worth_syncing_only_for_a_sequence_whose_host_tokens_already_match():
     copying.seqs[0].extra["spec_resume_at"] = 5  # low acceptance: cooling down until 5 output tokens
     assert not dec.worth_syncing()
     copying.seqs[0].output_token_ids += [5, 6]
+    assert dec.worth_syncing()
+    copying.sampling_params = SamplingParams(logit_bias={5: -100.0})  # nor do those with logit adjustments
+    assert not dec.worth_syncing()
+    copying.sampling_params = SamplingParams()
     assert dec.worth_syncing()
     copying.extra["structured_output"] = object()  # constrained sequences never speculate
     assert not dec.worth_syncing()
@@ -126,8 +132,10 @@ def test_the_acceptance_cooldown_holds_where_speculating_costs_more_than_its_row
     from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
     from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
+    from pagedllm import SamplingParams
+
     seq = Sequence(0, [1, 2, 3], [4], status=SequenceStatus.RUNNING)
-    group = SequenceGroup("r", [seq], None, 0.0, extra={})
+    group = SequenceGroup("r", [seq], SamplingParams(), 0.0, extra={})
     dec = SpecDecoder(SpeculativeConfig(draft_length_policy=policy), SimpleNamespace(running=[group]), None, 1024,
                       async_steps=async_steps)
     assert dec._may_speculate(seq, group)
