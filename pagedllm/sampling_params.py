@@ -169,6 +169,14 @@ def _normalise_allowed_token_ids(value: Any) -> list[int] | None:
     return [_token_id("allowed_token_ids", t) for t in value]
 
 
+def _normalise_bad_words(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in value):
+        raise ValueError(f"bad_words must be a list of non-blank strings or None, got {value!r}.")
+    return list(value)
+
+
 # --------------------------------------------------------------------------- #
 # SamplingParams
 # --------------------------------------------------------------------------- #
@@ -216,6 +224,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     #: Keep only the prompt's last k tokens (-1: as many as fit with one generated token), as vLLM.
     truncate_prompt_tokens: int | None = None
+    #: Words never generated (vLLM's): a word's last token is banned whenever the output so far ends with the rest
+    #: of it; each word counts with and without a leading space.
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         self._normalise_and_check_types()
@@ -277,6 +288,7 @@ class SamplingParams:
         self.logit_bias = _normalise_logit_bias(self.logit_bias)
         self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
         self.truncate_prompt_tokens = _check_opt_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+        self.bad_words = _normalise_bad_words(self.bad_words)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
                 and self.truncate_prompt_tokens != -1:
             raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 (as many as fit), got "
@@ -346,8 +358,8 @@ class SamplingParams:
 
     def _verify_beam_search(self) -> None:
         if self.has_logit_adjustments:
-            raise ValueError("logit_bias and allowed_token_ids are not supported with beam search; drop them or "
-                             "sample instead.")
+            raise ValueError("logit_bias, allowed_token_ids and bad_words are not supported with beam search; drop "
+                             "them or sample instead.")
         if self._resolved_best_of == 1:
             raise ValueError(
                 f"best_of must be greater than 1 when using beam search, got "
@@ -408,9 +420,9 @@ class SamplingParams:
 
     @property
     def has_logit_adjustments(self) -> bool:
-        """``logit_bias`` or ``allowed_token_ids`` is set: the sampler changes the row's logits first (and such a
-        request does not speculate)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """``logit_bias``, ``allowed_token_ids`` or ``bad_words`` is set: the sampler changes the row's logits first
+        (and such a request does not speculate)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def output_text_buffer_length(self) -> int:

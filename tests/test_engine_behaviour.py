@@ -101,6 +101,24 @@ def test_logit_bias_and_allowed_token_ids(llm):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={10**9: 1.0}), use_tqdm=False)
 
 
+def test_bad_words_never_appear(llm):
+    """vLLM's bad_words on the bundled model: words of the plain greedy output, one and several tokens long, never
+    appear once banned (as the text starts or after a space), and the rest of the batch is unchanged."""
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    words = plain[0].outputs[0].text.split()[:3]
+    banned = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, bad_words=words)
+    outs = llm.generate(PROMPTS[:2], [banned, greedy], use_tqdm=False)
+    ids = outs[0].outputs[0].token_ids
+    for w in words:
+        for form in (w, " " + w):
+            seq = tok.encode(form, add_special_tokens=False)
+            assert not any(ids[i:i + len(seq)] == seq for i in range(len(ids))), (form, outs[0].outputs[0].text)
+    assert outs[0].outputs[0].text != plain[0].outputs[0].text
+    assert outs[1].outputs[0].token_ids == plain[1].outputs[0].token_ids
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens, exactly as a prompt of just
     those tokens; -1 keeps as many as fit; a k that could never fit, or below -1 / 0, is a clear error."""

@@ -225,6 +225,21 @@ def test_logit_bias_and_allowed_token_ids(device: str) -> None:
         assert counts[tok] / 4000 == pytest.approx(w, abs=0.03)
 
 
+def test_bad_words_ban_a_last_token_only_after_the_rest(device: str) -> None:
+    """bad_words as token sequences: a one-token word is always banned; a longer word's last token only when the
+    output ends with the rest of it (vLLM's rule; the prompt does not count)."""
+    logits = torch.zeros(3, 8, device=device)
+    logits[:, 5] = 10.0  # the greedy token
+    logits[:, 6] = 9.0
+    params = SamplingParams(temperature=0.0, bad_words=["x"])
+    words = ((6, 5),)  # "... 6 5": 5 is banned right after a 6
+    rows = [SamplingRow(params, [], [1, 6], bad_words_token_ids=words),
+            SamplingRow(params, [6], [1, 2], bad_words_token_ids=words),
+            SamplingRow(params, [], [1], bad_words_token_ids=((5,),))]
+    res = _sample(logits, rows)
+    assert [r.token_ids[0] for r in res] == [6, 5, 6]
+
+
 def test_logit_adjustment_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="logit_bias must hold non-negative int token ids"):
         SamplingParams(logit_bias={-1: 1.0})
@@ -232,6 +247,9 @@ def test_logit_adjustment_arguments_are_checked() -> None:
         SamplingParams(logit_bias={1: float("nan")})
     with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list"):
         SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="bad_words must be a list of non-blank strings"):
+        SamplingParams(bad_words=["ok", " "])
+    assert SamplingParams(bad_words=["no"]).has_logit_adjustments
     with pytest.raises(ValueError, match="not supported with beam search"):
         SamplingParams(use_beam_search=True, best_of=2, temperature=0.0, logit_bias={1: 1.0})
     assert SamplingParams(logit_bias={}).has_logit_adjustments is False

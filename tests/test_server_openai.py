@@ -156,6 +156,14 @@ def test_logit_bias_and_allowed_token_ids(server, client):
     assert chat.choices[0].message.content.replace(" yes", "").replace(" no", "") == ""
 
 
+def test_bad_words(client):
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    word = plain.split()[0]
+    banned = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "bad_words": [word]}})
+    assert word not in banned.choices[0].text.split() and banned.choices[0].text != plain
+
+
 def test_truncate_prompt_tokens(server, client):
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens are what runs, are counted, and are echoed."""
     prompt = "Once upon a time, in a land far away,"

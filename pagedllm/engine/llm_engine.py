@@ -229,6 +229,8 @@ class LLMEngine:
         )
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n
+        if params.bad_words:
+            group.extra["bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         if params.use_beam_search:
             group.extra["beam"] = new_beam_state(params, max_tokens)
         seq.extra["generator"] = self._make_generator(params, 0)
@@ -277,6 +279,18 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer; this engine has skip_tokenizer_init=True")
         return prompt, self.tokenizer.encode(prompt)
+
+    def _bad_words_token_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token sequences, as it starts the text and after a space (vLLM's two forms)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this engine has skip_tokenizer_init=True.")
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
 
     @staticmethod
     def _make_generator(params: SamplingParams, index: int) -> random.Random | None:
@@ -403,7 +417,8 @@ class LLMEngine:
                               and "beam" not in group.extra)
         num_samples = group.extra["best_of"] if fork_at_prompt_end else 1
         return SamplingRow(group.sampling_params, seq.prompt_token_ids, seq.output_token_ids,
-                           seq.extra.get("generator"), num_samples, self.eos_token_ids)
+                           seq.extra.get("generator"), num_samples, self.eos_token_ids,
+                           group.extra.get("bad_words_token_ids", ()))
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -783,10 +798,10 @@ def _num_new_tokens(item: ScheduledSequence) -> int:
 
 
 def _samples_from_history(params: SamplingParams) -> bool:
-    """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens),
+    """Whether sampling this request reads its generated tokens on the host (penalties, min_tokens, bad_words),
     so its next step cannot be launched before the host has them."""
     return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0 or params.min_tokens > 0)
+            or params.repetition_penalty != 1.0 or params.min_tokens > 0 or bool(params.bad_words))
 
 
 def _load_generation_config(model_dir) -> Any:

@@ -154,6 +154,8 @@ class SamplingExtras(StructuredOutputsExtras):
     allowed_token_ids: list[int] | None = None
     #: vLLM's: keep only the prompt's last k tokens (-1: as many as fit).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    #: vLLM's: words never generated.
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

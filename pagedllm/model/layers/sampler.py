@@ -5,7 +5,8 @@ Pipeline per call (stages are skipped entirely when no row needs them):
 0. ``allowed_token_ids`` (every other token to ``-inf``) and ``logit_bias`` (added), as vLLM applies them
    before penalties,
 1. penalties (repetition / frequency / presence),
-2. ``min_tokens``: EOS and ``stop_token_ids`` masked to ``-inf``,
+2. ``min_tokens``: EOS and ``stop_token_ids`` masked to ``-inf``; ``bad_words``: a word's last token where
+   the output ends with the rest of it,
 3. temperature,
 4. top-k, top-p, min-p,
 5. sampling: greedy rows take ``argmax``; a random row draws one uniform per sample from
@@ -56,6 +57,9 @@ class SamplingRow:
     generator: SampleGenerator | None = None
     num_samples: int = 1
     eos_token_ids: tuple[int, ...] = ()
+    #: ``bad_words`` as token sequences (``bad_words_token_ids``): a sequence's last token is banned when the
+    #: output ends with the rest of it.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass
@@ -490,6 +494,10 @@ class Sampler:
                     if 0 <= t < vocab:
                         ban_rows.append(i)
                         ban_toks.append(t)
+            for word in row.bad_words_token_ids:
+                if len(word) == 1 or tuple(row.output_token_ids[-(len(word) - 1):]) == word[:-1]:
+                    ban_rows.append(i)
+                    ban_toks.append(word[-1])
             if is_greedy:
                 temps.append(1.0)
                 top_ks.append(0)
