@@ -9,7 +9,8 @@ select, ``_kv_tile``'s UPCAST) lets it reach shared memory as fp16, read by ``ld
 1. the decode kernel alone (batch × context points), bf16 pool vs FP8 pool at its default and with the tiles
    converted after the load, at a few launches; KV bytes per second ÷ the measured copy bandwidth;
 2. the step layouts of ``unified_launch_sweep.py``: the piecewise path (decode + prefill kernels) against the
-   unified kernel with and without the preloaded block-table row and the conversion, at a few launches.
+   unified kernel with and without the preloaded block-table row and the conversion, at a few launches; each with
+   its fraction of copy bandwidth, every sequence's K and V read once being the bound.
 
 Every variant's output is compared with the default's.
 ``python benchmarks/gpu/fp8_upcast_sweep.py [out.json] [--steps-only]``
@@ -93,7 +94,7 @@ def decode_part(bw: float) -> dict:
     return rows
 
 
-def step_part() -> dict:
+def step_part(bw: float) -> dict:
     rows = {}
     for (shape, (hq, hk)), (lname, layout), kv in itertools.product(
             SHAPES.items(), LAYOUTS.items(), (torch.bfloat16, torch.float8_e4m3fn)):
@@ -125,7 +126,13 @@ def step_part() -> dict:
             row[name] = timed(lambda: unified_attention(query, kc, vc, tables, lens, qsl, scale, out, **kw), out,
                               want)
         key = f"{shape} | {lname} | {str(kv).split('.')[-1]}"
-        parts = [f"{k} {v['ms']:.3f}" if "ms" in v else f"{k} {v['error']}" for k, v in row.items()]
+        # The bound: every sequence's K and V read once (chunk tiles re-read earlier keys, mostly from L2).
+        kv_bytes = int(lens.sum()) * hk * D * 2 * kc.element_size()
+        for v in row.values():
+            if "ms" in v:
+                v["frac_of_copy_bw"] = kv_bytes / (v["ms"] * 1e-3) / bw
+        parts = [f"{k} {v['ms']:.3f} ({v['frac_of_copy_bw']:.0%})" if "ms" in v else f"{k} {v['error']}"
+                 for k, v in row.items()]
         print(f"{key}: " + "; ".join(parts), flush=True)
         rows[key] = row
     return rows
@@ -137,7 +144,7 @@ def main() -> None:
     print(f"{name}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     steps_only = "--steps-only" in sys.argv
     results = {"device": name, "copy_bandwidth": bw, "decode": {} if steps_only else decode_part(bw),
-               "steps": step_part()}
+               "steps": step_part(bw)}
     paths = [a for a in sys.argv[1:] if not a.startswith("--")]
     if paths:
         with open(paths[0], "w") as f:

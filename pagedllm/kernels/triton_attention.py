@@ -368,6 +368,18 @@ _MAX_MERGE_CHUNK = 32
 _MAX_TABLE_ROW = 256
 
 
+def preloaded_table_row(table_width: int, preload_table: bool | None) -> int:
+    """The TABLE_ROW constexpr: how many block-table entries each program loads before its loop (a power of two
+    covering the row), or 0 to load them tile by tile. `preload_table` None: preload rows of at most
+    _MAX_TABLE_ROW columns when Triton has ``tl.gather`` (3.2+); True without it is a ValueError."""
+    can_gather = hasattr(tl, "gather")
+    if preload_table is None:
+        preload_table = can_gather and table_width <= _MAX_TABLE_ROW
+    elif preload_table and not can_gather:
+        raise ValueError(f"preload_table=True needs tl.gather (Triton >= 3.2); this is Triton {triton.__version__}.")
+    return triton.next_power_of_2(table_width) if preload_table and table_width else 0
+
+
 def _pow2_at_least(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
 
@@ -514,12 +526,7 @@ def paged_decode_attention(
         part_out, part_ml = workspace.part_out, workspace.part_ml
         counters = workspace.counters if fused else out
     table_width = block_tables.shape[1]
-    can_gather = hasattr(tl, "gather")  # Triton >= 3.2
-    if preload_table is None:
-        preload_table = can_gather and table_width <= _MAX_TABLE_ROW
-    elif preload_table and not can_gather:
-        raise ValueError(f"preload_table=True needs tl.gather (Triton >= 3.2); this is Triton {triton.__version__}.")
-    table_row = triton.next_power_of_2(table_width) if preload_table and table_width else 0
+    table_row = preloaded_table_row(table_width, preload_table)
     if num_stages is None:
         num_stages = 3 if fp8_wide or not table_row else 2
     group_p2 = triton.next_power_of_2(group)

@@ -106,8 +106,8 @@ def ptxas_usage(launch: CompiledLaunch) -> dict[str, int]:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(launch.ptx)
     try:
-        done = subprocess.run([ptxas_path(launch.arch), f"-arch={arch}", "-v", f.name, "-o", os.devnull], capture_output=True,
-                              text=True)
+        done = subprocess.run([ptxas_path(launch.arch), f"-arch={arch}", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"ptxas failed on {launch.name}: {done.stderr[-2000:]}")
         out = done.stderr

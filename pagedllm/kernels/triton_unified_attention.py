@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton_attention import (_MAX_TABLE_ROW, _attend_causal, _check_shapes, _dot_operand, _precision,
-                                               prefill_launch, resolve_fp8_dot)
+from pagedllm.kernels.triton_attention import (_attend_causal, _check_shapes, _dot_operand, _precision,
+                                               preloaded_table_row, prefill_launch, resolve_fp8_dot)
 
 
 @triton.jit
@@ -154,11 +154,7 @@ def unified_attention(
                                                                                   query.element_size())
     block_n, num_warps, num_stages = block_n or default_n, num_warps or default_warps, num_stages or default_stages
     table_width = block_tables.shape[1]
-    if preload_table is None:
-        preload_table = hasattr(tl, "gather") and table_width <= _MAX_TABLE_ROW
-    elif preload_table and not hasattr(tl, "gather"):
-        raise ValueError(f"preload_table=True needs tl.gather (Triton >= 3.2); this is Triton {triton.__version__}.")
-    table_row = triton.next_power_of_2(table_width) if preload_table and table_width else 0
+    table_row = preloaded_table_row(table_width, preload_table)
     grid = (t // block_q + num_seqs, hk)
     _unified_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
