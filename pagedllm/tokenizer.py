@@ -66,11 +66,39 @@ def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: apply_chat_template's own parameters: chat_template_kwargs may not set them (they have fields of their own).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def check_chat_template_options(add_generation_prompt: bool, continue_final_message: bool,
+                                chat_template_kwargs: dict[str, Any] | None) -> None:
+    """vLLM's rules for the template options of a chat request; a ValueError names what is wrong."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true: continuing the "
+                         "final message opens no new turn; set add_generation_prompt=false.")
+    if chat_template_kwargs is None:
+        return
+    if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
+        raise ValueError("chat_template_kwargs must be an object of template variables by name.")
+    clash = sorted(RESERVED_TEMPLATE_KWARGS & chat_template_kwargs.keys())
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {clash}: each is a parameter of its own.")
+
+
 def render_chat_template(
     tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool = True, chat_template: str | None = None,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> str:
-    """The prompt text produced by the chat template (the model's own unless ``chat_template`` is given)."""
+    """The prompt text produced by the chat template (the model's own unless ``chat_template`` is given).
+    ``continue_final_message``: the text ends inside the last message (no end of turn after it), so the model
+    continues that message; ``chat_template_kwargs``: extra variables for the template (e.g. a Qwen3 template's
+    ``enable_thinking``), as vLLM takes them."""
+    check_chat_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
     msgs = _normalize_messages(messages)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -79,7 +107,8 @@ def render_chat_template(
         )
     text = tokenizer.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-        **({"tools": tools} if tools else {}),
+        continue_final_message=continue_final_message, **({"tools": tools} if tools else {}),
+        **(chat_template_kwargs or {}),
     )
     if not isinstance(text, str):
         raise ValueError(f"Chat template rendering returned {type(text).__name__}, expected str")
@@ -88,11 +117,13 @@ def render_chat_template(
 
 def apply_chat_template(
     tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Render ``messages`` (and ``tools``, OpenAI function specs) with the chat template and tokenize
-    (special tokens in the text are parsed)."""
-    text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools)
+    (special tokens in the text are parsed); the options as in ``render_chat_template``."""
+    text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools,
+                                continue_final_message, chat_template_kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -295,6 +295,46 @@ def test_async_scheduling_on_cuda_equals_sync_and_launches_never_wait(tmp_path):
 
 
 @pytest.mark.cuda
+def test_logit_bias_and_allowed_token_ids_on_cuda_equal_eager_sync_and_leave_neighbours_alone(tmp_path):
+    """logit_bias (forcing a token, or banning the plain greedy's first token) and allowed_token_ids (greedy and
+    seeded sampling) beside plain greedy requests, with decode graphs and asynchronous scheduling: the same tokens
+    as the eager synchronous engine, every adjustment obeyed, and the plain requests' tokens those of a batch
+    without any adjustment (same batch shape)."""
+    from pagedllm import SamplingParams
+
+    model_dir = save_tiny_llama(tmp_path)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(1, 1024) for _ in range(rng.randint(5, 50))] for _ in range(12)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base, _ = _generate(model_dir, prompts, greedy, num_gpu_blocks_override=256, max_num_seqs=16)
+    forced, allowed = 77, [5, 9, 200, 311]
+    params = []
+    for i in range(len(prompts)):
+        kind = i % 4
+        params.append(greedy if kind == 0 else
+                      SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                     logit_bias={base[i][0][0]: -100.0}) if kind == 1 else
+                      SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={forced: 100.0})
+                      if kind == 2 else
+                      SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed))
+    eager_sync, _ = _generate(model_dir, prompts, params, num_gpu_blocks_override=256, max_num_seqs=16,
+                              enforce_eager=True, async_scheduling=False)
+    default, runner = _generate(model_dir, prompts, params, num_gpu_blocks_override=256, max_num_seqs=16)
+    assert runner.graph_runner is not None
+    assert default == eager_sync
+    for i, out in enumerate(default):
+        toks = out[0]
+        if i % 4 == 0:
+            assert toks == base[i][0]
+        elif i % 4 == 1:
+            assert toks[0] != base[i][0][0]
+        elif i % 4 == 2:
+            assert toks == [forced] * 24
+        else:
+            assert set(toks) <= set(allowed) and len(set(toks)) > 1
+
+
+@pytest.mark.cuda
 def test_verification_steps_replay_decode_graphs_and_equal_eager(tmp_path):
     """Speculative decoding (n-gram, k = 4) on repetitive prompts: verification steps (k+1 query tokens
     per sequence, with plain decodes beside them) replay the decode graphs, one row per query token (buckets

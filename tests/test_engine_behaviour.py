@@ -162,6 +162,25 @@ def test_chat_uses_template(llm):
     assert llm.get_tokenizer().decode(out.prompt_token_ids).startswith("<|im_start|>system")
 
 
+def test_chat_continues_the_final_message_and_passes_template_kwargs(llm):
+    """vLLM's LLM.chat options: continue_final_message ends the prompt inside the assistant's message (its greedy
+    tokens are those of generate on that prompt); chat_template_kwargs are template variables."""
+    conv = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour I pick is"}]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.chat(conv, greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)[0]
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids).endswith("<|im_start|>assistant\nThe colour I pick is")
+    again = llm.generate({"prompt_token_ids": out.prompt_token_ids}, greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == again.outputs[0].token_ids
+    template = "{{ greeting }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = llm.chat(conv[:1], greedy, use_tqdm=False, chat_template=template, chat_template_kwargs={"greeting": "hi"})
+    assert tok.decode(out[0].prompt_token_ids) == "hi:Name a colour."
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.chat(conv, greedy, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set"):
+        llm.chat(conv, greedy, chat_template_kwargs={"add_generation_prompt": False})
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),

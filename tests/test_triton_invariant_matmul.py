@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # sets TRITON_INTERPRET without CUDA
+from triton_setup import (DEVICE, ON_CUDA, interpreter_numpy_shim,  # sets TRITON_INTERPRET without CUDA
+                          row_invariant_interpreter_dot)
 
 triton = pytest.importorskip("triton")
 interpreter_numpy_shim()
@@ -22,7 +23,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_rows_have_their_lone_bits_and_match_f_linear(dtype, bias):
+def test_rows_have_their_lone_bits_and_match_f_linear(dtype, bias, monkeypatch):
+    row_invariant_interpreter_dot(monkeypatch)
     g = torch.Generator().manual_seed(0)
     n, k = 80, 200 if ON_CUDA else 96  # neither a multiple of the tile width or depth
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEVICE, dtype)

@@ -54,3 +54,28 @@ def interpreter_bf16_dot_shim() -> None:
 
     builder.create_dot = patched
     builder._pagedllm_bf16_dot_shim = True
+
+
+def row_invariant_interpreter_dot(monkeypatch) -> None:
+    """For the tests of batch-invariant kernels under Triton's interpreter: its ``tl.dot`` is one ``np.matmul``,
+    whose rows can depend on the row count (OpenBLAS's Haswell/Zen kernels and numpy's float16 loops handle the
+    rows past a multiple of their blocking apart: a tile's 64th row had other bits than the same row alone on an
+    AVX2-only Zen 3), so the interpreter would stand in for a kernel with row-dependent bits that the GPU does not
+    have. Each row is multiplied on its own instead, with the same operations at every row count. Scoped to the
+    test through `monkeypatch`; nothing changes on CUDA."""
+    if ON_CUDA:
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            a_data = ti._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+            b_data = ti._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        rows = [np.matmul(a_data[..., i:i + 1, :], b_data, dtype=d.data.dtype) for i in range(a_data.shape[-2])]
+        return ti.TensorHandle(np.concatenate(rows, axis=-2) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", create_dot)

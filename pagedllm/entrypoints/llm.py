@@ -61,14 +61,19 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `continue_final_message` (with add_generation_prompt=False) continues the last message instead of
+        opening a new turn; `chat_template_kwargs` are extra template variables (as in vLLM)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists).")
         conversations = messages if isinstance(messages[0], list) else [messages]
         tok = self._require_tokenizer()
         prompts = [
-            {"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt, chat_template)}
+            {"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt, chat_template, None,
+                                                     continue_final_message, chat_template_kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

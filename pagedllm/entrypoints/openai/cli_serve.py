@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,17 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="Model name(s) the API answers to (default: the model's name).")
     p.add_argument("--chat-template", default=None, help="A Jinja chat template, or a file holding one.")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="Logprob tokens as 'token_id:N' strings (a request's return_tokens_as_token_ids overrides).")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="Add X-Request-Id to every response: the client's own X-Request-Id, else a random id.")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='CORS: origins allowed, a JSON list (default: ["*"]).')
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                   help='CORS: methods allowed, a JSON list (default: ["*"]).')
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                   help='CORS: request headers allowed, a JSON list (default: ["*"]).')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth).")
     p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default: warning).")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
@@ -60,6 +72,17 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                    help="With --api-key, require the key on /metrics too (default: /metrics and /health are open).")
 
 
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings, e.g. '["https://a.example", "https://b.example"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, e.g. '[\"*\"]'; {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
+
+
 def _default_name(model: str | None) -> str:
     from pagedllm.model.loader import DEFAULT_MODEL
 
@@ -85,7 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.serving_common import ServingContext
-    from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, GracefulServer, build_app
+    from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, GracefulServer, HttpOptions, build_app
     from pagedllm.tokenizer import get_tokenizer
 
     if args.model_tag is not None:
@@ -114,10 +137,14 @@ def run_serve(args: argparse.Namespace) -> int:
         max_model_len=info.max_seq_len, max_n=min(limits.max_n, checker.max_num_seqs),
         chat_template=_chat_template(args.chat_template), limits=limits,
         block_size=checker.block_size, num_gpu_blocks=checker.num_gpu_blocks,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
+    http = HttpOptions(enable_request_id_headers=args.enable_request_id_headers,
+                       allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
                     dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request,
-                    dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1")
+                    dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1", http=http)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], info.model_dir, info.device, info.dtype, checker.num_gpu_blocks, checker.block_size,

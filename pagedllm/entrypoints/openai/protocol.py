@@ -159,6 +159,8 @@ class SamplingExtras(StructuredOutputsExtras):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: vLLM's: logprob tokens as "token_id:N" strings (absent: the server's --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
     #: vLLM's request priority: lower is served first, when the server runs --scheduling-policy priority.
     priority: int = 0
 
@@ -286,7 +288,11 @@ class ChatCompletionRequest(SamplingExtras):
     frequency_penalty: float = 0.0
     user: str | None = None
     add_generation_prompt: bool = True
+    #: vLLM's: end the prompt inside the last message so the model continues it (needs add_generation_prompt false)
+    continue_final_message: bool = False
     chat_template: Text | None = None
+    #: vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
@@ -373,6 +379,9 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Awaitable
 
 import uvicorn
@@ -25,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
     dump,
 )
+from pagedllm.entrypoints.openai.headers import RequestIdHeaderMiddleware, add_cors
 from pagedllm.entrypoints.openai.request_errors import validation_error
 from pagedllm.entrypoints.openai.security import ApiKeyAuth, ApiKeyMiddleware, BodySizeLimitMiddleware
 from pagedllm.entrypoints.openai.dashboard import register_dashboard
@@ -88,11 +90,23 @@ class GracefulServer(uvicorn.Server):
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
+@dataclass(frozen=True)
+class HttpOptions:
+    """vLLM's HTTP flags: --enable-request-id-headers and the CORS settings (headers.py)."""
+
+    enable_request_id_headers: bool = False
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
               protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True,
-              dev_mode: bool = False) -> FastAPI:
+              dev_mode: bool = False, http: HttpOptions = HttpOptions()) -> FastAPI:
     """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py).
-    `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development route ``POST /reset_prefix_cache``."""
+    `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development route ``POST /reset_prefix_cache``.
+    `http`: response headers and CORS (HttpOptions)."""
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     board = None  # the live KV-cache dashboard (set below unless turned off)
@@ -119,6 +133,9 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     if app.state.auth is not None:
         app.add_middleware(ApiKeyMiddleware, auth=app.state.auth)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.limits.max_request_body_bytes)
+    if http.enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
+    add_cors(app, http.allowed_origins, http.allowed_methods, http.allowed_headers, http.allow_credentials)
     if dashboard:  # its data routes check the key themselves (EventSource can only send ?api_key=)
         board = register_dashboard(app, ctx.engine, api_key)
 
@@ -172,11 +189,11 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await _serve(request, completion.create_completion(req))
+        return await _serve(request, completion.create_completion(req, request.headers.get("x-request-id")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await _serve(request, chat.create_chat_completion(req))
+        return await _serve(request, chat.create_chat_completion(req, request.headers.get("x-request-id")))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
@@ -186,7 +203,7 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         if req.prompt is not None:
             ids = list(ctx.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
-            ids = render_messages(ctx, req.messages, req.add_generation_prompt, None)
+            ids = render_messages(ctx, req)
         return dump(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids))
 
     @app.post("/detokenize")

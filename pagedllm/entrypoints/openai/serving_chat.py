@@ -10,6 +10,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamResponse,
+    TokenizeRequest,
     UsageInfo,
     dump,
 )
@@ -20,27 +21,35 @@ from pagedllm.entrypoints.openai.serving_common import (
     ServingContext,
     error_from_exception,
     merge_streams,
-    random_id,
+    request_ids,
     sse,
 )
-from pagedllm.entrypoints.openai.stream_format import ChatChunker
+from pagedllm.entrypoints.openai.stream_format import ChatChunker, ContinuousUsage
 from pagedllm.outputs import RequestOutput
-from pagedllm.tokenizer import apply_chat_template
+from pagedllm.tokenizer import apply_chat_template, check_chat_template_options
 
 ROLE = "assistant"
 
 
-def render_messages(ctx: ServingContext, messages: list, add_generation_prompt: bool,
-                    chat_template: str | None, tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a conversation under the chat template; bad messages are a 400 naming `messages`."""
+def render_messages(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRequest,
+                    tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a request's conversation under the chat template (the request's template options applied);
+    bad options are a 400 naming the option, bad messages one naming `messages`."""
+    messages = req.messages
     if not messages:
         raise OpenAIError("messages must contain at least one message.", param="messages")
+    try:
+        check_chat_template_options(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="chat_template_kwargs" if "chat_template_kwargs" in str(e)
+                          else "continue_final_message") from None
     plain = [m.model_dump(exclude_none=True) for m in messages]
     for m in plain:
         m.setdefault("content", "")
     try:
-        return apply_chat_template(ctx.tokenizer, plain, add_generation_prompt, chat_template or ctx.chat_template,
-                                   tools)
+        return apply_chat_template(ctx.tokenizer, plain, req.add_generation_prompt,
+                                   req.chat_template or ctx.chat_template, tools, req.continue_final_message,
+                                   req.chat_template_kwargs)
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from None
     except Exception as e:  # a template that fails to render on these messages (jinja raise_exception, ...)
@@ -72,18 +81,18 @@ class OpenAIServingChat:
             logprobs = req.top_logprobs or 0
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
-        ids = render_messages(self.ctx, req.messages, req.add_generation_prompt, req.chat_template,
-                              tools.template_tools())
+        ids = render_messages(self.ctx, req, tools.template_tools())
         ids = self.ctx.truncate(ids, req.truncate_prompt_tokens)
         self.ctx.check_length(len(ids), max_tokens, "messages", max_param)
         self.ctx.check_fits_pool(len(ids), max_tokens, req, max_param)
         return model, ids, max_tokens, logprobs, tools
 
-    async def create_chat_completion(self, req: ChatCompletionRequest) -> dict | AsyncIterator[str]:
+    async def create_chat_completion(self, req: ChatCompletionRequest,
+                                     client_request_id: str | None = None) -> dict | AsyncIterator[str]:
         model, ids, max_tokens, logprobs, tools = self._validate(req)
         params = self.ctx.sampling_params(req, max_tokens, logprobs, structured_outputs=tools.constraint)
-        request_id = random_id("chatcmpl")
-        streams = await self.ctx.add_all([ids], params, request_id, req.priority)
+        request_id, engine_prefix = request_ids("chatcmpl", client_request_id)
+        streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority)
         if req.stream:
             return self._stream(req, model, request_id, ids, streams, tools)
         final: RequestOutput | None = None
@@ -101,7 +110,8 @@ class OpenAIServingChat:
             n_out += len(comp.token_ids)
             lp = None
             if logprobs is not None:
-                lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(comp.token_ids, comp.logprobs or [], logprobs))
+                lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(comp.token_ids, comp.logprobs or [], logprobs,
+                                                                          self.ctx.tokens_as_ids(req)))
             message, finish = tools.message(comp.text, comp.finish_reason)
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason))
@@ -111,6 +121,7 @@ class OpenAIServingChat:
     async def _stream(self, req, model, request_id, ids, streams, tools: ChatTools) -> AsyncIterator[str]:
         created = int(time.time())
         top_k = (req.top_logprobs or 0) if req.logprobs else None
+        as_ids = self.ctx.tokens_as_ids(req)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         sent_text: dict[int, int] = {}
         sent_toks: dict[int, int] = {}
@@ -119,10 +130,11 @@ class OpenAIServingChat:
 
         chunker = ChatChunker(request_id, created, model)
         chunk, delta_chunk = chunker.chunk, chunker.delta_chunk
+        usage_so_far = ContinuousUsage(req.stream_options, [len(ids)]).of
 
         try:
             for i in range(req.n):
-                yield chunk(i, ROLE, "")
+                yield chunk(i, ROLE, "", usage=usage_so_far(0, 0))
             async for _, out in merge_streams([s for _, s in streams]):
                 final = out
                 for comp in out.outputs:
@@ -134,21 +146,22 @@ class OpenAIServingChat:
                     lp = None
                     if top_k is not None and n_tok > lo:
                         lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(
-                            comp.token_ids[lo:], (comp.logprobs or [])[lo:], top_k))
+                            comp.token_ids[lo:], (comp.logprobs or [])[lo:], top_k, as_ids))
                     sent_text[idx], sent_toks[idx] = len(comp.text), n_tok
                     finish = comp.finish_reason
+                    usage = usage_so_far(0, n_tok)
                     if tools.mode is not None:  # tool calls: deltas from the tool handler
                         for d in tools.deltas(idx, comp.text, finish is not None):
-                            yield delta_chunk(idx, d, lp)
+                            yield delta_chunk(idx, d, lp, usage=usage)
                             lp = None
                         if lp is not None:
-                            yield chunk(idx, None, None, lp)
+                            yield chunk(idx, None, None, lp, usage=usage)
                         finish = tools.stream_finish_reason(idx, finish)
                     elif delta or lp is not None:
-                        yield chunk(idx, None, delta, lp)
+                        yield chunk(idx, None, delta, lp, usage=usage)
                     if comp.finish_reason is not None:
                         done.add(idx)
-                        yield chunk(idx, None, None, None, finish, comp.stop_reason)
+                        yield chunk(idx, None, None, None, finish, comp.stop_reason, usage=usage)
             if include_usage and final is not None:
                 n_out = sum(len(c.token_ids) for c in final.outputs)
                 usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)

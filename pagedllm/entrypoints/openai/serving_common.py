@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_engine import AsyncEngineFront, AsyncStream, EngineDeadError
+from pagedllm.entrypoints.openai.headers import client_request_id
 from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
@@ -73,6 +74,21 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def request_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """(the response's id, the prefix of its engine request ids). A client's X-Request-Id names the response as
+    in vLLM (``cmpl-<X-Request-Id>``); the engine ids add a random part, so two requests sent with one id never
+    collide in the engine."""
+    if not client_id:
+        rid = random_id(prefix)
+        return rid, rid
+    try:
+        client_id = client_request_id(client_id)
+    except ValueError as e:
+        raise OpenAIError(str(e), param="X-Request-Id") from None
+    rid = f"{prefix}-{client_id}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:12]}"
+
+
 @dataclass
 class ServingContext:
     """What every handler needs: the engine, a tokenizer for the loop thread, names and limits."""
@@ -88,6 +104,8 @@ class ServingContext:
     #: The KV pool, for the admission check that a request can ever fit (None: not checked).
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    #: --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless a request says otherwise.
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -254,14 +272,22 @@ class ServingContext:
             self.engine.abort(ids)
 
     # -- logprobs --------------------------------------------------------------------------------------
-    def token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def tokens_as_ids(self, req: Any) -> bool:
+        """vLLM's ``return_tokens_as_token_ids``: the request's choice, else the server's
+        (--return-tokens-as-token-ids)."""
+        own = getattr(req, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if own is None else own
+
+    def token_str(self, token_id: int, as_id: bool = False) -> str:
+        """A logprob entry's token: its text, or ``token_id:N`` (vLLM's form for tokens that are not whole
+        characters, e.g. one byte of a multi-byte character)."""
+        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id])
 
     def completion_logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None],
-                            offset: int) -> CompletionLogProbs:
+                            offset: int, as_ids: bool = False) -> CompletionLogProbs:
         out = CompletionLogProbs()
         for tid, d in zip(token_ids, dicts):
-            s = self.token_str(tid)
+            s = self.token_str(tid, as_ids)
             out.tokens.append(s)
             out.text_offset.append(offset)
             offset += len(s)
@@ -270,17 +296,18 @@ class ServingContext:
                 out.top_logprobs.append(None)
             else:
                 out.token_logprobs.append(_finite(d.get(tid)))
-                out.top_logprobs.append({self.token_str(t): _finite(v) for t, v in d.items()})
+                out.top_logprobs.append({self.token_str(t, as_ids): _finite(v) for t, v in d.items()})
         return out
 
-    def chat_logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], top_k: int) -> list[ChatTokenLogprob]:
+    def chat_logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], top_k: int,
+                      as_ids: bool = False) -> list[ChatTokenLogprob]:
         out = []
         for tid, d in zip(token_ids, dicts):
-            s = self.token_str(tid)
+            s = self.token_str(tid, as_ids)
             tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_k]
             out.append(ChatTokenLogprob(
                 token=s, logprob=_finite(d.get(tid)), bytes=list(s.encode("utf-8")),
-                top_logprobs=[ChatTopLogprob(token=(ts := self.token_str(t)), logprob=_finite(v),
+                top_logprobs=[ChatTopLogprob(token=(ts := self.token_str(t, as_ids)), logprob=_finite(v),
                                              bytes=list(ts.encode("utf-8"))) for t, v in tops],
             ))
         return out

@@ -18,10 +18,10 @@ from pagedllm.entrypoints.openai.serving_common import (
     ServingContext,
     error_from_exception,
     merge_streams,
-    random_id,
+    request_ids,
     sse,
 )
-from pagedllm.entrypoints.openai.stream_format import CompletionChunker
+from pagedllm.entrypoints.openai.stream_format import CompletionChunker, ContinuousUsage
 from pagedllm.outputs import RequestOutput
 
 
@@ -47,13 +47,14 @@ class OpenAIServingCompletion:
             self.ctx.check_fits_pool(len(prompt_ids), req.max_tokens, req, "max_tokens")
         return model, texts, ids
 
-    async def create_completion(self, req: CompletionRequest) -> dict | AsyncIterator[str]:
+    async def create_completion(self, req: CompletionRequest,
+                                client_request_id: str | None = None) -> dict | AsyncIterator[str]:
         """A response dict, or (stream=True) an async iterator of SSE lines. Raises OpenAIError."""
         model, texts, ids = self._validate(req)
         prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self.ctx.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
-        request_id = random_id("cmpl")
-        streams = await self.ctx.add_all(ids, params, request_id, req.priority)
+        request_id, engine_prefix = request_ids("cmpl", client_request_id)
+        streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority)
         if req.stream:
             return self._stream(req, model, request_id, texts, ids, streams)
         try:
@@ -82,7 +83,7 @@ class OpenAIServingCompletion:
                     if req.echo:
                         tok_ids = list(out.prompt_token_ids) + tok_ids
                         dicts = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + dicts
-                    logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0)
+                    logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0, self.ctx.tokens_as_ids(req))
                 choices.append(CompletionResponseChoice(
                     index=i * req.n + comp.index, text=text, logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
@@ -99,6 +100,8 @@ class OpenAIServingCompletion:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         chunk = CompletionChunker(request_id, created, model).chunk
+        usage_so_far = ContinuousUsage(req.stream_options, [len(x) for x in ids]).of
+        as_ids = self.ctx.tokens_as_ids(req)
 
         try:
             async for i, out in merge_streams([s for _, s in streams]):
@@ -116,14 +119,16 @@ class OpenAIServingCompletion:
                     if req.logprobs is not None and n_tok > sent_toks.get(idx, 0):
                         lo = sent_toks.get(idx, 0)
                         logprobs = self.ctx.completion_logprobs(
-                            comp.token_ids[lo:], (comp.logprobs or [])[lo:], offsets.get(idx, 0) + len(prefix))
+                            comp.token_ids[lo:], (comp.logprobs or [])[lo:], offsets.get(idx, 0) + len(prefix),
+                            as_ids)
                         offsets[idx] = offsets.get(idx, 0) + len(prefix) + sum(len(t) for t in logprobs.tokens)
                     sent_text[idx] = len(comp.text)
                     sent_toks[idx] = n_tok
                     if comp.finish_reason is not None:
                         done.add(idx)
                     if delta or logprobs is not None or comp.finish_reason is not None:
-                        yield chunk(idx, delta, logprobs, comp.finish_reason, comp.stop_reason)
+                        yield chunk(idx, delta, logprobs, comp.finish_reason, comp.stop_reason,
+                                    usage_so_far(i, n_tok))
             if include_usage:
                 n_prompt = sum(len(x) for x in ids)
                 n_out = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)

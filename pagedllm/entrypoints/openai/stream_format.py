@@ -25,10 +25,10 @@ class CompletionChunker:
         self._head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
 
     def chunk(self, index: int, text: str, logprobs: BaseModel | None = None, finish: str | None = None,
-              stop_reason: int | str | None = None) -> str:
+              stop_reason: int | str | None = None, usage: dict[str, int] | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": _plain(logprobs), "finish_reason": finish,
                   "stop_reason": stop_reason}
-        return sse({**self._head, "choices": [choice], "usage": None})
+        return sse({**self._head, "choices": [choice], "usage": usage})
 
 
 class ChatChunker:
@@ -38,15 +38,32 @@ class ChatChunker:
         self._head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def chunk(self, index: int, role: str | None, content: str | None, logprobs: BaseModel | None = None,
-              finish: str | None = None, stop_reason: int | str | None = None) -> str:
+              finish: str | None = None, stop_reason: int | str | None = None,
+              usage: dict[str, int] | None = None) -> str:
         choice = {"index": index, "delta": {"role": role, "content": content, "tool_calls": None},
                   "logprobs": _plain(logprobs),
                   "finish_reason": finish, "stop_reason": stop_reason}
-        return sse({**self._head, "choices": [choice], "usage": None})
+        return sse({**self._head, "choices": [choice], "usage": usage})
 
     def delta_chunk(self, index: int, delta: BaseModel, logprobs: BaseModel | None = None,
-                    finish: str | None = None, stop_reason: int | str | None = None) -> str:
+                    finish: str | None = None, stop_reason: int | str | None = None,
+                    usage: dict[str, int] | None = None) -> str:
         """A chunk whose delta is a model (tool-call deltas: rare, so pydantic's dump is fine)."""
         choice = {"index": index, "delta": dump(delta), "logprobs": _plain(logprobs),
                   "finish_reason": finish, "stop_reason": stop_reason}
-        return sse({**self._head, "choices": [choice], "usage": None})
+        return sse({**self._head, "choices": [choice], "usage": usage})
+
+
+class ContinuousUsage:
+    """``stream_options.continuous_usage_stats`` (vLLM's): every chunk of a choice carries the usage so far, its
+    prompt's tokens and the choice's completion tokens; without it, chunks carry ``"usage": null``."""
+
+    def __init__(self, stream_options: Any, prompt_tokens: list[int]) -> None:
+        self.on = bool(stream_options and stream_options.include_usage and stream_options.continuous_usage_stats)
+        self._prompt_tokens = prompt_tokens  # per prompt of the request
+
+    def of(self, prompt: int, completion_tokens: int) -> dict[str, int] | None:
+        if not self.on:
+            return None
+        p = self._prompt_tokens[prompt]
+        return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
