@@ -1,6 +1,7 @@
 """vLLM's request options and HTTP flags on a real server process with the bundled model: chat_template_kwargs and
 continue_final_message, stream_options.continuous_usage_stats, return_tokens_as_token_ids
-(--return-tokens-as-token-ids), X-Request-Id (--enable-request-id-headers) and CORS (--allowed-origins)."""
+(--return-tokens-as-token-ids), X-Request-Id (--enable-request-id-headers), CORS (--allowed-origins) and the
+generation config's request defaults (--override-generation-config)."""
 from __future__ import annotations
 
 import json
@@ -17,13 +18,16 @@ from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer  # noqa:
 
 ORIGIN = "https://app.example"
 CONVERSATION = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour I pick is"}]
+#: What a model's generation_config.json would say (the bundled model's says nothing of sampling).
+GENERATION_OVERRIDE = {"temperature": 0.0, "max_new_tokens": 64}
 GREETING_TEMPLATE = "{{ greeting | default('none') }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def server():
     srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-request-id-headers", "--allowed-origins", json.dumps([ORIGIN]),
-                        "--return-tokens-as-token-ids", "--no-dashboard"])
+                        "--return-tokens-as-token-ids", "--no-dashboard",
+                        "--override-generation-config", json.dumps(GENERATION_OVERRIDE)])
     yield srv
     rc = srv.stop(signal.SIGTERM)
     assert rc == 0, srv.logs()[-3000:]
@@ -159,3 +163,17 @@ def test_cors_allows_only_the_configured_origin(server):
     assert models.status_code == 200 and models.headers["access-control-allow-origin"] == ORIGIN
     assert "access-control-allow-origin" not in httpx.get(server.url("/v1/models"),
                                                           headers={"Origin": "https://other.example"}).headers
+
+
+def test_generation_config_defaults_fill_unset_fields_and_cap_max_tokens(server):
+    """temperature 0 from the override: a request without temperature is greedy (the same text as temperature 0
+    given, twice); max_new_tokens 64 caps a request's max_tokens of 100."""
+    body = {"prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True}
+    unset = [_post(server, "/v1/completions", body).json()["choices"][0]["text"] for _ in range(2)]
+    given = _post(server, "/v1/completions", {**body, "temperature": 0.0}).json()["choices"][0]["text"]
+    assert unset == [given, given]
+    hot = {_post(server, "/v1/completions", {**body, "temperature": 1.5, "seed": s}).json()["choices"][0]["text"]
+           for s in range(3)}
+    assert len(hot) > 1  # a request's own temperature still wins
+    capped = _post(server, "/v1/completions", {**body, "max_tokens": 100}).json()
+    assert capped["usage"]["completion_tokens"] == 64 and capped["choices"][0]["finish_reason"] == "length"

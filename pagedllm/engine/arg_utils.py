@@ -86,6 +86,11 @@ _HELP = {
                     "such a file on the CPU); none (dequantize every tensor at load). An FP8 checkpoint "
                     "(compressed-tensors or quant_method fp8 in config.json) loads in FP8 on CUDA without this flag "
                     "(none: dequantized), dequantized on the CPU.",
+    "generation_config": "Where request defaults come from (vLLM's): auto (the model's generation_config.json: its "
+                         "temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as a cap on "
+                         "every request's max_tokens), vllm (ignore it), or a folder holding such a file.",
+    "override_generation_config": "A JSON object of those keys that wins over the generation config, e.g. "
+                                  "'{\"temperature\": 0.6}'.",
     "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
                                   "(llguidance: faster masks, unbounded number precision).",
 }
@@ -129,6 +134,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: str | None = None
+    generation_config: str = "auto"
+    override_generation_config: str | dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

@@ -1,7 +1,7 @@
 """What the API server needs to know of an engine it may not hold (the engine-core process has it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.engine.request_checker import RequestChecker
 
@@ -13,6 +13,8 @@ class EngineInfo:
     device: str
     dtype: str
     checker: RequestChecker
+    #: SamplingParams keyword defaults from the model's generation config (engine/generation_defaults.py)
+    default_sampling_params: dict = field(default_factory=dict)
 
     @property
     def max_seq_len(self) -> int:
@@ -23,4 +25,4 @@ class EngineInfo:
         """Describe an `LLMEngine` (plain data: it pickles across processes)."""
         return cls(model_dir=str(engine.model_dir), has_tokenizer=engine.tokenizer is not None,
                    device=str(engine.executor.device), dtype=str(engine.executor.dtype).replace("torch.", ""),
-                   checker=engine.request_checker)
+                   checker=engine.request_checker, default_sampling_params=dict(engine.default_sampling_params))

@@ -17,6 +17,7 @@ from pagedllm.core.kv_accounting import KVMemoryBreakdown, kv_memory_breakdown
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.device_utils import async_tensor_h2d
+from pagedllm.engine.generation_defaults import default_sampling_params
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
@@ -62,6 +63,8 @@ class LLMEngine:
         model_max_len = get_model_max_len(self.hf_config, engine_args.max_model_len)
         self.config = engine_args.create_engine_config(model_max_len, usage_context)
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        self.default_sampling_params = default_sampling_params(
+            self.model_dir, engine_args.generation_config, engine_args.override_generation_config)
         self.tokenizer = None
         if not mc.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(str(self.model_dir), mc.tokenizer)

@@ -112,10 +112,14 @@ class LLM:
             return list(prompts)
         raise TypeError(f"prompts must be a str, dict, or a list of them, got {type(prompts).__name__}")
 
-    @staticmethod
-    def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a call that gives none: the model's generation config's defaults (vLLM's
+        --generation-config auto), else SamplingParams()."""
+        return SamplingParams(**self.llm_engine.default_sampling_params)
+
+    def _as_params_list(self, params: Any, n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

@@ -5,7 +5,7 @@ import asyncio
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_engine import AsyncEngineFront, AsyncStream, EngineDeadError
@@ -106,6 +106,8 @@ class ServingContext:
     num_gpu_blocks: int | None = None
     #: --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless a request says otherwise.
     return_tokens_as_token_ids: bool = False
+    #: The model's generation-config defaults for fields a request leaves unset (engine/generation_defaults.py).
+    default_sampling: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -226,15 +228,22 @@ class ServingContext:
                 raise OpenAIError(f"{field} cannot be combined with tool_choice 'required' or a named function.",
                                   param=field)
             so = structured_outputs
+        defaults = self.default_sampling
+        if "max_tokens" in defaults:  # the generation config's max_new_tokens caps every request (vLLM)
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
+
+        def unset(value: Any, name: str, fallback: Any) -> Any:
+            return defaults.get(name, fallback) if value is None else value
+
         try:
             return SamplingParams(
                 n=req.n, best_of=req.best_of, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                repetition_penalty=unset(req.repetition_penalty, "repetition_penalty", 1.0),
+                temperature=unset(req.temperature, "temperature", 1.0),
+                top_p=unset(req.top_p, "top_p", 1.0),
+                top_k=unset(req.top_k, "top_k", 0),
+                min_p=unset(req.min_p, "min_p", 0.0),
                 seed=req.seed, use_beam_search=req.use_beam_search, length_penalty=req.length_penalty,
                 early_stopping=req.early_stopping, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
