@@ -147,6 +147,22 @@ def test_logprobs_and_prompt_logprobs(llm):
         assert tok in lp and lp[tok] == max(lp.values())  # greedy picks the most likely token
     assert abs(sum(comp.logprobs[i][t] for i, t in enumerate(comp.token_ids)) - comp.cumulative_logprob) < 1e-4
     assert out.prompt_logprobs[0] is None and all(d is not None for d in out.prompt_logprobs[1:])
+    for field in ("logprobs", "prompt_logprobs"):  # vLLM's --max-logprobs, 20 by default
+        with pytest.raises(ValueError, match=f"{field}=21 is more than this engine returns per token: at most 20"):
+            llm.generate(["The sky is"], SamplingParams(max_tokens=2, **{field: 21}), use_tqdm=False)
+
+
+def test_max_logprobs_sets_the_cap_or_lifts_it(tmp_path):
+    from tiny_models import save_tiny_llama
+
+    kw = dict(model=save_tiny_llama(tmp_path), skip_tokenizer_init=True, num_gpu_blocks_override=32, max_model_len=64)
+    with pytest.raises(ValueError, match="at most 2"):
+        LLM(**kw, max_logprobs=2).generate({"prompt_token_ids": [3, 4]}, SamplingParams(logprobs=3), use_tqdm=False)
+    out = LLM(**kw, max_logprobs=-1).generate({"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=2, logprobs=100),
+                                              use_tqdm=False)[0].outputs[0]
+    assert all(len(d) >= 100 for d in out.logprobs)
+    with pytest.raises(ValueError, match="max_logprobs must be an int >= 0, or -1"):
+        LLM(**kw, max_logprobs=-2)
 
 
 def test_parallel_sampling_n(llm):

@@ -86,6 +86,8 @@ _HELP = {
                     "such a file on the CPU); none (dequantize every tensor at load). An FP8 checkpoint "
                     "(compressed-tensors or quant_method fp8 in config.json) loads in FP8 on CUDA without this flag "
                     "(none: dequantized), dequantized on the CPU.",
+    "max_logprobs": "Most log-probabilities per token a request may ask for (logprobs, prompt_logprobs; top_logprobs "
+                    "on the server), as vLLM's --max-logprobs; -1: no cap.",
     "generation_config": "Where request defaults come from (vLLM's): auto (the model's generation_config.json: its "
                          "temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as a cap on "
                          "every request's max_tokens), vllm (ignore it), or a folder holding such a file.",
@@ -134,6 +136,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: str | None = None
+    max_logprobs: int = 20
     generation_config: str = "auto"
     override_generation_config: str | dict | None = None
 
@@ -150,6 +153,8 @@ class EngineArgs:
         "llm_class" (the offline `LLM`) gets a larger default step budget on a GPU."""
         max_model_len = self.max_model_len or model_max_len
         resolve_backend(self.structured_outputs_backend)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap; got {self.max_logprobs!r}.")
         if max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's context length ({model_max_len})."

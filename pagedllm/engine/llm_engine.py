@@ -263,7 +263,7 @@ class LLMEngine:
         return RequestChecker(vocab_size=int(self.hf_config.vocab_size), max_model_len=sc.max_model_len,
                               num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
                               max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-                              scheduling_policy=sc.policy)
+                              scheduling_policy=sc.policy, max_logprobs=self.engine_args.max_logprobs)
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
         """The checks `add_request` makes, reading only the configuration (safe from another thread).

@@ -21,6 +21,7 @@ class RequestChecker:
     max_num_seqs: int
     max_num_batched_tokens: int | None
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20  # -1: no cap
 
     @property
     def max_seq_len(self) -> int:
@@ -42,6 +43,10 @@ class RequestChecker:
             params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
         ):
             raise ValueError("beam search scores raw log-probabilities: penalties must keep their defaults.")
+        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is not None and self.max_logprobs != -1 and asked > self.max_logprobs:
+                raise ValueError(f"{name}={asked} is more than this engine returns per token: at most "
+                                 f"{self.max_logprobs} (max_logprobs, vLLM's --max-logprobs; -1 lifts the cap).")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:

@@ -138,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
         chat_template=_chat_template(args.chat_template), limits=limits,
         block_size=checker.block_size, num_gpu_blocks=checker.num_gpu_blocks,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        default_sampling=dict(info.default_sampling_params),
+        default_sampling=dict(info.default_sampling_params), max_logprobs=checker.max_logprobs,
     )
     http = HttpOptions(enable_request_id_headers=args.enable_request_id_headers,
                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),

@@ -16,7 +16,6 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_tools import ChatTools
 from pagedllm.entrypoints.openai.serving_common import (
-    MAX_LOGPROBS,
     OpenAIError,
     ServingContext,
     error_from_exception,
@@ -74,8 +73,9 @@ class OpenAIServingChat:
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise OpenAIError("top_logprobs needs logprobs=true.", param="top_logprobs")
-            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-                raise OpenAIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}.",
+            limit = self.ctx.logprobs_limit
+            if not 0 <= req.top_logprobs <= limit:
+                raise OpenAIError(f"top_logprobs must be in [0, {limit}], got {req.top_logprobs}.",
                                   param="top_logprobs")
         if req.logprobs:
             logprobs = req.top_logprobs or 0

@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.structured import structured_outputs_from_reque
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-#: Most log-probs per token a request may ask for (vLLM's max_logprobs default).
+#: Most log-probs per token a request may ask for, unless the engine says otherwise (vLLM's max_logprobs default).
 MAX_LOGPROBS = 20
 #: Most completions per prompt (OpenAI's limit), further capped by max_num_seqs.
 MAX_N = 128
@@ -106,6 +106,8 @@ class ServingContext:
     num_gpu_blocks: int | None = None
     #: --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless a request says otherwise.
     return_tokens_as_token_ids: bool = False
+    #: Most log-probs per token (the engine's max_logprobs; -1: up to the vocabulary).
+    max_logprobs: int = MAX_LOGPROBS
     #: The model's generation-config defaults for fields a request leaves unset (engine/generation_defaults.py).
     default_sampling: dict = field(default_factory=dict)
 
@@ -114,6 +116,10 @@ class ServingContext:
             from pagedllm.entrypoints.openai.limits import RequestLimits
 
             self.limits = RequestLimits()
+
+    @property
+    def logprobs_limit(self) -> int:
+        return self.max_logprobs if self.max_logprobs >= 0 else len(self.tokenizer)
 
     @property
     def model_name(self) -> str:

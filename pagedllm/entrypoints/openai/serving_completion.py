@@ -13,7 +13,6 @@ from pagedllm.entrypoints.openai.protocol import (
     dump,
 )
 from pagedllm.entrypoints.openai.serving_common import (
-    MAX_LOGPROBS,
     OpenAIError,
     ServingContext,
     error_from_exception,
@@ -33,8 +32,9 @@ class OpenAIServingCompletion:
         model = self.ctx.check_model(req.model)
         if req.suffix:
             raise OpenAIError("suffix is not supported.", param="suffix")
-        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-            raise OpenAIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}.", param="logprobs")
+        limit = self.ctx.logprobs_limit
+        if req.logprobs is not None and not 0 <= req.logprobs <= limit:
+            raise OpenAIError(f"logprobs must be in [0, {limit}], got {req.logprobs}.", param="logprobs")
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         texts, ids = self.ctx.completion_prompts(req.prompt)
