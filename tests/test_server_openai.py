@@ -239,3 +239,15 @@ def test_metrics_exposes_vllm_and_pagedllm_names(server, client):
     assert m["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 1
     assert m["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
     assert m["pagedllm:kv_slot_utilization"] == 1.0  # idle: nothing allocated, nothing wasted
+    # vLLM's per-request histograms: one observation each, the phases within the end-to-end latency, the token counts
+    n_prompt = len(httpx.post(server.url("/tokenize"), json={"prompt": "Hi"}).json()["tokens"])
+    delta = {k: m[k] - before.get(k, 0.0) for k in m}
+    phases = ["queue", "prefill", "decode", "inference"]
+    for name in [*(f"vllm:request_{p}_time_seconds" for p in phases), "vllm:request_prompt_tokens",
+                 "vllm:request_generation_tokens"]:
+        assert delta[f"{name}_count"] == 1, name
+    e2e = delta["vllm:e2e_request_latency_seconds_sum"]
+    assert all(0 <= delta[f"vllm:request_{p}_time_seconds_sum"] <= e2e + 1e-6 for p in phases)
+    assert delta["vllm:request_inference_time_seconds_sum"] == pytest.approx(
+        delta["vllm:request_prefill_time_seconds_sum"] + delta["vllm:request_decode_time_seconds_sum"], abs=1e-6)
+    assert delta["vllm:request_prompt_tokens_sum"] == n_prompt and delta["vllm:request_generation_tokens_sum"] == 5

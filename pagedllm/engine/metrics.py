@@ -24,6 +24,20 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0, 7680.0)
+#: Token counts per request: 1, 2, 5, 10, 20, 50, ... (vLLM's build_1_2_5_buckets), up to 10^7.
+_TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(7) for m in (1, 2, 5)) + (1e7,)
+#: vLLM's phases of a finished request (arrival, first scheduled, first token, finished): histogram name, help,
+#: start and end of the span. A phase whose start was never stamped (aborted before it) is not observed.
+_PHASES = (
+    ("vllm:request_queue_time_seconds", "Time a request waited before it was first scheduled.",
+     "arrival_time", "first_scheduled_time"),
+    ("vllm:request_prefill_time_seconds", "Time from a request's first scheduling to its first token.",
+     "first_scheduled_time", "first_token_time"),
+    ("vllm:request_decode_time_seconds", "Time from a request's first token to its last.",
+     "first_token_time", "finished"),
+    ("vllm:request_inference_time_seconds", "Time from a request's first scheduling to its last token.",
+     "first_scheduled_time", "finished"),
+)
 
 # (metric name, help, stats key) — read from the engine-thread snapshot.
 _GAUGES: tuple[tuple[str, str, str], ...] = (
@@ -131,6 +145,13 @@ class EngineMetrics:
                              buckets=_TPOT_BUCKETS, registry=self.registry).labels(**self._labels)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", names,
                              buckets=_E2E_BUCKETS, registry=self.registry).labels(**self._labels)
+        self.phases = [(Histogram(name, doc, names, buckets=_E2E_BUCKETS, registry=self.registry)
+                         .labels(**self._labels), start, end) for name, doc, start, end in _PHASES]
+        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.", names,
+                                       buckets=_TOKEN_BUCKETS, registry=self.registry).labels(**self._labels)
+        self.generation_tokens = Histogram("vllm:request_generation_tokens",
+                                           "Generated tokens per finished request (all its sequences).", names,
+                                           buckets=_TOKEN_BUCKETS, registry=self.registry).labels(**self._labels)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                [*names, "finished_reason"], registry=self.registry)
         self.aborted = Counter("pagedllm:request_aborted", "Requests aborted (client gone, shutdown, fault).",
@@ -165,6 +186,12 @@ class EngineMetrics:
                 first = out.metrics.get("first_token_time")
                 if first is not None and n_tokens > 1:
                     self.tpot.observe(max(now - first, 0.0) / (n_tokens - 1))
+                stamps = {**out.metrics, "finished": now}
+                for hist, start, end in self.phases:
+                    if stamps.get(start) is not None and stamps.get(end) is not None:
+                        hist.observe(max(stamps[end] - stamps[start], 0.0))
+                self.prompt_tokens.observe(len(out.prompt_token_ids or ()))
+                self.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
                 for comp in out.outputs:
                     self.success.labels(**self._labels, finished_reason=comp.finish_reason or "unknown").inc()
 
