@@ -150,7 +150,8 @@ def test_request_id_headers(server):
     assert re.fullmatch(r"[0-9a-f]{32}", httpx.get(server.url("/health")).headers["x-request-id"])
     bad = _post(server, "/v1/completions", body, headers={"X-Request-Id": "a b"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
-    server.wait_idle()
+    m = server.wait_idle()
+    assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"]  # the twins freed their blocks
 
 
 def test_cors_allows_only_the_configured_origin(server):

@@ -20,14 +20,21 @@ SAMPLING_KEYS = {"repetition_penalty": "repetition_penalty", "temperature": "tem
                  "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
-def _written_keys(folder: str | Path) -> dict[str, Any]:
-    """What the folder's generation_config.json sets apart from transformers' defaults (vLLM's to_diff_dict)."""
+def load_generation_config(folder: str | Path) -> Any:
+    """The folder's generation_config.json as a transformers GenerationConfig, or None when there is none (its eos
+    ids also apply, as in vLLM)."""
     from transformers import GenerationConfig
 
     try:
-        return GenerationConfig.from_pretrained(str(folder)).to_diff_dict()
+        return GenerationConfig.from_pretrained(str(folder))
     except (OSError, ValueError):
-        return {}
+        return None
+
+
+def _written_keys(folder: str | Path) -> dict[str, Any]:
+    """What the folder's generation_config.json sets apart from transformers' defaults (vLLM's to_diff_dict)."""
+    config = load_generation_config(folder)
+    return {} if config is None else config.to_diff_dict()
 
 
 def parse_override(override: str | dict | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pagedllm.core.kv_accounting import KVMemoryBreakdown, kv_memory_breakdown
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.device_utils import async_tensor_h2d
-from pagedllm.engine.generation_defaults import default_sampling_params
+from pagedllm.engine.generation_defaults import default_sampling_params, load_generation_config
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
@@ -183,7 +183,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
-        for source in (self.hf_config, _load_generation_config(self.model_dir)):
+        for source in (self.hf_config, load_generation_config(self.model_dir)):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             if isinstance(eos, int):
                 ids.add(eos)
@@ -805,13 +805,3 @@ def _samples_from_history(params: SamplingParams) -> bool:
     so its next step cannot be launched before the host has them."""
     return (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0 or params.min_tokens > 0 or bool(params.bad_words))
-
-
-def _load_generation_config(model_dir) -> Any:
-    """generation_config.json of the model directory, or None (its eos ids apply, as in vLLM)."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(str(model_dir))
-    except (OSError, ValueError):
-        return None
