@@ -98,21 +98,25 @@ def test_weight_and_input_validation():
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
 def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
     """The int8 design does the same float operations per row in its scalar, AVX2 and AVX-512 (VNNI) builds:
-    a machine's outputs do not depend on which level it runs (the portable build is the reference)."""
-    qtype, n = GGML_TYPES[type_name], 40
+    a machine's outputs do not depend on which level it runs (the portable build is the reference). 36, 40 and
+    44 weight rows end on a group of 4, 8 and 12 rows: a partial first half of a group, a whole one, a partial
+    second half (the AVX2 tile stores a group's two halves of 8 rows apart); 9 activation rows are two whole
+    tiles of 4 and one row."""
+    qtype = GGML_TYPES[type_name]
     k = 512 if type_name == "Q4_K" else 544
-    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 2)), qtype, n, k)
-    torch.manual_seed(qtype + 2)
-    x = torch.randn(9, k) * 3
-    outs = {lv: cpu_quant.load_quant_kernels(lv).linear(x, w, "int8")
-            for lv in cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(_DETECTED) + 1]}
-    for lv, y in outs.items():
-        assert torch.equal(y, outs["portable"]), lv
+    for n in (36, 40, 44):
+        w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 2)), qtype, n, k)
+        torch.manual_seed(qtype + 2)
+        x = torch.randn(9, k) * 3
+        outs = {lv: cpu_quant.load_quant_kernels(lv).linear(x, w, "int8")
+                for lv in cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(_DETECTED) + 1]}
+        for lv, y in outs.items():
+            assert torch.equal(y, outs["portable"]), (lv, n)
 
 
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
 def test_int8_sums_of_extreme_blocks_are_exact_on_every_isa_level(type_name):
-    """Every nibble at 15 (Q8_0: every byte at 127) and every activation quantized to ±127: the largest integer
+    """Every nibble at 15 (Q8_0: every byte at 127, or at -128 in every other weight row) and every activation quantized to ±127: the largest integer
     sums a block can give, where the AVX2 path's 16-bit partial sums come closest to wrapping. Every level
     gives the portable build's bits, and the result matches the reference."""
     qtype, n, k = GGML_TYPES[type_name], 24, 512
@@ -120,6 +124,8 @@ def test_int8_sums_of_extreme_blocks_are_exact_on_every_isa_level(type_name):
     elems, nbytes = BLOCK_LAYOUT[qtype]
     raw = random_blocks(qtype, n, k, seed=qtype + 4).reshape(n, k // elems, nbytes)
     raw[:, :, header:] = 0x7F if type_name == "Q8_0" else 0xFF
+    if type_name == "Q8_0":
+        raw[1::2, :, header:] = 0x80  # -128: the AVX2 path's |q| · sign(x, q) pairs reach 2·128·127
     raw = raw.reshape(n, -1)
     w = GGUFWeight.from_gguf_blocks(torch.from_numpy(raw), qtype, n, k)
     x = torch.full((6, k), 3.0)

@@ -232,7 +232,8 @@ int dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, i
     return 0;
 }
 
-void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s) {
+/* x [M, K] → int8 blocks of 32 (q), their scales d, s = d·Σq, and the integer sums Σq (qsum). */
+void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s, int32_t *qsum) {
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
     for (int64_t i = 0; i < M * nb; ++i) {
@@ -249,6 +250,7 @@ void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
         }
         d[i] = db;
         s[i] = db * (float)sum;
+        qsum[i] = sum;
     }
 }
 
@@ -357,6 +359,22 @@ static inline __attribute__((always_inline)) const uint8_t *r16_block_scales(con
     return qs;
 }
 
+/* Ask for the weight bytes a block record ahead of qs (the record's quants and scales). */
+static inline __attribute__((always_inline)) void prefetch_block(const int type, const uint8_t *qs, const int mc) {
+    const char *pf = (const char *)qs + (mc <= PF_FEW_ROWS ? PF_AHEAD_FEW_ROWS : PF_AHEAD);
+    _mm_prefetch(pf, _MM_HINT_T0);
+    _mm_prefetch(pf + 64, _MM_HINT_T0);
+    _mm_prefetch(pf + 128, _MM_HINT_T0);
+    _mm_prefetch(pf + 192, _MM_HINT_T0);
+    _mm_prefetch(pf + 256, _MM_HINT_T0);
+    if (type == T_Q8_0) {
+        _mm_prefetch(pf + 320, _MM_HINT_T0);
+        _mm_prefetch(pf + 384, _MM_HINT_T0);
+        _mm_prefetch(pf + 448, _MM_HINT_T0);
+        _mm_prefetch(pf + 512, _MM_HINT_T0);
+    }
+}
+
 /* y[m, row0 + 0..LANES) for rows m < mc of one subgroup (LANES rows of a group). */
 static inline __attribute__((always_inline)) void r16_tile(
     const int type, const uint8_t *gp, const int sub, const int64_t nb, const int64_t K, const int8_t *xq,
@@ -368,18 +386,7 @@ static inline __attribute__((always_inline)) void r16_tile(
     for (int64_t b = 0; b < nb; ++b) {
         vf dv, mv;
         const uint8_t *qs = r16_block_scales(type, gp, b, sr, &dv, &mv);
-        const char *pf = (const char *)qs + (mc <= PF_FEW_ROWS ? PF_AHEAD_FEW_ROWS : PF_AHEAD);
-        _mm_prefetch(pf, _MM_HINT_T0);
-        _mm_prefetch(pf + 64, _MM_HINT_T0);
-        _mm_prefetch(pf + 128, _MM_HINT_T0);
-        _mm_prefetch(pf + 192, _MM_HINT_T0);
-        _mm_prefetch(pf + 256, _MM_HINT_T0);
-        if (type == T_Q8_0) {
-            _mm_prefetch(pf + 320, _MM_HINT_T0);
-            _mm_prefetch(pf + 384, _MM_HINT_T0);
-            _mm_prefetch(pf + 448, _MM_HINT_T0);
-            _mm_prefetch(pf + 512, _MM_HINT_T0);
-        }
+        prefetch_block(type, qs, mc);
         vi w[8];
         if (type == T_Q8_0) {
             for (int p = 0; p < 8; ++p) w[p] = VI_LOAD(qs + 64 * p + so);
@@ -430,6 +437,110 @@ static inline __attribute__((always_inline)) void r16_tile(
 }
 #endif
 
+#if defined(LANES) && LANES == 8 && !defined(HAVE_VDOT)
+#define PAIR_TILE 1
+#define PAIR_ROWS 4 /* activation rows per pass: 8 sums, 2-4 weight vectors, a broadcast, constants */
+/* Pins a running sum to a register at this point: without it gcc reassociates a block's 8 int16 adds into a tree
+ * that first computes (and spills) every product. */
+#define PIN(v) __asm__("" : "+x"(v))
+/* AVX2 without a dot-product instruction (16 ymm registers): a group's two subgroups (all 16 weight rows) times
+ * mc ≤ PAIR_ROWS activation rows in one pass. r16_tile took one subgroup at a time and kept a whole block's 8
+ * weight vectors live, so its sums spilled to the stack and every 4-byte activation broadcast fed one vpmaddubsw
+ * (BENCHMARKS.md §58.4: load/store-bound), and Q8_0 took two nibble planes (two vpmaddubsw per 32 products).
+ * Here a chunk's two weight vectors are unpacked and used at once, each broadcast feeds two vpmaddubsw, a block's
+ * sums stay in registers, Q8_0 takes one vpmaddubsw per 32 products (sign trick, below), and the correction sums
+ * Σ m·s run in a second pass over the scales alone. The integers and every lane's float operations, in their
+ * order, are those of r16_tile: the same bits (BENCHMARKS.md §59.1). */
+static inline __attribute__((always_inline)) void r16_pair_tile(
+    const int type, const uint8_t *gp, const int64_t nb, const int64_t K, const int8_t *xq, const float *xd,
+    const float *xs, const int32_t *xsum, const int mc, float *y, const int64_t ldy, const int nvalid) {
+    vf acc[PAIR_ROWS][2];
+    for (int m = 0; m < mc; ++m) acc[m][0] = acc[m][1] = VF_ZERO();
+    const vi lo4 = VI_SET8(0x0F), ones = VI_SET16(1);
+    for (int64_t b = 0; b < nb; ++b) {
+        vf dv[2], mv[2];
+        const uint8_t *qs = r16_block_scales(type, gp, b, 0, &dv[0], &mv[0]);
+        r16_block_scales(type, gp, b, LANES, &dv[1], &mv[1]);
+        prefetch_block(type, qs, mc);
+        const int8_t *xb = xq + b * QK;
+        vi lo[PAIR_ROWS][2]; /* int16 sums (Q4: |sum| ≤ 8·2·15·128 < 2^15, no lane wraps); Q8_0: int32 */
+        if (type == T_Q8_0) {
+            /* Byte u = q + 128. |q| · sign(x, q) = q·x, and a pair of those stays within int16 (2·128·127), so
+             * each vpmaddubsw is widened at once; starting from 128·Σx makes the sum Σ u·x, the integer the
+             * other builds take (their scales and corrections are the offset bytes'). No nibble planes: one
+             * vpmaddubsw per 32 products, and 4 rows fit the registers. */
+            const vi flip = VI_SET8((char)0x80);
+            for (int m = 0; m < mc; ++m) lo[m][0] = lo[m][1] = VI_SET32(128 * xsum[m * nb + b]);
+            for (int p = 0; p < 8; ++p) {
+                const vi q0 = _mm256_xor_si256(VI_LOAD(qs + 64 * p), flip);
+                const vi q1 = _mm256_xor_si256(VI_LOAD(qs + 64 * p + 32), flip);
+                const vi a0 = _mm256_abs_epi8(q0), a1 = _mm256_abs_epi8(q1);
+                for (int m = 0; m < mc; ++m) {
+                    const vi x = VI_SET32(ld32(xb + m * K + 4 * p));
+                    lo[m][0] = VI_ADD32(lo[m][0], VI_MADD16(VI_MADDUBS(a0, _mm256_sign_epi8(x, q0)), ones));
+                    lo[m][1] = VI_ADD32(lo[m][1], VI_MADD16(VI_MADDUBS(a1, _mm256_sign_epi8(x, q1)), ones));
+                    PIN(lo[m][0]);
+                    PIN(lo[m][1]);
+                }
+            }
+        } else { /* chunk p: low nibbles are inputs 4p.., high nibbles 16 + 4p.. */
+            for (int p = 0; p < 4; ++p) {
+                const vi c0 = VI_LOAD(qs + 64 * p), c1 = VI_LOAD(qs + 64 * p + 32);
+                const vi l0 = VI_AND(c0, lo4), l1 = VI_AND(c1, lo4);
+                for (int m = 0; m < mc; ++m) {
+                    const vi x = VI_SET32(ld32(xb + m * K + 4 * p));
+                    const vi a = VI_MADDUBS(l0, x), c = VI_MADDUBS(l1, x);
+                    lo[m][0] = p ? VI_ADD16(lo[m][0], a) : a;
+                    lo[m][1] = p ? VI_ADD16(lo[m][1], c) : c;
+                    PIN(lo[m][0]);
+                    PIN(lo[m][1]);
+                }
+                const vi h0 = VI_AND(VI_SRL4(c0), lo4), h1 = VI_AND(VI_SRL4(c1), lo4);
+                for (int m = 0; m < mc; ++m) {
+                    const vi x = VI_SET32(ld32(xb + m * K + 16 + 4 * p));
+                    lo[m][0] = VI_ADD16(lo[m][0], VI_MADDUBS(h0, x));
+                    lo[m][1] = VI_ADD16(lo[m][1], VI_MADDUBS(h1, x));
+                    PIN(lo[m][0]);
+                    PIN(lo[m][1]);
+                }
+            }
+        }
+        for (int m = 0; m < mc; ++m) {
+            const vf xdm = VF_SET1(xd[m * nb + b]);
+            for (int h = 0; h < 2; ++h) {
+                const vi sum = type == T_Q8_0 ? lo[m][h] : VI_MADD16(lo[m][h], ones);
+                acc[m][h] = VF_FMA(VF_CVT(sum), VF_MUL(dv[h], xdm), acc[m][h]);
+            }
+        }
+    }
+    vf corr[PAIR_ROWS][2];
+    for (int m = 0; m < mc; ++m) corr[m][0] = corr[m][1] = VF_ZERO();
+    for (int64_t b = 0; b < nb; ++b) {
+        vf dv[2], mv[2];
+        r16_block_scales(type, gp, b, 0, &dv[0], &mv[0]);
+        r16_block_scales(type, gp, b, LANES, &dv[1], &mv[1]);
+        for (int m = 0; m < mc; ++m) {
+            const vf xsm = VF_SET1(xs[m * nb + b]);
+            corr[m][0] = VF_FMA(mv[0], xsm, corr[m][0]);
+            corr[m][1] = VF_FMA(mv[1], xsm, corr[m][1]);
+        }
+    }
+    for (int m = 0; m < mc; ++m)
+        for (int h = 0; h < 2; ++h) {
+            const int nv = nvalid - h * LANES;
+            if (nv <= 0) break;
+            const vf v = VF_ADD(acc[m][h], corr[m][h]);
+            if (nv >= LANES) {
+                VF_STORE(y + m * ldy + h * LANES, v);
+            } else {
+                float tmp[LANES];
+                VF_STORE(tmp, v);
+                memcpy(y + m * ldy + h * LANES, tmp, (size_t)nv * sizeof(float));
+            }
+        }
+}
+#endif
+
 #if !defined(LANES)
 /* The portable build: the vector tile's float operations per lane, in scalar code (the same bits). */
 static void r16_rows_scalar(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq, const float *xd,
@@ -454,9 +565,24 @@ static void r16_rows_scalar(int type, const uint8_t *gp, int64_t nb, int64_t K, 
 
 static inline __attribute__((always_inline)) void r16_group(const int type, const uint8_t *gp, int64_t nb, int64_t K,
                                                             const int8_t *xq, const float *xd, const float *xs,
-                                                            int64_t M, float *y, int64_t N, int64_t row0) {
+                                                            const int32_t *xsum, int64_t M, float *y, int64_t N,
+                                                            int64_t row0) {
     const int nvalid = (int)(N - row0 < GR ? N - row0 : GR);
-#if defined(LANES)
+#if defined(PAIR_TILE)
+    for (int64_t m0 = 0; m0 < M; m0 += PAIR_ROWS) {
+        const int mc = (int)(M - m0 < PAIR_ROWS ? M - m0 : PAIR_ROWS);
+        const int8_t *xm = xq + m0 * K;
+        float *ym = y + m0 * N + row0;
+        const float *xdm = xd + m0 * nb, *xsm = xs + m0 * nb;
+        const int32_t *xum = xsum + m0 * nb;
+        switch (mc) { /* constant row counts: the compiler unrolls the rows and keeps the sums in registers */
+            case 4: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 4, ym, N, nvalid); break;
+            case 3: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 3, ym, N, nvalid); break;
+            case 2: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 2, ym, N, nvalid); break;
+            default: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 1, ym, N, nvalid); break;
+        }
+    }
+#elif defined(LANES)
     for (int sub = 0; sub < GR / LANES; ++sub) {
         const int nv = nvalid - sub * LANES;
         if (nv <= 0) break;
@@ -503,12 +629,13 @@ static int amx_on = 0, amx_min_rows = AMX_MIN_ROWS;
 
 /* One group on the vector path, activation rows [0, M) (the type dispatched to constants for r16_group). */
 static inline void int8_group_vec(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq,
-                                  const float *xd, const float *xs, int64_t M, float *y, int64_t N, int64_t row0) {
+                                  const float *xd, const float *xs, const int32_t *xsum, int64_t M, float *y,
+                                  int64_t N, int64_t row0) {
     switch (type) {
-        case T_Q4_0: r16_group(T_Q4_0, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
-        case T_Q4_1: r16_group(T_Q4_1, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
-        case T_Q8_0: r16_group(T_Q8_0, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
-        default: r16_group(T_Q4_K, gp, nb, K, xq, xd, xs, M, y, N, row0); break;
+        case T_Q4_0: r16_group(T_Q4_0, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
+        case T_Q4_1: r16_group(T_Q4_1, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
+        case T_Q8_0: r16_group(T_Q8_0, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
+        default: r16_group(T_Q4_K, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
     }
 }
 
@@ -665,7 +792,7 @@ AMX_TARGET static void amx_group(int type, const uint8_t *gp, int64_t nb, int64_
 /* The int8 GEMM with tiles for rows [0, M − M % 16) and the vector path for the rest, x already quantized;
  * OpenMP over groups as linear_int8_vec (a group's rows of both kinds in one thread, its weights in cache). */
 static int linear_amx(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t K, const int8_t *xq,
-                      const float *xd, const float *xs, int64_t M, float *y) {
+                      const float *xd, const float *xs, const int32_t *xsum, int64_t M, float *y) {
     const int64_t nb = K / QK, G = (N + GR - 1) / GR, mt = M / AMX_ROWS * AMX_ROWS;
     int status = 0;
 #pragma omp parallel
@@ -682,8 +809,8 @@ static int linear_amx(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t
             if (!acc) continue;
             amx_group(type, w + g * gb, nb, K, xq, xd, xs, mt, y, N, g * GR, acc);
             if (mt < M)
-                int8_group_vec(type, w + g * gb, nb, K, xq + mt * K, xd + mt * nb, xs + mt * nb, M - mt, y + mt * N,
-                               N, g * GR);
+                int8_group_vec(type, w + g * gb, nb, K, xq + mt * K, xd + mt * nb, xs + mt * nb, xsum + mt * nb,
+                               M - mt, y + mt * N, N, g * GR);
         }
         if (acc) amx_thread_end();
         free(acc);
@@ -714,10 +841,10 @@ int quant_amx_min_rows(void) { return amx_min_rows; }
 
 /* The vector int8 GEMM, x already quantized: OpenMP over groups of 16 rows. */
 static void linear_int8_vec(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t K, const int8_t *xq,
-                            const float *xd, const float *xs, int64_t M, float *y) {
+                            const float *xd, const float *xs, const int32_t *xsum, int64_t M, float *y) {
     const int64_t G = (N + GR - 1) / GR, nb = K / QK;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < G; ++g) int8_group_vec(type, w + g * gb, nb, K, xq, xd, xs, M, y, N, g * GR);
+    for (int64_t g = 0; g < G; ++g) int8_group_vec(type, w + g * gb, nb, K, xq, xd, xs, xsum, M, y, N, g * GR);
 }
 
 static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
@@ -725,21 +852,23 @@ static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const f
     if (gb == 0) return -1;
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc((size_t)(M * nb) * sizeof(float)), *xs = malloc((size_t)(M * nb) * sizeof(float));
+    int32_t *xsum = malloc((size_t)(M * nb) * sizeof(int32_t));
     int status = 0;
-    if (!xq || !xd || !xs) {
+    if (!xq || !xd || !xs || !xsum) {
         status = -2;
     } else {
-        quantize_rows_q8(x, M, K, xq, xd, xs);
+        quantize_rows_q8(x, M, K, xq, xd, xs, xsum);
 #if defined(HAVE_AMX)
         if (amx_on && M >= amx_min_rows)
-            status = linear_amx(type, w, gb, N, K, xq, xd, xs, M, y);
+            status = linear_amx(type, w, gb, N, K, xq, xd, xs, xsum, M, y);
         else
 #endif
-            linear_int8_vec(type, w, gb, N, K, xq, xd, xs, M, y);
+            linear_int8_vec(type, w, gb, N, K, xq, xd, xs, xsum, M, y);
     }
     free(xq);
     free(xd);
     free(xs);
+    free(xsum);
     return status;
 }
 
