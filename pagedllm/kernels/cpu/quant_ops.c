@@ -240,7 +240,10 @@ void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
         const float *xb = x + i * QK;
         int8_t *qb = q + i * QK;
         float amax = 0.0f;
-        for (int l = 0; l < QK; ++l) amax = fmaxf(amax, fabsf(xb[l]));
+        for (int l = 0; l < QK; ++l) { /* a compare, not fmaxf: gcc calls libm's fmaxf per element */
+            const float a = fabsf(xb[l]);
+            amax = a > amax ? a : amax;
+        }
         const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
         int sum = 0;
         for (int l = 0; l < QK; ++l) {
