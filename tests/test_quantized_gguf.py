@@ -116,9 +116,9 @@ def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
 
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
 def test_int8_sums_of_extreme_blocks_are_exact_on_every_isa_level(type_name):
-    """Every nibble at 15 (Q8_0: every byte at 127, or at -128 in every other weight row) and every activation quantized to ±127: the largest integer
-    sums a block can give, where the AVX2 path's 16-bit partial sums come closest to wrapping. Every level
-    gives the portable build's bits, and the result matches the reference."""
+    """Every nibble at 15 (Q8_0: every byte at 127, or at -128 in every other weight row) and every activation
+    quantized to ±127: the largest integer sums a block can give, where the AVX2 path's 16-bit partial sums come
+    closest to wrapping. Every level gives the portable build's bits, and the result matches the reference."""
     qtype, n, k = GGML_TYPES[type_name], 24, 512
     header = 4 if type_name in ("Q4_1", "Q4_K") else 2  # the fp16 scale (and minimum) of each block
     elems, nbytes = BLOCK_LAYOUT[qtype]
