@@ -514,7 +514,7 @@ def test_greedy_identical_on_off_with_gguf_quantized_weights(tokenizer, monkeypa
     """The CPU default serves the bundled GGUF quantized. A verification step has k+1 rows per sequence where a
     decode step has one; the GEMM gives a row the same bits in any batch (kernels/cpu_quant.py), so the default
     engine's greedy output is the same with speculation on and off, with no design pinned."""
-    from pagedllm.benchmarks.spec_decode import make_copy_prompts
+    from pagedllm.benchmarks.copy_prompts import make_copy_prompts
 
     monkeypatch.delenv("PAGEDLLM_QUANT_GEMM", raising=False)
     prompts = make_copy_prompts(tokenizer, 6)

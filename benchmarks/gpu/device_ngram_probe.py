@@ -10,7 +10,8 @@ host time of a `step()` call in each kind of step.
 import argparse
 import time
 
-from pagedllm.benchmarks.spec_decode import make_copy_prompts, run_closed_loop
+from pagedllm.benchmarks.copy_prompts import make_copy_prompts
+from pagedllm.benchmarks.spec_decode import run_closed_loop
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams

@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from pagedllm.benchmarks.spec_decode import make_copy_prompts, run_closed_loop
+from pagedllm.benchmarks.copy_prompts import make_copy_prompts
+from pagedllm.benchmarks.spec_decode import run_closed_loop
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams

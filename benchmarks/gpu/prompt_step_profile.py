@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pagedllm.benchmarks.spec_decode import make_copy_prompts
+from pagedllm.benchmarks.copy_prompts import make_copy_prompts
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams

@@ -2,11 +2,11 @@
 
 Workloads:
 - input-copying (default 100 prompts, chat template of the bundled model, greedy): three kinds in turn,
-  built deterministically from this repository's own text: (1) "repeat this code exactly" over a 12-30
-  line window of a pagedllm/*.py file, (2) "rename function X to X_v2 and output the whole code" over
-  a window that defines a function, (3) "summarize this text quoting its key sentences verbatim" over
-  a README.md / ARCHITECTURE.md passage. Run closed-loop at each --concurrency (1 and 4 by default):
-  that many requests in flight, a new one joins when one finishes.
+  drawn once from this repository's own text and frozen in data/copy_prompts.json (copy_prompts.py):
+  (1) "repeat this code exactly" over a 12-30 line window of a pagedllm/*.py file, (2) "rename function X
+  to X_v2 and output the whole code" over a window that defines a function, (3) "summarize this text
+  quoting its key sentences verbatim" over a README.md / ARCHITECTURE.md passage. Run closed-loop at each
+  --concurrency (1 and 4 by default): that many requests in flight, a new one joins when one finishes.
 - ShareGPT-like (random token ids with the paper's Fig. 11 length fits, ignore_eos) at
   --sharegpt-concurrency (64) in flight: speculation must cost nothing here (it turns itself off).
 
@@ -20,67 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import time
 from collections import deque
 from pathlib import Path
 
+from pagedllm.benchmarks.copy_prompts import make_copy_prompts
 from pagedllm.benchmarks.throughput import make_sharegpt_like
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm.bench")
-_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _code_windows(rng: random.Random, n: int, need_def: bool) -> list[tuple[str, str | None]]:
-    files = sorted((_ROOT / "pagedllm").rglob("*.py"))
-    out: list[tuple[str, str | None]] = []
-    while len(out) < n:
-        lines = rng.choice(files).read_text().splitlines()
-        if len(lines) < 40:
-            continue
-        size = rng.randint(12, 30)
-        start = rng.randrange(0, len(lines) - size)
-        window = lines[start:start + size]
-        name = next((ln.split("def ", 1)[1].split("(")[0] for ln in window if ln.lstrip().startswith("def ")), None)
-        if need_def and name is None:
-            continue
-        out.append(("\n".join(window), name))
-    return out
-
-
-def _doc_passages(rng: random.Random, n: int) -> list[str]:
-    paras = []
-    for name in ("README.md", "ARCHITECTURE.md"):
-        for path in (_ROOT / name, _ROOT.parent / "shared" / name):
-            if path.exists():
-                paras += [p for p in path.read_text().split("\n\n") if 300 < len(p) < 1500]
-    return [rng.choice(paras) for _ in range(n)] if paras else []
-
-
-def make_copy_prompts(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
-    """`num` input-copying prompts (see the module docstring), as chat-templated token ids."""
-    rng = random.Random(seed)
-    per = num // 3 + 1
-    copies = _code_windows(rng, per, need_def=False)
-    edits = _code_windows(rng, per, need_def=True)
-    docs = _doc_passages(rng, per)
-    texts = []
-    for i in range(num):
-        kind, j = i % 3, i // 3
-        if kind == 0 or (kind == 2 and not docs):
-            texts.append(f"Repeat the following code exactly, with nothing else.\n\n{copies[j][0]}")
-        elif kind == 1:
-            code, name = edits[j]
-            texts.append(f"Rename the function `{name}` to `{name}_v2` in this code and output the whole "
-                         f"updated code.\n\n{code}")
-        else:
-            texts.append(f"Summarize this text, quoting its key sentences verbatim.\n\n{docs[j]}")
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                           tokenize=False) for t in texts]
-    return [tokenizer.encode(c, add_special_tokens=False) for c in chats]
 
 
 def run_closed_loop(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
@@ -121,6 +71,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                                                    '"prompt_lookup_max": 4}')
     p.add_argument("--num-prompts", type=int, default=100, help="input-copying prompts (0: skip that workload)")
+    p.add_argument("--copy-prompts", choices=("frozen", "draw"), default="frozen",
+                   help="frozen: the 100 prompts of data/copy_prompts.json; draw: drawn from this tree with --seed")
     p.add_argument("--max-tokens", type=int, default=128, help="input-copying: output cap (stops at EOS)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--sharegpt-prompts", type=int, default=128, help="0: skip the ShareGPT-like part")
@@ -215,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
                            gpu_memory_utilization=args.gpu_memory_utilization)
         engines[label] = LLMEngine(eargs)
     engine = engines["off"]
-    prompts = make_copy_prompts(engine.tokenizer, max(args.num_prompts, 2), args.seed)
+    prompts = make_copy_prompts(engine.tokenizer, max(args.num_prompts, 2), args.seed, args.copy_prompts)
     for label, eng in engines.items():
         run_closed_loop(eng, prompts[:2], [SamplingParams(temperature=0, max_tokens=8)] * 2, 2, f"warm{label}")
     prompts = prompts[: args.num_prompts]
