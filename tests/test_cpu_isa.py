@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, reference
-from tests.test_cpu_kernels import _mixed_batch, check_bf16_pool
+from tests.test_cpu_kernels import _mixed_batch, check_bf16_pool, check_tokens_get_their_lone_bits
 
 DETECTED = cpu_isa.isa_from_flags(cpu_isa.cpu_flags()) if cpu_isa._is_x86_64() else "portable"
 RUNNABLE = cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(DETECTED) + 1]
@@ -146,6 +146,15 @@ def test_level_build_is_its_own_and_matches_references(isa, kernels_by_isa):
         xs = 4 * torch.randn(t, 2 * inter, generator=g)
         gate, up = xs.chunk(2, dim=-1)
         torch.testing.assert_close(k.silu_and_mul(xs), F.silu(gate) * up, atol=1e-6, rtol=4e-6)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("d", [64, 72])
+def test_level_gives_a_chunks_tokens_their_lone_bits(isa, d, kernels_by_isa):
+    """On every level the CPU runs, a verification-sized chunk's tokens get the bits each gets alone as a decode
+    (speculative decoding's exactness rests on it), with their rows of several tokens sharing V loads; head_dim
+    72 (not a multiple of AVX-512's 16 lanes) takes the scalar token path there."""
+    check_tokens_get_their_lone_bits(kernels_by_isa[isa], 9, 3, 300, d)
 
 
 def _rope(x, cos, sin):

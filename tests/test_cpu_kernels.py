@@ -102,7 +102,13 @@ def test_each_query_token_of_a_chunk_gets_the_bits_it_gets_alone(hq, hk, ctx):
     bit-identical to the same token run alone as a decode (speculative verification and chunked prefill
     rely on it: a row's result may not depend on the batch). Chunk lengths cross the tile size (8) and
     block boundaries; at 32 heads × 4 500 keys the tile shrinks to fit the scores scratch."""
-    block_size, d = 16, 64
+    check_tokens_get_their_lone_bits(KERNELS, hq, hk, ctx)
+
+
+def check_tokens_get_their_lone_bits(kernels, hq: int, hk: int, ctx: int, d: int = 64) -> None:
+    """Chunks of 1–20 query tokens after `ctx` keys (token path below 32 tokens, whose rows of several tokens share
+    V loads) against each token as a lone decode: bit for bit, and the naive reference to rounding."""
+    block_size = 16
     g = torch.Generator().manual_seed(ctx + hq)
     query_lens = [1, 2, 5, 8, 9, 20]
     seq_lens = [ctx + q for q in query_lens]
@@ -114,13 +120,14 @@ def test_each_query_token_of_a_chunk_gets_the_bits_it_gets_alone(hq, hk, ctx):
     query = torch.randn(t, hq, d, generator=g)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     out = torch.full_like(query, float("nan"))
-    KERNELS.paged_attention(out, query, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, d**-0.5)
+    kernels.paged_attention(out, query, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, d**-0.5)
     # Every token alone: one decode "sequence" per token, its context ending at the token's own position.
     owner = [s for s, q in enumerate(query_lens) for _ in range(q)]
     alone_lens = [seq_lens[s] - query_lens[s] + (i - int(qsl[s])) + 1 for i, s in enumerate(owner)]
     alone = torch.full_like(query, float("nan"))
-    KERNELS.paged_attention(alone, query, kc, vc, tables[owner].contiguous(), torch.tensor(alone_lens, dtype=torch.int32),
-                            torch.arange(t + 1, dtype=torch.int32), d**-0.5)
+    kernels.paged_attention(alone, query, kc, vc, tables[owner].contiguous(),
+                            torch.tensor(alone_lens, dtype=torch.int32), torch.arange(t + 1, dtype=torch.int32),
+                            d**-0.5)
     assert not torch.isnan(out).any()
     assert torch.equal(out, alone)
     expected = reference.paged_attention_naive(query, kc, vc, tables.tolist(), seq_lens, query_lens, d**-0.5)

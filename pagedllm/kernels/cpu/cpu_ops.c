@@ -332,20 +332,11 @@ static void weigh_tile(const float *p, int64_t p_stride, int n, const float *v, 
     }
 }
 
-/* acc[g, :] += Σ_j p[g * stride + j] * v_j over the n (≤ block_size) rows v_j = v + j * row_stride,
- * for the `group` query rows that share these V rows (the token path). Each row's block sum is taken in
- * registers and added to `acc` once, so consecutive tokens do not chain through memory; PV_ROWS rows share
- * each V load. */
+/* acc[g, :] += Σ_j p[g * stride + j] * v_j over the n (≤ block_size) rows v_j = v + j * row_stride, for the
+ * `group` query rows that share these V rows: the token path where the vector tiles cannot cover head_dim
+ * (scalar builds, or head_dim not a multiple of VW). */
 static inline void group_block_axpy(const float *restrict p, int64_t stride, const float *restrict v,
                                     int64_t row_stride, int n, int group, int head_dim, float *restrict acc) {
-#if VECTOR_PATH
-    if (head_dim % VW == 0) {
-        for (int g0 = 0; g0 < group; g0 += PV_ROWS)
-            weigh_tile(p + g0 * stride, stride, group - g0 < PV_ROWS ? group - g0 : PV_ROWS, v, row_stride, n,
-                       acc + (int64_t)g0 * head_dim, head_dim, head_dim);
-        return;
-    }
-#endif
     for (int g = 0; g < group; ++g)
         for (int j = 0; j < n; ++j) {
             const float w = p[g * stride + j];
@@ -559,7 +550,8 @@ static inline uint16_t f32_to_bf16(float f) {
  *
  * Two paths, chosen per sequence by its chunk's own length, so all tokens of a chunk alike:
  * - token path (chunks under min_tile_query_len tokens: decodes, speculative verifications): each token's
- *   rows against K/V rows as stored, one transpose-add tree per 16 keys; a token gets a lone decode's bits.
+ *   rows against K rows as stored, one transpose-add tree per 16 keys; probabilities · V with PV_ROWS rows of
+ *   the chunk's tokens sharing each V load, each row summed on its own; a token gets a lone decode's bits.
  * - tile path (longer prompt chunks): scores as a small GEMM (a run of blocks is transposed so keys lie along
  *   the vector lanes, the tile's queries are transposed once, and each broadcast query value feeds QK_VECS
  *   FMAs); probabilities · V block by block with PV_ROWS rows sharing each V load; the softmax's 1/sum is
@@ -661,10 +653,11 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                                                widened, k_scale);
                 const char *next = b + 1 < num_blocks ? (const char *)key_cache + (int64_t)table[b + 1] * block_bytes
                                                       : NULL;
-                /* the next block in slices: one per KV head of each run of VW keys */
-                const int64_t slices = (int64_t)((block_size + VW - 1) / VW) * num_kv_heads;
+                const int i_first = t0 >= len0 ? t0 - len0 + 1 : 0; /* the first token that reaches block b */
+                /* the next block in slices: one per KV head of each run of VW keys of each token */
+                const int64_t slices = (int64_t)((block_size + VW - 1) / VW) * num_kv_heads * (nq - i_first);
                 int64_t fetched = 0, slice = 0;
-                for (int i = t0 >= len0 ? t0 - len0 + 1 : 0; i < nq; ++i) { /* the tokens that reach block b */
+                for (int i = i_first; i < nq; ++i) {
                     const int len = len0 + i;
                     const int n = len - t0 < block_size ? len - t0 : block_size;
                     const float *qs = q + (first + i) * q_token_stride;
@@ -738,7 +731,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                     const float *vh = vb + (int64_t)h * head_dim;
                     const float *ph = scores + h * head_rows + t0;
                     float *ah = acc + (int64_t)h * ldq * head_dim;
-                    if (!tiled) { /* token path: each token's rows against the rows it reads */
+                    if (!tiled && !(VECTOR_PATH && head_dim % VW == 0)) { /* token path, scalar: token by token */
                         for (int i = r0 / group; i < nq; ++i) {
                             const int n = len0 + i - t0 < block_size ? len0 + i - t0 : block_size;
                             group_block_axpy(ph + (int64_t)i * group * max_len, max_len, vh, token_stride, n, group, head_dim,
@@ -756,9 +749,16 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                             }
                         continue;
                     }
-                    for (int r = r0; r < rows_all; r += PV_ROWS)
+                    /* Both paths: PV_ROWS rows share each V load, whichever tokens they belong to. A token-path row
+                     * gets a lone decode's bits here too: each row's sum runs over j in order from zero, and the
+                     * keys past its own token weigh +0, whose products add exact zeros to it. */
+                    const int tiles = (rows_all - r0 + PV_ROWS - 1) / PV_ROWS; /* this head's slice, split per tile */
+                    for (int r = r0, tile = 1; r < rows_all; r += PV_ROWS, ++tile) {
                         weigh_tile(ph + r * (int64_t)max_len, max_len, rows_all - r < PV_ROWS ? rows_all - r : PV_ROWS,
                                    vh, token_stride, rows, ah + (int64_t)r * head_dim, head_dim, head_dim);
+                        fetched = prefetch_upto(next, fetched, block_bytes * ((int64_t)h * tiles + tile) /
+                                                                   ((int64_t)num_kv_heads * tiles));
+                    }
                 }
             }
             for (int i = 0; i < nq; ++i) /* acc[(h * ldq + i * group + g) * head_dim]: query head h * group + g */

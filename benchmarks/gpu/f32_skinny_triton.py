@@ -1,0 +1,81 @@
+"""Could the row-invariant Triton GEMM (kernels/triton_invariant_matmul.py) serve float32 decodes and k=12
+verifications faster than cuBLAS (BENCHMARKS.md §52.7: cuBLAS's SIMT SGEMMs make a 13-row step's GEMMs 2.5x a
+1-row step's)? The bundled model's GEMM shapes for all 30 layers plus the LM head (distinct weights, streamed from
+memory), one forward captured in a CUDA graph, timed by rows for cuBLAS and for the Triton kernel at a sweep of
+tiles (BLOCK_N, BLOCK_K, warps, stages; BLOCK_M 16). Tiles with another BLOCK_K sum in another order: they are
+candidates for a float32 BLOCK_K, not interchangeable with today's 32.
+
+    python benchmarks/gpu/f32_skinny_triton.py
+"""
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from pagedllm.kernels.triton_invariant_matmul import _invariant_matmul_kernel
+
+SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+LAYERS, HIDDEN, VOCAB = 30, 576, 49152
+ROWS = (1, 4, 13, 26, 52)
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, warps: int, stages: int):
+    m, k = x.shape
+    n = w.shape[0]
+    grid = (triton.cdiv(m, 16), triton.cdiv(n, bn))
+    _invariant_matmul_kernel[grid](x, w, out, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+                                   HAS_BIAS=False, PREC="ieee", BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
+                                   num_warps=warps, num_stages=stages)
+
+
+def step_ms(rows: int, cfg: tuple | None) -> float:
+    """One forward's GEMMs (30 layers × 4 plus the LM head) replayed from a CUDA graph: ms per replay.
+    `cfg` None: F.linear (cuBLAS); else the Triton tile."""
+    dtype = torch.float32
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(LAYERS)
+               for k, n in SHAPES.values()]
+    weights.append(torch.randn(VOCAB, HIDDEN, device="cuda", dtype=dtype) / HIDDEN**0.5)
+    inputs = {k: torch.randn(rows, k, device="cuda", dtype=dtype) for k in (576, 1536)}
+    outs = {n: torch.empty(rows, n, device="cuda", dtype=dtype) for n in {w.shape[0] for w in weights}}
+
+    def forward():
+        for w in weights:
+            if cfg is None:
+                F.linear(inputs[w.shape[1]], w)
+            else:
+                triton_linear(inputs[w.shape[1]], w, outs[w.shape[0]], *cfg)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    print("cublas          " + "  ".join(f"{r}: {step_ms(r, None):.3f}" for r in ROWS), flush=True)
+    for bn, bk, warps, stages in itertools.product((16, 32, 64), (32, 64, 128), (1, 2, 4), (2, 4)):
+        try:
+            row = "  ".join(f"{r}: {step_ms(r, (bn, bk, warps, stages)):.3f}" for r in ROWS)
+        except Exception as exc:  # a tile Triton cannot build (shared memory): say so, go on
+            row = f"failed: {type(exc).__name__}"
+        print(f"n{bn:<3} k{bk:<3} w{warps} s{stages}  {row}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
