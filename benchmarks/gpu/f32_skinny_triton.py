@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from f32_skinny_gemm import bundled_gemm_weights, graph_ms  # this directory (the script's own)
 from pagedllm.kernels.triton_invariant_matmul import _invariant_matmul_kernel
 
-SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
-LAYERS, HIDDEN, VOCAB = 30, 576, 49152
 ROWS = (1, 4, 13, 26, 52)
 
 
@@ -32,12 +31,9 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, 
 def step_ms(rows: int, cfg: tuple | None) -> float:
     """One forward's GEMMs (30 layers × 4 plus the LM head) replayed from a CUDA graph: ms per replay.
     `cfg` None: F.linear (cuBLAS); else the Triton tile."""
-    dtype = torch.float32
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(LAYERS)
-               for k, n in SHAPES.values()]
-    weights.append(torch.randn(VOCAB, HIDDEN, device="cuda", dtype=dtype) / HIDDEN**0.5)
-    inputs = {k: torch.randn(rows, k, device="cuda", dtype=dtype) for k in (576, 1536)}
-    outs = {n: torch.empty(rows, n, device="cuda", dtype=dtype) for n in {w.shape[0] for w in weights}}
+    weights = bundled_gemm_weights(torch.float32)
+    inputs = {k: torch.randn(rows, k, device="cuda") for k in (576, 1536)}
+    outs = {n: torch.empty(rows, n, device="cuda") for n in {w.shape[0] for w in weights}}
 
     def forward():
         for w in weights:
@@ -46,24 +42,7 @@ def step_ms(rows: int, cfg: tuple | None) -> float:
             else:
                 triton_linear(inputs[w.shape[1]], w, outs[w.shape[0]], *cfg)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20
+    return graph_ms(forward)
 
 
 def main() -> None:
