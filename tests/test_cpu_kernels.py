@@ -135,6 +135,39 @@ def check_tokens_get_their_lone_bits(kernels, hq: int, hk: int, ctx: int, d: int
 
 
 @needs_kernels
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("hq,hk,d,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 1)])
+def test_partitioned_contexts_get_the_same_bits_alone_and_in_a_full_batch(pool_dtype, hq, hk, d, block_size):
+    """A token-path context longer than a partition (256 keys) is read a partition at a time and the partitions
+    combined. Alone, one or two sequences spread their partitions over the threads as work items; among 60 other
+    decodes each tile runs its partitions in one item. A decode and a 5-token verification across partition
+    boundaries (and one inside the first partition) must get the same bits both ways, near eq. 4's result."""
+    g = torch.Generator().manual_seed(hq * d + block_size)
+    query_lens = [1, 5, 5] + [1] * 60
+    seq_lens = [1000, 514, 200] + [300 + 11 * s for s in range(60)]
+    per = -(-max(seq_lens) // block_size)
+    kc, vc = (p.to(pool_dtype) for p in _pool(g, len(query_lens) * per, block_size, hk, d))
+    tables = torch.randperm(len(query_lens) * per, generator=g).view(len(query_lens), per).to(torch.int32)
+    query = torch.randn(sum(query_lens), hq, d, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    full = torch.full_like(query, float("nan"))
+    KERNELS.paged_attention(full, query, kc, vc, tables, lens, qsl, d**-0.5, k_scale=0.5, v_scale=2.0)
+    assert not torch.isnan(full).any()
+    for s in range(3):
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        alone = torch.full_like(query[rows], float("nan"))
+        KERNELS.paged_attention(alone, query[rows], kc, vc, tables[s : s + 1].contiguous(), lens[s : s + 1],
+                                torch.tensor([0, query_lens[s]], dtype=torch.int32), d**-0.5, k_scale=0.5,
+                                v_scale=2.0)
+        assert torch.equal(alone, full[rows])
+    scales = (0.5, 2.0) if pool_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    expected = reference.paged_attention_naive(query[:11], kc.float() * scales[0], vc.float() * scales[1],
+                                               tables[:3].tolist(), seq_lens[:3], query_lens[:3], d**-0.5)
+    torch.testing.assert_close(full[:11], expected, atol=2e-6, rtol=2e-5)
+
+
+@needs_kernels
 def test_raising_the_tile_threshold_keeps_a_long_chunk_on_the_token_path():
     """Speculative decoding with k ≥ 31 drafts raises min_tile_query_len above 1 + k, so a 40-token verification
     chunk gets, row for row, the bits of 40 lone decodes."""

@@ -15,6 +15,7 @@
  * The torch reference (kernels/reference.py) is the oracle these are tested against.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -529,7 +530,9 @@ static inline uint16_t f32_to_bf16(float f) {
 /* Tile geometry (each can be overridden with -D when tuning). QUERY_TILE: query tokens of one sequence per work
  * item, at least; TILE_ROWS: rows per KV head a tile aims for where few query heads share one (MHA gets more
  * tokens per tile, so each transposed key run serves more rows); SCORES_BUDGET: scores scratch per thread, in
- * floats: the tile shrinks for long contexts × many heads to stay within it. */
+ * floats: the tile shrinks for long contexts × many heads to stay within it; PARTITION_KEYS: keys per partition
+ * of a token-path sequence's context (whole blocks; at least one); PARTITION_SPREAD_TILES: tiles per thread below
+ * which a batch's partitions become work items of their own. */
 #ifndef QUERY_TILE
 #define QUERY_TILE 16
 #endif
@@ -538,6 +541,12 @@ static inline uint16_t f32_to_bf16(float f) {
 #endif
 #ifndef SCORES_BUDGET
 #define SCORES_BUDGET (1 << 22)
+#endif
+#ifndef PARTITION_KEYS
+#define PARTITION_KEYS 256
+#endif
+#ifndef PARTITION_SPREAD_TILES
+#define PARTITION_SPREAD_TILES 2
 #endif
 
 /* PagedAttention for a flat batch of query tokens (decodes and prompt chunks alike): sequence s owns
@@ -552,6 +561,9 @@ static inline uint16_t f32_to_bf16(float f) {
  * - token path (chunks under min_tile_query_len tokens: decodes, speculative verifications): each token's
  *   rows against K rows as stored, one transpose-add tree per 16 keys; probabilities · V with PV_ROWS rows of
  *   the chunk's tokens sharing each V load, each row summed on its own; a token gets a lone decode's bits.
+ *   A token with more keys than one partition (PARTITION_KEYS) takes each partition's softmax on its own (its
+ *   max, its exp sum, Σ exp · V) and combines them in order at the end, as vLLM's PagedAttention V2 does; with
+ *   few tiles in the batch the partitions are separate work items, so one long sequence uses every thread.
  * - tile path (longer prompt chunks): scores as a small GEMM (a run of blocks is transposed so keys lie along
  *   the vector lanes, the tile's queries are transposed once, and each broadcast query value feeds QK_VECS
  *   FMAs); probabilities · V block by block with PV_ROWS rows sharing each V load; the softmax's 1/sum is
@@ -585,15 +597,46 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     const int64_t ldk = ((int64_t)run_blocks * block_size + QK_VECS * VW - 1) / (QK_VECS * VW) * (QK_VECS * VW);
     const int64_t ldq = (int64_t)qtile * group;             /* one KV head's rows in a tile */
     const int64_t head_rows = ldq * max_len;                /* scores of one KV head's rows */
-    /* tile_start[s]: the first work item of sequence s */
+    /* Token-path contexts longer than one partition of part_blocks blocks are read a partition per work item (so
+     * that one long sequence spreads over the threads), and each token's partitions are combined at the end. */
+    const int part_blocks = PARTITION_KEYS / block_size > 1 ? PARTITION_KEYS / block_size : 1;
+    const int part_keys = part_blocks * block_size;
+    /* tile_start[s]: the first work item of sequence s, which has parts[s] partitions per tile; its tokens'
+     * partial results start at partial row part_start[s] (token i, partition p: part_start[s] + i * parts[s] + p) */
     int64_t *tile_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
-    if (tile_start == NULL) return -1;
-    tile_start[0] = 0;
+    int64_t *part_start = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));
+    int *parts = malloc(sizeof(int) * (size_t)(num_seqs + 1));
+    if (tile_start == NULL || part_start == NULL || parts == NULL) {
+        free(tile_start), free(part_start), free(parts);
+        return -1;
+    }
+    tile_start[0] = part_start[0] = 0;
     for (int s = 0; s < num_seqs; ++s) {
         const int qlen = query_start_loc[s + 1] - query_start_loc[s];
-        tile_start[s + 1] = tile_start[s] + (qlen + qtile - 1) / qtile;
+        const int split = qlen < min_tile_query_len && seq_lens[s] > part_keys;
+        parts[s] = split ? (seq_lens[s] + part_keys - 1) / part_keys : 1;
+        part_start[s + 1] = part_start[s] + (split ? (int64_t)qlen * parts[s] : 0);
+    }
+    /* Partitions are separate work items only where the tiles alone are too few to keep every thread busy (one or
+     * a few sequences); else each tile's partitions run in order in one item, its next block prefetched across
+     * them. Either way each partition's arithmetic is the same. */
+    int64_t num_tiles = 0;
+    for (int s = 0; s < num_seqs; ++s) num_tiles += (query_start_loc[s + 1] - query_start_loc[s] + qtile - 1) / qtile;
+    const int spread = num_tiles < PARTITION_SPREAD_TILES * (int64_t)omp_get_max_threads();
+    for (int s = 0; s < num_seqs; ++s) {
+        const int qlen = query_start_loc[s + 1] - query_start_loc[s];
+        tile_start[s + 1] = tile_start[s] + (int64_t)(qlen + qtile - 1) / qtile * (spread ? parts[s] : 1);
     }
     const int64_t num_items = tile_start[num_seqs];
+    const int64_t num_partials = part_start[num_seqs];
+    /* per partial row (partial row × query head): the partition's score max, its exp sum, and Σ exp · V */
+    float *part_max = malloc(sizeof(float) * (size_t)(num_partials * num_q_heads + 1));
+    float *part_sum = malloc(sizeof(float) * (size_t)(num_partials * num_q_heads + 1));
+    float *part_acc = malloc(sizeof(float) * (size_t)(num_partials * num_q_heads * head_dim + 1));
+    if (part_max == NULL || part_sum == NULL || part_acc == NULL) {
+        free(tile_start), free(part_start), free(parts), free(part_max), free(part_sum), free(part_acc);
+        return -1;
+    }
     int failed = 0;
     /* One work item (a single-sequence decode) needs no team, no barrier for an idle thread. */
 #pragma omp parallel if (num_items > 1)
@@ -628,153 +671,214 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                 else hi = mid - 1;
             }
             const int qlen = query_start_loc[s + 1] - query_start_loc[s];
-            const int i0 = (int)(item - tile_start[s]) * qtile;
+            /* np partitions per tile: one item each when spread over the threads, else one item for them all */
+            const int np = parts[s], per_tile = spread ? np : 1;
+            const int i0 = (int)((item - tile_start[s]) / per_tile) * qtile;
+            const int p_lo = spread ? (int)((item - tile_start[s]) % per_tile) : 0, p_hi = spread ? p_lo + 1 : np;
             const int nq = qlen - i0 < qtile ? qlen - i0 : qtile;
             const int64_t first = query_start_loc[s] + i0; /* the tile's first query token */
             const int len0 = seq_lens[s] - qlen + i0 + 1;  /* token i of the tile attends to len0 + i keys */
             const int last = len0 + nq - 1;                /* keys the tile's last token reads */
-            const int num_blocks = (last + block_size - 1) / block_size;
-            const int32_t *table = block_tables + s * table_stride;
-            const int rows_all = nq * group;               /* rows per KV head */
+            const int all_blocks = (last + block_size - 1) / block_size;
+            for (int part = p_lo; part < p_hi; ++part) { /* the item's partitions, in order */
+                /* this item's blocks [b_lo, num_blocks): its partition's (every block when np == 1) */
+                const int b_lo = np == 1 ? 0 : part * part_blocks;
+                const int num_blocks = np == 1 || all_blocks - b_lo < part_blocks ? all_blocks : b_lo + part_blocks;
+                if (b_lo >= num_blocks) break; /* an earlier tile's tokens end before this partition */
+                const int t_lo = b_lo * block_size, t_hi = num_blocks * block_size; /* its keys */
+                const int32_t *table = block_tables + s * table_stride;
+                const int rows_all = nq * group;               /* rows per KV head */
 
-            const int tiled = qlen >= min_tile_query_len; /* by the chunk's own length: all its tokens alike */
-            for (int h = 0; tiled && h < num_kv_heads; ++h) /* qt[(h * head_dim + d) * ldq + i * group + g] */
-                for (int i = 0; i < nq; ++i)
-                    for (int g = 0; g < group; ++g) {
-                        const float *qrow = q + (first + i) * q_token_stride + (int64_t)(h * group + g) * head_dim;
-                        float *col = qt + (int64_t)h * head_dim * ldq + i * group + g;
-                        for (int d = 0; d < head_dim; ++d) col[d * ldq] = qrow[d];
-                    }
+                const int tiled = qlen >= min_tile_query_len; /* by the chunk's own length: all its tokens alike */
+                for (int h = 0; tiled && h < num_kv_heads; ++h) /* qt[(h * head_dim + d) * ldq + i * group + g] */
+                    for (int i = 0; i < nq; ++i)
+                        for (int g = 0; g < group; ++g) {
+                            const float *qrow = q + (first + i) * q_token_stride + (int64_t)(h * group + g) * head_dim;
+                            float *col = qt + (int64_t)h * head_dim * ldq + i * group + g;
+                            for (int d = 0; d < head_dim; ++d) col[d * ldq] = qrow[d];
+                        }
 
-            for (int b = 0; !tiled && b < num_blocks; ++b) { /* pass 1, token path: scaled scores */
-                const int t0 = b * block_size;
-                const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
-                const float *kb = block_as_f32(kv_format, key_cache, table[b] * block_stride, rows * token_stride,
-                                               widened, k_scale);
-                const char *next = b + 1 < num_blocks ? (const char *)key_cache + (int64_t)table[b + 1] * block_bytes
-                                                      : NULL;
-                const int i_first = t0 >= len0 ? t0 - len0 + 1 : 0; /* the first token that reaches block b */
-                /* the next block in slices: one per KV head of each run of VW keys of each token */
-                const int64_t slices = (int64_t)((block_size + VW - 1) / VW) * num_kv_heads * (nq - i_first);
-                int64_t fetched = 0, slice = 0;
-                for (int i = i_first; i < nq; ++i) {
-                    const int len = len0 + i;
-                    const int n = len - t0 < block_size ? len - t0 : block_size;
-                    const float *qs = q + (first + i) * q_token_stride;
-                    int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
-                    for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
-                        for (int h = 0; h < num_kv_heads; ++h) {
-                            run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
-                                       token_stride, group, head_dim, scale,
-                                       scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j0, max_len);
-                            if (slice < slices) fetched = prefetch_upto(next, fetched, block_bytes * ++slice / slices);
-                        }
-                    for (int j = j0; j < n; ++j)
-                        for (int h = 0; h < num_kv_heads; ++h)
-                            group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
-                                         group, head_dim, scale,
-                                         scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j, max_len);
-                }
-                prefetch_upto(next, fetched, block_bytes); /* whatever the slices left */
-            }
-            for (int b0 = 0; tiled && b0 < num_blocks; b0 += run_blocks) { /* pass 1, tile path: a run of blocks */
-                const int t0 = b0 * block_size;
-                const int nb = num_blocks - b0 < run_blocks ? num_blocks - b0 : run_blocks;
-                const int keys = last - t0 < nb * block_size ? last - t0 : nb * block_size;
-                for (int b = 0; b < nb; ++b) {
-                    const int rows = keys - b * block_size < block_size ? keys - b * block_size : block_size;
-                    const float *kb = block_as_f32(kv_format, key_cache, table[b0 + b] * block_stride,
-                                                   rows * token_stride,
-                                                   kv_format != KV_F32 ? widened + b * block_stride : NULL, k_scale);
-                    if (b0 + b + 1 < num_blocks)
-                        prefetch_bytes((const char *)key_cache + (int64_t)table[b0 + b + 1] * block_bytes, block_bytes);
-                    for (int j = 0; j < rows; ++j) key_rows[b * block_size + j] = kb + j * token_stride;
-                }
-                for (int64_t j = keys; j < ldk; ++j) key_rows[j] = zeros;
-                transpose_keys(key_rows, ldk, token_stride, kt);
-                const int r0 = (t0 >= len0 ? t0 - len0 + 1 : 0) * group; /* rows of the tokens that reach the run */
-                for (int h = 0; h < num_kv_heads; ++h) {
-                    const float *kth = kt + (int64_t)h * head_dim * ldk, *qth = qt + (int64_t)h * head_dim * ldq;
-                    float *sh = scores + h * head_rows + t0;
-                    for (int j0 = 0; j0 < keys; j0 += QK_VECS * VW)
-                        for (int r = r0; r < rows_all; r += QK_ROWS)
-                            score_tile(qth + r, ldq, rows_all - r < QK_ROWS ? rows_all - r : QK_ROWS, kth + j0, ldk,
-                                       keys - j0, head_dim, scale, sh + r * (int64_t)max_len + j0, max_len);
-                }
-            }
-            if (num_blocks > 0)
-                prefetch_bytes((const char *)value_cache + (int64_t)table[0] * block_bytes, block_bytes);
-            for (int h = 0; h < num_kv_heads; ++h)
-                for (int r = 0; r < rows_all; ++r) { /* softmax (the tile path applies its 1 / sum to the outputs) */
-                    float *row = scores + h * head_rows + (int64_t)r * max_len;
-                    const int len = len0 + r / group;
-                    const float m = row_max(row, len);
-                    const float inv = 1.f / exp_shifted(row, len, m);
-                    if (tiled) norm[h * ldq + r] = inv; /* applied to the output row instead */
-                    else
-                        for (int t = 0; t < len; ++t) row[t] *= inv;
-                    /* keys past this token that the tile's later tokens read: weight 0 (adds exact zeros) */
-                    for (int t = len; t < last; ++t) row[t] = 0.f;
-                }
-            for (int h = 0; h < num_kv_heads; ++h)
-                memset(acc + (int64_t)h * ldq * head_dim, 0, sizeof(float) * (size_t)rows_all * head_dim);
-            for (int b = 0; b < num_blocks; ++b) { /* pass 2: probabilities · V */
-                const int t0 = b * block_size;
-                const int rows = last - t0 < block_size ? last - t0 : block_size;
-                const float *vb = block_as_f32(kv_format, value_cache, table[b] * block_stride, rows * token_stride,
-                                               widened, v_scale);
-                const char *next = b + 1 < num_blocks ? (const char *)value_cache + (int64_t)table[b + 1] * block_bytes
-                                                      : NULL;
-                int64_t fetched = 0; /* the next block in slices, one per KV head */
-                const int r0 = (t0 >= len0 ? t0 - len0 + 1 : 0) * group; /* rows of the tokens that reach block b */
-                for (int h = 0; h < num_kv_heads; fetched = prefetch_upto(next, fetched, block_bytes * ++h / num_kv_heads)) {
-                    const float *vh = vb + (int64_t)h * head_dim;
-                    const float *ph = scores + h * head_rows + t0;
-                    float *ah = acc + (int64_t)h * ldq * head_dim;
-                    if (!tiled && !(VECTOR_PATH && head_dim % VW == 0)) { /* token path, scalar: token by token */
-                        for (int i = r0 / group; i < nq; ++i) {
-                            const int n = len0 + i - t0 < block_size ? len0 + i - t0 : block_size;
-                            group_block_axpy(ph + (int64_t)i * group * max_len, max_len, vh, token_stride, n, group, head_dim,
-                                             ah + (int64_t)i * group * head_dim);
-                        }
-                        continue;
-                    }
-                    if (head_dim % VW) { /* dims the vector tiles cannot cover: a plain loop per row */
-                        for (int r = r0; r < rows_all; ++r)
-                            for (int j = 0; j < rows; ++j) {
-                                const float w = ph[r * (int64_t)max_len + j];
-                                float *a = ah + (int64_t)r * head_dim;
-#pragma omp simd
-                                for (int d = 0; d < head_dim; ++d) a[d] += w * vh[j * token_stride + d];
+                for (int b = b_lo; !tiled && b < num_blocks; ++b) { /* pass 1, token path: scaled scores */
+                    const int t0 = b * block_size;
+                    const int64_t rows = last - t0 < block_size ? last - t0 : block_size;
+                    const float *kb = block_as_f32(kv_format, key_cache, table[b] * block_stride, rows * token_stride,
+                                                   widened, k_scale);
+                    const char *next = b + 1 < num_blocks ? (const char *)key_cache + (int64_t)table[b + 1] * block_bytes
+                                                          : NULL;
+                    const int i_first = t0 >= len0 ? t0 - len0 + 1 : 0; /* the first token that reaches block b */
+                    /* the next block in slices: one per KV head of each run of VW keys of each token */
+                    const int64_t slices = (int64_t)((block_size + VW - 1) / VW) * num_kv_heads * (nq - i_first);
+                    int64_t fetched = 0, slice = 0;
+                    for (int i = i_first; i < nq; ++i) {
+                        const int len = len0 + i;
+                        const int n = len - t0 < block_size ? len - t0 : block_size;
+                        const float *qs = q + (first + i) * q_token_stride;
+                        int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
+                        for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
+                            for (int h = 0; h < num_kv_heads; ++h) {
+                                run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
+                                           token_stride, group, head_dim, scale,
+                                           scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j0, max_len);
+                                if (slice < slices) fetched = prefetch_upto(next, fetched, block_bytes * ++slice / slices);
                             }
-                        continue;
+                        for (int j = j0; j < n; ++j)
+                            for (int h = 0; h < num_kv_heads; ++h)
+                                group_scores(qs + (int64_t)h * group * head_dim, kb + j * token_stride + (int64_t)h * head_dim,
+                                             group, head_dim, scale,
+                                             scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j, max_len);
                     }
-                    /* Both paths: PV_ROWS rows share each V load, whichever tokens they belong to. A token-path row
-                     * gets a lone decode's bits here too: each row's sum runs over j in order from zero, and the
-                     * keys past its own token weigh +0, whose products add exact zeros to it. */
-                    const int tiles = (rows_all - r0 + PV_ROWS - 1) / PV_ROWS; /* this head's slice, split per tile */
-                    for (int r = r0, tile = 1; r < rows_all; r += PV_ROWS, ++tile) {
-                        weigh_tile(ph + r * (int64_t)max_len, max_len, rows_all - r < PV_ROWS ? rows_all - r : PV_ROWS,
-                                   vh, token_stride, rows, ah + (int64_t)r * head_dim, head_dim, head_dim);
-                        fetched = prefetch_upto(next, fetched, block_bytes * ((int64_t)h * tiles + tile) /
-                                                                   ((int64_t)num_kv_heads * tiles));
+                    prefetch_upto(next, fetched, block_bytes); /* whatever the slices left */
+                }
+                for (int b0 = 0; tiled && b0 < num_blocks; b0 += run_blocks) { /* pass 1, tile path: a run of blocks */
+                    const int t0 = b0 * block_size;
+                    const int nb = num_blocks - b0 < run_blocks ? num_blocks - b0 : run_blocks;
+                    const int keys = last - t0 < nb * block_size ? last - t0 : nb * block_size;
+                    for (int b = 0; b < nb; ++b) {
+                        const int rows = keys - b * block_size < block_size ? keys - b * block_size : block_size;
+                        const float *kb = block_as_f32(kv_format, key_cache, table[b0 + b] * block_stride,
+                                                       rows * token_stride,
+                                                       kv_format != KV_F32 ? widened + b * block_stride : NULL, k_scale);
+                        if (b0 + b + 1 < num_blocks)
+                            prefetch_bytes((const char *)key_cache + (int64_t)table[b0 + b + 1] * block_bytes, block_bytes);
+                        for (int j = 0; j < rows; ++j) key_rows[b * block_size + j] = kb + j * token_stride;
+                    }
+                    for (int64_t j = keys; j < ldk; ++j) key_rows[j] = zeros;
+                    transpose_keys(key_rows, ldk, token_stride, kt);
+                    const int r0 = (t0 >= len0 ? t0 - len0 + 1 : 0) * group; /* rows of the tokens that reach the run */
+                    for (int h = 0; h < num_kv_heads; ++h) {
+                        const float *kth = kt + (int64_t)h * head_dim * ldk, *qth = qt + (int64_t)h * head_dim * ldq;
+                        float *sh = scores + h * head_rows + t0;
+                        for (int j0 = 0; j0 < keys; j0 += QK_VECS * VW)
+                            for (int r = r0; r < rows_all; r += QK_ROWS)
+                                score_tile(qth + r, ldq, rows_all - r < QK_ROWS ? rows_all - r : QK_ROWS, kth + j0, ldk,
+                                           keys - j0, head_dim, scale, sh + r * (int64_t)max_len + j0, max_len);
                     }
                 }
+                prefetch_bytes((const char *)value_cache + (int64_t)table[b_lo] * block_bytes, block_bytes);
+                for (int h = 0; h < num_kv_heads; ++h)
+                    for (int r = 0; r < rows_all; ++r) { /* softmax (the tile path applies its 1 / sum to the outputs) */
+                        float *row = scores + h * head_rows + (int64_t)r * max_len;
+                        const int len = len0 + r / group;
+                        const int end = len < t_hi ? len : t_hi; /* this token's keys in the item's blocks: t_lo .. end */
+                        if (end <= t_lo) continue;             /* none: its rows never reach these blocks */
+                        const float m = row_max(row + t_lo, end - t_lo);
+                        const float sum = exp_shifted(row + t_lo, end - t_lo, m);
+                        if (len > part_keys && !tiled) { /* one partition of several: combined after every item */
+                            const int64_t at = (part_start[s] + (int64_t)(i0 + r / group) * np + part) * num_q_heads +
+                                               h * group + r % group;
+                            part_max[at] = m;
+                            part_sum[at] = sum;
+                        } else {
+                            const float inv = 1.f / sum;
+                            if (tiled) norm[h * ldq + r] = inv; /* applied to the output row instead */
+                            else
+                                for (int t = 0; t < len; ++t) row[t] *= inv;
+                        }
+                        /* keys past this token that the tile's later tokens read: weight 0 (adds exact zeros) */
+                        for (int t = end; t < (last < t_hi ? last : t_hi); ++t) row[t] = 0.f;
+                    }
+                for (int h = 0; h < num_kv_heads; ++h)
+                    memset(acc + (int64_t)h * ldq * head_dim, 0, sizeof(float) * (size_t)rows_all * head_dim);
+                for (int b = b_lo; b < num_blocks; ++b) { /* pass 2: probabilities · V */
+                    const int t0 = b * block_size;
+                    const int rows = last - t0 < block_size ? last - t0 : block_size;
+                    const float *vb = block_as_f32(kv_format, value_cache, table[b] * block_stride, rows * token_stride,
+                                                   widened, v_scale);
+                    /* after the partition's last V block: the K block that the item's next partition starts with */
+                    const char *next = b + 1 < num_blocks ? (const char *)value_cache + (int64_t)table[b + 1] * block_bytes
+                                       : part + 1 < p_hi && b + 1 < all_blocks
+                                           ? (const char *)key_cache + (int64_t)table[b + 1] * block_bytes
+                                           : NULL;
+                    int64_t fetched = 0; /* the next block in slices, one per KV head */
+                    const int r0 = (t0 >= len0 ? t0 - len0 + 1 : 0) * group; /* rows of the tokens that reach block b */
+                    for (int h = 0; h < num_kv_heads; fetched = prefetch_upto(next, fetched, block_bytes * ++h / num_kv_heads)) {
+                        const float *vh = vb + (int64_t)h * head_dim;
+                        const float *ph = scores + h * head_rows + t0;
+                        float *ah = acc + (int64_t)h * ldq * head_dim;
+                        if (!tiled && !(VECTOR_PATH && head_dim % VW == 0)) { /* token path, scalar: token by token */
+                            for (int i = r0 / group; i < nq; ++i) {
+                                const int n = len0 + i - t0 < block_size ? len0 + i - t0 : block_size;
+                                group_block_axpy(ph + (int64_t)i * group * max_len, max_len, vh, token_stride, n, group, head_dim,
+                                                 ah + (int64_t)i * group * head_dim);
+                            }
+                            continue;
+                        }
+                        if (head_dim % VW) { /* dims the vector tiles cannot cover: a plain loop per row */
+                            for (int r = r0; r < rows_all; ++r)
+                                for (int j = 0; j < rows; ++j) {
+                                    const float w = ph[r * (int64_t)max_len + j];
+                                    float *a = ah + (int64_t)r * head_dim;
+    #pragma omp simd
+                                    for (int d = 0; d < head_dim; ++d) a[d] += w * vh[j * token_stride + d];
+                                }
+                            continue;
+                        }
+                        /* Both paths: PV_ROWS rows share each V load, whichever tokens they belong to. A token-path row
+                         * gets a lone decode's bits here too: each row's sum runs over j in order from zero, and the
+                         * keys past its own token weigh +0, whose products add exact zeros to it. */
+                        const int tiles = (rows_all - r0 + PV_ROWS - 1) / PV_ROWS; /* this head's slice, split per tile */
+                        for (int r = r0, tile = 1; r < rows_all; r += PV_ROWS, ++tile) {
+                            weigh_tile(ph + r * (int64_t)max_len, max_len, rows_all - r < PV_ROWS ? rows_all - r : PV_ROWS,
+                                       vh, token_stride, rows, ah + (int64_t)r * head_dim, head_dim, head_dim);
+                            fetched = prefetch_upto(next, fetched, block_bytes * ((int64_t)h * tiles + tile) /
+                                                                       ((int64_t)num_kv_heads * tiles));
+                        }
+                    }
+                }
+                for (int i = 0; i < nq; ++i) /* acc[(h * ldq + i * group + g) * head_dim]: query head h * group + g */
+                    for (int h = 0; h < num_kv_heads; ++h) {
+                        float *o = out + (first + i) * out_token_stride + (int64_t)h * group * head_dim;
+                        const float *a = acc + ((int64_t)h * ldq + i * group) * head_dim;
+                        if (!tiled) {
+                            if (len0 + i <= t_lo) continue; /* the token ends before this item's blocks */
+                            if (len0 + i > part_keys) /* one partition of several: its partial rows */
+                                o = part_acc + ((part_start[s] + (int64_t)(i0 + i) * np + part) * num_q_heads + h * group) *
+                                                   head_dim;
+                            memcpy(o, a, sizeof(float) * (size_t)group * head_dim);
+                            continue;
+                        }
+                        for (int g = 0; g < group; ++g) {
+                            const float inv = norm[h * ldq + i * group + g];
+    #pragma omp simd
+                            for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = a[g * head_dim + d] * inv;
+                        }
+                    }
             }
-            for (int i = 0; i < nq; ++i) /* acc[(h * ldq + i * group + g) * head_dim]: query head h * group + g */
-                for (int h = 0; h < num_kv_heads; ++h) {
-                    float *o = out + (first + i) * out_token_stride + (int64_t)h * group * head_dim;
-                    const float *a = acc + ((int64_t)h * ldq + i * group) * head_dim;
-                    if (!tiled) {
-                        memcpy(o, a, sizeof(float) * (size_t)group * head_dim);
-                        continue;
-                    }
-                    for (int g = 0; g < group; ++g) {
-                        const float inv = norm[h * ldq + i * group + g];
-#pragma omp simd
-                        for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = a[g * head_dim + d] * inv;
-                    }
+        }
+        /* each partitioned token's query heads: its partitions combined in order (after every item: the loop's
+         * barrier), M = max of their maxima, out = Σ exp(m_p - M) acc_p / Σ exp(m_p - M) sum_p */
+#pragma omp for schedule(static)
+        for (int64_t pr = 0; pr < num_partials; ++pr) {
+            int s = 0, top = num_seqs - 1; /* the last sequence whose partial rows start at or before pr */
+            while (s < top) {
+                const int mid = (s + top + 1) / 2;
+                if (part_start[mid] <= pr) s = mid;
+                else top = mid - 1;
+            }
+            const int np = parts[s], qlen = query_start_loc[s + 1] - query_start_loc[s];
+            if (!ok || (pr - part_start[s]) % np) continue; /* one pass per token: at its partition 0 */
+            const int i = (int)((pr - part_start[s]) / np);
+            const int len = seq_lens[s] - qlen + i + 1;
+            if (len <= part_keys) continue; /* a lone partition: written by its item */
+            const int used = (len + part_keys - 1) / part_keys;
+            for (int qh = 0; qh < num_q_heads; ++qh) {
+                const float *mx = part_max + pr * num_q_heads + qh, *sm = part_sum + pr * num_q_heads + qh;
+                float top_max = mx[0];
+                for (int p = 1; p < used; ++p) top_max = fmaxf(top_max, mx[(int64_t)p * num_q_heads]);
+                float *o = out + (query_start_loc[s] + i) * out_token_stride + (int64_t)qh * head_dim;
+                float total = 0.f;
+                for (int p = 0; p < used; ++p) {
+                    const float c = expf(mx[(int64_t)p * num_q_heads] - top_max);
+                    const float *a = part_acc + ((pr + p) * num_q_heads + qh) * head_dim;
+                    total += c * sm[(int64_t)p * num_q_heads];
+                    if (p == 0)
+                        for (int d = 0; d < head_dim; ++d) o[d] = c * a[d];
+                    else
+                        for (int d = 0; d < head_dim; ++d) o[d] += c * a[d];
                 }
+                const float inv = 1.f / total;
+                for (int d = 0; d < head_dim; ++d) o[d] *= inv;
+            }
         }
         free(scores);
         free(acc);
@@ -785,7 +889,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
         free(norm);
         free(key_rows);
     }
-    free(tile_start);
+    free(tile_start), free(part_start), free(parts), free(part_max), free(part_sum), free(part_acc);
     return failed ? -1 : 0;
 }
 
