@@ -43,16 +43,26 @@ def graph_ms(forward) -> float:
     return start.elapsed_time(end) / 20
 
 
-def step_ms(rows: int, dtype: torch.dtype) -> float:
-    """One forward's GEMMs (30 layers × 4 plus the LM head), replayed from a CUDA graph: ms per replay."""
+def gemms_ms(rows: int, linear=None, dtype: torch.dtype = torch.float32) -> float:
+    """One forward's GEMMs (30 layers × 4 plus the LM head), replayed from a CUDA graph: ms per replay.
+    `linear(x, w, out)` runs one GEMM into `out`; None: `F.linear` (cuBLAS)."""
     weights = bundled_gemm_weights(dtype)
     inputs = {k: torch.randn(rows, k, device="cuda", dtype=dtype) for k in (576, 1536)}
+    outs = {n: torch.empty(rows, n, device="cuda", dtype=dtype) for n in {w.shape[0] for w in weights}}
 
     def forward():
         for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+            if linear is None:
+                F.linear(inputs[w.shape[1]], w)
+            else:
+                linear(inputs[w.shape[1]], w, outs[w.shape[0]])
 
     return graph_ms(forward)
+
+
+def step_ms(rows: int, dtype: torch.dtype) -> float:
+    """One forward's GEMMs through cuBLAS: ms per replay."""
+    return gemms_ms(rows, None, dtype)
 
 
 def main() -> None:

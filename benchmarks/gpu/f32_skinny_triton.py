@@ -10,10 +10,9 @@ candidates for a float32 BLOCK_K, not interchangeable with today's 32.
 import itertools
 
 import torch
-import torch.nn.functional as F
 import triton
 
-from f32_skinny_gemm import bundled_gemm_weights, graph_ms  # this directory (the script's own)
+from f32_skinny_gemm import gemms_ms  # this directory (the script's own)
 from pagedllm.kernels.triton_invariant_matmul import _invariant_matmul_kernel
 
 ROWS = (1, 4, 13, 26, 52)
@@ -29,20 +28,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, 
 
 
 def step_ms(rows: int, cfg: tuple | None) -> float:
-    """One forward's GEMMs (30 layers × 4 plus the LM head) replayed from a CUDA graph: ms per replay.
-    `cfg` None: F.linear (cuBLAS); else the Triton tile."""
-    weights = bundled_gemm_weights(torch.float32)
-    inputs = {k: torch.randn(rows, k, device="cuda") for k in (576, 1536)}
-    outs = {n: torch.empty(rows, n, device="cuda") for n in {w.shape[0] for w in weights}}
-
-    def forward():
-        for w in weights:
-            if cfg is None:
-                F.linear(inputs[w.shape[1]], w)
-            else:
-                triton_linear(inputs[w.shape[1]], w, outs[w.shape[0]], *cfg)
-
-    return graph_ms(forward)
+    """One forward's GEMMs replayed from a CUDA graph: ms per replay. `cfg` None: F.linear (cuBLAS); else the tile."""
+    return gemms_ms(rows, None if cfg is None else lambda x, w, out: triton_linear(x, w, out, *cfg))
 
 
 def main() -> None:
