@@ -680,23 +680,23 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             const int len0 = seq_lens[s] - qlen + i0 + 1;  /* token i of the tile attends to len0 + i keys */
             const int last = len0 + nq - 1;                /* keys the tile's last token reads */
             const int all_blocks = (last + block_size - 1) / block_size;
+            const int32_t *table = block_tables + s * table_stride;
+            const int rows_all = nq * group;               /* rows per KV head */
+
+            const int tiled = qlen >= min_tile_query_len; /* by the chunk's own length: all its tokens alike */
+            for (int h = 0; tiled && h < num_kv_heads; ++h) /* qt[(h * head_dim + d) * ldq + i * group + g] */
+                for (int i = 0; i < nq; ++i)
+                    for (int g = 0; g < group; ++g) {
+                        const float *qrow = q + (first + i) * q_token_stride + (int64_t)(h * group + g) * head_dim;
+                        float *col = qt + (int64_t)h * head_dim * ldq + i * group + g;
+                        for (int d = 0; d < head_dim; ++d) col[d * ldq] = qrow[d];
+                    }
             for (int part = p_lo; part < p_hi; ++part) { /* the item's partitions, in order */
                 /* this item's blocks [b_lo, num_blocks): its partition's (every block when np == 1) */
                 const int b_lo = np == 1 ? 0 : part * part_blocks;
                 const int num_blocks = np == 1 || all_blocks - b_lo < part_blocks ? all_blocks : b_lo + part_blocks;
                 if (b_lo >= num_blocks) break; /* an earlier tile's tokens end before this partition */
                 const int t_lo = b_lo * block_size, t_hi = num_blocks * block_size; /* its keys */
-                const int32_t *table = block_tables + s * table_stride;
-                const int rows_all = nq * group;               /* rows per KV head */
-
-                const int tiled = qlen >= min_tile_query_len; /* by the chunk's own length: all its tokens alike */
-                for (int h = 0; tiled && h < num_kv_heads; ++h) /* qt[(h * head_dim + d) * ldq + i * group + g] */
-                    for (int i = 0; i < nq; ++i)
-                        for (int g = 0; g < group; ++g) {
-                            const float *qrow = q + (first + i) * q_token_stride + (int64_t)(h * group + g) * head_dim;
-                            float *col = qt + (int64_t)h * head_dim * ldq + i * group + g;
-                            for (int d = 0; d < head_dim; ++d) col[d * ldq] = qrow[d];
-                        }
 
                 for (int b = b_lo; !tiled && b < num_blocks; ++b) { /* pass 1, token path: scaled scores */
                     const int t0 = b * block_size;
@@ -808,7 +808,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                                 for (int j = 0; j < rows; ++j) {
                                     const float w = ph[r * (int64_t)max_len + j];
                                     float *a = ah + (int64_t)r * head_dim;
-    #pragma omp simd
+#pragma omp simd
                                     for (int d = 0; d < head_dim; ++d) a[d] += w * vh[j * token_stride + d];
                                 }
                             continue;
@@ -839,7 +839,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                         }
                         for (int g = 0; g < group; ++g) {
                             const float inv = norm[h * ldq + i * group + g];
-    #pragma omp simd
+#pragma omp simd
                             for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = a[g * head_dim + d] * inv;
                         }
                     }
