@@ -26,5 +26,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: Each prompt token's rank in the distribution that predicted it (1: the most likely; None for the first).
+    prompt_logprob_ranks: list[int | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)

@@ -176,6 +176,30 @@ def test_reset_prefix_cache_as_vllm_names_it(llm_pc):
     assert _tokens(after) == _tokens(first)
 
 
+def test_prompt_logprobs_compute_the_whole_prompt_under_prefix_caching(llm_pc):
+    """A cached block has no logits, so a request for prompt log-probs reads nothing from the prefix cache (as
+    vLLM): every position after the first has its log-probs, the same as with the prompt uncached; the blocks it
+    computes are still cached for the requests after it."""
+    prompts = _ids(llm_pc, [SYSTEM + QUESTIONS[3]])
+    n = len(prompts[0]["prompt_token_ids"])
+    with_plp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    assert llm_pc.reset_prefix_cache()
+    before = llm_pc.stats()
+    cold = llm_pc.generate(prompts, with_plp, use_tqdm=False)[0]
+    warm = llm_pc.generate(prompts, with_plp, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == warm.num_cached_tokens == 0
+    assert _delta(before, llm_pc.stats(), "prefix_cache_queries") == 0  # no lookup was made
+    for out in (cold, warm):
+        assert out.prompt_logprobs[0] is None and out.prompt_logprob_ranks[0] is None
+        assert all(d is not None and len(d) >= 2 for d in out.prompt_logprobs[1:])
+    assert [list(d) for d in warm.prompt_logprobs[1:]] == [list(d) for d in cold.prompt_logprobs[1:]]
+    for a, b in zip(cold.prompt_logprobs[1:], warm.prompt_logprobs[1:]):
+        assert list(b.values()) == pytest.approx(list(a.values()), abs=1e-4)
+    assert warm.prompt_logprob_ranks == cold.prompt_logprob_ranks
+    plain = llm_pc.generate(prompts, GREEDY, use_tqdm=False)[0]
+    assert plain.num_cached_tokens == (n - 1) // BLOCK * BLOCK
+
+
 def test_shared_prefix_blocks_are_never_written(llm_pc):
     """Parallel samples on top of a cached prefix: CoW protects the cached blocks' contents."""
     prompts = _ids(llm_pc, [SYSTEM + QUESTIONS[4]])

@@ -381,16 +381,23 @@ def test_compute_prompt_logprobs(device: str) -> None:
     logits = _logits(4, vocab=10, seed=3, device=device)
     nxt = torch.tensor([1, 9, 0, 4])
     raw = torch.log_softmax(logits, -1)
-    out = compute_prompt_logprobs(logits, nxt, 2)
+    out, ranks = compute_prompt_logprobs(logits, nxt, 2)
     assert len(out) == 4
+    # vLLM's rank: 1 + the number of other tokens at least as likely.
+    assert ranks == [int((raw[i] >= raw[i, int(t)]).sum()) for i, t in enumerate(nxt)]
+    assert all(1 <= r <= 10 for r in ranks)
     for i, d in enumerate(out):
         want = set(raw[i].topk(2).indices.tolist()) | {int(nxt[i])}
         assert set(d) == want
         assert next(iter(d)) == int(nxt[i])  # actual token first
         for t, v in d.items():
             assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
-    only_actual = compute_prompt_logprobs(logits, nxt, 0)
+    only_actual, same_ranks = compute_prompt_logprobs(logits, nxt, 0)
     assert [list(d) for d in only_actual] == [[1], [9], [0], [4]]
+    assert same_ranks == ranks
+    top1 = raw.argmax(-1)
+    _, top_ranks = compute_prompt_logprobs(logits, top1, 0)
+    assert top_ranks == [1, 1, 1, 1]
 
 
 # --------------------------------------------------------------------------- #

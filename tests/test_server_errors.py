@@ -107,16 +107,19 @@ def test_server_unharmed_after_bad_input(server):
     assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"] == 256
 
 
-def test_beam_search_is_passed_through(server):
-    """Valid beam-search params reach the engine: it answers (once implemented) or says it cannot, as a 400."""
-    r = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=120,
-                   json={"prompt": "Hello", "max_tokens": 4, "n": 2, "use_beam_search": True, "temperature": 0})
-    if r.status_code == 400:
-        err = r.json()["error"]
-        assert err["param"] == "use_beam_search" and "beam search" in err["message"]
-    else:
+def test_beam_search_through_the_server(server):
+    """`use_beam_search` as a vLLM client sends it: without a temperature it runs (beam search samples nothing),
+    n beams come back best first; a sampling temperature with it is a 400 naming the field."""
+    for extra in ({}, {"temperature": 0}):
+        r = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=120,
+                       json={"prompt": "Hello", "max_tokens": 4, "n": 2, "use_beam_search": True, **extra})
         assert r.status_code == 200, r.text
-        assert len(r.json()["choices"]) == 2
+        assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+        assert len({c["text"] for c in r.json()["choices"]}) == 2
+    r = httpx.post(server.url("/v1/completions"), headers=AUTH, timeout=120,
+                   json={"prompt": "Hello", "max_tokens": 4, "n": 2, "use_beam_search": True, "temperature": 0.7})
+    assert r.status_code == 400
+    assert "temperature must be 0" in r.json()["error"]["message"]
 
 
 def test_unknown_route_is_openai_shaped_404(server):

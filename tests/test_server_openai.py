@@ -32,13 +32,21 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def llm_greedy():
-    """The offline LLM's greedy completions of PROMPTS (the server must produce the same)."""
+def offline():
+    """The offline LLM's greedy completions of PROMPTS, and its prompt log-probs of PROMPTS[0] (k 2): the server
+    must produce the same."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(num_gpu_blocks_override=64, max_model_len=1024, swap_space=0.05)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0] for o in outs]
+    plp = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2),
+                       use_tqdm=False)[0]
+    return [o.outputs[0] for o in outs], plp
+
+
+@pytest.fixture(scope="module")
+def llm_greedy(offline):
+    return offline[0]
 
 
 def test_models_health_version(server, client):
@@ -206,6 +214,46 @@ def test_stop_strings_and_echo(client, llm_greedy):
     echo = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True)
     assert echo.choices[0].text.startswith(PROMPTS[0])
     assert full.startswith(echo.choices[0].text[len(PROMPTS[0]):])
+
+
+def test_prompt_logprobs_in_vllm_shape(server, client, offline):
+    """vLLM's `prompt_logprobs` on both endpoints: per prompt position after the first, the prompt token and the k
+    most likely tokens, keyed by token id, each with its log-prob, rank and text; the same figures as offline."""
+    plp = offline[1]
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                     extra_body={"prompt_logprobs": 2})
+    got = resp.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == resp.usage.prompt_tokens == len(plp.prompt_token_ids) and got[0] is None
+    for pos, (tid, want, rank, entry) in enumerate(zip(plp.prompt_token_ids, plp.prompt_logprobs,
+                                                        plp.prompt_logprob_ranks, got)):
+        if pos == 0:
+            continue
+        assert set(entry) == {str(t) for t in want}
+        assert entry[str(tid)]["rank"] == rank >= 1
+        assert entry[str(tid)]["decoded_token"] == _token_text(client, tid)
+        by_logprob = sorted(entry.values(), key=lambda e: -e["logprob"])
+        assert [e["rank"] for e in by_logprob][:2] == [1, 2]  # the top 2, whether or not the prompt token is one
+        for t, e in entry.items():
+            assert e["logprob"] == pytest.approx(want[int(t)], abs=1e-4)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    chat_plp = chat.model_extra["prompt_logprobs"]
+    assert len(chat_plp) == chat.usage.prompt_tokens and chat_plp[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in chat_plp[1:])
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert plain.choices[0].model_extra.get("prompt_logprobs") is None
+    for body, needle in (({"prompt_logprobs": 2, "stream": True}, "not available when stream is true"),
+                         ({"prompt_logprobs": -1}, "prompt_logprobs must be in [0, 20], got -1"),
+                         ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21")):
+        for path, extra in (("/v1/completions", {"prompt": "Hi"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+            r = httpx.post(server.url(path), json={"max_tokens": 2, **extra, **body}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+            assert needle in r.json()["error"]["message"]
+
+
+def _token_text(client, token_id):
+    return httpx.post(client.base_url.join("/detokenize").__str__(), json={"tokens": [token_id]}).json()["prompt"]
 
 
 def test_reset_prefix_cache_needs_dev_mode(server):

@@ -282,13 +282,14 @@ class Scheduler:
                 break
             bm = self.block_manager
             fresh = all(s.seq_id not in bm.block_tables for s in group.unfinished_seqs())
-            if fresh:
+            lookup = fresh and not group.skips_prefix_cache
+            if lookup:
                 for seq in group.unfinished_seqs():
                     cached = bm.allocate_cached_prefix(seq)
                     if cached:
                         seq.num_computed_tokens = cached
-                if group.first_scheduled_time is None:
-                    group.num_cached_tokens = group.unfinished_seqs()[0].num_computed_tokens
+            if fresh and group.first_scheduled_time is None:
+                group.num_cached_tokens = group.unfinished_seqs()[0].num_computed_tokens
             demand = self._demand(group, budget.tokens_left)
             if new_batch:
                 needed = sum(bm.num_blocks_to_grow(s, s.num_uncomputed_tokens) for s in group.unfinished_seqs())
@@ -315,7 +316,7 @@ class Scheduler:
             self.waiting.popleft()
             bm.admit(group)
             for seq in group.unfinished_seqs():
-                if fresh:
+                if lookup:
                     bm.record_prefix_lookup(seq, seq.num_computed_tokens)
                 seq.status = SequenceStatus.RUNNING
                 if new_batch:

@@ -148,6 +148,12 @@ class SequenceGroup:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """A request for prompt log-probs needs every prompt position's logits, and a cached block has none: it
+        computes its whole prompt (as vLLM). Its blocks are still cached for others."""
+        return getattr(self.sampling_params, "prompt_logprobs", None) is not None
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids if self.seqs else self.finished_seqs[0].prompt_token_ids
 

@@ -710,6 +710,7 @@ class LLMEngine:
         group, seq = item.group, item.seq
         k = group.sampling_params.prompt_logprobs
         store = group.extra.setdefault("prompt_logprobs", [None] * len(seq.prompt_token_ids))
+        rank_store = group.extra.setdefault("prompt_logprob_ranks", [None] * len(seq.prompt_token_ids))
         start = chunk.start_pos
         n_prompt = len(seq.prompt_token_ids)
         # Row j predicts token at position start + j + 1.
@@ -717,8 +718,9 @@ class LLMEngine:
         if n <= 0:
             return
         targets = torch.tensor(seq.prompt_token_ids[start + 1 : start + 1 + n], device=logits.device)
-        for j, d in enumerate(compute_prompt_logprobs(logits[:n], targets, k)):
-            store[start + 1 + j] = d
+        dicts, ranks = compute_prompt_logprobs(logits[:n], targets, k)
+        store[start + 1:start + 1 + n] = dicts
+        rank_store[start + 1:start + 1 + n] = ranks
 
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s can never fit in the KV pool and was dropped", group.request_id)

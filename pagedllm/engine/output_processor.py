@@ -175,6 +175,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             prompt_logprobs=group.extra.get("prompt_logprobs"),
+            prompt_logprob_ranks=group.extra.get("prompt_logprob_ranks"),
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
         )

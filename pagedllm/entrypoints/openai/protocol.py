@@ -163,6 +163,8 @@ class SamplingExtras(StructuredOutputsExtras):
     return_tokens_as_token_ids: bool | None = None
     #: vLLM's request priority: lower is served first, when the server runs --scheduling-policy priority.
     priority: int = 0
+    #: vLLM's: log-probs of every prompt token after the first, plus this many most likely tokens per position.
+    prompt_logprobs: int | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -216,12 +218,25 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob, as its responses carry prompt log-probs (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+#: Per prompt position: None for the first token, else {token id: its log-prob}.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -333,6 +348,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -79,6 +79,7 @@ class OpenAIServingChat:
                                   param="top_logprobs")
         if req.logprobs:
             logprobs = req.top_logprobs or 0
+        self.ctx.check_prompt_logprobs(req)
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         ids = render_messages(self.ctx, req, tools.template_tools())
@@ -90,7 +91,8 @@ class OpenAIServingChat:
     async def create_chat_completion(self, req: ChatCompletionRequest,
                                      client_request_id: str | None = None) -> dict | AsyncIterator[str]:
         model, ids, max_tokens, logprobs, tools = self._validate(req)
-        params = self.ctx.sampling_params(req, max_tokens, logprobs, structured_outputs=tools.constraint)
+        params = self.ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
+                                          structured_outputs=tools.constraint)
         request_id, engine_prefix = request_ids("chatcmpl", client_request_id)
         streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority)
         if req.stream:
@@ -116,7 +118,9 @@ class OpenAIServingChat:
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
-        return dump(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage))
+        prompt_logprobs = self.ctx.prompt_logprobs(final, req.prompt_logprobs, self.ctx.tokens_as_ids(req))
+        return dump(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
+                                           prompt_logprobs=prompt_logprobs))
 
     async def _stream(self, req, model, request_id, ids, streams, tools: ChatTools) -> AsyncIterator[str]:
         created = int(time.time())

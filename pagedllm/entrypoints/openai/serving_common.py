@@ -16,6 +16,8 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
     dump,
 )
 from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
@@ -210,6 +212,18 @@ class ServingContext:
                 f"Please reduce the prompt or {max_tokens_param}.",
                 param=max_tokens_param, code="context_length_exceeded")
 
+    def check_prompt_logprobs(self, req: Any) -> None:
+        """vLLM's `prompt_logprobs`: within the server's logprobs limit, and not with streaming (the prompt's
+        log-probs are known only once its last chunk ran; vLLM refuses them with stream=True too)."""
+        k = req.prompt_logprobs
+        if k is None:
+            return
+        limit = self.logprobs_limit
+        if not 0 <= k <= limit:
+            raise OpenAIError(f"prompt_logprobs must be in [0, {limit}], got {k}.", param="prompt_logprobs")
+        if req.stream:
+            raise OpenAIError("prompt_logprobs is not available when stream is true.", param="prompt_logprobs")
+
     def check_n(self, n: int, best_of: int | None, stream: bool, use_beam_search: bool = False) -> None:
         for name, value in (("n", n), ("best_of", best_of)):
             if value is not None and value > self.max_n:
@@ -246,7 +260,10 @@ class ServingContext:
                 n=req.n, best_of=req.best_of, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
                 repetition_penalty=unset(req.repetition_penalty, "repetition_penalty", 1.0),
-                temperature=unset(req.temperature, "temperature", 1.0),
+                # Beam search ranks beams by log-probs and samples nothing: absent, its temperature is 0 (this
+                # engine's beam search needs that), not the sampling default.
+                temperature=(0.0 if req.use_beam_search and req.temperature is None
+                             else unset(req.temperature, "temperature", 1.0)),
                 top_p=unset(req.top_p, "top_p", 1.0),
                 top_k=unset(req.top_k, "top_k", 0),
                 min_p=unset(req.min_p, "min_p", 0.0),
@@ -313,6 +330,29 @@ class ServingContext:
                 out.token_logprobs.append(_finite(d.get(tid)))
                 out.top_logprobs.append({self.token_str(t, as_ids): _finite(v) for t, v in d.items()})
         return out
+
+    def prompt_logprobs(self, out: RequestOutput, k: int | None, as_ids: bool = False) -> PromptLogprobs | None:
+        """vLLM's response shape of a request's prompt log-probs (None unless it asked, `k` per position): per
+        position, the prompt token and the `k` most likely tokens, each with its log-prob, its rank (1: the
+        most likely) and its text."""
+        if k is None or out.prompt_logprobs is None:
+            return None
+        ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
+        result: PromptLogprobs = []
+        for tid, d, rank in zip(out.prompt_token_ids, out.prompt_logprobs, ranks):
+            if d is None:
+                result.append(None)
+                continue
+            # The engine's dict holds the prompt token and the top tokens of a possibly larger k (an echo's
+            # logprobs): keep the `k` most likely, ranked by their order, and the prompt token with its own rank.
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
+            entries = {tid: PromptLogprob(logprob=_finite(d.get(tid)), rank=rank,
+                                          decoded_token=self.token_str(tid, as_ids))}
+            for j, (t, v) in enumerate(top, 1):
+                entries.setdefault(t, PromptLogprob(logprob=_finite(v), rank=j,
+                                                    decoded_token=self.token_str(t, as_ids)))
+            result.append({str(t): e for t, e in entries.items()})
+        return result
 
     def chat_logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], top_k: int,
                       as_ids: bool = False) -> list[ChatTokenLogprob]:

@@ -35,6 +35,7 @@ class OpenAIServingCompletion:
         limit = self.ctx.logprobs_limit
         if req.logprobs is not None and not 0 <= req.logprobs <= limit:
             raise OpenAIError(f"logprobs must be in [0, {limit}], got {req.logprobs}.", param="logprobs")
+        self.ctx.check_prompt_logprobs(req)
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         texts, ids = self.ctx.completion_prompts(req.prompt)
@@ -51,7 +52,8 @@ class OpenAIServingCompletion:
                                 client_request_id: str | None = None) -> dict | AsyncIterator[str]:
         """A response dict, or (stream=True) an async iterator of SSE lines. Raises OpenAIError."""
         model, texts, ids = self._validate(req)
-        prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+        asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+        prompt_logprobs = max(asked) if asked else None  # an echo's logprobs are the prompt's too
         params = self.ctx.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
         request_id, engine_prefix = request_ids("cmpl", client_request_id)
         streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority)
@@ -69,10 +71,12 @@ class OpenAIServingCompletion:
 
     def _response(self, req, model, request_id, texts, finals) -> CompletionResponse:
         choices, n_prompt, n_out = [], 0, 0
+        as_ids = self.ctx.tokens_as_ids(req)
         for i, out in enumerate(finals):
             if out is None:
                 raise OpenAIError("the request ended without output", status=500, type="server_error")
             n_prompt += len(out.prompt_token_ids)
+            prompt_logprobs = self.ctx.prompt_logprobs(out, req.prompt_logprobs, as_ids)
             prompt_text = texts[i] if texts[i] is not None else self.ctx.tokenizer.decode(out.prompt_token_ids)
             for comp in out.outputs:
                 n_out += len(comp.token_ids)
@@ -83,10 +87,10 @@ class OpenAIServingCompletion:
                     if req.echo:
                         tok_ids = list(out.prompt_token_ids) + tok_ids
                         dicts = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + dicts
-                    logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0, self.ctx.tokens_as_ids(req))
+                    logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0, as_ids)
                 choices.append(CompletionResponseChoice(
                     index=i * req.n + comp.index, text=text, logprobs=logprobs,
-                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, prompt_logprobs=prompt_logprobs))
         usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 

@@ -392,11 +392,12 @@ def _process_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def compute_prompt_logprobs(
     logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
-) -> list[dict[int, float]]:
+) -> tuple[list[dict[int, float]], list[int]]:
     """Prompt log-probs: ``logits[i]`` predicts ``next_token_ids[i]``.
 
-    Returns, per position, ``{token: logprob}`` for the actual next token (first)
-    plus the top-``k`` tokens of the raw distribution.
+    Returns, per position, ``{token: logprob}`` for the actual next token (first) plus the top-``k`` tokens of the
+    raw distribution, and the actual token's rank in that distribution (vLLM's: 1 + the number of other tokens at
+    least as likely, so ties rank it lower).
     """
     if k < 0:
         raise ValueError(f"k must be non-negative, got {k}.")
@@ -407,11 +408,12 @@ def compute_prompt_logprobs(
         )
     n, vocab = logits.shape
     if n == 0:
-        return []
+        return [], []
     lp = logits.float().log_softmax(dim=-1)
     ids = next_token_ids.to(device=logits.device, dtype=torch.long)
     actual = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
-    parts = [ids.to(torch.float64), actual.to(torch.float64)]
+    ranks = (lp >= actual.unsqueeze(1)).sum(dim=-1)
+    parts = [ids.to(torch.float64), actual.to(torch.float64), ranks.to(torch.float64)]
     k = min(k, vocab)
     if k > 0:
         top_v, top_i = lp.topk(k, dim=-1)
@@ -420,11 +422,11 @@ def compute_prompt_logprobs(
     out: list[dict[int, float]] = []
     for i in range(n):
         d = {int(host[i]): host[n + i]}
-        base = 2 * n + n * k + i * k
+        ids_at, vals_at = 3 * n + i * k, 3 * n + n * k + i * k
         for j in range(k):
-            d.setdefault(int(host[2 * n + i * k + j]), host[base + j])
+            d.setdefault(int(host[ids_at + j]), host[vals_at + j])
         out.append(d)
-    return out
+    return out, [int(r) for r in host[2 * n:3 * n]]
 
 
 __all__ = [
