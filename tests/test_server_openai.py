@@ -256,6 +256,42 @@ def _token_text(client, token_id):
     return httpx.post(client.base_url.join("/detokenize").__str__(), json={"tokens": [token_id]}).json()["prompt"]
 
 
+def test_echo_scores_the_prompt_streamed_or_not(server, client):
+    """echo with logprobs carries the prompt's tokens and log-probs first, streamed or not; max_tokens 0 with echo
+    returns the prompt alone (OpenAI's and vLLM's way to score a text), without echo it is a 400."""
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True,
+                                      logprobs=1)
+    n_prompt = whole.usage.prompt_tokens
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0,
+                                            echo=True, logprobs=1, stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert len(streamed[0].tokens) >= n_prompt  # the prompt's tokens lead the first chunk
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    got = [v for s in streamed for v in s.token_logprobs]
+    assert got[0] is None and got[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    for stream in (False, True):
+        scored = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=0, echo=True, logprobs=1,
+                                           stream=stream)
+        if stream:
+            parts = [c.choices[0] for c in scored if c.choices]
+            text = "".join(p.text for p in parts)
+            tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+            finish = parts[-1].finish_reason
+        else:
+            choice = scored.choices[0]
+            text, tokens, finish = choice.text, choice.logprobs.tokens, choice.finish_reason
+            assert scored.usage.completion_tokens == 0
+            assert choice.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
+        assert text == PROMPTS[1] and tokens == lp.tokens[:n_prompt] and finish == "length"
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
 def test_reset_prefix_cache_needs_dev_mode(server):
     # vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (test_dashboard tests the route).
     assert httpx.post(server.url("/reset_prefix_cache"), timeout=30).status_code == 404

@@ -45,7 +45,7 @@ class OpenAIServingCompletion:
         ids = kept
         for prompt_ids in ids:
             self.ctx.check_length(len(prompt_ids), req.max_tokens, "prompt", "max_tokens")
-            self.ctx.check_fits_pool(len(prompt_ids), req.max_tokens, req, "max_tokens")
+            self.ctx.check_fits_pool(len(prompt_ids), 1 if _echo_only(req) else req.max_tokens, req, "max_tokens")
         return model, texts, ids
 
     async def create_completion(self, req: CompletionRequest,
@@ -54,7 +54,9 @@ class OpenAIServingCompletion:
         model, texts, ids = self._validate(req)
         asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
         prompt_logprobs = max(asked) if asked else None  # an echo's logprobs are the prompt's too
-        params = self.ctx.sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+        # OpenAI's (and vLLM's) echo with max_tokens 0 scores the prompt: one token runs, none is returned.
+        max_tokens = 1 if _echo_only(req) else req.max_tokens
+        params = self.ctx.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
         request_id, engine_prefix = request_ids("cmpl", client_request_id)
         streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority)
         if req.stream:
@@ -79,11 +81,12 @@ class OpenAIServingCompletion:
             prompt_logprobs = self.ctx.prompt_logprobs(out, req.prompt_logprobs, as_ids)
             prompt_text = texts[i] if texts[i] is not None else self.ctx.tokenizer.decode(out.prompt_token_ids)
             for comp in out.outputs:
-                n_out += len(comp.token_ids)
-                text = (prompt_text + comp.text) if req.echo else comp.text
+                gen_ids, gen_text = ([], "") if _echo_only(req) else (list(comp.token_ids), comp.text)
+                n_out += len(gen_ids)
+                text = (prompt_text + gen_text) if req.echo else gen_text
                 logprobs = None
                 if req.logprobs is not None:
-                    tok_ids, dicts = list(comp.token_ids), list(comp.logprobs or [])
+                    tok_ids, dicts = gen_ids, list(comp.logprobs or [])[:len(gen_ids)]
                     if req.echo:
                         tok_ids = list(out.prompt_token_ids) + tok_ids
                         dicts = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + dicts
@@ -114,19 +117,23 @@ class OpenAIServingCompletion:
                     idx = i * req.n + comp.index
                     if idx in done:
                         continue
+                    first = idx not in sent_text
                     prefix = ""
-                    if idx not in sent_text and req.echo:
+                    if first and req.echo:
                         prefix = texts[i] if texts[i] is not None else self.ctx.tokenizer.decode(ids[i])
-                    delta = prefix + comp.text[sent_text.get(idx, 0):]
-                    n_tok = len(comp.token_ids)
+                    gen_ids, gen_text = ([], "") if _echo_only(req) else (comp.token_ids, comp.text)
+                    delta = prefix + gen_text[sent_text.get(idx, 0):]
+                    n_tok = len(gen_ids)
+                    lo = sent_toks.get(idx, 0)
+                    tok_ids, dicts = list(gen_ids[lo:]), list((comp.logprobs or [])[lo:n_tok])
+                    if first and req.echo:  # the echoed prompt's tokens lead the first chunk's logprobs
+                        tok_ids = list(out.prompt_token_ids) + tok_ids
+                        dicts = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + dicts
                     logprobs = None
-                    if req.logprobs is not None and n_tok > sent_toks.get(idx, 0):
-                        lo = sent_toks.get(idx, 0)
-                        logprobs = self.ctx.completion_logprobs(
-                            comp.token_ids[lo:], (comp.logprobs or [])[lo:], offsets.get(idx, 0) + len(prefix),
-                            as_ids)
-                        offsets[idx] = offsets.get(idx, 0) + len(prefix) + sum(len(t) for t in logprobs.tokens)
-                    sent_text[idx] = len(comp.text)
+                    if req.logprobs is not None and tok_ids:
+                        logprobs = self.ctx.completion_logprobs(tok_ids, dicts, offsets.get(idx, 0), as_ids)
+                        offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in logprobs.tokens)
+                    sent_text[idx] = len(gen_text)
                     sent_toks[idx] = n_tok
                     if comp.finish_reason is not None:
                         done.add(idx)
@@ -135,7 +142,8 @@ class OpenAIServingCompletion:
                                     usage_so_far(i, n_tok))
             if include_usage:
                 n_prompt = sum(len(x) for x in ids)
-                n_out = sum(len(c.token_ids) for f in finals if f is not None for c in f.outputs)
+                n_out = 0 if _echo_only(req) else sum(len(c.token_ids) for f in finals if f is not None
+                                                       for c in f.outputs)
                 usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
                 yield sse(dump(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                         usage=usage)))
@@ -144,3 +152,8 @@ class OpenAIServingCompletion:
         finally:
             self.ctx.abort_unfinished(streams)
         yield sse("[DONE]")
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the response is the prompt (and its logprobs), no completion."""
+    return req.echo and req.max_tokens == 0
