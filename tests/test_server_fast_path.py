@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (  # noqa: E402
     ChatTokenLogprob,
     ChatTopLogprob,
     CompletionLogProbs,
-    CompletionResponseChoice,
+    CompletionStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
     dump,
@@ -39,9 +39,13 @@ def _payload(line: str) -> dict:
 @pytest.mark.parametrize("finish,stop_reason,with_lp", [(None, None, False), ("stop", "\n", True), ("length", 7, False)])
 def test_chunks_equal_the_pydantic_models(finish, stop_reason, with_lp):
     lp = CompletionLogProbs(tokens=[" a"], token_logprobs=[-0.5], top_logprobs=[{" a": -0.5}], text_offset=[3])
-    expected = dump(CompletionStreamResponse(id="cmpl-1", created=11, model="m", choices=[CompletionResponseChoice(
-        index=2, text=" a\u00e9", logprobs=lp if with_lp else None, finish_reason=finish, stop_reason=stop_reason)]))
-    got = CompletionChunker("cmpl-1", 11, "m").chunk(2, " a\u00e9", lp if with_lp else None, finish, stop_reason)
+    # return_token_ids: the chunk's new token ids, and the prompt's in a choice's first chunk
+    ids, prompt_ids = ([5, 6], [1, 2, 3]) if with_lp else (None, None)
+    expected = dump(CompletionStreamResponse(id="cmpl-1", created=11, model="m", choices=[CompletionStreamChoice(
+        index=2, text=" a\u00e9", logprobs=lp if with_lp else None, finish_reason=finish, stop_reason=stop_reason,
+        token_ids=ids, prompt_token_ids=prompt_ids)]))
+    got = CompletionChunker("cmpl-1", 11, "m").chunk(2, " a\u00e9", lp if with_lp else None, finish, stop_reason,
+                                                       None, ids, prompt_ids)
     assert _payload(got) == expected
 
     clp = ChatChoiceLogprobs(content=[ChatTokenLogprob(token="a", logprob=-1.0, bytes=[97], top_logprobs=[
@@ -50,8 +54,9 @@ def test_chunks_equal_the_pydantic_models(finish, stop_reason, with_lp):
         expected = dump(ChatCompletionStreamResponse(id="chat-1", created=5, model="m", choices=[
             ChatCompletionStreamChoice(index=1, delta=DeltaMessage(role=role, content=content),
                                        logprobs=clp if with_lp else None, finish_reason=finish,
-                                       stop_reason=stop_reason)]))
-        got = ChatChunker("chat-1", 5, "m").chunk(1, role, content, clp if with_lp else None, finish, stop_reason)
+                                       stop_reason=stop_reason, token_ids=ids)], prompt_token_ids=prompt_ids))
+        got = ChatChunker("chat-1", 5, "m").chunk(1, role, content, clp if with_lp else None, finish, stop_reason,
+                                                  None, ids, prompt_ids)
         assert _payload(got) == expected
 
 

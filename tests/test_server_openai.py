@@ -292,6 +292,34 @@ def test_echo_scores_the_prompt_streamed_or_not(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
+def test_return_token_ids(server, client, llm_greedy):
+    """vLLM's `return_token_ids`: the prompt's token ids and each choice's generated ids, whole or streamed (the
+    prompt's in a choice's first chunk, then each chunk's new ids); absent without it."""
+    tok = httpx.post(server.url("/tokenize"), json={"prompt": PROMPTS[0]}).json()["tokens"]
+    args = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = client.completions.create(**args).choices[0].model_extra
+    assert choice["prompt_token_ids"] == tok and choice["token_ids"] == list(llm_greedy[0].token_ids)
+    parts = [c.choices[0].model_extra for c in client.completions.create(stream=True, **args) if c.choices]
+    assert parts[0]["prompt_token_ids"] == tok and all(p["prompt_token_ids"] is None for p in parts[1:])
+    assert [t for p in parts for t in p["token_ids"] or []] == list(llm_greedy[0].token_ids)
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert plain.choices[0].model_extra.get("token_ids") is None
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_tok = httpx.post(server.url("/tokenize"), json={"messages": messages}).json()["tokens"]
+    chat_args = dict(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+                     extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(**chat_args)
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert chat.model_extra["prompt_token_ids"] == chat_tok and len(ids) == chat.usage.completion_tokens
+    assert httpx.post(server.url("/detokenize"), json={"tokens": ids}).json()["prompt"].startswith(
+        chat.choices[0].message.content)
+    chunks = list(client.chat.completions.create(stream=True, **chat_args))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat_tok
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []] == ids
+
+
 def test_reset_prefix_cache_needs_dev_mode(server):
     # vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (test_dashboard tests the route).
     assert httpx.post(server.url("/reset_prefix_cache"), timeout=30).status_code == 404

@@ -165,6 +165,8 @@ class SamplingExtras(StructuredOutputsExtras):
     priority: int = 0
     #: vLLM's: log-probs of every prompt token after the first, plus this many most likely tokens per position.
     prompt_logprobs: int | None = None
+    #: vLLM's: the response carries the prompt's token ids and each choice's generated token ids.
+    return_token_ids: bool = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -237,6 +239,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -248,8 +252,24 @@ class CompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(CompletionResponse):
-    pass
+class CompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    #: With return_token_ids: the prompt's ids in a choice's first chunk, and each chunk's new token ids.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
 
 
 # -- chat -----------------------------------------------------------------------------------------------------
@@ -339,6 +359,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -349,6 +370,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -363,6 +385,7 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: this chunk's new token ids
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -372,6 +395,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: in a choice's first chunk
 
 
 # -- models, tokenize -------------------------------------------------------------------------------------------

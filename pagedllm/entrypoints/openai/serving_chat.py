@@ -116,11 +116,13 @@ class OpenAIServingChat:
                                                                           self.ctx.tokens_as_ids(req)))
             message, finish = tools.message(comp.text, comp.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason))
+                index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason,
+                token_ids=list(comp.token_ids) if req.return_token_ids else None))
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
         prompt_logprobs = self.ctx.prompt_logprobs(final, req.prompt_logprobs, self.ctx.tokens_as_ids(req))
         return dump(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
-                                           prompt_logprobs=prompt_logprobs))
+                                           prompt_logprobs=prompt_logprobs,
+                                           prompt_token_ids=list(ids) if req.return_token_ids else None))
 
     async def _stream(self, req, model, request_id, ids, streams, tools: ChatTools) -> AsyncIterator[str]:
         created = int(time.time())
@@ -137,8 +139,9 @@ class OpenAIServingChat:
         usage_so_far = ContinuousUsage(req.stream_options, [len(ids)]).of
 
         try:
+            prompt_ids = list(ids) if req.return_token_ids else None
             for i in range(req.n):
-                yield chunk(i, ROLE, "", usage=usage_so_far(0, 0))
+                yield chunk(i, ROLE, "", usage=usage_so_far(0, 0), prompt_token_ids=prompt_ids)
             async for _, out in merge_streams([s for _, s in streams]):
                 final = out
                 for comp in out.outputs:
@@ -151,18 +154,19 @@ class OpenAIServingChat:
                     if top_k is not None and n_tok > lo:
                         lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(
                             comp.token_ids[lo:], (comp.logprobs or [])[lo:], top_k, as_ids))
+                    new_ids = list(comp.token_ids[lo:n_tok]) if req.return_token_ids else None
                     sent_text[idx], sent_toks[idx] = len(comp.text), n_tok
                     finish = comp.finish_reason
                     usage = usage_so_far(0, n_tok)
                     if tools.mode is not None:  # tool calls: deltas from the tool handler
                         for d in tools.deltas(idx, comp.text, finish is not None):
-                            yield delta_chunk(idx, d, lp, usage=usage)
-                            lp = None
-                        if lp is not None:
-                            yield chunk(idx, None, None, lp, usage=usage)
+                            yield delta_chunk(idx, d, lp, usage=usage, token_ids=new_ids)
+                            lp, new_ids = None, None
+                        if lp is not None or new_ids:
+                            yield chunk(idx, None, None, lp, usage=usage, token_ids=new_ids)
                         finish = tools.stream_finish_reason(idx, finish)
-                    elif delta or lp is not None:
-                        yield chunk(idx, None, delta, lp, usage=usage)
+                    elif delta or lp is not None or new_ids:
+                        yield chunk(idx, None, delta, lp, usage=usage, token_ids=new_ids)
                     if comp.finish_reason is not None:
                         done.add(idx)
                         yield chunk(idx, None, None, None, finish, comp.stop_reason, usage=usage)

@@ -93,7 +93,9 @@ class OpenAIServingCompletion:
                     logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0, as_ids)
                 choices.append(CompletionResponseChoice(
                     index=i * req.n + comp.index, text=text, logprobs=logprobs,
-                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, prompt_logprobs=prompt_logprobs))
+                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, prompt_logprobs=prompt_logprobs,
+                    prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+                    token_ids=gen_ids if req.return_token_ids else None))
         usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
@@ -103,6 +105,7 @@ class OpenAIServingCompletion:
         sent_toks: dict[int, int] = {}
         offsets: dict[int, int] = {}
         done: set[int] = set()
+        announced: set[int] = set()  # choices whose prompt token ids went out (return_token_ids)
         finals: list[RequestOutput | None] = [None] * len(streams)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -137,9 +140,14 @@ class OpenAIServingCompletion:
                     sent_toks[idx] = n_tok
                     if comp.finish_reason is not None:
                         done.add(idx)
-                    if delta or logprobs is not None or comp.finish_reason is not None:
+                    new_ids = list(gen_ids[lo:n_tok]) if req.return_token_ids else None
+                    if delta or logprobs is not None or comp.finish_reason is not None or new_ids:
+                        prompt_ids = None
+                        if req.return_token_ids and idx not in announced:
+                            announced.add(idx)
+                            prompt_ids = list(ids[i])
                         yield chunk(idx, delta, logprobs, comp.finish_reason, comp.stop_reason,
-                                    usage_so_far(i, n_tok))
+                                    usage_so_far(i, n_tok), new_ids, prompt_ids)
             if include_usage:
                 n_prompt = sum(len(x) for x in ids)
                 n_out = 0 if _echo_only(req) else sum(len(c.token_ids) for f in finals if f is not None

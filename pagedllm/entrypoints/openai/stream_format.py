@@ -25,9 +25,10 @@ class CompletionChunker:
         self._head = {"id": request_id, "object": "text_completion", "created": created, "model": model}
 
     def chunk(self, index: int, text: str, logprobs: BaseModel | None = None, finish: str | None = None,
-              stop_reason: int | str | None = None, usage: dict[str, int] | None = None) -> str:
+              stop_reason: int | str | None = None, usage: dict[str, int] | None = None,
+              token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> str:
         choice = {"index": index, "text": text, "logprobs": _plain(logprobs), "finish_reason": finish,
-                  "stop_reason": stop_reason}
+                  "stop_reason": stop_reason, "prompt_token_ids": prompt_token_ids, "token_ids": token_ids}
         return sse({**self._head, "choices": [choice], "usage": usage})
 
 
@@ -39,19 +40,20 @@ class ChatChunker:
 
     def chunk(self, index: int, role: str | None, content: str | None, logprobs: BaseModel | None = None,
               finish: str | None = None, stop_reason: int | str | None = None,
-              usage: dict[str, int] | None = None) -> str:
+              usage: dict[str, int] | None = None, token_ids: list[int] | None = None,
+              prompt_token_ids: list[int] | None = None) -> str:
         choice = {"index": index, "delta": {"role": role, "content": content, "tool_calls": None},
                   "logprobs": _plain(logprobs),
-                  "finish_reason": finish, "stop_reason": stop_reason}
-        return sse({**self._head, "choices": [choice], "usage": usage})
+                  "finish_reason": finish, "stop_reason": stop_reason, "token_ids": token_ids}
+        return sse({**self._head, "choices": [choice], "usage": usage, "prompt_token_ids": prompt_token_ids})
 
     def delta_chunk(self, index: int, delta: BaseModel, logprobs: BaseModel | None = None,
                     finish: str | None = None, stop_reason: int | str | None = None,
-                    usage: dict[str, int] | None = None) -> str:
+                    usage: dict[str, int] | None = None, token_ids: list[int] | None = None) -> str:
         """A chunk whose delta is a model (tool-call deltas: rare, so pydantic's dump is fine)."""
         choice = {"index": index, "delta": dump(delta), "logprobs": _plain(logprobs),
-                  "finish_reason": finish, "stop_reason": stop_reason}
-        return sse({**self._head, "choices": [choice], "usage": usage})
+                  "finish_reason": finish, "stop_reason": stop_reason, "token_ids": token_ids}
+        return sse({**self._head, "choices": [choice], "usage": usage, "prompt_token_ids": None})
 
 
 class ContinuousUsage:
