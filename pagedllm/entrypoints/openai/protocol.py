@@ -232,35 +232,20 @@ class PromptLogprob(OpenAIBaseModel):
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-
-
-class CompletionResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
-
-
 class CompletionStreamChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    #: With return_token_ids: the prompt's ids in a choice's first chunk, and each chunk's new token ids.
+    #: With return_token_ids: the prompt's ids (a stream: in a choice's first chunk) and the generated ids (a
+    #: stream: each chunk's new ones).
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+
+
+class CompletionResponseChoice(CompletionStreamChoice):
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -270,6 +255,10 @@ class CompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionResponse(CompletionStreamResponse):
+    choices: list[CompletionResponseChoice]
 
 
 # -- chat -----------------------------------------------------------------------------------------------------
