@@ -94,6 +94,32 @@ def test_prefix_cache_reuses_full_blocks_and_verifies_tokens():
     assert bm.get_num_free_gpu_blocks() == 16
 
 
+def test_cache_salt_separates_prefix_caches():
+    """vLLM's cache_salt: blocks are found only by requests with the same salt (and forks keep it); an unsalted
+    request and a differently salted one compute the same prompt afresh."""
+    bm = BlockManager(block_size=4, num_gpu_blocks=32, enable_caching=True)
+    salted = Sequence(0, list(range(10)), cache_salt="tenant-a")
+    _grow(bm, salted, 10)
+    bm.cache_computed_blocks(salted)
+    same = Sequence(1, list(range(10)), cache_salt="tenant-a")
+    assert bm.allocate_cached_prefix(same) == 8
+    assert bm.get_block_table(same) == bm.get_block_table(salted)[:2]
+    assert salted.fork(2).cache_salt == "tenant-a"
+    unsalted, other_salt = Sequence(3, list(range(10))), Sequence(4, list(range(10)), cache_salt="tenant-b")
+    for other in (unsalted, other_salt):
+        assert bm.allocate_cached_prefix(other) == 0
+        _grow(bm, other, 10)
+        bm.cache_computed_blocks(other)
+        assert not set(bm.get_block_table(other)) & set(bm.get_block_table(salted))
+    plain = _seq(5, 10)  # finds the unsalted copy, not a salted one
+    assert bm.allocate_cached_prefix(plain) == 8
+    assert bm.get_block_table(plain) == bm.get_block_table(unsalted)[:2]
+    for seq in (salted, same, unsalted, other_salt, plain):
+        bm.free(seq)
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == 32
+
+
 def test_reset_prefix_cache_only_while_no_block_is_in_use():
     bm = BlockManager(block_size=4, num_gpu_blocks=16, enable_caching=True)
     a = _seq(0, 10)

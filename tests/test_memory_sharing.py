@@ -200,6 +200,24 @@ def test_prompt_logprobs_compute_the_whole_prompt_under_prefix_caching(llm_pc):
     assert plain.num_cached_tokens == (n - 1) // BLOCK * BLOCK
 
 
+def test_cache_salt_keeps_prefix_caches_apart(llm_pc):
+    """vLLM's `cache_salt` in a prompt dict: the same prompt is found in the cache only under the same salt; the
+    outputs do not change; an empty salt is a clear error."""
+    ids = _ids(llm_pc, [SYSTEM + QUESTIONS[2]])[0]
+    n = len(ids["prompt_token_ids"])
+    assert llm_pc.reset_prefix_cache()
+    ref = llm_pc.generate([ids], GREEDY, use_tqdm=False)[0]
+    runs = {}
+    for name, salt in (("a", "secret-a"), ("a again", "secret-a"), ("b", "secret-b"), ("none", None)):
+        prompt = dict(ids) if salt is None else {**ids, "cache_salt": salt}
+        runs[name] = llm_pc.generate([prompt], GREEDY, use_tqdm=False)[0]
+    full = (n - 1) // BLOCK * BLOCK
+    assert {k: o.num_cached_tokens for k, o in runs.items()} == {"a": 0, "a again": full, "b": 0, "none": full}
+    assert all(o.outputs[0].token_ids == ref.outputs[0].token_ids for o in runs.values())
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm_pc.generate([{**ids, "cache_salt": ""}], GREEDY, use_tqdm=False)
+
+
 def test_shared_prefix_blocks_are_never_written(llm_pc):
     """Parallel samples on top of a cached prefix: CoW protects the cached blocks' contents."""
     prompts = _ids(llm_pc, [SYSTEM + QUESTIONS[4]])

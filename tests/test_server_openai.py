@@ -320,6 +320,19 @@ def test_return_token_ids(server, client, llm_greedy):
     assert [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []] == ids
 
 
+def test_cache_salt_is_accepted_and_checked(server, client, llm_greedy):
+    """vLLM's `cache_salt` reaches the engine (tests/test_memory_sharing.py checks its caching): the same greedy
+    text; an empty salt is a 400 naming it, on both endpoints."""
+    resp = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True, "cache_salt": "s3cret-salt"})
+    assert resp.choices[0].text == llm_greedy[0].text
+    for path, extra in (("/v1/completions", {"prompt": "Hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = httpx.post(server.url(path), json={"max_tokens": 2, "cache_salt": "", **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+        assert "cache_salt must be a non-empty string" in r.json()["error"]["message"]
+
+
 def test_reset_prefix_cache_needs_dev_mode(server):
     # vLLM serves POST /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (test_dashboard tests the route).
     assert httpx.post(server.url("/reset_prefix_cache"), timeout=30).status_code == 404

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedllm.core.block_pool import BlockPool, hash_block_tokens
+from pagedllm.core.block_pool import BlockPool, hash_block_tokens, hash_cache_salt
 from pagedllm.core.interfaces import AllocStatus
 from pagedllm.core.sequence import Sequence, SequenceGroup
 
@@ -210,7 +210,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < n_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else (None if seq.cache_salt is None else hash_cache_salt(seq.cache_salt))
             hashes.append(hash_block_tokens(parent, tuple(seq.tokens_slice(i * bs, (i + 1) * bs))))
         return hashes[:n_blocks]
 

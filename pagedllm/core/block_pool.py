@@ -21,6 +21,12 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
     return h.intdigest()
 
 
+def hash_cache_salt(salt: str) -> int:
+    """The chain's start for a salted request (vLLM's `cache_salt`): its first block's parent hash, so every
+    block of the chain hashes differently from an unsalted or otherwise salted one with the same tokens."""
+    return xxhash.xxh64(b"cache_salt\0" + salt.encode("utf-8")).intdigest()
+
+
 class BlockPool:
     """Allocator for `num_blocks` physical blocks identified by ints 0..num_blocks-1."""
 

@@ -60,6 +60,8 @@ class Sequence:
     num_pending_tokens: int = 0
     # Free-form per-sequence state owned by the engine (detokenizer, generator, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # vLLM's cache_salt: the prefix cache finds this sequence's blocks only for requests with the same salt.
+    cache_salt: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -120,6 +122,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             stop_reason=self.stop_reason,
             output_logprobs=list(self.output_logprobs),
+            cache_salt=self.cache_salt,
         )
         return child
 

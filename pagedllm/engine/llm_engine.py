@@ -23,7 +23,7 @@ from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
-from pagedllm.engine.request_checker import RequestChecker, prompt_token_ids
+from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
 from pagedllm.model import loader
 from pagedllm.model.layers.sampler import (
     Sampler,
@@ -221,7 +221,7 @@ class LLMEngine:
         # Validated here (ValueError naming the problem); compiled on a thread, cached by (kind, spec).
         grammar = None if params.structured_outputs is None else self.structured_output.request(params.structured_outputs)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
-        seq = Sequence(next(self._seq_counter), list(token_ids))
+        seq = Sequence(next(self._seq_counter), list(token_ids), cache_salt=prompt_cache_salt(prompt))
         group = SequenceGroup(
             request_id=request_id,
             seqs=[seq],

@@ -83,6 +83,7 @@ class RequestChecker:
         self.check_priority(priority)
         self.check_params(params)
         ids = prompt_token_ids(prompt)
+        prompt_cache_salt(prompt)
         if ids is not None:
             self.check_prompt_ids(self.truncate(ids, params.truncate_prompt_tokens))
 
@@ -116,3 +117,14 @@ def prompt_token_ids(prompt) -> list[int] | None:
     if isinstance(prompt, (list, tuple)):
         return list(prompt)
     raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def prompt_cache_salt(prompt) -> str | None:
+    """A dict prompt's ``cache_salt`` (vLLM's): its blocks are cached and found only under that salt, so tenants
+    who do not share it cannot probe each other's prompts through prefix-cache timing. None when absent."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}.")
+    return salt

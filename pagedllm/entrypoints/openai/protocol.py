@@ -167,6 +167,8 @@ class SamplingExtras(StructuredOutputsExtras):
     prompt_logprobs: int | None = None
     #: vLLM's: the response carries the prompt's token ids and each choice's generated token ids.
     return_token_ids: bool = False
+    #: vLLM's: prefix-cache blocks are shared only among requests with the same salt (a long random secret).
+    cache_salt: str | None = None
 
     @field_validator("logit_bias")
     @classmethod

@@ -30,7 +30,7 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 
 # Request fields an engine-side ValueError may name first in its message (the error's `param`).
-_SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {"priority"}
+_SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {"priority", "cache_salt"}
 
 
 class OpenAIError(Exception):
@@ -283,13 +283,15 @@ class ServingContext:
 
     # -- engine --------------------------------------------------------------------------------------
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                      priority: int = 0) -> list[tuple[str, AsyncStream]]:
+                      priority: int = 0, cache_salt: str | None = None) -> list[tuple[str, AsyncStream]]:
         """Add one request per prompt; on any failure abort those already added and raise an OpenAIError."""
         added: list[tuple[str, AsyncStream]] = []
         try:
             for i, ids in enumerate(prompts):
                 rid = f"{prefix}-{i}"
-                added.append((rid, await self.engine.add_request(rid, {"prompt_token_ids": ids}, params, coalesce=True,
+                prompt = {"prompt_token_ids": ids} if cache_salt is None else {"prompt_token_ids": ids,
+                                                                                "cache_salt": cache_salt}
+                added.append((rid, await self.engine.add_request(rid, prompt, params, coalesce=True,
                                                             priority=priority)))
         except BaseException as e:
             self.engine.abort([rid for rid, _ in added])
