@@ -288,6 +288,14 @@ def test_echo_scores_the_prompt_streamed_or_not(server, client):
             assert scored.usage.completion_tokens == 0
             assert choice.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
         assert text == PROMPTS[1] and tokens == lp.tokens[:n_prompt] and finish == "length"
+    # A larger prompt_logprobs alongside: the echoed positions still list the token and the top `logprobs` only.
+    both = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0, echo=True,
+                                     logprobs=1, extra_body={"prompt_logprobs": 5})
+    for got_top, want_top in zip(both.choices[0].logprobs.top_logprobs, lp.top_logprobs):
+        assert (got_top is None) == (want_top is None)
+        assert got_top is None or (list(got_top) == list(want_top)
+                                   and list(got_top.values()) == pytest.approx(list(want_top.values()), abs=1e-4))
+    assert len(both.choices[0].model_extra["prompt_logprobs"][1]) >= 5
     r = httpx.post(server.url("/v1/completions"), json={"prompt": "Hi", "max_tokens": 0}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 

@@ -318,7 +318,9 @@ class ServingContext:
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id])
 
     def completion_logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None],
-                            offset: int, as_ids: bool = False) -> CompletionLogProbs:
+                            offset: int, as_ids: bool, top_k: int) -> CompletionLogProbs:
+        """OpenAI's completion logprobs; each position's `top_logprobs` holds the token and the `top_k` most
+        likely (an echoed prompt's dicts may hold more: the request's `prompt_logprobs` can be larger)."""
         out = CompletionLogProbs()
         for tid, d in zip(token_ids, dicts):
             s = self.token_str(tid, as_ids)
@@ -330,6 +332,9 @@ class ServingContext:
                 out.top_logprobs.append(None)
             else:
                 out.token_logprobs.append(_finite(d.get(tid)))
+                if len(d) > top_k + 1:
+                    top = dict(sorted(d.items(), key=lambda kv: -kv[1])[:top_k])
+                    d = {tid: d[tid], **top} if tid in d else top
                 out.top_logprobs.append({self.token_str(t, as_ids): _finite(v) for t, v in d.items()})
         return out
 

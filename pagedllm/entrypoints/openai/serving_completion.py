@@ -90,7 +90,7 @@ class OpenAIServingCompletion:
                     if req.echo:
                         tok_ids = list(out.prompt_token_ids) + tok_ids
                         dicts = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + dicts
-                    logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0, as_ids)
+                    logprobs = self.ctx.completion_logprobs(tok_ids, dicts, 0, as_ids, req.logprobs)
                 choices.append(CompletionResponseChoice(
                     index=i * req.n + comp.index, text=text, logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, prompt_logprobs=prompt_logprobs,
@@ -134,7 +134,8 @@ class OpenAIServingCompletion:
                         dicts = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + dicts
                     logprobs = None
                     if req.logprobs is not None and tok_ids:
-                        logprobs = self.ctx.completion_logprobs(tok_ids, dicts, offsets.get(idx, 0), as_ids)
+                        logprobs = self.ctx.completion_logprobs(tok_ids, dicts, offsets.get(idx, 0), as_ids,
+                                                                req.logprobs)
                         offsets[idx] = offsets.get(idx, 0) + sum(len(t) for t in logprobs.tokens)
                     sent_text[idx] = len(gen_text)
                     sent_toks[idx] = n_tok
