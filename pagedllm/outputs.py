@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -10,7 +12,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
@@ -25,8 +27,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    #: Each prompt token's rank in the distribution that predicted it (1: the most likely; None for the first).
-    prompt_logprob_ranks: list[int | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)

@@ -100,7 +100,7 @@ def test_cpu_outputs_do_not_depend_on_what_shares_the_step(tokenizer):
         llm = LLM(quantization="gguf", max_num_seqs=seqs, max_model_len=1024, num_gpu_blocks_override=256,
                   device="cpu")
         outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[seqs] = [(list(o.outputs[0].token_ids), [lp[t] for lp, t in
+        runs[seqs] = [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in
                                                       zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                       for o in outs]
     assert runs[4] == runs[1]
@@ -116,7 +116,7 @@ def _chat(tok, content: str) -> str:
 def _tokens_and_logprobs(llm: LLM, prompts: list[str], index: int) -> tuple[list[int], list[float]]:
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     out = llm.generate(prompts, sp, use_tqdm=False)[index].outputs[0]
-    return list(out.token_ids), [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+    return list(out.token_ids), [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
 
 
 @needs_kernels
@@ -168,7 +168,7 @@ def test_recompute_preemption_keeps_outputs_bit_for_bit(monkeypatch):
         prompts = [_chat(tok, p) for p in ("The capital of France is", "List three colours:", "def fibonacci(n):",
                                            "Once upon a time, in a small village by the sea,", "The quick brown fox")]
         sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
-        outs = [(list(o.outputs[0].token_ids), [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+        outs = [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                 for o in llm.generate(prompts, sp, use_tqdm=False)]
         return outs, llm.llm_engine.stats()
 
@@ -181,7 +181,7 @@ def test_recompute_preemption_keeps_outputs_bit_for_bit(monkeypatch):
 def _ids_and_logprobs(llm: LLM, prompts: list[list[int]], index: int, max_tokens: int = 12):
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)[index].outputs[0]
-    return list(out.token_ids), [lp[t] for lp, t in zip(out.logprobs, out.token_ids)]
+    return list(out.token_ids), [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
 
 
 @pytest.mark.cuda
@@ -299,7 +299,7 @@ def test_speculation_keeps_seeded_samples_token_for_token(monkeypatch):
 
     def tokens(llm):  # and their logprobs, bit for bit
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [(list(c.token_ids), [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+        return [(list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
                 for c in (o.outputs[0] for o in outs)]
 
     want = tokens(plain)

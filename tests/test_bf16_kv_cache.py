@@ -16,7 +16,7 @@ from pagedllm.benchmarks.fp8_accuracy import eval_text
 def _perplexity(llm: LLM, ids: list[int]) -> float:
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
                        use_tqdm=False)[0]
-    nll = [-lp[tid] for tid, lp in zip(ids[1:], out.prompt_logprobs[1:])]
+    nll = [-lp[tid].logprob for tid, lp in zip(ids[1:], out.prompt_logprobs[1:])]
     return math.exp(sum(nll) / len(nll))
 
 

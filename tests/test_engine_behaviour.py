@@ -143,10 +143,21 @@ def test_logprobs_and_prompt_logprobs(llm):
                        use_tqdm=False)[0]
     comp = out.outputs[0]
     assert len(comp.logprobs) == 4
+    tok_text = llm.get_tokenizer().decode
     for tok, lp in zip(comp.token_ids, comp.logprobs):
-        assert tok in lp and lp[tok] == max(lp.values())  # greedy picks the most likely token
-    assert abs(sum(comp.logprobs[i][t] for i, t in enumerate(comp.token_ids)) - comp.cumulative_logprob) < 1e-4
+        # vLLM's Logprob records: greedy picks the most likely token, rank 1; the top 3 rank 1, 2, 3 in order;
+        # each carries its token's text.
+        assert tok in lp and lp[tok].logprob == max(e.logprob for e in lp.values()) and lp[tok].rank == 1
+        assert [e.rank for e in lp.values()] == [1, 2, 3]
+        assert all(e.decoded_token == tok_text([t]) for t, e in lp.items())
+    assert abs(sum(comp.logprobs[i][t].logprob for i, t in enumerate(comp.token_ids)) - comp.cumulative_logprob) < 1e-4
     assert out.prompt_logprobs[0] is None and all(d is not None for d in out.prompt_logprobs[1:])
+    ids = out.prompt_token_ids
+    for pos, d in enumerate(out.prompt_logprobs[1:], 1):  # the prompt token with its own rank, then the top 2
+        actual, others = d[ids[pos]], [e for t, e in d.items() if t != ids[pos]]
+        assert actual.rank >= 1 + sum(e.logprob > actual.logprob for e in others)
+        assert [e.rank for e in others] == [r for r in (1, 2) if r != actual.rank]
+        assert actual.decoded_token == tok_text([ids[pos]])
     for field in ("logprobs", "prompt_logprobs"):  # vLLM's --max-logprobs, 20 by default
         with pytest.raises(ValueError, match=f"{field}=21 is more than this engine returns per token: at most 20"):
             llm.generate(["The sky is"], SamplingParams(max_tokens=2, **{field: 21}), use_tqdm=False)

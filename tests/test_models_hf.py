@@ -145,8 +145,7 @@ def _assert_logprobs_match(outs: list, built: Built, atol: float = 2e-5) -> None
         for step, top in enumerate(steps):
             assert len(top) >= 3
             for token, logprob in top.items():
-                value = float(getattr(logprob, "logprob", logprob))  # a float today; vLLM wraps it in Logprob
-                assert abs(value - ref[step, token].item()) < atol, (step, token)
+                assert abs(logprob.logprob - ref[step, token].item()) < atol, (step, token)
 
 
 def _model(llm: LLM) -> torch.nn.Module:

@@ -368,12 +368,21 @@ def test_top_logprobs_contain_top_k_and_sampled(device: str) -> None:
     raw = torch.log_softmax(logits, -1)
     top3 = set(raw[0].topk(3).indices.tolist())
     assert res[0].top_logprobs is not None and len(res[0].top_logprobs) == 4
+    by_rank = raw[0].topk(3).indices.tolist()
     for tok, d in zip(res[0].token_ids, res[0].top_logprobs):
         assert set(d) == top3 | {tok}
         assert len(d) in (3, 4)
-        for t, v in d.items():
-            assert v == pytest.approx(raw[0, t].item(), abs=1e-5)
-    assert res[1].top_logprobs == [{res[1].token_ids[0]: pytest.approx(res[1].logprobs[0])}]
+        assert next(iter(d)) == tok  # the sampled token first, with its rank by a brute-force count
+        assert d[tok].rank == int((raw[0] >= raw[0, tok]).sum())
+        for t, e in d.items():
+            assert e.logprob == pytest.approx(raw[0, t].item(), abs=1e-5)
+            if t != tok:
+                assert e.rank == by_rank.index(t) + 1
+    only = res[1].top_logprobs
+    assert len(only) == 1 and list(only[0]) == res[1].token_ids
+    tok = res[1].token_ids[0]
+    assert only[0][tok].logprob == pytest.approx(res[1].logprobs[0])
+    assert only[0][tok].rank == int((raw[1] >= raw[1, tok]).sum())
     assert res[2].top_logprobs is None
 
 
@@ -381,7 +390,8 @@ def test_compute_prompt_logprobs(device: str) -> None:
     logits = _logits(4, vocab=10, seed=3, device=device)
     nxt = torch.tensor([1, 9, 0, 4])
     raw = torch.log_softmax(logits, -1)
-    out, ranks = compute_prompt_logprobs(logits, nxt, 2)
+    out = compute_prompt_logprobs(logits, nxt, 2)
+    ranks = [d[int(t)].rank for d, t in zip(out, nxt)]
     assert len(out) == 4
     # vLLM's rank: 1 + the number of other tokens at least as likely.
     assert ranks == [int((raw[i] >= raw[i, int(t)]).sum()) for i, t in enumerate(nxt)]
@@ -390,14 +400,15 @@ def test_compute_prompt_logprobs(device: str) -> None:
         want = set(raw[i].topk(2).indices.tolist()) | {int(nxt[i])}
         assert set(d) == want
         assert next(iter(d)) == int(nxt[i])  # actual token first
-        for t, v in d.items():
-            assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
-    only_actual, same_ranks = compute_prompt_logprobs(logits, nxt, 0)
+        for t, e in d.items():
+            assert e.logprob == pytest.approx(raw[i, t].item(), abs=1e-5)
+            if t != int(nxt[i]):  # a top token: its place in the top 2
+                assert e.rank == raw[i].topk(2).indices.tolist().index(t) + 1
+    only_actual = compute_prompt_logprobs(logits, nxt, 0)
     assert [list(d) for d in only_actual] == [[1], [9], [0], [4]]
-    assert same_ranks == ranks
+    assert [d[int(t)].rank for d, t in zip(only_actual, nxt)] == ranks
     top1 = raw.argmax(-1)
-    _, top_ranks = compute_prompt_logprobs(logits, top1, 0)
-    assert top_ranks == [1, 1, 1, 1]
+    assert [d[int(t)].rank for d, t in zip(compute_prompt_logprobs(logits, top1, 0), top1)] == [1, 1, 1, 1]
 
 
 # --------------------------------------------------------------------------- #

@@ -224,17 +224,16 @@ def test_prompt_logprobs_in_vllm_shape(server, client, offline):
                                      extra_body={"prompt_logprobs": 2})
     got = resp.choices[0].model_extra["prompt_logprobs"]
     assert len(got) == resp.usage.prompt_tokens == len(plp.prompt_token_ids) and got[0] is None
-    for pos, (tid, want, rank, entry) in enumerate(zip(plp.prompt_token_ids, plp.prompt_logprobs,
-                                                        plp.prompt_logprob_ranks, got)):
+    for pos, (tid, want, entry) in enumerate(zip(plp.prompt_token_ids, plp.prompt_logprobs, got)):
         if pos == 0:
             continue
         assert set(entry) == {str(t) for t in want}
-        assert entry[str(tid)]["rank"] == rank >= 1
-        assert entry[str(tid)]["decoded_token"] == _token_text(client, tid)
+        assert entry[str(tid)]["rank"] == want[tid].rank >= 1
+        assert entry[str(tid)]["decoded_token"] == _token_text(client, tid) == want[tid].decoded_token
         by_logprob = sorted(entry.values(), key=lambda e: -e["logprob"])
         assert [e["rank"] for e in by_logprob][:2] == [1, 2]  # the top 2, whether or not the prompt token is one
         for t, e in entry.items():
-            assert e["logprob"] == pytest.approx(want[int(t)], abs=1e-4)
+            assert e["logprob"] == pytest.approx(want[int(t)].logprob, abs=1e-4)
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
     chat_plp = chat.model_extra["prompt_logprobs"]

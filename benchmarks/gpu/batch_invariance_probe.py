@@ -37,7 +37,7 @@ sp = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True, log
 
 def run(llm, prompts, i):
     o = llm.generate([{"prompt_token_ids": q} for q in prompts], sp, use_tqdm=False)[i].outputs[0]
-    return list(o.token_ids), [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]
+    return list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)]
 
 
 llm = LLM(enable_prefix_caching=True, num_gpu_blocks_override=2048, **kw)

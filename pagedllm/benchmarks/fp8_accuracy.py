@@ -87,8 +87,7 @@ def agreement(outs: list[list[int]], base: list[list[int]]) -> dict:
 
 
 def _logprob(entry, token: int) -> float:
-    v = entry[token]
-    return float(getattr(v, "logprob", v))
+    return entry[token].logprob
 
 
 def _argmax(entry) -> int:

@@ -46,7 +46,7 @@ def perplexity(llm, token_ids: list[int]) -> float:
         raise ValueError("perplexity needs at least 2 tokens")
     out = llm.generate([{"prompt_token_ids": list(token_ids)}],
                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)[0]
-    lps = [d[t] for t, d in zip(token_ids[1:], out.prompt_logprobs[1:])]
+    lps = [d[t].logprob for t, d in zip(token_ids[1:], out.prompt_logprobs[1:])]
     return math.exp(-sum(lps) / len(lps))
 
 
@@ -68,7 +68,7 @@ def teacher_forced_agreement(llm, prompts: list[list[int]], references: list[lis
     for p, r, o in zip(prompts, references, outs):
         for i, tok in enumerate(r):
             d = o.prompt_logprobs[len(p) + i]
-            agree += max(d, key=d.get) == tok
+            agree += max(d, key=lambda t: d[t].logprob) == tok
             total += 1
     return agree, total
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedllm.logprobs import Logprob
 
 
 class SequenceStatus(enum.Enum):
@@ -55,7 +58,7 @@ class Sequence:
     num_computed_tokens: int = 0
     stop_reason: int | str | None = None
     # Per-token logprob dicts (when the request asked for logprobs).
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     # Sampled by a launched step, not appended yet (asynchronous scheduling); see the class docstring.
     num_pending_tokens: int = 0
     # Free-form per-sequence state owned by the engine (detokenizer, generator, ...).

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.logprobs import Logprob, position_logprobs
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -178,12 +179,9 @@ def _append(seq: Sequence, tok: int, tok_lp: float, score: float, params: Any, l
     seq.output_token_ids.append(tok)
     seq.cumulative_logprob = score  # float32 running score, exactly as HF accumulates it
     if params.logprobs is not None:
-        top = {tok: tok_lp}
-        if params.logprobs > 0:
-            vals, ids = lp[row].topk(min(params.logprobs, lp.shape[-1]))
-            for t, v in zip(ids.tolist(), vals.tolist()):
-                top.setdefault(t, v)
-        seq.output_logprobs.append(top)
+        vals, ids = lp[row].topk(min(params.logprobs, lp.shape[-1]))
+        rank = int((lp[row] >= lp[row, tok]).sum())
+        seq.output_logprobs.append(position_logprobs(tok, tok_lp, rank, ids.tolist(), vals.tolist()))
 
 
 def _fallback(parents: list[Sequence]) -> list[Sequence]:
@@ -211,7 +209,7 @@ class BeamSearchSequence:
     """One returned beam: prompt + generated ``tokens``, generated ``text``, its scores."""
 
     tokens: list[int]
-    logprobs: list[dict[int, float]]
+    logprobs: list[dict[int, Logprob]]
     cum_logprob: float
     text: str | None
     score: float

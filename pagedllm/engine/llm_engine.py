@@ -24,6 +24,7 @@ from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
+from pagedllm.logprobs import position_logprobs
 from pagedllm.model import loader
 from pagedllm.model.layers.sampler import (
     Sampler,
@@ -692,11 +693,9 @@ class LLMEngine:
             else:
                 lp = float(raw_lp[i, tok])
                 if k_top is not None:
-                    top = {tok: lp}
-                    if k_top > 0:
-                        v, ix = raw_lp[i].topk(min(k_top, raw_lp.shape[-1]))
-                        for t, tlp in zip(ix.tolist(), v.tolist()):
-                            top.setdefault(int(t), tlp)
+                    v, ix = raw_lp[i].topk(min(k_top, raw_lp.shape[-1]))
+                    rank = int((raw_lp[i] >= raw_lp[i, tok]).sum())
+                    top = position_logprobs(tok, lp, rank, ix.tolist(), v.tolist())
             self.output_processor.append_token(group, seq, tok, lp, top)
             self.num_generation_tokens_total += 1
             if seq.is_finished():
@@ -710,7 +709,6 @@ class LLMEngine:
         group, seq = item.group, item.seq
         k = group.sampling_params.prompt_logprobs
         store = group.extra.setdefault("prompt_logprobs", [None] * len(seq.prompt_token_ids))
-        rank_store = group.extra.setdefault("prompt_logprob_ranks", [None] * len(seq.prompt_token_ids))
         start = chunk.start_pos
         n_prompt = len(seq.prompt_token_ids)
         # Row j predicts token at position start + j + 1.
@@ -718,9 +716,10 @@ class LLMEngine:
         if n <= 0:
             return
         targets = torch.tensor(seq.prompt_token_ids[start + 1 : start + 1 + n], device=logits.device)
-        dicts, ranks = compute_prompt_logprobs(logits[:n], targets, k)
+        dicts = compute_prompt_logprobs(logits[:n], targets, k)
+        for entries in dicts:
+            self.output_processor.name_logprobs(group.sampling_params, entries)
         store[start + 1:start + 1 + n] = dicts
-        rank_store[start + 1:start + 1 + n] = ranks
 
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s can never fit in the KV pool and was dropped", group.request_id)

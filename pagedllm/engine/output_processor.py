@@ -9,6 +9,7 @@ import torch
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine import beam_search
+from pagedllm.logprobs import Logprob
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.tokenizer import IncrementalDetokenizer
 
@@ -29,6 +30,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stop_config = stop_config
         self._new_seq_id = new_seq_id  # callable → fresh int
+        self._token_texts: dict[int, str] = {}  # token id → its text alone (bounded by the vocabulary)
 
     # -- per-sequence state -----------------------------------------------------------------
     def init_sequence(self, seq: Sequence, params: Any) -> None:
@@ -96,12 +98,26 @@ class OutputProcessor:
             return ""
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
 
+    # -- log-probs' token texts --------------------------------------------------------------
+    def name_logprobs(self, params: Any, entries: dict[int, Logprob]) -> None:
+        """Set each entry's `decoded_token` (the token's text alone, as vLLM's) when the request detokenizes."""
+        if self.tokenizer is None or not params.detokenize:
+            return
+        texts = self._token_texts
+        for tid, entry in entries.items():
+            if entry.decoded_token is None:
+                text = texts.get(tid)
+                if text is None:
+                    text = texts[tid] = self.tokenizer.decode([tid])
+                entry.decoded_token = text
+
     # -- appending tokens -------------------------------------------------------------------
     def append_token(
-        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float, top: dict[int, float] | None
+        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float, top: dict[int, Logprob] | None
     ) -> None:
         seq.append_token(token_id, logprob)
         if top is not None:
+            self.name_logprobs(group.sampling_params, top)
             seq.output_logprobs.append(top)
         detok = seq.extra.get("detok")
         stop_str = None
@@ -143,6 +159,10 @@ class OutputProcessor:
         is_beam = "beam" in group.extra
         if is_beam:
             seqs = beam_search.output_seqs(group, n)
+            if params.logprobs is not None:
+                for seq in seqs:
+                    for entries in seq.output_logprobs:
+                        self.name_logprobs(params, entries)
         elif finished and len(seqs) > n:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
         outputs = []
@@ -175,7 +195,6 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             prompt_logprobs=group.extra.get("prompt_logprobs"),
-            prompt_logprob_ranks=group.extra.get("prompt_logprob_ranks"),
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
         )

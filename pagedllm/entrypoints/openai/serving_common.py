@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.protocol import (
     dump,
 )
 from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
+from pagedllm.logprobs import Logprob
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -317,7 +318,7 @@ class ServingContext:
         characters, e.g. one byte of a multi-byte character)."""
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, token_ids: list[int], dicts: list[dict[int, float] | None],
+    def completion_logprobs(self, token_ids: list[int], dicts: list[dict[int, Logprob] | None],
                             offset: int, as_ids: bool, top_k: int) -> CompletionLogProbs:
         """OpenAI's completion logprobs; each position's `top_logprobs` holds the token and the `top_k` most
         likely (an echoed prompt's dicts may hold more: the request's `prompt_logprobs` can be larger)."""
@@ -333,9 +334,9 @@ class ServingContext:
             else:
                 out.token_logprobs.append(_finite(d.get(tid)))
                 if len(d) > top_k + 1:
-                    top = dict(sorted(d.items(), key=lambda kv: -kv[1])[:top_k])
+                    top = dict(_most_likely(d, top_k))
                     d = {tid: d[tid], **top} if tid in d else top
-                out.top_logprobs.append({self.token_str(t, as_ids): _finite(v) for t, v in d.items()})
+                out.top_logprobs.append({self.token_str(t, as_ids): _finite(e) for t, e in d.items()})
         return out
 
     def prompt_logprobs(self, out: RequestOutput, k: int | None, as_ids: bool = False) -> PromptLogprobs | None:
@@ -344,41 +345,40 @@ class ServingContext:
         most likely) and its text."""
         if k is None or out.prompt_logprobs is None:
             return None
-        ranks = out.prompt_logprob_ranks or [None] * len(out.prompt_logprobs)
         result: PromptLogprobs = []
-        for tid, d, rank in zip(out.prompt_token_ids, out.prompt_logprobs, ranks):
+        for tid, d in zip(out.prompt_token_ids, out.prompt_logprobs):
             if d is None:
                 result.append(None)
                 continue
             # The engine's dict holds the prompt token and the top tokens of a possibly larger k (an echo's
-            # logprobs): keep the `k` most likely, ranked by their order, and the prompt token with its own rank.
-            top = sorted(d.items(), key=lambda kv: -kv[1])[:k]
-            entries = {tid: PromptLogprob(logprob=_finite(d.get(tid)), rank=rank,
-                                          decoded_token=self.token_str(tid, as_ids))}
-            for j, (t, v) in enumerate(top, 1):
-                entries.setdefault(t, PromptLogprob(logprob=_finite(v), rank=j,
-                                                    decoded_token=self.token_str(t, as_ids)))
-            result.append({str(t): e for t, e in entries.items()})
+            # logprobs): keep the prompt token and the `k` most likely.
+            entries = [(tid, d[tid]), *_most_likely(d, k)] if tid in d else _most_likely(d, k)
+            result.append({str(t): PromptLogprob(logprob=_finite(e), rank=e.rank,
+                                                 decoded_token=self.token_str(t, as_ids)) for t, e in entries})
         return result
 
-    def chat_logprobs(self, token_ids: list[int], dicts: list[dict[int, float]], top_k: int,
+    def chat_logprobs(self, token_ids: list[int], dicts: list[dict[int, Logprob]], top_k: int,
                       as_ids: bool = False) -> list[ChatTokenLogprob]:
         out = []
         for tid, d in zip(token_ids, dicts):
             s = self.token_str(tid, as_ids)
-            tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_k]
             out.append(ChatTokenLogprob(
                 token=s, logprob=_finite(d.get(tid)), bytes=list(s.encode("utf-8")),
-                top_logprobs=[ChatTopLogprob(token=(ts := self.token_str(t, as_ids)), logprob=_finite(v),
-                                             bytes=list(ts.encode("utf-8"))) for t, v in tops],
+                top_logprobs=[ChatTopLogprob(token=(ts := self.token_str(t, as_ids)), logprob=_finite(e),
+                                             bytes=list(ts.encode("utf-8"))) for t, e in _most_likely(d, top_k)],
             ))
         return out
 
 
-def _finite(v: float | None) -> float:
-    if v is None:
+def _most_likely(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The `k` most likely of a position's entries, most likely first."""
+    return sorted(entries.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+
+def _finite(entry: Logprob | None) -> float:
+    if entry is None:
         return -9999.0
-    return max(float(v), -9999.0)
+    return max(float(entry.logprob), -9999.0)
 
 
 async def merge_streams(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -32,6 +32,7 @@ import random
 import torch
 
 from pagedllm.device_utils import async_tensor_h2d
+from pagedllm.logprobs import Logprob, position_logprobs
 from pagedllm.model.layers.inverse_cdf import SampleGenerator, draw_uniforms, inverse_cdf_sample
 from pagedllm.model.layers.logits_ops import (NEG_INF, apply_logit_adjustments, apply_min_p, apply_penalties,
                                               apply_token_bitmask_, apply_top_k_top_p, col)
@@ -74,28 +75,24 @@ class SamplerOutput:
         total, num_rows, k_top = sum(self.num_samples), len(self.rows), self.k_top
         tok_list = host[:total]
         lp_list = host[total : 2 * total]
-        top_i_list = host[2 * total : 2 * total + num_rows * max(k_top, 0)]
-        top_v_list = host[2 * total + num_rows * max(k_top, 0) :]
+        rank_list = host[2 * total : 3 * total] if k_top >= 0 else []
+        top_at = 3 * total if k_top >= 0 else 2 * total
+        top_i_list = host[top_at : top_at + num_rows * max(k_top, 0)]
+        top_v_list = host[top_at + num_rows * max(k_top, 0) :]
         results: list[RowSample] = []
         pos = 0
         for i, row in enumerate(self.rows):
             s = self.num_samples[i]
             ids = [int(t) for t in tok_list[pos : pos + s]]
             lps = lp_list[pos : pos + s]
-            tops: list[dict[int, float]] | None = None
+            tops: list[dict[int, Logprob]] | None = None
             k = row.params.logprobs
             if k is not None:
-                k = min(k, self.vocab)
                 base = i * k_top
-                top_pairs = [
-                    (int(top_i_list[base + j]), top_v_list[base + j]) for j in range(k)
-                ]
-                tops = []
-                for tok, lp in zip(ids, lps):
-                    d = {tok: lp}
-                    for t, v in top_pairs:
-                        d.setdefault(t, v)
-                    tops.append(d)
+                top_ids = [int(t) for t in top_i_list[base : base + min(k, self.vocab)]]
+                top_vals = top_v_list[base : base + len(top_ids)]
+                tops = [position_logprobs(tok, lp, int(rank), top_ids, top_vals)
+                        for tok, lp, rank in zip(ids, lps, rank_list[pos : pos + s])]
             results.append(RowSample(token_ids=ids, logprobs=lps, top_logprobs=tops))
             pos += s
         return results, self.full
@@ -193,7 +190,7 @@ class Sampler:
             tokens, logprobs = sample_with_logprob(logits, params.pin_memory().to(logits.device, non_blocking=True),
                                                    None if folded_mask is None else folded_mask[0])
         packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
-        return SamplerOutput(rows, num_samples, 0, vocab, tokens, packed, None)
+        return SamplerOutput(rows, num_samples, -1, vocab, tokens, packed, None)
 
     def _by_race(self, gen: SampleGenerator | None, device: torch.device) -> bool:
         if self.random_sampling != "auto":
@@ -238,7 +235,7 @@ class Sampler:
             token_bitmask = None
         if not rows:
             empty = logits.float().log_softmax(-1) if return_logprobs_tensor else None
-            return SamplerOutput([], [], 0, logits.shape[-1], None, None, empty)
+            return SamplerOutput([], [], -1, logits.shape[-1], None, None, empty)
         device = logits.device
         num_rows, vocab = logits.shape
         md = SamplingMetadata.from_rows(rows, vocab)
@@ -251,7 +248,7 @@ class Sampler:
 
             tokens, tok_lp = greedy_sample_with_logprob(logits)
             packed = torch.cat([tokens.to(torch.float64), tok_lp.to(torch.float64)])
-            return SamplerOutput(rows, md.num_samples, 0, vocab, tokens, packed, None)
+            return SamplerOutput(rows, md.num_samples, -1, vocab, tokens, packed, None)
 
         # Rows that one kernel can take: argmax or a draw at a temperature, the raw logprob, one sample each.
         plain = (not self.batch_invariant and untouched and not md.filtered and md.max_logprobs < 0
@@ -295,6 +292,9 @@ class Sampler:
 
         parts = [tokens.to(torch.float64), tok_lp.to(torch.float64)]
         k_top = min(md.max_logprobs, vocab)
+        if k_top >= 0:  # the sampled tokens' ranks (vLLM's: 1 + the other tokens at least as likely)
+            rows_lp = full if flat_rows_t is None else full[row_of]
+            parts.append((rows_lp >= tok_lp.unsqueeze(1)).sum(dim=-1).to(torch.float64))
         if full is not None and k_top > 0:
             top_v, top_i = full.topk(k_top, dim=-1)
             parts += [top_i.to(torch.float64).flatten(), top_v.to(torch.float64).flatten()]
@@ -390,14 +390,12 @@ def _process_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return x
 
 
-def compute_prompt_logprobs(
-    logits: torch.Tensor, next_token_ids: torch.Tensor, k: int
-) -> tuple[list[dict[int, float]], list[int]]:
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
     """Prompt log-probs: ``logits[i]`` predicts ``next_token_ids[i]``.
 
-    Returns, per position, ``{token: logprob}`` for the actual next token (first) plus the top-``k`` tokens of the
-    raw distribution, and the actual token's rank in that distribution (vLLM's: 1 + the number of other tokens at
-    least as likely, so ties rank it lower).
+    Returns, per position, the actual next token (first) and the top-``k`` tokens of the raw distribution, each
+    with its `Logprob`: the actual token's rank is vLLM's (1 + the number of other tokens at least as likely, so
+    ties rank it lower); the top tokens rank 1, 2, … in order.
     """
     if k < 0:
         raise ValueError(f"k must be non-negative, got {k}.")
@@ -408,7 +406,7 @@ def compute_prompt_logprobs(
         )
     n, vocab = logits.shape
     if n == 0:
-        return [], []
+        return []
     lp = logits.float().log_softmax(dim=-1)
     ids = next_token_ids.to(device=logits.device, dtype=torch.long)
     actual = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
@@ -419,14 +417,12 @@ def compute_prompt_logprobs(
         top_v, top_i = lp.topk(k, dim=-1)
         parts += [top_i.to(torch.float64).flatten(), top_v.to(torch.float64).flatten()]
     host = torch.cat(parts).tolist()
-    out: list[dict[int, float]] = []
+    out: list[dict[int, Logprob]] = []
     for i in range(n):
-        d = {int(host[i]): host[n + i]}
         ids_at, vals_at = 3 * n + i * k, 3 * n + n * k + i * k
-        for j in range(k):
-            d.setdefault(int(host[ids_at + j]), host[vals_at + j])
-        out.append(d)
-    return out, [int(r) for r in host[2 * n:3 * n]]
+        out.append(position_logprobs(int(host[i]), host[n + i], int(host[2 * n + i]),
+                                     [int(t) for t in host[ids_at:ids_at + k]], host[vals_at:vals_at + k]))
+    return out
 
 
 __all__ = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.logprobs import Logprob
 from pagedllm.model.layers.inverse_cdf import SampleGenerator
 from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
@@ -38,12 +39,12 @@ class RowSample:
 
     ``logprobs[j]`` is the raw log-prob of ``token_ids[j]``; ``top_logprobs[j]``
     (only when ``params.logprobs`` is set) maps the sampled token and the
-    top-``params.logprobs`` tokens to their raw log-probs (sampled token first).
+    top-``params.logprobs`` tokens to their `Logprob` (raw log-prob and rank; sampled token first).
     """
 
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[dict[int, float]] | None
+    top_logprobs: list[dict[int, Logprob]] | None
 
 
 @dataclass
