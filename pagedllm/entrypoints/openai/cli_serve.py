@@ -11,6 +11,8 @@ from pathlib import Path
 from pagedllm.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("pagedllm.serve")
+#: vLLM's switch for keeping /v1/responses results (--enable-responses-api-store).
+RESPONSES_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 
 
 def add_serve_parser(sub) -> None:
@@ -39,6 +41,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
                         "(default: 5).")
+    p.add_argument("--enable-responses-api-store", action="store_true",
+                   default=os.environ.get(RESPONSES_STORE_ENV, "0") == "1",
+                   help="Keep /v1/responses results in memory (the most recent 10 000) for GET /v1/responses/{id} "
+                        f"and previous_response_id (vLLM's {RESPONSES_STORE_ENV}=1 does the same). Off: requests' "
+                        "`store` is ignored and nothing is kept.")
     _add_limit_args(p)
     p.add_argument("--no-dashboard", action="store_true",
                    help="Turn off the live KV-cache dashboard (/dashboard, /dashboard/snapshot, /dashboard/events).")
@@ -145,7 +152,8 @@ def run_serve(args: argparse.Namespace) -> int:
                        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
                     dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request,
-                    dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1", http=http)
+                    dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1", http=http,
+                    responses_store=args.enable_responses_api_store)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], info.model_dir, info.device, info.dtype, checker.num_gpu_blocks, checker.block_size,

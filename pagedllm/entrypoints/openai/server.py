@@ -33,6 +33,8 @@ from pagedllm.entrypoints.openai.dashboard import register_dashboard
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedllm.entrypoints.openai.warm_up import warm_up_request
 
 logger = logging.getLogger("pagedllm.server")
@@ -103,12 +105,14 @@ class HttpOptions:
 
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
               protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True,
-              dev_mode: bool = False, http: HttpOptions = HttpOptions()) -> FastAPI:
+              dev_mode: bool = False, http: HttpOptions = HttpOptions(), responses_store: bool = False) -> FastAPI:
     """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py).
     `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development route ``POST /reset_prefix_cache``.
-    `http`: response headers and CORS (HttpOptions)."""
+    `http`: response headers and CORS (HttpOptions). `responses_store`: keep /v1/responses results in memory
+    (--enable-responses-api-store)."""
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
+    responses = OpenAIServingResponses(ctx, ResponseStore() if responses_store else None)
     board = None  # the live KV-cache dashboard (set below unless turned off)
 
     @asynccontextmanager
@@ -194,6 +198,14 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await _serve(request, chat.create_chat_completion(req, request.headers.get("x-request-id")))
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, request: Request) -> Response:
+        return await _serve(request, responses.create_response(req, request.headers.get("x-request-id")))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        return responses.retrieve(response_id)
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
