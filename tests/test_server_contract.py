@@ -125,7 +125,8 @@ def test_chunked_body_above_limit_is_413(server):
 
 @pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/v1/completions", "POST"),
                                          ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
-                                         ("/detokenize", "POST"), ("/metrics", "GET")])
+                                         ("/detokenize", "POST"), ("/metrics", "GET"), ("/v1/responses", "POST"),
+                                         ("/invocations", "POST")])
 def test_api_key_guards_model_routes(server, path, method):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.request(method, server.url(path), json={}, headers=headers, timeout=30)
@@ -140,6 +141,7 @@ def test_open_routes_stay_open(server):
     assert httpx.get(server.url("/health")).status_code == 200
     assert httpx.get(server.url("/version")).status_code == 200
     assert httpx.get(server.url("/metrics"), headers=AUTH).status_code == 200
+    assert httpx.get(server.url("/ping")).status_code == httpx.post(server.url("/ping")).status_code == 200
 
 
 def test_api_key_auth_unit():

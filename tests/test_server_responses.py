@@ -190,3 +190,27 @@ def test_without_the_store_nothing_is_kept():
     for i in range(3):
         store.put(f"r{i}", StoredResponse(body={"id": f"r{i}"}, messages=[]))
     assert store.get("r0") is None and store.get("r2").body == {"id": "r2"}
+
+
+def test_invocations_dispatch_on_the_body(server, client):
+    """vLLM's (SageMaker's) /invocations: `messages` is a chat completion, `prompt` a completion, `input` a
+    response, each the same as on its own route."""
+    post = lambda body: httpx.post(server.url("/invocations"), json={"model": MODEL_NAME, "temperature": 0,  # noqa: E731
+                                                                       **body}, timeout=60)
+    messages = [{"role": "user", "content": "Name a planet."}]
+    chat = post({"messages": messages, "max_tokens": 6}).json()
+    assert chat["object"] == "chat.completion"
+    assert chat["choices"][0]["message"]["content"] == _chat(client, messages, 6).choices[0].message.content
+    cmpl = post({"prompt": "The capital of France is", "max_tokens": 4}).json()
+    want = client.completions.create(prompt="The capital of France is", max_tokens=4, **GREEDY)
+    assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["text"] == want.choices[0].text
+    resp = post({"input": "Name a planet.", "max_output_tokens": 6}).json()
+    assert resp["object"] == "response" and resp["output"][0]["content"][0]["text"] == chat["choices"][0][
+        "message"]["content"]
+    for body, param in (({"max_tokens": 4}, "body"), ({"prompt": "hi", "max_tokens": "4"}, "max_tokens")):
+        r = post(body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    bad_json = httpx.post(server.url("/invocations"), content=b"{nope", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+    assert httpx.get(server.url("/ping")).status_code == 200
+

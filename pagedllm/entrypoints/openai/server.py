@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
@@ -176,6 +178,34 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             return Response(status_code=200)
         reason = ctx.engine.dead_reason or "engine not running"
         return error_response(OpenAIError(reason, code="engine_unavailable", status=503, type="server_error"))
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route: /health under another name."""
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """vLLM's (SageMaker's) one route for every kind of request: the body's own fields say which."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise OpenAIError("The request body is not valid JSON.", code="invalid_json") from None
+        keys = body.keys() if isinstance(body, dict) else ()
+        kind = next((k for k in ("messages", "prompt", "input") if k in keys), None)
+        if kind is None:
+            raise OpenAIError("an invocation needs `messages` (a chat completion), `prompt` (a completion) or "
+                              "`input` (a response).", param="body")
+        model = {"messages": ChatCompletionRequest, "prompt": CompletionRequest, "input": ResponsesRequest}[kind]
+        try:
+            req = model.model_validate_json(raw)
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        rid = request.headers.get("x-request-id")
+        work = (chat.create_chat_completion(req, rid) if kind == "messages" else
+                completion.create_completion(req, rid) if kind == "prompt" else responses.create_response(req, rid))
+        return await _serve(request, work)
 
     @app.get("/version")
     async def version() -> dict:
