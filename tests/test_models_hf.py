@@ -1,4 +1,4 @@
-"""The paper's model families (Llama, OPT, GPT-2) plus Qwen2 and Mistral, loaded from Hugging Face
+"""The paper's model families (Llama, OPT, GPT-2) plus Qwen2, Qwen3 and Mistral, loaded from Hugging Face
 directories written by `transformers` itself, must generate exactly what `transformers` generates.
 
 Each family is a tiny random-weight model built from its transformers config class and saved with
@@ -62,6 +62,8 @@ FAMILIES: dict[str, Family] = {
         scale_attn_by_inverse_layer_idx=True,
     ), "GPT2LMHeadModel"),
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", _LLAMA_LIKE, "Qwen2ForCausalLM"),
+    # Per-head q/k RMSNorms, and a head_dim wider than hidden / heads (as Qwen3's 128 with 16 heads of 1024).
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", {**_LLAMA_LIKE, "head_dim": 32}, "Qwen3ForCausalLM"),
     # A window wider than every sequence here: full attention is exact, so parity must hold.
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {**_LLAMA_LIKE, "max_position_embeddings": 256, "sliding_window": 96}, "LlamaForCausalLM"),
@@ -184,16 +186,17 @@ def test_parity_with_swap_preemption_and_block_size_8(name: str, build) -> None:
     assert stats["num_cpu_blocks_free"] == stats["num_cpu_blocks_total"]
 
 
-@pytest.mark.parametrize("name", ["opt-350m-style", "gpt2"])
-def test_tensor_parallel_tp2_matches_hf(name: str, build) -> None:
-    """The families use the TP layers: at tp=2 (real processes, gloo) each rank holds half the heads."""
+@pytest.mark.parametrize("name,kv_heads_per_rank", [("opt-350m-style", 2), ("gpt2", 2), ("qwen3", 1)])
+def test_tensor_parallel_tp2_matches_hf(name: str, kv_heads_per_rank: int, build) -> None:
+    """The families use the TP layers: at tp=2 (real processes, gloo) each rank holds half the heads (Qwen3's
+    per-head q/k norms run on each rank's own heads)."""
     built = build(name)
     llm = LLM(model=str(built.path), num_gpu_blocks_override=SMALL_POOL, block_size=4, tensor_parallel_size=2,
               distributed_executor_backend="mp", **ENGINE_KW)
     executor = llm.llm_engine.executor
     try:
         worker = executor.driver.worker
-        assert worker.cache_engine.gpu_cache[0][0].shape[2] == 2  # 2 of 4 heads on this rank
+        assert worker.cache_engine.gpu_cache[0][0].shape[2] == kv_heads_per_rank  # half the KV heads
         outs = _greedy(llm, built.prompts, logprobs=3)
         stats = llm.stats()
     finally:
@@ -250,6 +253,14 @@ def test_weights_loaded_exactly(build) -> None:
     bias = torch.cat([qwen.state[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv"])
     assert bias.abs().sum() > 0
     torch.testing.assert_close(m.model.layers[0].self_attn.qkv_proj.bias, bias, rtol=0, atol=0)
+
+    qwen3 = build("qwen3")
+    m = _model(LLM(model=str(qwen3.path), num_gpu_blocks_override=4, **ENGINE_KW))
+    for kind in "qk":
+        want = qwen3.state[f"model.layers.1.self_attn.{kind}_norm.weight"]
+        assert want.shape == (32,) and (want - 1).abs().sum() > 0  # moved off 1 by _random_model
+        torch.testing.assert_close(getattr(m.model.layers[1].self_attn, f"{kind}_norm").weight, want, rtol=0, atol=0)
+    assert m.model.layers[0].self_attn.qkv_proj.bias is None
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -334,7 +345,8 @@ def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
 
 def test_registry_by_architecture_and_model_type() -> None:
     for cfg_cls, ours in [("OPTConfig", "OPTForCausalLM"), ("GPT2Config", "GPT2LMHeadModel"),
-                          ("Qwen2Config", "Qwen2ForCausalLM"), ("MistralConfig", "LlamaForCausalLM")]:
+                          ("Qwen2Config", "Qwen2ForCausalLM"), ("Qwen3Config", "Qwen3ForCausalLM"),
+                          ("MistralConfig", "LlamaForCausalLM")]:
         config = getattr(transformers, cfg_cls)()  # no `architectures`: model_type decides
         assert get_model_class(config).__name__ == ours
 

@@ -133,6 +133,10 @@ class LlamaDirectForward:
         if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2: the layer layout written here
             logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
             return None
+        if model.qk_norm:
+            logger.info("CPU direct forward not used: %s normalises each head's q and k, which it does not",
+                        type(model).__name__)
+            return None
         try:
             gguf = any(getattr(m, "gguf_weight", None) is not None for m in model.modules())
             fwd = cls(model, attn_backend.kernels, cpu_quant.load_quant_kernels() if gguf else None, attn_backend)

@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3, SmolLM2, Mistral-style): GQA, RoPE, RMSNorm, SwiGLU."""
+"""Llama family (Llama 2/3, SmolLM2, Mistral-style; Qwen2 and Qwen3 as subclasses): GQA, RoPE, RMSNorm, SwiGLU."""
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -34,7 +34,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False) -> None:
+    """`qk_norm` (Qwen3): an RMSNorm over each head's q and k (one weight of head_dim per kind), before RoPE."""
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -51,19 +54,26 @@ class LlamaAttention(nn.Module):
         max_pos = getattr(config, "max_position_embeddings", 8192)
         self.rotary_emb = RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32)
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # per head: [T, H·D] → [T·H, D] rows (new contiguous tensors)
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
         # CUDA: rotated in place in the qkv buffer by one fused kernel; CPU: the torch ops via float32.
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias)
+        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias, qk_norm)
         self.mlp = LlamaMLP(config, tp, dtype, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -80,11 +90,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, tp, dtype, qkv_bias) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -109,13 +120,14 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qkv_bias = False
+    qk_norm = False  # Qwen3: per-head RMSNorms on q and k
     loads_fp8_checkpoints = True  # [out, in] linears: model/fp8_checkpoint.py's per-row scales fit them
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         # Sliding windows (Mistral): the engine caps max_model_len at the window (registry.get_model_max_len).
-        self.model = LlamaModel(config, tp, dtype, self.qkv_bias)
+        self.model = LlamaModel(config, tp, dtype, self.qkv_bias, self.qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

@@ -6,6 +6,7 @@ from typing import Any
 
 _LLAMA = "pagedllm.model.models.llama:LlamaForCausalLM"
 _QWEN2 = "pagedllm.model.models.qwen2:Qwen2ForCausalLM"
+_QWEN3 = "pagedllm.model.models.qwen3:Qwen3ForCausalLM"
 _OPT = "pagedllm.model.models.opt:OPTForCausalLM"
 _GPT2 = "pagedllm.model.models.gpt2:GPT2LMHeadModel"
 
@@ -14,11 +15,13 @@ _MODELS = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _QWEN2,
+    "Qwen3ForCausalLM": _QWEN3,
     "OPTForCausalLM": _OPT,
     "GPT2LMHeadModel": _GPT2,
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _QWEN2,
+    "qwen3": _QWEN3,
     "opt": _OPT,
     "gpt2": _GPT2,
 }
