@@ -186,6 +186,20 @@ def test_parity_with_swap_preemption_and_block_size_8(name: str, build) -> None:
     assert stats["num_cpu_blocks_free"] == stats["num_cpu_blocks_total"]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_cuda_greedy_parity(name: str, build) -> None:
+    """The Llama-stack families on the GPU's kernels (Triton attention, fused norms and RoPE, CUDA graphs) in
+    float32: transformers' greedy tokens, its log-probs to float32-on-GPU noise."""
+    built = build(name)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=64, **{**ENGINE_KW, "device": "cuda"})
+    assert type(_model(llm)).__name__ == FAMILIES[name].ours
+    outs = _greedy(llm, built.prompts, logprobs=3)
+    assert [list(o.outputs[0].token_ids) for o in outs] == built.reference
+    _assert_logprobs_match(outs, built, atol=2e-3)
+
+
 @pytest.mark.parametrize("name,kv_heads_per_rank", [("opt-350m-style", 2), ("gpt2", 2), ("qwen3", 1)])
 def test_tensor_parallel_tp2_matches_hf(name: str, kv_heads_per_rank: int, build) -> None:
     """The families use the TP layers: at tp=2 (real processes, gloo) each rank holds half the heads (Qwen3's
