@@ -26,7 +26,15 @@ from pagedllm.cache_dir import pagedllm_cache_dir
 
 logger = logging.getLogger("pagedllm")
 
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
+#: llama.cpp architecture → (HF architecture, HF model_type, whether q/k rows are permuted). llama.cpp's converter
+#: permutes Llama's q_proj/k_proj rows to its interleaved RoPE; Qwen models use the NEOX (rotate-half) order
+#: and are stored as HF has them.
+_GGUF_ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = MappingProxyType({
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+})
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_GGUF_ARCHITECTURES)
 GGUF_MAGIC = b"GGUF"
 # Bump when the converter output changes so that stale caches are not reused.
 CONVERTER_VERSION = "2"
@@ -47,6 +55,8 @@ _BLOCK_TENSORS: Mapping[str, str] = MappingProxyType(
         "ffn_down": "mlp.down_proj",
         "attn_norm": "input_layernorm",
         "ffn_norm": "post_attention_layernorm",
+        "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
+        "attn_k_norm": "self_attn.k_norm",
     }
 )
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -231,7 +241,8 @@ def map_tensor_name(gguf_name: str) -> str | None:
         raise ValueError(
             "GGUF tensor 'rope_freqs.weight' (Llama-3.1 style RoPE frequency scaling) is not supported yet"
         )
-    raise ValueError(f"Unsupported tensor {gguf_name!r} in GGUF file (llama architecture expected)")
+    raise ValueError(f"Unsupported tensor {gguf_name!r} in GGUF file (architectures {', '.join(_GGUF_ARCHITECTURES)} "
+                     f"expected)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,10 +259,12 @@ class GGUFModelInfo:
     eos_token_ids: list[int]
     has_tokenizer: bool
     chat_template: str | None
+    #: q_proj/k_proj rows in llama.cpp's interleaved RoPE order (Llama): un-permuted when read.
+    permuted_qk: bool = True
 
 
 def build_config(reader: Any, path: Path) -> GGUFModelInfo:
-    """Build a LlamaConfig-compatible dict from GGUF metadata."""
+    """Build an HF config dict (Llama, Qwen2 or Qwen3) from GGUF metadata."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -301,9 +314,10 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
     eos_ids = [int(x) for x in (eos, gguf_field(reader, "tokenizer.ggml.eot_token_id"),
                                 gguf_field(reader, "tokenizer.ggml.eom_token_id")) if x is not None]
     eos_ids = list(dict.fromkeys(eos_ids))
+    hf_arch, model_type, permuted_qk = _GGUF_ARCHITECTURES[arch]
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(req("feed_forward_length")),
         "num_hidden_layers": int(req("block_count")),
@@ -331,6 +345,7 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         eos_token_ids=eos_ids,
         has_tokenizer=gguf_field(reader, "tokenizer.ggml.model") is not None,
         chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        permuted_qk=permuted_qk,
     )
 
 
@@ -343,6 +358,7 @@ def _expected_shape(hf_name: str, cfg: dict[str, Any]) -> tuple[int, ...] | None
         "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (h,),
         "gate_proj.weight": (ff, h), "up_proj.weight": (ff, h), "down_proj.weight": (h, ff),
         "gate_proj.bias": (ff,), "up_proj.bias": (ff,), "down_proj.bias": (h,),
+        "q_norm.weight": (hd,), "k_norm.weight": (hd,),  # before "norm.weight": matched by suffix, in order
         "layernorm.weight": (h,), "norm.weight": (h,),
     }
     for suffix, shape in table.items():
@@ -367,9 +383,9 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.owndata or not arr.flags.writeable:  # F32 comes back as a view of the memmap
             arr = arr.copy()
-        if ".attn_q." in t.name:
+        if info.permuted_qk and ".attn_q." in t.name:
             arr = reverse_permute(arr, info.n_head)
-        elif ".attn_k." in t.name:
+        elif info.permuted_qk and ".attn_k." in t.name:
             arr = reverse_permute(arr, info.n_head_kv)
         expected = _expected_shape(hf_name, info.config)
         if expected is not None and tuple(arr.shape) != expected:
@@ -463,7 +479,7 @@ def _write_tokenizer(path: Path, out_dir: Path, info: GGUFModelInfo) -> None:
 def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Convert ``gguf_path`` into an HF-style directory ``out_dir`` (which must exist)."""
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import AutoConfig, GenerationConfig
 
     src, out = Path(gguf_path), Path(out_dir)
     reader = open_gguf(src)
@@ -471,7 +487,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     _write_weights(iter_gguf_tensors(reader, info, src), out, max_shard_bytes)
     del reader
 
-    LlamaConfig(**info.config).save_pretrained(str(out))
+    AutoConfig.for_model(**info.config).save_pretrained(str(out))
     gen = {k: info.config[k] for k in ("bos_token_id", "pad_token_id") if info.config[k] is not None}
     if info.eos_token_ids:
         gen["eos_token_id"] = info.eos_token_ids[0] if len(info.eos_token_ids) == 1 else info.eos_token_ids
@@ -514,9 +530,9 @@ def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFR
         raw = np.asarray(t.data)
         if len(shape) == 2:
             raw = raw.reshape(shape[0], -1)
-            if ".attn_q." in t.name:
+            if info.permuted_qk and ".attn_q." in t.name:
                 raw = reverse_permute(raw, info.n_head)
-            elif ".attn_k." in t.name:
+            elif info.permuted_qk and ".attn_k." in t.name:
                 raw = reverse_permute(raw, info.n_head_kv)
         out[hf_name] = GGUFRawTensor(hf_name, t.tensor_type.name, int(t.tensor_type), shape, raw)
     return out, total
