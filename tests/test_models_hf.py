@@ -62,6 +62,9 @@ FAMILIES: dict[str, Family] = {
         scale_attn_by_inverse_layer_idx=True,
     ), "GPT2LMHeadModel"),
     "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM", _LLAMA_LIKE, "Qwen2ForCausalLM"),
+    # YaRN context extension (Qwen2.5 / Qwen3 long-context configs): sequences pass the original 32 positions.
+    "qwen2-yarn": Family("Qwen2Config", "Qwen2ForCausalLM", {**_LLAMA_LIKE, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}, "Qwen2ForCausalLM"),
     # Per-head q/k RMSNorms, and a head_dim wider than hidden / heads (as Qwen3's 128 with 16 heads of 1024).
     "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", {**_LLAMA_LIKE, "head_dim": 32}, "Qwen3ForCausalLM"),
     # A window wider than every sequence here: full attention is exact, so parity must hold.

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's rotate-half convention) with default/linear/llama3 scaling."""
+"""Rotary position embeddings (HF's rotate-half convention) with default/linear/llama3/yarn scaling."""
 from __future__ import annotations
 
 import math
@@ -19,7 +19,59 @@ def rope_parameters(config: Any) -> dict:
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     params["rope_type"] = rope_type
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if rope_type in ("llama3", "yarn") and max_pos is not None:
+        # As transformers: the pretraining length, from the config's own field first (Phi-3 keeps it there).
+        own = getattr(config, "original_max_position_embeddings", None)
+        if own is not None:
+            params["original_max_position_embeddings"] = own
+        params.setdefault("original_max_position_embeddings", max_pos)
+        params.setdefault("max_position_embeddings", max_pos)
     return params
+
+
+def attention_factor(params: dict) -> float:
+    """The factor on cos and sin (YaRN's attention temperature; 1 for the other types)."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _yarn_factor(params)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, float(params["mscale"])) / mscale(factor, float(params["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def _yarn_factor(params: dict) -> float:
+    if params.get("factor") is not None:
+        return float(params["factor"])
+    return float(params["max_position_embeddings"]) / float(params["original_max_position_embeddings"])
+
+
+def _yarn_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023) as transformers computes it: high-frequency dimensions keep their frequency,
+    low-frequency ones are interpolated by `factor`, with a linear ramp between the correction range's bounds."""
+    factor = _yarn_factor(params)
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+    original = float(params["original_max_position_embeddings"])
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
@@ -30,6 +82,8 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, params)
     if rope_type == "llama3":
         factor = float(params["factor"])
         low = float(params.get("low_freq_factor", 1.0))
@@ -42,7 +96,7 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,8 +110,9 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos_cache", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(dtype), persistent=False)
+        scale = attention_factor(params)
+        self.register_buffer("cos_cache", (emb.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scale).to(dtype), persistent=False)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
