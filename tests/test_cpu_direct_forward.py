@@ -127,3 +127,38 @@ def test_decode_step_benchmark_runs_both_paths(tmp_path, monkeypatch):
     k = res["kernels_ms"]
     assert {"120 layer linears (C)", "lm_head linear (C)", "direct forward, 1 token"} <= set(k)
     assert k["direct forward, 1 token"] > k["  linears skipped"] > k["  every kernel skipped (Python)"] > 0
+
+
+@pytest.mark.parametrize("weights", ["float32", "gguf-q8"])
+def test_qwen3_per_head_norms_run_direct_and_bit_identical(weights, tmp_path, monkeypatch):
+    """Qwen3's q/k norms in the direct forward (one C call per kind and layer, in place in the qkv rows): the
+    same bits as the module path, with dense float32 linears and with Q8_0 GGUF ones."""
+    from test_gguf_qwen import PROMPTS, _hf_model, write_qwen_gguf
+
+    from pagedllm import LLM
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    model = _hf_model("qwen3")
+    if weights == "float32":
+        model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+        llm = LLM(model=str(tmp_path / "hf"), skip_tokenizer_init=True, dtype="float32", num_gpu_blocks_override=32,
+                  max_model_len=128, device="cpu", swap_space=0.01)
+    else:
+        src = write_qwen_gguf(model, "qwen3", tmp_path / "q8.gguf", q8_linears=True)
+        llm = LLM(model=str(src), skip_tokenizer_init=True, quantization="gguf", num_gpu_blocks_override=32,
+                  max_model_len=128, device="cpu", swap_space=0.01)
+    runner = _runner(llm)
+    direct = runner.direct_forward
+    assert isinstance(direct, LlamaDirectForward) and direct.layers[0].q_norm != 0
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    stats = runner.enable_step_stats()
+    try:
+        got = _generate(llm, prompts)
+        paths = {path for _, path, *_ in stats.records}
+        runner.direct_forward = None
+        ref = _generate(llm, prompts)
+    finally:
+        runner.direct_forward = direct
+        runner.step_stats = None
+    assert paths == {"direct"}
+    assert got == ref

@@ -66,6 +66,9 @@ class CpuKernels:
         self._rms = lib.rms_norm_f32
         self._rms.restype = None
         self._rms.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64, _c_float]
+        self._rms_heads = lib.rms_norm_heads_f32
+        self._rms_heads.restype = None
+        self._rms_heads.argtypes = [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _c_float]
         self._rotary = lib.rotary_embedding_f32
         self._rotary.restype = None
         self._rotary.argtypes = [_ptr, _c_int64, _c_int, _ptr, _c_int64, _c_int, _ptr, _ptr, _ptr, _c_int64, _c_int]
@@ -85,6 +88,11 @@ class CpuKernels:
         The cache write is the float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and
         paged_attention takes the pool's ``kv_format`` code, min_tile_query_len, k_scale and v_scale last."""
         return self._rms, self._rotary, self._cache, self._attention, self._silu
+
+    def heads_norm_function(self):
+        """The C per-head RMSNorm (Qwen3's q/k norms) without checks, in place: (x, row stride, heads, weight,
+        num_tokens, head_dim, eps)."""
+        return self._rms_heads
 
     def fp8_cache_function(self):
         """The fp8 pool's C cache write without checks: the float32 pool's arguments, then e5m2 (0: e4m3fn),

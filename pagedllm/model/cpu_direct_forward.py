@@ -9,7 +9,7 @@ what depends on the step (the batch's indices, once, not once per layer); then i
 kernels, in the same order, on the same inputs, into buffers reused across layers (and across steps of
 the same token count), so its outputs are bit-identical to the module path's.
 
-Built by the worker for float32 Llama-family models (Llama, Mistral, Qwen2) on the CPU when the native
+Built by the worker for float32 Llama-family models (Llama, Mistral, Qwen2, Qwen3) on the CPU when the native
 kernels are loaded and every linear is of one kind: GGUF blocks (``--quantization gguf``, the C GEMMs called
 by pointer) or dense float32 weights (an HF checkpoint or ``--quantization none``: the layer's own
 ``forward``, i.e. oneDNN's packed GEMM, so the products are the module path's). ``PAGEDLLM_CPU_DIRECT_FORWARD=0``
@@ -57,6 +57,9 @@ class _Layer:
     ln2: int
     cos: int  # this layer's rotary caches
     sin: int
+    q_norm: int = 0  # Qwen3's per-head q / k RMSNorm weight pointers (0: none)
+    k_norm: int = 0
+    qk_eps: float = 0.0
 
 
 class _Buffers:
@@ -94,6 +97,7 @@ class LlamaDirectForward:
         self._cache_bf16 = cpu_kernels.cache_writer(torch.bfloat16)  # --kv-cache-dtype bfloat16
         self._cache_fp8 = cpu_kernels.fp8_cache_function()  # --kv-cache-dtype fp8 / fp8_e5m2 (format and scales last)
         self._linear = quant_kernels.c_functions()[0] if quant_kernels is not None else None  # GGUF linears
+        self._heads_norm = cpu_kernels.heads_norm_function()  # Qwen3's q/k norms
         first = inner.layers[0]
         attn = first.self_attn
         self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
@@ -130,12 +134,8 @@ class LlamaDirectForward:
             return None
         from pagedllm.model.models.llama import LlamaForCausalLM
 
-        if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2: the layer layout written here
+        if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2, Qwen3: the layer layout written here
             logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
-            return None
-        if model.qk_norm:
-            logger.info("CPU direct forward not used: %s normalises each head's q and k, which it does not",
-                        type(model).__name__)
             return None
         try:
             gguf = any(getattr(m, "gguf_weight", None) is not None for m in model.modules())
@@ -200,9 +200,16 @@ class LlamaDirectForward:
         if layer.input_layernorm.weight.shape != (self.hidden,) or rope.cos_cache.shape[-1] != d \
                 or rope.cos_cache.shape[0] < self.max_position:
             raise ValueError("norm or rotary shapes do not match")
+        qk = (0, 0, 0.0)
+        if sa.q_norm is not None:
+            norms = (sa.q_norm.weight, sa.k_norm.weight)
+            if any(w.dtype != torch.float32 or not w.is_contiguous() or w.shape != (d,) for w in norms) \
+                    or float(sa.q_norm.eps) != float(sa.k_norm.eps):
+                raise ValueError("q/k norms must be contiguous float32 [head_dim] weights with one eps")
+            qk = (norms[0].data_ptr(), norms[1].data_ptr(), float(sa.q_norm.eps))
         return _Layer(qkv, o, gate_up, down, layer.input_layernorm.weight.data_ptr(),
                       layer.post_attention_layernorm.weight.data_ptr(), rope.cos_cache.data_ptr(),
-                      rope.sin_cache.data_ptr())
+                      rope.sin_cache.data_ptr(), *qk)
 
     def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]]:
         """(key, value) pointers per layer, the pool's block count, block size and dtype (one of
@@ -272,6 +279,7 @@ class LlamaDirectForward:
         gemm = self.gemm_method
         method = 0 if gemm == "dense" else cpu_quant.METHOD_CODES[cpu_quant.choose_method() if gemm == "auto" else gemm]
         rms, rope, attention, silu, linear = self._rms, self._rope, self._attention, self._silu, self._linear
+        heads_norm = self._heads_norm
         kv_fmt = KV_FORMATS[kv_dtype]
         fp8, e5m2 = kv_fmt >= KV_FORMATS[torch.float8_e4m3fn], int(kv_dtype == torch.float8_e5m2)
         cache, cache_fp8 = self._cache_bf16 if kv_dtype == torch.bfloat16 else self._cache, self._cache_fp8
@@ -305,6 +313,9 @@ class LlamaDirectForward:
             qkv_out = run_linear(layer.qkv, b.normed, b.qkv)
             qkv = qkv_out.data_ptr()
             k_ptr, v_ptr = qkv + 4 * q, qkv + 4 * (q + kvs)
+            if layer.q_norm:  # Qwen3: each head's q and k normalised in place, before RoPE
+                heads_norm(qkv, qkv_w, hq, layer.q_norm, t, d, layer.qk_eps)
+                heads_norm(k_ptr, qkv_w, hk, layer.k_norm, t, d, layer.qk_eps)
             rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
             k_scale, v_scale = kv_scales[i]
             if fp8:

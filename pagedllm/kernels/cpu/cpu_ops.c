@@ -961,6 +961,17 @@ void reshape_and_cache_fp8(const float *key, const float *value, int64_t src_str
 
 static inline int rows_parallel(int64_t rows, int64_t cols) { return rows * cols > 16384; }
 
+/* One row: out = weight * src * rsqrt(mean(src²) + eps); out may be src (in place). Both norms below call it, so
+ * a row's bits are the same whichever of them normalises it. */
+static inline void rms_row(float *out, const float *src, const float *weight, int64_t hidden, float eps) {
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < hidden; ++i) ss += src[i] * src[i];
+    const float r = 1.f / sqrtf(ss / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) out[i] = weight[i] * (src[i] * r);
+}
+
 /* out[t] = weight * s * rsqrt(mean(s²) + eps) with s = x[t] (+ residual[t], then also stored in
  * residual_out[t]). x and residual rows are `x_stride` / `res_stride` floats apart; outputs are dense. */
 void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride, const float *residual,
@@ -968,7 +979,6 @@ void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_str
 #pragma omp parallel for schedule(static) if (rows_parallel(num_tokens, hidden))
     for (int64_t t = 0; t < num_tokens; ++t) {
         const float *xt = x + t * x_stride;
-        float *ot = out + t * hidden;
         const float *src = xt;
         if (residual != NULL) {
             const float *rt = residual + t * res_stride;
@@ -977,12 +987,19 @@ void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_str
             for (int64_t i = 0; i < hidden; ++i) st[i] = xt[i] + rt[i];
             src = st;
         }
-        float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < hidden; ++i) ss += src[i] * src[i];
-        const float r = 1.f / sqrtf(ss / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) ot[i] = weight[i] * (src[i] * r);
+        rms_row(out + t * hidden, src, weight, hidden, eps);
+    }
+}
+
+/* Qwen3's per-head norm, in place: each of `heads` rows of head_dim at x + t * stride (heads adjacent) is
+ * normalised with the one `weight` of head_dim, as rms_norm_f32 normalises a row. */
+void rms_norm_heads_f32(float *x, int64_t stride, int64_t heads, const float *weight, int64_t num_tokens,
+                        int64_t head_dim, float eps) {
+    const int64_t rows = num_tokens * heads;
+#pragma omp parallel for schedule(static) if (rows_parallel(rows, head_dim))
+    for (int64_t r = 0; r < rows; ++r) {
+        float *row = x + (r / heads) * stride + (r % heads) * head_dim;
+        rms_row(row, row, weight, head_dim, eps);
     }
 }
 
