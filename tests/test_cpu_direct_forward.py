@@ -32,12 +32,11 @@ def _generate(llm, prompts):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
 
 
-def test_direct_forward_is_bit_identical_to_the_module_path(llm, tokenizer):
+def _assert_direct_equals_module_path(llm, prompts) -> LlamaDirectForward:
+    """Every step of `prompts` runs the direct forward, and the module path gives exactly the same outputs."""
     runner = _runner(llm)
     direct = runner.direct_forward
     assert isinstance(direct, LlamaDirectForward)
-    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):\n    ",
-                                              "Once upon a time, in a small village by the sea,", "Hello")]
     stats = runner.enable_step_stats()
     try:
         got = _generate(llm, prompts)  # prefill, mixed and decode steps of up to 4 sequences, prompt logprobs
@@ -49,6 +48,13 @@ def test_direct_forward_is_bit_identical_to_the_module_path(llm, tokenizer):
         runner.step_stats = None
     assert paths == {"direct"}
     assert got == ref  # token ids, sampled and prompt log-probs: exactly equal
+    return direct
+
+
+def test_direct_forward_is_bit_identical_to_the_module_path(llm, tokenizer):
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):\n    ",
+                                              "Once upon a time, in a small village by the sea,", "Hello")]
+    _assert_direct_equals_module_path(llm, prompts)
 
 
 def test_long_prompt_chunks_take_the_module_path(llm, tokenizer, monkeypatch):
@@ -147,18 +153,5 @@ def test_qwen3_per_head_norms_run_direct_and_bit_identical(weights, tmp_path, mo
         src = write_qwen_gguf(model, "qwen3", tmp_path / "q8.gguf", q8_linears=True)
         llm = LLM(model=str(src), skip_tokenizer_init=True, quantization="gguf", num_gpu_blocks_override=32,
                   max_model_len=128, device="cpu", swap_space=0.01)
-    runner = _runner(llm)
-    direct = runner.direct_forward
-    assert isinstance(direct, LlamaDirectForward) and direct.layers[0].q_norm != 0
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    stats = runner.enable_step_stats()
-    try:
-        got = _generate(llm, prompts)
-        paths = {path for _, path, *_ in stats.records}
-        runner.direct_forward = None
-        ref = _generate(llm, prompts)
-    finally:
-        runner.direct_forward = direct
-        runner.step_stats = None
-    assert paths == {"direct"}
-    assert got == ref
+    direct = _assert_direct_equals_module_path(llm, [{"prompt_token_ids": p} for p in PROMPTS])
+    assert direct.layers[0].q_norm != 0
