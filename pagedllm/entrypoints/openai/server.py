@@ -90,6 +90,11 @@ class GracefulServer(uvicorn.Server):
             logger.info("aborted %d request(s) still running at shutdown", n)
 
 
+#: /invocations reads its body itself (its fields choose the request model); its schema, for clients and fuzzers.
+_INVOCATIONS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [
+    {"$ref": f"#/components/schemas/{name}"} for name in ("ChatCompletionRequest", "CompletionRequest",
+                                                          "ResponsesRequest")]}}}}}
+
 # vLLM's switch for its development routes (here: POST /reset_prefix_cache).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
@@ -179,12 +184,13 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         reason = ctx.engine.dead_reason or "engine not running"
         return error_response(OpenAIError(reason, code="engine_unavailable", status=503, type="server_error"))
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.post("/ping", operation_id="ping_post")
+    @app.get("/ping")
     async def ping() -> Response:
         """vLLM's (SageMaker's) liveness route: /health under another name."""
         return await health()
 
-    @app.post("/invocations")
+    @app.post("/invocations", openapi_extra=_INVOCATIONS_BODY)
     async def invocations(request: Request) -> Response:
         """vLLM's (SageMaker's) one route for every kind of request: the body's own fields say which."""
         raw = await request.body()
