@@ -6,6 +6,7 @@ from typing import AsyncIterator
 
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
+    ChatMessage,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -14,6 +15,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     dump,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningStream, prompt_opens_thinking
 from pagedllm.entrypoints.openai.serving_tools import ChatTools
 from pagedllm.entrypoints.openai.serving_common import (
     OpenAIError,
@@ -114,7 +116,7 @@ class OpenAIServingChat:
             if logprobs is not None:
                 lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(comp.token_ids, comp.logprobs or [], logprobs,
                                                                           self.ctx.tokens_as_ids(req)))
-            message, finish = tools.message(comp.text, comp.finish_reason)
+            message, finish = self._message(comp, tools, ids)
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason,
                 token_ids=list(comp.token_ids) if req.return_token_ids else None))
@@ -123,6 +125,18 @@ class OpenAIServingChat:
         return dump(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
                                            prompt_logprobs=prompt_logprobs,
                                            prompt_token_ids=list(ids) if req.return_token_ids else None))
+
+    def _message(self, comp, tools: ChatTools, prompt_ids: list[int]) -> tuple[ChatMessage, str | None]:
+        """A choice's message: its reasoning apart (--reasoning-parser), then its content and tool calls."""
+        parser = self.ctx.reasoning_parser
+        if parser is None:
+            return tools.message(comp.text, comp.finish_reason)
+        reasoning, content = parser.split(comp.text, prompt_opens_thinking(self.ctx.tokenizer, prompt_ids))
+        message, finish = tools.message(content or "", comp.finish_reason)
+        message.reasoning = reasoning
+        if content is None and not message.tool_calls:
+            message.content = None
+        return message, finish
 
     async def _stream(self, req, model, request_id, ids, streams, tools: ChatTools) -> AsyncIterator[str]:
         created = int(time.time())
@@ -134,6 +148,9 @@ class OpenAIServingChat:
         done: set[int] = set()
         final: RequestOutput | None = None
 
+        parser = self.ctx.reasoning_parser
+        opened = parser is not None and prompt_opens_thinking(self.ctx.tokenizer, ids)
+        thinking: dict[int, ReasoningStream] = {}  # per choice, with --reasoning-parser
         chunker = ChatChunker(request_id, created, model)
         chunk, delta_chunk = chunker.chunk, chunker.delta_chunk
         usage_so_far = ContinuousUsage(req.stream_options, [len(ids)]).of
@@ -148,18 +165,26 @@ class OpenAIServingChat:
                     idx = comp.index
                     if idx in done:
                         continue
-                    delta = comp.text[sent_text.get(idx, 0):]
+                    text, r_delta = comp.text, ""
+                    if parser is not None:  # the reasoning goes apart; `text` is the content so far
+                        stream = thinking.setdefault(idx, parser.stream(opened))
+                        r_delta, _ = stream.feed(comp.text, comp.finish_reason is not None)
+                        text = stream.content
+                    delta = text[sent_text.get(idx, 0):]
                     lo, n_tok = sent_toks.get(idx, 0), len(comp.token_ids)
                     lp = None
                     if top_k is not None and n_tok > lo:
                         lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(
                             comp.token_ids[lo:], (comp.logprobs or [])[lo:], top_k, as_ids))
                     new_ids = list(comp.token_ids[lo:n_tok]) if req.return_token_ids else None
-                    sent_text[idx], sent_toks[idx] = len(comp.text), n_tok
+                    sent_text[idx], sent_toks[idx] = len(text), n_tok
                     finish = comp.finish_reason
                     usage = usage_so_far(0, n_tok)
+                    if r_delta:
+                        yield chunk(idx, None, None, lp, usage=usage, token_ids=new_ids, reasoning=r_delta)
+                        lp, new_ids = None, None
                     if tools.mode is not None:  # tool calls: deltas from the tool handler
-                        for d in tools.deltas(idx, comp.text, finish is not None):
+                        for d in tools.deltas(idx, text, finish is not None):
                             yield delta_chunk(idx, d, lp, usage=usage, token_ids=new_ids)
                             lp, new_ids = None, None
                         if lp is not None or new_ids:

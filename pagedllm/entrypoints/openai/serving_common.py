@@ -109,6 +109,8 @@ class ServingContext:
     num_gpu_blocks: int | None = None
     #: --return-tokens-as-token-ids: logprob tokens as "token_id:N" unless a request says otherwise.
     return_tokens_as_token_ids: bool = False
+    #: --reasoning-parser: splits a thinking model's output into reasoning and content (None: off).
+    reasoning_parser: Any = None
     #: Most log-probs per token (the engine's max_logprobs; -1: up to the vocabulary).
     max_logprobs: int = MAX_LOGPROBS
     #: The model's generation-config defaults for fields a request leaves unset (engine/generation_defaults.py).

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, SamplingExtras
 from pagedllm.entrypoints.openai.protocol_responses import INCLUDE_LOGPROBS, ResponsesRequest
+from pagedllm.entrypoints.openai.reasoning import prompt_opens_thinking
 from pagedllm.entrypoints.openai.responses_input import input_messages
 from pagedllm.entrypoints.openai.serving_chat import render_messages
 from pagedllm.entrypoints.openai.serving_common import (
@@ -89,7 +90,7 @@ class OpenAIServingResponses:
             streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt)
         except OpenAIError as e:
             raise _constraint_named(req, e) from None
-        shape = _Shape(self.ctx, req, response_id, chat.model or self.ctx.model_name, len(ids), logprobs, tools)
+        shape = _Shape(self.ctx, req, response_id, chat.model or self.ctx.model_name, ids, logprobs, tools)
         if req.stream:
             return self._stream(req, shape, history, streams)
         final: RequestOutput | None = None
@@ -190,6 +191,8 @@ class OpenAIServingResponses:
             return
         turn: list[dict[str, Any]] = []
         for item in body["output"]:
+            if item["type"] == "reasoning":  # thinking is not replayed into the next turn
+                continue
             if item["type"] == "message":
                 turn.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
             else:  # a function call: the next turn sends its output as a function_call_output item
@@ -207,7 +210,8 @@ class OpenAIServingResponses:
         yield events.send("response.created", response=shape.body([], "in_progress", None, None))
         yield events.send("response.in_progress", response=shape.body([], "in_progress", None, None))
         final: RequestOutput | None = None
-        plain = shape.tools.mode is None  # with tools, the output's items are known only at the end
+        # With tools or a reasoning parser, the output's items are known only at the end.
+        plain = shape.tools.mode is None and self.ctx.reasoning_parser is None
         msg_id = _new_id("msg")
         sent_text, sent_toks, started = 0, 0, False
         try:
@@ -248,6 +252,14 @@ class OpenAIServingResponses:
                                       content_index=0, text=part["text"], logprobs=part.get("logprobs") or [])
                     yield events.send("response.content_part.done", item_id=item["id"], output_index=index,
                                       content_index=0, part=part)
+                elif item["type"] == "reasoning":
+                    text = item["content"][0]["text"]
+                    yield events.send("response.output_item.added", output_index=index,
+                                      item={**item, "status": "in_progress", "content": []})
+                    yield events.send("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=text)
+                    yield events.send("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=text)
                 else:
                     yield events.send("response.output_item.added", output_index=index,
                                       item={**item, "status": "in_progress", "arguments": ""})
@@ -272,10 +284,11 @@ class OpenAIServingResponses:
 class _Shape:
     """One request's response object: its fixed fields, and the output built from the engine's result."""
 
-    def __init__(self, ctx: ServingContext, req: ResponsesRequest, response_id: str, model: str, n_prompt: int,
-                 logprobs: int | None, tools: ChatTools) -> None:
+    def __init__(self, ctx: ServingContext, req: ResponsesRequest, response_id: str, model: str,
+                 prompt_ids: list[int], logprobs: int | None, tools: ChatTools) -> None:
         self.ctx, self.req, self.id, self.model = ctx, req, response_id, model
-        self.n_prompt, self.logprobs, self.tools = n_prompt, logprobs, tools
+        self.n_prompt, self.logprobs, self.tools = len(prompt_ids), logprobs, tools
+        self.opened = ctx.reasoning_parser is not None and prompt_opens_thinking(ctx.tokenizer, prompt_ids)
         self.created_at = int(time.time())
 
     def body(self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
@@ -299,10 +312,17 @@ class _Shape:
         }
 
     def response(self, comp: CompletionOutput, num_cached_tokens: int, msg_id: str | None = None) -> dict[str, Any]:
-        message, finish = self.tools.message(comp.text, comp.finish_reason)
+        reasoning, text = None, comp.text
+        if self.ctx.reasoning_parser is not None:
+            reasoning, content = self.ctx.reasoning_parser.split(comp.text, self.opened)
+            text = content or ""
+        message, finish = self.tools.message(text, comp.finish_reason)
         incomplete = {"reason": "max_output_tokens"} if finish == "length" else None
         item_status = "incomplete" if incomplete else "completed"
         output: list[dict[str, Any]] = []
+        if reasoning:
+            output.append({"type": "reasoning", "id": _new_id("rs"), "summary": [], "status": item_status,
+                           "content": [{"type": "reasoning_text", "text": reasoning}]})
         if message.content or not message.tool_calls:
             lps = self.token_logprobs(comp, 0)
             output.append({"type": "message", "id": msg_id or _new_id("msg"), "status": item_status,

@@ -41,8 +41,9 @@ class ChatChunker:
     def chunk(self, index: int, role: str | None, content: str | None, logprobs: BaseModel | None = None,
               finish: str | None = None, stop_reason: int | str | None = None,
               usage: dict[str, int] | None = None, token_ids: list[int] | None = None,
-              prompt_token_ids: list[int] | None = None) -> str:
-        choice = {"index": index, "delta": {"role": role, "content": content, "tool_calls": None},
+              prompt_token_ids: list[int] | None = None, reasoning: str | None = None) -> str:
+        choice = {"index": index, "delta": {"role": role, "content": content, "reasoning": reasoning,
+                                            "tool_calls": None},
                   "logprobs": _plain(logprobs),
                   "finish_reason": finish, "stop_reason": stop_reason, "token_ids": token_ids}
         return sse({**self._head, "choices": [choice], "usage": usage, "prompt_token_ids": prompt_token_ids})
