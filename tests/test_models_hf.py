@@ -191,7 +191,7 @@ def test_parity_with_swap_preemption_and_block_size_8(name: str, build) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2-yarn", "qwen3"])
 def test_cuda_greedy_parity(name: str, build) -> None:
     """The Llama-stack families on the GPU's kernels (Triton attention, fused norms and RoPE, CUDA graphs) in
     float32: transformers' greedy tokens, its log-probs to float32-on-GPU noise."""
