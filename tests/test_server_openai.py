@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import httpx
@@ -23,7 +24,7 @@ def server():
     assert rc == 0, srv.logs()[-3000:]
     logs = srv.logs()
     assert "KV pool 256 blocks x 16 tokens = 4096 tokens" in logs
-    assert f"on http://127.0.0.1:{srv.port}" in logs and "dtype torch.float32" in logs
+    assert f"on http://127.0.0.1:{srv.port}" in logs and re.search(r"dtype torch\.(float32|bfloat16)", logs)
 
 
 @pytest.fixture(scope="module")

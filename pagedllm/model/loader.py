@@ -109,16 +109,11 @@ def load_config(model_dir: str | os.PathLike[str], trust_remote_code: bool = Fal
 
 
 def get_rope_parameters(config: Any) -> dict[str, Any]:
-    """RoPE settings as ``{"rope_type", "rope_theta", ...}`` for transformers 4.x and 5.x configs."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        out = dict(params)
-    else:
-        scaling = getattr(config, "rope_scaling", None) or {}
-        out = dict(scaling)
-        out["rope_theta"] = float(getattr(config, "rope_theta", 10000.0))
-    out.setdefault("rope_type", out.pop("type", "default"))
-    return out
+    """RoPE settings as ``{"rope_type", "rope_theta", ...}`` for transformers 4.x and 5.x configs (what the
+    model's rotary embedding reads)."""
+    from pagedllm.model.layers.rotary import rope_parameters
+
+    return rope_parameters(config)
 
 
 # --------------------------------------------------------------------------------------------
