@@ -76,6 +76,7 @@ def test_previous_response_id_continues_the_conversation_and_retrieve_reads_it_b
     got = client.responses.retrieve(first.id)
     assert got.id == first.id and got.output_text == first.output_text and got.usage == first.usage
     unstored = client.responses.create(input="Hi", max_output_tokens=2, store=False, **GREEDY)
+    assert first.store is True and unstored.store is False  # what the server did, as OpenAI reports it
     for rid, param in ((unstored.id, "response_id"), ("resp_missing", "response_id")):
         r = httpx.get(server.url(f"/v1/responses/{rid}"))
         assert r.status_code == 404 and r.json()["error"]["param"] == param, r.text

@@ -90,7 +90,8 @@ class OpenAIServingResponses:
             streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt)
         except OpenAIError as e:
             raise _constraint_named(req, e) from None
-        shape = _Shape(self.ctx, req, response_id, chat.model or self.ctx.model_name, ids, logprobs, tools)
+        shape = _Shape(self.ctx, req, response_id, chat.model or self.ctx.model_name, ids, logprobs, tools,
+                       stored=req.store and self.store is not None)
         if req.stream:
             return self._stream(req, shape, history, streams)
         final: RequestOutput | None = None
@@ -285,8 +286,8 @@ class _Shape:
     """One request's response object: its fixed fields, and the output built from the engine's result."""
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, response_id: str, model: str,
-                 prompt_ids: list[int], logprobs: int | None, tools: ChatTools) -> None:
-        self.ctx, self.req, self.id, self.model = ctx, req, response_id, model
+                 prompt_ids: list[int], logprobs: int | None, tools: ChatTools, stored: bool) -> None:
+        self.ctx, self.req, self.id, self.model, self.stored = ctx, req, response_id, model, stored
         self.n_prompt, self.logprobs, self.tools = len(prompt_ids), logprobs, tools
         self.opened = ctx.reasoning_parser is not None and prompt_opens_thinking(ctx.tokenizer, prompt_ids)
         self.created_at = int(time.time())
@@ -302,7 +303,7 @@ class _Shape:
             "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "model": self.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": req.previous_response_id, "store": req.store,
+            "previous_response_id": req.previous_response_id, "store": self.stored,
             "temperature": req.temperature, "top_p": req.top_p, "top_logprobs": req.top_logprobs,
             "text": {"format": fmt or {"type": "text"}},
             "tool_choice": (choice if isinstance(choice, str) else choice.model_dump()) if choice is not None
