@@ -202,6 +202,10 @@ def test_chat_continues_the_final_message_and_passes_template_kwargs(llm):
     template = "{{ greeting }}:{% for m in messages %}{{ m['content'] }}{% endfor %}"
     out = llm.chat(conv[:1], greedy, use_tqdm=False, chat_template=template, chat_template_kwargs={"greeting": "hi"})
     assert tok.decode(out[0].prompt_token_ids) == "hi:Name a colour."
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = "{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{{ messages[0]['content'] }}"
+    out = llm.chat(conv[:1], greedy, use_tqdm=False, chat_template=with_tools, tools=tools)
+    assert tok.decode(out[0].prompt_token_ids) == "[get_weather]Name a colour."
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
         llm.chat(conv, greedy, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_kwargs may not set"):

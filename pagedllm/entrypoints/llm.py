@@ -63,16 +63,18 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of
-        opening a new turn; `chat_template_kwargs` are extra template variables (as in vLLM)."""
+        opening a new turn; `chat_template_kwargs` are extra template variables; `tools` (OpenAI's function
+        tools) go to the template as its `tools` (all as in vLLM)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists).")
         conversations = messages if isinstance(messages[0], list) else [messages]
         tok = self._require_tokenizer()
         prompts = [
-            {"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt, chat_template, None,
+            {"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt, chat_template, tools,
                                                      continue_final_message, chat_template_kwargs)}
             for conv in conversations
         ]
