@@ -142,3 +142,22 @@ def test_beam_search_stops_beams_at_stop_strings(llm, include):
         assert c.text == (full[: full.index(",") + 1] if include else full[: full.index(",")])
     # Beams that never produce the stop string run to the length limit, untouched.
     assert all(c.finish_reason == "length" and "," not in c.text for c in capital.outputs)
+
+
+def test_beam_search_logprobs_are_vllm_records(llm, beam_prompts):
+    """With `logprobs`, each beam position holds the chosen token's Logprob (its rank in the whole vocabulary)
+    and the top tokens ranked 1, 2; the chosen log-probs add up to the beam's cumulative log-prob."""
+    out = llm.generate([{"prompt_token_ids": beam_prompts[0]}],
+                       SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0.0, max_tokens=5, logprobs=2),
+                       use_tqdm=False)[0]
+    text = llm.get_tokenizer().decode
+    for comp in out.outputs:
+        assert len(comp.logprobs) == len(comp.token_ids)
+        for tok, entries in zip(comp.token_ids, comp.logprobs):
+            chosen, others = entries[tok], [e for t, e in entries.items() if t != tok]
+            assert next(iter(entries)) == tok and chosen.rank >= 1
+            assert [e.rank for e in others] == [r for r in (1, 2) if r != chosen.rank]
+            assert all(e.logprob >= chosen.logprob for e in others if e.rank < chosen.rank)
+            assert all(e.decoded_token == text([t]) for t, e in entries.items())
+        total = sum(entries[tok].logprob for tok, entries in zip(comp.token_ids, comp.logprobs))
+        assert total == pytest.approx(comp.cumulative_logprob, abs=1e-3)

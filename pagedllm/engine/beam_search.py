@@ -27,6 +27,7 @@ import torch
 
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.logprobs import Logprob, position_logprobs
+from pagedllm.model.layers.sampler import token_rank
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -180,8 +181,8 @@ def _append(seq: Sequence, tok: int, tok_lp: float, score: float, params: Any, l
     seq.cumulative_logprob = score  # float32 running score, exactly as HF accumulates it
     if params.logprobs is not None:
         vals, ids = lp[row].topk(min(params.logprobs, lp.shape[-1]))
-        rank = int((lp[row] >= lp[row, tok]).sum())
-        seq.output_logprobs.append(position_logprobs(tok, tok_lp, rank, ids.tolist(), vals.tolist()))
+        seq.output_logprobs.append(position_logprobs(tok, tok_lp, token_rank(lp[row], tok), ids.tolist(),
+                                                     vals.tolist()))
 
 
 def _fallback(parents: list[Sequence]) -> list[Sequence]:

@@ -31,6 +31,7 @@ from pagedllm.model.layers.sampler import (
     SamplingRow,
     apply_token_bitmask_,
     compute_prompt_logprobs,
+    token_rank,
     warm_up_sampler,
 )
 from pagedllm.model.models.registry import get_model_max_len
@@ -694,8 +695,7 @@ class LLMEngine:
                 lp = float(raw_lp[i, tok])
                 if k_top is not None:
                     v, ix = raw_lp[i].topk(min(k_top, raw_lp.shape[-1]))
-                    rank = int((raw_lp[i] >= raw_lp[i, tok]).sum())
-                    top = position_logprobs(tok, lp, rank, ix.tolist(), v.tolist())
+                    top = position_logprobs(tok, lp, token_rank(raw_lp[i], tok), ix.tolist(), v.tolist())
             self.output_processor.append_token(group, seq, tok, lp, top)
             self.num_generation_tokens_total += 1
             if seq.is_finished():

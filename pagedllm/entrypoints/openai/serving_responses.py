@@ -83,13 +83,13 @@ class OpenAIServingResponses:
         try:
             params = self.ctx.sampling_params(chat, max_tokens, logprobs, None, structured_outputs=tools.constraint)
         except OpenAIError as e:
-            raise _renamed(e) from None
+            raise _renamed(e, req) from None
         rid, engine_prefix = request_ids("resp", client_request_id)
         response_id = "resp_" + rid[len("resp-"):]
         try:
             streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt)
         except OpenAIError as e:
-            raise _constraint_named(req, e) from None
+            raise _renamed(e, req) from None
         shape = _Shape(self.ctx, req, response_id, chat.model or self.ctx.model_name, ids, logprobs, tools,
                        stored=req.store and self.store is not None)
         if req.stream:
@@ -99,7 +99,7 @@ class OpenAIServingResponses:
             async for _, out in merge_streams([s for _, s in streams]):
                 final = out
         except Exception as e:
-            raise _constraint_named(req, error_from_exception(e)) from None
+            raise _renamed(error_from_exception(e), req) from None
         finally:
             self.ctx.abort_unfinished(streams)
         if final is None:
@@ -142,7 +142,7 @@ class OpenAIServingResponses:
         try:
             ids = render_messages(self.ctx, chat, tools.template_tools())
         except OpenAIError as e:
-            raise _renamed(e) from None
+            raise _renamed(e, req) from None
         ids = self.ctx.truncate(ids, req.truncate_prompt_tokens)
         self.ctx.check_length(len(ids), req.max_output_tokens, "input", "max_output_tokens")
         self.ctx.check_fits_pool(len(ids), req.max_output_tokens, chat, "max_output_tokens")
@@ -244,7 +244,7 @@ class OpenAIServingResponses:
                         yield events.send("response.output_item.added", output_index=index,
                                           item={**item, "status": "in_progress", "content": []})
                         yield events.send("response.content_part.added", item_id=item["id"], output_index=index,
-                                          content_index=0, part=_text_part("", part.get("logprobs") and []))
+                                          content_index=0, part=_text_part("", [] if "logprobs" in part else None))
                         if part["text"]:
                             yield events.send("response.output_text.delta", item_id=item["id"],
                                               output_index=index, content_index=0, delta=part["text"],
@@ -273,7 +273,7 @@ class OpenAIServingResponses:
             yield events.send("response.completed" if body["status"] == "completed" else "response.incomplete",
                               response=body)
         except Exception as e:
-            err = _constraint_named(req, error_from_exception(e))
+            err = _renamed(error_from_exception(e), req)
             yield events.send("error", code=err.code, message=err.message, param=err.param)
             yield events.send("response.failed", response={
                 **shape.body([], "failed", None, None),
@@ -371,17 +371,12 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _renamed(err: OpenAIError) -> OpenAIError:
-    """A shared check's error with the Responses API's parameter name."""
-    if err.param in _PARAM_NAMES:
-        err.param = _PARAM_NAMES[err.param]
-    return err
-
-
-def _constraint_named(req: ResponsesRequest, err: OpenAIError) -> OpenAIError:
-    """The engine checks a constraint when it compiles it (a schema it cannot use, ...) and names vLLM's
-    `structured_outputs`; a request that gave it as `text.format` hears that name."""
+def _renamed(err: OpenAIError, req: ResponsesRequest) -> OpenAIError:
+    """An error of a shared check, or of the engine's constraint compile (which names vLLM's
+    `structured_outputs`), with the parameter names of the Responses API."""
     fmt = req.text.format if req.text is not None else None
     if err.param == "structured_outputs" and fmt is not None and fmt.type != "text":
         err.param = "text.format"
+    elif err.param in _PARAM_NAMES:
+        err.param = _PARAM_NAMES[err.param]
     return err

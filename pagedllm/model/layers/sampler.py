@@ -390,6 +390,11 @@ def _process_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     return x
 
 
+def token_rank(logprobs: torch.Tensor, token: int) -> int:
+    """vLLM's rank of `token` in one row of log-probs: 1 + the number of other tokens at least as likely."""
+    return int((logprobs >= logprobs[token]).sum())
+
+
 def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
     """Prompt log-probs: ``logits[i]`` predicts ``next_token_ids[i]``.
 
@@ -435,6 +440,7 @@ __all__ = [
     "apply_token_bitmask_",
     "apply_top_k_top_p",
     "compute_prompt_logprobs",
+    "token_rank",
 ]
 
 
