@@ -17,6 +17,9 @@ _EXPORTS = {
     "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling_params",
+    "PoolingRequestOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

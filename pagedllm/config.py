@@ -21,6 +21,14 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Weight quantization: "fp8" = e4m3 weights, per-channel scales, torch._scaled_mm (CUDA); "gguf" = a GGUF file's
 # Q4_0/Q4_1/Q8_0/Q4_K blocks kept quantized (CPU; the default for such a file on the CPU); "none" = dequantized.
 QUANTIZATION_METHODS = ("fp8", "gguf", "none")
+# vLLM's --runner: "generate" (sample tokens) or "pooling" (return one vector per prompt: embeddings); "auto" picks
+# pooling for base-model checkpoints (architectures like LlamaModel, which have no LM head), else generate.
+RUNNER_TYPES = ("auto", "generate", "pooling")
+# vLLM's --convert: "embed" turns a *ForCausalLM model into an embedding model (implies runner pooling).
+CONVERT_TYPES = ("auto", "none", "embed")
+# How a prompt's hidden states become one vector (vLLM's pooling types): the last token's (decoder embedding models
+# such as Qwen3-Embedding or e5-mistral), the mean over all tokens, or the first token's.
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -52,6 +60,8 @@ class ModelConfig:
     quantization: str | None = None  # --quantization: None or one of QUANTIZATION_METHODS
     # vLLM's VLLM_BATCH_INVARIANT=1 (pagedllm/batch_invariance.py): outputs independent of batching and chunking
     batch_invariant: bool = field(default_factory=batch_invariant_from_env)
+    runner: str = "generate"  # resolved: "generate" or "pooling"
+    pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_capture_tokens, int) or self.max_capture_tokens < 0:
@@ -61,6 +71,28 @@ class ModelConfig:
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns a prompt into one vector (vLLM's --pooler-config, a JSON object)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True  # L2-normalize (a request's PoolingParams.normalize overrides it)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pooling_type, str):
+            self.pooling_type = self.pooling_type.upper()
+        _check_choice("pooler_config.pooling_type", self.pooling_type, POOLING_TYPES)
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize must be true or false, got {self.normalize!r}.")
+
+    @classmethod
+    def from_json(cls, value: Any) -> PoolerConfig:
+        """From a dict or a JSON string (the CLI's --pooler-config); None/empty: the defaults."""
+        if value is None or value == "" or value == {}:
+            return cls()
+        return _config_from_json(cls, "pooler_config", value)
 
 
 @dataclass

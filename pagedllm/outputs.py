@@ -30,3 +30,49 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """The pooled hidden state of one prompt (a float32 CPU tensor)."""
+
+    data: object  # torch.Tensor; typed loosely so this module stays import-light
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request returns (vLLM's): one `PoolingOutput` for the whole prompt."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result per prompt (vLLM's): `.outputs.embedding` is a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = out.outputs.data
+        return cls(out.request_id, EmbeddingOutput([] if data is None else data.tolist()), out.prompt_token_ids,
+                   out.finished, out.num_cached_tokens)

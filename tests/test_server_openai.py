@@ -384,3 +384,10 @@ def test_metrics_exposes_vllm_and_pagedllm_names(server, client):
     assert delta["vllm:request_inference_time_seconds_sum"] == pytest.approx(
         delta["vllm:request_prefill_time_seconds_sum"] + delta["vllm:request_decode_time_seconds_sum"], abs=1e-6)
     assert delta["vllm:request_prompt_tokens_sum"] == n_prompt and delta["vllm:request_generation_tokens_sum"] == 5
+
+
+def test_embeddings_on_a_generating_model_say_how_to_get_them(server):
+    """/v1/embeddings needs an embedding model (--runner pooling): a 400 that says so, as with vLLM."""
+    r = httpx.post(server.url("/v1/embeddings"), json={"model": MODEL_NAME, "input": "hi"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
+    assert "--runner pooling" in r.json()["error"]["message"]

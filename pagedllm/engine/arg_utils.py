@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
 from pagedllm.config import (
     BATCHING_MODES,
+    CONVERT_TYPES,
+    RUNNER_TYPES,
+    PoolerConfig,
     SCHEDULING_POLICIES,
     KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
@@ -23,6 +27,8 @@ from pagedllm.config import (
 )
 from pagedllm.device_utils import is_large_gpu
 from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
+
+logger = logging.getLogger(__name__)
 
 _HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",
@@ -93,13 +99,21 @@ _HELP = {
                          "every request's max_tokens), vllm (ignore it), or a folder holding such a file.",
     "override_generation_config": "A JSON object of those keys that wins over the generation config, e.g. "
                                   "'{\"temperature\": 0.6}'.",
+    "runner": "What the model runs (vLLM's --runner): generate (sample tokens), pooling (one vector per prompt: "
+              "LLM.embed and /v1/embeddings), or auto (pooling for a base-model checkpoint such as LlamaModel, "
+              "which has no LM head; else generate).",
+    "convert": "vLLM's --convert: embed turns a *ForCausalLM model into an embedding model (implies --runner "
+               "pooling); auto or none leave it as it is.",
+    "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", "
+                     "\"normalize\": true} (default LAST, normalized: what decoder embedding models use).",
     "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
                                   "(llguidance: faster masks, unbounded number precision).",
 }
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES,
             "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS,
-            "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS}
+            "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS, "runner": RUNNER_TYPES,
+            "convert": CONVERT_TYPES}
 
 
 @dataclass
@@ -139,6 +153,9 @@ class EngineArgs:
     max_logprobs: int = 20
     generation_config: str = "auto"
     override_generation_config: str | dict | None = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -148,10 +165,13 @@ class EngineArgs:
             raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
 
-    def create_engine_config(self, model_max_len: int, usage_context: str = "engine") -> EngineConfig:
+    def create_engine_config(self, model_max_len: int, usage_context: str = "engine",
+                             hf_config: Any = None) -> EngineConfig:
         """Validated configs; `model_max_len` is the model's own context length. `usage_context` is vLLM's:
-        "llm_class" (the offline `LLM`) gets a larger default step budget on a GPU."""
+        "llm_class" (the offline `LLM`) gets a larger default step budget on a GPU. `hf_config` (the model's) lets
+        runner="auto" see a base-model checkpoint."""
         max_model_len = self.max_model_len or model_max_len
+        runner, pooler = self._resolve_runner(hf_config)
         resolve_backend(self.structured_outputs_backend)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap; got {self.max_logprobs!r}.")
@@ -181,13 +201,15 @@ class EngineArgs:
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             max_model_len=max_model_len, load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
-            max_capture_tokens=self.max_capture_tokens, quantization=self.quantization,
+            max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
+            pooler_config=pooler,
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
-            enable_prefix_caching=self.enable_prefix_caching, preemption_mode=self.preemption_mode,
+            enable_prefix_caching=self.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST"),
+            preemption_mode=self.preemption_mode,
             kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
         )
@@ -200,8 +222,35 @@ class EngineArgs:
         spec = SpeculativeConfig.from_json(self.speculative_config)
         if spec is not None and self.kv_cache_manager != "paged":
             raise ValueError("speculative decoding needs kv_cache_manager='paged' (it rolls back rejected slots).")
+        if runner == "pooling":
+            if spec is not None:
+                raise ValueError("speculative_config: a pooling model runs prompts only, so there is nothing to "
+                                 "speculate; leave it unset with runner='pooling'.")
+            if self.async_scheduling:
+                raise ValueError("async_scheduling: a pooling model's steps end its requests, so they run one "
+                                 "after another; leave it unset (or False) with runner='pooling'.")
         return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device), spec,
                             CompilationConfig.from_json(self.compilation_config))
+
+    def _resolve_runner(self, hf_config: Any) -> tuple[str, PoolerConfig | None]:
+        """(runner, pooler config): "generate" and None, or "pooling" and its PoolerConfig."""
+        from pagedllm.engine.pooling import resolve_runner
+
+        for name, value, allowed in (("runner", self.runner, RUNNER_TYPES), ("convert", self.convert, CONVERT_TYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+        runner = resolve_runner(self.runner, self.convert, hf_config)
+        if runner != "pooling":
+            if self.pooler_config not in (None, "", {}):
+                raise ValueError("pooler_config applies to pooling models only: add runner='pooling' (--runner "
+                                 "pooling) or drop it.")
+            return runner, None
+        pooler = PoolerConfig.from_json(self.pooler_config)
+        if self.enable_prefix_caching and pooler.pooling_type != "LAST":
+            logger.warning(
+                "Prefix caching is off: %s pooling reads every prompt token's hidden state, which a cached prefix "
+                "would skip (LAST pooling keeps it).", pooler.pooling_type)
+        return runner, pooler
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -103,7 +103,7 @@ def _read_commands(conn: Connection, commands: queue.Queue, sink: PipeSink) -> N
         except (EOFError, OSError):
             commands.put(StopCommand())
             return
-        if isinstance(cmd, AddCommand) and cmd.params.use_beam_search:
+        if isinstance(cmd, AddCommand) and getattr(cmd.params, "use_beam_search", False):  # (PoolingParams: none)
             sink.encoder.whole_only.add(cmd.request_id)
         commands.put(cmd)
         if isinstance(cmd, StopCommand):

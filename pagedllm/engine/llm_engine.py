@@ -23,6 +23,7 @@ from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
+from pagedllm.engine.pooling import PoolingState, matryoshka_dimensions
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
 from pagedllm.logprobs import position_logprobs
 from pagedllm.model import loader
@@ -35,7 +36,8 @@ from pagedllm.model.layers.sampler import (
     warm_up_sampler,
 )
 from pagedllm.model.models.registry import get_model_max_len
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
@@ -52,6 +54,9 @@ PromptType = str | list[int] | dict
 # cores, the step on the rest) and samples the first token from the kept logits once the grammar is ready.
 # A longer prompt waits for the grammar: at half the threads its prefill would outlast the compile.
 _CPU_DEFER_SAMPLE_MAX_PROMPT = 64
+# What a pooling request runs under: its prompt, then nothing (it finishes when its last prompt chunk has run).
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                   output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class LLMEngine:
@@ -63,7 +68,7 @@ class LLMEngine:
         self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
         self.hf_config = loader.load_config(self.model_dir)
         model_max_len = get_model_max_len(self.hf_config, engine_args.max_model_len)
-        self.config = engine_args.create_engine_config(model_max_len, usage_context)
+        self.config = engine_args.create_engine_config(model_max_len, usage_context, self.hf_config)
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         self.default_sampling_params = default_sampling_params(
             self.model_dir, engine_args.generation_config, engine_args.override_generation_config)
@@ -176,8 +181,16 @@ class LLMEngine:
                              "(tensor_parallel_size=1, distributed_executor_backend None or 'uni'); use \"ngram\" "
                              "with tensor parallelism.")
 
+    @property
+    def runner(self) -> str:
+        """"generate" or "pooling" (vLLM's --runner, resolved)."""
+        return self.config.model_config.runner
+
     def _resolve_async_scheduling(self) -> bool:
-        """On by default for CUDA in one process: where the host can run ahead of the device."""
+        """On by default for CUDA in one process: where the host can run ahead of the device (not for a pooling
+        model, whose steps end their requests)."""
+        if self.runner == "pooling":
+            return False
         wanted = self.config.scheduler_config.async_scheduling
         if wanted is None:
             return getattr(self.executor, "supports_async_scheduling", False) and self.executor.device.type == "cuda"
@@ -205,17 +218,23 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> SequenceGroup:
         """Validate and queue a request; raises ValueError (engine untouched) on bad input. `priority`: under
-        the priority scheduling policy, lower values are served first (ties by arrival)."""
+        the priority scheduling policy, lower values are served first (ties by arrival). A pooling engine
+        (runner "pooling") takes PoolingParams (or None) and returns a PoolingRequestOutput."""
+        pooling = None
+        if self.runner == "pooling" or isinstance(params, PoolingParams):
+            pooling = self.request_checker.check_pooling_params(params)
+            params = _POOLING_SAMPLING
         params = params or SamplingParams()
         self.request_checker.check_priority(priority)
         self.request_checker.check_params(params)
         text, token_ids = self._tokenize(prompt)
-        token_ids = self.request_checker.truncate(token_ids, params.truncate_prompt_tokens)
+        truncate = pooling.truncate_prompt_tokens if pooling is not None else params.truncate_prompt_tokens
+        token_ids = self.request_checker.truncate(token_ids, truncate)
         self.request_checker.check_prompt_ids(token_ids)
         limit = self.max_seq_len
         if any(g.request_id == request_id for g in self._all_groups()):
@@ -234,6 +253,8 @@ class LLMEngine:
         )
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n
+        if pooling is not None:
+            group.extra["pooling"] = PoolingState.of(pooling, self.config.model_config.pooler_config)
         if params.bad_words:
             group.extra["bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         if params.use_beam_search:
@@ -265,7 +286,9 @@ class LLMEngine:
         return RequestChecker(vocab_size=int(self.hf_config.vocab_size), max_model_len=sc.max_model_len,
                               num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
                               max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-                              scheduling_policy=sc.policy, max_logprobs=self.engine_args.max_logprobs)
+                              scheduling_policy=sc.policy, max_logprobs=self.engine_args.max_logprobs,
+                              runner=self.runner, hidden_size=int(self.hf_config.hidden_size),
+                              matryoshka_dimensions=matryoshka_dimensions(self.hf_config))
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
         """The checks `add_request` makes, reading only the configuration (safe from another thread).
@@ -426,7 +449,7 @@ class LLMEngine:
                            group.extra.get("bad_words_token_ids", ()))
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Schedule, run the model once, sample, and return outputs of groups that progressed.
 
         With asynchronous scheduling the step launched here stays in flight: the next call schedules
@@ -558,9 +581,13 @@ class LLMEngine:
             return SequenceChunk(seq.seq_id, token_ids + list(drafts), start,
                                  list(self.scheduler.block_manager.get_block_table(seq)), sample=False,
                                  all_logits=True)
-        wants_prompt_logprobs = (
-            item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
-        )
+        pooling = item.group.extra.get("pooling")
+        if pooling is not None:
+            wants_prompt_logprobs = pooling.wants_every_row
+        else:
+            wants_prompt_logprobs = (
+                item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
+            )
         return SequenceChunk(
             seq_id=seq.seq_id,
             token_ids=token_ids,
@@ -584,6 +611,8 @@ class LLMEngine:
             if not chunk.sample:
                 continue
             group, seq = item.group, item.seq
+            if "pooling" in group.extra:  # its rows are pooled when the step completes
+                continue
             if not group.may_sample:  # its first sample waits for the grammar: keep the row (a copy)
                 group.extra["held_logits"] = logits[hi - 1].clone()
                 continue
@@ -621,6 +650,9 @@ class LLMEngine:
             if item.seq.seq_id in step.spec_drafts:
                 fast = (greedy[0][lo:hi], greedy[1][lo:hi]) if self.spec_decoder.plain_greedy(item) else None
                 self._complete_spec(item, step.spec_drafts[item.seq.seq_id], step.logits[lo:hi], touched, fast)
+            elif "pooling" in item.group.extra:
+                if hi > lo:
+                    self._pool(item, chunk, step.logits[lo:hi], touched)
             elif chunk.all_logits:
                 self._record_prompt_logprobs(item, chunk, step.logits[lo:hi])
         if step.sampler_output is not None:
@@ -720,6 +752,25 @@ class LLMEngine:
         for entries in dicts:
             self.output_processor.name_logprobs(group.sampling_params, entries)
         store[start + 1:start + 1 + n] = dicts
+
+    def _pool(self, item: ScheduledSequence, chunk: SequenceChunk, hidden: torch.Tensor,
+              touched: dict[str, SequenceGroup]) -> None:
+        """A pooling request's rows of this step (every row for MEAN/CLS, else the last prompt row); its last
+        chunk finishes it with the pooled vector."""
+        group, seq = item.group, item.seq
+        if seq.is_finished():  # aborted while the step ran
+            return
+        state: PoolingState = group.extra["pooling"]
+        if chunk.all_logits:
+            state.add_rows(chunk.start_pos, hidden)
+        if not chunk.sample:
+            return
+        state.finish(hidden[-1], len(seq.prompt_token_ids))
+        if group.first_token_time is None:
+            group.first_token_time = time.monotonic()
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        self.scheduler.free_seq(seq)
+        touched[group.request_id] = group
 
     def _finish_ignored(self, group: SequenceGroup) -> RequestOutput:
         logger.warning("request %s can never fit in the KV pool and was dropped", group.request_id)

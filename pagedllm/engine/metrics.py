@@ -168,7 +168,9 @@ class EngineMetrics:
     # -- engine-thread observer -------------------------------------------------------------
     def on_outputs(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
-            n_tokens = max((len(o.token_ids) for o in out.outputs), default=0)
+            # A pooling request (an embedding) generates nothing: it finishes with reason "stop" after its prompt.
+            comps = out.outputs if isinstance(out, RequestOutput) else ()
+            n_tokens = max((len(o.token_ids) for o in comps), default=0)
             prev = self._progress.get(out.request_id)
             arrival = out.metrics.get("arrival_time")
             if prev is None:
@@ -191,9 +193,10 @@ class EngineMetrics:
                     if stamps.get(start) is not None and stamps.get(end) is not None:
                         hist.observe(max(stamps[end] - stamps[start], 0.0))
                 self.prompt_tokens.observe(len(out.prompt_token_ids or ()))
-                self.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
-                for comp in out.outputs:
-                    self.success.labels(**self._labels, finished_reason=comp.finish_reason or "unknown").inc()
+                self.generation_tokens.observe(sum(len(o.token_ids) for o in comps))
+                reasons = [c.finish_reason or "unknown" for c in comps] if comps else ["stop"]
+                for reason in reasons:
+                    self.success.labels(**self._labels, finished_reason=reason).inc()
 
     def on_abort(self, request_id: str) -> None:
         self._progress.pop(request_id, None)

@@ -10,7 +10,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine import beam_search
 from pagedllm.logprobs import Logprob
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.tokenizer import IncrementalDetokenizer
 
 
@@ -151,7 +151,9 @@ class OutputProcessor:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     # -- building outputs -------------------------------------------------------------------
-    def make_output(self, group: SequenceGroup) -> RequestOutput:
+    def make_output(self, group: SequenceGroup) -> RequestOutput | PoolingRequestOutput:
+        if "pooling" in group.extra:
+            return self._pooling_output(group)
         params = group.sampling_params
         seqs = list(group.seqs)
         finished = group.is_finished()
@@ -198,3 +200,11 @@ class OutputProcessor:
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
         )
+
+    @staticmethod
+    def _pooling_output(group: SequenceGroup) -> PoolingRequestOutput:
+        metrics = {"arrival_time": group.arrival_time, "first_scheduled_time": group.first_scheduled_time,
+                   "first_token_time": group.first_token_time}
+        return PoolingRequestOutput(request_id=group.request_id, outputs=PoolingOutput(group.extra["pooling"].result),
+                                    prompt_token_ids=group.prompt_token_ids, finished=group.is_finished(),
+                                    prompt=group.prompt, num_cached_tokens=group.num_cached_tokens, metrics=metrics)

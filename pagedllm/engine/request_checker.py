@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -22,11 +23,36 @@ class RequestChecker:
     max_num_batched_tokens: int | None
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20  # -1: no cap
+    runner: str = "generate"  # or "pooling": requests take PoolingParams
+    hidden_size: int = 0
+    matryoshka_dimensions: tuple[int, ...] | None = None  # engine/pooling.matryoshka_dimensions
 
     @property
     def max_seq_len(self) -> int:
         """Longest a sequence may grow: the model's limit and the whole pool's capacity."""
         return min(self.max_model_len, self.num_gpu_blocks * self.block_size)
+
+    def check_pooling_params(self, params: PoolingParams | None) -> PoolingParams:
+        """A pooling request's parameters (None: the defaults); ValueError on a generating engine, on
+        SamplingParams, or on `dimensions` the model was not trained for."""
+        if self.runner != "pooling":
+            raise ValueError("this model generates text (runner 'generate'), so it returns no embeddings: start the "
+                             "engine with runner='pooling' (--runner pooling) to serve it as an embedding model.")
+        if params is None:
+            return PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"this model runs the pooling runner: it returns one embedding per prompt (LLM.embed, "
+                             f"/v1/embeddings), not generated text; pass PoolingParams, not {type(params).__name__}.")
+        dims, allowed = params.dimensions, self.matryoshka_dimensions
+        if dims is not None:
+            if allowed is None:
+                raise ValueError(f"dimensions={dims}: this model does not support Matryoshka representation (its "
+                                 f"embeddings have {self.hidden_size} values, and a cut one would be a poor "
+                                 f"embedding); leave dimensions unset.")
+            if dims > self.hidden_size or (allowed and dims not in allowed):
+                sizes = list(allowed) if allowed else f"1 to {self.hidden_size}"
+                raise ValueError(f"dimensions={dims} is not a size this model's embeddings come in: {sizes}.")
+        return params
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
@@ -76,12 +102,15 @@ class RequestChecker:
                 f"KV pool={self.num_gpu_blocks} blocks) plus one generated token."
             )
 
-    def check_request(self, prompt, params: SamplingParams | None, priority: int = 0) -> None:
+    def check_request(self, prompt, params: SamplingParams | PoolingParams | None, priority: int = 0) -> None:
         """What can be checked without tokenizing: the parameters and priority, and the ids of a token-id prompt
         (a text prompt's ids are checked once the engine has tokenized it)."""
-        params = params or SamplingParams()
         self.check_priority(priority)
-        self.check_params(params)
+        if self.runner == "pooling" or isinstance(params, PoolingParams):
+            params = self.check_pooling_params(params)
+        else:
+            params = params or SamplingParams()
+            self.check_params(params)
         ids = prompt_token_ids(prompt)
         prompt_cache_salt(prompt)
         if ids is not None:

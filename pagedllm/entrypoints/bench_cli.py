@@ -15,6 +15,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("paper", "pagedllm.benchmarks.paper.cli", "The paper's Figures 2 and 12-19, one command each."),
     ("fp8-accuracy", "pagedllm.benchmarks.fp8_accuracy", "FP8 KV / weights vs bf16 on the bundled model: agreement, ppl."),
     ("cpu-decode-step", "pagedllm.benchmarks.cpu_decode_step", "Single-sequence CPU decode step by phase, direct forward on/off."),
+    ("embed", "pagedllm.benchmarks.embed", "Embedding throughput (pooling runner) vs transformers, same prompts."),
 )
 
 

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `LLM.chat(...)`."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `LLM.chat(...)`, and `LLM.embed(prompts)` for
+pooling models."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,8 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
@@ -45,6 +47,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in input order. `priority`: one int per
         prompt, lower served first (needs ``scheduling_policy="priority"``)."""
+        if self.llm_engine.runner == "pooling":
+            raise ValueError("LLM.generate() needs a generating model, and this LLM runs the pooling runner: call "
+                             "LLM.embed() (or LLM.encode()) for its embeddings, or build the LLM without "
+                             "runner='pooling'.")
         prompt_list = self._as_prompt_list(prompts)
         params_list = _final_only(self._as_params_list(sampling_params, len(prompt_list)))
         if priority is not None and len(priority) != len(prompt_list):
@@ -79,6 +85,44 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        pooling_task: str = "encode",
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt's hidden states into one vector (a pooling model: ``runner="pooling"``); outputs come
+        back in input order, each with ``.outputs.data`` (a float32 tensor)."""
+        if self.llm_engine.runner != "pooling":
+            raise ValueError(f"LLM.{pooling_task}() needs a pooling model, and this LLM generates text: build it "
+                             f"with runner='pooling' (LLM(model, runner='pooling')) to get embeddings.")
+        prompt_list = self._as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompt_list)} prompts; give one, "
+                                 f"or one per prompt.")
+        if truncate_prompt_tokens is not None:
+            params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        with fewer_young_collections():
+            ids = self._add_all(prompt_list, params_list)
+            return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``LLM.embed``): ``outputs[i].outputs.embedding`` is a list of floats."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False):
         """Beam search for every prompt (inside the engine); returns a BeamSearchOutput per prompt."""
@@ -129,7 +173,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt.")
         return params
 
-    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams],
+    def _add_all(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
                  priority: list[int] | None = None) -> list[str]:
         engine = self.llm_engine
         ids: list[str] = []
@@ -143,10 +187,10 @@ class LLM:
             raise
         return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         engine = self.llm_engine
         pending = set(ids)
-        done: dict[str, RequestOutput] = {}
+        done: dict[str, Any] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         t0, out_tokens = time.perf_counter(), 0
         try:
@@ -155,9 +199,13 @@ class LLM:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
-                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
                         elapsed = max(time.perf_counter() - t0, 1e-9)
-                        bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} toks/s", refresh=False)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                            bar.set_postfix_str(f"output: {out_tokens / elapsed:.1f} toks/s", refresh=False)
+                        else:  # pooling: prompt tokens are the work
+                            out_tokens += len(out.prompt_token_ids)
+                            bar.set_postfix_str(f"input: {out_tokens / elapsed:.1f} toks/s", refresh=False)
                         bar.update(1)
         except BaseException:
             engine.abort_request(list(pending))

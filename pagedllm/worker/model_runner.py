@@ -35,6 +35,9 @@ class ModelRunner:
         self.step_stats: StepStats | None = None
         # CPU, float32 Llama family on GGUF linears: the stack's kernels called directly (model/cpu_direct_forward.py)
         self.direct_forward = None
+        # The pooling runner (embeddings): steps return the final hidden states of the rows asked for, in float32,
+        # where a generating runner returns their logits.
+        self.pooling = False
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -169,7 +172,7 @@ class ModelRunner:
             if pending_inputs:  # graph row i holds chunk i's one token
                 pending = ([i for i, _ in pending_inputs], [r for _, r in pending_inputs], prev_sampled_token_ids)
             hidden = gr.run(chunks, pending)  # decode rows, in chunk order: each samples its one token
-            logits = sampler_logits(self.model.compute_logits(hidden))
+            logits = self._head(hidden)
             if stats is not None:
                 stats.stop(step_kind(chunks), "graph", len(chunks), start)
             return logits
@@ -186,7 +189,7 @@ class ModelRunner:
             logits = None
             if wanted:
                 idx = async_tensor_h2d(wanted, torch.int64, self.device)
-                logits = sampler_logits(self.model.compute_logits(hidden[idx]))
+                logits = self._head(hidden[idx])
             if stats is not None:
                 stats.stop(step_kind(chunks), "graph", len(rows), start, StepWork.of(chunks, len(wanted)))
             return logits
@@ -206,11 +209,17 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, kv_caches, meta)
         logits = None
         if logits_indices.numel():
-            logits = sampler_logits(self.model.compute_logits(hidden[logits_indices]))
+            logits = self._head(hidden[logits_indices])
         if stats is not None:
             stats.stop(step_kind(chunks), path, int(input_ids.shape[0]), start,
                        StepWork.of(chunks, int(logits_indices.numel())))
         return logits
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a step returns for its selected rows: logits (`sampler_logits`), or the pooling runner's hidden states."""
+        if self.pooling:
+            return hidden.float()
+        return sampler_logits(self.model.compute_logits(hidden))
 
     @torch.inference_mode()
     def run_decode_rows(self, rows, kv_caches) -> torch.Tensor:

@@ -40,8 +40,9 @@ from pagedllm.model.layers.quantized_linear import (
     num_parameters,
     resolve_quantization,
 )
-from pagedllm.model.models.registry import get_model_class
+from pagedllm.model.models.registry import get_model_class, is_base_model
 from pagedllm.model.models.weights import init_dummy_weights
+from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
 from pagedllm.worker.kv_scale_calibration import (
@@ -135,12 +136,15 @@ class Worker:
         else:
             with torch.device(self.device):
                 model = cls(self.hf_config, self.tp, self.dtype)
+        if mc.runner == "pooling":
+            share_lm_head_with_embeddings(model)
         if mc.load_format == "dummy":
             init_dummy_weights(model, seed=mc.seed)
         elif self.fp8_format is not None:
             self._load_fp8_checkpoint(model, keep_fp8)
         else:
-            model.load_weights(loader.iterate_weights(self.model_dir, mc.load_format))
+            weights = loader.iterate_weights(self.model_dir, mc.load_format)
+            model.load_weights(base_model_weights(weights) if is_base_model(self.hf_config) else weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
         n_params = num_parameters(model)
@@ -294,6 +298,7 @@ class Worker:
         backend = self.attn_backend()
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
+        self.model_runner.pooling = self.config.model_config.runner == "pooling"
         if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
             from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 

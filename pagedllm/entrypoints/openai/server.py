@@ -35,6 +35,8 @@ from pagedllm.entrypoints.openai.dashboard import register_dashboard
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedllm.entrypoints.openai.warm_up import warm_up_request
@@ -93,7 +95,7 @@ class GracefulServer(uvicorn.Server):
 #: /invocations reads its body itself (its fields choose the request model); its schema, for clients and fuzzers.
 _INVOCATIONS_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [
     {"$ref": f"#/components/schemas/{name}"} for name in ("ChatCompletionRequest", "CompletionRequest",
-                                                          "ResponsesRequest")]}}}}}
+                                                          "ResponsesRequest", "EmbeddingRequest")]}}}}}
 
 # vLLM's switch for its development routes (here: POST /reset_prefix_cache).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
@@ -120,6 +122,7 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     responses = OpenAIServingResponses(ctx, ResponseStore() if responses_store else None)
+    embedding = OpenAIServingEmbedding(ctx)
     board = None  # the live KV-cache dashboard (set below unless turned off)
 
     @asynccontextmanager
@@ -127,7 +130,7 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         ctx.engine.start()
         logger.info("engine loop started")
         if warm_up:
-            await warm_up_request(app, ctx.served_model_names[0], api_key)
+            await warm_up_request(app, ctx.served_model_names[0], api_key, pooling=ctx.runner == "pooling")
         if board is not None:
             board.start()
         try:
@@ -200,16 +203,23 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             raise OpenAIError("The request body is not valid JSON.", code="invalid_json") from None
         keys = body.keys() if isinstance(body, dict) else ()
         kind = next((k for k in ("messages", "prompt", "input") if k in keys), None)
-        if kind is None:
+        if ctx.runner == "pooling":  # an embedding model: `input` or `messages` are what to embed
+            kind = "embed" if kind in ("messages", "input") else None
+            if kind is None:
+                raise OpenAIError("an invocation of this embedding model needs `input` (text or token ids) or "
+                                  "`messages` (a conversation) to embed.", param="body")
+        elif kind is None:
             raise OpenAIError("an invocation needs `messages` (a chat completion), `prompt` (a completion) or "
                               "`input` (a response).", param="body")
-        model = {"messages": ChatCompletionRequest, "prompt": CompletionRequest, "input": ResponsesRequest}[kind]
+        model = {"messages": ChatCompletionRequest, "prompt": CompletionRequest, "input": ResponsesRequest,
+                 "embed": EmbeddingRequest}[kind]
         try:
             req = model.model_validate_json(raw)
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
         rid = request.headers.get("x-request-id")
-        work = (chat.create_chat_completion(req, rid) if kind == "messages" else
+        work = (embedding.create_embedding(req, rid) if kind == "embed" else
+                chat.create_chat_completion(req, rid) if kind == "messages" else
                 completion.create_completion(req, rid) if kind == "prompt" else responses.create_response(req, rid))
         return await _serve(request, work)
 
@@ -229,15 +239,22 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        ctx.check_runner("generate", "/v1/completions")
         return await _serve(request, completion.create_completion(req, request.headers.get("x-request-id")))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        ctx.check_runner("generate", "/v1/chat/completions")
         return await _serve(request, chat.create_chat_completion(req, request.headers.get("x-request-id")))
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, request: Request) -> Response:
+        ctx.check_runner("generate", "/v1/responses")
         return await _serve(request, responses.create_response(req, request.headers.get("x-request-id")))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, request: Request) -> Response:
+        return await _serve(request, embedding.create_embedding(req, request.headers.get("x-request-id")))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict:

@@ -143,13 +143,31 @@ class ServingContext:
         if bad:
             raise OpenAIError(f"token ids must be in [0, {vocab}), got {bad[:5]}", param=param)
 
-    def completion_prompts(self, prompt: Any) -> tuple[list[str | None], list[list[int]]]:
-        """(texts, token ids) of a completion request's prompt(s), within the request limits."""
+    @property
+    def runner(self) -> str:
+        """The engine's runner: "generate", or "pooling" (an embedding model)."""
+        return self.engine.request_checker.runner
+
+    def check_runner(self, needed: str, route: str) -> None:
+        """400 for a route the model does not serve: generation routes on a pooling model, embeddings on a
+        generating one."""
+        if self.runner == needed:
+            return
+        if needed == "pooling":
+            raise OpenAIError(f"{route} needs an embedding model, and this server's model generates text: start the "
+                              f"server with --runner pooling to serve it as one.", code="model_not_supported")
+        raise OpenAIError(f"{route} generates text, and this server runs an embedding model (--runner pooling): "
+                          f"it serves /v1/embeddings.", code="model_not_supported")
+
+    def completion_prompts(self, prompt: Any, add_special_tokens: bool = True,
+                           param: str = "prompt") -> tuple[list[str | None], list[list[int]]]:
+        """(texts, token ids) of a completion request's prompt(s) (or an embedding request's `input`), within the
+        request limits."""
         if isinstance(prompt, str):
             items: list = [prompt]
         elif len(prompt) == 0:
-            raise OpenAIError("prompt must not be empty: give a string, a list of strings, or token ids.",
-                              param="prompt")
+            raise OpenAIError(f"{param} must not be empty: give a string, a list of strings, or token ids.",
+                              param=param)
         elif all(isinstance(x, int) for x in prompt):
             items = [list(prompt)]
         else:
@@ -161,9 +179,9 @@ class ServingContext:
         for item in items:
             if isinstance(item, str):
                 texts.append(item)
-                ids.append(list(self.tokenizer.encode(item)))
+                ids.append(list(self.tokenizer.encode(item, add_special_tokens=add_special_tokens)))
             else:
-                self.check_ids(item, "prompt")
+                self.check_ids(item, param)
                 texts.append(None)
                 ids.append(list(item))
             total += len(ids[-1])

@@ -21,19 +21,25 @@ logger = logging.getLogger("pagedllm.server")
 WARM_UP_PROMPT = "Hello"
 
 
-async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_tokens: int = 2) -> float:
-    """Run one streamed /v1/completions request through `app` in-process; return its seconds.
+async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_tokens: int = 2,
+                          pooling: bool = False) -> float:
+    """Run one streamed /v1/completions request (`pooling`: one /v1/embeddings request) through `app`
+    in-process; return its seconds.
 
-    Raises RuntimeError when the request does not end in a 200 with a `[DONE]` event (the server would
-    not serve requests either, so it must not report ready)."""
-    body = json.dumps({"model": model, "prompt": WARM_UP_PROMPT, "max_tokens": max_tokens,
-                       "stream": True, "ignore_eos": True, "temperature": 0.0}).encode()
+    Raises RuntimeError when the request does not end in a 200 with a `[DONE]` event (an embedding: with its
+    vector) (the server would not serve requests either, so it must not report ready)."""
+    path = "/v1/embeddings" if pooling else "/v1/completions"
+    if pooling:
+        body = json.dumps({"model": model, "input": WARM_UP_PROMPT}).encode()
+    else:
+        body = json.dumps({"model": model, "prompt": WARM_UP_PROMPT, "max_tokens": max_tokens,
+                           "stream": True, "ignore_eos": True, "temperature": 0.0}).encode()
     headers = [(b"host", b"warm-up"), (b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if api_key:
         headers.append((b"authorization", b"Bearer " + api_key.encode("utf-8")))
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
              "root_path": "", "query_string": b"", "headers": headers, "client": ("127.0.0.1", 0),
              "server": ("127.0.0.1", 0), "state": {}}
     sent = False
@@ -59,7 +65,7 @@ async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_
     await app(scope, receive, send)
     seconds = time.perf_counter() - t0
     text = b"".join(chunks)
-    if status != [200] or b"[DONE]" not in text:
+    if status != [200] or (b'"embedding"' if pooling else b"[DONE]") not in text:
         raise RuntimeError(f"the warm-up request failed (status {status}): {text[:300]!r}")
     logger.info("warm-up request through the serving path: %.1f ms", seconds * 1e3)
     return seconds

@@ -18,6 +18,11 @@ _MODELS = {
     "Qwen3ForCausalLM": _QWEN3,
     "OPTForCausalLM": _OPT,
     "GPT2LMHeadModel": _GPT2,
+    # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
+    "LlamaModel": _LLAMA,
+    "MistralModel": _LLAMA,
+    "Qwen2Model": _QWEN2,
+    "Qwen3Model": _QWEN3,
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _QWEN2,
@@ -27,6 +32,15 @@ _MODELS = {
 }
 
 _DEFAULT_MAX_LEN = 2048
+
+
+_BASE_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+
+
+def is_base_model(config: Any) -> bool:
+    """A checkpoint of the transformer without its LM head (tensor names lack the ``model.`` prefix)."""
+    archs = list(getattr(config, "architectures", None) or [])
+    return bool(archs) and archs[0] in _BASE_MODELS
 
 
 def supported_architectures() -> list[str]:
