@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "PoolingParams": "pagedllm.pooling_params",
+    "LoRARequest": "pagedllm.lora.request",
     "PoolingRequestOutput": "pagedllm.outputs",
     "EmbeddingRequestOutput": "pagedllm.outputs",
 }

@@ -96,6 +96,26 @@ class PoolerConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora): `max_lora_rank` bounds an adapter's rank; `max_cpu_loras`
+    adapters stay loaded (least recently used ones not serving a request are dropped beyond it; default
+    max_loras), and a batch may mix any of them."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_loras", self.max_loras)
+        _check_positive_int("max_lora_rank", self.max_lora_rank)
+        _check_positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
+
+
+@dataclass
 class CacheConfig:
     """The paged KV cache: block size and how big the pools are."""
 
@@ -333,3 +353,4 @@ class EngineConfig:
     device_config: DeviceConfig
     speculative_config: SpeculativeConfig | None = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    lora_config: LoRAConfig | None = None

@@ -30,6 +30,7 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    lora_request: object = None  # the LoRARequest it ran with (vLLM's field)
 
 
 @dataclass

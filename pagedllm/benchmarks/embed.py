@@ -80,6 +80,27 @@ def run_hf(model, prompts: list[list[int]], batch_size: int, pooling: str, norma
     return time.perf_counter() - t0, vectors
 
 
+def _useful_flops(hf_config, prompts: list[list[int]]) -> float:
+    """The decoder's matmuls for every prompt token plus causal attention (no LM head: nothing is sampled)."""
+    from pagedllm.benchmarks.cpu_flops import step_flops
+    from pagedllm.benchmarks.lower_bound import ModelShape
+
+    shape = ModelShape.from_hf_config(hf_config)
+    attended = sum(n * (n + 1) // 2 for n in map(len, prompts))
+    return step_flops(shape, sum(map(len, prompts)), attended, 0)
+
+
+def _peak(device: str) -> tuple[float, str]:
+    """(FLOP/s, what it is): the bf16 matmul peak on a GPU, the fp32 FMA peak on the CPU, both measured here."""
+    if device.startswith("cuda"):
+        from pagedllm.benchmarks.lower_bound import measure_matmul_peak
+
+        return measure_matmul_peak(), "bf16 matmul peak"
+    from pagedllm.benchmarks.cpu_flops import measure_fma_peak
+
+    return measure_fma_peak(), "fp32 FMA peak"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -103,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     hf = _hf_base_model(engine_args.model, engine_args.dtype, device.split(":")[0])
     run_hf(hf, wl.prompts[:8], args.hf_batch_size, pooler.pooling_type, pooler.normalize)  # warm-up
     hf_s, theirs = run_hf(hf, wl.prompts, args.hf_batch_size, pooler.pooling_type, pooler.normalize)
+    flops, peak, peak_name = _useful_flops(engine.hf_config, wl.prompts), *_peak(device)
     diff = max(float((torch.tensor(a) - b).abs().max()) for a, b in zip(ours, theirs))
     cos = min(float(torch.nn.functional.cosine_similarity(torch.tensor(a), b, dim=0)) for a, b in zip(ours, theirs))
     figures = {
@@ -110,11 +132,16 @@ def run(args: argparse.Namespace) -> int:
         "dtype": str(engine.executor.dtype).removeprefix("torch."), "pooling_type": pooler.pooling_type,
         "num_prompts": len(wl.prompts), "prompt_tokens": n_tokens, "hf_batch_size": args.hf_batch_size,
         "pagedllm_s": ours_s, "hf_s": hf_s, "pagedllm_tok_s": n_tokens / ours_s, "hf_tok_s": n_tokens / hf_s,
-        "ratio": hf_s / ours_s, "max_abs_diff": diff, "min_cosine": cos,
+        "ratio": hf_s / ours_s, "max_abs_diff": diff, "min_cosine": cos, "useful_flops": flops,
+        "peak_name": peak_name, "peak_flops": peak, "pagedllm_frac_of_peak": flops / ours_s / peak,
+        "hf_frac_of_peak": flops / hf_s / peak,
     }
     print(f"pagedllm: {ours_s:.2f} s, {n_tokens / ours_s:.0f} prompt tok/s | transformers (batch "
           f"{args.hf_batch_size}, length-sorted): {hf_s:.2f} s, {n_tokens / hf_s:.0f} prompt tok/s | "
           f"pagedllm ÷ HF speed {hf_s / ours_s:.2f}× | vectors: max |diff| {diff:.2e}, min cosine {cos:.6f}")
+    print(f"useful work {flops / 1e12:.2f} TFLOP: pagedllm {flops / ours_s / 1e9:.0f} GFLOP/s = "
+          f"{figures['pagedllm_frac_of_peak']:.0%} of the {peak_name} ({peak / 1e9:.0f} GFLOP/s, measured here), "
+          f"transformers {figures['hf_frac_of_peak']:.0%}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -20,6 +20,7 @@ from pagedllm.config import (
     CompilationConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -106,6 +107,13 @@ _HELP = {
                "pooling); auto or none leave it as it is.",
     "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", "
                      "\"normalize\": true} (default LAST, normalized: what decoder embedding models use).",
+    "enable_lora": "Serve LoRA adapters on the base model (vLLM's): each request may name a PEFT adapter "
+                   "(LLM.generate(lora_request=LoRARequest(name, id, path)); the server's --lora-modules name=path "
+                   "and the request's model field). Runs without CUDA graphs or the CPU direct forward; one process "
+                   "(tensor_parallel_size 1).",
+    "max_loras": "Adapters kept loaded at once (see max_cpu_loras); a batch may mix all of them.",
+    "max_lora_rank": "Highest adapter rank accepted.",
+    "max_cpu_loras": "Adapters kept loaded, least recently used dropped first (default: max_loras).",
     "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
                                   "(llguidance: faster masks, unbounded number precision).",
 }
@@ -156,6 +164,10 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: str | dict | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -230,7 +242,18 @@ class EngineArgs:
                 raise ValueError("async_scheduling: a pooling model's steps end its requests, so they run one "
                                  "after another; leave it unset (or False) with runner='pooling'.")
         return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device), spec,
-                            CompilationConfig.from_json(self.compilation_config))
+                            CompilationConfig.from_json(self.compilation_config), self._lora_config(runner, spec))
+
+    def _lora_config(self, runner: str, spec: SpeculativeConfig | None) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        single = self.tensor_parallel_size == 1 and self.distributed_executor_backend in (None, "uni")
+        why = ("tensor parallelism (adapters are applied in one process: tensor_parallel_size=1)" if not single else
+               "speculative decoding (leave speculative_config unset)" if spec is not None else
+               "the pooling runner (LoRA adapters are served for generation)" if runner == "pooling" else None)
+        if why is not None:
+            raise ValueError(f"enable_lora does not combine with {why}.")
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _resolve_runner(self, hf_config: Any) -> tuple[str, PoolerConfig | None]:
         """(runner, pooler config): "generate" and None, or "pooling" and its PoolerConfig."""

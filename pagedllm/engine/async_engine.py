@@ -33,6 +33,7 @@ from pagedllm.engine.engine_loop import (
 )
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_checker import RequestChecker
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -180,7 +181,7 @@ class AsyncEngineFront:
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
-        coalesce: bool = False, priority: int = 0,
+        coalesce: bool = False, priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> AsyncStream:
         """Queue a request for the next step, without waiting for the engine loop.
 
@@ -195,15 +196,16 @@ class AsyncEngineFront:
         stream = AsyncStream(request_id, coalesce)
         self._streams[request_id] = stream
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._submit(AddCommand(request_id, prompt, params, arrival, priority))
+        self._submit(AddCommand(request_id, prompt, params, arrival, priority, lora_request))
         return stream
 
     async def generate(
         self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, arrival_time: float | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; leaving early (or being cancelled) aborts it."""
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority=priority)
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time, priority=priority,
+                                        lora_request=lora_request)
         try:
             async for out in stream:
                 yield out

@@ -41,6 +41,7 @@ class AddCommand:
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    lora_request: Any = None  # a LoRARequest
 
 
 @dataclass
@@ -166,7 +167,8 @@ class EngineLoop:
         for cmd in commands:
             if isinstance(cmd, AddCommand):
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority)
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.priority,
+                                            cmd.lora_request)
                 except Exception as e:  # bad input: the engine is untouched
                     errors[cmd.request_id] = e
             elif isinstance(cmd, AbortCommand):

@@ -26,6 +26,7 @@ from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.engine.pooling import PoolingState, matryoshka_dimensions
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
 from pagedllm.logprobs import position_logprobs
+from pagedllm.lora.request import LoRARequest
 from pagedllm.model import loader
 from pagedllm.model.layers.sampler import (
     Sampler,
@@ -221,10 +222,12 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> SequenceGroup:
         """Validate and queue a request; raises ValueError (engine untouched) on bad input. `priority`: under
         the priority scheduling policy, lower values are served first (ties by arrival). A pooling engine
-        (runner "pooling") takes PoolingParams (or None) and returns a PoolingRequestOutput."""
+        (runner "pooling") takes PoolingParams (or None) and returns a PoolingRequestOutput. `lora_request`: the
+        LoRA adapter to run with (enable_lora engines; loaded on first use, a ValueError if it cannot be)."""
         pooling = None
         if self.runner == "pooling" or isinstance(params, PoolingParams):
             pooling = self.request_checker.check_pooling_params(params)
@@ -242,7 +245,12 @@ class LLMEngine:
         # Validated here (ValueError naming the problem); compiled on a thread, cached by (kind, spec).
         grammar = None if params.structured_outputs is None else self.structured_output.request(params.structured_outputs)
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(token_ids)
-        seq = Sequence(next(self._seq_counter), list(token_ids), cache_salt=prompt_cache_salt(prompt))
+        salt = prompt_cache_salt(prompt)
+        if lora_request is not None:
+            self._load_lora(lora_request)
+            # An adapter changes every layer's K/V: its prompts' blocks are cached apart from the base model's.
+            salt = f"{salt or ''}\0lora:{lora_request.lora_int_id}"
+        seq = Sequence(next(self._seq_counter), list(token_ids), cache_salt=salt)
         group = SequenceGroup(
             request_id=request_id,
             seqs=[seq],
@@ -255,6 +263,8 @@ class LLMEngine:
         group.extra["best_of"] = params.best_of or params.n
         if pooling is not None:
             group.extra["pooling"] = PoolingState.of(pooling, self.config.model_config.pooler_config)
+        if lora_request is not None:
+            group.extra["lora_request"] = lora_request
         if params.bad_words:
             group.extra["bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         if params.use_beam_search:
@@ -278,6 +288,14 @@ class LLMEngine:
                 group.extra["grammar_prefill"] = True
         self.scheduler.add_seq_group(group)
         return group
+
+    def _load_lora(self, lora_request: LoRARequest) -> None:
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        if self.config.lora_config is None:
+            raise ValueError("this engine serves no LoRA adapters: build it with enable_lora=True (--enable-lora).")
+        in_use = {g.extra["lora_request"].lora_int_id for g in self._all_groups() if "lora_request" in g.extra}
+        self.executor.add_lora(lora_request, in_use)
 
     @functools.cached_property
     def request_checker(self) -> RequestChecker:
@@ -588,6 +606,7 @@ class LLMEngine:
             wants_prompt_logprobs = (
                 item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
             )
+        lora = item.group.extra.get("lora_request")
         return SequenceChunk(
             seq_id=seq.seq_id,
             token_ids=token_ids,
@@ -595,6 +614,7 @@ class LLMEngine:
             block_table=list(self.scheduler.block_manager.get_block_table(seq)),
             sample=item.completes,
             all_logits=wants_prompt_logprobs,
+            lora_id=lora.lora_int_id if lora is not None else 0,
         )
 
     def _launch_sampling(self, step: LaunchedStep) -> None:

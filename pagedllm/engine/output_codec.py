@@ -121,7 +121,7 @@ class OutputDecoder:
         arrival, scheduled, first_token = times
         return RequestOutput(
             request_id=request_id, prompt=prev.prompt, prompt_token_ids=prev.prompt_token_ids, outputs=completions,
-            finished=False, prompt_logprobs=prev.prompt_logprobs,
+            finished=False, prompt_logprobs=prev.prompt_logprobs, lora_request=prev.lora_request,
             num_cached_tokens=num_cached_tokens,
             metrics={"arrival_time": arrival, "first_scheduled_time": scheduled, "first_token_time": first_token},
         )

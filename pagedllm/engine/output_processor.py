@@ -199,6 +199,7 @@ class OutputProcessor:
             prompt_logprobs=group.extra.get("prompt_logprobs"),
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
+            lora_request=group.extra.get("lora_request"),
         )
 
     @staticmethod

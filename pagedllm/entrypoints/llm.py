@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -44,9 +45,11 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt; outputs come back in input order. `priority`: one int per
-        prompt, lower served first (needs ``scheduling_policy="priority"``)."""
+        prompt, lower served first (needs ``scheduling_policy="priority"``). `lora_request`: the LoRA adapter
+        for every prompt, or one (or None) per prompt (needs ``enable_lora=True``)."""
         if self.llm_engine.runner == "pooling":
             raise ValueError("LLM.generate() needs a generating model, and this LLM runs the pooling runner: call "
                              "LLM.embed() (or LLM.encode()) for its embeddings, or build the LLM without "
@@ -56,8 +59,9 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} values for {len(prompt_list)} prompts: "
                              f"give one per prompt.")
+        loras = self._as_lora_list(lora_request, len(prompt_list))
         with fewer_young_collections():  # engine/gc_heap.py
-            ids = self._add_all(prompt_list, params_list, priority)
+            ids = self._add_all(prompt_list, params_list, priority, loras)
             return self._run(ids, use_tqdm)
 
     def chat(
@@ -70,6 +74,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of
@@ -84,7 +89,7 @@ class LLM:
                                                      continue_final_message, chat_template_kwargs)}
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def encode(
         self,
@@ -173,14 +178,24 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt.")
         return params
 
+    @staticmethod
+    def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * n
+        loras = list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"got {len(loras)} LoRA requests for {n} prompts; give one, or one per prompt.")
+        return loras
+
     def _add_all(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
-                 priority: list[int] | None = None) -> list[str]:
+                 priority: list[int] | None = None, loras: list[LoRARequest | None] | None = None) -> list[str]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(next(self._request_counter))
-                engine.add_request(rid, prompt, p, priority=0 if priority is None else priority[i])
+                engine.add_request(rid, prompt, p, priority=0 if priority is None else priority[i],
+                                   lora_request=None if loras is None else loras[i])
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays behind

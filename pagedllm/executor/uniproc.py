@@ -21,6 +21,9 @@ class UniProcExecutor:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.driver_worker.init_cache(num_gpu_blocks, num_cpu_blocks)
 
+    def add_lora(self, request, in_use: set[int] = frozenset()) -> bool:
+        return self.driver_worker.add_lora(request, in_use)
+
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
         return self.driver_worker.execute_model(req)
 

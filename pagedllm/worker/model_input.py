@@ -15,6 +15,7 @@ class SequenceChunk:
     block_table: list[int]
     sample: bool  # the chunk ends the sequence: return logits for its last token
     all_logits: bool = False  # return logits for every token (prompt_logprobs)
+    lora_id: int = 0  # the request's LoRA adapter (lora_int_id), 0 for none
 
 
 @dataclass

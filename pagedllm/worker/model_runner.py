@@ -38,6 +38,7 @@ class ModelRunner:
         # The pooling runner (embeddings): steps return the final hidden states of the rows asked for, in float32,
         # where a generating runner returns their logits.
         self.pooling = False
+        self.lora_manager = None  # --enable-lora: each step's token → adapter mapping goes to it (lora/manager.py)
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -164,6 +165,8 @@ class ModelRunner:
         """
         if not chunks:
             return None
+        if self.lora_manager is not None:
+            self.lora_manager.set_mapping([c.lora_id for c in chunks], [len(c.token_ids) for c in chunks])
         stats = self.step_stats
         start = stats.start(self.device) if stats is not None else None
         gr = self.graph_runner

@@ -114,6 +114,7 @@ class Worker:
         self.model_load_peak_bytes = 0
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
+        self.lora_manager = None  # a LoRAModelManager with --enable-lora
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -299,7 +300,15 @@ class Worker:
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
-        if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
+        if self.config.lora_config is not None:
+            from pagedllm.lora.manager import LoRAModelManager
+
+            lc = self.config.lora_config
+            # Adapters hook the layer modules: steps run the module path (no direct forward, no graphs).
+            self.lora_manager = LoRAModelManager(self.model, lc.max_lora_rank, lc.max_cpu_loras, self.dtype,
+                                                 self.device)
+            self.model_runner.lora_manager = self.lora_manager
+        elif self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
             from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 
             self.model_runner.direct_forward = LlamaDirectForward.build(self.model, backend)
@@ -345,7 +354,7 @@ class Worker:
         every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
         graphs match up across ranks at replay, as they do in eager steps."""
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
-                and self.config.compilation_config.cudagraph_mode != "NONE")
+                and self.config.compilation_config.cudagraph_mode != "NONE" and self.config.lora_config is None)
 
     def routes_graph_buckets(self) -> bool:
         """Whether steps may run in a larger, faster-timed graph bucket (worker/cuda_graph.py): only in one
@@ -400,6 +409,12 @@ class Worker:
         if not self.kv_spec.layer_scales or self.cache_engine is None:
             return None
         return {k.data_ptr(): self.kv_spec.scales(i) for i, (k, _) in enumerate(self.cache_engine.gpu_cache)}
+
+    def add_lora(self, request, in_use: set[int] = frozenset()) -> bool:
+        """Load a LoRA adapter (a `LoRARequest`) unless resident; ValueError when it cannot be served."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need an engine built with enable_lora=True (--enable-lora).")
+        return self.lora_manager.add_lora(request, in_use)
 
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
         ce = self.cache_engine

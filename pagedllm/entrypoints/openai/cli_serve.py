@@ -61,8 +61,45 @@ def add_serve_parser(sub) -> None:
                    help="Run the engine on a thread of the server process instead of an engine-core process of "
                         "its own (the default splits them, as vLLM does, so HTTP handling and the step loop never "
                         "share one interpreter lock).")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve (with --enable-lora), as vLLM's: name=path, or a JSON object "
+                        "'{\"name\": ..., \"path\": ...}'; a request whose model is NAME runs with that adapter.")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run_serve)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """(name, path) of one --lora-modules entry."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: not valid JSON: {e}") from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str):
+            raise argparse.ArgumentTypeError(f"--lora-modules: a JSON entry needs string 'name' and 'path', got {text!r}")
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules entries are name=path, got {text!r}")
+    return name, path
+
+
+def _lora_requests(modules: list[tuple[str, str]] | None, enable_lora: bool, served: list[str]) -> dict:
+    """--lora-modules as {name: LoRARequest}, ids 1, 2, … in the given order."""
+    from pagedllm.lora.request import LoRARequest
+
+    if not modules:
+        return {}
+    if not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora.")
+    names = [n for n, _ in modules]
+    clash = sorted({n for n in names if names.count(n) > 1 or n in served})
+    if clash:
+        raise ValueError(f"--lora-modules names must be unique and differ from the served model name; repeated: {clash}")
+    missing = [path for _, path in modules if not (Path(path) / "adapter_config.json").is_file()]
+    if missing:
+        raise ValueError(f"--lora-modules: no PEFT adapter (adapter_config.json) at {missing}")
+    return {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(modules, start=1)}
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--protect-metrics needs --api-key (there is no key to protect /metrics with).")
     engine_args = EngineArgs.from_cli_args(args)
     names = args.served_model_name or [_default_name(engine_args.model)]
+    loras = _lora_requests(args.lora_modules, engine_args.enable_lora, names)
     metrics = EngineMetrics(names[0])
     if args.disable_frontend_multiprocessing:
         engine = AsyncLLMEngine.from_engine_args(engine_args, observer=metrics)
@@ -152,6 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         default_sampling=dict(info.default_sampling_params), max_logprobs=checker.max_logprobs,
         reasoning_parser=ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
+        lora_modules=loras,
     )
     http = HttpOptions(enable_request_id_headers=args.enable_request_id_headers,
                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),

@@ -235,6 +235,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     async def models() -> dict:
         cards = [ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
                  for name in ctx.served_model_names]
+        cards += [ModelCard(id=name, root=lora.lora_path, parent=ctx.model_name, max_model_len=ctx.max_model_len)
+                  for name, lora in ctx.lora_modules.items()]
         return dump(ModelList(data=cards))
 
     @app.post("/v1/completions")

@@ -96,7 +96,7 @@ class OpenAIServingChat:
         params = self.ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
                                           structured_outputs=tools.constraint)
         request_id, engine_prefix = request_ids("chatcmpl", client_request_id)
-        streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt)
+        streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt, model)
         if req.stream:
             return self._stream(req, model, request_id, ids, streams, tools)
         final: RequestOutput | None = None

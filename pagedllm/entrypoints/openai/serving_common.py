@@ -115,6 +115,8 @@ class ServingContext:
     max_logprobs: int = MAX_LOGPROBS
     #: The model's generation-config defaults for fields a request leaves unset (engine/generation_defaults.py).
     default_sampling: dict = field(default_factory=dict)
+    #: --lora-modules: model name → LoRARequest (a request naming it runs with that adapter).
+    lora_modules: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -132,9 +134,10 @@ class ServingContext:
 
     # -- validation --------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.served_model_names:
+        if model is None or model in self.served_model_names or model in self.lora_modules:
             return self.model_name if model is None else model
-        raise OpenAIError(f"The model `{model}` does not exist; this server serves {self.served_model_names}.",
+        served = [*self.served_model_names, *self.lora_modules]
+        raise OpenAIError(f"The model `{model}` does not exist; this server serves {served}.",
                           param="model", code="model_not_found")
 
     def check_ids(self, token_ids: list[int], param: str) -> None:
@@ -304,8 +307,11 @@ class ServingContext:
 
     # -- engine --------------------------------------------------------------------------------------
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                      priority: int = 0, cache_salt: str | None = None) -> list[tuple[str, AsyncStream]]:
-        """Add one request per prompt; on any failure abort those already added and raise an OpenAIError."""
+                      priority: int = 0, cache_salt: str | None = None,
+                      model: str | None = None) -> list[tuple[str, AsyncStream]]:
+        """Add one request per prompt (`model`: a --lora-modules name runs them with its adapter); on any failure
+        abort those already added and raise an OpenAIError."""
+        lora = self.lora_modules.get(model)
         added: list[tuple[str, AsyncStream]] = []
         try:
             for i, ids in enumerate(prompts):
@@ -313,7 +319,7 @@ class ServingContext:
                 prompt = {"prompt_token_ids": ids} if cache_salt is None else {"prompt_token_ids": ids,
                                                                                 "cache_salt": cache_salt}
                 added.append((rid, await self.engine.add_request(rid, prompt, params, coalesce=True,
-                                                            priority=priority)))
+                                                            priority=priority, lora_request=lora)))
         except BaseException as e:
             self.engine.abort([rid for rid, _ in added])
             if isinstance(e, Exception):

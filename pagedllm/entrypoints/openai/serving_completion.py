@@ -58,7 +58,7 @@ class OpenAIServingCompletion:
         max_tokens = 1 if _echo_only(req) else req.max_tokens
         params = self.ctx.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
         request_id, engine_prefix = request_ids("cmpl", client_request_id)
-        streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority, req.cache_salt)
+        streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority, req.cache_salt, model)
         if req.stream:
             return self._stream(req, model, request_id, texts, ids, streams)
         try:

@@ -87,7 +87,7 @@ class OpenAIServingResponses:
         rid, engine_prefix = request_ids("resp", client_request_id)
         response_id = "resp_" + rid[len("resp-"):]
         try:
-            streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt)
+            streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt, chat.model)
         except OpenAIError as e:
             raise _renamed(e, req) from None
         shape = _Shape(self.ctx, req, response_id, chat.model or self.ctx.model_name, ids, logprobs, tools,

@@ -61,7 +61,9 @@ class PackableGemm:
         self.dense_shape = None
 
     def weight_shape(self) -> tuple[int, int]:
-        """[out, in], also while the dense copy is released."""
+        """[out, in], also while the dense copy is released (packed panels, GGUF quants)."""
+        if self.gguf_weight is not None:
+            return self.gguf_weight.out_features, self.gguf_weight.in_features
         return self.dense_shape or (self.weight.shape[0], self.weight.shape[1])
 
     def quantize_weight_fp8(self) -> bool:
