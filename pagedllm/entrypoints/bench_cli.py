@@ -16,6 +16,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("fp8-accuracy", "pagedllm.benchmarks.fp8_accuracy", "FP8 KV / weights vs bf16 on the bundled model: agreement, ppl."),
     ("cpu-decode-step", "pagedllm.benchmarks.cpu_decode_step", "Single-sequence CPU decode step by phase, direct forward on/off."),
     ("embed", "pagedllm.benchmarks.embed", "Embedding throughput (pooling runner) vs transformers, same prompts."),
+    ("lora", "pagedllm.benchmarks.lora", "Multi-LoRA throughput: no adapter, one, several mixed; transformers+peft peer."),
 )
 
 
