@@ -1,14 +1,17 @@
 """The worker side of multi-LoRA: adapters resident on the device, and each step's token → adapter mapping.
 
-Every linear an adapter may touch gets a forward hook. A step's tokens are grouped by adapter (the model runner
-calls `set_mapping` with its chunks); for each adapter in the batch the hook adds (x Aᵀ) Bᵀ to that adapter's
-rows of the layer's output — one gather, one small GEMM per adapted layer and adapter, the base GEMM shared by
-every request (Punica's idea, in plain torch). Tokens of requests without an adapter are left untouched.
+Every linear an adapter may touch gets a forward hook. The model runner tells the manager each step's token →
+adapter mapping (`set_mapping`). The hook adds the low-rank products of every adapter in the step with a fixed
+number of GEMMs, whatever the number of adapters: the adapters' A matrices side by side give x Aᵀ for all of them
+at once ([tokens, sum of ranks]), each token keeps only its own adapter's columns (a mask), and one B per output
+slice (zero in other adapters' columns) adds them back. The base GEMM is shared by every request (Punica's idea,
+in plain torch); tokens without an adapter get nothing added.
 """
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,8 +36,9 @@ class LoRAModelManager:
             raise ValueError(f"{type(model).__name__} has no layer LoRA adapters can target ({list(_TARGETS)}); "
                              f"LoRA is served for the Llama family (Llama, Mistral, Qwen2, Qwen3).")
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
-        # This step: (adapter, token rows or None for every row) per adapter present.
-        self._active: list[tuple[LoRAAdapter, torch.Tensor | None]] = []
+        # This step: (adapter ids present, each token's position in them or None when one adapter has every token).
+        self._step: tuple[tuple[int, ...], torch.Tensor | None] | None = None
+        self._stack_cache: dict[tuple[str, tuple[int, ...]], _Stacked | None] = {}
         for name, module in self.modules.items():
             module.register_forward_hook(self._hook(name))
 
@@ -53,12 +57,14 @@ class LoRAModelManager:
                 break  # every resident adapter serves a running request: hold one more for now
             del self.adapters[victim]
         self.adapters[request.lora_int_id] = adapter
+        self._stack_cache.clear()
         logger.info("LoRA adapter %r (id %d, rank %d, %d layers, %.1f MiB) loaded from %s", adapter.name,
                     adapter.lora_int_id, adapter.rank, len(adapter.layers), adapter.num_bytes / 2**20,
                     request.lora_path)
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
+        self._stack_cache.clear()
         return self.adapters.pop(lora_int_id, None) is not None
 
     def list_loras(self) -> list[int]:
@@ -67,35 +73,72 @@ class LoRAModelManager:
     # -- the step ------------------------------------------------------------------------------
     def set_mapping(self, lora_ids: list[int], num_tokens: list[int]) -> None:
         """Chunk i's `num_tokens[i]` tokens run with adapter `lora_ids[i]` (0: none), in batch order."""
-        self._active = []
+        self._step = None
         if not any(lora_ids):
             return
         per_token = np.repeat(np.asarray(lora_ids, dtype=np.int64), num_tokens)
-        for lid in np.unique(per_token):
-            if lid == 0:
+        ids = tuple(int(i) for i in np.unique(per_token) if i != 0)
+        missing = [i for i in ids if i not in self.adapters]
+        if missing:
+            raise RuntimeError(f"LoRA adapter id(s) {missing} are not loaded on this worker")
+        uniform = len(ids) == 1 and bool((per_token == ids[0]).all())
+        pos = None
+        if not uniform:  # each token's adapter as a position in `ids`; -1: none
+            where = np.searchsorted(np.asarray(ids, dtype=np.int64), per_token)  # ids are sorted
+            pos = torch.from_numpy(np.where(per_token == 0, -1, where)).to(self.device)
+        self._step = (ids, pos)
+
+    def _stacked(self, name: str, ids: tuple[int, ...]) -> _Stacked | None:
+        """The step's adapters of one layer side by side: A of all of them, and per output slice a B whose
+        columns of other slices are zero (built once per set of adapters)."""
+        key = (name, ids)
+        hit = self._stack_cache.get(key)
+        if hit is not None or key in self._stack_cache:
+            return hit
+        if len(self._stack_cache) > 4096:
+            self._stack_cache.clear()
+        a_parts, owners, per_slice, r = [], [], {}, 0
+        for k, lid in enumerate(ids):
+            w = self.adapters[lid].layers.get(name)
+            if w is None:
                 continue
-            adapter = self.adapters.get(int(lid))
-            if adapter is None:
-                raise RuntimeError(f"LoRA adapter id {int(lid)} is not loaded on this worker")
-            rows = np.flatnonzero(per_token == lid)
-            idx = None if len(rows) == len(per_token) else torch.from_numpy(rows).to(self.device)
-            self._active.append((adapter, idx))
+            a_parts.append(w.a)
+            owners += [k] * w.a.shape[0]
+            for offset, rows, r0, r1, b in w.slices:
+                per_slice.setdefault((offset, rows), []).append((r + r0, r + r1, b))
+            r += w.a.shape[0]
+        stacked = None
+        if a_parts:
+            slices = []
+            for (offset, rows), parts in sorted(per_slice.items()):
+                b_cat = torch.zeros(rows, r, dtype=self.dtype, device=self.device)
+                for c0, c1, b in parts:
+                    b_cat[:, c0:c1] = b
+                slices.append((offset, rows, b_cat))
+            stacked = _Stacked(torch.cat(a_parts), slices, torch.tensor(owners, device=self.device))
+        self._stack_cache[key] = stacked
+        return stacked
 
     def _hook(self, name: str):
         def add_lora_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            for adapter, idx in self._active:
-                weights = adapter.layers.get(name)
-                if weights is None:
-                    continue
-                x = args[0] if idx is None else args[0].index_select(0, idx)
-                t = x.to(weights.a.dtype) @ weights.a.t()  # [rows, sum of ranks]
-                for offset, n_out, r0, r1, b in weights.slices:
-                    delta = (t[:, r0:r1] @ b.t()).to(out.dtype)
-                    cols = out[:, offset:offset + n_out]
-                    if idx is None:
-                        cols.add_(delta)
-                    else:
-                        cols.index_add_(0, idx, delta)
+            if self._step is None:
+                return None
+            ids, pos = self._step
+            st = self._stacked(name, ids)
+            if st is None:
+                return None
+            t = args[0].to(st.a.dtype) @ st.a.t()  # [tokens, ranks of every adapter]
+            if pos is not None:  # keep each token's own adapter's columns
+                t.mul_(pos.unsqueeze(1) == st.owner.unsqueeze(0))
+            for offset, rows, b in st.slices:
+                out[:, offset:offset + rows].add_((t @ b.t()).to(out.dtype))
             return None
 
         return add_lora_delta
+
+
+@dataclass
+class _Stacked:
+    a: torch.Tensor  # [R, in]: the adapters' A, one after another
+    slices: list[tuple[int, int, torch.Tensor]]  # (output offset, rows, B [rows, R])
+    owner: torch.Tensor  # [R]: which adapter (position in the step's ids) each column belongs to
