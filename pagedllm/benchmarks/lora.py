@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pagedllm.benchmarks.throughput import make_workload
+from pagedllm.benchmarks.throughput import left_padded, make_workload
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -71,13 +71,7 @@ def _run_peer(peft_model, prompts, output_len: int, names: list[str], batch_size
     device = next(peft_model.parameters()).device
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        batch = prompts[i:i + batch_size]
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for j, p in enumerate(batch):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+        ids, mask = left_padded(prompts[i:i + batch_size], pad_id)
         with torch.inference_mode():
             peft_model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                                 max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=pad_id,

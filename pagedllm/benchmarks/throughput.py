@@ -78,6 +78,19 @@ def run_pagedllm(llm, wl: Workload, longest_first: bool = False) -> Result:
     return Result("pagedllm", elapsed, len(outs), sum(map(len, wl.prompts)), n_out)
 
 
+def left_padded(batch: list[list[int]], pad_id: int):
+    """(input ids, attention mask) of prompts left-padded to the longest, as transformers' generate takes them."""
+    import torch
+
+    width = max(map(len, batch))
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for j, p in enumerate(batch):
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    return ids, mask
+
+
 def run_hf_static(model, wl: Workload, batch_size: int, pad_id: int) -> Result:
     """transformers' padded static batching: left-pad each batch to its longest prompt."""
     import torch
@@ -90,12 +103,8 @@ def run_hf_static(model, wl: Workload, batch_size: int, pad_id: int) -> Result:
     for i in tqdm(range(0, len(wl.prompts), batch_size), desc="HF batches"):
         batch = wl.prompts[i : i + batch_size]
         new = max(wl.output_len[i : i + batch_size])
-        width = max(map(len, batch))
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for j, p in enumerate(batch):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+        ids, mask = left_padded(batch, pad_id)
+        width = ids.shape[1]
         with torch.inference_mode():
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
                                  max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id)

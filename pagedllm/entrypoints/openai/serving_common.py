@@ -407,6 +407,20 @@ def _finite(entry: Logprob | None) -> float:
     return max(float(entry.logprob), -9999.0)
 
 
+async def final_outputs(ctx: ServingContext, streams: list[tuple[str, AsyncStream]]) -> list[Any]:
+    """Each stream's last output, in order (None where a stream gave none); errors become OpenAI errors, and
+    requests still running when this stops (an error, a cancelled handler) are aborted."""
+    finals: list[Any] = [None] * len(streams)
+    try:
+        async for i, out in merge_streams([s for _, s in streams]):
+            finals[i] = out
+    except Exception as e:
+        raise error_from_exception(e) from None
+    finally:
+        ctx.abort_unfinished(streams)
+    return finals
+
+
 async def merge_streams(streams: list[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams as outputs arrive; yields (stream index, output)."""
     if len(streams) == 1:

@@ -16,6 +16,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     OpenAIError,
     ServingContext,
     error_from_exception,
+    final_outputs,
     merge_streams,
     request_ids,
     sse,
@@ -61,14 +62,7 @@ class OpenAIServingCompletion:
         streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority, req.cache_salt, model)
         if req.stream:
             return self._stream(req, model, request_id, texts, ids, streams)
-        try:
-            finals: list[RequestOutput | None] = [None] * len(streams)
-            async for i, out in merge_streams([s for _, s in streams]):
-                finals[i] = out
-        except Exception as e:
-            raise error_from_exception(e) from None
-        finally:
-            self.ctx.abort_unfinished(streams)
+        finals = await final_outputs(self.ctx, streams)
         return dump(self._response(req, model, request_id, texts, finals))
 
     def _response(self, req, model, request_id, texts, finals) -> CompletionResponse:

@@ -16,8 +16,7 @@ from pagedllm.entrypoints.openai.serving_chat import render_messages
 from pagedllm.entrypoints.openai.serving_common import (
     OpenAIError,
     ServingContext,
-    error_from_exception,
-    merge_streams,
+    final_outputs,
     request_ids,
 )
 from pagedllm.outputs import PoolingRequestOutput
@@ -59,14 +58,7 @@ class OpenAIServingEmbedding:
             raise OpenAIError(str(e), param="dimensions") from None
         request_id, engine_prefix = request_ids("embd", client_request_id)
         streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority)
-        finals: list[PoolingRequestOutput | None] = [None] * len(streams)
-        try:
-            async for i, out in merge_streams([s for _, s in streams]):
-                finals[i] = out
-        except Exception as e:
-            raise error_from_exception(e) from None
-        finally:
-            self.ctx.abort_unfinished(streams)
+        finals: list[PoolingRequestOutput | None] = await final_outputs(self.ctx, streams)
         data, n_prompt = [], 0
         for i, out in enumerate(finals):
             if out is None or out.outputs.data is None:
