@@ -79,6 +79,18 @@ def _run_peer(peft_model, prompts, output_len: int, names: list[str], batch_size
     return time.perf_counter() - t0
 
 
+def _release() -> None:
+    """Free a dropped engine's weights and KV pool now (it sits in reference cycles), before the next one sizes
+    its pool from free memory."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run(args: argparse.Namespace) -> int:
     import peft
     import torch
@@ -96,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     n_out = args.num_prompts * args.output_len
     times = {"base engine": _run_pagedllm(base, wl.prompts, args.output_len, None)}
     del base
+    _release()
     hf = load_hf_reference(engine_args.model, engine_args.dtype, device.split(":")[0])
     with tempfile.TemporaryDirectory() as tmp:
         paths = _make_adapters(hf, Path(tmp), args.num_adapters, args.lora_rank)
@@ -106,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         mixed = [loras[i % len(loras)] for i in range(len(wl.prompts))]
         times[f"{args.num_adapters} adapters mixed"] = _run_pagedllm(llm, wl.prompts, args.output_len, mixed)
         del llm
+        _release()
         peer = peft.PeftModel.from_pretrained(hf, paths[0], adapter_name="a0")
         for i, p in enumerate(paths[1:], start=1):
             peer.load_adapter(p, adapter_name=f"a{i}")
