@@ -28,7 +28,8 @@ def adapter(tmp_path_factory, hf_model):
 
 @pytest.fixture(scope="module")
 def server(adapter):
-    srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-lora", "--lora-modules", f"smol-lora={adapter[0]}"])
+    srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-lora", "--lora-modules", f"smol-lora={adapter[0]}"],
+                       env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
     yield srv
     assert srv.stop(signal.SIGTERM) == 0, srv.logs()[-3000:]
 
@@ -91,3 +92,24 @@ def test_adapter_rows_stay_exact_beside_base_rows(client, adapter, tokenizer, hf
     for model, prompt, tokens in results:
         ref_model = adapter[1] if model == "smol-lora" else hf_model
         assert tokens == greedy_reference(ref_model, tokenizer.encode(prompt), n=10), (model, prompt)
+
+
+def test_adapters_load_and_unload_at_runtime(server, client, tokenizer, hf_model, tmp_path):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    merged = make_adapter(hf_model, tmp_path, 12, ["q_proj", "v_proj"], rank=4)
+    post = lambda path, body: httpx.post(server.url(path), json=body, timeout=60)  # noqa: E731
+    r = post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(tmp_path)})
+    assert r.status_code == 200 and "added successfully" in r.text, r.text
+    assert post("/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(tmp_path)}).status_code == 400
+    bad = post("/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": str(tmp_path / "missing")})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    assert "late" in {m.id for m in client.models.list().data}
+    args = dict(prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    tokens = client.completions.create(model="late", **args).choices[0].model_extra["token_ids"]
+    assert tokens == greedy_reference(merged, tokenizer.encode(PROMPT), n=8)
+    r = post("/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert r.status_code == 200 and "removed successfully" in r.text, r.text
+    assert "late" not in {m.id for m in client.models.list().data}
+    gone = httpx.post(server.url("/v1/completions"), json={"model": "late", "prompt": "hi", "max_tokens": 1})
+    assert gone.json()["error"]["code"] == "model_not_found"
+    assert post("/v1/unload_lora_adapter", {"lora_name": "late"}).status_code == 404

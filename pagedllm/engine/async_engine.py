@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import queue
 import threading
@@ -42,6 +43,10 @@ T = TypeVar("T")
 
 def _reset_prefix_cache(engine: LLMEngine) -> bool:
     return engine.reset_prefix_cache()
+
+
+def _remove_lora(lora_int_id: int, engine: LLMEngine) -> bool:
+    return engine.remove_lora(lora_int_id)
 
 __all__ = ["AsyncEngineFront", "AsyncLLMEngine", "AsyncStream", "EngineDeadError", "EngineStepError",
            "FrontSink", "StepObserver"]
@@ -177,6 +182,10 @@ class AsyncEngineFront:
         """Drop every cached prefix block between two steps (``LLMEngine.reset_prefix_cache``): False while requests
         hold KV blocks."""
         return await self.call_between_steps(_reset_prefix_cache)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded LoRA adapter between two steps (``LLMEngine.remove_lora``)."""
+        return await self.call_between_steps(functools.partial(_remove_lora, lora_int_id))
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(

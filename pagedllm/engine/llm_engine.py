@@ -297,6 +297,16 @@ class LLMEngine:
         in_use = {g.extra["lora_request"].lora_int_id for g in self._all_groups() if "lora_request" in g.extra}
         self.executor.add_lora(lora_request, in_use)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop a loaded LoRA adapter (vLLM's name); ValueError while unfinished requests run with it. False if
+        it was not loaded."""
+        users = [g.request_id for g in self._all_groups()
+                 if "lora_request" in g.extra and g.extra["lora_request"].lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} serves {len(users)} unfinished request(s); unload it when "
+                             f"they finish.")
+        return self.config.lora_config is not None and self.executor.remove_lora(lora_int_id)
+
     @functools.cached_property
     def request_checker(self) -> RequestChecker:
         """The configuration-only request checks (plain data: the API server process checks with it)."""

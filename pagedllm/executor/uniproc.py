@@ -24,6 +24,9 @@ class UniProcExecutor:
     def add_lora(self, request, in_use: set[int] = frozenset()) -> bool:
         return self.driver_worker.add_lora(request, in_use)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.driver_worker.remove_lora(lora_int_id)
+
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
         return self.driver_worker.execute_model(req)
 

@@ -416,6 +416,9 @@ class Worker:
             raise ValueError("LoRA adapters need an engine built with enable_lora=True (--enable-lora).")
         return self.lora_manager.add_lora(request, in_use)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.lora_manager is not None and self.lora_manager.remove_lora(lora_int_id)
+
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
         ce = self.cache_engine
         ce.swap_out(req.blocks_to_swap_out)

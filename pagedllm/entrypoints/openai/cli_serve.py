@@ -198,7 +198,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
                     dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request,
                     dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1", http=http,
-                    responses_store=args.enable_responses_api_store)
+                    responses_store=args.enable_responses_api_store, enable_lora=engine_args.enable_lora)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], info.model_dir, info.device, info.dtype, checker.num_gpu_blocks, checker.block_size,

@@ -36,6 +36,12 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_m
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_lora import (
+    LoadLoRAAdapterRequest,
+    OpenAIServingLoRA,
+    UnloadLoRAAdapterRequest,
+    runtime_lora_updating_allowed,
+)
 from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
@@ -114,11 +120,13 @@ class HttpOptions:
 
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
               protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True,
-              dev_mode: bool = False, http: HttpOptions = HttpOptions(), responses_store: bool = False) -> FastAPI:
+              dev_mode: bool = False, http: HttpOptions = HttpOptions(), responses_store: bool = False,
+              enable_lora: bool = False) -> FastAPI:
     """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py).
     `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development route ``POST /reset_prefix_cache``.
     `http`: response headers and CORS (HttpOptions). `responses_store`: keep /v1/responses results in memory
-    (--enable-responses-api-store)."""
+    (--enable-responses-api-store). `enable_lora`: the engine serves LoRA adapters (the runtime LoRA routes need
+    it, and VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     responses = OpenAIServingResponses(ctx, ResponseStore() if responses_store else None)
@@ -278,6 +286,17 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         ctx.check_model(req.model)
         ctx.check_ids(req.tokens, "tokens")
         return dump(DetokenizeResponse(prompt=ctx.tokenizer.decode(req.tokens)))
+
+    if runtime_lora_updating_allowed():
+        lora = OpenAIServingLoRA(ctx, enable_lora)
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+            return Response(lora.load(req), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+            return Response(await lora.unload(req), media_type="text/plain")
 
     if dev_mode:
         @app.post("/reset_prefix_cache")
