@@ -104,3 +104,16 @@ def test_generation_routes_refused_and_invocations_embed(server, client):
     m = server.wait_idle()
     assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"]
     assert m["vllm:request_success_total"] >= 10
+
+
+def test_embeddings_schema_fuzz_never_5xx(server):
+    """schemathesis cases (valid and invalid) for /v1/embeddings and /invocations of a pooling server: never a 5xx,
+    every 4xx with OpenAI's error body, nothing left running."""
+    from reliability import fuzz_schema
+
+    statuses, failures = fuzz_schema(server.base_url, {}, max_examples=25, seed=5,
+                                     paths=("/v1/embeddings", "/invocations"))
+    assert sum(statuses.values()) >= 60 and statuses[200] > 0, dict(statuses)
+    assert failures == [], "\n".join(failures[:10])
+    m = server.wait_idle()
+    assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"]
