@@ -339,5 +339,6 @@ def test_compilation_config_cudagraph_mode_as_vllm_names_it():
     for cfg, invariant, want in ((none, False, False), (default, False, True), (default, True, True),
                                  (none, True, False)):
         stub = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(
-            model_config=SimpleNamespace(enforce_eager=False, batch_invariant=invariant), compilation_config=cfg))
+            model_config=SimpleNamespace(enforce_eager=False, batch_invariant=invariant), compilation_config=cfg,
+            lora_config=None))
         assert Worker.use_cuda_graphs(stub) is want
