@@ -3,8 +3,8 @@
 Every linear an adapter may touch gets a forward hook. The model runner tells the manager each step's token →
 adapter mapping (`set_mapping`). The hook adds the low-rank products of every adapter in the step with a fixed
 number of GEMMs, whatever the number of adapters: the adapters' A matrices side by side give x Aᵀ for all of them
-at once ([tokens, sum of ranks]), each token keeps only its own adapter's columns (a mask), and one B over the
-adapted output columns (zero outside each slice's own rows and columns) adds them back: two GEMMs and an add. The base GEMM is shared by every request (Punica's idea,
+at once ([tokens, sum of ranks]), each token keeps only its own adapter's columns (a mask), and one B per output
+slice (zero in other adapters' columns) adds them back. The base GEMM is shared by every request (Punica's idea,
 in plain torch); tokens without an adapter get nothing added.
 """
 from __future__ import annotations
@@ -89,8 +89,8 @@ class LoRAModelManager:
         self._step = (ids, pos)
 
     def _stacked(self, name: str, ids: tuple[int, ...]) -> _Stacked | None:
-        """The step's adapters of one layer side by side: A of all of them and one block-structured B (built once
-        per set of adapters)."""
+        """The step's adapters of one layer side by side: A of all of them, and per output slice a B whose
+        columns of other slices are zero (built once per set of adapters)."""
         key = (name, ids)
         hit = self._stack_cache.get(key)
         if hit is not None or key in self._stack_cache:
@@ -109,15 +109,13 @@ class LoRAModelManager:
             r += w.a.shape[0]
         stacked = None
         if a_parts:
-            # One B over the adapted output columns [lo, hi) (slices not adapted inside that span get zero rows):
-            # the delta is then one GEMM and one add, whatever the number of slices.
-            lo = min(off for off, _ in per_slice)
-            hi = max(off + rows for off, rows in per_slice)
-            b_all = torch.zeros(hi - lo, r, dtype=self.dtype, device=self.device)
-            for (offset, rows), parts in per_slice.items():
+            slices = []
+            for (offset, rows), parts in sorted(per_slice.items()):
+                b_cat = torch.zeros(rows, r, dtype=self.dtype, device=self.device)
                 for c0, c1, b in parts:
-                    b_all[offset - lo:offset - lo + rows, c0:c1] = b
-            stacked = _Stacked(torch.cat(a_parts), lo, b_all, torch.tensor(owners, device=self.device))
+                    b_cat[:, c0:c1] = b
+                slices.append((offset, rows, b_cat))
+            stacked = _Stacked(torch.cat(a_parts), slices, torch.tensor(owners, device=self.device))
         self._stack_cache[key] = stacked
         return stacked
 
@@ -132,7 +130,8 @@ class LoRAModelManager:
             t = args[0].to(st.a.dtype) @ st.a.t()  # [tokens, ranks of every adapter]
             if pos is not None:  # keep each token's own adapter's columns
                 t.mul_(pos.unsqueeze(1) == st.owner.unsqueeze(0))
-            out[:, st.lo:st.lo + st.b.shape[0]].add_((t @ st.b.t()).to(out.dtype))
+            for offset, rows, b in st.slices:
+                out[:, offset:offset + rows].add_((t @ b.t()).to(out.dtype))
             return None
 
         return add_lora_delta
@@ -141,6 +140,5 @@ class LoRAModelManager:
 @dataclass
 class _Stacked:
     a: torch.Tensor  # [R, in]: the adapters' A, one after another
-    lo: int  # the first adapted output column
-    b: torch.Tensor  # [adapted output columns, R]: every slice's B, zero outside its own rows and columns
+    slices: list[tuple[int, int, torch.Tensor]]  # (output offset, rows, B [rows, R])
     owner: torch.Tensor  # [R]: which adapter (position in the step's ids) each column belongs to
