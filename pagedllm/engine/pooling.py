@@ -7,7 +7,6 @@ asked not to be.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +15,6 @@ import torch
 from pagedllm.config import PoolerConfig
 from pagedllm.model.models.registry import is_base_model
 from pagedllm.pooling_params import PoolingParams
-
-logger = logging.getLogger(__name__)
 
 
 def resolve_runner(runner: str, convert: str, hf_config: Any) -> str:

@@ -3,8 +3,8 @@
 Every linear an adapter may touch gets a forward hook. The model runner tells the manager each step's token →
 adapter mapping (`set_mapping`). The hook adds the low-rank products of every adapter in the step with a fixed
 number of GEMMs, whatever the number of adapters: the adapters' A matrices side by side give x Aᵀ for all of them
-at once ([tokens, sum of ranks]), each token keeps only its own adapter's columns (a mask), and one B per output
-slice (zero in other adapters' columns) adds them back. The base GEMM is shared by every request (Punica's idea,
+at once ([tokens, sum of ranks]), each token keeps only its own adapter's columns (a mask), and per output slice
+one B over that slice's columns adds them back. The base GEMM is shared by every request (Punica's idea,
 in plain torch); tokens without an adapter get nothing added.
 """
 from __future__ import annotations
@@ -89,32 +89,32 @@ class LoRAModelManager:
         self._step = (ids, pos)
 
     def _stacked(self, name: str, ids: tuple[int, ...]) -> _Stacked | None:
-        """The step's adapters of one layer side by side: A of all of them, and per output slice a B whose
-        columns of other slices are zero (built once per set of adapters)."""
+        """The step's adapters of one layer side by side, slice by slice: A's rows ordered [slice 0: adapter 0,
+        adapter 1, …][slice 1: …], so each output slice's B reads only its own columns (built once per set of
+        adapters)."""
         key = (name, ids)
         hit = self._stack_cache.get(key)
         if hit is not None or key in self._stack_cache:
             return hit
         if len(self._stack_cache) > 4096:
             self._stack_cache.clear()
-        a_parts, owners, per_slice, r = [], [], {}, 0
+        per_slice: dict[tuple[int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for k, lid in enumerate(ids):
             w = self.adapters[lid].layers.get(name)
             if w is None:
                 continue
-            a_parts.append(w.a)
-            owners += [k] * w.a.shape[0]
             for offset, rows, r0, r1, b in w.slices:
-                per_slice.setdefault((offset, rows), []).append((r + r0, r + r1, b))
-            r += w.a.shape[0]
+                per_slice.setdefault((offset, rows), []).append((k, w.a[r0:r1], b))
         stacked = None
-        if a_parts:
-            slices = []
+        if per_slice:
+            a_parts, owners, slices, c = [], [], [], 0
             for (offset, rows), parts in sorted(per_slice.items()):
-                b_cat = torch.zeros(rows, r, dtype=self.dtype, device=self.device)
-                for c0, c1, b in parts:
-                    b_cat[:, c0:c1] = b
-                slices.append((offset, rows, b_cat))
+                c0 = c
+                for k, a, _ in parts:
+                    a_parts.append(a)
+                    owners += [k] * a.shape[0]
+                    c += a.shape[0]
+                slices.append((offset, rows, c0, c, torch.cat([b for *_, b in parts], dim=1)))
             stacked = _Stacked(torch.cat(a_parts), slices, torch.tensor(owners, device=self.device))
         self._stack_cache[key] = stacked
         return stacked
@@ -130,8 +130,8 @@ class LoRAModelManager:
             t = args[0].to(st.a.dtype) @ st.a.t()  # [tokens, ranks of every adapter]
             if pos is not None:  # keep each token's own adapter's columns
                 t.mul_(pos.unsqueeze(1) == st.owner.unsqueeze(0))
-            for offset, rows, b in st.slices:
-                out[:, offset:offset + rows].add_((t @ b.t()).to(out.dtype))
+            for offset, rows, c0, c1, b in st.slices:
+                out[:, offset:offset + rows].add_((t[:, c0:c1] @ b.t()).to(out.dtype))
             return None
 
         return add_lora_delta
@@ -139,6 +139,6 @@ class LoRAModelManager:
 
 @dataclass
 class _Stacked:
-    a: torch.Tensor  # [R, in]: the adapters' A, one after another
-    slices: list[tuple[int, int, torch.Tensor]]  # (output offset, rows, B [rows, R])
+    a: torch.Tensor  # [R, in]: the adapters' A rows, slice-major
+    slices: list[tuple[int, int, int, int, torch.Tensor]]  # (output offset, rows, columns c0..c1, B [rows, c1 - c0])
     owner: torch.Tensor  # [R]: which adapter (position in the step's ids) each column belongs to
