@@ -8,7 +8,7 @@ python3 -c "import sys,torch,triton,transformers;print(sys.version.split()[0],to
 cat $OUT/gpu.txt
 timeout ${T_TESTS:-200} python3 -m pytest tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_cuda_sharing.py \
   -q --noconftest -p no:cacheprovider > $OUT/tests.log 2>&1; echo "tests rc=$?"; tail -3 $OUT/tests.log
-timeout ${T_KERNELS:-150} python3 benchmarks/kernels.py --json $OUT/kernels.json > $OUT/kernels.log 2>&1; echo "kernels rc=$?"
+timeout ${T_KERNELS:-150} python3 benchmarks/decode_attention.py --json $OUT/kernels.json > $OUT/kernels.log 2>&1; echo "kernels rc=$?"
 grep -E "^\|" $OUT/kernels.log | head -16
 for mode in async-scheduling no-async-scheduling; do
   timeout ${T_ROOF:-150} python3 benchmarks/roofline.py --batch 1 64 256 --context 1024 --steps 20 --$mode \

@@ -2,7 +2,7 @@
 # GPU session script (H100): decode-attention tuning variants at the latency-bound points.
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-timeout 400 python3 benchmarks/kernels.py --batch ${B:-1 16 64} --context ${C:-512 2048 8192} --variants --json $OUT/kernels_variants.json > $OUT/kernels_variants.log 2>&1; echo rc=$?
+timeout 400 python3 benchmarks/decode_attention.py --batch ${B:-1 16 64} --context ${C:-512 2048 8192} --variants --json $OUT/kernels_variants.json > $OUT/kernels_variants.log 2>&1; echo rc=$?
 python3 - <<'PY'
 import json, os
 d = json.load(open(os.environ["OUT"] + "/kernels_variants.json"))

@@ -11,11 +11,11 @@ timeout 150 python3 -m pytest tests/test_triton_kernels.py -q -x --noconftest -p
 rc=$?; echo "kernel tests rc=$rc"; tail -2 $OUT/tests_kernels.log
 [ $rc -eq 0 ] || { grep -m5 -B5 "Error" $OUT/tests_kernels.log; exit 1; }
 for i in 1 2 3; do
-  timeout 100 python3 benchmarks/kernels.py --json /tmp/kernels_$i.json > /tmp/kernels_$i.log 2>&1; echo "table run $i rc=$?"
+  timeout 100 python3 benchmarks/decode_attention.py --json /tmp/kernels_$i.json > /tmp/kernels_$i.log 2>&1; echo "table run $i rc=$?"
   grep -E "^\| [0-9]" /tmp/kernels_$i.log | awk -F'|' '{printf "b%s c%s paged%s cudnn%s ratio%s\n", $2, $3, $4, $12, $11}'
 done
 cp /tmp/kernels_1.log $OUT/kernels.log; cp /tmp/kernels_1.json $OUT/kernels.json
-timeout 150 python3 benchmarks/kernels.py --variants --json $OUT/kernels_variants.json > /tmp/kernels_variants.log 2>&1; echo "variants rc=$?"
+timeout 150 python3 benchmarks/decode_attention.py --variants --json $OUT/kernels_variants.json > /tmp/kernels_variants.log 2>&1; echo "variants rc=$?"
 python3 - <<'PY'
 import json, os
 for r in json.load(open(os.environ["OUT"] + "/kernels_variants.json"))["rows"]:

@@ -190,7 +190,7 @@ def bench_point(batch: int, ctx: int, args, dtype, variants: bool) -> dict:
 
 def run(args) -> int:
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU.")
+        print("benchmarks/decode_attention.py needs a CUDA GPU.")
         return 1
     dtype = getattr(torch, args.dtype)
     random.seed(0)

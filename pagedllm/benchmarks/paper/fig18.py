@@ -4,7 +4,7 @@
 across a pool (block 16), against the same kernel over contiguous per-sequence KV (one block of the whole
 context per sequence: no indirection), and torch SDPA over dense padded contiguous K/V; one decode layer
 with the bundled model's heads (9 query / 3 KV of 64), batch 8 and 32, contexts 64-1024; outputs are
-checked against each other. On CUDA: benchmarks/kernels.py's bench_point (the Triton kernel vs SDPA).
+checked against each other. On CUDA: benchmarks/decode_attention.py's bench_point (the Triton kernel vs SDPA).
 Paper (Fig. 18a): the paged kernel is 20-26 % slower than FasterTransformer's contiguous one.
 (b) Paged only, both traces at one fixed rate each, block sizes 1..32 at small scale (lengths x1/8, so
 block b here is block 8b of the paper's workload: 8..256) or 1..256 at paper scale; the pool keeps the
@@ -80,7 +80,7 @@ def kernel_points(args) -> list[dict]:
 
     kargs = SimpleNamespace(num_heads=40, num_kv_heads=40, head_dim=128, block_size=16)  # OPT-13B's attention
     rows = [kernels.bench_point(b, c, kargs, torch.float16, False) for b in BATCHES for c in CONTEXTS]
-    for r in rows:  # the Triton paged kernel vs the best contiguous SDPA backend (benchmarks/kernels.py)
+    for r in rows:  # the Triton paged kernel vs the best contiguous SDPA backend (benchmarks/decode_attention.py)
         r.update(contiguous_ms=r["best_contig_ms"], paged_over_contiguous=r["ratio"])
     return rows
 
