@@ -97,9 +97,9 @@ class PoolerConfig:
 
 @dataclass
 class LoRAConfig:
-    """Multi-LoRA serving (vLLM's --enable-lora): `max_lora_rank` bounds an adapter's rank; `max_cpu_loras`
-    adapters stay loaded (least recently used ones not serving a request are dropped beyond it; default
-    max_loras), and a batch may mix any of them."""
+    """Multi-LoRA serving (vLLM's --enable-lora): a batch mixes up to `max_loras` adapters (the device's adapter
+    slots, sized for `max_lora_rank`, which bounds an adapter's rank); `max_cpu_loras` adapters stay loaded (least
+    recently used ones not serving a request are dropped beyond it; default max_loras)."""
 
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -182,9 +182,13 @@ class SchedulerConfig:
     # "fcfs", or "priority": waiting requests are admitted, and running ones kept, lowest `priority` value first
     # (ties by arrival); the preemption victim is the running group that comes last in that order.
     policy: str = "fcfs"
+    # With LoRA: the running set holds requests of at most this many distinct adapters (vLLM's max_loras: the
+    # worker's adapter slots), so every step fits the slots; None without LoRA.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_loras", self.max_loras, allow_none=True)
         _check_choice("batching", self.batching, BATCHING_MODES)
         _check_choice("scheduling_policy", self.policy, SCHEDULING_POLICIES)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)

@@ -98,6 +98,29 @@ def test_adapters_beyond_max_cpu_loras_are_reloaded(tiny):
         assert worker.lora_manager.list_loras() == [lid]
 
 
+def test_a_step_mixes_at_most_max_loras_adapters(tiny):
+    """Two adapters, one slot: the scheduler keeps the other adapter's requests waiting (base requests still join),
+    so no step holds both, and every request still gets its own adapter's tokens."""
+    base, hf, adapters = tiny
+    llm = LLM(base, **{**ENGINE, "max_loras": 1, "max_cpu_loras": 2}, num_gpu_blocks_override=64)
+    manager = llm.llm_engine.executor.driver_worker.lora_manager
+    steps: list[set[int]] = []
+    set_mapping = manager.set_mapping
+
+    def recording(lora_ids, num_tokens):
+        steps.append({i for i in lora_ids if i})
+        set_mapping(lora_ids, num_tokens)
+
+    manager.set_mapping = recording
+    loras = [adapters[1][0], adapters[2][0], None, adapters[1][0], adapters[2][0]]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(loras))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras, use_tqdm=False)
+    for p, lora, out in zip(prompts, loras, outs):
+        assert list(out.outputs[0].token_ids) == greedy_reference(hf if lora is None else adapters[lora.lora_int_id][1], p)
+    assert max(len(s) for s in steps) == 1 and {1, 2} <= set().union(*steps)
+    assert manager.num_slot_loads >= 2
+
+
 def test_bad_adapters_and_configurations_are_clear_errors(tiny, tmp_path):
     base, hf, adapters = tiny
     plain = LLM(base, skip_tokenizer_init=True, num_gpu_blocks_override=32)
@@ -152,14 +175,21 @@ def test_bundled_model_with_an_adapter_matches_peft(tokenizer):
 
 
 @pytest.mark.cuda
-def test_cuda_mixed_batch_matches_merged_references(tiny):
-    """The adapters' small GEMMs on the GPU (eager steps: no CUDA graphs with LoRA), float32."""
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_mixed_batch_matches_merged_references(tiny, enforce_eager):
+    """The adapters' GEMMs on the GPU, float32: captured in the decode, whole-step and piecewise graphs (the
+    default), and eagerly."""
     base, hf, adapters = tiny
     loras = [None, adapters[1][0], adapters[2][0]]
     prompts = [p for p in PROMPTS for _ in loras]
     per_prompt = [r for _ in PROMPTS for r in loras]
-    llm = LLM(base, **ENGINE, device="cuda", num_gpu_blocks_override=64, block_size=16)
+    llm = LLM(base, **ENGINE, device="cuda", num_gpu_blocks_override=64, block_size=16, enforce_eager=enforce_eager)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert (runner.graph_runner is None) == enforce_eager
+    stats = runner.enable_step_stats()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=per_prompt, use_tqdm=False)
     for p, lora, out in zip(prompts, per_prompt, outs):
         ref = greedy_reference(hf if lora is None else adapters[lora.lora_int_id][1], p)
         assert list(out.outputs[0].token_ids) == ref, (lora, p[:5])
+    paths = {path for _, path, *_ in stats.records}
+    assert ("eager" in paths) if enforce_eager else (paths <= {"graph", "whole", "piecewise"}), paths

@@ -244,6 +244,8 @@ class Scheduler:
             # Swapped groups are decoding (one token each); leave room for that growth too.
             if not self.block_manager.can_swap_in(group, num_extra_blocks=num_seqs):
                 break
+            if not self._fits_lora_slots(group):
+                break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
             for seq in group.unfinished_seqs():
@@ -279,6 +281,8 @@ class Scheduler:
                 break
             num_seqs = group.max_num_running_seqs()
             if not budget.can_add_seqs(max(num_seqs, 1)) or (budget.tokens_left == 0 and not new_batch):
+                break
+            if not self._fits_lora_slots(group):
                 break
             bm = self.block_manager
             fresh = all(s.seq_id not in bm.block_tables for s in group.unfinished_seqs())
@@ -325,6 +329,14 @@ class Scheduler:
                 self._batch.add(group.request_id)
             self._place(group, demand, out, budget)
             self.running.append(group)
+
+    def _fits_lora_slots(self, group: SequenceGroup) -> bool:
+        """Whether the group may join the running set without a (max_loras + 1)-th distinct LoRA adapter in it."""
+        limit = self.config.max_loras
+        if limit is None or not group.lora_int_id:
+            return True
+        active = {g.lora_int_id for g in self.running if g.lora_int_id}
+        return group.lora_int_id in active or len(active) < limit
 
     def _place(
         self,

@@ -140,6 +140,7 @@ class SequenceGroup:
     arrival_time: float
     prompt: str | None = None
     priority: int = 0  # under the "priority" scheduling policy: lower values are served first
+    lora_int_id: int = 0  # the request's LoRA adapter (0: none); a step holds at most max_loras distinct ones
     # False while the group may not sample yet (its structured-output grammar still compiles): the scheduler
     # runs its prompt up to, not including, the last token, whose step would sample.
     may_sample: bool = True

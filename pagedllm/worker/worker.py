@@ -155,6 +155,8 @@ class Worker:
         )
         if self.device.type == "cpu" and self.dtype == torch.float32 and self.quantization != "gguf":
             log_amx_bf16_hint()
+        if self.config.lora_config is not None:
+            self._init_lora_slots()
         if self.device.type == "cuda":
             # The peak shows whether loading ever held more than the final weights (an FP8 checkpoint must not
             # pass through its bf16 size).
@@ -268,6 +270,18 @@ class Worker:
         return CacheEngine.get_cache_block_size(layers, kv_heads, head_dim, self.config.cache_config.block_size,
                                               self.kv_spec.dtype)
 
+    def _init_lora_slots(self) -> None:
+        """The adapters' device slots, before the KV pool is sized (so the pool leaves their memory free)."""
+        from pagedllm.lora.manager import LoRAModelManager
+
+        lc, sc = self.config.lora_config, self.config.scheduler_config
+        max_tokens = max(sc.max_num_batched_tokens, self.config.model_config.max_capture_tokens or 0,
+                         sc.max_num_seqs)
+        self.lora_manager = LoRAModelManager(self.model, lc.max_loras, lc.max_lora_rank, lc.max_cpu_loras,
+                                             self.dtype, self.device, max_tokens)
+        logger.info("LoRA: %d adapter slot(s) of rank %d on every projection (%.1f MiB)", lc.max_loras,
+                    lc.max_lora_rank, self.lora_manager.num_buffer_bytes / 2**20)
+
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) this worker can hold under the cache config."""
         cc = self.config.cache_config
@@ -300,14 +314,10 @@ class Worker:
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
-        if self.config.lora_config is not None:
-            from pagedllm.lora.manager import LoRAModelManager
-
-            lc = self.config.lora_config
-            # Adapters hook the layer modules: steps run the module path (no direct forward, no graphs).
-            self.lora_manager = LoRAModelManager(self.model, lc.max_lora_rank, lc.max_cpu_loras, self.dtype,
-                                                 self.device)
+        if self.lora_manager is not None:
+            # Adapters hook the layer modules: steps run the module path (no CPU direct forward).
             self.model_runner.lora_manager = self.lora_manager
+            self.lora_manager.always_apply = self.use_cuda_graphs()  # captured graphs hold the adapters' GEMMs
         elif self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
             from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 
@@ -354,7 +364,7 @@ class Worker:
         every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
         graphs match up across ranks at replay, as they do in eager steps."""
         return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
-                and self.config.compilation_config.cudagraph_mode != "NONE" and self.config.lora_config is None)
+                and self.config.compilation_config.cudagraph_mode != "NONE")
 
     def routes_graph_buckets(self) -> bool:
         """Whether steps may run in a larger, faster-timed graph bucket (worker/cuda_graph.py): only in one
