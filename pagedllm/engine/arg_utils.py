@@ -27,6 +27,7 @@ from pagedllm.config import (
     SpeculativeConfig,
 )
 from pagedllm.device_utils import is_large_gpu
+from pagedllm.reasoning import REASONING_PARSERS, check_reasoning_parser
 from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -109,19 +110,24 @@ _HELP = {
                      "\"normalize\": true} (default LAST, normalized: what decoder embedding models use).",
     "enable_lora": "Serve LoRA adapters on the base model (vLLM's): each request may name a PEFT adapter "
                    "(LLM.generate(lora_request=LoRARequest(name, id, path)); the server's --lora-modules name=path "
-                   "and the request's model field). Runs without CUDA graphs or the CPU direct forward; one process "
+                   "and the request's model field). Runs without the CPU direct forward; one process "
                    "(tensor_parallel_size 1).",
-    "max_loras": "Adapters kept loaded at once (see max_cpu_loras); a batch may mix all of them.",
+    "max_loras": "Adapters a batch may mix (the device's adapter slots, as in vLLM): requests of further adapters "
+                 "wait until a slot's requests finish.",
     "max_lora_rank": "Highest adapter rank accepted.",
-    "max_cpu_loras": "Adapters kept loaded, least recently used dropped first (default: max_loras).",
+    "max_cpu_loras": "Adapters kept loaded beside the slots, least recently used dropped first (default: max_loras).",
     "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
                                   "(llguidance: faster masks, unbounded number precision).",
+    "reasoning_parser": "A thinking model's <think>…</think> block, as vLLM's parser of that name: the server splits "
+                        "it into `reasoning` and `content` on /v1/chat/completions and /v1/responses, and structured "
+                        "outputs constrain only the answer after </think>. deepseek_r1: output without </think> is "
+                        "all reasoning; qwen3: reasoning only inside a <think> block the output opens.",
 }
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES,
             "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS,
             "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS, "runner": RUNNER_TYPES,
-            "convert": CONVERT_TYPES}
+            "convert": CONVERT_TYPES, "reasoning_parser": REASONING_PARSERS}
 
 
 @dataclass
@@ -154,6 +160,7 @@ class EngineArgs:
     batching: str = "iteration"
     scheduling_policy: str = "fcfs"
     structured_outputs_backend: str = "auto"
+    reasoning_parser: str | None = None
     speculative_config: str | dict | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
@@ -185,6 +192,7 @@ class EngineArgs:
         max_model_len = self.max_model_len or model_max_len
         runner, pooler = self._resolve_runner(hf_config)
         resolve_backend(self.structured_outputs_backend)
+        check_reasoning_parser(self.reasoning_parser)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap; got {self.max_logprobs!r}.")
         if max_model_len > model_max_len:
@@ -229,6 +237,7 @@ class EngineArgs:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
             async_scheduling=self.async_scheduling, batching=self.batching, policy=self.scheduling_policy,
+            max_loras=self.max_loras if self.enable_lora else None,
         )
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         spec = SpeculativeConfig.from_json(self.speculative_config)

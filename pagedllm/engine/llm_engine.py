@@ -27,6 +27,7 @@ from pagedllm.engine.pooling import PoolingState, matryoshka_dimensions
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
 from pagedllm.logprobs import position_logprobs
 from pagedllm.lora.request import LoRARequest
+from pagedllm.reasoning import reasoning_token_ids
 from pagedllm.model import loader
 from pagedllm.model.layers.sampler import (
     Sampler,
@@ -104,7 +105,8 @@ class LLMEngine:
         # meanwhile (`_share_cores_with_compiles`): on 2 cores, both at full width slowed a step 5x, sharing 1.6x.
         self.structured_output = StructuredOutputManager(
             engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids,
-            num_threads=1 if on_cpu else None, pin_memory=str(self.executor.device).startswith("cuda"))
+            num_threads=1 if on_cpu else None, pin_memory=str(self.executor.device).startswith("cuda"),
+            reasoning_tokens=reasoning_token_ids(self.tokenizer) if engine_args.reasoning_parser else None)
         self._torch_threads = torch.get_num_threads() if on_cpu else None
         if not on_cpu:
             # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU
@@ -258,6 +260,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=text,
             priority=priority,
+            lora_int_id=lora_request.lora_int_id if lora_request is not None else 0,
         )
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n

@@ -2,7 +2,8 @@
 and fills the step's packed token bitmask (on its own thread, while the model runs).
 
 A sequence's matcher lives in ``seq.extra["grammar"]`` and always describes exactly
-``seq.output_token_ids``: it advances as tokens are appended, is forked with the sequence (n > 1),
+``seq.output_token_ids`` (with a reasoning parser, those after the model's ``</think>``: vLLM constrains the answer,
+not the thinking, and a row still thinking samples from the whole vocabulary): it advances as tokens are appended, is forked with the sequence (n > 1),
 and is rebuilt by replaying the outputs for any sequence that has none (beam-search forks) or whose
 history it no longer matches. Preemption keeps the output tokens (recompute re-prefills them, swap
 keeps them), so the matcher needs nothing there.
@@ -47,15 +48,19 @@ class SeqGrammar:
     """A sequence's matcher and how many of its output tokens it has accepted."""
 
     matcher: Any
-    num_tokens: int = 0
+    num_tokens: int = 0  # output tokens consumed, a thinking block's included
+    thinking: bool = False  # inside the model's reasoning: the grammar starts after its end token
     failed: bool = False  # a token the grammar rejects was appended (a bug elsewhere): the sequence stops
     terminated: bool = False  # the grammar accepted its end (its stop token): nothing more to mask
 
 
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 num_threads: int | None = None, pin_memory: bool = False) -> None:
+                 num_threads: int | None = None, pin_memory: bool = False,
+                 reasoning_tokens: tuple[int, int] | None = None) -> None:
         self.backend_name = resolve_backend(backend)
+        # (<think>, </think>) token ids with a reasoning parser: grammars apply after the reasoning ends.
+        self.reasoning_tokens = reasoning_tokens
         self.num_threads = num_threads or default_num_threads()
         self._init_args = (tokenizer, vocab_size, eos_token_ids, self.num_threads)
         self.vocab_size = vocab_size
@@ -146,16 +151,28 @@ class StructuredOutputManager:
         if state is not None and state.num_tokens == len(out):  # the common case: nothing to do
             return state
         if state is None or state.num_tokens > len(out):
-            state = SeqGrammar(self.backend.new_matcher(compiled))
+            state = SeqGrammar(self.backend.new_matcher(compiled), thinking=self._thinks_first(seq))
             seq.extra["grammar"] = state
         be = self.backend
         while state.num_tokens < len(out) and not state.failed:
-            if not be.accept(state.matcher, out[state.num_tokens]):
+            if state.thinking:
+                state.thinking = out[state.num_tokens] != self.reasoning_tokens[1]
+            elif not be.accept(state.matcher, out[state.num_tokens]):
                 state.failed = True
                 logger.error("sequence %s: token %d is not allowed by its grammar", seq.seq_id, out[state.num_tokens])
             state.num_tokens += 1
-        state.terminated = not state.failed and be.is_terminated(state.matcher)
+        state.terminated = not state.failed and not state.thinking and be.is_terminated(state.matcher)
         return state
+
+    def _thinks_first(self, seq: Any) -> bool:
+        """Whether the output starts inside the reasoning: unless the prompt's last </think> closes its last
+        <think> (a template that turned thinking off, as Qwen3's enable_thinking=False does)."""
+        if self.reasoning_tokens is None:
+            return False
+        start, end = self.reasoning_tokens
+        prompt = seq.prompt_token_ids
+        last_end = next((i for i in range(len(prompt) - 1, -1, -1) if prompt[i] == end), -1)
+        return last_end < 0 or start in prompt[last_end:]
 
     def accept(self, seq: Any, compiled: Any) -> bool:
         """After a token was appended: advance; → True when the sequence must stop (grammar finished or broken)."""
@@ -163,6 +180,10 @@ class StructuredOutputManager:
         out = seq.output_token_ids
         if state is None or state.failed or state.num_tokens != len(out) - 1:
             state = self.sync(seq, compiled)  # anything but the one new token: replay
+        elif state.thinking:
+            state.num_tokens += 1
+            state.thinking = out[-1] != self.reasoning_tokens[1]
+            return False
         else:  # the per-step path, kept short: it runs for every constrained row of every step
             state.num_tokens += 1
             advanced = self._backend.advance(state.matcher, out[-1])
@@ -175,8 +196,8 @@ class StructuredOutputManager:
     def fork(self, parent: Any, child: Any) -> None:
         state: SeqGrammar | None = parent.extra.get("grammar")
         if state is not None:
-            child.extra["grammar"] = SeqGrammar(self.backend.fork(state.matcher), state.num_tokens, state.failed,
-                                                state.terminated)
+            child.extra["grammar"] = SeqGrammar(self.backend.fork(state.matcher), state.num_tokens, state.thinking,
+                                                state.failed, state.terminated)
 
     # -- the step's bitmask -------------------------------------------------------------------
     def start_fill(self, seqs_and_grammars: list[tuple[Any, Any]], overlap: bool = True,
@@ -248,8 +269,8 @@ class StructuredOutputManager:
             if state is None or state.num_tokens != len(seq.output_token_ids):  # not kept up by accept()
                 state = None if seq.is_finished() else self.sync(seq, compiled)
             # A sequence whose grammar ended or broke (the step before finished it while this one ran) samples
-            # a token that is dropped: let it sample anything.
-            if state is None or state.failed or state.terminated:
+            # a token that is dropped: let it sample anything. So does one still thinking.
+            if state is None or state.failed or state.terminated or state.thinking:
                 bitmask[r].fill_(-1)
             else:
                 live_rows.append(r)

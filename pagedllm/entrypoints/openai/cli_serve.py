@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS, ReasoningParser
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser
 
 logger = logging.getLogger("pagedllm.serve")
 #: vLLM's switch for keeping /v1/responses results (--enable-responses-api-store).
@@ -42,10 +42,6 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="Seconds in-flight requests may run after SIGINT/SIGTERM before they are aborted "
                         "(default: 5).")
-    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
-                   help="Split a thinking model's output into `reasoning` (its <think>…</think> block) and `content` "
-                        "on /v1/chat/completions and /v1/responses, as vLLM's parser of that name: deepseek_r1 "
-                        "(output without </think> is all reasoning) or qwen3 (reasoning only inside a <think> block).")
     p.add_argument("--enable-responses-api-store", action="store_true",
                    default=os.environ.get(RESPONSES_STORE_ENV, "0") == "1",
                    help="Keep /v1/responses results in memory (the most recent 10 000) for GET /v1/responses/{id} "

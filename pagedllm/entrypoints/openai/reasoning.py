@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
-THINK_START, THINK_END = "<think>", "</think>"
+from pagedllm.reasoning import THINK_END, THINK_START, check_reasoning_parser
 
 
 @dataclass(frozen=True)
@@ -18,8 +17,7 @@ class ReasoningParser:
     name: str
 
     def __post_init__(self) -> None:
-        if self.name not in REASONING_PARSERS:
-            raise ValueError(f"reasoning parser {self.name!r} is not known; known: {', '.join(REASONING_PARSERS)}")
+        check_reasoning_parser(self.name)
 
     def split(self, text: str, opened_in_prompt: bool = False) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; an empty part is None."""
