@@ -56,13 +56,22 @@ def tiny(tmp_path_factory):
     return base, hf, adapters
 
 
-def test_mixed_batch_matches_merged_references_under_preemption(tiny):
+@pytest.mark.parametrize("direct_forward", [True, False], ids=["direct", "modules"])
+def test_mixed_batch_matches_merged_references_under_preemption(tiny, direct_forward, monkeypatch):
+    """On the CPU's direct forward (the deltas added after each GEMM) and on the module path (forward hooks)."""
+    from pagedllm.model.cpu_direct_forward import DIRECT_FORWARD_ENV
+
+    monkeypatch.setenv(DIRECT_FORWARD_ENV, "1" if direct_forward else "0")
     base, hf, adapters = tiny
     loras = [None, adapters[1][0], adapters[2][0]]
     prompts = [p for p in PROMPTS for _ in loras]
     per_prompt = [r for _ in PROMPTS for r in loras]
     llm = LLM(base, **ENGINE, num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=32)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert (runner.direct_forward is not None) == direct_forward
+    step_stats = runner.enable_step_stats()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=per_prompt, use_tqdm=False)
+    assert {path for _, path, *_ in step_stats.records} == {"direct" if direct_forward else "eager"}
     for p, lora, out in zip(prompts, per_prompt, outs):
         ref = greedy_reference(hf if lora is None else adapters[lora.lora_int_id][1], p)
         assert list(out.outputs[0].token_ids) == ref, (lora, p[:5])
@@ -99,8 +108,8 @@ def test_adapters_beyond_max_cpu_loras_are_reloaded(tiny):
 
 
 def test_a_step_mixes_at_most_max_loras_adapters(tiny):
-    """Two adapters, one slot: the scheduler keeps the other adapter's requests waiting (base requests still join),
-    so no step holds both, and every request still gets its own adapter's tokens."""
+    """Two adapters, one slot: the scheduler keeps the other adapter's requests waiting (passing over them: a base
+    request queued behind them still joins), so no step holds both, and every request gets its own adapter's tokens."""
     base, hf, adapters = tiny
     llm = LLM(base, **{**ENGINE, "max_loras": 1, "max_cpu_loras": 2}, num_gpu_blocks_override=64)
     manager = llm.llm_engine.executor.driver_worker.lora_manager
@@ -108,7 +117,7 @@ def test_a_step_mixes_at_most_max_loras_adapters(tiny):
     set_mapping = manager.set_mapping
 
     def recording(lora_ids, num_tokens):
-        steps.append({i for i in lora_ids if i})
+        steps.append(set(lora_ids))
         set_mapping(lora_ids, num_tokens)
 
     manager.set_mapping = recording
@@ -117,7 +126,8 @@ def test_a_step_mixes_at_most_max_loras_adapters(tiny):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=loras, use_tqdm=False)
     for p, lora, out in zip(prompts, loras, outs):
         assert list(out.outputs[0].token_ids) == greedy_reference(hf if lora is None else adapters[lora.lora_int_id][1], p)
-    assert max(len(s) for s in steps) == 1 and {1, 2} <= set().union(*steps)
+    assert max(len(s - {0}) for s in steps) == 1 and {1, 2} <= set().union(*steps)
+    assert steps[0] == {0, 1}  # the base request behind the waiting adapter-2 request was not held up by it
     assert manager.num_slot_loads >= 2
 
 

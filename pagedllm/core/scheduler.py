@@ -274,7 +274,16 @@ class Scheduler:
         self, out: SchedulerOutputs, budget: _Budget, new_batch: bool = False, members_only: bool = False
     ) -> None:
         """Admit waiting groups FCFS. `new_batch` (request-level batching): admit regardless of this
-        step's token budget and give each admitted prompt all its KV memory at once."""
+        step's token budget and give each admitted prompt all its KV memory at once. A group whose LoRA adapter
+        has no free slot is passed over (as in vLLM) and keeps its place in the queue."""
+        passed_over: list[SequenceGroup] = []
+        try:
+            self._admit_waiting(out, budget, new_batch, members_only, passed_over)
+        finally:
+            self.waiting.extendleft(reversed(passed_over))
+
+    def _admit_waiting(self, out: SchedulerOutputs, budget: _Budget, new_batch: bool, members_only: bool,
+                       passed_over: list[SequenceGroup]) -> None:
         while self.waiting:
             group = self.waiting[0]
             if members_only and group.request_id not in self._batch:
@@ -283,7 +292,8 @@ class Scheduler:
             if not budget.can_add_seqs(max(num_seqs, 1)) or (budget.tokens_left == 0 and not new_batch):
                 break
             if not self._fits_lora_slots(group):
-                break
+                passed_over.append(self.waiting.popleft())
+                continue
             bm = self.block_manager
             fresh = all(s.seq_id not in bm.block_tables for s in group.unfinished_seqs())
             lookup = fresh and not group.skips_prefix_cache

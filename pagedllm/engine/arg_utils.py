@@ -110,8 +110,7 @@ _HELP = {
                      "\"normalize\": true} (default LAST, normalized: what decoder embedding models use).",
     "enable_lora": "Serve LoRA adapters on the base model (vLLM's): each request may name a PEFT adapter "
                    "(LLM.generate(lora_request=LoRARequest(name, id, path)); the server's --lora-modules name=path "
-                   "and the request's model field). Runs without the CPU direct forward; one process "
-                   "(tensor_parallel_size 1).",
+                   "and the request's model field). One process (tensor_parallel_size 1), no speculative decoding.",
     "max_loras": "Adapters a batch may mix (the device's adapter slots, as in vLLM): requests of further adapters "
                  "wait until a slot's requests finish.",
     "max_lora_rank": "Highest adapter rank accepted.",

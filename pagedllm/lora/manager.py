@@ -59,6 +59,7 @@ class LoRAModelManager:
         self.slot_ids = [0] * max_loras  # the adapter id in each slot (0: empty)
         width = max_loras * max_lora_rank
         self.buffers: dict[str, _SlotBuffers] = {}
+        self._buffers_of: dict[int, _SlotBuffers] = {}  # id(module) → its buffers (the CPU direct forward's key)
         for name, module in self.modules.items():
             out_features, in_features = module.weight_shape()
             sizes = list(getattr(module, "shard_sizes", None) or [out_features])
@@ -66,7 +67,8 @@ class LoRAModelManager:
                 torch.zeros(len(sizes) * width, in_features, dtype=dtype, device=device),
                 torch.zeros(out_features, len(sizes) * width, dtype=dtype, device=device),
                 [sum(sizes[:j]) for j in range(len(sizes) + 1)])
-            module.register_forward_hook(self._hook(name))
+            self._buffers_of[id(module)] = self.buffers[name]
+            module.register_forward_hook(self._hook(self.buffers[name]))
         # Each token's mask over one slice's slot × rank columns, rewritten every step. Static, so a captured
         # graph reads the replayed step's mask; a step longer than every graph gets a buffer of its own.
         self._mask_buffer = torch.zeros(max_num_tokens, width, dtype=dtype, device=device)
@@ -163,33 +165,44 @@ class LoRAModelManager:
             self._slot_range = (min(slot_of.values()), max(slot_of.values()) + 1)
             self._uniform = len(ids) == 1 and all(lora_ids)
 
-    def _hook(self, name: str):
-        buf = self.buffers[name]
-        width = self.max_loras * self.max_lora_rank
+    @property
+    def step_has_adapters(self) -> bool:
+        return self._mask is not None or self.always_apply
 
+    def add_lora_delta(self, module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the step's adapter deltas of `module` for input `x` (the CPU direct forward, which calls the
+        layers' GEMMs without their hooks)."""
+        buf = self._buffers_of.get(id(module))
+        if buf is not None and self.step_has_adapters:
+            self._add(buf, x, out)
+
+    def _hook(self, buf: _SlotBuffers):
         def add_lora_delta(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            if self._mask is None and not self.always_apply:
-                return None
-            n = out.shape[0]
-            # Under capture (and in padded graph rows) the static buffer's rows stand in for the step's mask.
-            mask = self._mask if self._mask is not None and self._mask.shape[0] == n else self._mask_buffer[:n]
-            x = args[0].to(buf.a.dtype)
-            if out.is_cuda and out.dtype == x.dtype:
-                # Three kernels: x Aᵀ over every slice and slot, the mask, and one GEMM over the block-diagonal B
-                # accumulated in place. A GPU step pays per kernel, and the zero blocks' FLOPs are nothing beside
-                # the base GEMM's.
-                t = x @ buf.a.t()  # [tokens, slices × slots × rank]
-                t.view(n, buf.num_slices, width).mul_(mask.unsqueeze(1))
-                out.addmm_(t, buf.b.t())
-                return None
-            # On the CPU FLOPs cost more than calls (BENCHMARKS §65.2): slice by slice, over the slots in use only.
-            c0, c1 = (s * self.max_lora_rank for s in self._slot_range)
-            for j in range(buf.num_slices):
-                t = x @ buf.a[j * width + c0:j * width + c1].t()
-                if not self._uniform:
-                    t.mul_(mask[:, c0:c1])
-                b = buf.slice_b(j, width)[:, c0:c1]
-                out[:, buf.offsets[j]:buf.offsets[j + 1]].add_((t @ b.t()).to(out.dtype))
+            if self.step_has_adapters:
+                self._add(buf, args[0], out)
             return None
 
         return add_lora_delta
+
+    def _add(self, buf: _SlotBuffers, x: torch.Tensor, out: torch.Tensor) -> None:
+        width = self.max_loras * self.max_lora_rank
+        n = out.shape[0]
+        # Under capture (and in padded graph rows) the static buffer's rows stand in for the step's mask.
+        mask = self._mask if self._mask is not None and self._mask.shape[0] == n else self._mask_buffer[:n]
+        x = x.to(buf.a.dtype)
+        if out.is_cuda and out.dtype == x.dtype:
+            # Three kernels: x Aᵀ over every slice and slot, the mask, and one GEMM over the block-diagonal B
+            # accumulated in place. A GPU step pays per kernel, and the zero blocks' FLOPs are nothing beside the
+            # base GEMM's.
+            t = x @ buf.a.t()  # [tokens, slices × slots × rank]
+            t.view(n, buf.num_slices, width).mul_(mask.unsqueeze(1))
+            out.addmm_(t, buf.b.t())
+            return
+        # On the CPU FLOPs cost more than calls (BENCHMARKS §65.2): slice by slice, over the slots in use only.
+        c0, c1 = (s * self.max_lora_rank for s in self._slot_range)
+        for j in range(buf.num_slices):
+            t = x @ buf.a[j * width + c0:j * width + c1].t()
+            if not self._uniform:
+                t.mul_(mask[:, c0:c1])
+            b = buf.slice_b(j, width)[:, c0:c1]
+            out[:, buf.offsets[j]:buf.offsets[j + 1]].add_((t @ b.t()).to(out.dtype))

@@ -45,6 +45,7 @@ class _Linear:
     bias: torch.Tensor | None
     weight: object  # the GGUFWeight (keeps its blocks alive), or None for a dense linear
     dense: nn.Module | None = None  # the layer of a dense float32 linear
+    module: nn.Module | None = None  # the layer (LoRA adapters are keyed by it)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class LlamaDirectForward:
         self.gemm_method = methods.pop()  # "dense": every linear runs its layer's forward
         self.two_inter = self.layers[0].gate_up.out_features
         self._buffers: _Buffers | None = None
+        self.lora_manager = None  # --enable-lora: each linear's adapter delta added after its product (lora/manager.py)
         # (caches, pointers, blocks, block_size, pool dtype, (k_scale, v_scale) per layer)
         self._kv: tuple[list, list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]] | None = None
 
@@ -161,7 +163,7 @@ class LlamaDirectForward:
         bias = module.bias
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.out_features,)):
             raise ValueError("a bias that is not float32 [out_features]")
-        return _Linear(w.qtype, w.data_ptr, w.out_features, w.in_features, bias, w)
+        return _Linear(w.qtype, w.data_ptr, w.out_features, w.in_features, bias, w, module=module)
 
     @staticmethod
     def _dense_linear_of(module: nn.Module, in_features: int) -> _Linear:
@@ -176,7 +178,7 @@ class LlamaDirectForward:
             raise ValueError(f"a linear takes {in_w} features where {in_features} are expected")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
             raise ValueError("a bias that is not float32 [out_features]")
-        return _Linear(-1, 0, out_features, in_w, bias, None, module)
+        return _Linear(-1, 0, out_features, in_w, bias, None, module, module)
 
     def _layer(self, layer: nn.Module) -> _Layer:
         sa, mlp = layer.self_attn, layer.mlp
@@ -291,16 +293,22 @@ class LlamaDirectForward:
         tables, lens, qsl = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr()
         table_stride, num_seqs = meta.block_tables.stride(0), meta.num_seqs
 
+        lora = self.lora_manager if self.lora_manager is not None and self.lora_manager.step_has_adapters else None
+
         def run_linear(lin: _Linear, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-            """x Wᵀ + b as a contiguous [t, out_features] tensor: `out` (GGUF), or the dense GEMM's result."""
-            if lin.dense is not None:  # the layer's own forward: the module path's bits, bias included
-                return lin.dense.forward(x)
-            rc = linear(lin.qtype, lin.data_ptr, lin.out_features, lin.in_features, x.data_ptr(), t, out.data_ptr(),
-                        method)
-            if rc:
-                raise RuntimeError(f"quant_linear failed with status {rc} (K={lin.in_features})")
-            if lin.bias is not None:
-                out.add_(lin.bias)
+            """x Wᵀ + b (+ the step's LoRA deltas) as a contiguous [t, out_features] tensor: `out` (GGUF), or the
+            dense GEMM's result."""
+            if lin.dense is not None:  # the layer's own forward (no hooks): the module path's bits, bias included
+                out = lin.dense.forward(x)
+            else:
+                rc = linear(lin.qtype, lin.data_ptr, lin.out_features, lin.in_features, x.data_ptr(), t,
+                            out.data_ptr(), method)
+                if rc:
+                    raise RuntimeError(f"quant_linear failed with status {rc} (K={lin.in_features})")
+                if lin.bias is not None:
+                    out.add_(lin.bias)
+            if lora is not None:
+                lora.add_lora_delta(lin.module, x, out)
             return out
 
         down_out = None  # the previous layer's MLP output (a tensor: it must outlive the next norm)

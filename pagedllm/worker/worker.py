@@ -315,13 +315,14 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
         if self.lora_manager is not None:
-            # Adapters hook the layer modules: steps run the module path (no CPU direct forward).
             self.model_runner.lora_manager = self.lora_manager
             self.lora_manager.always_apply = self.use_cuda_graphs()  # captured graphs hold the adapters' GEMMs
-        elif self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
+        if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
             from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 
             self.model_runner.direct_forward = LlamaDirectForward.build(self.model, backend)
+            if self.model_runner.direct_forward is not None:
+                self.model_runner.direct_forward.lora_manager = self.lora_manager
             if self.config.model_config.batch_invariant and self.model_runner.direct_forward is None:
                 logger.warning("%s=1 without the CPU direct forward: the module path's torch ops (norms, "
                                "activations) are not checked for batch invariance here, only the attention "
