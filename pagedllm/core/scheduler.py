@@ -244,7 +244,7 @@ class Scheduler:
             # Swapped groups are decoding (one token each); leave room for that growth too.
             if not self.block_manager.can_swap_in(group, num_extra_blocks=num_seqs):
                 break
-            if not self._fits_lora_slots(group):
+            if not self._fits_lora_slots(group, self._running_loras()):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(group))
@@ -278,12 +278,12 @@ class Scheduler:
         has no free slot is passed over (as in vLLM) and keeps its place in the queue."""
         passed_over: list[SequenceGroup] = []
         try:
-            self._admit_waiting(out, budget, new_batch, members_only, passed_over)
+            self._admit_waiting(out, budget, new_batch, members_only, passed_over, self._running_loras())
         finally:
             self.waiting.extendleft(reversed(passed_over))
 
     def _admit_waiting(self, out: SchedulerOutputs, budget: _Budget, new_batch: bool, members_only: bool,
-                       passed_over: list[SequenceGroup]) -> None:
+                       passed_over: list[SequenceGroup], loras: set[int] | None) -> None:
         while self.waiting:
             group = self.waiting[0]
             if members_only and group.request_id not in self._batch:
@@ -291,7 +291,7 @@ class Scheduler:
             num_seqs = group.max_num_running_seqs()
             if not budget.can_add_seqs(max(num_seqs, 1)) or (budget.tokens_left == 0 and not new_batch):
                 break
-            if not self._fits_lora_slots(group):
+            if not self._fits_lora_slots(group, loras):
                 passed_over.append(self.waiting.popleft())
                 continue
             bm = self.block_manager
@@ -339,14 +339,21 @@ class Scheduler:
                 self._batch.add(group.request_id)
             self._place(group, demand, out, budget)
             self.running.append(group)
+            if loras is not None and group.lora_int_id:
+                loras.add(group.lora_int_id)
 
-    def _fits_lora_slots(self, group: SequenceGroup) -> bool:
-        """Whether the group may join the running set without a (max_loras + 1)-th distinct LoRA adapter in it."""
-        limit = self.config.max_loras
-        if limit is None or not group.lora_int_id:
+    def _running_loras(self) -> set[int] | None:
+        """The distinct LoRA adapters of the running set (None without LoRA); admissions add theirs."""
+        if self.config.max_loras is None:
+            return None
+        return {g.lora_int_id for g in self.running if g.lora_int_id}
+
+    def _fits_lora_slots(self, group: SequenceGroup, loras: set[int] | None) -> bool:
+        """Whether the group may join the running set, whose adapters are `loras`, without a (max_loras + 1)-th
+        distinct one."""
+        if loras is None or not group.lora_int_id:
             return True
-        active = {g.lora_int_id for g in self.running if g.lora_int_id}
-        return group.lora_int_id in active or len(active) < limit
+        return group.lora_int_id in loras or len(loras) < self.config.max_loras
 
     def _place(
         self,

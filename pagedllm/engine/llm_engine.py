@@ -297,14 +297,14 @@ class LLMEngine:
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
         if self.config.lora_config is None:
             raise ValueError("this engine serves no LoRA adapters: build it with enable_lora=True (--enable-lora).")
-        in_use = {g.extra["lora_request"].lora_int_id for g in self._all_groups() if "lora_request" in g.extra}
+        in_use = {g.lora_int_id for g in self._all_groups() if g.lora_int_id}
         self.executor.add_lora(lora_request, in_use)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop a loaded LoRA adapter (vLLM's name); ValueError while unfinished requests run with it. False if
         it was not loaded."""
         users = [g.request_id for g in self._all_groups()
-                 if "lora_request" in g.extra and g.extra["lora_request"].lora_int_id == lora_int_id]
+                 if g.lora_int_id == lora_int_id]
         if users:
             raise ValueError(f"LoRA adapter {lora_int_id} serves {len(users)} unfinished request(s); unload it when "
                              f"they finish.")
@@ -619,7 +619,6 @@ class LLMEngine:
             wants_prompt_logprobs = (
                 item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
             )
-        lora = item.group.extra.get("lora_request")
         return SequenceChunk(
             seq_id=seq.seq_id,
             token_ids=token_ids,
@@ -627,7 +626,7 @@ class LLMEngine:
             block_table=list(self.scheduler.block_manager.get_block_table(seq)),
             sample=item.completes,
             all_logits=wants_prompt_logprobs,
-            lora_id=lora.lora_int_id if lora is not None else 0,
+            lora_id=item.group.lora_int_id,
         )
 
     def _launch_sampling(self, step: LaunchedStep) -> None:
