@@ -70,6 +70,17 @@ FAMILIES: dict[str, Family] = {
     # A window wider than every sequence here: full attention is exact, so parity must hold.
     "mistral": Family("MistralConfig", "MistralForCausalLM",
                       {**_LLAMA_LIKE, "max_position_embeddings": 256, "sliding_window": 96}, "LlamaForCausalLM"),
+    # Mixture of experts: every layer routes each token to 2 of 4 experts (top-k renormalized).
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", {**_LLAMA_LIKE, "num_local_experts": 4,
+                                                              "num_experts_per_tok": 2}, "MixtralForCausalLM"),
+    # Qwen3's attention, 8 experts of width 32, top-2 renormalized; layer 1 keeps a dense MLP (mlp_only_layers).
+    "qwen3-moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        **_LLAMA_LIKE, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}, "Qwen3MoeForCausalLM"),
+    # Qwen2's biased q/k/v, top-2 of 4 experts without renormalizing, and a sigmoid-gated shared expert.
+    "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        **_LLAMA_LIKE, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "norm_topk_prob": False}, "Qwen2MoeForCausalLM"),
 }
 
 
@@ -191,7 +202,7 @@ def test_parity_with_swap_preemption_and_block_size_8(name: str, build) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2-yarn", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2-yarn", "qwen3", "mixtral", "qwen3-moe", "qwen2-moe"])
 def test_cuda_greedy_parity(name: str, build) -> None:
     """The Llama-stack families on the GPU's kernels (Triton attention, fused norms and RoPE, CUDA graphs) in
     float32: transformers' greedy tokens, its log-probs to float32-on-GPU noise."""
@@ -203,7 +214,8 @@ def test_cuda_greedy_parity(name: str, build) -> None:
     _assert_logprobs_match(outs, built, atol=2e-3)
 
 
-@pytest.mark.parametrize("name,kv_heads_per_rank", [("opt-350m-style", 2), ("gpt2", 2), ("qwen3", 1)])
+@pytest.mark.parametrize("name,kv_heads_per_rank", [("opt-350m-style", 2), ("gpt2", 2), ("qwen3", 1),
+                                                   ("qwen2-moe", 1), ("mixtral", 1)])
 def test_tensor_parallel_tp2_matches_hf(name: str, kv_heads_per_rank: int, build) -> None:
     """The families use the TP layers: at tp=2 (real processes, gloo) each rank holds half the heads (Qwen3's
     per-head q/k norms run on each rank's own heads)."""

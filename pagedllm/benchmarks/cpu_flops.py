@@ -125,7 +125,7 @@ def host_speed_report(readings: list[tuple[str, float]], tolerance: float = HOST
 
 
 def step_flops(shape: ModelShape, num_tokens: int, attended: int, logits_rows: int) -> float:
-    return (2.0 * shape.matmul_params * num_tokens + 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended
+    return (2.0 * shape.active_matmul_params * num_tokens + 4.0 * shape.num_layers * shape.num_heads * shape.head_dim * attended
             + 2.0 * shape.hidden * shape.vocab * logits_rows)
 
 

@@ -25,6 +25,8 @@ gated MLPs, 2 otherwise), ``W = (N_mm + H·V)·bytes`` the weight bytes one step
 ``kv_bytes_per_token = 2·L·Hk·D·bytes``. With FP8 (issue 21) the bytes follow the formats: ``kv_bytes`` 1 for an
 FP8 KV cache, decoder-matmul weights 1 byte each with ``--quantization fp8`` (the lm_head stays bf16), and then
 the linear layers' FLOPs run at the FP8 matmul peak ``P8`` measured the same way (attention stays at ``P``).
+With a mixture of experts the FLOPs count each token's top-k experts (``N_act`` in place of ``N_mm``), and ``W``
+counts every expert: a decode batch of B rows reaches nearly all E experts once B·k is a few times E.
 The two phases are added, as if prefill and decode never
 shared a step: a mixed step that overlaps prefill FLOPs with the decode's weight reads can beat it in
 principle, so efficiency = bound / measured time could exceed 100 % on prefill-heavy mixes (it has not).
@@ -48,6 +50,13 @@ class ModelShape:
     dtype_bytes: int = 2
     kv_dtype_bytes: int | None = None  # None: dtype_bytes (1 for an FP8 KV cache)
     matmul_weight_bytes: int | None = None  # decoder-matmul weights; None: dtype_bytes (1 for FP8 weights)
+    # Mixture of experts: `moe_layers` of the layers route each token to `moe_top_k` of `moe_experts` gated MLPs of
+    # width `moe_intermediate` (plus a shared one of `moe_shared_intermediate`) instead of the dense MLP.
+    moe_layers: int = 0
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_intermediate: int = 0
+    moe_shared_intermediate: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None,
@@ -55,20 +64,47 @@ class ModelShape:
         heads = cfg.num_attention_heads
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        gated = getattr(cfg, "model_type", "llama") in ("llama", "mistral", "qwen2")
+        model_type = getattr(cfg, "model_type", "llama")
+        gated = model_type in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+        moe = {}
+        experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+        if experts and model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):
+            step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+            dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+            layers = sum(1 for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+            moe = dict(moe_layers=layers, moe_experts=int(experts), moe_top_k=int(cfg.num_experts_per_tok),
+                       moe_intermediate=int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size),
+                       moe_shared_intermediate=int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0))
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, heads, kv, head_dim,
-                   cfg.vocab_size, 3 if gated else 2, dtype_bytes, kv_dtype_bytes, matmul_weight_bytes)
+                   cfg.vocab_size, 3 if gated else 2, dtype_bytes, kv_dtype_bytes, matmul_weight_bytes, **moe)
 
     @property
     def layer_matmul_params(self) -> int:
+        """A dense layer's matmul weights (attention projections and the MLP)."""
+        return self._attention_params + self.mlp_matrices * self.hidden * self.intermediate
+
+    @property
+    def _attention_params(self) -> int:
         h, d = self.hidden, self.head_dim
-        return h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h + \
-            self.mlp_matrices * h * self.intermediate
+        return h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+
+    def _moe_layer_params(self, experts: int) -> int:
+        """An MoE layer's matmul weights with `experts` routed experts counted (router and shared expert too)."""
+        h = self.hidden
+        return self._attention_params + h * self.moe_experts + 3 * h * (
+            experts * self.moe_intermediate + self.moe_shared_intermediate) + (h if self.moe_shared_intermediate else 0)
 
     @property
     def matmul_params(self) -> int:
-        """N_mm: the decoder layers' matmul weights (no embedding, no lm_head)."""
-        return self.num_layers * self.layer_matmul_params
+        """N_mm: the decoder layers' matmul weights (no embedding, no lm_head); with MoE, every expert."""
+        dense = (self.num_layers - self.moe_layers) * self.layer_matmul_params
+        return dense + self.moe_layers * self._moe_layer_params(self.moe_experts)
+
+    @property
+    def active_matmul_params(self) -> int:
+        """The matmul weights one token multiplies by: N_mm, with MoE only each token's top-k experts."""
+        dense = (self.num_layers - self.moe_layers) * self.layer_matmul_params
+        return dense + self.moe_layers * self._moe_layer_params(self.moe_top_k)
 
     @property
     def step_weight_bytes(self) -> int:
@@ -116,7 +152,7 @@ def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int
     lm = 2 * shape.hidden * shape.vocab
     attn = shape.num_layers * 4 * shape.num_heads * shape.head_dim
     p_lin = matmul_peak if linear_peak is None else linear_peak
-    f_lin = sum(2 * shape.matmul_params * p for p in prompt_lens)
+    f_lin = sum(2 * shape.active_matmul_params * p for p in prompt_lens)
     f_rest = sum(attn * p * (p + 1) / 2 + lm for p in prompt_lens)
     f_pre = f_lin + f_rest
     dec_tokens = sum(max(0, o - 1) for o in output_lens)
@@ -127,8 +163,8 @@ def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int
     kv_tokens = sum((o - 1) * p + (o - 1) * o / 2 for p, o in zip(prompt_lens, output_lens) if o > 1)
     w = steps * shape.step_weight_bytes
     kv = kv_tokens * shape.kv_bytes_per_token
-    f_dec = 2 * (shape.matmul_params + shape.hidden * shape.vocab) * dec_tokens
-    t_dec_compute = 2 * shape.matmul_params * dec_tokens / p_lin + 2 * shape.hidden * shape.vocab * dec_tokens / matmul_peak
+    f_dec = 2 * (shape.active_matmul_params + shape.hidden * shape.vocab) * dec_tokens
+    t_dec_compute = 2 * shape.active_matmul_params * dec_tokens / p_lin + 2 * shape.hidden * shape.vocab * dec_tokens / matmul_peak
     t_dec = max((w + kv) / bandwidth, t_dec_compute)
     return LowerBound(f_pre, f_lin / p_lin + f_rest / matmul_peak, batch, steps, w, kv, f_dec, t_dec, bandwidth,
                       matmul_peak, t_dec_compute)

@@ -1,7 +1,7 @@
 """Llama family (Llama 2/3, SmolLM2, Mistral-style; Qwen2 and Qwen3 as subclasses): GQA, RoPE, RMSNorm, SwiGLU."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,9 +20,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, bias: bool = False) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, bias: bool = False,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias, tp, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp, dtype)
         act = getattr(config, "hidden_act", "silu")
@@ -70,11 +71,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`mlp`: the layer's feed-forward block (default: the dense SwiGLU MLP; MoE models pass their experts)."""
+
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config, tp, dtype, bias=bool(getattr(config, "mlp_bias", False)))
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -90,12 +93,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """`make_mlp(layer_index)`: each layer's feed-forward block, or None for the dense MLP."""
+
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None)
+             for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -127,11 +133,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         # Sliding windows (Mistral): the engine caps max_model_len at the window (registry.get_model_max_len).
-        self.model = LlamaModel(config, tp, dtype, self.qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, tp, dtype, self.qkv_bias, self.qk_norm,
+                                lambda i: self.make_mlp(config, i, tp, dtype))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module | None:
+        """Layer `layer_index`'s feed-forward block; None: the dense SwiGLU MLP (MoE models override this)."""
+        return None
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)

@@ -1,0 +1,148 @@
+"""Fused MoE experts on CUDA: each projection is one Triton grouped GEMM over the (token, expert) pairs sorted
+by expert.
+
+`align_pairs` sorts the T·k pairs of a step by expert and pads each expert's run to a multiple of BLOCK_M, so
+every BLOCK_M-row tile of the sorted list belongs to one expert; padding slots hold the sentinel T·k and are
+neither read nor written. Everything is computed with tensor ops of sizes fixed by T (no host sync), so CUDA
+graphs capture a step with MoE layers. The GEMM (`_moe_gemm`) reads its tile's rows of A through the pair ids
+(`pair // k`: the token's row of x for the first projection; the pair's own row for the second), the expert's
+weight [N, K] transposed, and writes each pair's output row; the second projection multiplies by the pair's
+routing weight before the rows of one token are summed. vLLM's fused_moe follows the same plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.model.layers.activation import silu_and_mul
+
+
+def block_m_for(num_pairs: int, num_experts: int) -> int:
+    """Tile rows by the mean rows per expert (BENCHMARKS.md §67: graph-replayed sweeps on an H200 over
+    Qwen3-30B-A3B's, Mixtral-8x7B's and a small shape): 16 while experts get a few rows each (decode), up to 128."""
+    rows = num_pairs / num_experts
+    return 16 if rows < 12 else 32 if rows < 32 else 64 if rows < 96 else 128
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [S] int32, each tile's expert [S // block_m] int32; num_experts marks an unused tile),
+    S = T·k + E·(block_m - 1) rounded up to block_m: the worst case of the per-expert padding."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    dev = flat.device
+    slots = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    count_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - count_start[experts]
+    dest = padded_end[experts] - padded[experts] + rank
+    sorted_ids = torch.full((slots,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    tile_starts = torch.arange(0, slots, block_m, device=dev)
+    tile_expert = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
+    return sorted_ids, tile_expert
+
+
+@triton.jit
+def _moe_gemm(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weights_ptr, N, K, num_pairs, top_k,
+              num_experts, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+              ROW_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + pid_m)
+    if expert < num_experts:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ids_ptr + offs_m)
+        valid = pair < num_pairs
+        if ROW_PER_PAIR:
+            row = pair
+        else:
+            row = pair // top_k
+        row = tl.where(valid, row, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if MUL_WEIGHT:
+            acc = acc * tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
+        c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+@dataclass(frozen=True)
+class MoeGemmConfig:
+    """Tile shape and launch options of one grouped GEMM (BLOCK_M is the alignment's, `block_m_for`)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemm_config(block_m: int, dtype: torch.dtype) -> MoeGemmConfig:
+    """The tile shape that did best with `block_m` rows in the sweep of `block_m_for` (bf16; float32, used by tests
+    and float32 models, takes narrower K tiles to fit shared memory)."""
+    if dtype == torch.float32:
+        return MoeGemmConfig(block_n=64, block_k=32, num_warps=4, num_stages=2)
+    if block_m == 16:
+        return MoeGemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if block_m == 32:
+        return MoeGemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
+    if block_m == 64:
+        return MoeGemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)
+    return MoeGemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+                  tile_expert: torch.Tensor, weights: torch.Tensor, top_k: int, row_per_pair: bool,
+                  mul_weight: bool, block_m: int, config: MoeGemmConfig | None = None) -> None:
+    num_experts, n, k = w.shape
+    cfg = config or gemm_config(block_m, a.dtype)
+    grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
+    _moe_gemm[grid](a, w, out, sorted_ids, tile_expert, weights, n, k, out.shape[0], top_k, num_experts,
+                    a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+                    ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
+                    BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages)
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, block_m: int | None = None,
+                  configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
+    """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x): x [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    topk_weights / topk_ids [T, k] → [T, H] in x's dtype (accumulated in float32)."""
+    t, h = x.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = t * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    block_m = block_m or block_m_for(num_pairs, w13.shape[0])
+    cfg13, cfg2 = configs or (None, None)
+    sorted_ids, tile_expert = align_pairs(topk_ids, w13.shape[0], block_m)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, tile_expert, weights, top_k, False, False, block_m, cfg13)
+    act = silu_and_mul(gate_up)
+    down = torch.empty((num_pairs, h), dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, down, sorted_ids, tile_expert, weights, top_k, True, True, block_m, cfg2)
+    return down.view(t, top_k, h).sum(dim=1)

@@ -1,0 +1,100 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): top-k routing, then each token's experts.
+
+The experts' weights are stacked as vLLM stacks them: ``w13_weight`` [E, 2·I, H] (each expert's gate rows, then
+its up rows) and ``w2_weight`` [E, H, I]. Under tensor parallelism every rank holds every expert's slice of the
+intermediate dimension (vLLM's tensor-parallel MoE) and the output is all-reduced, as a RowParallelLinear's is.
+
+The experts run on CUDA as one Triton grouped GEMM per projection (kernels/triton_fused_moe.py: static shapes, so
+CUDA graphs capture it); elsewhere as a torch loop over the experts that received rows (``fused_experts_torch``,
+also the kernel's reference in tests).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup, divide
+from pagedllm.model.layers.activation import silu_and_mul
+
+# Checkpoint names of one expert's projections → (w13 half, or w2). Mixtral calls them w1 / w3 / w2.
+EXPERT_PROJECTIONS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
+                      "down_proj": "down"}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64): the k likeliest experts of each row's softmax (taken in
+    float32, as Hugging Face does), their probabilities rescaled to sum to 1 when `renormalize`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x), expert by expert over the rows routed
+    to it (Hugging Face's loop; the product by the weight in x's dtype)."""
+    out = torch.zeros_like(x)
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    k = topk_ids.shape[1]
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        rows = pairs // k
+        h = silu_and_mul(torch.nn.functional.linear(x[rows], w13[expert]))
+        y = torch.nn.functional.linear(h, w2[expert])
+        y = y * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
+        out.index_add_(0, rows, y)
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE layer: forward(x [T, H], router_logits [T, E]) → [T, H]."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 tp: TensorParallelGroup, dtype: torch.dtype, reduce_results: bool = True) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must lie in [1, {num_experts}] (the number of experts), got {top_k}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.tp, self.reduce_results = tp, reduce_results
+        self.intermediate_size = intermediate_size
+        self.shard = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard, dtype=dtype),
+                                      requires_grad=False)
+
+    def load_expert_weight(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
+        """Copy one expert's checkpoint matrix ([I, H] for gate / up, [H, I] for down) into this rank's slice."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}, the model has {self.num_experts} experts")
+        lo, n = self.tp.rank * self.shard, self.shard
+        if projection == "down":
+            want = (self.w2_weight.shape[1], self.intermediate_size)
+            dst, src = self.w2_weight.data[expert], loaded[:, lo:lo + n] if loaded.shape == want else None
+        else:
+            want = (self.intermediate_size, self.w13_weight.shape[2])
+            half = 0 if projection == "gate" else self.shard
+            dst = self.w13_weight.data[expert, half:half + n]
+            src = loaded[lo:lo + n] if loaded.shape == want else None
+        if src is None:
+            raise ValueError(f"expert {expert}'s {projection} projection: checkpoint shape {tuple(loaded.shape)}, "
+                             f"expected {want}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if x.is_cuda:
+            from pagedllm.kernels.triton_fused_moe import fused_experts  # needs triton: imported on use
+
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        else:
+            out = fused_experts_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return self.tp.all_reduce(out) if self.reduce_results else out

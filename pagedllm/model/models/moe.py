@@ -1,0 +1,115 @@
+"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+Their attention is Llama's (Qwen2-MoE with q/k/v biases, Qwen3-MoE with per-head q/k norms); their feed-forward
+blocks route each token to its top-k experts (layers/fused_moe.py), and Qwen2-MoE adds a shared expert scaled by a
+sigmoid gate. Checkpoints store each expert's projections apart (``experts.{e}.w1`` / ``gate_proj`` …); they are
+stacked into the layer's ``w13_weight`` / ``w2_weight`` at load time.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.layers.fused_moe import EXPERT_PROJECTIONS, FusedMoE
+from pagedllm.model.layers.linear import ReplicatedLinear
+from pagedllm.model.models.llama import LlamaForCausalLM, LlamaMLP
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`), routed experts, and optionally a shared expert whose output is scaled by
+    sigmoid(shared_expert_gate(x)) (Qwen2-MoE)."""
+
+    def __init__(self, config: Any, num_experts: int, intermediate_size: int, renormalize: bool,
+                 tp: TensorParallelGroup, dtype: torch.dtype, shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.gate = ReplicatedLinear(hidden, num_experts, False, dtype)
+        self.experts = FusedMoE(num_experts, int(config.num_experts_per_tok), hidden, intermediate_size, renormalize,
+                                tp, dtype)
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            self.shared_expert = LlamaMLP(config, tp, dtype, intermediate_size=shared_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def _num_experts(config: Any) -> int:
+    n = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not n:
+        raise ValueError("an MoE config needs num_experts (or num_local_experts) > 0")
+    return int(n)
+
+
+class _MoeForCausalLM(LlamaForCausalLM):
+    """Shared loading: expert matrices go to their FusedMoE; every expert's three projections must be present."""
+
+    loads_fp8_checkpoints = False  # expert weights are not [out, in] linears
+    renamed_blocks: dict[str, str] = {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        layers = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+        seen: dict[str, set[tuple[int, str]]] = {name: set() for name in layers}
+
+        def dense_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in self.renamed_blocks.items():
+                    name = name.replace(old, new)
+                parts = name.split(".")
+                if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() \
+                        and parts[-2] in EXPERT_PROJECTIONS and parts[-1] == "weight":
+                    owner = ".".join(parts[:-2])[: -len(parts[-3]) - 1]
+                    moe = layers.get(owner)
+                    if moe is None:
+                        raise ValueError(f"checkpoint tensor {name!r} names experts that {type(self).__name__} "
+                                         f"does not have at {owner!r}")
+                    projection = EXPERT_PROJECTIONS[parts[-2]]
+                    moe.load_expert_weight(int(parts[-3]), projection, tensor.to(moe.w13_weight.dtype))
+                    seen[owner].add((int(parts[-3]), projection))
+                    continue
+                yield name, tensor
+
+        for moe in layers.values():  # filled expert by expert above, checked below
+            moe.w13_weight.optional = moe.w2_weight.optional = True
+        super().load_weights(dense_weights())
+        for name, moe in layers.items():
+            if len(seen[name]) != 3 * moe.num_experts:
+                raise ValueError(f"checkpoint is missing expert projections of {name}: {len(seen[name])} of "
+                                 f"{3 * moe.num_experts} (gate, up and down of every expert)")
+
+
+class MixtralForCausalLM(_MoeForCausalLM):
+    """Mixtral: every layer's MLP is a sparse MoE block (``block_sparse_moe``), top-k renormalized."""
+
+    renamed_blocks = {".block_sparse_moe.": ".mlp."}
+
+    def make_mlp(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module:
+        return SparseMoeBlock(config, _num_experts(config), config.intermediate_size, True, tp, dtype)
+
+
+class Qwen3MoeForCausalLM(_MoeForCausalLM):
+    """Qwen3-MoE: Qwen3's attention; MoE blocks on every `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
+
+    qk_norm = True
+
+    def make_mlp(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module | None:
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        if layer_index in (getattr(config, "mlp_only_layers", None) or []) or (layer_index + 1) % step:
+            return None  # a dense MLP of intermediate_size
+        return SparseMoeBlock(config, _num_experts(config), config.moe_intermediate_size,
+                              bool(getattr(config, "norm_topk_prob", False)), tp, dtype,
+                              int(getattr(config, "shared_expert_intermediate_size", 0) or 0))
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen2-MoE: Qwen2's attention (q/k/v biases, no q/k norms) and a gated shared expert beside the routed ones."""
+
+    qk_norm = False
+    qkv_bias = True

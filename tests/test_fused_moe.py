@@ -1,0 +1,110 @@
+"""MoE layers: routing as Hugging Face routes, the torch experts against a dense per-token reference, and the Triton
+grouped GEMM (kernels/triton_fused_moe.py) against the torch experts: compiled on CUDA, Triton's interpreter on
+CPU. Model-level parity with transformers (Mixtral, Qwen2-MoE, Qwen3-MoE) is in test_models_hf.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # noqa: I001  (sets TRITON_INTERPRET first)
+from pagedllm.kernels import triton_fused_moe
+from pagedllm.model.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+
+interpreter_numpy_shim()
+
+
+def _problem(t: int, h: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(device, dtype)
+    w13 = (torch.randn(experts, 2 * inter, h, generator=g) / h ** 0.5).to(device, dtype)
+    w2 = (torch.randn(experts, h, inter, generator=g) / inter ** 0.5).to(device, dtype)
+    logits = torch.randn(t, experts, generator=g).to(device)
+    return x, w13, w2, logits
+
+
+def _dense_reference(x, w13, w2, weights, ids):
+    """Every token through each of its experts, one token at a time, in float64."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    x64, w13_64, w2_64 = x.double().cpu(), w13.double().cpu(), w2.double().cpu()
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13_64[e] @ x64[t]).chunk(2)
+            out[t] += float(weights[t, j]) * (w2_64[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_select_experts_as_hf_routes(renormalize: bool) -> None:
+    logits = torch.randn(9, 6, generator=torch.Generator().manual_seed(1))
+    weights, ids = select_experts(logits, 2, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, idx = torch.topk(probs, 2, dim=-1)
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
+    assert torch.equal(ids, idx) and torch.equal(weights, top)
+    assert torch.allclose(weights.sum(-1), torch.ones(9)) == renormalize
+
+
+def test_torch_experts_match_dense_reference() -> None:
+    x, w13, w2, logits = _problem(13, 32, 24, 5, 2, torch.float32, "cpu")
+    weights, ids = select_experts(logits, 2, True)
+    got = fused_experts_torch(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.double(), _dense_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,experts,top_k", [(1, 4, 2), (7, 8, 2), (40, 6, 3), (3, 16, 1)])
+def test_align_pairs_tiles_hold_one_expert(t: int, experts: int, top_k: int) -> None:
+    ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(i))[:top_k] for i in range(t)])
+    block_m = 4
+    sorted_ids, tile_expert = triton_fused_moe.align_pairs(ids, experts, block_m)
+    pairs = t * top_k
+    assert sorted_ids.numel() % block_m == 0 and sorted_ids.numel() >= pairs + experts * (block_m - 1)
+    real = sorted_ids[sorted_ids < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))  # every pair once
+    flat = ids.reshape(-1)
+    for tile, expert in enumerate(tile_expert.tolist()):
+        members = sorted_ids[tile * block_m:(tile + 1) * block_m]
+        members = members[members < pairs]
+        if expert == experts:
+            assert members.numel() == 0  # past the last expert's run: unused
+        else:
+            assert torch.all(flat[members.long()] == expert)
+
+
+@pytest.mark.parametrize("t,h,inter,experts,top_k", [(1, 64, 32, 4, 2), (9, 64, 48, 8, 2), (37, 96, 64, 6, 3)])
+def test_triton_experts_match_torch_float32(t: int, h: int, inter: int, experts: int, top_k: int) -> None:
+    x, w13, w2, logits = _problem(t, h, inter, experts, top_k, torch.float32, DEVICE, seed=t)
+    weights, ids = select_experts(logits, top_k, True)
+    got = triton_fused_moe.fused_experts(x, w13, w2, weights, ids)
+    want = fused_experts_torch(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 64, 700])
+def test_triton_experts_bf16_and_cuda_graph(t: int) -> None:
+    """bf16 (Mixtral / Qwen3-MoE serving dtype) within bf16 rounding of the float32 result; a captured graph
+    replays new inputs and new routings exactly as the eager call computes them."""
+    x, w13, w2, logits = _problem(t, 256, 128, 8, 2, torch.bfloat16, "cuda", seed=t)
+    weights, ids = select_experts(logits, 2, True)
+    got = triton_fused_moe.fused_experts(x, w13, w2, weights, ids)
+    want = fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+
+    moe = FusedMoE(8, 2, 256, 128, True, TensorParallelGroup(), torch.bfloat16).cuda()
+    moe.w13_weight.data.copy_(w13)
+    moe.w2_weight.data.copy_(w2)
+    static_x, static_logits = x.clone(), logits.clone()
+    moe(static_x, static_logits)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = moe(static_x, static_logits)
+    x2, _, _, logits2 = _problem(t, 256, 128, 8, 2, torch.bfloat16, "cuda", seed=t + 100)
+    static_x.copy_(x2)
+    static_logits.copy_(logits2)
+    graph.replay()
+    torch.testing.assert_close(static_out, moe(x2, logits2), rtol=0, atol=0)
