@@ -21,6 +21,8 @@ _EXPORTS = {
     "LoRARequest": "pagedllm.lora.request",
     "PoolingRequestOutput": "pagedllm.outputs",
     "EmbeddingRequestOutput": "pagedllm.outputs",
+    "ClassificationRequestOutput": "pagedllm.outputs",
+    "ScoringRequestOutput": "pagedllm.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

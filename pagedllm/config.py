@@ -24,8 +24,11 @@ QUANTIZATION_METHODS = ("fp8", "gguf", "none")
 # vLLM's --runner: "generate" (sample tokens) or "pooling" (return one vector per prompt: embeddings); "auto" picks
 # pooling for base-model checkpoints (architectures like LlamaModel, which have no LM head), else generate.
 RUNNER_TYPES = ("auto", "generate", "pooling")
-# vLLM's --convert: "embed" turns a *ForCausalLM model into an embedding model (implies runner pooling).
-CONVERT_TYPES = ("auto", "none", "embed")
+# vLLM's --convert: "embed" turns a *ForCausalLM model into an embedding model (implies runner pooling); "classify"
+# serves a *ForSequenceClassification checkpoint as a classifier (what runner auto picks for one anyway).
+CONVERT_TYPES = ("auto", "none", "embed", "classify")
+# What a pooling model returns per prompt: an embedding, or a classifier's class probabilities (its `score` head).
+POOLING_MODEL_TASKS = ("embed", "classify")
 # How a prompt's hidden states become one vector (vLLM's pooling types): the last token's (decoder embedding models
 # such as Qwen3-Embedding or e5-mistral), the mean over all tokens, or the first token's.
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -62,8 +65,11 @@ class ModelConfig:
     batch_invariant: bool = field(default_factory=batch_invariant_from_env)
     runner: str = "generate"  # resolved: "generate" or "pooling"
     pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
+    pooling_task: str | None = None  # runner "pooling": one of POOLING_MODEL_TASKS
 
     def __post_init__(self) -> None:
+        if self.pooling_task is not None:
+            _check_choice("pooling_task", self.pooling_task, POOLING_MODEL_TASKS)
         if not isinstance(self.max_capture_tokens, int) or self.max_capture_tokens < 0:
             raise ValueError(f"max_capture_tokens must be an int >= 0, got {self.max_capture_tokens!r}.")
         _check_choice("dtype", self.dtype, _DTYPES)
@@ -79,13 +85,17 @@ class PoolerConfig:
 
     pooling_type: str = "LAST"
     normalize: bool = True  # L2-normalize (a request's PoolingParams.normalize overrides it)
+    # Classification models: softmax over the labels (sigmoid for one label) of the pooled logits; false: the raw
+    # logits (a request's PoolingParams.activation overrides it).
+    activation: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.pooling_type, str):
             self.pooling_type = self.pooling_type.upper()
         _check_choice("pooler_config.pooling_type", self.pooling_type, POOLING_TYPES)
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"pooler_config.normalize must be true or false, got {self.normalize!r}.")
+        for name in ("normalize", "activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"pooler_config.{name} must be true or false, got {getattr(self, name)!r}.")
 
     @classmethod
     def from_json(cls, value: Any) -> PoolerConfig:

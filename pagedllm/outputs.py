@@ -1,4 +1,5 @@
-"""What the engine returns: vLLM's RequestOutput and CompletionOutput."""
+"""What the engine returns: vLLM's RequestOutput and CompletionOutput, and the pooling runner's outputs (embeddings,
+class probabilities, scores)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -77,3 +78,62 @@ class EmbeddingRequestOutput:
         data = out.outputs.data
         return cls(out.request_id, EmbeddingOutput([] if data is None else data.tolist()), out.prompt_token_ids,
                    out.finished, out.num_cached_tokens)
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's class probabilities for one prompt (vLLM's): softmax over the labels, or the sigmoid of a
+    single label's logit (raw logits with activation=False)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result per prompt (vLLM's): `.outputs.probs` is a list of floats, one per label."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        data = out.outputs.data
+        return cls(out.request_id, ClassificationOutput([] if data is None else data.tolist()), out.prompt_token_ids,
+                   out.finished, out.num_cached_tokens)
+
+
+@dataclass
+class ScoringOutput:
+    """The score of one text pair (vLLM's): a cross-encoder's probability, or the cosine similarity of two
+    embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result per pair (vLLM's): `.outputs.score`; `prompt_token_ids`: the pair's prompt (a
+    cross-encoder) or both texts' prompts one after the other (an embedding model)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ScoringRequestOutput:
+        """From a cross-encoder's output (its one probability)."""
+        data = out.outputs.data
+        if data is None or data.numel() != 1:
+            raise ValueError(f"a score is one value per pair; this output holds "
+                             f"{0 if data is None else data.numel()} (a classifier of several labels?).")
+        return cls(out.request_id, ScoringOutput(float(data.reshape(-1)[0])), out.prompt_token_ids, out.finished,
+                   out.num_cached_tokens)

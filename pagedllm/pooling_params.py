@@ -1,23 +1,29 @@
-"""vLLM's PoolingParams: the per-request options of an embedding request (`LLM.embed`, `/v1/embeddings`)."""
+"""vLLM's PoolingParams: the per-request options of a pooling request (`LLM.embed`, `LLM.classify`, `LLM.score`,
+`/v1/embeddings`, `/classify`, `/v1/score`, `/rerank`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pagedllm.sampling_params import _check_bool, _check_opt_int
 
-POOLING_TASKS = ("embed", "encode")
+# vLLM's pooling tasks: "encode" (the pooled vector, whatever the model), "embed" (an embedding model's vector),
+# "classify" (a classifier's class probabilities), "score" (a cross-encoder's one probability for a text pair).
+POOLING_TASKS = ("embed", "encode", "classify", "score")
 
 
 @dataclass
 class PoolingParams:
     """`dimensions`: keep the embedding's first this many values (Matryoshka models only, as in vLLM);
     `normalize`: L2-normalize the embedding (None: the model's pooler config, by default True);
+    `activation`: a classification model's softmax (sigmoid for one label) over its logits (None: the pooler
+    config, by default True; False: the raw logits);
     `truncate_prompt_tokens`: keep the prompt's last this many tokens (-1: as many as fit)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
-    task: str | None = None  # "embed" or "encode" (vLLM's pooling tasks; both give the pooled vector here)
+    task: str | None = None  # one of POOLING_TASKS (None: what the model does)
+    activation: bool | None = None
 
     def __post_init__(self) -> None:
         self.dimensions = _check_opt_int("dimensions", self.dimensions)
@@ -25,6 +31,8 @@ class PoolingParams:
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions}.")
         if self.normalize is not None:
             self.normalize = _check_bool("normalize", self.normalize)
+        if self.activation is not None:
+            self.activation = _check_bool("activation", self.activation)
         self.truncate_prompt_tokens = _check_opt_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
         k = self.truncate_prompt_tokens
         if k is not None and k < 1 and k != -1:

@@ -101,13 +101,19 @@ _HELP = {
                          "every request's max_tokens), vllm (ignore it), or a folder holding such a file.",
     "override_generation_config": "A JSON object of those keys that wins over the generation config, e.g. "
                                   "'{\"temperature\": 0.6}'.",
-    "runner": "What the model runs (vLLM's --runner): generate (sample tokens), pooling (one vector per prompt: "
-              "LLM.embed and /v1/embeddings), or auto (pooling for a base-model checkpoint such as LlamaModel, "
-              "which has no LM head; else generate).",
-    "convert": "vLLM's --convert: embed turns a *ForCausalLM model into an embedding model (implies --runner "
-               "pooling); auto or none leave it as it is.",
+    "runner": "What the model runs (vLLM's --runner): generate (sample tokens), pooling (one result per prompt: "
+              "embeddings through LLM.embed and /v1/embeddings, class probabilities through LLM.classify and "
+              "/classify, scores through LLM.score, /v1/score and /rerank), or auto (pooling for a base-model "
+              "checkpoint such as LlamaModel, which has no LM head, and for a *ForSequenceClassification one; else "
+              "generate).",
+    "convert": "vLLM's --convert: embed turns a *ForCausalLM model into an embedding model; classify serves a "
+               "*ForSequenceClassification checkpoint (Llama, Mistral, Qwen2, Qwen3) as a classifier: its `score` "
+               "head over the last token, softmax over the labels (sigmoid for one label: a cross-encoder, which "
+               "LLM.score and /v1/score, /rerank use for text pairs). Both imply --runner pooling; auto or none "
+               "leave the model as it is (a *ForSequenceClassification checkpoint classifies by default).",
     "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", "
-                     "\"normalize\": true} (default LAST, normalized: what decoder embedding models use).",
+                     "\"normalize\": true, \"activation\": true} (default LAST, normalized: what decoder embedding "
+                     "models use; activation: a classifier's softmax/sigmoid, false for raw logits).",
     "enable_lora": "Serve LoRA adapters on the base model (vLLM's): each request may name a PEFT adapter "
                    "(LLM.generate(lora_request=LoRARequest(name, id, path)); the server's --lora-modules name=path "
                    "and the request's model field). One process (tensor_parallel_size 1), no speculative decoding.",
@@ -189,7 +195,7 @@ class EngineArgs:
         "llm_class" (the offline `LLM`) gets a larger default step budget on a GPU. `hf_config` (the model's) lets
         runner="auto" see a base-model checkpoint."""
         max_model_len = self.max_model_len or model_max_len
-        runner, pooler = self._resolve_runner(hf_config)
+        runner, pooler, pooling_task = self._resolve_runner(hf_config)
         resolve_backend(self.structured_outputs_backend)
         check_reasoning_parser(self.reasoning_parser)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
@@ -221,7 +227,7 @@ class EngineArgs:
             max_model_len=max_model_len, load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
-            pooler_config=pooler,
+            pooler_config=pooler, pooling_task=pooling_task,
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -263,9 +269,10 @@ class EngineArgs:
             raise ValueError(f"enable_lora does not combine with {why}.")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
-    def _resolve_runner(self, hf_config: Any) -> tuple[str, PoolerConfig | None]:
-        """(runner, pooler config): "generate" and None, or "pooling" and its PoolerConfig."""
-        from pagedllm.engine.pooling import resolve_runner
+    def _resolve_runner(self, hf_config: Any) -> tuple[str, PoolerConfig | None, str | None]:
+        """(runner, pooler config, pooling task): "generate", None and None, or "pooling", its PoolerConfig and
+        "embed" or "classify"."""
+        from pagedllm.engine.pooling import resolve_pooling_task, resolve_runner
 
         for name, value, allowed in (("runner", self.runner, RUNNER_TYPES), ("convert", self.convert, CONVERT_TYPES)):
             if value not in allowed:
@@ -275,13 +282,14 @@ class EngineArgs:
             if self.pooler_config not in (None, "", {}):
                 raise ValueError("pooler_config applies to pooling models only: add runner='pooling' (--runner "
                                  "pooling) or drop it.")
-            return runner, None
+            return runner, None, None
+        task = resolve_pooling_task(self.convert, hf_config)
         pooler = PoolerConfig.from_json(self.pooler_config)
         if self.enable_prefix_caching and pooler.pooling_type != "LAST":
             logger.warning(
                 "Prefix caching is off: %s pooling reads every prompt token's hidden state, which a cached prefix "
                 "would skip (LAST pooling keeps it).", pooler.pooling_type)
-        return runner, pooler
+        return runner, pooler, task
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
-from pagedllm.engine.pooling import PoolingState, matryoshka_dimensions
+from pagedllm.engine.pooling import PoolingState, classification_labels, matryoshka_dimensions
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
 from pagedllm.logprobs import position_logprobs
 from pagedllm.lora.request import LoRARequest
@@ -265,7 +265,9 @@ class LLMEngine:
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n
         if pooling is not None:
-            group.extra["pooling"] = PoolingState.of(pooling, self.config.model_config.pooler_config)
+            checker = self.request_checker
+            num_labels = len(checker.labels) if checker.pooling_task == "classify" else None
+            group.extra["pooling"] = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels)
         if lora_request is not None:
             group.extra["lora_request"] = lora_request
         if params.bad_words:
@@ -314,12 +316,15 @@ class LLMEngine:
     def request_checker(self) -> RequestChecker:
         """The configuration-only request checks (plain data: the API server process checks with it)."""
         sc, cc = self.config.scheduler_config, self.config.cache_config
+        task = self.config.model_config.pooling_task
         return RequestChecker(vocab_size=int(self.hf_config.vocab_size), max_model_len=sc.max_model_len,
                               num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
                               max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
                               scheduling_policy=sc.policy, max_logprobs=self.engine_args.max_logprobs,
                               runner=self.runner, hidden_size=int(self.hf_config.hidden_size),
-                              matryoshka_dimensions=matryoshka_dimensions(self.hf_config))
+                              matryoshka_dimensions=matryoshka_dimensions(self.hf_config),
+                              pooling_task=task,
+                              labels=classification_labels(self.hf_config) if task == "classify" else ())
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
         """The checks `add_request` makes, reading only the configuration (safe from another thread).

@@ -26,6 +26,8 @@ class RequestChecker:
     runner: str = "generate"  # or "pooling": requests take PoolingParams
     hidden_size: int = 0
     matryoshka_dimensions: tuple[int, ...] | None = None  # engine/pooling.matryoshka_dimensions
+    pooling_task: str | None = None  # runner "pooling": "embed" (an embedding model) or "classify" (a classifier)
+    labels: tuple[str, ...] = ()  # a classifier's label names by class index (its config's id2label)
 
     @property
     def max_seq_len(self) -> int:
@@ -43,6 +45,17 @@ class RequestChecker:
         if not isinstance(params, PoolingParams):
             raise ValueError(f"this model runs the pooling runner: it returns one embedding per prompt (LLM.embed, "
                              f"/v1/embeddings), not generated text; pass PoolingParams, not {type(params).__name__}.")
+        self.check_pooling_task(params.task)
+        if self.pooling_task == "classify":
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise ValueError(f"{name} applies to embedding models, and this one is a classifier (its "
+                                     f"outputs are class probabilities): leave {name} unset (activation=False "
+                                     f"gives the raw logits).")
+            return params
+        if params.activation is not None:
+            raise ValueError("activation applies to classification models, and this one is an embedding model: "
+                             "leave activation unset (normalize=False gives the embedding unnormalized).")
         dims, allowed = params.dimensions, self.matryoshka_dimensions
         if dims is not None:
             if allowed is None:
@@ -53,6 +66,29 @@ class RequestChecker:
                 sizes = list(allowed) if allowed else f"1 to {self.hidden_size}"
                 raise ValueError(f"dimensions={dims} is not a size this model's embeddings come in: {sizes}.")
         return params
+
+    def check_pooling_task(self, task: str | None) -> None:
+        """ValueError, saying what to use instead, for a pooling task (PoolingParams.task) this model does not do:
+        "classify" needs a classifier; "score" needs a classifier of one label (a cross-encoder) or an
+        embedding model (cosine similarity); "embed" needs an embedding model."""
+        if self.runner != "pooling":
+            raise ValueError(f"{task or 'pooling'} needs a pooling model, and this model generates text (runner "
+                             f"'generate'): start the engine with runner='pooling' (--runner pooling).")
+        n = len(self.labels)
+        if self.pooling_task == "classify":
+            if task == "embed":
+                raise ValueError(f"this model is a classifier ({n} labels): it returns class probabilities "
+                                 f"(LLM.classify, /classify), not embeddings; load it with convert='embed' "
+                                 f"(--convert embed) for embeddings of its hidden states.")
+            if task == "score" and n != 1:
+                raise ValueError(f"scoring a text pair needs a cross-encoder (a classifier with one label, "
+                                 f"num_labels=1) or an embedding model; this classifier has {n} labels: use "
+                                 f"LLM.classify (/classify) for its class probabilities.")
+        elif task == "classify":
+            raise ValueError("classify needs a sequence-classification model (an architecture such as "
+                             "LlamaForSequenceClassification, with its `score` head), and this model is an embedding "
+                             "model: use LLM.embed (/v1/embeddings) for its vectors, or LLM.score (/v1/score) for "
+                             "cosine similarities.")
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

@@ -1,5 +1,5 @@
-"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `LLM.chat(...)`, and `LLM.embed(prompts)` for
-pooling models."""
+"""The offline API: `LLM(...).generate(prompts, sampling_params)`, `LLM.chat(...)`, and for pooling models
+`LLM.embed(prompts)`, `LLM.classify(prompts)` and `LLM.score(data_1, data_2)`."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +15,15 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.entrypoints.score_utils import as_texts, cosine_score, score_pairs, score_prompt_ids
+from pagedllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
@@ -52,7 +60,8 @@ class LLM:
         for every prompt, or one (or None) per prompt (needs ``enable_lora=True``)."""
         if self.llm_engine.runner == "pooling":
             raise ValueError("LLM.generate() needs a generating model, and this LLM runs the pooling runner: call "
-                             "LLM.embed() (or LLM.encode()) for its embeddings, or build the LLM without "
+                             "LLM.embed() (or LLM.encode()) for an embedding model's vectors, LLM.classify() for a "
+                             "classifier's probabilities, LLM.score() for pair scores, or build the LLM without "
                              "runner='pooling'.")
         prompt_list = self._as_prompt_list(prompts)
         params_list = _final_only(self._as_params_list(sampling_params, len(prompt_list)))
@@ -100,10 +109,12 @@ class LLM:
         pooling_task: str = "encode",
     ) -> list[PoolingRequestOutput]:
         """Pool every prompt's hidden states into one vector (a pooling model: ``runner="pooling"``); outputs come
-        back in input order, each with ``.outputs.data`` (a float32 tensor)."""
+        back in input order, each with ``.outputs.data`` (a float32 tensor). `pooling_task`: vLLM's task of the
+        call ("encode", "embed", "classify" or "score"), set on every PoolingParams that names none."""
         if self.llm_engine.runner != "pooling":
             raise ValueError(f"LLM.{pooling_task}() needs a pooling model, and this LLM generates text: build it "
-                             f"with runner='pooling' (LLM(model, runner='pooling')) to get embeddings.")
+                             f"with runner='pooling' (LLM(model, runner='pooling')).")
+        self.llm_engine.request_checker.check_pooling_task(pooling_task)
         prompt_list = self._as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -112,6 +123,7 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} PoolingParams for {len(prompt_list)} prompts; give one, "
                                  f"or one per prompt.")
+        params_list = [_with_task(p, pooling_task) for p in params_list]
         if truncate_prompt_tokens is not None:
             params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
         with fewer_young_collections():
@@ -129,6 +141,47 @@ class LLM:
         outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="embed")
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
+    def classify(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (vLLM's ``LLM.classify``; a *ForSequenceClassification model):
+        ``outputs[i].outputs.probs`` is a list of floats, one per label (softmax; sigmoid for a single label)."""
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def score(
+        self,
+        data_1: str | Seq[str],
+        data_2: str | Seq[str],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: one score per pair of texts, 1→N (`data_1` one text, scored against each of
+        `data_2`) or N→N (element by element). A cross-encoder (a classifier with one label) reads each pair as
+        one prompt (entrypoints/score_utils.py) and scores it with the sigmoid of its logit; an embedding model
+        embeds every text and scores the cosine similarity of the two embeddings."""
+        if self.llm_engine.runner != "pooling":
+            raise ValueError("LLM.score() needs a pooling model (a cross-encoder, or an embedding model), and this "
+                             "LLM generates text: build it with runner='pooling' (LLM(model, runner='pooling')).")
+        texts_1, texts_2 = as_texts(data_1, "data_1"), as_texts(data_2, "data_2")
+        pairs = score_pairs(len(texts_1), len(texts_2))
+        self.llm_engine.request_checker.check_pooling_task("score")
+        if self.llm_engine.request_checker.pooling_task == "embed":
+            outs = self.encode(texts_1 + texts_2, pooling_params, use_tqdm, truncate_prompt_tokens,
+                               pooling_task="embed")
+            return [_cosine_output(outs[i], outs[len(texts_1) + j]) for i, j in pairs]
+        tok = self._require_tokenizer("LLM.score() tokenizes each text pair")
+        prompts = [{"prompt_token_ids": score_prompt_ids(tok, texts_1[i], texts_2[j])} for i, j in pairs]
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="score")
+        return [ScoringRequestOutput.from_base(o) for o in outs]
+
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False):
         """Beam search for every prompt (inside the engine); returns a BeamSearchOutput per prompt."""
         from pagedllm.engine.beam_search import to_beam_search_output, to_sampling_params
@@ -145,10 +198,10 @@ class LLM:
         return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     # -- internals --------------------------------------------------------------------------
-    def _require_tokenizer(self):
+    def _require_tokenizer(self, purpose: str = "chat needs a tokenizer"):
         tok = self.llm_engine.tokenizer
         if tok is None:
-            raise ValueError("this LLM was built with skip_tokenizer_init=True; chat needs a tokenizer.")
+            raise ValueError(f"this LLM was built with skip_tokenizer_init=True; {purpose}.")
         return tok
 
     @staticmethod
@@ -228,6 +281,23 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _with_task(params: PoolingParams, task: str) -> PoolingParams:
+    """`params` for a call of pooling task `task` (a copy naming it; ValueError if it names another)."""
+    if params.task is None:
+        return dataclasses.replace(params, task=task)
+    if params.task != task and task != "encode":
+        raise ValueError(f"PoolingParams(task={params.task!r}) was passed to LLM.{task}(): leave task unset, or "
+                         f"call the method of that task.")
+    return params
+
+
+def _cosine_output(a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
+    """An embedding model's score of a pair: the cosine similarity of its two embeddings."""
+    score = ScoringOutput(cosine_score(a.outputs.data, b.outputs.data))
+    return ScoringRequestOutput(f"{a.request_id}_{b.request_id}", score, a.prompt_token_ids + b.prompt_token_ids,
+                                a.finished and b.finished)
 
 
 def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:

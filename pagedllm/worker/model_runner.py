@@ -38,6 +38,8 @@ class ModelRunner:
         # The pooling runner (embeddings): steps return the final hidden states of the rows asked for, in float32,
         # where a generating runner returns their logits.
         self.pooling = False
+        # A classification model's `score` head (pooling runner): the rows a step returns are its label logits.
+        self.classifier = None
         self.lora_manager = None  # --enable-lora: each step's token → adapter mapping goes to it (lora/manager.py)
 
     def enable_step_stats(self) -> StepStats:
@@ -219,9 +221,10 @@ class ModelRunner:
         return logits
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What a step returns for its selected rows: logits (`sampler_logits`), or the pooling runner's hidden states."""
+        """What a step returns for its selected rows: logits (`sampler_logits`), or the pooling runner's hidden states
+        (a classifier's: their label logits), in float32."""
         if self.pooling:
-            return hidden.float()
+            return (hidden if self.classifier is None else self.classifier(hidden)).float()
         return sampler_logits(self.model.compute_logits(hidden))
 
     @torch.inference_mode()

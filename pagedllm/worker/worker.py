@@ -314,6 +314,8 @@ class Worker:
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
+        if self.config.model_config.pooling_task == "classify":
+            self.model_runner.classifier = self.model.classify
         if self.lora_manager is not None:
             self.model_runner.lora_manager = self.lora_manager
             self.lora_manager.always_apply = self.use_cuda_graphs()  # captured graphs hold the adapters' GEMMs

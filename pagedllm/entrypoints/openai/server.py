@@ -35,14 +35,18 @@ from pagedllm.entrypoints.openai.dashboard import register_dashboard
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
 from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_classification import OpenAIServingClassification
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
     OpenAIServingLoRA,
     UnloadLoRAAdapterRequest,
     runtime_lora_updating_allowed,
 )
+from pagedllm.entrypoints.openai.protocol_classification import ClassificationRequest
 from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from pagedllm.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
 from pagedllm.entrypoints.openai.warm_up import warm_up_request
@@ -131,6 +135,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     chat = OpenAIServingChat(ctx)
     responses = OpenAIServingResponses(ctx, ResponseStore() if responses_store else None)
     embedding = OpenAIServingEmbedding(ctx)
+    scoring = OpenAIServingScore(ctx)
+    classification = OpenAIServingClassification(ctx)
     board = None  # the live KV-cache dashboard (set below unless turned off)
 
     @asynccontextmanager
@@ -138,7 +144,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         ctx.engine.start()
         logger.info("engine loop started")
         if warm_up:
-            await warm_up_request(app, ctx.served_model_names[0], api_key, pooling=ctx.runner == "pooling")
+            await warm_up_request(app, ctx.served_model_names[0], api_key, pooling=ctx.runner == "pooling",
+                                  classify=ctx.engine.request_checker.pooling_task == "classify")
         if board is not None:
             board.start()
         try:
@@ -211,7 +218,12 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             raise OpenAIError("The request body is not valid JSON.", code="invalid_json") from None
         keys = body.keys() if isinstance(body, dict) else ()
         kind = next((k for k in ("messages", "prompt", "input") if k in keys), None)
-        if ctx.runner == "pooling":  # an embedding model: `input` or `messages` are what to embed
+        if ctx.runner == "pooling" and ctx.engine.request_checker.pooling_task == "classify":
+            if kind != "input":
+                raise OpenAIError("an invocation of this classification model needs `input` (text or token ids) to "
+                                  "classify.", param="body")
+            kind = "classify"
+        elif ctx.runner == "pooling":  # an embedding model: `input` or `messages` are what to embed
             kind = "embed" if kind in ("messages", "input") else None
             if kind is None:
                 raise OpenAIError("an invocation of this embedding model needs `input` (text or token ids) or "
@@ -220,13 +232,14 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             raise OpenAIError("an invocation needs `messages` (a chat completion), `prompt` (a completion) or "
                               "`input` (a response).", param="body")
         model = {"messages": ChatCompletionRequest, "prompt": CompletionRequest, "input": ResponsesRequest,
-                 "embed": EmbeddingRequest}[kind]
+                 "embed": EmbeddingRequest, "classify": ClassificationRequest}[kind]
         try:
             req = model.model_validate_json(raw)
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
         rid = request.headers.get("x-request-id")
         work = (embedding.create_embedding(req, rid) if kind == "embed" else
+                classification.create_classify(req, rid) if kind == "classify" else
                 chat.create_chat_completion(req, rid) if kind == "messages" else
                 completion.create_completion(req, rid) if kind == "prompt" else responses.create_response(req, rid))
         return await _serve(request, work)
@@ -265,6 +278,24 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, request: Request) -> Response:
         return await _serve(request, embedding.create_embedding(req, request.headers.get("x-request-id")))
+
+    @app.post("/score")
+    @app.post("/v1/score", operation_id="create_score_v1")
+    async def create_score(req: ScoreRequest, request: Request) -> Response:
+        return await _serve(request, scoring.create_score(req, request.headers.get("x-request-id"),
+                                                          request.url.path))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank", operation_id="do_rerank_v1")
+    @app.post("/v2/rerank", operation_id="do_rerank_v2")
+    async def do_rerank(req: RerankRequest, request: Request) -> Response:
+        return await _serve(request, scoring.create_rerank(req, request.headers.get("x-request-id"),
+                                                           request.url.path))
+
+    @app.post("/classify")
+    async def create_classify(req: ClassificationRequest, request: Request) -> Response:
+        return await _serve(request, classification.create_classify(req, request.headers.get("x-request-id"),
+                                                                    request.url.path))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict:

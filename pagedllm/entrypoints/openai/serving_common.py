@@ -151,16 +151,30 @@ class ServingContext:
         """The engine's runner: "generate", or "pooling" (an embedding model)."""
         return self.engine.request_checker.runner
 
-    def check_runner(self, needed: str, route: str) -> None:
-        """400 for a route the model does not serve: generation routes on a pooling model, embeddings on a
-        generating one."""
+    def check_runner(self, needed: str, route: str, what: str = "an embedding model") -> None:
+        """400 for a route the model does not serve: generation routes on a pooling model, pooling routes (`what`
+        they need) on a generating one."""
         if self.runner == needed:
             return
         if needed == "pooling":
-            raise OpenAIError(f"{route} needs an embedding model, and this server's model generates text: start the "
-                              f"server with --runner pooling to serve it as one.", code="model_not_supported")
-        raise OpenAIError(f"{route} generates text, and this server runs an embedding model (--runner pooling): "
-                          f"it serves /v1/embeddings.", code="model_not_supported")
+            raise OpenAIError(f"{route} needs {what}, and this server's model generates text: start the server "
+                              f"with --runner pooling to serve it as one.", code="model_not_supported")
+        checker = self.engine.request_checker
+        if checker.pooling_task == "classify":
+            what = "a classification model"
+            routes = "/classify, /v1/score and /rerank" if len(checker.labels) == 1 else "/classify"
+        else:
+            what, routes = "an embedding model", "/v1/embeddings, /v1/score and /rerank"
+        raise OpenAIError(f"{route} generates text, and this server runs {what} (--runner pooling): it serves "
+                          f"{routes}.", code="model_not_supported")
+
+    def check_pooling_task(self, task: str, route: str) -> None:
+        """400 naming the model for a pooling task (PoolingParams.task) this server's model does not do: classify
+        on an embedding model, score on a classifier of several labels, any of them on a generating model."""
+        try:
+            self.engine.request_checker.check_pooling_task(task)
+        except ValueError as e:
+            raise OpenAIError(f"{route}: {e}", param="model", code="model_not_supported") from None
 
     def completion_prompts(self, prompt: Any, add_special_tokens: bool = True,
                            param: str = "prompt") -> tuple[list[str | None], list[list[int]]]:

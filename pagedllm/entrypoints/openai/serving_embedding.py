@@ -48,10 +48,11 @@ class OpenAIServingEmbedding:
         """The response dict; raises OpenAIError (a 400 for what the request got wrong)."""
         model = self.ctx.check_model(req.model)
         self.ctx.check_runner("pooling", "/v1/embeddings")
+        self.ctx.check_pooling_task("embed", "/v1/embeddings")
         ids = [self.ctx.truncate(p, req.truncate_prompt_tokens) for p in self._prompts(req)]
         for prompt_ids in ids:
             self.ctx.check_length(len(prompt_ids), None, "input", "input")
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize, task="embed")
         try:
             self.ctx.engine.request_checker.check_pooling_params(params)
         except ValueError as e:

@@ -22,13 +22,15 @@ WARM_UP_PROMPT = "Hello"
 
 
 async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_tokens: int = 2,
-                          pooling: bool = False) -> float:
-    """Run one streamed /v1/completions request (`pooling`: one /v1/embeddings request) through `app`
-    in-process; return its seconds.
+                          pooling: bool = False, classify: bool = False) -> float:
+    """Run one streamed /v1/completions request (`pooling`: one /v1/embeddings request; with `classify`, a
+    classification model's: one /classify request) through `app` in-process; return its seconds.
 
     Raises RuntimeError when the request does not end in a 200 with a `[DONE]` event (an embedding: with its
-    vector) (the server would not serve requests either, so it must not report ready)."""
-    path = "/v1/embeddings" if pooling else "/v1/completions"
+    vector; a classification: with its probabilities) (the server would not serve requests either, so it must
+    not report ready)."""
+    path = ("/classify" if classify else "/v1/embeddings") if pooling else "/v1/completions"
+    expected = (b'"probs"' if classify else b'"embedding"') if pooling else b"[DONE]"
     if pooling:
         body = json.dumps({"model": model, "input": WARM_UP_PROMPT}).encode()
     else:
@@ -65,7 +67,7 @@ async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_
     await app(scope, receive, send)
     seconds = time.perf_counter() - t0
     text = b"".join(chunks)
-    if status != [200] or (b'"embedding"' if pooling else b"[DONE]") not in text:
+    if status != [200] or expected not in text:
         raise RuntimeError(f"the warm-up request failed (status {status}): {text[:300]!r}")
     logger.info("warm-up request through the serving path: %.1f ms", seconds * 1e3)
     return seconds

@@ -9,6 +9,10 @@ _QWEN2 = "pagedllm.model.models.qwen2:Qwen2ForCausalLM"
 _QWEN3 = "pagedllm.model.models.qwen3:Qwen3ForCausalLM"
 _OPT = "pagedllm.model.models.opt:OPTForCausalLM"
 _GPT2 = "pagedllm.model.models.gpt2:GPT2LMHeadModel"
+_SEQ_CLS = "pagedllm.model.models.sequence_classification:"
+_MIXTRAL = "pagedllm.model.models.moe:MixtralForCausalLM"
+_QWEN2_MOE = "pagedllm.model.models.moe:Qwen2MoeForCausalLM"
+_QWEN3_MOE = "pagedllm.model.models.moe:Qwen3MoeForCausalLM"
 
 # Architecture (HF `architectures[0]`) or `model_type` → "module:Class".
 _MODELS = {
@@ -18,17 +22,28 @@ _MODELS = {
     "Qwen3ForCausalLM": _QWEN3,
     "OPTForCausalLM": _OPT,
     "GPT2LMHeadModel": _GPT2,
+    "MixtralForCausalLM": _MIXTRAL,
+    "Qwen2MoeForCausalLM": _QWEN2_MOE,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
     # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
     "LlamaModel": _LLAMA,
     "MistralModel": _LLAMA,
     "Qwen2Model": _QWEN2,
     "Qwen3Model": _QWEN3,
+    # Sequence classifiers (the decoder and a `score` head over the labels): pooling runner only.
+    "LlamaForSequenceClassification": _SEQ_CLS + "LlamaForSequenceClassification",
+    "MistralForSequenceClassification": _SEQ_CLS + "LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification": _SEQ_CLS + "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification": _SEQ_CLS + "Qwen3ForSequenceClassification",
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _QWEN2,
     "qwen3": _QWEN3,
     "opt": _OPT,
     "gpt2": _GPT2,
+    "mixtral": _MIXTRAL,
+    "qwen2_moe": _QWEN2_MOE,
+    "qwen3_moe": _QWEN3_MOE,
 }
 
 _DEFAULT_MAX_LEN = 2048
@@ -37,10 +52,20 @@ _DEFAULT_MAX_LEN = 2048
 _BASE_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 
 
+_CLASSIFICATION_MODELS = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                          "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+
+
 def is_base_model(config: Any) -> bool:
     """A checkpoint of the transformer without its LM head (tensor names lack the ``model.`` prefix)."""
     archs = list(getattr(config, "architectures", None) or [])
     return bool(archs) and archs[0] in _BASE_MODELS
+
+
+def is_classification_model(config: Any) -> bool:
+    """A *ForSequenceClassification checkpoint: the decoder and a `score` head over the labels, no LM head."""
+    archs = list(getattr(config, "architectures", None) or [])
+    return bool(archs) and archs[0] in _CLASSIFICATION_MODELS
 
 
 def supported_architectures() -> list[str]:
