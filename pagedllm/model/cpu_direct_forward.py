@@ -139,6 +139,11 @@ class LlamaDirectForward:
         if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2, Qwen3: the layer layout written here
             logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
             return None
+        mlp = next((layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "gate_up_proj")), None)
+        if mlp is not None:  # MoE blocks (models/moe.py) run through their modules
+            logger.info("CPU direct forward not used: written for dense MLPs, and %s has %s blocks",
+                        type(model).__name__, type(mlp).__name__)
+            return None
         try:
             gguf = any(getattr(m, "gguf_weight", None) is not None for m in model.modules())
             fwd = cls(model, attn_backend.kernels, cpu_quant.load_quant_kernels() if gguf else None, attn_backend)
