@@ -54,11 +54,16 @@ def test_torch_experts_match_dense_reference() -> None:
     torch.testing.assert_close(got.double(), _dense_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("t,experts,top_k", [(1, 4, 2), (7, 8, 2), (40, 6, 3), (3, 16, 1)])
-def test_align_pairs_tiles_hold_one_expert(t: int, experts: int, top_k: int) -> None:
+@pytest.mark.parametrize("use_kernel", [False, True])
+@pytest.mark.parametrize("t,experts,top_k", [(1, 4, 2), (7, 8, 2), (40, 6, 3), (3, 16, 1), (300, 5, 2)])
+def test_align_pairs_tiles_hold_one_expert(t: int, experts: int, top_k: int, use_kernel: bool) -> None:
+    """Torch ops and the one-program Triton kernel lay the pairs out identically (each expert's run in pair order)."""
     ids = torch.stack([torch.randperm(experts, generator=torch.Generator().manual_seed(i))[:top_k] for i in range(t)])
     block_m = 4
-    sorted_ids, tile_expert = triton_fused_moe.align_pairs(ids, experts, block_m)
+    sorted_ids, tile_expert = triton_fused_moe.align_pairs(ids.to(DEVICE), experts, block_m, use_kernel)
+    want_ids, want_tiles = triton_fused_moe.align_pairs(ids, experts, block_m, use_kernel=False)
+    sorted_ids, tile_expert = sorted_ids.cpu(), tile_expert.cpu()
+    assert torch.equal(sorted_ids, want_ids) and torch.equal(tile_expert, want_tiles)
     pairs = t * top_k
     assert sorted_ids.numel() % block_m == 0 and sorted_ids.numel() >= pairs + experts * (block_m - 1)
     real = sorted_ids[sorted_ids < pairs]

@@ -27,13 +27,30 @@ def block_m_for(num_pairs: int, num_experts: int) -> int:
     return 16 if rows < 12 else 32 if rows < 32 else 64 if rows < 96 else 128
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+# `align_pairs` runs as one Triton program (one launch instead of ~15 small torch kernels) while it takes at most this
+# many chunks of pairs (4096 // E_pow2 pairs each, one after another); beyond, torch's sort and scans, which spread
+# over the GPU, are faster (Qwen3-30B-A3B's 128 experts on an H200: 16 chunks faster, 64 slower; BENCHMARKS §67).
+ALIGN_KERNEL_MAX_CHUNKS = 16
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                use_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted pair ids [S] int32, each tile's expert [S // block_m] int32; num_experts marks an unused tile),
-    S = T·k + E·(block_m - 1) rounded up to block_m: the worst case of the per-expert padding."""
+    S = T·k + E·(block_m - 1) rounded up to block_m: the worst case of the per-expert padding. Within an expert's
+    run the pairs keep their order. `use_kernel`: the one-program Triton version (default: up to
+    ALIGN_KERNEL_MAX_CHUNKS chunks)."""
     flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     dev = flat.device
     slots = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, 4096 // e_pow2)
+    if use_kernel if use_kernel is not None else -(-num_pairs // chunk) <= ALIGN_KERNEL_MAX_CHUNKS:
+        sorted_ids = torch.empty(slots, dtype=torch.int32, device=dev)
+        tile_expert = torch.empty(slots // block_m, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](flat.contiguous(), sorted_ids, tile_expert, num_pairs, num_experts, slots, slots // block_m,
+                            BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, num_warps=4)
+        return sorted_ids, tile_expert
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -48,6 +65,40 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     tile_starts = torch.arange(0, slots, block_m, device=dev)
     tile_expert = torch.searchsorted(padded_end, tile_starts, right=True).to(torch.int32)
     return sorted_ids, tile_expert
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ids_ptr, tile_expert_ptr, num_pairs, num_experts, num_slots, num_tiles,
+                  BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """`align_pairs` in one program: per-expert counts, padded run starts, the sentinel fill, each tile's expert, then
+    each pair's slot (its expert's run start + its rank among that expert's pairs, counted chunk by chunk)."""
+    experts = tl.arange(0, E_POW2)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E_POW2).to(tl.int32)
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    run_start = padded_end - padded
+    for start in range(0, num_slots, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < num_slots)
+    for start in range(0, num_tiles, CHUNK):
+        tiles = start + tl.arange(0, CHUNK)
+        ended = (padded_end[None, :] <= (tiles * BLOCK_M)[:, None]) & (experts[None, :] < num_experts)
+        tl.store(tile_expert_ptr + tiles, tl.sum(ended.to(tl.int32), axis=1), mask=tiles < num_tiles)
+    tl.debug_barrier()  # the sentinels land before any pair id overwrites one
+    placed = tl.zeros((E_POW2,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        valid = offs < num_pairs
+        e = tl.load(ids_ptr + offs, mask=valid, other=E_POW2).to(tl.int32)
+        onehot = (e[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+        base = tl.sum(onehot * (run_start + placed)[None, :], axis=1)
+        tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
+        placed += tl.sum(onehot, axis=0)
 
 
 @triton.jit
