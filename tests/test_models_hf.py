@@ -214,6 +214,22 @@ def test_cuda_greedy_parity(name: str, build) -> None:
     _assert_logprobs_match(outs, built, atol=2e-3)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_weights_leave_moe_routers_and_experts_in_bf16(build) -> None:
+    """--quantization fp8 on an MoE model: attention projections in e4m3, routers and experts in bf16 (as vLLM); the
+    engine runs its graphs and returns every token."""
+    built = build("mixtral")
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=64, quantization="fp8",
+              **{**ENGINE_KW, "device": "cuda", "dtype": "bfloat16"})
+    layer = _model(llm).model.layers[0]
+    assert layer.self_attn.qkv_proj.fp8_weight is not None
+    assert layer.mlp.gate.fp8_weight is None and layer.mlp.gate.weight.dtype == torch.bfloat16
+    assert layer.mlp.experts.w13_weight.dtype == torch.bfloat16
+    outs = _greedy(llm, built.prompts)
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+
+
 @pytest.mark.parametrize("name,kv_heads_per_rank", [("opt-350m-style", 2), ("gpt2", 2), ("qwen3", 1),
                                                    ("qwen2-moe", 1), ("mixtral", 1)])
 def test_tensor_parallel_tp2_matches_hf(name: str, kv_heads_per_rank: int, build) -> None:

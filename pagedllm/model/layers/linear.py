@@ -148,9 +148,11 @@ class PackableGemm:
 
 def quantize_weights_fp8(model: nn.Module) -> int:
     """--quantization fp8: every PackableGemm layer whose shape suits _scaled_mm, except the LM head (kept
-    in bf16 as in vLLM; it may share its weight with the embeddings); returns how many."""
+    in bf16 as in vLLM; it may share its weight with the embeddings) and layers marked `keep_unquantized` (MoE
+    routers, whose top-k choice FP8 rounding would flip); returns how many."""
     return sum(layer.quantize_weight_fp8() for name, layer in model.named_modules()
-               if isinstance(layer, PackableGemm) and not name.endswith("lm_head"))
+               if isinstance(layer, PackableGemm) and not name.endswith("lm_head")
+               and not getattr(layer, "keep_unquantized", False))
 
 
 def restore_dense_weights(model: nn.Module) -> None:

@@ -27,12 +27,14 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.gate = ReplicatedLinear(hidden, num_experts, False, dtype)
+        self.gate.keep_unquantized = True  # --quantization fp8 leaves routers (and the experts) in bf16, as vLLM
         self.experts = FusedMoE(num_experts, int(config.num_experts_per_tok), hidden, intermediate_size, renormalize,
                                 tp, dtype)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(config, tp, dtype, intermediate_size=shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, False, dtype)
+            self.shared_expert_gate.keep_unquantized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))

@@ -1,0 +1,2 @@
+import resource
+exec(open('benchmarks/results/cpu_1204b/decode_breakdown.py').read().replace("t0 = time.perf_counter(); llm.generate", "r0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.perf_counter(); llm.generate").replace('print(f"wall', 'r1 = resource.getrusage(resource.RUSAGE_SELF); print("minflt", r1.ru_minflt - r0.ru_minflt, "majflt", r1.ru_majflt - r0.ru_majflt, "sys s", round(r1.ru_stime - r0.ru_stime, 2), "user s", round(r1.ru_utime - r0.ru_utime, 2)); print(f"wall'))
