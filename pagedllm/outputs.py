@@ -3,6 +3,7 @@ class probabilities, scores)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from pagedllm.logprobs import PromptLogprobs, SampleLogprobs
 
@@ -64,20 +65,30 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """`LLM.embed`'s result per prompt (vLLM's): `.outputs.embedding` is a list of floats."""
+class _PoolingTaskRequestOutput:
+    """A pooling request's result typed for its task (vLLM's *RequestOutput classes): `outputs` wraps the pooled
+    vector as a list of floats in the task's output class (`output_cls`)."""
 
     request_id: str
-    outputs: EmbeddingOutput
+    outputs: Any
     prompt_token_ids: list[int]
     finished: bool
     num_cached_tokens: int = 0
+    output_cls: ClassVar[type] = list
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+    def from_base(cls, out: PoolingRequestOutput):
         data = out.outputs.data
-        return cls(out.request_id, EmbeddingOutput([] if data is None else data.tolist()), out.prompt_token_ids,
+        return cls(out.request_id, cls.output_cls([] if data is None else data.tolist()), out.prompt_token_ids,
                    out.finished, out.num_cached_tokens)
+
+
+@dataclass
+class EmbeddingRequestOutput(_PoolingTaskRequestOutput):
+    """`LLM.embed`'s result per prompt (vLLM's): `.outputs.embedding` is a list of floats."""
+
+    outputs: EmbeddingOutput
+    output_cls: ClassVar[type] = EmbeddingOutput
 
 
 @dataclass
@@ -93,20 +104,11 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(_PoolingTaskRequestOutput):
     """`LLM.classify`'s result per prompt (vLLM's): `.outputs.probs` is a list of floats, one per label."""
 
-    request_id: str
     outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool
-    num_cached_tokens: int = 0
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        data = out.outputs.data
-        return cls(out.request_id, ClassificationOutput([] if data is None else data.tolist()), out.prompt_token_ids,
-                   out.finished, out.num_cached_tokens)
+    output_cls: ClassVar[type] = ClassificationOutput
 
 
 @dataclass
