@@ -77,6 +77,25 @@ def _ngram() -> None:
                   torch.ones(3, dtype=torch.long), torch.full((3,), 9), torch.zeros((n, k + 1), dtype=torch.long))
 
 
+def _moe() -> None:
+    """The fused MoE's alignment program and grouped GEMMs: every tile height of `block_m_for` with its default tile,
+    the 256-wide tile, and float32 (tests' and float32 models' IEEE dots)."""
+    from pagedllm.kernels import triton_fused_moe as moe
+
+    bf16, experts, top_k = torch.bfloat16, 8, 2
+    for t in (4, 600):  # few pairs, and enough for 128-row tiles
+        ids = (torch.arange(t * top_k) % experts).view(t, top_k)
+        weights = torch.full((t, top_k), 0.5)
+        for dtype in (bf16, torch.float32):
+            x = torch.zeros(t, 256, dtype=dtype)
+            w13, w2 = torch.zeros(experts, 256, 256, dtype=dtype), torch.zeros(experts, 256, 128, dtype=dtype)
+            configs = [(m, moe.gemm_config(m, dtype)) for m in (16, 32, 64, 128)]
+            if dtype == bf16:
+                configs.append((128, moe.MoeGemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3)))
+            for block_m, cfg in configs:
+                moe.fused_experts(x, w13, w2, weights, ids, block_m, (cfg, cfg))
+
+
 # Exit status when this Triton lacks the runtime hooks the check stands on (a driver that can be swapped, launches
 # that can be compile-only): the test skips, naming the version, rather than failing on Triton's internals.
 UNSUPPORTED_TRITON = 3
@@ -118,6 +137,7 @@ def main() -> None:
                 _attention(cache)
             _sampling_and_layers(fp8=arch >= 89)
             _ngram()
+            _moe()
         for launch in compiled:
             print(f"sm_{launch.arch}", launch.name, len(launch.kernel.asm["cubin"]))
 

@@ -4,7 +4,7 @@ by expert.
 `align_pairs` sorts the T·k pairs of a step by expert and pads each expert's run to a multiple of BLOCK_M, so
 every BLOCK_M-row tile of the sorted list belongs to one expert; padding slots hold the sentinel T·k and are
 neither read nor written. Everything is computed with tensor ops of sizes fixed by T (no host sync), so CUDA
-graphs capture a step with MoE layers. The GEMM (`_moe_gemm`) reads its tile's rows of A through the pair ids
+graphs capture a step with MoE layers. The GEMM (`_moe_gemm_kernel`) reads its tile's rows of A through the pair ids
 (`pair // k`: the token's row of x for the first projection; the pair's own row for the second), the expert's
 weight [N, K] transposed, and writes each pair's output row; the second projection multiplies by the pair's
 routing weight before the rows of one token are summed. vLLM's fused_moe follows the same plan.
@@ -103,7 +103,7 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, tile_expert_ptr, num_pairs, num_exper
 
 
 @triton.jit
-def _moe_gemm(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weights_ptr, N, K, num_pairs, top_k,
+def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weights_ptr, N, K, num_pairs, top_k,
               num_experts, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
               ROW_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -182,7 +182,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_id
     num_experts, n, k = w.shape
     cfg = config or gemm_config(block_m, a.dtype)
     grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
-    _moe_gemm[grid](a, w, out, sorted_ids, tile_expert, weights, n, k, out.shape[0], top_k, num_experts,
+    _moe_gemm_kernel[grid](a, w, out, sorted_ids, tile_expert, weights, n, k, out.shape[0], top_k, num_experts,
                     a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
                     ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
                     BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
