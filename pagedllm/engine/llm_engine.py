@@ -265,8 +265,8 @@ class LLMEngine:
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n
         if pooling is not None:
-            checker = self.request_checker
-            num_labels = len(checker.labels) if checker.pooling_task == "classify" else None
+            classify = self.config.model_config.pooling_task == "classify"
+            num_labels = len(classification_labels(self.hf_config)) if classify else None
             group.extra["pooling"] = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels)
         if lora_request is not None:
             group.extra["lora_request"] = lora_request
