@@ -50,16 +50,22 @@ def calibration_token_ids(tokenizer: Any | None, vocab_size: int, max_len: int, 
     return ids[:max_len]
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of one sequence, query [T, Hq, D], key/value [T, Hk, D] (query head h reads KV head
-    h // (Hq / Hk)) → [T, Hq, D] in the query's dtype; computed in float32."""
+    h // (Hq / Hk)) → [T, Hq, D] in the query's dtype; computed in float32. `sliding_window`, `logits_soft_cap`:
+    as in AttentionBackend.forward."""
     t, hq, _ = query.shape
     group = hq // key.shape[1]
     q = query.float().transpose(0, 1)  # [Hq, T, D]
     k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)
     v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
     s = torch.matmul(q, k.transpose(1, 2)) * scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
     future = torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
+    if sliding_window is not None:
+        future |= torch.ones(t, t, dtype=torch.bool, device=query.device).tril(-sliding_window)
     p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
     return torch.matmul(p, v).transpose(0, 1).contiguous().to(query.dtype)
 
@@ -75,7 +81,7 @@ class _AmaxRecorder:
         self.k_amax: list[torch.Tensor | None] = [None] * len(kv_caches)
         self.v_amax: list[torch.Tensor | None] = [None] * len(kv_caches)
 
-    def forward(self, query, key, value, kv_cache, meta, scale, out=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, out=None, sliding_window=None, logits_soft_cap=None):
         layer = next((i for i, c in enumerate(self.kv_caches) if c is kv_cache), None)
         if layer is None:
             raise RuntimeError("KV scale calibration: a layer attended through a cache it was not given.")
@@ -83,7 +89,7 @@ class _AmaxRecorder:
         prev_k, prev_v = self.k_amax[layer], self.v_amax[layer]  # a layer called twice keeps the larger
         self.k_amax[layer] = k if prev_k is None else torch.maximum(prev_k, k)
         self.v_amax[layer] = v if prev_v is None else torch.maximum(prev_v, v)
-        result = causal_attention(query, key, value, scale)
+        result = causal_attention(query, key, value, scale, sliding_window, logits_soft_cap)
         if out is not None:
             out.copy_(result)
             return out

@@ -139,6 +139,8 @@ class _Site:
     query: torch.Tensor
     key: torch.Tensor
     value: torch.Tensor
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
 
 
 class _SplitRecorder:
@@ -166,7 +168,7 @@ class _SplitRecorder:
             self.graphs.append(self.graph)
             self.graph = None
 
-    def forward(self, query, key, value, kv_cache, meta, scale):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
         r, t = self.runner, self.t
         if query.shape[0] != t:
             raise ValueError(f"piecewise capture: attention saw {query.shape[0]} tokens, the bucket has {t}.")
@@ -175,7 +177,7 @@ class _SplitRecorder:
         # Released to the pool when the model drops them; later pieces may reuse that memory, which is safe:
         # they replay after this attention has read it.
         views = (non_owning_view(query), non_owning_view(key), non_owning_view(value))
-        self.sites.append(_Site(kv_index, scale, *views))
+        self.sites.append(_Site(kv_index, scale, *views, sliding_window, logits_soft_cap))
         self.begin()
         return r.static_out[:t]
 
@@ -358,5 +360,7 @@ class PiecewiseGraphRunner:
             if i < len(sites):
                 site = sites[i]
                 self.attn_backend.forward(site.query[:t], site.key[:t], site.value[:t],
-                                          self.kv_caches[site.kv_index], meta, site.scale, out=self.static_out[:t])
+                                          self.kv_caches[site.kv_index], meta, site.scale, out=self.static_out[:t],
+                                          sliding_window=site.sliding_window,
+                                          logits_soft_cap=site.logits_soft_cap)
         return self.outputs[b][:t], "piecewise"

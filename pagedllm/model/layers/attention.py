@@ -24,7 +24,12 @@ class AttentionBackend(Protocol):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """`sliding_window` W: a query at position p attends to keys p - W < j <= p only (None: all earlier keys).
+        `logits_soft_cap` c: each score s = q·k·scale becomes c·tanh(s / c) before the softmax (None: off)."""
+        ...
 
 
 class TorchAttentionBackend:
@@ -32,10 +37,11 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, query, key, value, kv_cache, meta, scale):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
         key_cache, value_cache = kv_cache
         reference.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-        return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale)
+        return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale,
+                                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 class KVScales:
@@ -90,7 +96,7 @@ class NativeCpuAttentionBackend(KVScales):
         self.fp8_pool = fp8_pool
         self._checked_meta: AttentionMetadata | None = None  # the step whose indices passed the check
 
-    def forward(self, query, key, value, kv_cache, meta, scale):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
         key_cache, value_cache = kv_cache
         k_scale, v_scale = self.scales_for(key_cache)
         widen = query.dtype != torch.float32  # a bfloat16 model (model_dtypes)
@@ -113,7 +119,8 @@ class NativeCpuAttentionBackend(KVScales):
                                          meta.query_start_loc[: num_native + 1], scale,
                                          indices_checked=meta is self._checked_meta,
                                          min_tile_query_len=self.min_tile_query_len, k_scale=k_scale,
-                                         v_scale=v_scale)
+                                         v_scale=v_scale, sliding_window=sliding_window,
+                                         logits_soft_cap=logits_soft_cap)
             self._checked_meta = meta  # every layer of a step shares its metadata: checked once
             if widen:
                 out[:rows] = native_out
@@ -121,7 +128,8 @@ class NativeCpuAttentionBackend(KVScales):
             if key_cache.dtype != key.dtype:  # a bf16 pool: attend to the K/V as stored, as the native kernel does
                 key, value = key.to(key_cache.dtype).to(key.dtype), value.to(value_cache.dtype).to(value.dtype)
             reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out,
-                                        first_seq=num_native)
+                                        first_seq=num_native, sliding_window=sliding_window,
+                                        logits_soft_cap=logits_soft_cap)
         return out
 
 
@@ -147,7 +155,7 @@ class TritonAttentionBackend(KVScales):
         self.fp8_dot_dtype = fp8_dot_dtype
         self.batch_invariant = batch_invariant
 
-    def forward(self, query, key, value, kv_cache, meta, scale, out=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, out=None, sliding_window=None, logits_soft_cap=None):
         """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor."""
         from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
 
@@ -163,20 +171,33 @@ class TritonAttentionBackend(KVScales):
 
             return unified_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale, torch.empty_like(query) if out is None else out,
-                                     k_scale, v_scale, fp8_dot)
+                                     k_scale, v_scale, fp8_dot, sliding_window=sliding_window,
+                                     logits_soft_cap=logits_soft_cap)
         return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace,
-                                                k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot)
+                                                k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot,
+                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query attention over this rank's heads, reading a paged KV cache."""
+    """Multi-head / grouped-query attention over this rank's heads, reading a paged KV cache.
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None) -> None:
+    `sliding_window` (Mistral, Gemma 2/3's local layers, Phi-3): each query sees only its last W keys, itself
+    included; `logits_soft_cap` (Gemma 2): scores pass through c·tanh(s / c). Both are per layer and
+    handed to the backend with every call (AttentionBackend.forward)."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale if scale is not None else head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(
         self,
@@ -191,5 +212,9 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if self.sliding_window is None and self.logits_soft_cap is None:
+            out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                       logits_soft_cap=self.logits_soft_cap)
         return out.reshape(t, self.num_heads * self.head_dim)
