@@ -14,6 +14,7 @@ from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pagedllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.model.models.registry import get_sliding_window
 from pagedllm.model.models.weights import load_named_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -34,11 +35,22 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
+def layer_sliding_window(config: Any, layer_index: int) -> int | None:
+    """Layer `layer_index`'s attention window: the config's `sliding_window` on every layer (Mistral, Phi-3), or on
+    the layers `layer_types` marks "sliding_attention" (Qwen2 past max_window_layers, Gemma 2/3); None: full."""
+    window = get_sliding_window(config)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or not layer_types:
+        return window
+    return window if layer_types[layer_index] == "sliding_attention" else None
+
+
 class LlamaAttention(nn.Module):
-    """`qk_norm` (Qwen3): an RMSNorm over each head's q and k (one weight of head_dim per kind), before RoPE."""
+    """`qk_norm` (Qwen3): an RMSNorm over each head's q and k (one weight of head_dim per kind), before RoPE.
+    `layer_index` picks the layer's sliding window (layer_sliding_window)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, layer_index: int = 0) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -54,7 +66,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         max_pos = getattr(config, "max_position_embeddings", 8192)
         self.rotary_emb = RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32)
-        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads)
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
+                              sliding_window=layer_sliding_window(config, layer_index))
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
 
@@ -74,9 +87,9 @@ class LlamaDecoderLayer(nn.Module):
     """`mlp`: the layer's feed-forward block (default: the dense SwiGLU MLP; MoE models pass their experts)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False, mlp: nn.Module | None = None) -> None:
+                 qk_norm: bool = False, mlp: nn.Module | None = None, layer_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias, qk_norm, layer_index)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -100,7 +113,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None)
+            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None, i)
              for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -132,7 +145,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        # Sliding windows (Mistral): the engine caps max_model_len at the window (registry.get_model_max_len).
         self.model = LlamaModel(config, tp, dtype, self.qkv_bias, self.qk_norm,
                                 lambda i: self.make_mlp(config, i, tp, dtype))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
