@@ -145,6 +145,9 @@ class CacheConfig:
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
+    # Filled in from the model: the window every attention layer shares (Mistral-7B-v0.1, Phi-3), behind which the
+    # block manager frees blocks; None when any layer attends to the whole context.
+    sliding_window: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)

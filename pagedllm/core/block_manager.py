@@ -6,6 +6,7 @@ block before writing into it) and ``free``. Swapping moves whole sequence groups
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool, hash_block_tokens, hash_cache_salt
@@ -13,8 +14,19 @@ from pagedllm.core.interfaces import AllocStatus
 from pagedllm.core.sequence import Sequence, SequenceGroup
 
 
+#: A table entry whose block was freed because no query can see it any more (sliding-window attention): the
+#: position keeps its index in the table, the block goes back to the pool. The worker reads it as block 0, whose
+#: keys every window masks out.
+NULL_BLOCK = -1
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def leading_null_blocks(table: list[int]) -> int:
+    """How many of the table's first entries were freed behind a sliding window (they are always a leading run)."""
+    return bisect.bisect_left(table, True, key=lambda block: block != NULL_BLOCK)
 
 
 @dataclass
@@ -36,6 +48,10 @@ class BlockManager:
     num_cpu_blocks: int = 0
     enable_caching: bool = False
     watermark: float = 0.01
+    # Every attention layer sees only its last `sliding_window` keys: blocks wholly before the window of a
+    # sequence's next query are freed (their entries become NULL_BLOCK), so a sequence holds about W tokens of
+    # blocks however long it grows (vLLM's SlidingWindowManager). None: full attention, nothing freed early.
+    sliding_window: int | None = None
     gpu_pool: BlockPool = field(init=False)
     cpu_pool: BlockPool = field(init=False)
     block_tables: dict[int, list[int]] = field(init=False, default_factory=dict)
@@ -45,6 +61,8 @@ class BlockManager:
     stats: BlockManagerStats = field(init=False, default_factory=BlockManagerStats)
 
     def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
         self.gpu_pool = BlockPool(self.num_gpu_blocks, enable_caching=self.enable_caching)
         self.cpu_pool = BlockPool(self.num_cpu_blocks)
         self.watermark_blocks = int(self.watermark * self.num_gpu_blocks)
@@ -115,15 +133,28 @@ class BlockManager:
                 copies.append((old, new))
         if copies:
             self.stats.num_cow_copies += len(copies)
+        if self.sliding_window is not None:
+            self._free_outside_window(seq, table)
         while len(table) < needed:
             table.append(pool.allocate())
         return copies
+
+    def _free_outside_window(self, seq: Sequence, table: list[int]) -> None:
+        """Free the blocks that the step's first query (position num_computed_tokens) and every later one can no
+        longer see: it reads keys after position - W, so block i goes once its last slot is before that."""
+        first_seen = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        i = min(first_seen, len(table)) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:  # entries before the first NULL_BLOCK went in earlier steps
+            self.gpu_pool.decref(table[i])
+            table[i] = NULL_BLOCK
+            i -= 1
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (no KV bytes move)."""
         table = self.block_tables.get(parent.seq_id, [])
         for block in table:
-            self.gpu_pool.incref(block)
+            if block != NULL_BLOCK:
+                self.gpu_pool.incref(block)
         self.block_tables[child.seq_id] = list(table)
         if parent.seq_id in self._seq_block_hashes:
             self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
@@ -134,11 +165,13 @@ class BlockManager:
         if table is not None:
             # Free tail first so that, under LRU eviction, a prefix outlives its suffix.
             for block in reversed(table):
-                self.gpu_pool.decref(block)
+                if block != NULL_BLOCK:
+                    self.gpu_pool.decref(block)
         cpu_table = self.cpu_block_tables.pop(seq.seq_id, None)
         if cpu_table is not None:
             for block in cpu_table:
-                self.cpu_pool.decref(block)
+                if block != NULL_BLOCK:
+                    self.cpu_pool.decref(block)
         self._seq_block_hashes.pop(seq.seq_id, None)
 
     # -- prefix caching ---------------------------------------------------------------------
@@ -201,7 +234,7 @@ class BlockManager:
         n_full = min(seq.num_computed_tokens // self.block_size, len(table))
         hashes = self._block_hashes_upto(seq, n_full)
         for i in range(n_full):
-            if self.gpu_pool.block_hash(table[i]) is None:
+            if table[i] != NULL_BLOCK and self.gpu_pool.block_hash(table[i]) is None:
                 tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
                 self.gpu_pool.cache_block(table[i], hashes[i], tokens)
 
@@ -216,7 +249,7 @@ class BlockManager:
 
     # -- swapping ---------------------------------------------------------------------------
     def _group_blocks(self, tables: dict[int, list[int]], group: SequenceGroup) -> set[int]:
-        return {b for s in group.unfinished_seqs() for b in tables.get(s.seq_id, [])}
+        return {b for s in group.unfinished_seqs() for b in tables.get(s.seq_id, []) if b != NULL_BLOCK}
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         return len(self._group_blocks(self.block_tables, group)) <= self.get_num_free_cpu_blocks()
@@ -250,6 +283,9 @@ class BlockManager:
             src_table = src_tables.pop(seq.seq_id, [])
             dst_table = []
             for block in src_table:
+                if block == NULL_BLOCK:
+                    dst_table.append(NULL_BLOCK)
+                    continue
                 if block in mapping:
                     dst_pool.incref(mapping[block])
                 else:
@@ -273,7 +309,8 @@ class BlockManager:
             counts = [0] * pool.num_blocks
             for table in tables.values():
                 for block in table:
-                    counts[block] += 1
+                    if block != NULL_BLOCK:
+                        counts[block] += 1
             if counts != pool.ref_counts:
                 bad = [b for b in range(pool.num_blocks) if counts[b] != pool.ref_counts[b]]
                 raise RuntimeError(f"refcount mismatch on blocks {bad[:10]}")

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from pagedllm.core.baselines import ContiguousBlockManager, final_len
-from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.block_manager import BlockManager, leading_null_blocks
 from pagedllm.core.interfaces import AllocStatus
 from pagedllm.core.sequence import SequenceGroup
 
@@ -117,10 +117,11 @@ def _paged(manager: BlockManager, groups: Iterable[SequenceGroup], cap: int, out
             if not table:
                 continue
             c = seq.num_computed_tokens
+            freed = leading_null_blocks(table)  # behind a sliding window: neither held nor counted
             if not may_share:
-                out.add_allocation(c, len(table) * bs, final)
+                out.add_allocation(c - freed * bs, (len(table) - freed) * bs, final - freed * bs)
                 continue
-            for i, block in enumerate(table):
+            for i, block in enumerate(table[freed:], freed):
                 lo = i * bs
                 filled = min(bs, max(0, c - lo))
                 fillable = max(filled, min(bs, max(0, final - lo)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from pagedllm.core.block_manager import NULL_BLOCK
 from pagedllm.core.sequence import SequenceStatus
 
 QUEUES = ("running", "waiting", "swapped")
@@ -85,17 +86,21 @@ def build_kv_snapshot(cap: KVCapture) -> dict[str, Any]:
     for g in cap.groups:
         for s in g.seqs:
             for i, block in enumerate(s.blocks):
+                if block == NULL_BLOCK:  # freed behind a sliding window
+                    continue
                 f = s.num_computed_tokens - i * bs
                 if f > fill[block]:
                     fill[block] = f if f < bs else bs
                 _add_owner(owners, block, g.request_id)
             for block in s.cpu_blocks:
-                _add_owner(cpu_owners, block, g.request_id)
+                if block != NULL_BLOCK:
+                    _add_owner(cpu_owners, block, g.request_id)
         queues[g.queue].append({
             "request_id": g.request_id,
             "seqs": [{"seq_id": s.seq_id, "status": s.status.name.lower(), "num_tokens": s.num_tokens,
-                      "num_computed_tokens": s.num_computed_tokens, "blocks": list(s.blocks),
-                      "cpu_blocks": list(s.cpu_blocks)} for s in g.seqs],
+                      "num_computed_tokens": s.num_computed_tokens,
+                      "blocks": [b for b in s.blocks if b != NULL_BLOCK],
+                      "cpu_blocks": [b for b in s.cpu_blocks if b != NULL_BLOCK]} for s in g.seqs],
         })
     cached = cap.gpu_cached_free
     for block in cached:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedllm.core.block_manager import cdiv
@@ -341,6 +342,8 @@ class DeviceSpecLoop:
             host_tables[i, : len(t)] = t
             host_ic[0, i] = slots[i]
             host_ic[1, i] = len(t) * self.block_size
+        if n and host_tables[:n, 0].min() < 0:  # entries freed behind a sliding window (they lead a table)
+            np.maximum(host_tables[:n], 0, out=host_tables[:n])
         self.idx[:n].copy_(staged_ic[0, :n], non_blocking=self._pin)
         self.capacity[:n].copy_(staged_ic[1, :n], non_blocking=self._pin)
         self.tables[:n].copy_(staged_tables[:n], non_blocking=self._pin)

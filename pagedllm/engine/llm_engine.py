@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.core.block_manager import NULL_BLOCK
 from pagedllm.core.kv_accounting import KVMemoryBreakdown, kv_memory_breakdown
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -37,6 +38,7 @@ from pagedllm.model.layers.sampler import (
     token_rank,
     warm_up_sampler,
 )
+from pagedllm.model.models.llama import shared_sliding_window
 from pagedllm.model.models.registry import get_model_max_len
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -94,6 +96,10 @@ class LLMEngine:
             num_gpu, cc.block_size, num_gpu * cc.block_size, self.executor.device, num_cpu, cc.cache_dtype,
             sc.max_model_len,
         )
+        cc.sliding_window = shared_sliding_window(self.hf_config)
+        if cc.sliding_window is not None:
+            logger.info("Sliding-window attention on every layer (%d tokens): KV blocks behind the window are freed",
+                        cc.sliding_window)
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
@@ -323,7 +329,7 @@ class LLMEngine:
                               scheduling_policy=sc.policy, max_logprobs=self.engine_args.max_logprobs,
                               runner=self.runner, hidden_size=int(self.hf_config.hidden_size),
                               matryoshka_dimensions=matryoshka_dimensions(self.hf_config),
-                              pooling_task=task,
+                              pooling_task=task, sliding_window=cc.sliding_window,
                               labels=classification_labels(self.hf_config) if task == "classify" else ())
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
@@ -849,6 +855,8 @@ class LLMEngine:
         for group in groups:
             for seq in group.unfinished_seqs():
                 for i, block in enumerate(bm.block_tables.get(seq.seq_id, [])):
+                    if block == NULL_BLOCK:  # freed behind a sliding window
+                        continue
                     n = max(0, min(bs, seq.num_computed_tokens - i * bs))
                     filled[block] = max(filled.get(block, 0), n)
         used = bm.num_gpu_blocks - bm.get_num_free_gpu_blocks()

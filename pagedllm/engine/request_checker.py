@@ -28,11 +28,18 @@ class RequestChecker:
     matryoshka_dimensions: tuple[int, ...] | None = None  # engine/pooling.matryoshka_dimensions
     pooling_task: str | None = None  # runner "pooling": "embed" (an embedding model) or "classify" (a classifier)
     labels: tuple[str, ...] = ()  # a classifier's label names by class index (its config's id2label)
+    sliding_window: int | None = None  # the window every layer shares: blocks behind it are freed (BlockManager)
 
     @property
     def max_seq_len(self) -> int:
-        """Longest a sequence may grow: the model's limit and the whole pool's capacity."""
-        return min(self.max_model_len, self.num_gpu_blocks * self.block_size)
+        """Longest a sequence may grow: the model's limit and the whole pool's capacity, or, where every layer
+        slides, the model's limit once the pool holds one window plus one step's chunk of blocks."""
+        capacity = self.num_gpu_blocks * self.block_size
+        if self.sliding_window is not None:
+            chunk = min(self.max_num_batched_tokens or self.max_model_len, self.max_model_len)
+            if capacity >= self.sliding_window + chunk + 2 * self.block_size:  # + the two partly filled blocks
+                return self.max_model_len
+        return min(self.max_model_len, capacity)
 
     def check_pooling_params(self, params: PoolingParams | None) -> PoolingParams:
         """A pooling request's parameters (None: the defaults); ValueError on a generating engine, on

@@ -221,6 +221,8 @@ class CUDAGraphRunner:
             bt = c.block_table
             tables[i, : len(bt)] = bt
             blk_of_pos[i] = bt[pos[i] // bs]
+        if tables[:n, 0].min() < 0:  # entries freed behind a sliding window (they lead a table)
+            np.maximum(tables[:n], 0, out=tables[:n])
         np64[2, :n] = blk_of_pos * bs + pos % bs
         np32[:n] = pos + 1
         # Padding rows n..b (they may hold a previous step's values).

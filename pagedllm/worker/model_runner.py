@@ -126,6 +126,8 @@ class ModelRunner:
         tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
         for i, c in enumerate(chunks):
             tables[i, : len(c.block_table)] = c.block_table
+        if num_seqs and tables[:, 0].min() < 0:  # entries freed behind a sliding window (they lead a table)
+            np.maximum(tables, 0, out=tables)
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         seq_lens = starts + qlens

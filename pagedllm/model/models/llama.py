@@ -45,6 +45,13 @@ def layer_sliding_window(config: Any, layer_index: int) -> int | None:
     return window if layer_types[layer_index] == "sliding_attention" else None
 
 
+def shared_sliding_window(config: Any) -> int | None:
+    """The window every layer of the model shares, or None when some layer attends to the whole context (then no
+    KV block can be freed early)."""
+    windows = {layer_sliding_window(config, i) for i in range(int(getattr(config, "num_hidden_layers", 0) or 0))}
+    return windows.pop() if len(windows) == 1 else None
+
+
 class LlamaAttention(nn.Module):
     """`qk_norm` (Qwen3): an RMSNorm over each head's q and k (one weight of head_dim per kind), before RoPE.
     `layer_index` picks the layer's sliding window (layer_sliding_window)."""
