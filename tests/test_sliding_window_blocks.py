@@ -138,3 +138,15 @@ def test_every_position_a_query_can_see_stays_held(window: int, bs: int, chunks:
         bm.check_invariants()
     bm.free(seq)
     assert bm.get_num_free_gpu_blocks() == 4096
+
+
+def test_a_request_may_outgrow_the_pool_when_every_layer_slides() -> None:
+    from pagedllm.engine.request_checker import RequestChecker
+
+    def checker(window: int | None, blocks: int) -> RequestChecker:
+        return RequestChecker(vocab_size=100, max_model_len=4096, num_gpu_blocks=blocks, block_size=16,
+                              max_num_seqs=8, max_num_batched_tokens=256, sliding_window=window)
+
+    assert checker(None, 40).max_seq_len == 640  # full attention: the pool bounds a sequence
+    assert checker(256, 40).max_seq_len == 4096  # 640 slots hold a window (256) + a chunk (256) + 2 blocks
+    assert checker(512, 40).max_seq_len == 640  # they do not hold 512 + 256 + 32
