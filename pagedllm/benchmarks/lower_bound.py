@@ -65,7 +65,8 @@ class ModelShape:
         kv = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         model_type = getattr(cfg, "model_type", "llama")
-        gated = model_type in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+        gated = model_type in ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma",
+                               "gemma2", "gemma3_text", "phi3")
         moe = {}
         experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
         if experts and model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):

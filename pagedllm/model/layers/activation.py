@@ -1,4 +1,4 @@
-"""Activations, including the fused gate of SwiGLU."""
+"""Activations, including the fused gate of SwiGLU and GeGLU's gate."""
 from __future__ import annotations
 
 import functools
@@ -38,6 +38,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """x = [gate | up] along the last dim → gelu(gate) * up (GeGLU; `approximate`: "none" or "tanh", as F.gelu).
+    Torch ops on every device: no fused kernel yet."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu_and_mul with the tanh approximation (Gemma's gelu_pytorch_tanh)."""
+    return gelu_and_mul(x, "tanh")
 
 def get_act_fn(name: str):
     acts = {

@@ -40,6 +40,40 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores offsets w and the scale is (1 + w), applied in float32 before the one
+    rounding to x's dtype (Llama rounds the normalised x first, then multiplies by w in x's dtype)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x (after adding residual, if given); returns (out, new_residual) then.
+
+        float32 takes the fused kernels (CUDA and CPU) with (1 + w) as their weight: in float32 both roundings
+        orders are the same. Other dtypes run ``forward_native`` (the fused kernels round Llama's way)."""
+        if (x.dim() == 2 and x.stride(-1) == 1 and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and (ops := fused_ops_for(x)) is not None):
+            scale = self.weight + 1.0  # computed per call: no cached copy to go stale when weights are reloaded
+            if residual is None:
+                return ops.rms_norm(x, scale, self.eps)
+            if residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1:
+                return ops.fused_add_rms_norm(x, residual, scale, self.eps)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The plain-torch path, as transformers' GemmaRMSNorm computes it."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
 class LayerNorm(nn.Module):
     """LayerNorm with optional affine weight/bias (OPT's layer_norm_elementwise_affine, GPT-2's ln_*)."""
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF's rotate-half convention) with default/linear/llama3/yarn scaling."""
+"""Rotary position embeddings (HF's rotate-half convention) with default/linear/llama3/yarn/longrope scaling."""
 from __future__ import annotations
 
 import math
@@ -10,17 +10,32 @@ from torch import nn
 from pagedllm.model.layers.activation import fused_ops_for
 
 
-def rope_parameters(config: Any) -> dict:
-    """Theta and scaling from a HF config, old (`rope_theta`/`rope_scaling`) or new (`rope_parameters`) style."""
+def _per_layer_type(params: dict) -> bool:
+    """One dict of settings per attention type (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``)."""
+    return bool(params) and all(isinstance(v, dict) or v is None for v in params.values())
+
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict:
+    """Theta and scaling from a HF config, old (`rope_theta`/`rope_scaling`) or new (`rope_parameters`) style.
+
+    Where the config holds one dict per layer type (Gemma 3), `layer_type` picks one (default: "full_attention")."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or {}
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    if _per_layer_type(params) or _per_layer_type(scaling):
+        nested = params if _per_layer_type(params) else scaling
+        key = layer_type or "full_attention"
+        if nested.get(key) is None:
+            raise ValueError(f"the config's rope_parameters have no settings for {key!r}; it has {sorted(nested)}")
+        params, scaling = dict(nested[key]), {}
     for key, value in scaling.items():
         params.setdefault(key, value)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type in ("su", "yarn") and "short_factor" in params:  # Phi-3's early names of longrope (transformers too)
+        rope_type = "longrope"
     params["rope_type"] = rope_type
     max_pos = getattr(config, "max_position_embeddings", None)
-    if rope_type in ("llama3", "yarn") and max_pos is not None:
+    if rope_type in ("llama3", "yarn", "longrope") and max_pos is not None:
         # As transformers: the pretraining length, from the config's own field first (Phi-3 keeps it there).
         own = getattr(config, "original_max_position_embeddings", None)
         if own is not None:
@@ -32,6 +47,8 @@ def rope_parameters(config: Any) -> dict:
 
 def attention_factor(params: dict) -> float:
     """The factor on cos and sin (YaRN's attention temperature; 1 for the other types)."""
+    if params["rope_type"] == "longrope":
+        return _longrope_attention_factor(params)
     if params["rope_type"] != "yarn":
         return 1.0
     if params.get("attention_factor") is not None:
@@ -74,6 +91,36 @@ def _yarn_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
+
+def _longrope_attention_factor(params: dict) -> float:
+    """LongRoPE's factor on cos and sin (transformers' default: from max / original positions unless given)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = float(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else float(params["max_position_embeddings"]) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def longrope_uses_long_factors(params: dict) -> bool:
+    """Whether LongRoPE rotates with its long factors: when the model serves past its pretraining length.
+
+    transformers picks per sequence (short factors while a sequence fits the original length, then recomputes
+    the whole cache with the long ones); a paged KV cache cannot be recomputed, so, as vLLM with a max_model_len
+    beyond the original length (its default for these checkpoints), every position uses the long factors."""
+    return float(params["max_position_embeddings"]) > float(params["original_max_position_embeddings"])
+
+
+def _longrope_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
+    """LongRoPE (Phi-3 128k): per-dimension factors divide the default frequencies."""
+    key = "long_factor" if longrope_uses_long_factors(params) else "short_factor"
+    factors = params.get(key)
+    if factors is None or len(factors) != head_dim // 2:
+        raise ValueError(f"longrope needs {key} with head_dim / 2 = {head_dim // 2} entries, got "
+                         f"{None if factors is None else len(factors)}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float64) * base**exponents)
+
 def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     base = float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -96,7 +143,10 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+    if rope_type == "longrope":
+        return _longrope_inv_freq(head_dim, base, params)
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, "
+                     f"longrope")
 
 
 class RotaryEmbedding(nn.Module):

@@ -13,6 +13,10 @@ _SEQ_CLS = "pagedllm.model.models.sequence_classification:"
 _MIXTRAL = "pagedllm.model.models.moe:MixtralForCausalLM"
 _QWEN2_MOE = "pagedllm.model.models.moe:Qwen2MoeForCausalLM"
 _QWEN3_MOE = "pagedllm.model.models.moe:Qwen3MoeForCausalLM"
+_GEMMA = "pagedllm.model.models.gemma:GemmaForCausalLM"
+_GEMMA2 = "pagedllm.model.models.gemma:Gemma2ForCausalLM"
+_GEMMA3 = "pagedllm.model.models.gemma:Gemma3ForCausalLM"
+_PHI3 = "pagedllm.model.models.phi3:Phi3ForCausalLM"
 
 # Architecture (HF `architectures[0]`) or `model_type` → "module:Class".
 _MODELS = {
@@ -25,6 +29,10 @@ _MODELS = {
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN2_MOE,
     "Qwen3MoeForCausalLM": _QWEN3_MOE,
+    "GemmaForCausalLM": _GEMMA,
+    "Gemma2ForCausalLM": _GEMMA2,
+    "Gemma3ForCausalLM": _GEMMA3,  # Gemma 3 text-only checkpoints (gemma-3-1b, model_type gemma3_text)
+    "Phi3ForCausalLM": _PHI3,
     # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
     "LlamaModel": _LLAMA,
     "MistralModel": _LLAMA,
@@ -44,6 +52,10 @@ _MODELS = {
     "mixtral": _MIXTRAL,
     "qwen2_moe": _QWEN2_MOE,
     "qwen3_moe": _QWEN3_MOE,
+    "gemma": _GEMMA,
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA3,
+    "phi3": _PHI3,
 }
 
 _DEFAULT_MAX_LEN = 2048

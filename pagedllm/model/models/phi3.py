@@ -1,0 +1,64 @@
+"""Phi-3 / Phi-3.5 (mini): the Llama architecture with fused checkpoint tensors, an optional sliding window on every
+layer, and LongRoPE scaling on the 128k variants (layers/rotary.py).
+
+Checkpoints store one ``qkv_proj`` [q | k | v] and one ``gate_up_proj`` [gate | up] per layer; they are split into the
+merged parameters' shards at load time, so tensor parallelism shards q, k, v, gate and up as for Llama.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.model.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    # An FP8 checkpoint's scales of the fused tensors are not split here: such checkpoints are refused.
+    loads_fp8_checkpoints = False
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        partial = _partial_rotary_factor(config)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head, as Phi-4-mini) is not "
+                             f"supported; Phi-3 models rotate whole heads (1.0)")
+        super().__init__(config, tp, dtype)  # Llama's layers take the config's window (every Phi-3 layer)
+        # One rotary table for all layers: each is max_position × head_dim float32 cos and sin (100 MB apiece
+        # for a 128k Phi-3), and every layer's is the same.
+        shared = self.model.layers[0].self_attn.rotary_emb
+        for layer in self.model.layers[1:]:
+            layer.self_attn.rotary_emb = shared
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._split_fused(weights))
+
+    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``qkv_proj`` → q/k/v_proj and ``gate_up_proj`` → gate/up_proj tensors (Llama's stacked names)."""
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q = config.num_attention_heads * head_dim
+        kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+        inter = config.intermediate_size
+        fused = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                 "gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
+        for name, tensor in weights:
+            parts = name.split(".")
+            pieces = fused.get(parts[-2]) if len(parts) >= 2 else None
+            if pieces is None:
+                yield name, tensor
+                continue
+            total = sum(rows for _, rows in pieces)
+            if tensor.shape[0] != total:
+                raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, the config implies {total} "
+                                 f"({' + '.join(f'{p} {r}' for p, r in pieces)})")
+            start = 0
+            for piece, rows in pieces:
+                yield ".".join(parts[:-2] + [piece, parts[-1]]), tensor[start:start + rows]
+                start += rows
+
+
+def _partial_rotary_factor(config: Any) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    value = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return 1.0 if value is None else float(value)
