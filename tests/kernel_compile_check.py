@@ -35,6 +35,17 @@ def _attention(cache_dtype: torch.dtype) -> None:
     unified_attention(q, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(q))
     gqa3 = torch.zeros(20, 6, 128, dtype=bf16)  # three query heads per KV head: padded to four rows
     unified_attention(gqa3, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(gqa3))
+    # Sliding windows (Mistral, Gemma 2/3) and logit soft caps (Gemma 2), alone and together: constexpr variants of
+    # every attention kernel (the window's size is a runtime argument, so one window stands for all).
+    for window, cap in ((4096, None), (None, 50.0), (1024, 50.0)):
+        kw = dict(sliding_window=window, logits_soft_cap=cap)
+        for reduce in ("fused", "separate"):
+            triton_attention.paged_decode_attention(dec_q, kc, vc, tables, lens, 0.1, 60, num_splits=2, reduce=reduce,
+                                                    **kw)
+        triton_attention.paged_decode_attention(dec_q, kc, vc, tables, lens, 0.1, 60, num_splits=1, **kw)
+        triton_attention.paged_prefill_attention(q, kc, vc, tables, lens, starts, 0.1, 1, 2, 12, torch.zeros_like(q),
+                                                 **kw)
+        unified_attention(q, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(q), **kw)
 
 
 def _sampling_and_layers(fp8: bool) -> None:

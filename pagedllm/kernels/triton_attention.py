@@ -24,10 +24,21 @@ span several blocks of any size, and use an online softmax (eq. 4 of the paper).
 FP8 pools (``kv_quant``): both kernels read fp8 and fold k_scale into the softmax scale, v_scale into
 the output; the tile's dots run in fp16 by default (``resolve_fp8_dot``: fp8 → fp16 is exact and one
 native conversion per pair on Hopper, fp8 → bf16 is not), or in bf16 on request; fp32 accumulation.
+
+Sliding windows and logit soft caps (Mistral, Phi-3, Gemma 2/3; per layer, as in HF transformers): with window W
+a token at position p sees keys p - W < j <= p; with cap c each score s = q·k·scale becomes c·tanh(s / c) before
+the softmax. Each is a constexpr flag (SLIDING, SOFT_CAP) beside a runtime value (``window``, not specialised, and
+``soft_cap``), so the variants without them compile as before and one binary serves every window size. A window
+starts each program's key loop where the first key any of its rows sees lies, so the blocks before it are never
+read: the decode at that key, its splits sharing out only the window; the prefill kernel at that key's tile of
+BLOCK_N keys (tiles stay where they are without a window, so a key's tile does not depend on its query's), masking
+the keys before each row's window, unloaded where no row of the program sees them.
 """
 from __future__ import annotations
 
 import functools
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +101,16 @@ def _dot_operand(q, DOT: tl.constexpr):
 
 
 @triton.jit
+def _soft_cap(s, qk_scale, cap):
+    """Raw dots `s` → cap·tanh(s·scale / cap) in the online softmax's base-2 units, where `qk_scale` = softmax scale
+    · k_scale · log2(e): the cap applies to the natural-scale score. tanh(x) = 1 - 2 / (1 + exp(2x)) (Triton has no
+    tanh that its interpreter runs): exp(2x) = inf gives 1 and 0 gives -1, never NaN; its absolute error, ~2e-7, is
+    about that of a float32 score of magnitude 1."""
+    cap2 = cap * 1.4426950408889634
+    return cap2 - (2.0 * cap2) / (1.0 + tl.exp2(s * (2.0 * qk_scale / cap)))
+
+
+@triton.jit(do_not_specialize=["window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_ml_ptr, counters_ptr,
@@ -99,11 +120,12 @@ def _decode_kernel(
     stride_vb, stride_vo, stride_vh,
     stride_bt, table_width,
     stride_ot, stride_oh,
-    num_splits,
+    num_splits, window, soft_cap,
     WRITE_PARTIAL: tl.constexpr, FUSED_REDUCE: tl.constexpr, TABLE_ROW: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -117,9 +139,16 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
 
     # This split's share of the context, in whole tiles.
-    tiles = tl.cdiv(seq_len, TILE)
-    tiles_per_split = tl.cdiv(tiles, num_splits)
-    start = split * tiles_per_split * TILE
+    if SLIDING:
+        # Of the window only, from its first key: the earlier keys are never read, nor masked.
+        first_key = tl.maximum(seq_len - window, 0)
+        tiles = tl.cdiv(seq_len - first_key, TILE)
+        tiles_per_split = tl.cdiv(tiles, num_splits)
+        start = first_key + split * tiles_per_split * TILE
+    else:
+        tiles = tl.cdiv(seq_len, TILE)
+        tiles_per_split = tl.cdiv(tiles, num_splits)
+        start = split * tiles_per_split * TILE
     end = tl.minimum(start + tiles_per_split * TILE, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -147,7 +176,10 @@ def _decode_kernel(
         slot = pos % BLOCK_SIZE
         k = _kv_tile(k_cache_ptr, blk, slot, kvh * stride_kh, stride_kb, stride_ko, dims, ok, dim_ok, q.dtype, False)
         v = _kv_tile(v_cache_ptr, blk, slot, kvh * stride_vh, stride_vb, stride_vo, dims, ok, dim_ok, q.dtype, UPCAST)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
+        if SOFT_CAP:
+            s = _soft_cap(tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC), qk_scale, soft_cap)
+        else:
+            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -223,24 +255,38 @@ def _kv_tile(cache_ptr, blk, slot, head_offset, stride_b, stride_o, dims, ok, di
 
 @triton.jit
 def _attend_causal(
-    q, q_pos, table, table_row, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+    q, q_pos, q_first, table, table_row, kv_end, k_cache_ptr, v_cache_ptr, kvh,
     stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    qk_scale, dims, dim_ok,
+    qk_scale, window, soft_cap, dims, dim_ok,
     ROWS: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    TABLE_ROW: tl.constexpr, UPCAST: tl.constexpr,
+    TABLE_ROW: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     """Online softmax (eq. 4, base 2) of the query rows `q` at absolute positions `q_pos` over KV head `kvh`'s keys
     0 .. kv_end-1, gathered through the block-table row `table` in tiles of BLOCK_N, each row seeing keys up to its
     own position → (unnormalised output, row sums). `qk_scale` is softmax scale · k_scale · log2(e). With
     TABLE_ROW > 0, `table_row` holds the row's first TABLE_ROW entries, loaded before the loop (as the decode
-    kernel does): the K/V addresses then need no load of their own."""
-    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    kernel does): the K/V addresses then need no load of their own. With SLIDING, each row sees its last `window`
+    keys only, and the loop starts at the tile of the first key that `q_first` (the earliest row's position)
+    sees; with SOFT_CAP, scores are capped at `soft_cap` (``_soft_cap``)."""
+    if SLIDING:
+        # Tiles stay at multiples of BLOCK_N, as without a window, so a key meets the same tile-mates (the same
+        # summation order) whatever tile its query is in: the unified kernel's batch invariance. The keys before
+        # the window in that first tile are masked, not loaded.
+        kv_start = tl.maximum(q_first - window + 1, 0) // BLOCK_N * BLOCK_N
+        # A later row may see no key of the first tiles: a finite start keeps m_new finite there (alpha
+        # exp2(-inf - -inf) would be NaN), and its first visible key still rescales the zero sums away.
+        m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    else:
+        kv_start = 0
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    for n_start in range(0, kv_end, BLOCK_N):
+    for n_start in range(kv_start, kv_end, BLOCK_N):
         pos = n_start + offs
         ok = pos < kv_end
+        if SLIDING:
+            ok = ok & (pos > q_first - window)  # keys no row sees are not even loaded
         if TABLE_ROW > 0:
             blk = tl.gather(table_row, tl.minimum(pos // BLOCK_SIZE, TABLE_ROW - 1), 0).to(tl.int64)
         else:
@@ -248,10 +294,17 @@ def _attend_causal(
         slot = pos % BLOCK_SIZE
         k = _kv_tile(k_cache_ptr, blk, slot, kvh * stride_kh, stride_kb, stride_ko, dims, ok, dim_ok, q.dtype, False)
         v = _kv_tile(v_cache_ptr, blk, slot, kvh * stride_vh, stride_vb, stride_vo, dims, ok, dim_ok, q.dtype, UPCAST)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
-        visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SOFT_CAP:
+            s = _soft_cap(tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC), qk_scale, soft_cap)
+        else:
+            s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PREC) * qk_scale
+        if SLIDING:
+            # 0 <= q_pos - pos < window in one unsigned compare: two compares cost the unified kernel ~25 registers.
+            visible = ok[None, :] & ((q_pos[:, None] - pos[None, :]).to(tl.uint32) < window.to(tl.uint32))
+        else:
+            visible = ok[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite from the first tile on: every row sees key 0
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite from the first tile on: every row sees key 0 (or m_i is)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -260,7 +313,7 @@ def _attend_causal(
     return acc, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     scale, k_scale, v_scale, seq_offset,
@@ -269,10 +322,11 @@ def _prefill_kernel(
     stride_vb, stride_vo, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
+    window, soft_cap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     seq = tl.program_id(0) + seq_offset
     m_tile = tl.program_id(1)
@@ -298,10 +352,10 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys up to the last row's position (causal), never past the sequence.
     kv_end = tl.minimum(seq_len, ctx + (m_tile + 1) * BLOCK_M)
-    acc, l_i = _attend_causal(q, q_pos, table, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
+    acc, l_i = _attend_causal(q, q_pos, ctx + m_tile * BLOCK_M, table, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
                               stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                              scale * k_scale * 1.4426950408889634, dims, dim_ok,
-                              BLOCK_M, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, 0, False)
+                              scale * k_scale * 1.4426950408889634, window, soft_cap, dims, dim_ok,
+                              BLOCK_M, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, 0, False, SLIDING, SOFT_CAP)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -356,6 +410,26 @@ def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension.")
     return hq // hk, d
+
+
+def window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
+    """The kernels' runtime ``window`` and ``soft_cap`` arguments (0 where off: only the SLIDING / SOFT_CAP variants
+    read them); ValueError unless the window is a positive integer (below 2^31) and the cap a positive number, or
+    None."""
+    window = 0
+    if sliding_window is not None:
+        try:
+            window = operator.index(sliding_window)
+        except TypeError:
+            window = 0
+        if not 0 < window < 1 << 31 or isinstance(sliding_window, bool):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}.")
+    cap = 0.0
+    if logits_soft_cap is not None:
+        cap = float(logits_soft_cap) if isinstance(logits_soft_cap, numbers.Real) else float("nan")
+        if not 0 < cap < float("inf"):
+            raise ValueError(f"logits_soft_cap must be a positive number or None, got {logits_soft_cap!r}.")
+    return window, cap
 
 
 _REDUCE_MODES = ("fused", "separate")
@@ -470,6 +544,8 @@ def paged_decode_attention(
     v_scale: float = 1.0,
     fp8_dot_dtype: str | None = None,
     fp8_upcast: bool = False,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] → [S, Hq, D] over each sequence's seq_lens[i] keys.
 
@@ -487,7 +563,10 @@ def paged_decode_attention(
     `fp8_dot_dtype`: with an FP8 cache, the dtype of the tile's dots, "fp16" (default for 16-bit queries)
     or "bf16"; fp32 accumulation either way (``resolve_fp8_dot``). `fp8_upcast`: convert each FP8 V tile to the
     dots' dtype right after its load (``_kv_tile``); off by default, slower here on an H200 (BENCHMARKS.md §57.1).
+    `sliding_window` W: each token sees its last W keys only (the splits share out just those, so the split count
+    is bounded by the window rather than `max_seq_len`); `logits_soft_cap` c: scores become c·tanh(s / c).
     """
+    window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
     if reduce not in _REDUCE_MODES:
         raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}.")
     if merge_chunk is not None and (merge_chunk < 1 or merge_chunk & (merge_chunk - 1)):
@@ -513,8 +592,8 @@ def paged_decode_attention(
         num_warps = 2 if fp8_wide else 4
     tile = max(tile, triton.next_power_of_2(block_size))
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, hk, max_seq_len, tile, query.device, programs_per_sm,
-                                       min_tiles_per_split)
+        span = max_seq_len if not window else min(max_seq_len, window + block_size - 1)  # from its first block
+        num_splits = choose_num_splits(num_seqs, hk, span, tile, query.device, programs_per_sm, min_tiles_per_split)
     fused = reduce == "fused"
     part_out = part_ml = counters = out  # unused with a single split
     if num_splits > 1:
@@ -541,11 +620,12 @@ def paged_decode_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), table_width,
         out.stride(0), out.stride(1),
-        num_splits, WRITE_PARTIAL=num_splits > 1, FUSED_REDUCE=fused and num_splits > 1, TABLE_ROW=table_row,
+        num_splits, window, soft_cap,
+        WRITE_PARTIAL=num_splits > 1, FUSED_REDUCE=fused and num_splits > 1, TABLE_ROW=table_row,
         GROUP=group, GROUP_PAD=max(16, group_p2), GROUP_P2=group_p2,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), merge_chunk),
         HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile, PREC=_precision(query, dot), DOT=dot,
-        UPCAST=fp8_upcast and key_cache.element_size() == 1,
+        UPCAST=fp8_upcast and key_cache.element_size() == 1, SLIDING=window > 0, SOFT_CAP=soft_cap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
@@ -576,11 +656,14 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Sequences first_seq .. first_seq+num_seqs-1 of a flat batch: causal attention of their query tokens
     (rows query_start_loc[i]:query_start_loc[i+1] of `query`) over all seq_lens[i] cached keys; writes `out`.
-    `fp8_dot_dtype`: as in ``paged_decode_attention``. `block_m` query rows and `block_n` keys per tile,
-    `num_warps`, `num_stages`: launch parameters (defaults: ``prefill_launch``)."""
+    `fp8_dot_dtype`, `sliding_window`, `logits_soft_cap`: as in ``paged_decode_attention``. `block_m` query rows
+    and `block_n` keys per tile, `num_warps`, `num_stages`: launch parameters (defaults: ``prefill_launch``)."""
+    window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
     group, d = _check_shapes(query, key_cache, value_cache)
     dot = resolve_fp8_dot(query, key_cache, fp8_dot_dtype)
     if num_seqs == 0:
@@ -600,8 +683,10 @@ def paged_prefill_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        window, soft_cap,
         GROUP=group, HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
+        SLIDING=window > 0, SOFT_CAP=soft_cap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -631,11 +716,13 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     fp8_dot_dtype: str | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention`` (K/V already cached): decodes, then prefill chunks.
     `workspace`: the decode's scratch, reused across calls (see ``paged_decode_attention``).
     FP8 caches are read as fp8 · k_scale / v_scale (``kv_quant.dequantize``), their dots in `fp8_dot_dtype`
-    (``resolve_fp8_dot``)."""
+    (``resolve_fp8_dot``). `sliding_window`, `logits_soft_cap`: the layer's, as in ``paged_decode_attention``."""
     if out is None:
         out = torch.empty_like(query)
     nd = meta.num_decodes
@@ -643,11 +730,12 @@ def paged_attention(
         max_len = max(meta.seq_lens_cpu[:nd])
         paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                                scale, max_len, out=out[:nd], workspace=workspace,
-                               k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot_dtype)
+                               k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot_dtype,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     n_prefill = meta.num_seqs - nd
     if n_prefill:
         max_q = max(meta.query_lens_cpu[nd:])
         paged_prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, scale, nd, n_prefill, max_q, out, k_scale, v_scale,
-                                fp8_dot_dtype)
+                                fp8_dot_dtype, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return out

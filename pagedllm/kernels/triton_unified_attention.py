@@ -18,7 +18,10 @@ in (``triton_attention.resolve_fp8_dot``), each V tile converted to fp16 right a
 (``triton_attention._kv_tile``). Both made an FP8 pool's unified attention 1.3-1.35x faster on an H200 (BENCHMARKS.md
 §57.1). There is no
 split-KV: a step of few sequences with long contexts is better served by the decode kernel (the whole-step
-graphs are for short steps, where launches cost more than the kernel).
+graphs are for short steps, where launches cost more than the kernel). Sliding windows and logit soft caps work
+as in ``triton_attention`` (constexpr SLIDING / SOFT_CAP, runtime ``window`` / ``soft_cap``): a tile's key loop
+starts at the key tile of the first key its earliest token sees, key tiles staying where they are without a window,
+so a token's bits do not depend on its query tile there either.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.triton_attention import (_attend_causal, _check_shapes, _dot_operand, _precision,
-                                               preloaded_table_row, prefill_launch, resolve_fp8_dot)
+                                               preloaded_table_row, prefill_launch, resolve_fp8_dot, window_and_cap)
 
 
 @triton.jit
@@ -45,7 +48,7 @@ def _find_seq(query_start_loc_ptr, tile, max_num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _unified_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, out_ptr,
     scale, k_scale, v_scale, max_num_seqs,
@@ -54,10 +57,11 @@ def _unified_kernel(
     stride_vb, stride_vo, stride_vh,
     stride_bt, table_width,
     stride_ot, stride_oh,
+    window, soft_cap,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    DOT: tl.constexpr, TABLE_ROW: tl.constexpr, UPCAST: tl.constexpr,
+    DOT: tl.constexpr, TABLE_ROW: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -89,10 +93,11 @@ def _unified_kernel(
         cols = tl.arange(0, TABLE_ROW)
         table_row = tl.load(table + cols, mask=cols < table_width, other=0)
     kv_end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)  # the tile's last token's keys (causal)
-    acc, l_i = _attend_causal(q, q_pos, table, table_row, kv_end, k_cache_ptr, v_cache_ptr, kvh,
-                              stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                              scale * k_scale * 1.4426950408889634, dims, dim_ok,
-                              BLOCK_Q * GROUP_PAD, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, TABLE_ROW, UPCAST)
+    acc, l_i = _attend_causal(q, q_pos, ctx + q_tile * BLOCK_Q, table, table_row, kv_end, k_cache_ptr, v_cache_ptr,
+                              kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                              scale * k_scale * 1.4426950408889634, window, soft_cap, dims, dim_ok,
+                              BLOCK_Q * GROUP_PAD, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, TABLE_ROW, UPCAST,
+                              SLIDING, SOFT_CAP)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -130,6 +135,8 @@ def unified_attention(
     num_stages: int | None = None,
     preload_table: bool | None = None,
     fp8_upcast: bool | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query row of `query` [T, Hq, D] over its sequence's cached K/V, in one
     launch whose grid depends only on T and ``len(seq_lens)``. Sequence i owns rows
@@ -138,7 +145,9 @@ def unified_attention(
     `block_n` keys per tile, `num_warps`, `num_stages`: launch parameters (defaults: ``unified_launch``).
     `preload_table`: load each sequence's block-table row before the loop (default: when the table has at most 256
     columns and Triton has ``tl.gather``). `fp8_upcast`: convert an FP8 pool's V tiles right after their load (default
-    True; False is the former path, kept for comparison)."""
+    True; False is the former path, kept for comparison). `sliding_window` W: each token sees its last W keys only;
+    `logits_soft_cap` c: scores become c·tanh(s / c) (``triton_attention.paged_decode_attention``)."""
+    window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
     group, d = _check_shapes(query, key_cache, value_cache)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
@@ -164,9 +173,11 @@ def unified_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), table_width,
         out.stride(0), out.stride(1),
+        window, soft_cap,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
         TABLE_ROW=table_row, UPCAST=key_cache.element_size() == 1 and fp8_upcast is not False,
+        SLIDING=window > 0, SOFT_CAP=soft_cap > 0,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

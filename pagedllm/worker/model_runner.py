@@ -63,7 +63,7 @@ class ModelRunner:
         cudagraph_mode FULL)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
-        from pagedllm.kernels.triton_warmup import log_warm_up, warm_up_attention
+        from pagedllm.kernels.triton_warmup import attention_variants, log_warm_up, warm_up_attention
         from pagedllm.worker.cuda_graph import CUDAGraphRunner
         from pagedllm.worker.piecewise_graph import (DEFAULT_MAX_CAPTURE_TOKENS, WHOLE_GRAPH_MAX_SEQS,
                                                      PiecewiseGraphRunner)
@@ -89,7 +89,7 @@ class ModelRunner:
             pw.time_buckets()
         t0 = time.perf_counter()
         done = warm_up_attention(self.attn_backend, kv_caches[0], *pw.qkv_like_steps(min(pw.max_tokens, 512)),
-                                 pw.static_out, self.table_width, attn[3])
+                                 pw.static_out, self.table_width, attn[3], variants=attention_variants(self.model))
         self.piecewise_runner = pw
         done += self.warm_up_steps(kv_caches)
         log_warm_up(done, time.perf_counter() - t0)
