@@ -423,19 +423,19 @@ def test_kv_geometry_reads_gpt2_and_opt_configs() -> None:
     assert get_model_max_len(opt) == 99
 
 
-def test_sliding_window_caps_max_model_len(build) -> None:
+def test_sliding_window_does_not_cap_max_model_len(build) -> None:
+    """Sliding windows are implemented (each query reads its last `sliding_window` keys), so the context is the
+    config's position limit, window or not."""
     mistral = transformers.MistralConfig(max_position_embeddings=1024, sliding_window=256)
     assert get_sliding_window(mistral) == 256
-    assert get_model_max_len(mistral) == 256
-    assert get_model_max_len(mistral, 200) == 256  # the ceiling; the engine applies the user's 200
-    with pytest.raises(ValueError, match="sliding_window=256.*max_model_len <= 256"):
-        get_model_max_len(mistral, 512)
+    assert get_model_max_len(mistral) == 1024
+    assert get_model_max_len(mistral, 512) == 1024  # the ceiling; the engine applies the user's 512
     assert get_model_max_len(transformers.MistralConfig(max_position_embeddings=1024, sliding_window=None)) == 1024
     assert get_model_max_len(transformers.MistralConfig(max_position_embeddings=128, sliding_window=4096)) == 128
     assert get_sliding_window(transformers.Qwen2Config(use_sliding_window=False, sliding_window=64)) is None
 
     path = str(build("mistral").path)  # max_position_embeddings=256, sliding_window=96
     llm = LLM(model=path, num_gpu_blocks_override=8, **ENGINE_KW)
-    assert llm.llm_engine.config.scheduler_config.max_model_len == 96
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLM(model=path, max_model_len=200, num_gpu_blocks_override=8, **ENGINE_KW)
+    assert llm.llm_engine.config.scheduler_config.max_model_len == 256
+    llm = LLM(model=path, max_model_len=200, num_gpu_blocks_override=8, **ENGINE_KW)
+    assert llm.llm_engine.config.scheduler_config.max_model_len == 200

@@ -53,7 +53,8 @@ class CpuKernels:
         self._attention = lib.paged_attention_f32
         self._attention.restype = _c_int
         self._attention.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr,
-                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int, _c_int, _c_float, _c_float]
+                                    _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int, _c_int, _c_float, _c_float,
+                                    _c_int, _c_float]
         self._cache = lib.reshape_and_cache_f32
         self._cache.restype = None
         self._cache.argtypes = [_ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64]
@@ -86,7 +87,8 @@ class CpuKernels:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
         without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py).
         The cache write is the float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and
-        paged_attention takes the pool's ``kv_format`` code, min_tile_query_len, k_scale and v_scale last."""
+        paged_attention takes the pool's ``kv_format`` code, min_tile_query_len, k_scale, v_scale, then the window
+        and soft cap as ``window_args`` gives them, last."""
         return self._rms, self._rotary, self._cache, self._attention, self._silu
 
     def heads_norm_function(self):
@@ -125,6 +127,8 @@ class CpuKernels:
         min_tile_query_len: int = TILE_MIN_QUERY_LEN,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """Attention for a flat batch whose K/V are already in the cache. out/query [T, Hq, D]; caches
         [num_blocks, block_size, Hk, D]; block_tables [S, ≥ blocks] int32; seq_lens [S] int32 (context
@@ -134,7 +138,10 @@ class CpuKernels:
         checks a step's once, not once per layer). A sequence whose chunk has `min_tile_query_len` or more
         query tokens takes the kernel's tile path (small GEMMs); shorter ones take the token path, whose
         arithmetic per token is a lone decode's (speculative verification relies on it). An fp8 pool's
-        keys read as fp8 · `k_scale` and its values as fp8 · `v_scale`."""
+        keys read as fp8 · `k_scale` and its values as fp8 · `v_scale`. `sliding_window` W: the token at position p
+        attends to keys p - W < j <= p only (the blocks before a tile's window are not read); `logits_soft_cap` c:
+        each scaled score s becomes c·tanh(s / c) before the softmax; None turns either off."""
+        window, soft_cap = window_args(sliding_window, logits_soft_cap)
         num_tokens, num_q_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
         num_seqs = query_start_loc.numel() - 1
@@ -153,7 +160,7 @@ class CpuKernels:
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
-            block_size, scale, kv_format(key_cache.dtype), min_tile_query_len, k_scale, v_scale,
+            block_size, scale, kv_format(key_cache.dtype), min_tile_query_len, k_scale, v_scale, window, soft_cap,
         )
         if rc != 0:
             raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
@@ -304,6 +311,22 @@ class CpuKernels:
         self._sample(logits.data_ptr(), logits.stride(0), rows, vocab, inv_temp.data_ptr(), u.data_ptr(),
                      tokens.data_ptr(), logprobs.data_ptr(), ws.data_ptr())
         return tokens, logprobs
+
+
+def window_args(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
+    """The attention kernel's (window, soft_cap) arguments for a layer's sliding window and logit soft cap: 0 for
+    None (off); a ValueError for a window under 1 or a cap that is not a positive finite number."""
+    window = 0
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int (tokens) or None, got {sliding_window!r}")
+        window = min(sliding_window, 2**31 - 1)  # wider than any context the kernel's int lengths reach: no window
+    cap = 0.0
+    if logits_soft_cap is not None:
+        if not (isinstance(logits_soft_cap, (int, float)) and 0 < logits_soft_cap < float("inf")):
+            raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
+        cap = float(logits_soft_cap)
+    return window, cap
 
 
 #: Tokens per block of the native sampler's two-level inverse CDF (SAMPLE_BLOCK in cpu_ops.c).

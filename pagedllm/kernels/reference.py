@@ -2,7 +2,9 @@
 
 This is the CPU execution path and the oracle every GPU kernel is tested against. Attention reads
 past keys/values through block tables; decodes are batched into one gathered SDPA call, prompt
-chunks without cached context attend to their own fresh K/V directly (no gather).
+chunks without cached context attend to their own fresh K/V directly (no gather). A layer's sliding window
+and logit soft cap (``sliding_window`` / ``logits_soft_cap``, None: off) apply to every path; with a soft cap the
+scores are computed explicitly in float32 (SDPA cannot cap them).
 
 Cache layout: ``key_cache``/``value_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``,
 so slot ``s`` is ``cache[s // block_size, s % block_size]``; stored slot-major (contiguous) or head-major
@@ -55,6 +57,32 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, soft_cap: float | None,
+            causal: bool = False) -> torch.Tensor:
+    """_sdpa, or with a soft cap the explicit float32 computation: scores · scale, c·tanh(s / c), the boolean
+    `mask` (True: attend; broadcast over [B, Hq, Lq, Lk]), softmax, · V. Result in q's dtype."""
+    if soft_cap is None:
+        return _sdpa(q, k, v, mask, scale, causal)
+    b, hq, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    qf = q.float().reshape(b, hk, hq // hk, lq, d)  # GQA: each KV head's query heads side by side
+    scores = (qf @ k.float().unsqueeze(2).transpose(-1, -2)).view(b, hq, lq, lk) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if causal:
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, hk, hq // hk, lq, lk)
+    return (probs @ v.float().unsqueeze(2)).view(b, hq, lq, d).to(q.dtype)
+
+
+def _check_window(sliding_window: int | None, logits_soft_cap: float | None) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+
+
 @dataclass
 class DecodeBucket:
     """Decodes of similar context length, batched into one padded SDPA call (derived once per step)."""
@@ -105,12 +133,16 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention for a flat batch [T, Hq, D] whose K/V were already written to the cache.
 
     `key`/`value` are this step's fresh K/V [T, Hk, D]; chunks with no cached context use them
-    directly, everything else reads the cache through the block tables.
+    directly, everything else reads the cache through the block tables. `sliding_window` W: the query at
+    position p sees keys p - W < j <= p only; `logits_soft_cap` c: scores become c·tanh(s / c) (None: off).
     """
+    _check_window(sliding_window, logits_soft_cap)
     out = torch.empty_like(query)
     nd = meta.num_decodes
     for bucket in _decode_buckets(meta, key_cache.shape[1]):
@@ -118,12 +150,20 @@ def paged_attention(
         q = (query[:nd] if idx is None else query.index_select(0, idx)).unsqueeze(2)  # [b, Hq, 1, D]
         k = gather_blocks(key_cache, bucket.block_ids, bucket.num_seqs, bucket.max_len)
         v = gather_blocks(value_cache, bucket.block_ids, bucket.num_seqs, bucket.max_len)
-        o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), bucket.mask, scale).squeeze(2)
+        mask = bucket.mask
+        if sliding_window is not None and bucket.max_len > sliding_window:
+            # per row (the buckets are shared by every layer, the window is this layer's): keys older than it
+            seq_lens = meta.seq_lens[:nd] if idx is None else meta.seq_lens.index_select(0, idx)
+            recent = (torch.arange(bucket.max_len, device=q.device).unsqueeze(0)
+                      >= (seq_lens - sliding_window).unsqueeze(1))[:, None, None, :]
+            mask = recent if mask is None else mask & recent
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, logits_soft_cap).squeeze(2)
         if idx is None:
             out[:nd] = o
         else:
             out.index_copy_(0, idx, o)
-    prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out)
+    prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out, sliding_window=sliding_window,
+                      logits_soft_cap=logits_soft_cap)
     return out
 
 
@@ -137,10 +177,14 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,
     first_seq: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Fill `out` for the prompt chunks of sequences `first_seq` (default: the first after the decodes)
     onward: causal over their own tokens, plus their cached context read through the block table when they
-    have one."""
+    have one; within the last `sliding_window` keys of each query, and scores soft-capped at `logits_soft_cap`,
+    where set."""
+    _check_window(sliding_window, logits_soft_cap)
     first = meta.num_decodes if first_seq is None else first_seq
     start = sum(meta.query_lens_cpu[:first])
     for i in range(first, meta.num_seqs):
@@ -148,17 +192,25 @@ def prefill_attention(
         end = start + qlen
         q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, qlen, D]
         ctx = seq_len - qlen
-        if ctx == 0:
+        windowed = sliding_window is not None and seq_len > sliding_window
+        if ctx == 0 and not windowed:
             k = key[start:end].transpose(0, 1).unsqueeze(0)
             v = value[start:end].transpose(0, 1).unsqueeze(0)
-            o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), None, scale, causal=True)
+            o = _attend(q, k.to(q.dtype), v.to(q.dtype), None, scale, logits_soft_cap, causal=True)
         else:
-            k = gather_kv(key_cache, meta.block_tables[i : i + 1], seq_len)
-            v = gather_kv(value_cache, meta.block_tables[i : i + 1], seq_len)
-            # Query j (absolute position ctx + j) sees keys 0..ctx + j.
+            if ctx == 0:
+                k = key[start:end].transpose(0, 1).unsqueeze(0)
+                v = value[start:end].transpose(0, 1).unsqueeze(0)
+            else:
+                k = gather_kv(key_cache, meta.block_tables[i : i + 1], seq_len)
+                v = gather_kv(value_cache, meta.block_tables[i : i + 1], seq_len)
+            # Query j (absolute position ctx + j) sees keys 0..ctx + j (with a window W: ctx + j - W + 1 on).
             rows = torch.arange(qlen, device=q.device).unsqueeze(1) + ctx
-            mask = torch.arange(seq_len, device=q.device).unsqueeze(0) <= rows
-            o = _sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+            cols = torch.arange(seq_len, device=q.device).unsqueeze(0)
+            mask = cols <= rows
+            if windowed:
+                mask &= cols > rows - sliding_window
+            o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, logits_soft_cap)
         out[start:end] = o.squeeze(0).transpose(0, 1)
         start = end
 
@@ -171,8 +223,12 @@ def paged_attention_naive(
     seq_lens: list[int],
     query_lens: list[int],
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Token-by-token, block-by-block attention straight from eq. 4 — the oracle's oracle (slow)."""
+    """Token-by-token, block-by-block attention straight from eq. 4 — the oracle's oracle (slow). A query at
+    position p reads keys max(0, p - sliding_window + 1)..p; scores become c·tanh(s / c) with a soft cap c."""
+    _check_window(sliding_window, logits_soft_cap)
     num_blocks, block_size, hk, d = key_cache.shape
     hq = query.shape[1]
     rep = hq // hk
@@ -181,10 +237,13 @@ def paged_attention_naive(
     for table, seq_len, qlen in zip(block_tables, seq_lens, query_lens):
         for j in range(qlen):
             pos = seq_len - qlen + j
-            keys = torch.stack([key_cache[table[p // block_size], p % block_size] for p in range(pos + 1)])
-            vals = torch.stack([value_cache[table[p // block_size], p % block_size] for p in range(pos + 1)])
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            keys = torch.stack([key_cache[table[p // block_size], p % block_size] for p in range(first, pos + 1)])
+            vals = torch.stack([value_cache[table[p // block_size], p % block_size] for p in range(first, pos + 1)])
             for h in range(hq):
                 scores = (keys[:, h // rep].float() @ query[t, h].float()) * scale
+                if logits_soft_cap is not None:
+                    scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
                 out[t, h] = torch.softmax(scores, 0) @ vals[:, h // rep].float()
             t += 1
     return out.to(query.dtype)

@@ -12,8 +12,10 @@ the same token count), so its outputs are bit-identical to the module path's.
 Built by the worker for float32 Llama-family models (Llama, Mistral, Qwen2, Qwen3) on the CPU when the native
 kernels are loaded and every linear is of one kind: GGUF blocks (``--quantization gguf``, the C GEMMs called
 by pointer) or dense float32 weights (an HF checkpoint or ``--quantization none``: the layer's own
-``forward``, i.e. oneDNN's packed GEMM, so the products are the module path's). ``PAGEDLLM_CPU_DIRECT_FORWARD=0``
-turns it off (the module path then runs every step).
+``forward``, i.e. oneDNN's packed GEMM, so the products are the module path's). Each layer's sliding window and
+logit soft cap (its ``Attention``'s) go to its attention call. A model class with ``direct_forward_supported =
+False`` (norms or activations other than the Llama stack's) is left to the module path.
+``PAGEDLLM_CPU_DIRECT_FORWARD=0`` turns it off (the module path then runs every step).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_quant
-from pagedllm.kernels.cpu_kernels import KV_FORMATS
+from pagedllm.kernels.cpu_kernels import KV_FORMATS, window_args
 from pagedllm.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
@@ -61,6 +63,8 @@ class _Layer:
     q_norm: int = 0  # Qwen3's per-head q / k RMSNorm weight pointers (0: none)
     k_norm: int = 0
     qk_eps: float = 0.0
+    window: int = 0  # the attention kernel's sliding window and logit soft cap (0: none)
+    soft_cap: float = 0.0
 
 
 class _Buffers:
@@ -139,6 +143,10 @@ class LlamaDirectForward:
         if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2, Qwen3: the layer layout written here
             logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
             return None
+        if not getattr(model, "direct_forward_supported", True):  # e.g. the Gemma family's norms and activations
+            logger.info("CPU direct forward not used: %s opts out (direct_forward_supported = False)",
+                        type(model).__name__)
+            return None
         mlp = next((layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "gate_up_proj")), None)
         if mlp is not None:  # MoE blocks (models/moe.py) run through their modules
             logger.info("CPU direct forward not used: written for dense MLPs, and %s has %s blocks",
@@ -214,9 +222,11 @@ class LlamaDirectForward:
                     or float(sa.q_norm.eps) != float(sa.k_norm.eps):
                 raise ValueError("q/k norms must be contiguous float32 [head_dim] weights with one eps")
             qk = (norms[0].data_ptr(), norms[1].data_ptr(), float(sa.q_norm.eps))
+        attn = sa.attn
+        window, soft_cap = window_args(getattr(attn, "sliding_window", None), getattr(attn, "logits_soft_cap", None))
         return _Layer(qkv, o, gate_up, down, layer.input_layernorm.weight.data_ptr(),
                       layer.post_attention_layernorm.weight.data_ptr(), rope.cos_cache.data_ptr(),
-                      rope.sin_cache.data_ptr(), *qk)
+                      rope.sin_cache.data_ptr(), *qk, window, soft_cap)
 
     def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]]:
         """(key, value) pointers per layer, the pool's block count, block size and dtype (one of
@@ -336,7 +346,8 @@ class LlamaDirectForward:
             else:
                 cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
             if attention(att, q, qkv, qkv_w, key_cache, value_cache, tables, table_stride, lens, qsl, num_seqs,
-                         hq, hk, d, block_size, self.scale, kv_fmt, min_tile, k_scale, v_scale):
+                         hq, hk, d, block_size, self.scale, kv_fmt, min_tile, k_scale, v_scale, layer.window,
+                         layer.soft_cap):
                 raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
             o_out = run_linear(layer.o, b.attn, b.o)
             rms(normed, res, o_out.data_ptr(), h, res, h, layer.ln2, t, h, eps2)

@@ -41,6 +41,16 @@ typedef __m512 vec;
 __m512 _ZGVeN16v_expf(__m512); /* glibc's libmvec: expf on 16 lanes (≤ 4 ulp) */
 #define v_exp _ZGVeN16v_expf
 #define VECTOR_PATH 1
+#define v_abs _mm512_abs_ps
+/* a < b ? x : y, lane by lane */
+static inline vec v_select_lt(vec a, vec b, vec x, vec y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
+}
+/* |m| (m's sign bit clear) with s's sign */
+static inline vec v_with_sign(vec m, vec s) {
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(INT32_MIN));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(m), sign));
+}
 
 /* The 16 horizontal sums of v[0..15], as one vector (lane j = sum of v[j]): a transpose-add tree. */
 static inline vec hsum_run(const vec v[VW]) {
@@ -100,6 +110,9 @@ typedef __m256 vec;
 __m256 _ZGVdN8v_expf(__m256); /* glibc's libmvec: expf on 8 lanes (AVX2) */
 #define v_exp _ZGVdN8v_expf
 #define VECTOR_PATH 1
+static inline vec v_abs(vec x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), x); }
+static inline vec v_select_lt(vec a, vec b, vec x, vec y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
+static inline vec v_with_sign(vec m, vec s) { return _mm256_or_ps(m, _mm256_and_ps(s, _mm256_set1_ps(-0.f))); }
 
 static inline float v_reduce(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -387,6 +400,50 @@ static inline float exp_shifted(float *row, int n, float m) {
     return sum;
 }
 
+/* cap · tanh(x / cap) (attention-logit soft-capping, Gemma 2), with y = x · (1 / cap): a multiply, not a divide,
+ * within an ulp. tanh(y) is y's odd Taylor series to y^15 where |y| < 0.5 (truncated under 1e-8; 1 - 2 / (e^2|y| + 1)
+ * would cancel there) and that formula elsewhere, with y's sign (saturating to ±1, NaN staying NaN). */
+#if VECTOR_PATH
+static inline vec v_soft_cap(vec x, vec cap, vec inv_cap) {
+    const vec y = v_mul(x, inv_cap), a = v_abs(y), z = v_mul(a, a), one = v_set1(1.f), two = v_set1(2.f);
+    vec p = v_fma(z, v_set1(-929569.f / 638512875), v_set1(21844.f / 6081075));
+    p = v_fma(z, p, v_set1(-1382.f / 155925));
+    p = v_fma(z, p, v_set1(62.f / 2835));
+    p = v_fma(z, p, v_set1(-17.f / 315));
+    p = v_fma(z, p, v_set1(2.f / 15));
+    p = v_fma(z, p, v_set1(-1.f / 3));
+    const vec series = v_fma(v_mul(a, z), p, a);
+    const vec exact = v_sub(one, v_div(two, v_add(v_exp(v_mul(two, a)), one)));
+    return v_with_sign(v_mul(cap, v_select_lt(a, v_set1(0.5f), series, exact)), y);
+}
+#else
+static inline float soft_cap_one(float x, float cap, float inv_cap) {
+    const float y = x * inv_cap, a = fabsf(y), z = a * a;
+    const float p = -1.f / 3 + z * (2.f / 15 + z * (-17.f / 315 + z * (62.f / 2835 + z * (-1382.f / 155925 +
+                    z * (21844.f / 6081075 + z * (-929569.f / 638512875))))));
+    return copysignf(cap * (a < 0.5f ? a + a * z * p : 1.f - 2.f / (expf(2.f * a) + 1.f)), y);
+}
+#endif
+
+/* row[0:n] capped in place. Vector builds take a short tail through one padded vector, so each element's value
+ * depends on that element alone, not on where its row starts: a token keeps its own bits in any tile. */
+static void soft_cap_scores(float *row, int n, float cap) {
+    const float inv_cap = 1.f / cap;
+#if VECTOR_PATH
+    const vec vcap = v_set1(cap), vinv = v_set1(inv_cap);
+    int t = 0;
+    for (; t + VW <= n; t += VW) v_store(row + t, v_soft_cap(v_load(row + t), vcap, vinv));
+    if (t < n) {
+        float lanes[VW] = {0.f};
+        memcpy(lanes, row + t, sizeof(float) * (size_t)(n - t));
+        v_store(lanes, v_soft_cap(v_load(lanes), vcap, vinv));
+        memcpy(row + t, lanes, sizeof(float) * (size_t)(n - t));
+    }
+#else
+    for (int t = 0; t < n; ++t) row[t] = soft_cap_one(row[t], cap, inv_cap);
+#endif
+}
+
 static inline void prefetch_bytes(const void *block, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)block + i, 0, 3);
 }
@@ -568,16 +625,20 @@ static inline uint16_t f32_to_bf16(float f) {
  *   the vector lanes, the tile's queries are transposed once, and each broadcast query value feeds QK_VECS
  *   FMAs); probabilities · V block by block with PV_ROWS rows sharing each V load; the softmax's 1/sum is
  *   applied to the output rows.
- * On either path a token's arithmetic does not depend on the tile or the batch (keys past a token's position
- * get weight 0 and add exact zeros), so each token's result is the same in any batch. kv_format: the caches
- * hold float32 (KV_F32), bf16 or fp8 (keys times k_scale, values times v_scale): each block's rows that the tile
- * reads are widened to float32 once per work item, and the float32 code runs on that. Returns 0, or -1 when
- * scratch memory could not be allocated. */
+ * On either path a token's arithmetic does not depend on the tile or the batch (keys past a token's position, or
+ * before its window, get weight 0 and add exact zeros), so each token's result is the same in any batch.
+ * kv_format: the caches hold float32 (KV_F32), bf16 or fp8 (keys times k_scale, values times v_scale): each
+ * block's rows that the tile reads are widened to float32 once per work item, and the float32 code runs on that.
+ * window > 0 (a sliding window): the token at position p attends to keys p - window < j <= p only. A work item
+ * skips the blocks before its first token's window without reading them (and a partition wholly before it);
+ * a partitioned token combines only the partitions its window reaches. soft_cap > 0: each scaled score s becomes
+ * soft_cap · tanh(s / soft_cap) before the softmax. Returns 0, or -1 when scratch memory could not be allocated. */
 int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
                         const void *key_cache, const void *value_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
                         int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int kv_format, int min_tile_query_len, float k_scale, float v_scale) {
+                        int kv_format, int min_tile_query_len, float k_scale, float v_scale, int window,
+                        float soft_cap) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -680,6 +741,8 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             const int len0 = seq_lens[s] - qlen + i0 + 1;  /* token i of the tile attends to len0 + i keys */
             const int last = len0 + nq - 1;                /* keys the tile's last token reads */
             const int all_blocks = (last + block_size - 1) / block_size;
+            /* the block of the tile's first key: its first token's window start (every later token's starts later) */
+            const int b_win = window > 0 && len0 > window ? (len0 - window) / block_size : 0;
             const int32_t *table = block_tables + s * table_stride;
             const int rows_all = nq * group;               /* rows per KV head */
 
@@ -692,10 +755,12 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                         for (int d = 0; d < head_dim; ++d) col[d * ldq] = qrow[d];
                     }
             for (int part = p_lo; part < p_hi; ++part) { /* the item's partitions, in order */
-                /* this item's blocks [b_lo, num_blocks): its partition's (every block when np == 1) */
-                const int b_lo = np == 1 ? 0 : part * part_blocks;
-                const int num_blocks = np == 1 || all_blocks - b_lo < part_blocks ? all_blocks : b_lo + part_blocks;
-                if (b_lo >= num_blocks) break; /* an earlier tile's tokens end before this partition */
+                /* this item's blocks [b_lo, num_blocks): its partition's (all when np == 1), from the window's on */
+                const int p_first = np == 1 ? 0 : part * part_blocks;
+                const int num_blocks = np == 1 || all_blocks - p_first < part_blocks ? all_blocks : p_first + part_blocks;
+                if (p_first >= num_blocks) break; /* an earlier tile's tokens end before this partition */
+                const int b_lo = p_first > b_win ? p_first : b_win;
+                if (b_lo >= num_blocks) continue; /* the partition ends before the tile's window starts */
                 const int t_lo = b_lo * block_size, t_hi = num_blocks * block_size; /* its keys */
 
                 for (int b = b_lo; !tiled && b < num_blocks; ++b) { /* pass 1, token path: scaled scores */
@@ -729,7 +794,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                     }
                     prefetch_upto(next, fetched, block_bytes); /* whatever the slices left */
                 }
-                for (int b0 = 0; tiled && b0 < num_blocks; b0 += run_blocks) { /* pass 1, tile path: a run of blocks */
+                for (int b0 = b_lo; tiled && b0 < num_blocks; b0 += run_blocks) { /* pass 1, tile path: a run of blocks */
                     const int t0 = b0 * block_size;
                     const int nb = num_blocks - b0 < run_blocks ? num_blocks - b0 : run_blocks;
                     const int keys = last - t0 < nb * block_size ? last - t0 : nb * block_size;
@@ -759,10 +824,19 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                     for (int r = 0; r < rows_all; ++r) { /* softmax (the tile path applies its 1 / sum to the outputs) */
                         float *row = scores + h * head_rows + (int64_t)r * max_len;
                         const int len = len0 + r / group;
-                        const int end = len < t_hi ? len : t_hi; /* this token's keys in the item's blocks: t_lo .. end */
+                        const int end = len < t_hi ? len : t_hi; /* this token's keys in the item's blocks: start .. end */
                         if (end <= t_lo) continue;             /* none: its rows never reach these blocks */
-                        const float m = row_max(row + t_lo, end - t_lo);
-                        const float sum = exp_shifted(row + t_lo, end - t_lo, m);
+                        const int stop = last < t_hi ? last : t_hi; /* the keys pass 2 weighs its rows over */
+                        const int start = window > 0 && len - window > t_lo ? len - window : t_lo;
+                        if (start >= end) { /* its window starts after these blocks (a partition it does not
+                                             * combine): weight 0 throughout, so pass 2 weighs defined values */
+                            for (int t = t_lo; t < stop; ++t) row[t] = 0.f;
+                            continue;
+                        }
+                        for (int t = t_lo; t < start; ++t) row[t] = 0.f; /* keys the tile reads before its window */
+                        if (soft_cap > 0.f) soft_cap_scores(row + start, end - start, soft_cap);
+                        const float m = row_max(row + start, end - start);
+                        const float sum = exp_shifted(row + start, end - start, m);
                         if (len > part_keys && !tiled) { /* one partition of several: combined after every item */
                             const int64_t at = (part_start[s] + (int64_t)(i0 + r / group) * np + part) * num_q_heads +
                                                h * group + r % group;
@@ -772,10 +846,10 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                             const float inv = 1.f / sum;
                             if (tiled) norm[h * ldq + r] = inv; /* applied to the output row instead */
                             else
-                                for (int t = 0; t < len; ++t) row[t] *= inv;
+                                for (int t = start; t < end; ++t) row[t] *= inv;
                         }
                         /* keys past this token that the tile's later tokens read: weight 0 (adds exact zeros) */
-                        for (int t = end; t < (last < t_hi ? last : t_hi); ++t) row[t] = 0.f;
+                        for (int t = end; t < stop; ++t) row[t] = 0.f;
                     }
                 for (int h = 0; h < num_kv_heads; ++h)
                     memset(acc + (int64_t)h * ldq * head_dim, 0, sizeof(float) * (size_t)rows_all * head_dim);
@@ -861,17 +935,18 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
             const int len = seq_lens[s] - qlen + i + 1;
             if (len <= part_keys) continue; /* a lone partition: written by its item */
             const int used = (len + part_keys - 1) / part_keys;
+            const int p0 = window > 0 && len > window ? (len - window) / part_keys : 0; /* where its window starts */
             for (int qh = 0; qh < num_q_heads; ++qh) {
                 const float *mx = part_max + pr * num_q_heads + qh, *sm = part_sum + pr * num_q_heads + qh;
-                float top_max = mx[0];
-                for (int p = 1; p < used; ++p) top_max = fmaxf(top_max, mx[(int64_t)p * num_q_heads]);
+                float top_max = mx[(int64_t)p0 * num_q_heads];
+                for (int p = p0 + 1; p < used; ++p) top_max = fmaxf(top_max, mx[(int64_t)p * num_q_heads]);
                 float *o = out + (query_start_loc[s] + i) * out_token_stride + (int64_t)qh * head_dim;
                 float total = 0.f;
-                for (int p = 0; p < used; ++p) {
+                for (int p = p0; p < used; ++p) {
                     const float c = expf(mx[(int64_t)p * num_q_heads] - top_max);
                     const float *a = part_acc + ((pr + p) * num_q_heads + qh) * head_dim;
                     total += c * sm[(int64_t)p * num_q_heads];
-                    if (p == 0)
+                    if (p == p0)
                         for (int d = 0; d < head_dim; ++d) o[d] = c * a[d];
                     else
                         for (int d = 0; d < head_dim; ++d) o[d] += c * a[d];

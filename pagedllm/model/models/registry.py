@@ -106,24 +106,13 @@ def get_sliding_window(config: Any) -> int | None:
 
 
 def get_model_max_len(config: Any, max_model_len: int | None = None) -> int:
-    """The longest context this engine may serve for `config` (`max_model_len` is the user's request).
-
-    Sliding-window attention is not implemented, so a model with a window is served only up to
-    the window, where full attention is exact; asking for more raises a clear error.
-    """
+    """The longest context this engine may serve for `config` (`max_model_len` is the user's request, which the
+    engine applies under this ceiling): the config's position limit. A sliding window does not lower it: every
+    attention backend implements it (each query attends to its last `sliding_window` keys, whatever the context)."""
     limit = None
     for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             limit = value
             break
-    limit = limit or _DEFAULT_MAX_LEN
-    window = get_sliding_window(config)
-    if window is not None and window < limit:
-        if max_model_len is not None and max_model_len > window:
-            raise ValueError(
-                f"sliding-window attention (sliding_window={window}) is not supported yet, so "
-                f"max_model_len={max_model_len} is not allowed for this model; set max_model_len <= {window}."
-            )
-        limit = window
-    return limit
+    return limit or _DEFAULT_MAX_LEN
