@@ -10,10 +10,11 @@ PARTS="${PART:-tests kernel}"
 F="INFO\|Processed\|Converting\|Loading\|warn\|it/s\]"
 for part in $PARTS; do case $part in
 tests) python -m pytest tests/test_sliding_window_triton.py tests/test_models_hf.py tests/test_models_hf_gemma.py \
-         tests/test_triton_kernels.py tests/test_piecewise_graphs.py -m cuda -q -p no:cacheprovider --timeout=300 \
-         2>&1 | tail -15 | tee $OUT/cuda_tests.txt ;;
+         tests/test_triton_kernels.py tests/test_fp8_kv_cache.py tests/test_piecewise_graphs.py \
+         tests/test_sliding_window_engine.py -m cuda -q -p no:cacheprovider --timeout=300 -rfE \
+         2>&1 | tail -25 | tee $OUT/cuda_tests.txt ;;
 kernel) python benchmarks/gpu/sliding_window_bench.py 2>&1 | tee $OUT/sliding_window_kernel.txt ;;
-gemma) for s in gemma3-1b gemma2-2b; do
+gemma) for s in ${GEMMAS:-gemma3-1b gemma2-2b}; do
          python benchmarks/gpu/make_random_windowed.py /tmp/$s $s 2>&1 | tail -1
          python benchmarks/throughput.py --model /tmp/$s --skip-tokenizer-init --dtype bfloat16 --compare hf \
            --num-prompts 256 --output-len 128 --hf-batch-size 64 --output-json $OUT/${s}_vs_hf.json 2>&1 \

@@ -40,6 +40,9 @@ _HELP = {
     "seed": "Seed for dummy weights and unseeded sampling.",
     "block_size": "Tokens per KV block.",
     "max_model_len": "Longest prompt + output in tokens (default: the model's context length).",
+    "disable_sliding_window": "Serve a sliding-window model (Mistral-7B-v0.1, Gemma 2/3, Phi-3) with max_model_len "
+                              "capped at its window, where full attention is the same; default: attend through "
+                              "the window, freeing the KV blocks behind it where every layer slides.",
     "max_num_seqs": "Most sequences in one step (default: 256; 1024 for the offline LLM on a GPU of >= 70 GiB "
                     "other than an A100, as in vLLM).",
     "max_num_batched_tokens": "Most tokens in one step (default with chunked prefill: 2048, 8192 for the offline "
@@ -144,6 +147,7 @@ class EngineArgs:
     seed: int = 0
     block_size: int = 16
     max_model_len: int | None = None
+    disable_sliding_window: bool = False
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_gpu_blocks_override: int | None = None

@@ -39,7 +39,7 @@ from pagedllm.model.layers.sampler import (
     warm_up_sampler,
 )
 from pagedllm.model.models.llama import shared_sliding_window
-from pagedllm.model.models.registry import get_model_max_len
+from pagedllm.model.models.registry import get_model_max_len, get_sliding_window
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -72,6 +72,9 @@ class LLMEngine:
         self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
         self.hf_config = loader.load_config(self.model_dir)
         model_max_len = get_model_max_len(self.hf_config, engine_args.max_model_len)
+        window = get_sliding_window(self.hf_config)
+        if engine_args.disable_sliding_window and window is not None:
+            model_max_len = min(model_max_len, window)  # within the window full attention is the window's
         self.config = engine_args.create_engine_config(model_max_len, usage_context, self.hf_config)
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         self.default_sampling_params = default_sampling_params(
@@ -96,7 +99,7 @@ class LLMEngine:
             num_gpu, cc.block_size, num_gpu * cc.block_size, self.executor.device, num_cpu, cc.cache_dtype,
             sc.max_model_len,
         )
-        cc.sliding_window = shared_sliding_window(self.hf_config)
+        cc.sliding_window = None if engine_args.disable_sliding_window else shared_sliding_window(self.hf_config)
         if cc.sliding_window is not None:
             logger.info("Sliding-window attention on every layer (%d tokens): KV blocks behind the window are freed",
                         cc.sliding_window)
