@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 interpreter_numpy_shim()
 
 from pagedllm.kernels import triton_fused_ops as ops  # noqa: E402
-from pagedllm.model.layers.norm import RMSNorm  # noqa: E402
+from pagedllm.model.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
 from pagedllm.model.layers.rotary import RotaryEmbedding  # noqa: E402
 
 
@@ -189,6 +189,61 @@ def test_silu_and_mul_strided_rows_and_empty_batch():
     assert ops.silu_and_mul(torch.empty(0, 64, device=DEVICE)).shape == (0, 32)
 
 
+# ------------------------------------------------------------------------------------------ Gemma's ops
+
+
+def _gemma_norm(hidden: int, dtype) -> GemmaRMSNorm:
+    norm = GemmaRMSNorm(hidden, 1e-6, dtype).to(DEVICE)
+    g = torch.Generator().manual_seed(hidden + 3)
+    norm.weight.data.copy_((0.5 * torch.randn(hidden, generator=g)).to(dtype))  # offsets: the scale is 1 + w
+    return norm
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", _HIDDEN)
+def test_gemma_rms_norm_rounds_once_like_torch(dtype, hidden):
+    g = torch.Generator().manual_seed(11 * hidden)
+    norm = _gemma_norm(hidden, dtype)
+    x = (3 * torch.randn(_TOKENS, hidden, generator=g)).to(DEVICE, dtype)
+    x[1] *= 1e-3
+    residual = (2 * torch.randn(_TOKENS, hidden, generator=g)).to(DEVICE, dtype)
+    _check_close(ops.gemma_rms_norm(x, norm.weight, norm.eps), norm.forward_native(x))
+    out, new_res = ops.fused_add_gemma_rms_norm(x, residual, norm.weight, norm.eps)
+    ref_out, ref_res = norm.forward_native(x, residual)
+    assert torch.equal(new_res, ref_res)
+    _check_close(out, ref_out)
+    if dtype != torch.float32:  # Llama's rounding order (normalised x rounded first) is measurably different
+        llama_order = ops.rms_norm(x, (norm.weight.float() + 1).to(dtype), norm.eps)
+        assert (_ulps(llama_order, norm.forward_native(x)) == 0).float().mean().item() < _MIN_EXACT
+
+
+def _check_gelu(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Compiled: torch's roundings (libdevice tanhf, as torch). Interpreted: the exact value, which differs from torch's
+    ``1 + tanh(inner)`` by that sum's cancellation where gelu is ~0, so only closeness is asserted there."""
+    if ON_CUDA:
+        _check_close(out, ref)
+    else:
+        tol = 1e-5 if out.dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # numpy, interpreter only
+@pytest.mark.parametrize("dtype", _DTYPES, ids=str)
+@pytest.mark.parametrize("inter", _INTER)
+def test_gelu_tanh_and_mul_matches_torch(dtype, inter):
+    g = torch.Generator().manual_seed(inter + 1)
+    x = (3 * torch.randn(_TOKENS, 2 * inter, generator=g)).to(DEVICE, dtype)
+    x[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 20.0, -20.0], dtype=dtype)  # tanh saturates
+    gate, up = x.chunk(2, dim=-1)
+    ref = F.gelu(gate, approximate="tanh") * up
+    out = ops.gelu_tanh_and_mul(x)
+    assert out.shape == (_TOKENS, inter) and out.dtype == dtype
+    _check_gelu(out, ref)
+    wide = torch.randn(3, 300, device=DEVICE, dtype=dtype)[:, 50:250]  # strided rows
+    gate, up = wide.chunk(2, dim=-1)
+    _check_gelu(ops.gelu_tanh_and_mul(wide), F.gelu(gate, approximate="tanh") * up)
+
+
 # ------------------------------------------------------------------------------------ layers' dispatch
 
 
@@ -229,7 +284,7 @@ def test_cpu_layers_never_reach_triton(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_layers_dispatch_to_fused_kernels(dtype):
-    from pagedllm.model.layers.activation import silu_and_mul
+    from pagedllm.model.layers.activation import gelu_and_mul, silu_and_mul
 
     t, hidden, head_dim, hq, hk = 9, 4096, 128, 32, 8
     norm = _norm(hidden, dtype)
@@ -249,6 +304,13 @@ def test_cuda_layers_dispatch_to_fused_kernels(dtype):
     assert torch.equal(rq, ref_q) and torch.equal(rk, ref_k)
     gu = torch.randn(t, 2 * 14336, device="cuda", dtype=dtype)
     _check_close(silu_and_mul(gu), _silu_and_mul_torch(gu))
+    gemma = _gemma_norm(hidden, dtype)
+    _check_close(gemma(x), gemma.forward_native(x))
+    (out, res), (ref, ref_res) = gemma(x, r), gemma.forward_native(x, r)
+    _check_close(out, ref)
+    assert torch.equal(res, ref_res)
+    gate, up = gu.chunk(2, dim=-1)
+    _check_close(gelu_and_mul(gu, "tanh"), F.gelu(gate, approximate="tanh") * up)
 
 
 @pytest.mark.cuda

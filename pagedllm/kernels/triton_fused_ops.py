@@ -52,7 +52,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     N, inv_n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PRECISE: tl.constexpr, GEMMA: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -66,9 +66,12 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, axis=0) * inv_n  # torch CUDA mean = sum * (1/N)
     rstd = _rsqrt(mean_sq + eps, PRECISE)
-    y = (xf * rstd).to(dtype)  # .to(orig)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:  # Gemma: (x · rstd) · (1 + w) in fp32, one rounding at the end
+        tl.store(out_ptr + row * stride_o + cols, ((xf * rstd) * (1.0 + w)).to(dtype), mask=mask)
+    else:
+        y = (xf * rstd).to(dtype)  # .to(orig)
+        tl.store(out_ptr + row * stride_o + cols, (w * y.to(tl.float32)).to(dtype), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------- RoPE
@@ -133,6 +136,29 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up).to(dtype), mask=mask)
 
 
+@triton.jit
+def _one_plus_tanh(x, PRECISE: tl.constexpr):
+    if PRECISE:  # as torch: libdevice's tanhf, then the add
+        return 1.0 + libdevice.tanh(x)
+    else:  # the interpreter: 2 / (1 + e^{-2x}), the same value without 1 + tanh's cancellation at x << 0
+        return 2.0 / (1.0 + tl.exp(-2.0 * x))
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I, BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    # torch CUDA gelu(approximate="tanh") in fp32: 0.5·x·(1 + tanh(√2·(2/√π)·0.5·(x + 0.044715·x³))), rounded to the
+    # dtype; then the dtype product
+    inner = 0.7978845608028654 * (gate + 0.044715 * (gate * gate * gate))
+    act = (0.5 * gate * _one_plus_tanh(inner, PRECISE)).to(dtype)
+    tl.store(out_ptr + row * stride_o + cols, (act.to(tl.float32) * up).to(dtype), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------- wrappers
 
 
@@ -156,7 +182,7 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rms_norm(x, residual, weight, eps):
+def _rms_norm(x, residual, weight, eps, gemma: bool = False):
     x = _rows(x, "x")
     t, n = x.shape
     if weight.shape != (n,) or weight.dtype != x.dtype:
@@ -176,7 +202,7 @@ def _rms_norm(x, residual, weight, eps):
             x, residual, weight, out, res_out,
             x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
             n, 1.0 / n, eps,
-            HAS_RESIDUAL=res_out is not out, BLOCK=block, PRECISE=_PRECISE,
+            HAS_RESIDUAL=res_out is not out, BLOCK=block, PRECISE=_PRECISE, GEMMA=gemma,
             num_warps=max(1, min(16, block // 256)), **_OPTS,
         )
     return out, res_out
@@ -192,6 +218,19 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (in x's dtype); returns (rms_norm(s), s), both new tensors (the inputs are not written)."""
     return _rms_norm(x, residual, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm per row of x [T, N]: ``(x * rsqrt(mean(x²) + eps)) * (1 + weight)`` in fp32, rounded once
+    to x's dtype, as ``GemmaRMSNorm.forward_native``."""
+    return _rms_norm(x, None, weight, eps, gemma=True)[0]
+
+
+def fused_add_gemma_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (in x's dtype); returns (gemma_rms_norm(s), s), both new tensors."""
+    return _rms_norm(x, residual, weight, eps, gemma=True)
 
 
 def rotary_embedding(
@@ -259,6 +298,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if t and inter:
         block = min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
+            x, out, x.stride(0), out.stride(0), inter,
+            BLOCK=block, PRECISE=_PRECISE, num_warps=4, **_OPTS,
+        )
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] → gelu(gate, approximate="tanh") * up [T, I] (GeGLU), rounded like the torch ops."""
+    x = _rows(x, "x")
+    t, two_i = x.shape
+    if two_i % 2:
+        raise ValueError(f"x's last dim must be even, got {two_i}.")
+    inter = two_i // 2
+    out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
+    if t and inter:
+        block = min(1024, triton.next_power_of_2(inter))
+        _gelu_tanh_and_mul_kernel[(t, triton.cdiv(inter, block))](
             x, out, x.stride(0), out.stride(0), inter,
             BLOCK=block, PRECISE=_PRECISE, num_warps=4, **_OPTS,
         )

@@ -39,10 +39,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """x = [gate | up] along the last dim → gelu(gate) * up (GeGLU; `approximate`: "none" or "tanh", as F.gelu).
-    Torch ops on every device: no fused kernel yet."""
+    One fused kernel on CUDA for "tanh" (Gemma's), torch ops otherwise."""
+    if approximate == "tanh" and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (ops := cuda_fused_ops()):
+        return ops.gelu_tanh_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate=approximate) * up
 
@@ -50,6 +51,7 @@ def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """gelu_and_mul with the tanh approximation (Gemma's gelu_pytorch_tanh)."""
     return gelu_and_mul(x, "tanh")
+
 
 def get_act_fn(name: str):
     acts = {

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from pagedllm.model.layers.activation import fused_ops_for
+from pagedllm.model.layers.activation import cuda_fused_ops, fused_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -40,7 +40,6 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: the checkpoint stores offsets w and the scale is (1 + w), applied in float32 before the one
     rounding to x's dtype (Llama rounds the normalised x first, then multiplies by w in x's dtype)."""
@@ -53,10 +52,16 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x (after adding residual, if given); returns (out, new_residual) then.
 
-        float32 takes the fused kernels (CUDA and CPU) with (1 + w) as their weight: in float32 both roundings
-        orders are the same. Other dtypes run ``forward_native`` (the fused kernels round Llama's way)."""
+        CUDA: one fused Triton kernel in Gemma's roundings, any dtype. CPU float32: the native Llama kernels with
+        (1 + w) as their weight (in float32 both rounding orders are the same). Else ``forward_native``."""
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype and (
+                ops := cuda_fused_ops()) is not None:
+            if residual is None:
+                return ops.gemma_rms_norm(x, self.weight, self.eps)
+            if residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1:
+                return ops.fused_add_gemma_rms_norm(x, residual, self.weight, self.eps)
         if (x.dim() == 2 and x.stride(-1) == 1 and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and (ops := fused_ops_for(x)) is not None):
+                and not x.is_cuda and (ops := fused_ops_for(x)) is not None):
             scale = self.weight + 1.0  # computed per call: no cached copy to go stale when weights are reloaded
             if residual is None:
                 return ops.rms_norm(x, scale, self.eps)
@@ -73,6 +78,7 @@ class GemmaRMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (xf * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
+
 
 class LayerNorm(nn.Module):
     """LayerNorm with optional affine weight/bias (OPT's layer_norm_elementwise_affine, GPT-2's ln_*)."""
