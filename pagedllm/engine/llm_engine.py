@@ -38,8 +38,7 @@ from pagedllm.model.layers.sampler import (
     token_rank,
     warm_up_sampler,
 )
-from pagedllm.model.models.llama import shared_sliding_window
-from pagedllm.model.models.registry import get_model_max_len, get_sliding_window
+from pagedllm.model.models.registry import get_model_max_len, get_sliding_window, shared_sliding_window
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams

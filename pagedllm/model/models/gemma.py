@@ -204,6 +204,13 @@ class GemmaForCausalLM(nn.Module):
         self.final_logit_soft_cap = self.final_soft_cap(config)
 
     # -- per-variant settings ------------------------------------------------------------------
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """Each layer's attention window (None: global), from the config alone (as GemmaModel builds the layers)."""
+        n = int(config.num_hidden_layers)
+        types = layer_types(config, cls.sliding_period) if cls.sliding_period else [FULL] * n
+        return [int(config.sliding_window) if kind == SLIDING else None for kind in types]
+
     @staticmethod
     def activation(config: Any) -> str | None:
         """`hidden_activation` where the config sets it, else `hidden_act` (transformers' GemmaConfig turns the legacy

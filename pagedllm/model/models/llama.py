@@ -45,11 +45,12 @@ def layer_sliding_window(config: Any, layer_index: int) -> int | None:
     return window if layer_types[layer_index] == "sliding_attention" else None
 
 
-def shared_sliding_window(config: Any) -> int | None:
-    """The window every layer of the model shares, or None when some layer attends to the whole context (then no
-    KV block can be freed early)."""
-    windows = {layer_sliding_window(config, i) for i in range(int(getattr(config, "num_hidden_layers", 0) or 0))}
-    return windows.pop() if len(windows) == 1 else None
+def llama_rotary_embedding(config: Any) -> RotaryEmbedding:
+    """The model's RoPE tables (max_position × head_dim float32 cos and sin: 134 MB for Llama 3.1's 131k positions),
+    built once and shared by every layer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    max_pos = getattr(config, "max_position_embeddings", 8192)
+    return RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32)
 
 
 class LlamaAttention(nn.Module):
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
     `layer_index` picks the layer's sliding window (layer_sliding_window)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False, layer_index: int = 0) -> None:
+                 qk_norm: bool = False, layer_index: int = 0, rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -71,8 +72,7 @@ class LlamaAttention(nn.Module):
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.head_dim = head_dim
-        max_pos = getattr(config, "max_position_embeddings", 8192)
-        self.rotary_emb = RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32)
+        self.rotary_emb = rotary_emb if rotary_emb is not None else llama_rotary_embedding(config)
         self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
                               sliding_window=layer_sliding_window(config, layer_index))
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
@@ -94,9 +94,10 @@ class LlamaDecoderLayer(nn.Module):
     """`mlp`: the layer's feed-forward block (default: the dense SwiGLU MLP; MoE models pass their experts)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False, mlp: nn.Module | None = None, layer_index: int = 0) -> None:
+                 qk_norm: bool = False, mlp: nn.Module | None = None, layer_index: int = 0,
+                 rotary_emb: RotaryEmbedding | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias, qk_norm, layer_index)
+        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias, qk_norm, layer_index, rotary_emb)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -119,8 +120,9 @@ class LlamaModel(nn.Module):
                  qk_norm: bool = False, make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        rotary = llama_rotary_embedding(config)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None, i)
+            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None, i, rotary)
              for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -158,6 +160,11 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """Each layer's attention window (None: the whole context), from the config alone."""
+        return [layer_sliding_window(config, i) for i in range(int(config.num_hidden_layers))]
 
     def make_mlp(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module | None:
         """Layer `layer_index`'s feed-forward block; None: the dense SwiGLU MLP (MoE models override this)."""

@@ -24,11 +24,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head, as Phi-4-mini) is not "
                              f"supported; Phi-3 models rotate whole heads (1.0)")
         super().__init__(config, tp, dtype)  # Llama's layers take the config's window (every Phi-3 layer)
-        # One rotary table for all layers: each is max_position × head_dim float32 cos and sin (100 MB apiece
-        # for a 128k Phi-3), and every layer's is the same.
-        shared = self.model.layers[0].self_attn.rotary_emb
-        for layer in self.model.layers[1:]:
-            layer.self_attn.rotary_emb = shared
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))

@@ -105,6 +105,18 @@ def get_sliding_window(config: Any) -> int | None:
     return int(window)
 
 
+def shared_sliding_window(config: Any) -> int | None:
+    """The window every attention layer of the model shares (Mistral-7B-v0.1, Phi-3): KV blocks behind it are never
+    read again, so the block manager frees them. None when any layer attends to the whole context (Gemma 2/3's
+    global layers), or the model class has no windows."""
+    try:
+        windows = getattr(get_model_class(config), "sliding_windows", None)
+    except ValueError:
+        return None
+    found = set(windows(config)) if windows is not None else {None}
+    return found.pop() if len(found) == 1 else None
+
+
 def get_model_max_len(config: Any, max_model_len: int | None = None) -> int:
     """The longest context this engine may serve for `config` (`max_model_len` is the user's request, which the
     engine applies under this ceiling): the config's position limit. A sliding window does not lower it: every
