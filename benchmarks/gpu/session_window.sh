@@ -4,6 +4,7 @@
 #   kernel  benchmarks/gpu/sliding_window_bench.py (decode / prefill with and without a window)
 #   gemma   random Gemma-2-2B- and Gemma-3-1B-shaped checkpoints against transformers (throughput.py --compare hf)
 #   mistral Mistral-7B-v0.1's shape with dummy weights, window 4096 vs none, 2-6 k-token prompts
+#   fused   the CUDA tests of the fused Gemma norm / GeGLU kernels, the Gemma families and Llama's shared RoPE table
 set -x
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 PARTS="${PART:-tests kernel}"
@@ -13,6 +14,10 @@ tests) python -m pytest tests/test_sliding_window_triton.py tests/test_models_hf
          tests/test_triton_kernels.py tests/test_fp8_kv_cache.py tests/test_piecewise_graphs.py \
          tests/test_sliding_window_engine.py -m cuda -q -p no:cacheprovider --timeout=300 -rfE \
          2>&1 | tail -25 | tee $OUT/cuda_tests.txt ;;
+fused) python -m pytest tests/test_triton_fused_ops.py tests/test_models_hf_gemma.py -m cuda -q -p no:cacheprovider \
+         --timeout=300 -rfE 2>&1 | tail -12 | tee $OUT/cuda_tests_fused.txt
+       python -m pytest tests/test_models_hf.py -k "cuda_greedy_parity" -q -p no:cacheprovider --timeout=300 -rfE \
+         2>&1 | tail -6 | tee -a $OUT/cuda_tests_fused.txt ;;
 kernel) python benchmarks/gpu/sliding_window_bench.py 2>&1 | tee $OUT/sliding_window_kernel.txt ;;
 gemma) for s in ${GEMMAS:-gemma3-1b gemma2-2b}; do
          python benchmarks/gpu/make_random_windowed.py /tmp/$s $s 2>&1 | tail -1
