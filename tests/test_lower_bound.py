@@ -94,3 +94,27 @@ def test_throughput_benchmark_runs_the_engines_default_dtype_and_the_peer_follow
     assert resolve_dtype("auto", "cuda") == resolve_dtype("auto", "cuda:0") == torch.bfloat16
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("float16", "cuda:1") == torch.float16
+
+
+def test_sliding_windows_bound_attention_flops_and_kv_reads():
+    # 2 layers: one with a window of 2 keys, one global. Request (p=4, o=3): decode queries at contexts 5 and 6.
+    shape = ModelShape(num_layers=2, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2, vocab=10,
+                       layer_windows=(2, None))
+    full = ModelShape(num_layers=2, hidden=4, intermediate=8, num_heads=2, num_kv_heads=1, head_dim=2, vocab=10)
+    lb = lower_bound(shape, [4], [3], max_num_seqs=4, pool_tokens=64, bandwidth=100.0, matmul_peak=1000.0)
+    ref = lower_bound(full, [4], [3], max_num_seqs=4, pool_tokens=64, bandwidth=100.0, matmul_peak=1000.0)
+    # keys per layer, averaged: prefill (1+2+2+2 + 1+2+3+4) / 2 = 8.5 against 10; decode (2+2 + 5+6) / 2 = 7.5 vs 11.
+    per_key = 2 * 4 * 2 * 2  # layers · 4·Hq·D
+    assert ref.prefill_flops - lb.prefill_flops == per_key * (10 - 8.5)
+    assert lb.decode_kv_bytes == 7.5 * full.kv_bytes_per_token and ref.decode_kv_bytes == 11 * full.kv_bytes_per_token
+    assert shape.shared_window is None and ModelShape(1, 4, 8, 2, 1, 2, 10, layer_windows=(3,)).shared_window == 3
+
+
+def test_model_shape_reads_each_layers_window_from_the_config():
+    import transformers
+
+    mistral = ModelShape.from_hf_config(transformers.MistralConfig(num_hidden_layers=3, sliding_window=64))
+    assert mistral.layer_windows == (64, 64, 64) and mistral.shared_window == 64
+    gemma2 = ModelShape.from_hf_config(transformers.Gemma2Config(num_hidden_layers=4, sliding_window=32))
+    assert gemma2.layer_windows == (32, None, 32, None)
+    assert ModelShape.from_hf_config(transformers.LlamaConfig(num_hidden_layers=2)).layer_windows == ()

@@ -27,6 +27,9 @@ FP8 KV cache, decoder-matmul weights 1 byte each with ``--quantization fp8`` (th
 the linear layers' FLOPs run at the FP8 matmul peak ``P8`` measured the same way (attention stays at ``P``).
 With a mixture of experts the FLOPs count each token's top-k experts (``N_act`` in place of ``N_mm``), and ``W``
 counts every expert: a decode batch of B rows reaches nearly all E experts once B·k is a few times E.
+With sliding-window layers (Mistral-7B-v0.1, Gemma 2/3, Phi-3) a query at context c reads min(c, W_l) keys of
+layer l: prefill attention FLOPs and decode KV bytes count min(c, W_l) in place of c, per layer; where every layer
+slides, a sequence holds at most W tokens of the pool when B is sized.
 The two phases are added, as if prefill and decode never
 shared a step: a mixed step that overlaps prefill FLOPs with the decode's weight reads can beat it in
 principle, so efficiency = bound / measured time could exceed 100 % on prefill-heavy mixes (it has not).
@@ -57,6 +60,8 @@ class ModelShape:
     moe_top_k: int = 0
     moe_intermediate: int = 0
     moe_shared_intermediate: int = 0
+    # Each layer's sliding window (None: the whole context); empty: every layer attends to the whole context.
+    layer_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None,
@@ -77,7 +82,8 @@ class ModelShape:
                        moe_intermediate=int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size),
                        moe_shared_intermediate=int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0))
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, heads, kv, head_dim,
-                   cfg.vocab_size, 3 if gated else 2, dtype_bytes, kv_dtype_bytes, matmul_weight_bytes, **moe)
+                   cfg.vocab_size, 3 if gated else 2, dtype_bytes, kv_dtype_bytes, matmul_weight_bytes, **moe,
+                   layer_windows=_layer_windows(cfg))
 
     @property
     def layer_matmul_params(self) -> int:
@@ -118,6 +124,39 @@ class ModelShape:
         kv_bytes = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_bytes
 
+    def attended_keys(self, first: int, last: int) -> float:
+        """Σ over layers and over queries at context lengths first..last of the keys each reads, ÷ num_layers
+        (so a model without windows gives Σ c): what KV reads and attention FLOPs scale with."""
+        if last < first:
+            return 0.0
+        windows = self.layer_windows or (None,) * self.num_layers
+        return sum(_keys_upto(last, w) - _keys_upto(first - 1, w) for w in windows) / len(windows)
+
+    @property
+    def shared_window(self) -> int | None:
+        """The window every layer shares (then a sequence holds at most that many tokens of KV), or None."""
+        found = set(self.layer_windows)
+        return found.pop() if len(found) == 1 else None
+
+
+def _keys_upto(n: int, window: int | None) -> float:
+    """Σ_{c=1}^{n} min(c, window) (window None: Σ c)."""
+    if window is None or n <= window:
+        return n * (n + 1) / 2
+    return window * (window + 1) / 2 + (n - window) * window
+
+
+def _layer_windows(cfg) -> tuple[int | None, ...]:
+    """The model class's per-layer windows for a HF config (empty where it has none, or is not registered)."""
+    from pagedllm.model.models.registry import get_model_class
+
+    try:
+        windows = getattr(get_model_class(cfg), "sliding_windows", None)
+    except ValueError:
+        return ()
+    found = tuple(windows(cfg)) if windows is not None else ()
+    return found if any(w is not None for w in found) else ()
+
 
 @dataclass(frozen=True)
 class LowerBound:
@@ -154,14 +193,16 @@ def lower_bound(shape: ModelShape, prompt_lens: list[int], output_lens: list[int
     attn = shape.num_layers * 4 * shape.num_heads * shape.head_dim
     p_lin = matmul_peak if linear_peak is None else linear_peak
     f_lin = sum(2 * shape.active_matmul_params * p for p in prompt_lens)
-    f_rest = sum(attn * p * (p + 1) / 2 + lm for p in prompt_lens)
+    f_rest = sum(attn * shape.attended_keys(1, p) + lm for p in prompt_lens)
     f_pre = f_lin + f_rest
     dec_tokens = sum(max(0, o - 1) for o in output_lens)
     mean_len = sum(p + o for p, o in zip(prompt_lens, output_lens)) / len(prompt_lens)
+    if shape.shared_window is not None:  # blocks behind the window are freed
+        mean_len = min(mean_len, shape.shared_window)
     batch = max(1, min(max_num_seqs, len(prompt_lens), int(pool_tokens // mean_len)))
     steps = max(math.ceil(dec_tokens / batch), max(o - 1 for o in output_lens))
-    # Σ_{j=1}^{o-1} (p + j) = (o-1)·p + (o-1)·o/2
-    kv_tokens = sum((o - 1) * p + (o - 1) * o / 2 for p, o in zip(prompt_lens, output_lens) if o > 1)
+    # Σ_{j=1}^{o-1} (p + j) = (o-1)·p + (o-1)·o/2 keys without windows
+    kv_tokens = sum(shape.attended_keys(p + 1, p + o - 1) for p, o in zip(prompt_lens, output_lens) if o > 1)
     w = steps * shape.step_weight_bytes
     kv = kv_tokens * shape.kv_bytes_per_token
     f_dec = 2 * (shape.active_matmul_params + shape.hidden * shape.vocab) * dec_tokens
