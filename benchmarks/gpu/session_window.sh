@@ -4,6 +4,8 @@
 #   kernel  benchmarks/gpu/sliding_window_bench.py (decode / prefill with and without a window)
 #   gemma   random Gemma-2-2B- and Gemma-3-1B-shaped checkpoints against transformers (throughput.py --compare hf)
 #   mistral Mistral-7B-v0.1's shape with dummy weights, window 4096 vs none, 2-6 k-token prompts
+#   capacity Mistral-7B-v0.1's shape, 64 requests of 8 192 + 512 tokens in a pool of 262 144 token slots: with its
+#           window 4096 (blocks behind it freed) against the same model with full attention
 #   fused   the CUDA tests of the fused Gemma norm / GeGLU kernels, the Gemma families and Llama's shared RoPE table
 set -x
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -32,5 +34,12 @@ mistral) for w in 4096 none; do
              --output-len 128 --max-model-len 8192 --output-json $OUT/mistral7b_window_$w.json 2>&1 \
              | grep -v "$F" | tee $OUT/mistral7b_window_$w.txt | tail -20
          done ;;
+capacity) for w in 4096 none; do
+            python benchmarks/gpu/make_random_windowed.py /tmp/m7c_$w mistral-7b --config-only --window $w
+            python benchmarks/throughput.py --model /tmp/m7c_$w --skip-tokenizer-init --load-format dummy \
+              --dtype bfloat16 --compare none --num-prompts 64 --input-len-min 8192 --input-len-max 8192 \
+              --output-len 512 --num-gpu-blocks-override 16384 --max-model-len 8704 \
+              --output-json $OUT/capacity_window_$w.json 2>&1 | grep -v "$F" | tee $OUT/capacity_window_$w.txt | tail -12
+          done ;;
 esac; done
 true
