@@ -95,14 +95,6 @@ def test_env_override_and_its_errors(forced_isa, caplog):
 # ------------------------------------------------------------------------------ each level's kernels
 
 
-@pytest.fixture(scope="module")
-def kernels_by_isa():
-    built = {isa: cpu_kernels.load_cpu_kernels(isa) for isa in RUNNABLE}
-    if any(k is None for k in built.values()):
-        pytest.skip("no C compiler: the CPU path runs torch")
-    return built
-
-
 @pytest.mark.parametrize("isa", ALL_ISAS)
 def test_level_build_is_its_own_and_matches_references(isa, kernels_by_isa):
     """Each level's library (its own file, no wider instructions than its level) against the torch

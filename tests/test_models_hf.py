@@ -22,6 +22,7 @@ from pagedllm.model.layers.linear import restore_dense_weights
 from pagedllm.model.models.registry import get_model_class, get_model_max_len, get_sliding_window
 from pagedllm.worker.worker import kv_geometry
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 VOCAB = 1000
 PROMPT_LENS = (1, 3, 5, 8, 12, 17, 23, 30)
 MAX_TOKENS = 16
@@ -127,13 +128,6 @@ def _build(family: Family, path: Path) -> Built:
     return Built(path, prompts, reference, logprobs, state)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on a shared 2-core box: one thread avoids OpenMP spin contention (≈20× faster)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

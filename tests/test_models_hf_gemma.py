@@ -38,6 +38,8 @@ from pagedllm.model.layers.norm import GemmaRMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, _inv_freq, attention_factor, rope_parameters
 from pagedllm.model.models.registry import get_model_class
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 WINDOW = 8
 _SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager")
@@ -100,12 +102,6 @@ def _build(name: str, path: Path) -> Built:
     return Built(path, prompts, reference, logprobs, {k: v.clone() for k, v in model.state_dict().items()})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -30,12 +30,6 @@ ISAS = [pytest.param(i, marks=pytest.mark.skipif(i not in RUNNABLE, reason=f"thi
 ATOL, RTOL = 2e-6, 2e-5
 
 
-@pytest.fixture(scope="module")
-def kernels_by_isa():
-    built = {isa: cpu_kernels.load_cpu_kernels(isa) for isa in RUNNABLE}
-    if any(k is None for k in built.values()):
-        pytest.skip("no C compiler: the CPU path runs torch")
-    return built
 
 
 def _windows(block_size: int) -> list[int | None]:
@@ -411,13 +405,6 @@ PROMPT_LENS = (20, 24, 27, 30, 36)  # the 36-token prompt takes the kernel's til
 MAX_TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matmuls on a shared 2-core box: one thread avoids OpenMP spin contention."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

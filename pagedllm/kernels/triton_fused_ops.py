@@ -287,8 +287,8 @@ def rotary_embedding(
     )
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] → silu(gate) * up [T, I], rounded like ``F.silu(gate) * up``."""
+def _gated(x: torch.Tensor, kernel) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] → act(gate) * up [T, I] through one of the gated-activation kernels."""
     x = _rows(x, "x")
     t, two_i = x.shape
     if two_i % 2:
@@ -297,25 +297,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     if t and inter:
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](
+        kernel[(t, triton.cdiv(inter, block))](
             x, out, x.stride(0), out.stride(0), inter,
             BLOCK=block, PRECISE=_PRECISE, num_warps=4, **_OPTS,
         )
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] → silu(gate) * up [T, I], rounded like ``F.silu(gate) * up``."""
+    return _gated(x, _silu_and_mul_kernel)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = [gate | up] → gelu(gate, approximate="tanh") * up [T, I] (GeGLU), rounded like the torch ops."""
-    x = _rows(x, "x")
-    t, two_i = x.shape
-    if two_i % 2:
-        raise ValueError(f"x's last dim must be even, got {two_i}.")
-    inter = two_i // 2
-    out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
-    if t and inter:
-        block = min(1024, triton.next_power_of_2(inter))
-        _gelu_tanh_and_mul_kernel[(t, triton.cdiv(inter, block))](
-            x, out, x.stride(0), out.stride(0), inter,
-            BLOCK=block, PRECISE=_PRECISE, num_warps=4, **_OPTS,
-        )
-    return out
+    return _gated(x, _gelu_tanh_and_mul_kernel)

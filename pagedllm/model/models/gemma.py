@@ -25,7 +25,7 @@ from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pagedllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model.layers.norm import GemmaRMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
-from pagedllm.model.models.llama import LlamaForCausalLM
+from pagedllm.model.models.llama import LlamaForCausalLM, RotaryAttention
 from pagedllm.model.models.weights import load_named_weights
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -59,7 +59,7 @@ class GemmaMLP(nn.Module):
         return self.down_proj(gelu_and_mul(self.gate_up_proj(x), self.approximate))
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(RotaryAttention):
     """GQA with RoPE (`rotary_emb`, shared by the layers of one attention type), this layer's window and soft cap,
     and (Gemma 3) per-head (1 + w) RMSNorms on q and k before RoPE."""
 
@@ -81,16 +81,6 @@ class GemmaAttention(nn.Module):
                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head: [T, H·D] → [T·H, D] rows
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -53,7 +53,23 @@ def llama_rotary_embedding(config: Any) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32)
 
 
-class LlamaAttention(nn.Module):
+class RotaryAttention(nn.Module):
+    """The forward shared by attention blocks built of `qkv_proj`, optional per-head `q_norm` / `k_norm`, `rotary_emb`,
+    `attn` and `o_proj` (with `q_size`, `kv_size`, `head_dim`): Llama's family and Gemma's."""
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # per head: [T, H·D] → [T·H, D] rows (new contiguous tensors)
+            t = q.shape[0]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
+        # CUDA: rotated in place in the qkv buffer by one fused kernel; CPU: the torch ops via float32.
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaAttention(RotaryAttention):
     """`qk_norm` (Qwen3): an RMSNorm over each head's q and k (one weight of head_dim per kind), before RoPE.
     `layer_index` picks the layer's sliding window (layer_sliding_window)."""
 
@@ -78,16 +94,6 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head: [T, H·D] → [T·H, D] rows (new contiguous tensors)
-            t = q.shape[0]
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
-        # CUDA: rotated in place in the qkv buffer by one fused kernel; CPU: the torch ops via float32.
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaDecoderLayer(nn.Module):
