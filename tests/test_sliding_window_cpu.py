@@ -374,11 +374,17 @@ def test_kernel_refuses_bad_windows_and_caps():
 
 
 @needs_kernels
-@pytest.mark.parametrize("max_native_query_len", [512, 4], ids=["all-native", "long-chunks-to-torch"])
+@pytest.mark.parametrize("max_native_query_len", [512, 4], ids=["all-native", "long-chunks-native-too"])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["f32-pool", "bf16-pool"])
 @pytest.mark.parametrize("window,cap", [(5, None), (16, 30.0), (None, 2.0)])
-def test_native_backend_equals_torch_backend(window, cap, pool_dtype, max_native_query_len):
-    """Both CPU backends, as a layer calls them (the native one sending long chunks to torch's SDPA when asked)."""
+def test_native_backend_equals_torch_backend(window, cap, pool_dtype, max_native_query_len, monkeypatch):
+    """Both CPU backends, as a layer calls them. With a window or a cap the native one keeps even chunks longer than
+    its `max_native_query_len` (torch's fallback masks whole contexts or builds float32 scores: several times slower)."""
+    from pagedllm.model.layers import attention
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("a windowed / capped chunk went to torch's SDPA fallback")
+
     block_size, hq, hk, d = 8, 8, 2, 64
     query, key, value, kc, vc, meta = _mixed_batch(block_size + hq, block_size, hq, hk, d)
     kc, vc = kc.to(pool_dtype), vc.to(pool_dtype)
@@ -389,6 +395,7 @@ def test_native_backend_equals_torch_backend(window, cap, pool_dtype, max_native
     meta.decode_buckets = None
     backend = NativeCpuAttentionBackend(KERNELS)
     backend.max_native_query_len = max_native_query_len
+    monkeypatch.setattr(attention.reference, "prefill_attention", no_fallback)
     out = backend.forward(query, key, value, (kc2, vc2), meta, d**-0.5, **kw)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
     dense = dense_attention(query, kc.float(), vc.float(), _tables(meta, block_size), meta.seq_lens_cpu,

@@ -2,7 +2,9 @@
 
 GEMMs: oneDNN with prepacked weights vs ``F.linear`` (torch's default BLAS). Attention: the native
 PagedAttention kernel vs the torch path (gather blocks + SDPA, kernels/reference.py) for one layer of
-a decode batch and of prompt chunks with and without cached context. Fused ops: the native RMSNorm/RoPE/SiLU·mul vs the layers' torch code.
+a decode batch and of prompt chunks with and without cached context (optionally with a sliding window and a logit
+soft cap, `--sliding-window` / `--soft-cap`: the windowed decode reports the K/V bytes its window reads). Fused ops:
+the native RMSNorm/RoPE/SiLU·mul vs the layers' torch code.
 Each figure is the median of `--repeats` timed calls after warm-up; ratios are torch ÷ ours.
 """
 from __future__ import annotations
@@ -48,7 +50,8 @@ def bench_gemm(rows: list[int], repeats: int) -> None:
                   f"{flop / t_ours / 1e6:8.1f} GFLOP/s  {t_torch / t_ours:6.2f}x")
 
 
-def bench_decode_attention(num_seqs: int, min_len: int, max_len: int, block_size: int, repeats: int) -> None:
+def bench_decode_attention(num_seqs: int, min_len: int, max_len: int, block_size: int, repeats: int,
+                           window: int | None = None, cap: float | None = None) -> None:
     import torch
 
     from pagedllm.kernels import cpu_kernels, reference
@@ -74,19 +77,21 @@ def bench_decode_attention(num_seqs: int, min_len: int, max_len: int, block_size
 
     def torch_path():
         meta.decode_buckets = None  # derived once per step in the engine: count it once per call here
-        return reference.paged_attention(query, fresh, fresh, kc, vc, meta, scale)
+        return reference.paged_attention(query, fresh, fresh, kc, vc, meta, scale, sliding_window=window,
+                                         logits_soft_cap=cap)
 
     out = torch.empty_like(query)
-    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 4
+    kv_bytes = 2 * sum(min(n, window or n) for n in lens) * KV_HEADS * HEAD_DIM * 4
     t_torch = median_ms(torch_path, repeats)
     line = (f"Decode attention, one layer: {num_seqs} seqs, context {min_len}-{max_len}, block {block_size}, "
-            f"{Q_HEADS}q/{KV_HEADS}kv heads x {HEAD_DIM}, {kv_bytes / 1e6:.1f} MB of K/V\n"
+            f"{Q_HEADS}q/{KV_HEADS}kv heads x {HEAD_DIM}, window {window}, cap {cap}, {kv_bytes / 1e6:.1f} MB of K/V read\n"
             f"  torch (gather + SDPA) {t_torch:7.3f} ms  {kv_bytes / t_torch / 1e6:6.1f} GB/s")
     if kernels is None:
         print(line + "\n  native: unavailable (no C compiler, or PAGEDLLM_CPU_KERNELS=torch)")
         return
     qsl = meta.query_start_loc
-    t_ours = median_ms(lambda: kernels.paged_attention(out, query, kc, vc, tables, seq_lens, qsl, scale), repeats)
+    t_ours = median_ms(lambda: kernels.paged_attention(out, query, kc, vc, tables, seq_lens, qsl, scale,
+                                                       sliding_window=window, logits_soft_cap=cap), repeats)
     torch.testing.assert_close(out, torch_path(), atol=1e-5, rtol=1e-4)
     print(line + f"\n  native PagedAttention  {t_ours:7.3f} ms  {kv_bytes / t_ours / 1e6:6.1f} GB/s   "
           f"{t_torch / t_ours:.2f}x")
@@ -100,7 +105,7 @@ PREFILL_CASES = {  # name: (query tokens per chunk, cached context per chunk)
 }
 
 
-def bench_prefill_attention(block_size: int, repeats: int) -> None:
+def bench_prefill_attention(block_size: int, repeats: int, window: int | None = None, cap: float | None = None) -> None:
     """Prompt chunks, one layer: the torch path (per-sequence SDPA, gathering any cached context) vs one
     native call. The engine sends a step to the native kernel when no chunk exceeds 512 tokens."""
     import torch
@@ -112,7 +117,7 @@ def bench_prefill_attention(block_size: int, repeats: int) -> None:
     if kernels is None:
         print("Prefill attention: native kernels unavailable")
         return
-    print("Prefill attention, one layer (torch -> native)")
+    print(f"Prefill attention, one layer (torch -> native), window {window}, cap {cap}")
     for name, (qlens, ctxs) in PREFILL_CASES.items():
         lens = [q + c for q, c in zip(qlens, ctxs)]
         width = max(-(-n // block_size) for n in lens)
@@ -133,10 +138,11 @@ def bench_prefill_attention(block_size: int, repeats: int) -> None:
             query_lens_cpu=qlens, num_decodes=0, max_seq_len=max(lens), max_query_len=max(qlens),
         )
         out_torch, out_native, scale = torch.empty_like(query), torch.empty_like(query), HEAD_DIM**-0.5
-        t_torch = median_ms(lambda: reference.prefill_attention(query, key, value, kc, vc, meta, scale, out_torch),
-                            repeats)
+        t_torch = median_ms(lambda: reference.prefill_attention(query, key, value, kc, vc, meta, scale, out_torch,
+                                                                sliding_window=window, logits_soft_cap=cap), repeats)
         t_ours = median_ms(lambda: kernels.paged_attention(out_native, query, kc, vc, tables, meta.seq_lens, qsl,
-                                                           scale), repeats)
+                                                           scale, sliding_window=window, logits_soft_cap=cap),
+                           repeats)
         torch.testing.assert_close(out_native, out_torch, atol=1e-5, rtol=1e-4)
         print(f"  {name:<34s} {t_torch:8.2f} ms -> {t_ours:8.2f} ms   {t_torch / t_ours:5.2f}x")
 
@@ -183,14 +189,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--op-rows", type=int, nargs="+", default=[64, 2048], help="Token rows for the fused ops.")
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--sliding-window", type=int, default=None, help="Attention window W (keys p-W < j <= p).")
+    p.add_argument("--soft-cap", type=float, default=None, help="Attention logit soft cap c: s -> c*tanh(s/c).")
+    p.add_argument("--attention-only", action="store_true", help="Skip the GEMM and fused-op benchmarks.")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     print(f"threads={torch.get_num_threads()}")
-    bench_gemm(args.gemm_rows, args.repeats)
-    bench_decode_attention(args.num_seqs, args.min_context, args.max_context, args.block_size, args.repeats)
-    bench_prefill_attention(args.block_size, max(3, args.repeats // 3))
-    bench_fused_ops(args.op_rows, args.repeats)
+    window, cap = args.sliding_window, args.soft_cap
+    if not args.attention_only:
+        bench_gemm(args.gemm_rows, args.repeats)
+    bench_decode_attention(args.num_seqs, args.min_context, args.max_context, args.block_size, args.repeats,
+                           window, cap)
+    bench_prefill_attention(args.block_size, max(3, args.repeats // 3), window, cap)
+    if not args.attention_only:
+        bench_fused_ops(args.op_rows, args.repeats)
     return 0

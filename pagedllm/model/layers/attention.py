@@ -106,6 +106,10 @@ class NativeCpuAttentionBackend(KVScales):
         # A bf16 model's prompt chunks keep torch's SDPA in bf16 (as fast as the kernel's float32 tile path there,
         # BENCHMARKS.md §52.9, and without widening whole chunks); its decodes and verifications take the kernel.
         limit = self.min_tile_query_len - 1 if widen and not self.fp8_pool else self.max_native_query_len
+        if sliding_window is not None or logits_soft_cap is not None:
+            # torch's SDPA takes neither: its fallback masks whole gathered contexts (a window) or builds the scores
+            # in float32 (a cap), 4.8-12x slower than the kernel on a 2 048-token prompt (BENCHMARKS.md §68.2)
+            limit = 1 << 62
         if meta.max_query_len <= limit:
             num_native, rows = meta.num_seqs, query.shape[0]
         else:  # the leading chunks up to the first long one
