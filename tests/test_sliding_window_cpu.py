@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedllm.kernels import cpu_isa, cpu_kernels, reference
-from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.kernels.metadata import AttentionMetadata, window_and_cap
 from pagedllm.model.layers.attention import NativeCpuAttentionBackend, TorchAttentionBackend
 from tests.test_cpu_kernels import _mixed_batch, _pool
 
@@ -173,8 +173,8 @@ def test_reference_refuses_bad_windows_and_caps(fn):
     key, value = _fresh_kv(kc, vc, meta)
     for kwargs, match in (({"sliding_window": 0}, "sliding_window must be a positive"),
                           ({"sliding_window": -4}, "sliding_window must be a positive"),
-                          ({"logits_soft_cap": 0.0}, "logits_soft_cap must be positive"),
-                          ({"logits_soft_cap": -1.0}, "logits_soft_cap must be positive")):
+                          ({"logits_soft_cap": 0.0}, "logits_soft_cap must be a positive"),
+                          ({"logits_soft_cap": -1.0}, "logits_soft_cap must be a positive")):
         with pytest.raises(ValueError, match=match):
             if fn == "naive":
                 reference.paged_attention_naive(query, kc, vc, _tables(meta, 4), [6], [1], 1.0, **kwargs)
@@ -368,9 +368,12 @@ def test_kernel_refuses_bad_windows_and_caps():
                           ({"logits_soft_cap": float("inf")}, "logits_soft_cap must be a positive finite")):
         with pytest.raises(ValueError, match=match):
             KERNELS.paged_attention(*args, **kwargs)
-    assert cpu_kernels.window_args(None, None) == (0, 0.0)
-    assert cpu_kernels.window_args(4096, 50) == (4096, 50.0)
-    assert cpu_kernels.window_args(2**40, None) == (2**31 - 1, 0.0)
+    assert window_and_cap(None, None) == (0, 0.0)
+    assert window_and_cap(4096, 50) == (4096, 50.0)
+    assert window_and_cap(2**40, None) == (2**31 - 1, 0.0)  # wider than any int32 context: no window
+    for bad in (True, 4.5, "8"):
+        with pytest.raises(ValueError, match="sliding_window"):
+            window_and_cap(bad, None)
 
 
 @needs_kernels

@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from pagedllm.core.block_manager import cdiv
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.spec_decode.device_ngram import accept_greedy, append_history, build_rows, propose_ngrams
+from pagedllm.worker.model_input import read_freed_blocks_as_zero
 
 if TYPE_CHECKING:
     from pagedllm.engine.launched_step import LaunchedStep
@@ -342,8 +342,7 @@ class DeviceSpecLoop:
             host_tables[i, : len(t)] = t
             host_ic[0, i] = slots[i]
             host_ic[1, i] = len(t) * self.block_size
-        if n and host_tables[:n, 0].min() < 0:  # entries freed behind a sliding window (they lead a table)
-            np.maximum(host_tables[:n], 0, out=host_tables[:n])
+        read_freed_blocks_as_zero(host_tables[:n])
         self.idx[:n].copy_(staged_ic[0, :n], non_blocking=self._pin)
         self.capacity[:n].copy_(staged_ic[1, :n], non_blocking=self._pin)
         self.tables[:n].copy_(staged_tables[:n], non_blocking=self._pin)

@@ -30,6 +30,7 @@ import torch
 
 from pagedllm.cache_dir import pagedllm_cache_dir
 from pagedllm.kernels import cpu_isa
+from pagedllm.kernels.metadata import window_and_cap
 
 logger = logging.getLogger("pagedllm")
 
@@ -88,7 +89,7 @@ class CpuKernels:
         without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py).
         The cache write is the float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and
         paged_attention takes the pool's ``kv_format`` code, min_tile_query_len, k_scale, v_scale, then the window
-        and soft cap as ``window_args`` gives them, last."""
+        and soft cap as ``metadata.window_and_cap`` gives them, last."""
         return self._rms, self._rotary, self._cache, self._attention, self._silu
 
     def heads_norm_function(self):
@@ -141,7 +142,7 @@ class CpuKernels:
         keys read as fp8 · `k_scale` and its values as fp8 · `v_scale`. `sliding_window` W: the token at position p
         attends to keys p - W < j <= p only (the blocks before a tile's window are not read); `logits_soft_cap` c:
         each scaled score s becomes c·tanh(s / c) before the softmax; None turns either off."""
-        window, soft_cap = window_args(sliding_window, logits_soft_cap)
+        window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
         num_tokens, num_q_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
         num_seqs = query_start_loc.numel() - 1
@@ -311,22 +312,6 @@ class CpuKernels:
         self._sample(logits.data_ptr(), logits.stride(0), rows, vocab, inv_temp.data_ptr(), u.data_ptr(),
                      tokens.data_ptr(), logprobs.data_ptr(), ws.data_ptr())
         return tokens, logprobs
-
-
-def window_args(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
-    """The attention kernel's (window, soft_cap) arguments for a layer's sliding window and logit soft cap: 0 for
-    None (off); a ValueError for a window under 1 or a cap that is not a positive finite number."""
-    window = 0
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive int (tokens) or None, got {sliding_window!r}")
-        window = min(sliding_window, 2**31 - 1)  # wider than any context the kernel's int lengths reach: no window
-    cap = 0.0
-    if logits_soft_cap is not None:
-        if not (isinstance(logits_soft_cap, (int, float)) and 0 < logits_soft_cap < float("inf")):
-            raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
-        cap = float(logits_soft_cap)
-    return window, cap
 
 
 #: Tokens per block of the native sampler's two-level inverse CDF (SAMPLE_BLOCK in cpu_ops.c).

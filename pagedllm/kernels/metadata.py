@@ -1,6 +1,8 @@
 """What attention needs to know about a flattened batch (passed down, never global)."""
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,3 +38,27 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def window_and_cap(sliding_window: Any, logits_soft_cap: Any) -> tuple[int, float]:
+    """A layer's sliding window and logit soft cap as the kernels take them: (window, soft_cap), 0 where None (off).
+    ValueError unless the window is a positive integer (tokens) and the cap a positive finite number, or None. A
+    window past 2^31 - 1 tokens, wider than any context the kernels' int32 lengths reach, is clamped there."""
+    window = 0
+    if sliding_window is not None:
+        try:
+            window = -1 if isinstance(sliding_window, bool) else operator.index(sliding_window)
+        except TypeError:
+            window = -1
+        if window < 1:
+            raise ValueError(f"sliding_window must be a positive int (tokens) or None, got {sliding_window!r}")
+        window = min(window, 2**31 - 1)
+    cap = 0.0
+    if logits_soft_cap is not None:
+        try:
+            cap = -1.0 if isinstance(logits_soft_cap, bool) else float(logits_soft_cap)
+        except (TypeError, ValueError):
+            cap = -1.0
+        if not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}")
+    return window, cap

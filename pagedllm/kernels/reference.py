@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.kernels.metadata import AttentionMetadata, window_and_cap
 
 
 def reshape_and_cache(
@@ -74,13 +74,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: floa
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, hk, hq // hk, lq, lk)
     return (probs @ v.float().unsqueeze(2)).view(b, hq, lq, d).to(q.dtype)
-
-
-def _check_window(sliding_window: int | None, logits_soft_cap: float | None) -> None:
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
 
 
 @dataclass
@@ -142,7 +135,7 @@ def paged_attention(
     directly, everything else reads the cache through the block tables. `sliding_window` W: the query at
     position p sees keys p - W < j <= p only; `logits_soft_cap` c: scores become c·tanh(s / c) (None: off).
     """
-    _check_window(sliding_window, logits_soft_cap)
+    window_and_cap(sliding_window, logits_soft_cap)  # the kernels' checks
     out = torch.empty_like(query)
     nd = meta.num_decodes
     for bucket in _decode_buckets(meta, key_cache.shape[1]):
@@ -184,7 +177,7 @@ def prefill_attention(
     onward: causal over their own tokens, plus their cached context read through the block table when they
     have one; within the last `sliding_window` keys of each query, and scores soft-capped at `logits_soft_cap`,
     where set."""
-    _check_window(sliding_window, logits_soft_cap)
+    window_and_cap(sliding_window, logits_soft_cap)  # the kernels' checks
     first = meta.num_decodes if first_seq is None else first_seq
     start = sum(meta.query_lens_cpu[:first])
     for i in range(first, meta.num_seqs):
@@ -228,7 +221,7 @@ def paged_attention_naive(
 ) -> torch.Tensor:
     """Token-by-token, block-by-block attention straight from eq. 4 — the oracle's oracle (slow). A query at
     position p reads keys max(0, p - sliding_window + 1)..p; scores become c·tanh(s / c) with a soft cap c."""
-    _check_window(sliding_window, logits_soft_cap)
+    window_and_cap(sliding_window, logits_soft_cap)  # the kernels' checks
     num_blocks, block_size, hk, d = key_cache.shape
     hq = query.shape[1]
     rep = hq // hk

@@ -37,8 +37,6 @@ the keys before each row's window, unloaded where no row of the program sees the
 from __future__ import annotations
 
 import functools
-import numbers
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +44,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels import kv_quant
+from pagedllm.kernels.metadata import window_and_cap
 
 
 @triton.jit
@@ -410,26 +409,6 @@ def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension.")
     return hq // hk, d
-
-
-def window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
-    """The kernels' runtime ``window`` and ``soft_cap`` arguments (0 where off: only the SLIDING / SOFT_CAP variants
-    read them); ValueError unless the window is a positive integer (below 2^31) and the cap a positive number, or
-    None."""
-    window = 0
-    if sliding_window is not None:
-        try:
-            window = operator.index(sliding_window)
-        except TypeError:
-            window = 0
-        if not 0 < window < 1 << 31 or isinstance(sliding_window, bool):
-            raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}.")
-    cap = 0.0
-    if logits_soft_cap is not None:
-        cap = float(logits_soft_cap) if isinstance(logits_soft_cap, numbers.Real) else float("nan")
-        if not 0 < cap < float("inf"):
-            raise ValueError(f"logits_soft_cap must be a positive number or None, got {logits_soft_cap!r}.")
-    return window, cap
 
 
 _REDUCE_MODES = ("fused", "separate")

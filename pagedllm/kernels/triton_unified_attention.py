@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.metadata import window_and_cap
 from pagedllm.kernels.triton_attention import (_attend_causal, _check_shapes, _dot_operand, _precision,
-                                               preloaded_table_row, prefill_launch, resolve_fp8_dot, window_and_cap)
+                                               preloaded_table_row, prefill_launch, resolve_fp8_dot)
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import cpu_quant
-from pagedllm.kernels.cpu_kernels import KV_FORMATS, window_args
+from pagedllm.kernels.cpu_kernels import KV_FORMATS
+from pagedllm.kernels.metadata import window_and_cap
 from pagedllm.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger("pagedllm")
@@ -223,7 +224,7 @@ class LlamaDirectForward:
                 raise ValueError("q/k norms must be contiguous float32 [head_dim] weights with one eps")
             qk = (norms[0].data_ptr(), norms[1].data_ptr(), float(sa.q_norm.eps))
         attn = sa.attn
-        window, soft_cap = window_args(getattr(attn, "sliding_window", None), getattr(attn, "logits_soft_cap", None))
+        window, soft_cap = window_and_cap(getattr(attn, "sliding_window", None), getattr(attn, "logits_soft_cap", None))
         return _Layer(qkv, o, gate_up, down, layer.input_layernorm.weight.data_ptr(),
                       layer.post_attention_layernorm.weight.data_ptr(), rope.cos_cache.data_ptr(),
                       rope.sin_cache.data_ptr(), *qk, window, soft_cap)

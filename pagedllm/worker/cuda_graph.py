@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.worker.model_runner import fill_pending_tokens
-from pagedllm.worker.model_input import SequenceChunk
+from pagedllm.worker.model_input import SequenceChunk, read_freed_blocks_as_zero
 
 logger = logging.getLogger("pagedllm")
 
@@ -221,8 +221,7 @@ class CUDAGraphRunner:
             bt = c.block_table
             tables[i, : len(bt)] = bt
             blk_of_pos[i] = bt[pos[i] // bs]
-        if tables[:n, 0].min() < 0:  # entries freed behind a sliding window (they lead a table)
-            np.maximum(tables[:n], 0, out=tables[:n])
+        read_freed_blocks_as_zero(tables[:n])
         np64[2, :n] = blk_of_pos * bs + pos % bs
         np32[:n] = pos + 1
         # Padding rows n..b (they may hold a previous step's values).

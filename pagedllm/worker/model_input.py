@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 @dataclass
 class SequenceChunk:
@@ -64,3 +66,11 @@ def split_into_decode_rows(chunks: list[SequenceChunk], max_query_len: int) -> l
         return None
     return [SequenceChunk(c.seq_id, [tok], c.start_pos + j, c.block_table, sample=True)
             for c in chunks for j, tok in enumerate(c.token_ids)]
+
+
+def read_freed_blocks_as_zero(tables: np.ndarray) -> None:
+    """Rewrite, in place, the table entries freed behind a sliding window (core's NULL_BLOCK, -1) as block 0: a real
+    block whose keys every window masks, so kernels and their index checks see valid ids. Freed entries lead a
+    row, so column 0 tells whether a row has any."""
+    if len(tables) and tables[:, 0].min() < 0:
+        np.maximum(tables, 0, out=tables)

@@ -16,7 +16,8 @@ from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
-from pagedllm.worker.model_input import SequenceChunk, logits_rows, split_into_decode_rows
+from pagedllm.worker.model_input import (SequenceChunk, logits_rows, read_freed_blocks_as_zero,
+                                         split_into_decode_rows)
 from pagedllm.worker.step_stats import StepStats, StepWork, step_kind
 
 
@@ -126,8 +127,7 @@ class ModelRunner:
         tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
         for i, c in enumerate(chunks):
             tables[i, : len(c.block_table)] = c.block_table
-        if num_seqs and tables[:, 0].min() < 0:  # entries freed behind a sliding window (they lead a table)
-            np.maximum(tables, 0, out=tables)
+        read_freed_blocks_as_zero(tables)
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         seq_lens = starts + qlens

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels import kv_quant, reference
-from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.kernels.metadata import AttentionMetadata, window_and_cap
 
 if TYPE_CHECKING:
     from pagedllm.kernels.triton_attention import DecodeWorkspace
@@ -192,10 +192,7 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         super().__init__()
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window}")
-        if logits_soft_cap is not None and not logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+        window_and_cap(sliding_window, logits_soft_cap)  # a clear error at construction, not at the first step
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

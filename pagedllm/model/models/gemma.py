@@ -136,11 +136,8 @@ class GemmaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp, dtype)
         # transformers multiplies by sqrt(hidden) rounded to the model dtype (55.4256 → 55.5 in bfloat16).
         self.normalizer = float(torch.tensor(hidden**0.5, dtype=torch.float32, device="cpu").to(dtype))
-        n = config.num_hidden_layers
-        types = layer_types(config, variant.sliding_period) if variant.sliding_period else [FULL] * n
-        window = getattr(config, "sliding_window", None)
-        if SLIDING in types and not window:
-            raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
+        windows = variant.sliding_windows(config)
+        types = [SLIDING if w is not None else FULL for w in windows]
         max_pos = getattr(config, "max_position_embeddings", 8192)
         # One rotary table per attention type (each is max_position × head_dim floats), shared by its layers.
         rotary = {kind: RotaryEmbedding(_head_dim(config), max_pos, variant.rope_parameters(config, kind),
@@ -151,12 +148,10 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList([
             GemmaDecoderLayer(
                 config, tp, dtype,
-                GemmaAttention(config, tp, dtype, rotary[kind], scale, int(window) if kind == SLIDING else None,
-                               soft_cap, variant.qk_norm),
+                GemmaAttention(config, tp, dtype, rotary[kind], scale, window, soft_cap, variant.qk_norm),
                 GemmaMLP(config, activation, tp, dtype), variant.sandwich_norms)
-            for kind in types
+            for kind, window in zip(types, windows)
         ])
-        self.layer_types = types
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -196,10 +191,13 @@ class GemmaForCausalLM(nn.Module):
     # -- per-variant settings ------------------------------------------------------------------
     @classmethod
     def sliding_windows(cls, config: Any) -> list[int | None]:
-        """Each layer's attention window (None: global), from the config alone (as GemmaModel builds the layers)."""
+        """Each layer's attention window (None: global), from the config alone; GemmaModel builds its layers from it."""
         n = int(config.num_hidden_layers)
         types = layer_types(config, cls.sliding_period) if cls.sliding_period else [FULL] * n
-        return [int(config.sliding_window) if kind == SLIDING else None for kind in types]
+        window = getattr(config, "sliding_window", None)
+        if SLIDING in types and not window:
+            raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window")
+        return [int(window) if kind == SLIDING else None for kind in types]
 
     @staticmethod
     def activation(config: Any) -> str | None:
