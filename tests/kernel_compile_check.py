@@ -70,6 +70,9 @@ def _sampling_and_layers(fp8: bool) -> None:
     qk = torch.zeros(8, 3 * 128, dtype=bf16)
     cos = torch.zeros(64, 64, dtype=torch.float32)
     triton_fused_ops.rotary_embedding(torch.arange(8), qk[:, :256], qk[:, 256:], cos, cos, 64)
+    # Partial rotary (Phi-4-mini: RoPE on the first 3/4 of each head).
+    triton_fused_ops.rotary_embedding(torch.arange(8), qk[:, :256], qk[:, 256:], cos[:, :48], cos[:, :48], 64,
+                                      rotary_dim=48)
     for dtype in (bf16, torch.float32):  # the batch-invariant GEMM: tensor-core and IEEE float32 dots
         triton_invariant_matmul.invariant_linear(x.to(dtype), torch.zeros(96, 256, dtype=dtype))
     if fp8:

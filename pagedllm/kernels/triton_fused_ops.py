@@ -93,6 +93,7 @@ def _rotate_heads(base_ptr, stride_h, h0, H, cos1, sin1, cos2, sin2, d, dmask,
     tl.store(p2, o2.to(base_ptr.dtype.element_ty), mask=mask)
 
 
+# HALF is half the rotary dim: head_dim / 2, or less under partial rotary (the rest of each head is not touched).
 @triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
@@ -240,14 +241,20 @@ def rotary_embedding(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     head_dim: int,
+    rotary_dim: int | None = None,
 ) -> None:
     """Rotate-half RoPE applied in place to q [T, Hq·D] and k [T, Hk·D] (or [T, H, D]) at `positions` [T].
 
     q and k may be column slices of a fused qkv output (any row stride; last-dim stride 1). cos/sin caches are
-    [max_pos, D] (each half of a row holding the same angles, HF's ``cat([freqs, freqs])``).
+    [max_pos, R] (each half of a row holding the same angles, HF's ``cat([freqs, freqs])``), R = `rotary_dim`
+    (default: head_dim): the first R dims of each head are rotated, the other D - R are left as they are (partial
+    rotary, Phi-4-mini).
     """
+    rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}.")
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in (0, head_dim = {head_dim}], got {rotary_dim}.")
     t = q.shape[0]
     heads = []
     for name, x in (("q", q), ("k", k)):
@@ -266,12 +273,14 @@ def rotary_embedding(
     if positions.shape != (t,):
         raise ValueError(f"positions must be [{t}], got {tuple(positions.shape)}.")
     for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
-        if c.dim() != 2 or c.shape[1] != head_dim or c.stride(-1) != 1:
-            raise ValueError(f"{name} must be [max_pos, {head_dim}] with unit last-dim stride, got {tuple(c.shape)}.")
+        if c.dim() != 2 or c.shape[1] != rotary_dim or c.stride(-1) != 1:
+            raise ValueError(f"{name} must be [max_pos, {rotary_dim}] with unit last-dim stride, got {tuple(c.shape)}.")
     if t == 0:
         return
     (hq, stride_qh), (hk, stride_kh) = heads
-    half = head_dim // 2
+    # The kernel rotates [0, HALF) against [HALF, 2·HALF) of each head (head starts `stride_h` apart): with
+    # HALF = rotary_dim / 2 the dims past rotary_dim are never loaded or stored.
+    half = rotary_dim // 2
     half_pad = triton.next_power_of_2(half)
     cap = max(1, 2048 // half_pad)  # ≤ 2048 elements per half-tile
     hb_q = min(triton.next_power_of_2(hq), cap)

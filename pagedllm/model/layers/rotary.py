@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF's rotate-half convention) with default/linear/llama3/yarn/longrope scaling."""
+"""Rotary position embeddings (HF's rotate-half convention) with default/linear/llama3/yarn/longrope scaling, on whole
+heads or on the first ``rotary_dim`` dims of each head (``partial_rotary_factor``: Phi-4-mini)."""
 from __future__ import annotations
 
 import math
@@ -43,6 +44,15 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict:
         params.setdefault("original_max_position_embeddings", max_pos)
         params.setdefault("max_position_embeddings", max_pos)
     return params
+
+
+def partial_rotary_factor(config: Any) -> float:
+    """The fraction of each head that RoPE rotates (1.0: whole heads), from `rope_parameters` or the config's own
+    `partial_rotary_factor` (transformers' two places for it). Only model families whose HF modeling applies it
+    (Phi-3) should read it: transformers' Llama ignores it."""
+    params = getattr(config, "rope_parameters", None) or {}
+    value = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return 1.0 if value is None else float(value)
 
 
 def attention_factor(params: dict) -> float:
@@ -111,26 +121,30 @@ def longrope_uses_long_factors(params: dict) -> bool:
     return float(params["max_position_embeddings"]) > float(params["original_max_position_embeddings"])
 
 
-def _longrope_inv_freq(head_dim: int, base: float, params: dict) -> torch.Tensor:
+def _longrope_inv_freq(head_dim: int, base: float, params: dict, dim_name: str = "head_dim") -> torch.Tensor:
     """LongRoPE (Phi-3 128k): per-dimension factors divide the default frequencies."""
     key = "long_factor" if longrope_uses_long_factors(params) else "short_factor"
     factors = params.get(key)
     if factors is None or len(factors) != head_dim // 2:
-        raise ValueError(f"longrope needs {key} with head_dim / 2 = {head_dim // 2} entries, got "
+        raise ValueError(f"longrope needs {key} with {dim_name} / 2 = {head_dim // 2} entries, got "
                          f"{None if factors is None else len(factors)}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
     return 1.0 / (torch.tensor(factors, dtype=torch.float64) * base**exponents)
 
-def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
+
+def _inv_freq(dim: int, params: dict, dim_name: str = "head_dim") -> torch.Tensor:
+    """The inverse frequencies of `dim` rotated dims: head_dim, or the rotary dim under a partial factor (as
+    transformers: the exponents and every scaling run over the rotated dims, not the whole head); `dim_name` names
+    that width in errors."""
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     rope_type = params["rope_type"]
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
         return inv_freq / float(params["factor"])
     if rope_type == "yarn":
-        return _yarn_inv_freq(head_dim, base, params)
+        return _yarn_inv_freq(dim, base, params)
     if rope_type == "llama3":
         factor = float(params["factor"])
         low = float(params.get("low_freq_factor", 1.0))
@@ -144,19 +158,28 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
     if rope_type == "longrope":
-        return _longrope_inv_freq(head_dim, base, params)
+        return _longrope_inv_freq(dim, base, params, dim_name)
     raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn, "
                      f"longrope")
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k given each token's absolute position."""
+    """Applies RoPE to q and k given each token's absolute position.
 
-    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype) -> None:
+    `rotary_dim` (default: head_dim): RoPE rotates the first rotary_dim dims of each head (rotate-half within them)
+    and passes the rest through, as transformers' Phi-3 with a partial_rotary_factor; the caches hold rotary_dim
+    columns, the frequencies are computed over rotary_dim."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"the rotary dim must be even and in (0, head_dim = {head_dim}], got {rotary_dim}")
         self.head_dim = head_dim
-        self.init_args = (head_dim, max_position, params, dtype)  # to compute the caches again elsewhere
-        inv_freq = _inv_freq(head_dim, params).float()
+        self.rotary_dim = rotary_dim
+        self.init_args = (head_dim, max_position, params, dtype, rotary_dim)  # to compute the caches again elsewhere
+        inv_freq = _inv_freq(rotary_dim, params, "head_dim" if rotary_dim == head_dim else "rotary_dim").float()
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -169,13 +192,17 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
+    def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return x * cos + self._rotate_half(x) * sin
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        return torch.cat((rot * cos + self._rotate_half(rot) * sin, rest), dim=-1)
+
     def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D] → rotated copies, computed in the caches' precision (fp32 here)."""
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
-        q = q * cos + self._rotate_half(q) * sin
-        k = k * cos + self._rotate_half(k) * sin
-        return q, k
+        return self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq·D], k [T, Hk·D] in the model's dtype (e.g. column slices of a fused qkv output) → rotated
@@ -183,11 +210,19 @@ class RotaryEmbedding(nn.Module):
 
         On CUDA (kernels/triton_fused_ops.py) and on the CPU in float32 (kernels/cpu_kernels.py) one fused
         kernel rotates q and k in place, in fp32 with one final rounding to their dtype, and returns them;
-        elsewhere ``forward_native`` returns new tensors.
+        elsewhere ``forward_native`` returns new tensors. The CPU kernel rotates whole heads only: partial rotary
+        runs ``forward_native`` there.
         """
+        ops = None
         if (q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
-                and self.cos_cache.dtype == torch.float32 and (ops := fused_ops_for(q)) is not None):
+                and self.cos_cache.dtype == torch.float32):
+            ops = fused_ops_for(q)
+        if ops is not None and self.rotary_dim == self.head_dim:
             ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
+        if ops is not None and q.is_cuda:  # the Triton kernel, which takes the rotary dim
+            ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim,
+                                 rotary_dim=self.rotary_dim)
             return q, k
         return self.forward_native(positions, q, k)
 

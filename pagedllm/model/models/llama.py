@@ -13,7 +13,7 @@ from pagedllm.model.layers.attention import Attention
 from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.model.layers.norm import RMSNorm
-from pagedllm.model.layers.rotary import RotaryEmbedding, rope_parameters
+from pagedllm.model.layers.rotary import RotaryEmbedding, partial_rotary_factor, rope_parameters
 from pagedllm.model.models.registry import get_sliding_window
 from pagedllm.model.models.weights import load_named_weights
 
@@ -45,12 +45,21 @@ def layer_sliding_window(config: Any, layer_index: int) -> int | None:
     return window if layer_types[layer_index] == "sliding_attention" else None
 
 
-def llama_rotary_embedding(config: Any) -> RotaryEmbedding:
-    """The model's RoPE tables (max_position × head_dim float32 cos and sin: 134 MB for Llama 3.1's 131k positions),
-    built once and shared by every layer."""
+def llama_rotary_embedding(config: Any, partial_rotary: bool = False) -> RotaryEmbedding:
+    """The model's RoPE tables (max_position × rotary_dim float32 cos and sin: 134 MB for Llama 3.1's 131k positions),
+    built once and shared by every layer. rotary_dim is head_dim, or with `partial_rotary` (a family whose modeling
+    honours it, Phi-3 / Phi-4-mini; transformers' Llama, Mistral and Qwen ignore it) int(head_dim ·
+    partial_rotary_factor)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     max_pos = getattr(config, "max_position_embeddings", 8192)
-    return RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32)
+    rotary_dim = head_dim
+    if partial_rotary:
+        factor = partial_rotary_factor(config)
+        rotary_dim = int(head_dim * factor)  # as transformers: truncated
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={factor} rotates {rotary_dim} of head_dim {head_dim} dims; RoPE "
+                             f"needs an even number in (0, head_dim]")
+    return RotaryEmbedding(head_dim, max_pos, rope_parameters(config), torch.float32, rotary_dim)
 
 
 class RotaryAttention(nn.Module):
@@ -123,10 +132,11 @@ class LlamaModel(nn.Module):
     """`make_mlp(layer_index)`: each layer's feed-forward block, or None for the dense MLP."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False, make_mlp: Callable[[int], nn.Module | None] | None = None) -> None:
+                 qk_norm: bool = False, make_mlp: Callable[[int], nn.Module | None] | None = None,
+                 partial_rotary: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        rotary = llama_rotary_embedding(config)
+        rotary = llama_rotary_embedding(config, partial_rotary)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None, i, rotary)
              for i in range(config.num_hidden_layers)]
@@ -155,13 +165,14 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias = False
     qk_norm = False  # Qwen3: per-head RMSNorms on q and k
+    partial_rotary = False  # Phi-3: honour the config's partial_rotary_factor (llama_rotary_embedding)
     loads_fp8_checkpoints = True  # [out, in] linears: model/fp8_checkpoint.py's per-row scales fit them
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, tp, dtype, self.qkv_bias, self.qk_norm,
-                                lambda i: self.make_mlp(config, i, tp, dtype))
+                                lambda i: self.make_mlp(config, i, tp, dtype), self.partial_rotary)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

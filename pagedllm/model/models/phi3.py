@@ -1,5 +1,6 @@
-"""Phi-3 / Phi-3.5 (mini): the Llama architecture with fused checkpoint tensors, an optional sliding window on every
-layer, and LongRoPE scaling on the 128k variants (layers/rotary.py).
+"""Phi-3 / Phi-3.5 (mini) and Phi-4-mini: the Llama architecture with fused checkpoint tensors, an optional sliding
+window on every layer, LongRoPE scaling on the 128k variants (layers/rotary.py), and RoPE on part of each head under a
+``partial_rotary_factor`` (Phi-4-mini's 0.75: 96 of 128 dims; models/llama.py: llama_rotary_embedding).
 
 Checkpoints store one ``qkv_proj`` [q | k | v] and one ``gate_up_proj`` [gate | up] per layer; they are split into the
 merged parameters' shards at load time, so tensor parallelism shards q, k, v, gate and up as for Llama.
@@ -17,13 +18,14 @@ from pagedllm.model.models.llama import LlamaForCausalLM
 class Phi3ForCausalLM(LlamaForCausalLM):
     # An FP8 checkpoint's scales of the fused tensors are not split here: such checkpoints are refused.
     loads_fp8_checkpoints = False
+    partial_rotary = True
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
-        partial = _partial_rotary_factor(config)
-        if partial != 1.0:
-            raise ValueError(f"partial_rotary_factor={partial} (RoPE on part of each head, as Phi-4-mini) is not "
-                             f"supported; Phi-3 models rotate whole heads (1.0)")
         super().__init__(config, tp, dtype)  # Llama's layers take the config's window (every Phi-3 layer)
+        rope = self.model.layers[0].self_attn.rotary_emb
+        if rope.rotary_dim < rope.head_dim:
+            # The CPU direct forward's RoPE (its C kernel) rotates whole heads: the module path serves this model.
+            self.direct_forward_supported = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))
@@ -52,8 +54,3 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 yield ".".join(parts[:-2] + [piece, parts[-1]]), tensor[start:start + rows]
                 start += rows
 
-
-def _partial_rotary_factor(config: Any) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    value = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    return 1.0 if value is None else float(value)
