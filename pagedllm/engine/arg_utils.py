@@ -5,7 +5,7 @@ import argparse
 import dataclasses
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, get_type_hints
+from typing import Any, Callable, get_type_hints
 
 from pagedllm.config import (
     BATCHING_MODES,
@@ -126,11 +126,34 @@ _HELP = {
     "max_cpu_loras": "Adapters kept loaded beside the slots, least recently used dropped first (default: max_loras).",
     "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
                                   "(llguidance: faster masks, unbounded number precision).",
+    "disable_log_stats": "Turn off the server's periodic stats line (vLLM's: prompt and generation throughput, "
+                         "running and waiting requests, KV cache usage, prefix cache hit rate; every 10 s while "
+                         "there is activity, VLLM_LOG_STATS_INTERVAL to change). The offline LLM logs none.",
+    "trust_remote_code": "Accepted for vLLM's command lines, no effect: pagedllm runs its own model code, never a "
+                         "checkpoint's.",
+    "revision": "Accepted for vLLM's command lines, no effect: models load from local files, which have one "
+                "version.",
+    "tokenizer_revision": "Accepted for vLLM's command lines, no effect (local files only).",
+    "download_dir": "Accepted for vLLM's command lines, no effect: nothing is downloaded.",
+    "hf_token": "Accepted for vLLM's command lines, no effect: nothing is downloaded.",
+    "tokenizer_mode": "auto or hf (the Hugging Face tokenizer, fast when it has one); slow is accepted with no "
+                      "effect; mistral (mistral_common) is not supported.",
+    "hf_overrides": "A JSON object of Hugging Face config fields to set when the model loads (vLLM's), e.g. "
+                    "'{\"max_position_embeddings\": 4096}'; a nested object updates a sub-config field by field.",
+    "pipeline_parallel_size": "Only 1: pipeline parallelism is not supported (use --tensor-parallel-size).",
+    "max_seq_len_to_capture": "Accepted for vLLM's command lines, no effect: decode CUDA graphs cover every "
+                              "context length up to max_model_len (--max-capture-tokens bounds the steps with "
+                              "prompt chunks that replay graphs).",
     "reasoning_parser": "A thinking model's <think>…</think> block, as vLLM's parser of that name: the server splits "
                         "it into `reasoning` and `content` on /v1/chat/completions and /v1/responses, and structured "
                         "outputs constrain only the answer after </think>. deepseek_r1: output without </think> is "
                         "all reasoning; qwen3: reasoning only inside a <think> block the output opens.",
 }
+
+#: vLLM's short spellings.
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "quantization": ("-q",)}
+#: vLLM's tokenizer modes pagedllm takes (all load the model's Hugging Face tokenizer).
+TOKENIZER_MODES = ("auto", "hf", "slow")
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES,
             "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS,
@@ -184,6 +207,18 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    disable_log_stats: bool = False
+    # vLLM's model-source and parallelism options: accepted so its command lines and LLM(...) calls work
+    # (`compat_notes` says which have no effect here).
+    trust_remote_code: bool = False
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    hf_token: bool | str | None = None
+    tokenizer_mode: str = "auto"
+    hf_overrides: str | dict | Callable[[Any], Any] | None = None
+    pipeline_parallel_size: int = 1
+    max_seq_len_to_capture: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -199,6 +234,9 @@ class EngineArgs:
         "llm_class" (the offline `LLM`) gets a larger default step budget on a GPU. `hf_config` (the model's) lets
         runner="auto" see a base-model checkpoint."""
         max_model_len = self.max_model_len or model_max_len
+        notes = self.compat_notes()
+        if notes:
+            logger.warning("vLLM options without effect here: %s", "; ".join(notes))
         runner, pooler, pooling_task = self._resolve_runner(hf_config)
         resolve_backend(self.structured_outputs_backend)
         check_reasoning_parser(self.reasoning_parser)
@@ -262,6 +300,36 @@ class EngineArgs:
         return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device), spec,
                             CompilationConfig.from_json(self.compilation_config), self._lora_config(runner, spec))
 
+    def compat_notes(self) -> list[str]:
+        """Check vLLM's model-source and parallelism options: a ValueError for a value pagedllm cannot honour,
+        else one note per given option that has no effect here."""
+        if isinstance(self.pipeline_parallel_size, bool) or self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: pipeline parallelism is not "
+                             "supported; allowed: 1. Split the model with tensor_parallel_size "
+                             "(--tensor-parallel-size) instead.")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            why = ": pagedllm loads the model's Hugging Face tokenizer, not mistral_common's" \
+                if self.tokenizer_mode == "mistral" else ""
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported{why}; allowed: "
+                             f"{', '.join(TOKENIZER_MODES)} (each loads the model's Hugging Face tokenizer).")
+        from pagedllm.model.loader import parse_hf_overrides
+
+        parse_hf_overrides(self.hf_overrides)
+        given = {
+            "trust_remote_code": (self.trust_remote_code, "pagedllm runs its own model code, never a checkpoint's"),
+            "revision": (self.revision, "models load from local files, which have one version"),
+            "tokenizer_revision": (self.tokenizer_revision, "tokenizers load from local files"),
+            "download_dir": (self.download_dir, "nothing is downloaded"),
+            "hf_token": (self.hf_token, "nothing is downloaded"),
+            "tokenizer_mode": (self.tokenizer_mode if self.tokenizer_mode == "slow" else None,
+                               "the fast tokenizer is used when the model has one"),
+            "max_seq_len_to_capture": (self.max_seq_len_to_capture, "decode CUDA graphs cover every context "
+                                                                    "length up to max_model_len"),
+        }
+        shown = {name: "***" if name == "hf_token" and isinstance(value, str) else repr(value)  # never log a token
+                 for name, (value, _) in given.items()}
+        return [f"{name}={shown[name]} ({why})" for name, (value, why) in given.items() if value not in (None, False)]
+
     def _lora_config(self, runner: str, spec: SpeculativeConfig | None) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
@@ -303,12 +371,16 @@ class EngineArgs:
             flag = "--" + f.name.replace("_", "-")
             help_text = _HELP.get(f.name, "") + f" (default: {f.default})"
             hint = hints[f.name]
+            if f.name == "hf_token":  # vLLM's: a token, or the flag alone (the token of `huggingface-cli login`)
+                parser.add_argument(flag, nargs="?", const=True, default=None, help=help_text)
+                continue
             if hint is bool or _base_type(hint) is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
                 continue
             base = _base_type(hint)
             choices = _CHOICES.get(f.name)
-            parser.add_argument(flag, type=base, default=f.default, help=help_text, choices=choices)
+            parser.add_argument(*_SHORT_FLAGS.get(f.name, ()), flag, type=base, default=f.default, help=help_text,
+                                choices=choices)
         return parser
 
     @classmethod

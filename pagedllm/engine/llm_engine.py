@@ -69,7 +69,7 @@ class LLMEngine:
         release_frozen_heap()
         self.engine_args = engine_args
         self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
-        self.hf_config = loader.load_config(self.model_dir)
+        self.hf_config = loader.load_config(self.model_dir, hf_overrides=engine_args.hf_overrides)
         model_max_len = get_model_max_len(self.hf_config, engine_args.max_model_len)
         window = get_sliding_window(self.hf_config)
         if engine_args.disable_sliding_window and window is not None:

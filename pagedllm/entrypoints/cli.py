@@ -1,4 +1,4 @@
-"""`pagedllm generate | serve | bench` — the command line."""
+"""`pagedllm generate | serve | run-batch | bench` — the command line."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.config_file import FlexibleArgumentParser, add_config_arg
 
 
 def _add_generate(sub) -> None:
@@ -23,6 +24,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="Wrap each prompt as a user message in the model's chat template (default: on).")
     p.add_argument("--json", action="store_true", help="Print one JSON object per output instead of text.")
+    add_config_arg(p)
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_run_generate)
 
@@ -50,7 +52,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: a PagedAttention LLM serving engine.")
+    parser = FlexibleArgumentParser(prog="pagedllm", description="pagedllm: a PagedAttention LLM serving engine.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
@@ -62,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         cli_serve = None
     if cli_serve is not None:
+        from pagedllm.entrypoints.openai import run_batch
+
         cli_serve.add_serve_parser(sub)
+        run_batch.add_run_batch_parser(sub)
     return parser
 
 

@@ -3,7 +3,7 @@
 Public API::
 
     DEFAULT_MODEL, default_model_path(), resolve_model(), prepare_model_dir(),
-    load_config(), iterate_weights(), get_rope_parameters()
+    load_config(), parse_hf_overrides(), apply_hf_overrides(), iterate_weights(), get_rope_parameters()
 
 Nothing here ever contacts a model hub.
 """
@@ -15,7 +15,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pagedllm.model.gguf_loader import get_or_convert_gguf, is_gguf_file
 
@@ -95,17 +95,65 @@ def prepare_model_dir(model: str | os.PathLike[str] | None, load_format: str = "
     return get_or_convert_gguf(path)
 
 
-def load_config(model_dir: str | os.PathLike[str], trust_remote_code: bool = False) -> Any:
-    """Load the ``transformers.PretrainedConfig`` of a prepared model directory (offline)."""
+HfOverrides = str | dict[str, Any] | Callable[[Any], Any] | None
+
+
+def load_config(model_dir: str | os.PathLike[str], trust_remote_code: bool = False,
+                hf_overrides: HfOverrides = None) -> Any:
+    """Load the ``transformers.PretrainedConfig`` of a prepared model directory (offline), with vLLM's
+    ``hf_overrides`` applied (:func:`apply_hf_overrides`)."""
     from transformers import AutoConfig
 
+    overrides = parse_hf_overrides(hf_overrides)  # a bad value fails before the config is read
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ValueError(f"No config.json in {path}; call prepare_model_dir() first")
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise ValueError(f"Could not load the model config from {path / 'config.json'}: {e}") from e
+    return apply_hf_overrides(config, overrides)
+
+
+def parse_hf_overrides(value: HfOverrides) -> dict[str, Any] | Callable[[Any], Any] | None:
+    """vLLM's ``hf_overrides``: a dict of config fields, its JSON text (the CLI's), or a function of the config;
+    a ValueError saying what is allowed for anything else."""
+    if value is None or callable(value):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"hf_overrides: not valid JSON ({e}); give an object of config fields, e.g. "
+                             '\'{"max_position_embeddings": 4096}\'.') from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"hf_overrides must be an object of config fields (or, from Python, a function of the "
+                         f"config), got {value!r}.")
+    return value
+
+
+def apply_hf_overrides(config: Any, overrides: dict[str, Any] | Callable[[Any], Any] | None) -> Any:
+    """The config with ``overrides`` set (vLLM's semantics): each key replaces that field; an object given for a
+    sub-config (e.g. ``text_config``) updates its fields one by one; a function returns the config to use."""
+    if overrides is None:
+        return config
+    if callable(overrides):
+        return overrides(config)
+    _set_fields(config, overrides)
+    if overrides:
+        logger.info("Model config fields overridden (hf_overrides): %s", ", ".join(sorted(overrides)))
+    return config
+
+
+def _set_fields(config: Any, overrides: dict[str, Any]) -> None:
+    from transformers import PretrainedConfig
+
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            _set_fields(current, value)
+        else:
+            setattr(config, key, value)
 
 
 def get_rope_parameters(config: Any) -> dict[str, Any]:

@@ -6,10 +6,18 @@ import json
 import logging
 import os
 import signal
+import ssl
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.config_file import add_config_arg
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser
+
+if TYPE_CHECKING:
+    from pagedllm.engine.metrics import EngineMetrics
+    from pagedllm.entrypoints.openai.server import HttpOptions
+    from pagedllm.entrypoints.openai.serving_common import ServingContext
 
 logger = logging.getLogger("pagedllm.serve")
 #: vLLM's switch for keeping /v1/responses results (--enable-responses-api-store).
@@ -19,16 +27,10 @@ RESPONSES_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 def add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
                        description="Serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn).")
-    p.add_argument("model_tag", nargs="?", default=None, help="Model to serve (same as --model).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default: 127.0.0.1).")
     p.add_argument("--port", type=int, default=8000, help="Port to bind (default: 8000).")
     p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
                    help="Require 'Authorization: Bearer KEY' on /v1/* routes (default: $PAGEDLLM_API_KEY).")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="Model name(s) the API answers to (default: the model's name).")
-    p.add_argument("--chat-template", default=None, help="A Jinja chat template, or a file holding one.")
-    p.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="Logprob tokens as 'token_id:N' strings (a request's return_tokens_as_token_ids overrides).")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="Add X-Request-Id to every response: the client's own X-Request-Id, else a random id.")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"],
@@ -47,21 +49,37 @@ def add_serve_parser(sub) -> None:
                    help="Keep /v1/responses results in memory (the most recent 10 000) for GET /v1/responses/{id} "
                         f"and previous_response_id (vLLM's {RESPONSES_STORE_ENV}=1 does the same). Off: requests' "
                         "`store` is ignored and nothing is kept.")
-    _add_limit_args(p)
+    _add_http_args(p)
     p.add_argument("--no-dashboard", action="store_true",
                    help="Turn off the live KV-cache dashboard (/dashboard, /dashboard/snapshot, /dashboard/events).")
     p.add_argument("--no-warm-up-request", action="store_true",
                    help="Skip the one short streamed request sent through the app before the server binds "
                         "(it warms what the first client request would otherwise pay for).")
+    add_serving_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the request handlers and their engine, shared by `serve` and `run-batch`."""
+    p.add_argument("model_tag", nargs="?", default=None, help="Model to serve (same as --model).")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) the API answers to (default: the model's name).")
+    p.add_argument("--chat-template", default=None, help="A Jinja chat template, or a file holding one.")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="Logprob tokens as 'token_id:N' strings (a request's return_tokens_as_token_ids overrides).")
+    _add_tool_args(p)
+    _add_limit_args(p)
+    _add_log_args(p)
+    _add_response_args(p)
     p.add_argument("--disable-frontend-multiprocessing", action="store_true",
-                   help="Run the engine on a thread of the server process instead of an engine-core process of "
-                        "its own (the default splits them, as vLLM does, so HTTP handling and the step loop never "
+                   help="Run the engine on a thread of this process instead of an engine-core process of "
+                        "its own (the default splits them, as vLLM does, so request handling and the step loop never "
                         "share one interpreter lock).")
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="LoRA adapters to serve (with --enable-lora), as vLLM's: name=path, or a JSON object "
                         "'{\"name\": ..., \"path\": ...}'; a request whose model is NAME runs with that adapter.")
+    add_config_arg(p)
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=run_serve)
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -98,6 +116,18 @@ def _lora_requests(modules: list[tuple[str, str]] | None, enable_lora: bool, ser
     return {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(modules, start=1)}
 
 
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    g = p.add_argument_group("tool calling")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Accepted for vLLM's command lines: tool_choice \"auto\" is always on here (with tools in a "
+                        "request, the output is parsed into tool_calls).")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="The format tool_choice \"auto\" parses, as vLLM's parser of that name (default: every "
+                        "format is tried, the first the output shows is used).")
+
+
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
     from pagedllm.entrypoints.openai import limits as L
 
@@ -115,6 +145,48 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {L.DEFAULT_MAX_BODY_BYTES}, 8 MiB).")
     g.add_argument("--protect-metrics", action="store_true",
                    help="With --api-key, require the key on /metrics too (default: /metrics and /health are open).")
+
+
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging (vLLM's flags; --disable-log-stats is with the engine's)")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="Log a line for each request handed to the engine, as vLLM: its id, prompt, sampling "
+                        "parameters, prompt token ids and LoRA adapter (default: off).")
+    # Declared after --enable-log-requests, whose default the shared dest keeps.
+    g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=False,
+                   help="vLLM's older flag: no request log (the default).")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="With --enable-log-requests: log at most this many prompt characters and prompt token "
+                        "ids (default: all).")
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("HTTP server (vLLM's flags)")
+    g.add_argument("--root-path", default=None,
+                   help="FastAPI's root_path, behind a proxy that routes a path prefix (e.g. /api) to this server: "
+                        "routes answer with and without the prefix, and /docs points at it.")
+    g.add_argument("--ssl-keyfile", default=None, help="HTTPS: the private key file (PEM).")
+    g.add_argument("--ssl-certfile", default=None, help="HTTPS: the certificate file (PEM); turns HTTPS on.")
+    g.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates that client certificates are "
+                                                        "checked against.")
+    g.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                   help="HTTPS: whether a client certificate is required (Python's ssl.VerifyMode: 0 none, "
+                        "1 optional, 2 required; default: 0).")
+    g.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
+                   help="Serve no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc).")
+
+
+def _add_response_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("responses (vLLM's flags)")
+    g.add_argument("--response-role", default="assistant",
+                   help="The role of the chat reply when the request adds the generation prompt (else the role of "
+                        "the message it continues) (default: assistant).")
+    g.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+                   help="Usage of /v1/completions and /v1/chat/completions (streamed too) gets "
+                        "prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served.")
+    g.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
+                   help="Every streamed completion ends with a usage chunk, as if the request set "
+                        "stream_options.include_usage.")
 
 
 def _json_list(text: str) -> list[str]:
@@ -144,16 +216,61 @@ def _chat_template(value: str | None) -> str | None:
     return path.read_text() if path.is_file() else value
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def http_options(args: argparse.Namespace) -> HttpOptions:
+    """The app's HTTP options from the serve flags."""
+    from pagedllm.entrypoints.openai.server import HttpOptions
 
+    return HttpOptions(enable_request_id_headers=args.enable_request_id_headers,
+                       allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+                       root_path=(args.root_path or "").rstrip("/"), disable_fastapi_docs=args.disable_fastapi_docs)
+
+
+def ssl_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings from --ssl-*: empty without a certificate; a ValueError for files that are not
+    there."""
+    files = {"--ssl-keyfile": args.ssl_keyfile, "--ssl-certfile": args.ssl_certfile,
+             "--ssl-ca-certs": args.ssl_ca_certs}
+    missing = [f"{flag} {path}" for flag, path in files.items() if path is not None and not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"no such file: {', '.join(missing)}.")
+    if args.ssl_certfile is None:
+        if args.ssl_keyfile or args.ssl_ca_certs:
+            raise ValueError("--ssl-keyfile and --ssl-ca-certs need --ssl-certfile (HTTPS is on with a certificate).")
+        return {}
+    if args.ssl_cert_reqs not in {int(m) for m in ssl.VerifyMode}:
+        raise ValueError(f"--ssl-cert-reqs must be one of {sorted(int(m) for m in ssl.VerifyMode)} "
+                         f"(ssl.VerifyMode), got {args.ssl_cert_reqs}.")
+    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
+            "ssl_cert_reqs": args.ssl_cert_reqs}
+
+
+def stats_log_interval(engine_args: EngineArgs) -> float | None:
+    """Seconds between vLLM's periodic stats lines (None: --disable-log-stats)."""
+    from pagedllm.engine.stats_logger import stats_interval_s
+
+    return None if engine_args.disable_log_stats else stats_interval_s()
+
+
+def serving_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ServingContext fields from vLLM's response and request-log flags."""
+    from pagedllm.entrypoints.openai.request_logger import RequestLogger
+
+    if not args.response_role:
+        raise ValueError("--response-role must not be empty (e.g. assistant).")
+    return {"response_role": args.response_role, "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+            "enable_force_include_usage": args.enable_force_include_usage,
+            "request_logger": RequestLogger(args.max_log_len) if args.enable_log_requests else None}
+
+
+def start_serving(args: argparse.Namespace, command: str) -> tuple[ServingContext, EngineMetrics, EngineArgs]:
+    """The engine (an engine-core process, or a thread with --disable-frontend-multiprocessing) and the request
+    handlers' context, from the flags of add_serving_args. `command` names the caller in errors."""
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.core_client import AsyncMPClient
-    from pagedllm.engine.gc_heap import freeze_startup_heap
     from pagedllm.engine.metrics import EngineMetrics
     from pagedllm.entrypoints.openai.limits import RequestLimits
     from pagedllm.entrypoints.openai.serving_common import ServingContext
-    from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, GracefulServer, HttpOptions, build_app
     from pagedllm.tokenizer import get_tokenizer
 
     if args.model_tag is not None:
@@ -161,9 +278,9 @@ def run_serve(args: argparse.Namespace) -> int:
     limits = RequestLimits(max_prompts_per_request=args.max_prompts_per_request,
                            max_total_prompt_tokens=args.max_total_prompt_tokens, max_n=args.max_n,
                            max_request_body_bytes=args.max_request_body_bytes)
-    if args.protect_metrics and not args.api_key:
-        raise ValueError("--protect-metrics needs --api-key (there is no key to protect /metrics with).")
     engine_args = EngineArgs.from_cli_args(args)
+    engine_args.compat_notes()  # its errors before the engine starts (the engine logs the notes)
+    extras = serving_options(args)
     names = args.served_model_name or [_default_name(engine_args.model)]
     loras = _lora_requests(args.lora_modules, engine_args.enable_lora, names)
     metrics = EngineMetrics(names[0])
@@ -174,7 +291,7 @@ def run_serve(args: argparse.Namespace) -> int:
     metrics.set_snapshot(engine.stats)
     info = engine.info
     if not info.has_tokenizer:
-        raise ValueError("pagedllm serve needs a tokenizer; drop --skip-tokenizer-init.")
+        raise ValueError(f"pagedllm {command} needs a tokenizer; drop --skip-tokenizer-init.")
     # The event loop's own tokenizer (the engine detokenizes with its own).
     tokenizer = get_tokenizer(info.model_dir, engine_args.tokenizer)
     checker = info.checker
@@ -186,32 +303,45 @@ def run_serve(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         default_sampling=dict(info.default_sampling_params), max_logprobs=checker.max_logprobs,
         reasoning_parser=ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
-        lora_modules=loras,
+        tool_call_parser=args.tool_call_parser, lora_modules=loras, **extras,
     )
-    http = HttpOptions(enable_request_id_headers=args.enable_request_id_headers,
-                       allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
-    app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
-                    dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request,
-                    dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1", http=http,
-                    responses_store=args.enable_responses_api_store, enable_lora=engine_args.enable_lora)
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], info.model_dir, info.device, info.dtype, checker.num_gpu_blocks, checker.block_size,
         checker.num_gpu_blocks * checker.block_size, ctx.max_model_len,
     )
+    return ctx, metrics, engine_args
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.engine.gc_heap import freeze_startup_heap
+    from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, GracefulServer, build_app
+
+    if args.protect_metrics and not args.api_key:
+        raise ValueError("--protect-metrics needs --api-key (there is no key to protect /metrics with).")
+    http, tls = http_options(args), ssl_options(args)
+    ctx, metrics, engine_args = start_serving(args, "serve")
+    engine, names = ctx.engine, ctx.served_model_names
+    log_stats = stats_log_interval(engine_args)
+    app = build_app(ctx, metrics, api_key=args.api_key, protect_metrics=args.protect_metrics,
+                    dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request,
+                    dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1", http=http,
+                    responses_store=args.enable_responses_api_store, enable_lora=engine_args.enable_lora,
+                    log_stats_interval_s=log_stats)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0, access_log=False)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0, access_log=False, **tls)
     server = GracefulServer(config, engine, args.shutdown_timeout)
     # uvicorn re-raises the signal it caught after its graceful shutdown; these no-op handlers
     # (restored by uvicorn before it re-raises) turn that into a normal return, so we exit 0.
     received: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: received.append(s))
-    logger.info("serving %s on http://%s:%d (auth %s)", names[0], args.host, args.port,
-                "on" if args.api_key else "off")
+    base = f"{'https' if tls else 'http'}://{args.host}:{args.port}{http.root_path}"
+    logger.info("serving %s on %s (auth %s)", names[0], base, "on" if args.api_key else "off")
     if not args.no_dashboard:
-        logger.info("live KV-cache dashboard: http://%s:%d/dashboard", args.host, args.port)
+        logger.info("live KV-cache dashboard: %s/dashboard", base)
     freeze_startup_heap()  # the API process too: no 100+ ms full collections while it streams (engine/gc_heap.py)
     server.run()
     if not server.started:

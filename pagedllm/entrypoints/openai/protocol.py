@@ -4,7 +4,16 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 
 class OpenAIBaseModel(BaseModel):
@@ -58,10 +67,24 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    #: Prompt tokens whose KV the prefix cache already held (not computed again).
+    cached_tokens: int = 0
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    #: With --enable-prompt-tokens-details only; left out of the JSON otherwise.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 # -- structured outputs and tool calling ----------------------------------------------------------------

@@ -27,12 +27,18 @@ def _unauthorized() -> OpenAIError:
 
 @dataclass(frozen=True)
 class ApiKeyAuth:
-    """Checks `Authorization: Bearer <key>` in constant time."""
+    """Checks `Authorization: Bearer <key>` in constant time. `root_path` (--root-path): a request the proxy passed
+    with the prefix still on (``/api/v1/models``) reaches ``/v1/models`` (FastAPI strips the root path when routing),
+    so the key is checked on the path without it."""
 
     api_key: str
     protect_metrics: bool = False
+    root_path: str = ""
 
     def protects(self, path: str) -> bool:
+        root = self.root_path
+        if root and (path == root or path.startswith(root + "/")):
+            path = path[len(root):] or "/"
         if self.protect_metrics and (path == "/metrics" or path.startswith("/metrics/")):
             return True
         return any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES)

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.metrics import CONTENT_TYPE, EngineMetrics
+from pagedllm.engine.stats_logger import LoggingStatLogger
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -113,24 +114,34 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 @dataclass(frozen=True)
 class HttpOptions:
-    """vLLM's HTTP flags: --enable-request-id-headers and the CORS settings (headers.py)."""
+    """vLLM's HTTP flags: --enable-request-id-headers, the CORS settings (headers.py), --root-path (FastAPI's
+    root_path, behind a proxy that routes a path prefix to this server) and --disable-fastapi-docs (no /docs,
+    /redoc, /openapi.json)."""
 
     enable_request_id_headers: bool = False
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    root_path: str = ""
+    disable_fastapi_docs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with '/' and not end with one (e.g. '/api'), got "
+                             f"{self.root_path!r}.")
 
 
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
               protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True,
               dev_mode: bool = False, http: HttpOptions = HttpOptions(), responses_store: bool = False,
-              enable_lora: bool = False) -> FastAPI:
+              enable_lora: bool = False, log_stats_interval_s: float | None = None) -> FastAPI:
     """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py).
     `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development route ``POST /reset_prefix_cache``.
     `http`: response headers and CORS (HttpOptions). `responses_store`: keep /v1/responses results in memory
     (--enable-responses-api-store). `enable_lora`: the engine serves LoRA adapters (the runtime LoRA routes need
-    it, and VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    it, and VLLM_ALLOW_RUNTIME_LORA_UPDATING). `log_stats_interval_s`: log vLLM's stats line this often once the
+    server is up (None: never; engine/stats_logger.py)."""
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     responses = OpenAIServingResponses(ctx, ResponseStore() if responses_store else None)
@@ -148,17 +159,26 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
                                   classify=ctx.engine.request_checker.pooling_task == "classify")
         if board is not None:
             board.start()
+        stats = None  # after the warm-up: its tokens are not the clients'
+        if log_stats_interval_s is not None:
+            stats = asyncio.create_task(LoggingStatLogger(ctx.engine.stats).run(log_stats_interval_s))
         try:
             yield
         finally:
             logger.info("shutting down: aborting %d in-flight request(s)", ctx.engine.num_in_flight)
+            if stats is not None:
+                stats.cancel()
             if board is not None:
                 await board.stop()
             await ctx.engine.shutdown()
 
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan)
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if http.disable_fastapi_docs else {}
+    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan, **docs)
+    # As vLLM sets it (the constructor's root_path argument is deprecated): FastAPI routes the path with or without
+    # the prefix, and /docs and the schema's `servers` name it.
+    app.root_path = http.root_path
     # Added last = outermost: the size limit, then the key, are checked before anything reads the body.
-    app.state.auth = ApiKeyAuth(api_key, protect_metrics) if api_key else None
+    app.state.auth = ApiKeyAuth(api_key, protect_metrics, http.root_path) if api_key else None
     if app.state.auth is not None:
         app.add_middleware(ApiKeyMiddleware, auth=app.state.auth)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.limits.max_request_body_bytes)

@@ -12,7 +12,6 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamResponse,
     TokenizeRequest,
-    UsageInfo,
     dump,
 )
 from pagedllm.entrypoints.openai.reasoning import ReasoningStream, prompt_opens_thinking
@@ -28,8 +27,6 @@ from pagedllm.entrypoints.openai.serving_common import (
 from pagedllm.entrypoints.openai.stream_format import ChatChunker, ContinuousUsage
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import apply_chat_template, check_chat_template_options
-
-ROLE = "assistant"
 
 
 def render_messages(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRequest,
@@ -64,7 +61,7 @@ class OpenAIServingChat:
     def _validate(self, req: ChatCompletionRequest) -> tuple[str, list[int], int | None, int | None, ChatTools]:
         model = self.ctx.check_model(req.model)
         try:
-            tools = ChatTools(req)
+            tools = ChatTools(req, self.ctx.tool_call_parser)
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -117,10 +114,11 @@ class OpenAIServingChat:
                 lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(comp.token_ids, comp.logprobs or [], logprobs,
                                                                           self.ctx.tokens_as_ids(req)))
             message, finish = self._message(comp, tools, ids)
+            message.role = self.ctx.chat_role(req)
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason,
                 token_ids=list(comp.token_ids) if req.return_token_ids else None))
-        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
+        usage = self.ctx.usage(len(ids), n_out, final.num_cached_tokens)
         prompt_logprobs = self.ctx.prompt_logprobs(final, req.prompt_logprobs, self.ctx.tokens_as_ids(req))
         return dump(ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage,
                                            prompt_logprobs=prompt_logprobs,
@@ -142,7 +140,8 @@ class OpenAIServingChat:
         created = int(time.time())
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         as_ids = self.ctx.tokens_as_ids(req)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = self.ctx.stream_usage(req.stream_options)
+        role = self.ctx.chat_role(req)
         sent_text: dict[int, int] = {}
         sent_toks: dict[int, int] = {}
         done: set[int] = set()
@@ -153,12 +152,12 @@ class OpenAIServingChat:
         thinking: dict[int, ReasoningStream] = {}  # per choice, with --reasoning-parser
         chunker = ChatChunker(request_id, created, model)
         chunk, delta_chunk = chunker.chunk, chunker.delta_chunk
-        usage_so_far = ContinuousUsage(req.stream_options, [len(ids)]).of
+        usage_so_far = ContinuousUsage(continuous_usage, [len(ids)]).of
 
         try:
             prompt_ids = list(ids) if req.return_token_ids else None
             for i in range(req.n):
-                yield chunk(i, ROLE, "", usage=usage_so_far(0, 0), prompt_token_ids=prompt_ids)
+                yield chunk(i, role, "", usage=usage_so_far(0, 0), prompt_token_ids=prompt_ids)
             async for _, out in merge_streams([s for _, s in streams]):
                 final = out
                 for comp in out.outputs:
@@ -197,7 +196,7 @@ class OpenAIServingChat:
                         yield chunk(idx, None, None, None, finish, comp.stop_reason, usage=usage)
             if include_usage and final is not None:
                 n_out = sum(len(c.token_ids) for c in final.outputs)
-                usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=n_out, total_tokens=len(ids) + n_out)
+                usage = self.ctx.usage(len(ids), n_out, final.num_cached_tokens)
                 yield sse(dump(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                             usage=usage)))
         except Exception as e:

@@ -18,8 +18,11 @@ from pagedllm.entrypoints.openai.protocol import (
     ErrorResponse,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokenUsageInfo,
+    UsageInfo,
     dump,
 )
+from pagedllm.entrypoints.openai.request_logger import RequestLogger
 from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
 from pagedllm.logprobs import Logprob
 from pagedllm.outputs import RequestOutput
@@ -111,12 +114,22 @@ class ServingContext:
     return_tokens_as_token_ids: bool = False
     #: --reasoning-parser: splits a thinking model's output into reasoning and content (None: off).
     reasoning_parser: Any = None
+    #: --tool-call-parser: the one format tool_choice "auto" parses (None: every format in TOOL_PARSERS is tried).
+    tool_call_parser: str | None = None
     #: Most log-probs per token (the engine's max_logprobs; -1: up to the vocabulary).
     max_logprobs: int = MAX_LOGPROBS
     #: The model's generation-config defaults for fields a request leaves unset (engine/generation_defaults.py).
     default_sampling: dict = field(default_factory=dict)
     #: --lora-modules: model name → LoRARequest (a request naming it runs with that adapter).
     lora_modules: dict = field(default_factory=dict)
+    #: --response-role: the role of the reply when the request adds the generation prompt (vLLM's).
+    response_role: str = "assistant"
+    #: --enable-prompt-tokens-details: usage gets prompt_tokens_details.cached_tokens (prefix cache hits).
+    enable_prompt_tokens_details: bool = False
+    #: --enable-force-include-usage: every stream ends with a usage chunk, as if stream_options.include_usage.
+    enable_force_include_usage: bool = False
+    #: --enable-log-requests: logs each request handed to the engine (None: off).
+    request_logger: RequestLogger | None = None
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -131,6 +144,27 @@ class ServingContext:
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    # -- response shape ------------------------------------------------------------------------------
+    def usage(self, prompt_tokens: int, completion_tokens: int = 0, cached_tokens: int = 0) -> UsageInfo:
+        """A response's usage; with --enable-prompt-tokens-details, the prompt tokens the prefix cache served."""
+        details = PromptTokenUsageInfo(cached_tokens=cached_tokens) if self.enable_prompt_tokens_details else None
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+    def stream_usage(self, stream_options: Any) -> tuple[bool, bool]:
+        """(a final usage chunk, usage on every chunk) for a stream, as vLLM decides them:
+        stream_options.include_usage or --enable-force-include-usage; continuous_usage_stats only with the
+        former."""
+        include = bool(stream_options and stream_options.include_usage) or self.enable_force_include_usage
+        return include, include and bool(stream_options and stream_options.continuous_usage_stats)
+
+    def chat_role(self, req: Any) -> str:
+        """The reply's role (vLLM's): --response-role when the request adds the generation prompt, else the
+        role of the message it continues."""
+        if req.add_generation_prompt:
+            return self.response_role
+        return req.messages[-1].role
 
     # -- validation --------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -330,6 +364,8 @@ class ServingContext:
         try:
             for i, ids in enumerate(prompts):
                 rid = f"{prefix}-{i}"
+                if self.request_logger is not None:
+                    self._log_request(rid, ids, params, lora)
                 prompt = {"prompt_token_ids": ids} if cache_salt is None else {"prompt_token_ids": ids,
                                                                                 "cache_salt": cache_salt}
                 added.append((rid, await self.engine.add_request(rid, prompt, params, coalesce=True,
@@ -340,6 +376,12 @@ class ServingContext:
                 raise error_from_exception(e) from None
             raise
         return added
+
+    def _log_request(self, request_id: str, ids: list[int], params: Any, lora: Any) -> None:
+        limit = self.request_logger.max_log_len
+        # The logger cuts the text to `limit` characters; `limit` tokens decode to about that many or more.
+        text = self.tokenizer.decode(ids if limit is None else ids[:limit])
+        self.request_logger.log_inputs(request_id, text, ids, params, lora)
 
     def abort_unfinished(self, streams: list[tuple[str, AsyncStream]]) -> None:
         ids = [rid for rid, s in streams if not s.finished]

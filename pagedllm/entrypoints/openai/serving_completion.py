@@ -9,7 +9,6 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
-    UsageInfo,
     dump,
 )
 from pagedllm.entrypoints.openai.serving_common import (
@@ -90,7 +89,7 @@ class OpenAIServingCompletion:
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason, prompt_logprobs=prompt_logprobs,
                     prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
                     token_ids=gen_ids if req.return_token_ids else None))
-        usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+        usage = self.ctx.usage(n_prompt, n_out, _cached_tokens(finals))
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, req, model, request_id, texts, ids, streams) -> AsyncIterator[str]:
@@ -101,10 +100,10 @@ class OpenAIServingCompletion:
         done: set[int] = set()
         announced: set[int] = set()  # choices whose prompt token ids went out (return_token_ids)
         finals: list[RequestOutput | None] = [None] * len(streams)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = self.ctx.stream_usage(req.stream_options)
 
         chunk = CompletionChunker(request_id, created, model).chunk
-        usage_so_far = ContinuousUsage(req.stream_options, [len(x) for x in ids]).of
+        usage_so_far = ContinuousUsage(continuous_usage, [len(x) for x in ids]).of
         as_ids = self.ctx.tokens_as_ids(req)
 
         try:
@@ -147,7 +146,7 @@ class OpenAIServingCompletion:
                 n_prompt = sum(len(x) for x in ids)
                 n_out = 0 if _echo_only(req) else sum(len(c.token_ids) for f in finals if f is not None
                                                        for c in f.outputs)
-                usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+                usage = self.ctx.usage(n_prompt, n_out, _cached_tokens(finals))
                 yield sse(dump(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                         usage=usage)))
         except Exception as e:
@@ -155,6 +154,11 @@ class OpenAIServingCompletion:
         finally:
             self.ctx.abort_unfinished(streams)
         yield sse("[DONE]")
+
+
+def _cached_tokens(finals: list[RequestOutput | None]) -> int:
+    """Prompt tokens the prefix cache served, over the request's prompts."""
+    return sum(f.num_cached_tokens for f in finals if f is not None)
 
 
 def _echo_only(req: CompletionRequest) -> bool:

@@ -59,10 +59,11 @@ class ChatChunker:
 
 class ContinuousUsage:
     """``stream_options.continuous_usage_stats`` (vLLM's): every chunk of a choice carries the usage so far, its
-    prompt's tokens and the choice's completion tokens; without it, chunks carry ``"usage": null``."""
+    prompt's tokens and the choice's completion tokens; without it, chunks carry ``"usage": null``. `on`: the
+    stream's decision (ServingContext.stream_usage)."""
 
-    def __init__(self, stream_options: Any, prompt_tokens: list[int]) -> None:
-        self.on = bool(stream_options and stream_options.include_usage and stream_options.continuous_usage_stats)
+    def __init__(self, on: bool, prompt_tokens: list[int]) -> None:
+        self.on = on
         self._prompt_tokens = prompt_tokens  # per prompt of the request
 
     def of(self, prompt: int, completion_tokens: int) -> dict[str, int] | None:
