@@ -134,7 +134,7 @@ class OpenAIServingResponses:
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
         chat = self._chat_request(req, messages, logprobs)
         try:
-            tools = ChatTools(chat)
+            tools = ChatTools(chat, self.ctx.tool_call_parser)
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice") from None
         self.ctx.check_n(1, None, req.stream, req.use_beam_search)

@@ -15,10 +15,10 @@ from pagedllm.entrypoints.openai.protocol import (
     ToolCall,
 )
 from pagedllm.entrypoints.openai.tool_parsers import (
-    TOOL_PARSERS,
     StreamingToolCalls,
     extract_tool_calls,
     tool_choice_structured_outputs,
+    tool_parser_classes,
 )
 from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, new_tool_call_id
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -27,16 +27,23 @@ ROLE = "assistant"
 
 
 class ChatTools:
-    """One request's tool handling. `mode`: None (no tools or tool_choice "none"), "auto", "named", "required"."""
+    """One request's tool handling. `mode`: None (no tools or tool_choice "none"), "auto", "named", "required".
+    `tool_call_parser`: the one format "auto" parses (a TOOL_PARSERS name); None: each format is tried."""
 
-    def __init__(self, req: ChatCompletionRequest) -> None:
+    def __init__(self, req: ChatCompletionRequest, tool_call_parser: str | None = None) -> None:
         self.tools = req.tools or []
+        self.parser_classes = tool_parser_classes(tool_call_parser)
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if self.tools else "none")
         self.constraint: StructuredOutputsParams | None
         self.constraint, mode = tool_choice_structured_outputs(self.tools, choice, req.parallel_tool_calls is not False)
         self.mode = mode or ("auto" if self.tools and choice == "auto" else None)
         self.name = choice.function.name if mode == "named" else None
+        if self.mode == "auto" and tool_call_parser is not None and self.parser_classes[0].needs_special_tokens:
+            req.skip_special_tokens = False  # the format's markers are special tokens (Mistral's [TOOL_CALLS])
         self._streams: dict[int, Any] = {}
+
+    def _parsers(self) -> list:
+        return [cls(self.tools) for cls in self.parser_classes]
 
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template receives them (OpenAI's JSON)."""
@@ -63,7 +70,7 @@ class ChatTools:
             return None, [ParsedToolCall(it["name"], json.dumps(it["parameters"], ensure_ascii=False))
                           for it in items if isinstance(it, dict) and "name" in it]
         if self.mode == "auto":
-            result = extract_tool_calls(text)
+            result = extract_tool_calls(text, self._parsers())
             return result.content, result.tool_calls
         return None
 
@@ -90,7 +97,7 @@ class ChatTools:
             return out
         # auto
         if st["auto"] is None:
-            st["auto"] = StreamingToolCalls([cls() for cls in TOOL_PARSERS.values()])
+            st["auto"] = StreamingToolCalls(self._parsers())
         streamer: StreamingToolCalls = st["auto"]
         delta = streamer.content_delta(text)
         if delta:

@@ -34,9 +34,27 @@ def call_from_json(obj: Any, args_key: str) -> ParsedToolCall | None:
     return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
+def content_end_before(text: str, marker: str) -> int:
+    """Characters of `text` before `marker`, or before a tail that could be the start of it (held back)."""
+    i = text.find(marker)
+    if i >= 0:
+        return i
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
+
+
 class ToolParser:
     """Parses a finished output (`extract`) and, for streaming, says how much of a growing text is plain
-    content that may be sent now (`safe_content_end`)."""
+    content that may be sent now (`safe_content_end`). `tools`: the request's tools (for formats whose
+    arguments are typed by the function's schema); `needs_special_tokens`: the format's markers are special
+    tokens, which detokenization must keep."""
+
+    needs_special_tokens = False
+
+    def __init__(self, tools: list[Any] | None = None) -> None:
+        self.tools = tools or []
 
     def extract(self, text: str) -> ExtractedToolCalls:
         raise NotImplementedError

@@ -4,7 +4,12 @@ from __future__ import annotations
 import json
 import re
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, ToolParser, call_from_json
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ExtractedToolCalls,
+    ToolParser,
+    call_from_json,
+    content_end_before,
+)
 
 START, END = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -27,11 +32,4 @@ class HermesToolParser(ToolParser):
         return ExtractedToolCalls(content=content if content.strip() else None, tool_calls=calls)
 
     def safe_content_end(self, text: str) -> int:
-        i = text.find(START)
-        if i >= 0:
-            return i
-        # Hold back a tail that could be the beginning of "<tool_call>".
-        for k in range(min(len(START) - 1, len(text)), 0, -1):
-            if START.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return content_end_before(text, START)
