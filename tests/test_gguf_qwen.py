@@ -4,16 +4,18 @@ Qwen3's per-head q/k norms). transformers reading the same file is the independe
 pagedllm must generate what transformers generates from the HF weights."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from gguf_writing import ENGINE_KW, add_shape_metadata, copy_tokenizer, hf_greedy, teacher_forced_ranks, write_gguf
+from gguf_writing import own_cache  # noqa: F401 (autouse fixture: a cache directory per test)
+from gguf_writing import ours_greedy as _ours_greedy
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_loader import transformers_dense_gguf_kwargs
-
-gguf = pytest.importorskip("gguf")
 
 VOCAB = 512
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -21,10 +23,6 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 ARCHS = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
          # Qwen3's real head_dim (128, here ≠ hidden / heads); transformers' GGUF reader assumes it.
          "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 128})}
-_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-            "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-            "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 PROMPTS = [[3, 17, 250, 9], [100, 5], [42, 43, 44, 45, 46, 47, 48]]
 MAX_TOKENS = 12
 
@@ -42,89 +40,21 @@ def _hf_model(arch: str, vocab: int = VOCAB) -> torch.nn.Module:
     return model
 
 
-def _gguf_name(hf_name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if hf_name in fixed:
-        return fixed[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
-
-
-def _copy_tokenizer(w, source: Path) -> None:
-    """The tokenizer metadata (BPE tokens, merges, special ids, chat template) of another GGUF file."""
-    reader = gguf.GGUFReader(source)
-    field = lambda key: reader.fields[key].contents()  # noqa: E731
-    w.add_tokenizer_model(field("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    w.add_token_list(field("tokenizer.ggml.tokens"))
-    w.add_token_types(field("tokenizer.ggml.token_type"))
-    w.add_token_merges(field("tokenizer.ggml.merges"))
-    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
-    w.add_chat_template(field("tokenizer.chat_template"))
-
-
 def write_qwen_gguf(model: torch.nn.Module, arch: str, path: Path, q8_linears: bool = False,
                     tokenizer_from: Path | None = None) -> Path:
     """The model as llama.cpp's converter stores it (no q/k permutation for Qwen); `q8_linears`: the 2-D
     projection weights as Q8_0 blocks, the rest float32; `tokenizer_from`: a GGUF whose tokenizer to embed (else
     only a token list of the vocabulary's size)."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"] if getattr(cfg, "rope_parameters", None)
-                         else cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if tokenizer_from is not None:
-        _copy_tokenizer(w, tokenizer_from)
-    else:
-        w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])  # transformers reads the vocabulary size from it
-    for name, tensor in model.state_dict().items():
-        arr = tensor.float().numpy()
-        if q8_linears and arr.ndim == 2 and "layers" in name:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(_gguf_name(name), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf(model, arch, path, partial(add_shape_metadata, cfg=model.config), q8_linears=q8_linears,
+                      tokenizer=None if tokenizer_from is None else partial(copy_tokenizer, source=tokenizer_from))
 
 
 def _hf_greedy(model: torch.nn.Module) -> list[list[int]]:
-    out = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0, eos_token_id=None)
-            out.append(seq[0, len(p):].tolist())
-    return out
+    return hf_greedy(model, PROMPTS, MAX_TOKENS)
 
 
 def _ours(path: Path, **kw) -> list[list[int]]:
-    llm = LLM(model=str(path), skip_tokenizer_init=True, num_gpu_blocks_override=32, max_model_len=128,
-              device="cpu", swap_space=0.01, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    return _ours_greedy(path, PROMPTS, MAX_TOKENS, **kw)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -148,16 +78,11 @@ def test_qwen_gguf_q8_linears_run_quantized(arch: str, tmp_path: Path) -> None:
     model = _hf_model(arch)
     src = write_qwen_gguf(model, arch, tmp_path / f"{arch}-q8.gguf", q8_linears=True)
     dense = _ours(src, quantization="none")
-    llm = LLM(model=str(src), skip_tokenizer_init=True, num_gpu_blocks_override=32, max_model_len=128, device="cpu",
-              swap_space=0.01, quantization="gguf")  # the suite's default is "none" (conftest.py)
+    llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf")  # the suite's default is "none" (conftest.py)
     runner_model = llm.llm_engine.executor.driver_worker.model
     assert type(runner_model).__name__ == ARCHS[arch][1]
     assert runner_model.model.layers[0].self_attn.qkv_proj.gguf_weight is not None
-    forced = [p + d for p, d in zip(PROMPTS, dense)]
-    outs = llm.generate([{"prompt_token_ids": f} for f in forced],
-                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    ranks = [o.prompt_logprobs[i][f[i]].rank for o, f, p in zip(outs, forced, PROMPTS)
-             for i in range(len(p), len(f))]
+    ranks = teacher_forced_ranks(llm, PROMPTS, dense)
     assert len(ranks) == len(PROMPTS) * MAX_TOKENS
     assert sum(r == 1 for r in ranks) >= 0.9 * len(ranks), ranks
 
@@ -182,4 +107,3 @@ def test_qwen_gguf_with_a_tokenizer_serves_text(tmp_path: Path) -> None:
     chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     want = reference.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
     assert tok.decode(chat[0].prompt_token_ids) == want and "Hi" in want
-

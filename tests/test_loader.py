@@ -297,8 +297,8 @@ def test_corrupt_and_truncated_gguf(tmp_path: Path, tmp_cache: Path) -> None:
 
 
 def test_unsupported_architecture(tmp_path: Path, tmp_cache: Path) -> None:
-    src = write_tiny_gguf(tmp_path / "other.gguf", tiny_hf_weights(), arch="gemma")
-    with pytest.raises(ValueError, match="Unsupported GGUF architecture 'gemma'.*supported: llama, qwen2, qwen3"):
+    src = write_tiny_gguf(tmp_path / "other.gguf", tiny_hf_weights(), arch="falcon")
+    with pytest.raises(ValueError, match="Unsupported GGUF architecture 'falcon'.*supported: llama, qwen2, qwen3"):
         prepare_model_dir(str(src))
 
 

@@ -17,48 +17,30 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator
 
 import numpy as np
 
 from pagedllm.cache_dir import pagedllm_cache_dir
+from pagedllm.model.gguf_config import (
+    GGUF_ARCHITECTURES,
+    FUSED_PARTS,
+    GLOBAL_TENSORS,
+    ROPE_FACTOR_TENSORS,
+    SUPPORTED_GGUF_ARCHITECTURES,
+    GGUFArchitecture,
+    GGUFModelInfo,
+    build_config,
+)
 
 logger = logging.getLogger("pagedllm")
 
-#: llama.cpp architecture → (HF architecture, HF model_type, whether q/k rows are permuted). llama.cpp's converter
-#: permutes Llama's q_proj/k_proj rows to its interleaved RoPE; Qwen models use the NEOX (rotate-half) order
-#: and are stored as HF has them.
-_GGUF_ARCHITECTURES: Mapping[str, tuple[str, str, bool]] = MappingProxyType({
-    "llama": ("LlamaForCausalLM", "llama", True),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
-})
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(_GGUF_ARCHITECTURES)
 GGUF_MAGIC = b"GGUF"
 # Bump when the converter output changes so that stale caches are not reused.
 CONVERTER_VERSION = "2"
 MARKER_FILE = "pagedllm_gguf_source.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
-_GLOBAL_TENSORS: Mapping[str, str] = MappingProxyType(
-    {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-)
-_BLOCK_TENSORS: Mapping[str, str] = MappingProxyType(
-    {
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head norms
-        "attn_k_norm": "self_attn.k_norm",
-    }
-)
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 # Tensors llama.cpp stores that have no HF counterpart and carry no information we need.
@@ -192,25 +174,6 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
     return reader
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    """Scalar or string metadata value ``key`` (``default`` when absent)."""
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return default
-    if hasattr(field, "contents"):
-        return field.contents()
-    part = field.parts[field.data[0]]
-    if part.dtype == np.uint8 and len(field.types) and field.types[0].name == "STRING":
-        return bytes(part).decode("utf-8")
-    return part.tolist()[0]
-
-
-def gguf_array_len(reader: Any, key: str) -> int | None:
-    """Length of an array metadata value (e.g. the token list) without decoding it."""
-    field = reader.fields.get(key)
-    return None if field is None else len(field.data)
-
-
 # --------------------------------------------------------------------------------------------
 # Tensor names and layout
 
@@ -227,143 +190,62 @@ def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def map_tensor_name(gguf_name: str) -> str | None:
-    """HF parameter name for a llama.cpp tensor name (None for tensors that are dropped)."""
+def _arch_spec(arch: str) -> GGUFArchitecture:
+    spec = GGUF_ARCHITECTURES.get(arch)
+    if spec is None:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    return spec
+
+
+def map_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF parameter name for a llama.cpp tensor name of architecture ``arch`` (None for tensors that are dropped
+    or that build_config reads into the config)."""
+    spec = _arch_spec(arch)
     if gguf_name.endswith(_IGNORED_SUFFIXES):
         return None
+    if arch == "phi3" and gguf_name in ROPE_FACTOR_TENSORS:
+        return None
     m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_TENSORS:
-        return f"model.layers.{m.group(1)}.{_BLOCK_TENSORS[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in spec.block_tensors and (spec.biases or m.group(3) == "weight"):
+        return f"model.layers.{m.group(1)}.{spec.block_tensors[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
-    if m and m.group(1) in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    if m and m.group(1) in GLOBAL_TENSORS and (spec.biases or m.group(2) == "weight"):
+        return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
     if gguf_name == "rope_freqs.weight":
         raise ValueError(
             "GGUF tensor 'rope_freqs.weight' (Llama-3.1 style RoPE frequency scaling) is not supported yet"
         )
-    raise ValueError(f"Unsupported tensor {gguf_name!r} in GGUF file (architectures {', '.join(_GGUF_ARCHITECTURES)} "
-                     f"expected)")
-
-
-# --------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass(frozen=True)
-class GGUFModelInfo:
-    """The pieces of GGUF metadata the conversion needs."""
-
-    config: dict[str, Any]
-    n_head: int
-    n_head_kv: int
-    eos_token_ids: list[int]
-    has_tokenizer: bool
-    chat_template: str | None
-    #: q_proj/k_proj rows in llama.cpp's interleaved RoPE order (Llama): un-permuted when read.
-    permuted_qk: bool = True
-
-
-def build_config(reader: Any, path: Path) -> GGUFModelInfo:
-    """Build an HF config dict (Llama, Qwen2 or Qwen3) from GGUF metadata."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"Unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
-        )
-    split_count = gguf_field(reader, "split.count", 1)
-    if split_count and int(split_count) > 1:
-        raise ValueError(
-            f"{path} is one part of a split GGUF ({split_count} parts); merge it first "
-            "(llama-gguf-split --merge) and pass the merged file"
-        )
-
-    def req(key: str) -> Any:
-        v = gguf_field(reader, f"{arch}.{key}")
-        if v is None:
-            raise ValueError(f"{path} is not a valid GGUF file: missing metadata key '{arch}.{key}'")
-        return v
-
-    hidden = int(req("embedding_length"))
-    n_head = int(req("attention.head_count"))
-    n_head_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", 0) or 0) or hidden // n_head
-    tensor_names = {t.name for t in reader.tensors}
-    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise ValueError(f"{path} is not a valid GGUF file: no 'token_embd.weight' tensor")
-    vocab_size = int(embd.shape[-1])  # GGUF shape is (ne0=hidden, ne1=vocab)
-    n_tokens = gguf_array_len(reader, "tokenizer.ggml.tokens")
-    if n_tokens is not None and n_tokens != vocab_size:
-        logger.warning("GGUF token list has %d entries but the embedding has %d rows", n_tokens, vocab_size)
-
-    rope_theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
-    rope_scaling: dict[str, Any] | None = None
-    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type")
-    factor = gguf_field(reader, f"{arch}.rope.scaling.factor")
-    if scaling_type in ("linear", "yarn") and factor and float(factor) != 1.0:
-        rope_scaling = {"rope_type": scaling_type, "factor": float(factor)}
-        orig = gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
-        if scaling_type == "yarn" and orig:
-            rope_scaling["original_max_position_embeddings"] = int(orig)
-    elif scaling_type not in (None, "none"):
-        raise ValueError(f"Unsupported RoPE scaling type {scaling_type!r} in {path}; supported: linear, yarn")
-
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    pad = gguf_field(reader, "tokenizer.ggml.padding_token_id")
-    eos_ids = [int(x) for x in (eos, gguf_field(reader, "tokenizer.ggml.eot_token_id"),
-                                gguf_field(reader, "tokenizer.ggml.eom_token_id")) if x is not None]
-    eos_ids = list(dict.fromkeys(eos_ids))
-    hf_arch, model_type, permuted_qk = _GGUF_ARCHITECTURES[arch]
-    config = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": int(req("feed_forward_length")),
-        "num_hidden_layers": int(req("block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_head_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(gguf_field(reader, f"{arch}.context_length", 2048)),
-        "rms_norm_eps": float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "vocab_size": vocab_size,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
-        "pad_token_id": None if pad is None else int(pad),
-        "torch_dtype": "float32",
-    }
-    return GGUFModelInfo(
-        config=config,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        eos_token_ids=eos_ids,
-        has_tokenizer=gguf_field(reader, "tokenizer.ggml.model") is not None,
-        chat_template=gguf_field(reader, "tokenizer.chat_template"),
-        permuted_qk=permuted_qk,
+    kinds = "weight and bias" if spec.biases else "weight"
+    raise ValueError(
+        f"Unsupported tensor {gguf_name!r} in a GGUF file of architecture {arch!r}; expected {kinds} tensors "
+        f"{', '.join(GLOBAL_TENSORS)} and blk.N.{{{', '.join(spec.block_tensors)}}}"
+        + (f" (and {', '.join(ROPE_FACTOR_TENSORS)})" if arch == "phi3" else "")
     )
 
 
+def _fused_rows(module: str, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Rows of each part of a fused projection (``qkv_proj``: q, k, v; ``gate_up_proj``: gate, up)."""
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    ff = cfg["intermediate_size"]
+    return (q, kv, kv) if module == "qkv_proj" else (ff, ff)
+
+
 def _expected_shape(hf_name: str, cfg: dict[str, Any]) -> tuple[int, ...] | None:
-    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    h, hd, vocab = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
     q, kv, ff = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
-    table = {
-        "embed_tokens.weight": (cfg["vocab_size"], h), "lm_head.weight": (cfg["vocab_size"], h),
-        "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
-        "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,), "o_proj.bias": (h,),
-        "gate_proj.weight": (ff, h), "up_proj.weight": (ff, h), "down_proj.weight": (h, ff),
-        "gate_proj.bias": (ff,), "up_proj.bias": (ff,), "down_proj.bias": (h,),
-        "q_norm.weight": (hd,), "k_norm.weight": (hd,),  # before "norm.weight": matched by suffix, in order
-        "layernorm.weight": (h,), "norm.weight": (h,),
-    }
-    for suffix, shape in table.items():
-        if hf_name.endswith(suffix):
-            return shape
+    module, kind = hf_name.split(".")[-2:]
+    rows = {"embed_tokens": vocab, "lm_head": vocab, "q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h,
+            "qkv_proj": q + 2 * kv, "gate_proj": ff, "up_proj": ff, "gate_up_proj": 2 * ff, "down_proj": h}
+    if module in rows:
+        cols = {"o_proj": q, "down_proj": ff}.get(module, h)
+        return (rows[module], cols) if kind == "weight" else (rows[module],)
+    if module in ("q_norm", "k_norm"):
+        return (hd,)
+    if module == "norm" or module.endswith("layernorm"):
+        return (h,)
     return None
 
 
@@ -373,7 +255,7 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
     from tqdm.auto import tqdm
 
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
-        hf_name = map_tensor_name(t.name)
+        hf_name = map_tensor_name(t.name, info.arch)
         if hf_name is None:
             continue
         try:
@@ -387,6 +269,8 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
             arr = reverse_permute(arr, info.n_head)
         elif info.permuted_qk and ".attn_k." in t.name:
             arr = reverse_permute(arr, info.n_head_kv)
+        if info.norm_offset and t.name.endswith("norm.weight"):
+            arr -= np.float32(info.norm_offset)
         expected = _expected_shape(hf_name, info.config)
         if expected is not None and tuple(arr.shape) != expected:
             raise ValueError(
@@ -449,16 +333,28 @@ def transformers_dense_gguf_kwargs() -> dict:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def _write_tokenizer(path: Path, out_dir: Path, info: GGUFModelInfo) -> None:
-    from transformers import AutoTokenizer
+def _load_gguf_tokenizer(path: Path) -> Any:
+    """transformers' tokenizer built from the GGUF metadata of ``path``.
 
+    AutoTokenizer first reads the model config from the file, which transformers cannot do for every architecture
+    whose tokenizer it builds (Gemma 1); the fast tokenizer class reads the tokenizer keys alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    kwargs = dict(gguf_file=path.name, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+    except Exception as e:
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(path.parent), **kwargs)
+        except Exception:
+            raise ValueError(f"Could not build a tokenizer from the GGUF metadata of {path}: {e}") from e
+
+
+def _write_tokenizer(path: Path, out_dir: Path, info: GGUFModelInfo) -> None:
     if not info.has_tokenizer:
         logger.warning("GGUF %s has no tokenizer metadata; pass a tokenizer explicitly", path)
         return
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"Could not build a tokenizer from the GGUF metadata of {path}: {e}") from e
+    tok = _load_gguf_tokenizer(path)
     if info.chat_template and not tok.chat_template:
         tok.chat_template = info.chat_template
     tok.model_max_length = info.config["max_position_embeddings"]
@@ -515,7 +411,9 @@ class GGUFRawTensor:
 
 
 def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFRawTensor], int]:
-    """Every mapped tensor of ``path`` without dequantizing (q/k rows un-permuted), and the file's tensor bytes."""
+    """Every mapped tensor of ``path`` without dequantizing (q/k rows un-permuted; Phi-3's fused q|k|v and gate|up
+    split by rows into q/k/v_proj and gate/up_proj), and the file's tensor bytes. Gemma's norms, stored with +1, are
+    left out: only the dense path (:func:`convert_gguf`) reads them."""
     src = Path(path)
     reader = open_gguf(src)
     info = build_config(reader, src)
@@ -523,16 +421,29 @@ def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFR
     total = 0
     for t in reader.tensors:
         total += int(t.n_bytes)
-        hf_name = map_tensor_name(t.name)
-        if hf_name is None:
+        hf_name = map_tensor_name(t.name, info.arch)
+        if hf_name is None or (info.norm_offset and t.name.endswith("norm.weight")):
             continue
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 (innermost) first
         raw = np.asarray(t.data)
+        module, kind = hf_name.split(".")[-2:]
         if len(shape) == 2:
             raw = raw.reshape(shape[0], -1)
             if info.permuted_qk and ".attn_q." in t.name:
                 raw = reverse_permute(raw, info.n_head)
             elif info.permuted_qk and ".attn_k." in t.name:
                 raw = reverse_permute(raw, info.n_head_kv)
-        out[hf_name] = GGUFRawTensor(hf_name, t.tensor_type.name, int(t.tensor_type), shape, raw)
+        if module not in FUSED_PARTS:
+            out[hf_name] = GGUFRawTensor(hf_name, t.tensor_type.name, int(t.tensor_type), shape, raw)
+            continue
+        rows = _fused_rows(module, info.config)
+        if shape[0] != sum(rows):
+            raise ValueError(f"GGUF tensor {t.name!r} in {src} has {shape[0]} rows, the model metadata implies "
+                             f"{' + '.join(map(str, rows))}")
+        prefix, start = hf_name[: -len(f"{module}.{kind}")], 0
+        for part, n in zip(FUSED_PARTS[module], rows):
+            name = f"{prefix}{part}.{kind}"
+            out[name] = GGUFRawTensor(name, t.tensor_type.name, int(t.tensor_type), (n, *shape[1:]),
+                                      raw[start:start + n])
+            start += n
     return out, total

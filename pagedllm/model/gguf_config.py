@@ -1,0 +1,376 @@
+"""What a GGUF file's metadata says: llama.cpp's architectures (their tensor names) and the Hugging Face config
+built from a file's metadata as llama.cpp reads it (its hard-coded defaults where a file is silent)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+
+logger = logging.getLogger("pagedllm")
+
+GLOBAL_TENSORS: Mapping[str, str] = MappingProxyType(
+    {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+)
+_ATTENTION_TENSORS: Mapping[str, str] = MappingProxyType({
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+})
+_GATED_MLP_TENSORS: Mapping[str, str] = MappingProxyType({
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+})
+_QK_NORM_TENSORS: Mapping[str, str] = MappingProxyType({
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's and Gemma 3's per-head norms
+    "attn_k_norm": "self_attn.k_norm",
+})
+_LLAMA_NORMS: Mapping[str, str] = MappingProxyType({
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+})
+# Gemma 2 / 3: a norm after the attention and two around the MLP; llama.cpp's `ffn_norm` is the pre-MLP one.
+_SANDWICH_NORMS: Mapping[str, str] = MappingProxyType({
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+})
+# Phi-3 stores q|k|v as one `attn_qkv` and gate|up as one `ffn_up` (2 × intermediate rows): HF's own fused names.
+_PHI3_TENSORS: Mapping[str, str] = MappingProxyType({
+    "attn_qkv": "self_attn.qkv_proj",
+    **_ATTENTION_TENSORS,  # unfused q/k/v, which llama.cpp accepts too
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+    **_LLAMA_NORMS,
+})
+#: Phi-3 LongRoPE's per-dimension frequency factors: read into the config's rope scaling, not weights.
+ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+#: Fused GGUF/HF tensors → their parts in row order (the quantized path serves the parts: layers/quantized_linear.py).
+FUSED_PARTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+})
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one llama.cpp architecture maps onto a transformers model."""
+
+    hf_arch: str
+    model_type: str
+    block_tensors: Mapping[str, str]
+    #: q_proj/k_proj rows permuted to llama.cpp's interleaved RoPE (Llama); the others use the NEOX (rotate-half)
+    #: order and are stored as HF has them.
+    permuted_qk: bool = False
+    #: llama.cpp's converter stores Gemma's RMSNorm weights (the norm is x·(1 + w)) with the 1 added.
+    norm_offset: float = 0.0
+    #: whether the HF model has projection biases (a bias tensor elsewhere is refused)
+    biases: bool = False
+    hidden_act: str = "silu"
+
+
+_LLAMA_BLOCK = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_LLAMA_NORMS, **_QK_NORM_TENSORS})
+_GEMMA2_BLOCK = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_SANDWICH_NORMS})
+GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", _LLAMA_BLOCK, permuted_qk=True, biases=True),
+    "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", _LLAMA_BLOCK, biases=True),
+    "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", _LLAMA_BLOCK, biases=True),
+    # llama.cpp runs Gemma's MLP with its tanh-approximated GELU (LLM_FFN_GELU).
+    "gemma": GGUFArchitecture("GemmaForCausalLM", "gemma", MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS,
+                                                                  **_LLAMA_NORMS}),
+                   norm_offset=1.0, hidden_act="gelu_pytorch_tanh"),
+    "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "gemma2", _GEMMA2_BLOCK, norm_offset=1.0, hidden_act="gelu_pytorch_tanh"),
+    "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text", MappingProxyType({**_GEMMA2_BLOCK, **_QK_NORM_TENSORS}),
+                    norm_offset=1.0, hidden_act="gelu_pytorch_tanh"),
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", "phi3", _PHI3_TENSORS),
+})
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_ARCHITECTURES)
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """Scalar or string metadata value ``key`` (``default`` when absent)."""
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return default
+    if hasattr(field, "contents"):
+        return field.contents()
+    part = field.parts[field.data[0]]
+    if part.dtype == np.uint8 and len(field.types) and field.types[0].name == "STRING":
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]
+
+
+def gguf_array_len(reader: Any, key: str) -> int | None:
+    """Length of an array metadata value (e.g. the token list) without decoding it."""
+    field = reader.fields.get(key)
+    return None if field is None else len(field.data)
+
+
+def _is_array_field(reader: Any, key: str) -> bool:
+    field = reader.fields.get(key)
+    return field is not None and len(field.types) > 0 and field.types[0].name == "ARRAY"
+
+
+def gguf_array(reader: Any, key: str) -> list[Any] | None:
+    """Numeric or string array metadata value ``key`` as a list (None when absent or not an array)."""
+    if not _is_array_field(reader, key):
+        return None
+    field = reader.fields[key]
+    if hasattr(field, "contents"):
+        return list(field.contents())
+    return [field.parts[i].tolist()[0] for i in field.data]
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+
+#: llama.cpp's period of local/global layers when a file names none (llama_model_gemma2/3::load_arch_hparams).
+_GEMMA_SLIDING_PERIOD: Mapping[str, int] = MappingProxyType({"gemma2": 2, "gemma3": 6})
+#: Gemma 2's window when a file names none (llama.cpp's default; Gemma 2's 4096).
+_GEMMA2_DEFAULT_WINDOW = 4096
+#: Layer counts of Gemma 2 27B and Gemma 3 27B. GGUF has no key for query_pre_attn_scalar: llama.cpp scales queries
+#: by (hidden / heads)**-0.5 for these (as their HF configs, 144 and 168) and by head_dim**-0.5 otherwise.
+_GEMMA_27B_LAYERS: Mapping[str, int] = MappingProxyType({"gemma2": 46, "gemma3": 62})
+#: Gemma 3's local RoPE base when a file names none (llama_hparams::rope_freq_base_train_swa).
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class GGUFModelInfo:
+    """The pieces of GGUF metadata the conversion needs."""
+
+    config: dict[str, Any]
+    n_head: int
+    n_head_kv: int
+    eos_token_ids: list[int]
+    has_tokenizer: bool
+    chat_template: str | None
+    #: q_proj/k_proj rows in llama.cpp's interleaved RoPE order (Llama): un-permuted when read.
+    permuted_qk: bool = True
+    arch: str = "llama"
+    #: subtracted from every ``*norm.weight`` when read (Gemma's norms are stored with +1)
+    norm_offset: float = 0.0
+
+
+def build_config(reader: Any, path: Path) -> GGUFModelInfo:
+    """Build an HF config dict (Llama, Qwen2/3, Gemma 1/2/3 or Phi-3) from GGUF metadata, as llama.cpp reads it."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    spec = GGUF_ARCHITECTURES[arch]
+    split_count = gguf_field(reader, "split.count", 1)
+    if split_count and int(split_count) > 1:
+        raise ValueError(
+            f"{path} is one part of a split GGUF ({split_count} parts); merge it first "
+            "(llama-gguf-split --merge) and pass the merged file"
+        )
+
+    def req(key: str) -> Any:
+        v = gguf_field(reader, f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"{path} is not a valid GGUF file: missing metadata key '{arch}.{key}'")
+        return v
+
+    hidden = int(req("embedding_length"))
+    n_head = int(req("attention.head_count"))
+    n_head_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", 0) or 0) or hidden // n_head
+    tensor_names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ValueError(f"{path} is not a valid GGUF file: no 'token_embd.weight' tensor")
+    vocab_size = int(embd.shape[-1])  # GGUF shape is (ne0=hidden, ne1=vocab)
+    n_tokens = gguf_array_len(reader, "tokenizer.ggml.tokens")
+    if n_tokens is not None and n_tokens != vocab_size:
+        logger.warning("GGUF token list has %d entries but the embedding has %d rows", n_tokens, vocab_size)
+
+    rope_theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    rope_scaling: dict[str, Any] | None = None
+    # As llama.cpp: a factor without a type is linear scaling; `rope.scale_linear` is the factor's old key.
+    factor = gguf_field(reader, f"{arch}.rope.scaling.factor", gguf_field(reader, f"{arch}.rope.scale_linear"))
+    scaling_type = gguf_field(reader, f"{arch}.rope.scaling.type", "linear" if factor else None)
+    if scaling_type in ("linear", "yarn") and factor and float(factor) != 1.0:
+        rope_scaling = {"rope_type": scaling_type, "factor": float(factor)}
+        orig = gguf_field(reader, f"{arch}.rope.scaling.original_context_length")
+        if scaling_type == "yarn" and orig:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    elif scaling_type == "longrope" and arch == "phi3":
+        pass  # the rope_factors tensors carry it (_phi3_config)
+    elif scaling_type not in (None, "none", "linear", "yarn"):
+        allowed = "linear, yarn" + (", longrope" if arch == "phi3" else "")
+        raise ValueError(f"Unsupported RoPE scaling type {scaling_type!r} in {path}; supported: {allowed}")
+    n_rot = gguf_field(reader, f"{arch}.rope.dimension_count")
+    if n_rot is not None and int(n_rot) != head_dim and arch != "phi3":
+        raise ValueError(
+            f"{path} rotates {n_rot} of each head's {head_dim} dimensions ({arch}.rope.dimension_count); partial "
+            f"rotary embeddings are supported for phi3 only, architecture {arch!r} must rotate whole heads"
+        )
+
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    pad = gguf_field(reader, "tokenizer.ggml.padding_token_id")
+    eos_ids = [int(x) for x in (eos, gguf_field(reader, "tokenizer.ggml.eot_token_id"),
+                                gguf_field(reader, "tokenizer.ggml.eom_token_id")) if x is not None]
+    eos_ids = list(dict.fromkeys(eos_ids))
+    config: dict[str, Any] = {
+        "architectures": [spec.hf_arch],
+        "model_type": spec.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(req("feed_forward_length")),
+        "num_hidden_layers": int(req("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_head_kv,
+        "head_dim": head_dim,
+        "hidden_act": spec.hidden_act,
+        "max_position_embeddings": int(gguf_field(reader, f"{arch}.context_length", 2048)),
+        "rms_norm_eps": float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if spec.biases:
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
+    config.update({
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "float32",
+    })
+    if arch in ("gemma", "gemma2", "gemma3"):
+        config.update(_gemma_config(reader, arch, config, path))
+    elif arch == "phi3":
+        config.update(_phi3_config(reader, config, None if n_rot is None else int(n_rot), scaling_type, path))
+    return GGUFModelInfo(
+        config=config,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        eos_token_ids=eos_ids,
+        has_tokenizer=gguf_field(reader, "tokenizer.ggml.model") is not None,
+        chat_template=gguf_field(reader, "tokenizer.chat_template"),
+        permuted_qk=spec.permuted_qk,
+        arch=arch,
+        norm_offset=spec.norm_offset,
+    )
+
+
+def _sliding_layer_types(reader: Any, arch: str, n_layers: int, path: Path) -> list[str]:
+    """Each layer's attention type as llama.cpp sets it (``llama_hparams::set_swa_pattern``):
+    ``attention.sliding_window_pattern`` is a flag per layer, or a period n (layer i is global when
+    i % n == n - 1; 0: every layer local); absent, the architecture's default period (Gemma 2: 2, Gemma 3: 6)."""
+    key = f"{arch}.attention.sliding_window_pattern"
+    flags = gguf_array(reader, key)
+    if flags is not None:
+        if len(flags) != n_layers:
+            raise ValueError(f"{path}: {key} has {len(flags)} per-layer flags, the model has {n_layers} layers")
+        local = [bool(f) for f in flags]
+    else:
+        period = int(gguf_field(reader, key, _GEMMA_SLIDING_PERIOD[arch]))
+        local = [period == 0 or i % period < period - 1 for i in range(n_layers)]
+    return [SLIDING if is_local else FULL for is_local in local]
+
+
+def _gemma_config(reader: Any, arch: str, base: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Gemma 1/2/3 settings llama.cpp's converter stores (or llama.cpp hard-codes), as transformers names them."""
+    out: dict[str, Any] = {"hidden_activation": GGUF_ARCHITECTURES[arch].hidden_act}
+    if arch == "gemma":
+        return out
+    n_layers, hidden, n_head = base["num_hidden_layers"], base["hidden_size"], base["num_attention_heads"]
+
+    def opt(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    out["query_pre_attn_scalar"] = hidden // n_head if n_layers == _GEMMA_27B_LAYERS[arch] else base["head_dim"]
+    window = int(opt("attention.sliding_window", _GEMMA2_DEFAULT_WINDOW if arch == "gemma2" else 0) or 0)
+    if arch == "gemma2":
+        if window <= 0:
+            raise ValueError(f"{path}: gemma2.attention.sliding_window is {window}; Gemma 2's local layers need a "
+                             "positive window")
+        local_base = opt("rope.freq_base_swa")
+        if local_base is not None and float(local_base) != base["rope_theta"]:
+            raise ValueError(
+                f"{path}: gemma2.rope.freq_base_swa = {local_base} differs from rope.freq_base = {base['rope_theta']}; "
+                "a separate local RoPE base is supported for gemma3 only (Gemma 2 has one base)"
+            )
+        attn_cap, final_cap = float(opt("attn_logit_softcapping", 50.0)), float(opt("final_logit_softcapping", 30.0))
+        out.update(sliding_window=window, layer_types=_sliding_layer_types(reader, arch, n_layers, path),
+                   attn_logit_softcapping=attn_cap or None, final_logit_softcapping=final_cap or None)
+        return out
+    # Gemma 3: no attention soft cap; a final one only where the file sets it; local layers only with a window.
+    final_cap = float(opt("final_logit_softcapping", 0.0))
+    out.update(attn_logit_softcapping=None, final_logit_softcapping=final_cap or None)
+    if window > 0:
+        out.update(sliding_window=window, layer_types=_sliding_layer_types(reader, arch, n_layers, path),
+                   rope_local_base_freq=float(opt("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)))
+    else:
+        out.update(sliding_window=None, layer_types=[FULL] * n_layers)
+    return out
+
+
+def _longrope_default_attention_factor(max_pos: int, original: int) -> float:
+    """LongRoPE's cos/sin factor from the context extension (llama.cpp's converter and transformers agree)."""
+    scale = max_pos / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+
+
+def _phi3_config(reader: Any, base: dict[str, Any], n_rot: int | None, scaling_type: str | None,
+                 path: Path) -> dict[str, Any]:
+    """Phi-3 / Phi-3.5 / Phi-4-mini settings: the window, partial rotary (Phi-4-mini) and LongRoPE (128k models)."""
+    head_dim = base["head_dim"]
+    out: dict[str, Any] = {}
+    # HF's Phi-3 attends within the window (llama.cpp currently ignores it); 0 marks Phi-4's files: no window.
+    window = int(gguf_field(reader, "phi3.attention.sliding_window", 0) or 0)
+    out["sliding_window"] = window if window > 0 else None
+    rotary = head_dim if n_rot is None else n_rot
+    if rotary != head_dim:
+        if not 0 < rotary < head_dim or rotary % 2:
+            raise ValueError(f"{path}: phi3.rope.dimension_count = {rotary}; it must be even and at most head_dim "
+                             f"({head_dim})")
+        out["partial_rotary_factor"] = rotary / head_dim
+    original = gguf_field(reader, "phi3.rope.scaling.original_context_length")
+    if original:
+        out["original_max_position_embeddings"] = int(original)
+    factors = {t.name: t for t in reader.tensors if t.name in ROPE_FACTOR_TENSORS}
+    if not factors:
+        if scaling_type == "longrope":
+            raise ValueError(f"{path} names LongRoPE scaling but has no {' / '.join(ROPE_FACTOR_TENSORS)} tensors")
+        return out
+    long_name, short_name = ROPE_FACTOR_TENSORS
+    if set(factors) != set(ROPE_FACTOR_TENSORS):
+        raise ValueError(f"{path} has {', '.join(sorted(factors))} but LongRoPE needs both {long_name} and "
+                         f"{short_name}")
+    if base["rope_scaling"] is not None:
+        raise ValueError(f"{path} has LongRoPE factor tensors and {base['rope_scaling']['rope_type']} RoPE scaling; "
+                         "only one scaling can apply")
+    if not original:
+        raise ValueError(f"{path} has LongRoPE factor tensors but no phi3.rope.scaling.original_context_length "
+                         "(the pretraining length that picks the long or short factors)")
+    from gguf.quants import dequantize
+
+    lists = {}
+    for name, t in factors.items():
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+        if values.size != rotary // 2:
+            raise ValueError(f"{path}: {name} has {values.size} factors; LongRoPE needs rotated dimensions / 2 = "
+                             f"{rotary // 2}")
+        lists[name] = [float(v) for v in values]
+    scaling: dict[str, Any] = {"rope_type": "longrope", "long_factor": lists[long_name],
+                               "short_factor": lists[short_name]}
+    attn_factor = gguf_field(reader, "phi3.rope.scaling.attn_factor")
+    default = _longrope_default_attention_factor(base["max_position_embeddings"], int(original))
+    # The file stores the factor as float32: keep transformers' own computation unless the file's differs from it.
+    if attn_factor is not None and not math.isclose(float(attn_factor), default, rel_tol=1e-6):
+        scaling["attention_factor"] = float(attn_factor)
+    out["rope_scaling"] = scaling
+    return out

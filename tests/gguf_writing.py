@@ -1,0 +1,147 @@
+"""Tiny random-weight transformers models written as GGUF files in llama.cpp's layout, and the greedy runs the GGUF
+tests compare (shared by tests/test_gguf_qwen.py and tests/test_gguf_gemma_phi3.py).
+
+Tensor names come from gguf-py's own HF → GGUF map (``gguf.get_tensor_name_map``, the one llama.cpp's converter
+uses), so the layout written does not depend on pagedllm's reverse mapping.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+gguf = pytest.importorskip("gguf")
+
+#: What the GGUF tests' LLMs share: small pools, token-id prompts, float32 on the CPU.
+ENGINE_KW = dict(skip_tokenizer_init=True, num_gpu_blocks_override=32, max_model_len=128, device="cpu",
+                 swap_space=0.01)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test converts into its own cache directory."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def gguf_tensor_names(arch: str, n_layers: int) -> Callable[[str], str]:
+    """llama.cpp's name for each HF parameter name of a model of llama.cpp architecture ``arch``."""
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = gguf.get_tensor_name_map(model_arch, n_layers)
+
+    def name(hf_name: str) -> str:
+        module, kind = hf_name.rsplit(".", 1)
+        mapped = name_map.get_name(module)
+        if mapped is None:
+            raise KeyError(f"gguf-py has no {arch} tensor for {hf_name!r}")
+        return f"{mapped}.{kind}"
+
+    return name
+
+
+def add_shape_metadata(w, cfg, rope_base: bool = True, head_dim: bool = True) -> None:
+    """The shape keys every converter writes; ``rope_base``/``head_dim``: also rope.freq_base / key and value length
+    (Gemma 1 and 2's converters write neither base; Phi-3's writes no head length)."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if head_dim:
+        size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_key_length(size)
+        w.add_value_length(size)
+    if rope_base:
+        params = getattr(cfg, "rope_parameters", None) or {}
+        params = params.get("full_attention", params)
+        w.add_rope_freq_base(params.get("rope_theta", getattr(cfg, "rope_theta", None)))
+
+
+def copy_tokenizer(w, source: Path) -> None:
+    """The tokenizer metadata (BPE tokens, merges, special ids, chat template) of another GGUF file."""
+    reader = gguf.GGUFReader(source)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    w.add_tokenizer_model(field("tokenizer.ggml.model"))
+    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
+    w.add_token_list(field("tokenizer.ggml.tokens"))
+    w.add_token_types(field("tokenizer.ggml.token_type"))
+    w.add_token_merges(field("tokenizer.ggml.merges"))
+    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
+    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
+    w.add_chat_template(field("tokenizer.chat_template"))
+
+
+def _q8(arr: np.ndarray) -> np.ndarray:
+    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+
+
+def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable[[object], None], *,
+               norm_offset: float = 0.0, q8_linears: bool = False, q8_embedding: bool = False,
+               tokenizer: Callable[[object], None] | None = None,
+               extra_tensors: Iterable[tuple[str, np.ndarray]] = ()) -> Path:
+    """``model`` as llama.cpp's converter stores it for ``arch``: ``metadata(writer)`` writes the architecture's
+    keys; ``norm_offset`` is added to every ``*norm.weight`` (Gemma's converters add 1); a tied ``lm_head`` is not
+    stored; ``q8_linears``: the layers' 2-D weights as Q8_0 blocks (``q8_embedding``: the embedding too), the rest
+    float32; ``tokenizer(writer)`` writes the tokenizer keys (default: a token list of the vocabulary's size, which
+    transformers reads the vocabulary size from); ``extra_tensors``: more (GGUF name, array) pairs."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    metadata(w)
+    if tokenizer is not None:
+        tokenizer(w)
+    else:
+        w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    to_gguf = gguf_tensor_names(arch, cfg.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and tied:
+            continue
+        arr = tensor.float().numpy()
+        if norm_offset and name.endswith("norm.weight"):
+            arr = arr + np.float32(norm_offset)
+        gguf_name = to_gguf(name)
+        if arr.ndim == 2 and ((q8_linears and "layers" in name) or (q8_embedding and "embed_tokens" in name)):
+            w.add_tensor(gguf_name, _q8(arr), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gguf_name, arr)
+    for gguf_name, arr in extra_tensors:
+        w.add_tensor(gguf_name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding), never stopping early."""
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                                 pad_token_id=0, eos_token_id=None)
+            out.append(seq[0, len(p):].tolist())
+    return out
+
+
+def ours_greedy(path: Path, prompts: list[list[int]], max_tokens: int, **kw) -> list[list[int]]:
+    """pagedllm's greedy continuation of each prompt, served from the GGUF file ``path``."""
+    llm = LLM(model=str(path), **{**ENGINE_KW, **kw})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def teacher_forced_ranks(llm: LLM, prompts: list[list[int]], continuations: list[list[int]]) -> list[int]:
+    """The rank ``llm`` gives each token of ``continuations`` when fed prompt + continuation (1: its top choice)."""
+    forced = [p + c for p, c in zip(prompts, continuations)]
+    outs = llm.generate([{"prompt_token_ids": f} for f in forced],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [o.prompt_logprobs[i][f[i]].rank for o, f, p in zip(outs, forced, prompts) for i in range(len(p), len(f))]
