@@ -128,9 +128,15 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     llm = LLM(model=str(built.path), num_gpu_blocks_override=SMALL_POOL, block_size=4, **ENGINE_KW)
     assert type(_model(llm)).__name__ == FAMILIES[name].ours
     runner = llm.llm_engine.executor.driver_worker.model_runner
-    if load_cpu_kernels() is not None and direct_forward_enabled():  # Phi-3's modules are Llama's, Gemma's are not
-        assert (runner.direct_forward is not None) == name.startswith("phi3")
-    outs = _greedy(llm, built.prompts, logprobs=3)
+    direct = load_cpu_kernels() is not None and direct_forward_enabled()
+    if direct:  # every family here runs the CPU direct forward (model/cpu_direct_forward.py), Gemma's too
+        assert runner.direct_forward is not None
+    stats = runner.enable_step_stats()
+    try:
+        outs = _greedy(llm, built.prompts, logprobs=3)
+    finally:
+        runner.step_stats = None
+    assert {path for _, path, *_ in stats.records} == {"direct" if direct else "eager"}
     _check_parity(name, built, outs)
     stats = llm.stats()
     if len(built.prompts) == len(PROMPT_LENS) and name != "phi3":  # phi3's window frees blocks as sequences grow
@@ -288,12 +294,6 @@ def test_registry_by_architecture_and_model_type() -> None:
         assert get_model_class(config).__name__ == ours
 
 
-def test_direct_forward_opt_out() -> None:
-    from pagedllm.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
-
-    assert not any(c.direct_forward_supported for c in (GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM))
-
-
 def test_gemma_layer_types_default_rules() -> None:
     """Without layer_types: Gemma 2 alternates local/global, Gemma 3 has one global layer in six."""
     from pagedllm.model.models.gemma import layer_types
@@ -323,9 +323,9 @@ def test_unsupported_configs_are_clear_errors() -> None:
     gemma3 = transformers.Gemma3TextConfig(**_GEMMA, vocab_size=VOCAB, use_bidirectional_attention=True)
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         get_model_class(gemma3)(gemma3, tp, torch.float32)
-    phi4_like = transformers.Phi3Config(**_PHI3, vocab_size=VOCAB, partial_rotary_factor=0.75)
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
-        get_model_class(phi4_like)(phi4_like, tp, torch.float32)
+    odd_rotary = transformers.Phi3Config(**_PHI3, vocab_size=VOCAB, partial_rotary_factor=0.5625)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5625 rotates 9 of head_dim 16 dims"):
+        get_model_class(odd_rotary)(odd_rotary, tp, torch.float32)
     gemma = transformers.GemmaConfig(**_GEMMA, vocab_size=VOCAB, hidden_act="relu")
     with pytest.raises(ValueError, match="Gemma's MLP supports the activations .* got 'relu'"):
         get_model_class(gemma)(gemma, tp, torch.float32)

@@ -4,8 +4,8 @@ Plain torch cannot read K/V through a block table without first copying every se
 into a contiguous tensor, and its CPU SDPA then reads that copy again per query head: for a decode
 step that is ~10x the bytes a kernel walking the block table needs (BENCHMARKS.md, "CPU attention").
 So the CPU path, like the CUDA path, has a real PagedAttention kernel, and the same fused
-elementwise ops as `kernels/triton_fused_ops.py` (RMSNorm with the residual add, RoPE in place,
-SiLU·mul), with the same signatures; `kernels/reference.py` and the layers' torch code stay the
+elementwise ops as `kernels/triton_fused_ops.py` (RMSNorm with the residual add, Gemma's (1 + w)
+RMSNorm, RoPE in place, SiLU·mul, GeGLU's gelu_tanh·mul), with the same signatures; `kernels/reference.py` and the layers' torch code stay the
 oracles and the fallback.
 
 The C source is compiled with the system C compiler (``$CC``, else ``cc``/``gcc``) for the ISA level of
@@ -67,16 +67,19 @@ class CpuKernels:
         self._cache_fp8.argtypes = self._cache.argtypes + [_c_int, _c_float, _c_float]
         self._rms = lib.rms_norm_f32
         self._rms.restype = None
-        self._rms.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64, _c_float]
+        self._rms.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64, _c_float, _c_int]
         self._rms_heads = lib.rms_norm_heads_f32
         self._rms_heads.restype = None
-        self._rms_heads.argtypes = [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _c_float]
+        self._rms_heads.argtypes = [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _c_float, _c_int]
         self._rotary = lib.rotary_embedding_f32
         self._rotary.restype = None
         self._rotary.argtypes = [_ptr, _c_int64, _c_int, _ptr, _c_int64, _c_int, _ptr, _ptr, _ptr, _c_int64, _c_int]
         self._silu = lib.silu_and_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [_ptr, _ptr, _c_int64, _c_int64, _c_int64]
+        self._gelu_tanh = lib.gelu_tanh_and_mul_f32
+        self._gelu_tanh.restype = None
+        self._gelu_tanh.argtypes = self._silu.argtypes
         self._bitmask = lib.apply_token_bitmask_f32
         self._bitmask.restype = None
         self._bitmask.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _c_int64]
@@ -87,15 +90,21 @@ class CpuKernels:
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
         without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py).
-        The cache write is the float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and
-        paged_attention takes the pool's ``kv_format`` code, min_tile_query_len, k_scale, v_scale, then the window
-        and soft cap as ``metadata.window_and_cap`` gives them, last."""
+        rms_norm takes the eps, then ``unit_offset`` (1: Gemma's (1 + w) scale, 0: w) last. The cache write is the
+        float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and paged_attention takes the pool's
+        ``kv_format`` code, min_tile_query_len, k_scale, v_scale, then the window and soft cap as
+        ``metadata.window_and_cap`` gives them, last."""
         return self._rms, self._rotary, self._cache, self._attention, self._silu
 
     def heads_norm_function(self):
-        """The C per-head RMSNorm (Qwen3's q/k norms) without checks, in place: (x, row stride, heads, weight,
-        num_tokens, head_dim, eps)."""
+        """The C per-head RMSNorm (Qwen3's and Gemma 3's q/k norms) without checks, in place: (x, row stride, heads,
+        weight, num_tokens, head_dim, eps, unit_offset)."""
         return self._rms_heads
+
+    def gelu_tanh_function(self):
+        """The C GeGLU gate (gelu_tanh(gate)·up) without checks, called as silu_and_mul's: (out, x, x_stride,
+        num_tokens, inter)."""
+        return self._gelu_tanh
 
     def fp8_cache_function(self):
         """The fp8 pool's C cache write without checks: the float32 pool's arguments, then e5m2 (0: e4m3fn),
@@ -218,15 +227,26 @@ class CpuKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(mean(x²) + eps))`` per row of x [T, N]; a new tensor."""
-        return self._rms_norm(x, None, weight, eps)[0]
+        return self._rms_norm(x, None, weight, eps, 0)[0]
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """s = x + residual; returns (rms_norm(s), s), both new tensors (the inputs are not written)."""
-        return self._rms_norm(x, residual, weight, eps)
+        return self._rms_norm(x, residual, weight, eps, 0)
 
-    def _rms_norm(self, x, residual, weight, eps):
+    def gemma_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``(1 + weight) * (x * rsqrt(mean(x²) + eps))`` per row of x [T, N], 1 + weight rounded
+        to float32 first (as ``weight + 1.0``); a new tensor."""
+        return self._rms_norm(x, None, weight, eps, 1)[0]
+
+    def fused_add_gemma_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """s = x + residual; returns (gemma_rms_norm(s), s), both new tensors (the inputs are not written)."""
+        return self._rms_norm(x, residual, weight, eps, 1)
+
+    def _rms_norm(self, x, residual, weight, eps, unit_offset):
         _check_matrix(x, "x")
         t, n = x.shape
         _check_f32_cpu(weight, "weight")
@@ -241,7 +261,7 @@ class CpuKernels:
             new_residual = torch.empty((t, n), dtype=x.dtype)
         self._rms(out.data_ptr(), 0 if residual is None else new_residual.data_ptr(), x.data_ptr(), x.stride(0),
                   0 if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-                  weight.data_ptr(), t, n, eps)
+                  weight.data_ptr(), t, n, eps, unit_offset)
         return out, new_residual
 
     def rotary_embedding(
@@ -268,12 +288,21 @@ class CpuKernels:
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] = [gate | up] → silu(gate) * up [T, I]; a new tensor."""
+        return self._gated(self._silu, x)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, 2I] = [gate | up] → gelu(gate, approximate="tanh") * up [T, I] (GeGLU); a new tensor. Within a few
+        float32 ulps of the exact function (cpu_ops.c says how), not bit-equal to torch's gelu."""
+        return self._gated(self._gelu_tanh, x)
+
+    @staticmethod
+    def _gated(fn, x: torch.Tensor) -> torch.Tensor:
         _check_matrix(x, "x")
         t, two_i = x.shape
         if two_i % 2:
             raise ValueError(f"x must have an even number of columns ([gate | up]), got {two_i}")
         out = torch.empty((t, two_i // 2), dtype=x.dtype)
-        self._silu(out.data_ptr(), x.data_ptr(), x.stride(0), t, two_i // 2)
+        fn(out.data_ptr(), x.data_ptr(), x.stride(0), t, two_i // 2)
         return out
 
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

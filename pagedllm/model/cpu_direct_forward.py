@@ -1,4 +1,5 @@
-"""The Llama stack on the CPU's native kernels, called directly: no module dispatch, no per-call checks.
+"""The Llama-shaped stacks (the Llama and Gemma families) on the CPU's native kernels, called directly: no module
+dispatch, no per-call checks.
 
 A decode step of a small model on the CPU is ~300 kernel calls (per layer: two RMSNorms, three or four
 GGUF linears, RoPE, the cache write, attention, SiLU·mul). Through the nn.Module path each call costs
@@ -9,13 +10,19 @@ what depends on the step (the batch's indices, once, not once per layer); then i
 kernels, in the same order, on the same inputs, into buffers reused across layers (and across steps of
 the same token count), so its outputs are bit-identical to the module path's.
 
-Built by the worker for float32 Llama-family models (Llama, Mistral, Qwen2, Qwen3) on the CPU when the native
-kernels are loaded and every linear is of one kind: GGUF blocks (``--quantization gguf``, the C GEMMs called
-by pointer) or dense float32 weights (an HF checkpoint or ``--quantization none``: the layer's own
-``forward``, i.e. oneDNN's packed GEMM, so the products are the module path's). Each layer's sliding window and
-logit soft cap (its ``Attention``'s) go to its attention call. A model class with ``direct_forward_supported =
-False`` (norms or activations other than the Llama stack's) is left to the module path.
-``PAGEDLLM_CPU_DIRECT_FORWARD=0`` turns it off (the module path then runs every step).
+Built by the worker for float32 models of the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and the Gemma
+family (Gemma, Gemma 2, Gemma 3 text) on the CPU when the native kernels are loaded and every linear is of one kind:
+GGUF blocks (``--quantization gguf``, the C GEMMs called by pointer) or dense float32 weights (an HF checkpoint or
+``--quantization none``: the layer's own ``forward``, i.e. oneDNN's packed GEMM, so the products are the module
+path's). Both families run one step: each layer is a :class:`_Layer` read from its modules once (its linears, its
+norms' weights and eps, Gemma 2/3's pre/post-feed-forward norms where it has them, its q/k norms, its RoPE tables,
+its attention scale, sliding window and logit soft cap, which go to its own RoPE and attention calls), and what
+differs between the families is three settings of the model: the RMSNorms' scale (w, or Gemma's 1 + w, computed
+inside the C norm from the live weight: the module path calls the same kernel), the gated activation (SiLU, or
+Gemma's tanh-approximated GELU: one C kernel, which the module path calls too) and the embeddings' factor (Gemma's
+sqrt(hidden)). A model with ``direct_forward_supported = False`` (a class or instance attribute: layers this step
+does not describe) is left to the module path. ``PAGEDLLM_CPU_DIRECT_FORWARD=0`` turns it off (the module path then
+runs every step).
 """
 from __future__ import annotations
 
@@ -53,15 +60,21 @@ class _Linear:
 
 @dataclass(frozen=True)
 class _Layer:
+    """One decoder layer as the step runs it: pointers and settings read from its modules once. RMSNorms are
+    (weight pointer, eps) pairs."""
+
     qkv: _Linear
     o: _Linear
     gate_up: _Linear
     down: _Linear
-    ln1: int  # RMSNorm weight pointers
-    ln2: int
+    ln1: tuple[int, float]  # before attention (fused with the residual add after the first layer)
+    ln2: tuple[int, float]  # after it: fused with the residual add before the MLP, or with `pre_ff` on its own
     cos: int  # this layer's rotary caches
     sin: int
-    q_norm: int = 0  # Qwen3's per-head q / k RMSNorm weight pointers (0: none)
+    scale: float  # the attention scores' scale (Gemma 2/3: query_pre_attn_scalar**-0.5)
+    pre_ff: tuple[int, float] | None = None  # Gemma 2/3: the norm fused with the residual add before the MLP
+    post_ff: tuple[int, float] | None = None  # Gemma 2/3: the norm of the MLP's output
+    q_norm: int = 0  # Qwen3's / Gemma 3's per-head q / k RMSNorm weight pointers (0: none)
     k_norm: int = 0
     qk_eps: float = 0.0
     window: int = 0  # the attention kernel's sliding window and logit soft cap (0: none)
@@ -89,8 +102,28 @@ def direct_forward_enabled() -> bool:
     return value in ("1", "true", "on")
 
 
+#: The native kernels of the gated activations, by a MLP's ``gated_activation`` (a Llama MLP has none: SiLU).
+GATED_ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def _norm(norm: nn.Module, width: int) -> tuple[int, float]:
+    """An RMSNorm's (weight pointer, eps), checked once."""
+    w = norm.weight
+    if w.dtype != torch.float32 or not w.is_contiguous() or w.device.type != "cpu" or w.shape != (width,):
+        raise ValueError(f"norm weights must be contiguous float32 [{width}] CPU tensors")
+    return w.data_ptr(), float(norm.eps)
+
+
+def _norm_offset(norm: nn.Module) -> int:
+    """What the C norm adds to the weight (RMSNorm.weight_offset: 0, Gemma's 1); a ValueError for other norms."""
+    offset = getattr(type(norm), "weight_offset", None)
+    if offset not in (0, 1):
+        raise ValueError(f"{type(norm).__name__} is not an RMSNorm of the native kernel")
+    return int(offset)
+
+
 class LlamaDirectForward:
-    """``model.forward`` for a Llama-family model on the CPU's native and GGUF kernels (see module doc)."""
+    """``model.forward`` for a Llama- or Gemma-family model on the CPU's native and GGUF kernels (see module doc)."""
 
     def __init__(self, model: nn.Module, cpu_kernels, quant_kernels: cpu_quant.QuantKernels | None,
                  attn_backend) -> None:
@@ -103,17 +136,25 @@ class LlamaDirectForward:
         self._cache_bf16 = cpu_kernels.cache_writer(torch.bfloat16)  # --kv-cache-dtype bfloat16
         self._cache_fp8 = cpu_kernels.fp8_cache_function()  # --kv-cache-dtype fp8 / fp8_e5m2 (format and scales last)
         self._linear = quant_kernels.c_functions()[0] if quant_kernels is not None else None  # GGUF linears
-        self._heads_norm = cpu_kernels.heads_norm_function()  # Qwen3's q/k norms
-        first = inner.layers[0]
-        attn = first.self_attn
+        self._heads_norm = cpu_kernels.heads_norm_function()  # Qwen3's and Gemma 3's q/k norms
+        self._gelu_tanh = cpu_kernels.gelu_tanh_function()  # Gemma's GeGLU
+        attn = inner.layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
-        self.head_dim, self.scale = attn.attn.head_dim, float(attn.attn.scale)
+        self.head_dim = attn.attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
         self.hidden = inner.norm.weight.shape[0]
-        self.eps = [(float(layer.input_layernorm.eps), float(layer.post_attention_layernorm.eps))
-                    for layer in inner.layers]
-        self.final_norm, self.final_eps = inner.norm.weight, float(inner.norm.eps)
-        self.max_position = attn.rotary_emb.cos_cache.shape[0]
+        # The family's settings: the norms' (1 + w) (Gemma), the gated activation, the embeddings' factor (Gemma).
+        self.unit_offset = _norm_offset(inner.norm)
+        activations = {getattr(layer.mlp, "gated_activation", "silu") for layer in inner.layers}
+        if len(activations) != 1 or not activations <= set(GATED_ACTIVATIONS):
+            raise ValueError(f"gated activations {sorted(activations)}: the native kernels take one of "
+                             f"{GATED_ACTIVATIONS} for every layer")
+        self.activation = activations.pop()
+        normalizer = getattr(inner, "normalizer", None)  # GemmaModel: embeddings * sqrt(hidden)
+        self.embed_scale = None if normalizer is None else float(normalizer)
+        self.final_norm = _norm(inner.norm, self.hidden)
+        # the positions every layer's rotary tables cover
+        self.max_position = min(layer.self_attn.rotary_emb.cos_cache.shape[0] for layer in inner.layers)
         self.layers = [self._layer(layer) for layer in inner.layers]
         linears = [lin for lyr in self.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)]
         if len({lin.dense is None for lin in linears}) != 1:
@@ -123,6 +164,8 @@ class LlamaDirectForward:
             raise ValueError(f"the GGUF linears use different GEMM designs {sorted(methods)}")
         self.gemm_method = methods.pop()  # "dense": every linear runs its layer's forward
         self.two_inter = self.layers[0].gate_up.out_features
+        if any(lyr.gate_up.out_features != self.two_inter for lyr in self.layers):
+            raise ValueError("layers with different intermediate sizes")
         self._buffers: _Buffers | None = None
         self.lora_manager = None  # --enable-lora: each linear's adapter delta added after its product (lora/manager.py)
         # (caches, pointers, blocks, block_size, pool dtype, (k_scale, v_scale) per layer)
@@ -139,12 +182,14 @@ class LlamaDirectForward:
             return None
         if not isinstance(attn_backend, NativeCpuAttentionBackend):
             return None
+        from pagedllm.model.models.gemma import GemmaForCausalLM
         from pagedllm.model.models.llama import LlamaForCausalLM
 
-        if not isinstance(model, LlamaForCausalLM):  # Llama, Mistral, Qwen2, Qwen3: the layer layout written here
-            logger.info("CPU direct forward not used: written for the Llama family, not %s", type(model).__name__)
+        if not isinstance(model, (LlamaForCausalLM, GemmaForCausalLM)):  # the layer layouts written here
+            logger.info("CPU direct forward not used: written for the Llama and Gemma families, not %s",
+                        type(model).__name__)
             return None
-        if not getattr(model, "direct_forward_supported", True):  # e.g. the Gemma family's norms and activations
+        if not getattr(model, "direct_forward_supported", True):  # e.g. layers this step does not describe
             logger.info("CPU direct forward not used: %s opts out (direct_forward_supported = False)",
                         type(model).__name__)
             return None
@@ -197,7 +242,7 @@ class LlamaDirectForward:
     def _layer(self, layer: nn.Module) -> _Layer:
         sa, mlp = layer.self_attn, layer.mlp
         hq, hk, d = sa.attn.num_heads, sa.attn.num_kv_heads, sa.attn.head_dim
-        if (hq, hk, d, float(sa.attn.scale)) != (self.num_heads, self.num_kv_heads, self.head_dim, self.scale):
+        if (hq, hk, d) != (self.num_heads, self.num_kv_heads, self.head_dim):
             raise ValueError("layers with different attention shapes")
         if (sa.q_size, sa.kv_size) != (hq * d, hk * d) or d % 2:
             raise ValueError("an attention layout other than [q | k | v] heads of an even head_dim")
@@ -210,24 +255,33 @@ class LlamaDirectForward:
         if o.out_features != self.hidden or down.out_features != self.hidden or gate_up.out_features % 2:
             raise ValueError("projection widths do not match the hidden size")
         rope = sa.rotary_emb
-        for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, rope.cos_cache, rope.sin_cache):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError("norm weights and rotary caches must be contiguous float32 CPU tensors")
-        if layer.input_layernorm.weight.shape != (self.hidden,) or rope.cos_cache.shape[-1] != d \
-                or rope.cos_cache.shape[0] < self.max_position:
-            raise ValueError("norm or rotary shapes do not match")
+        for t in (rope.cos_cache, rope.sin_cache):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" \
+                    or t.shape[-1] != d or t.shape[0] < self.max_position:
+                raise ValueError("rotary caches must be contiguous float32 [max_position, head_dim] CPU tensors")
+        # Gemma 2/3's sandwich: post_attention_layernorm on the attention output alone, then the pre- and post-
+        # feed-forward norms (GemmaDecoderLayer); a Llama layer has neither attribute, a Gemma 1 layer has them None.
+        pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
+        post_ff = getattr(layer, "post_feedforward_layernorm", None)
+        if (pre_ff is None) != (post_ff is None):
+            raise ValueError("a layer with one of the pre- and post-feed-forward norms but not the other")
+        sandwich = pre_ff is not None
+        norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([pre_ff, post_ff] if sandwich else [])
         qk = (0, 0, 0.0)
         if sa.q_norm is not None:
-            norms = (sa.q_norm.weight, sa.k_norm.weight)
-            if any(w.dtype != torch.float32 or not w.is_contiguous() or w.shape != (d,) for w in norms) \
-                    or float(sa.q_norm.eps) != float(sa.k_norm.eps):
-                raise ValueError("q/k norms must be contiguous float32 [head_dim] weights with one eps")
-            qk = (norms[0].data_ptr(), norms[1].data_ptr(), float(sa.q_norm.eps))
+            norms += [sa.q_norm, sa.k_norm]
+            if float(sa.q_norm.eps) != float(sa.k_norm.eps):
+                raise ValueError("q/k norms with different eps")
+            qk = (_norm(sa.q_norm, d)[0], _norm(sa.k_norm, d)[0], float(sa.q_norm.eps))
+        if any(_norm_offset(n) != self.unit_offset for n in norms):
+            raise ValueError("norms of different kinds (w and 1 + w) in one model")
         attn = sa.attn
         window, soft_cap = window_and_cap(getattr(attn, "sliding_window", None), getattr(attn, "logits_soft_cap", None))
-        return _Layer(qkv, o, gate_up, down, layer.input_layernorm.weight.data_ptr(),
-                      layer.post_attention_layernorm.weight.data_ptr(), rope.cos_cache.data_ptr(),
-                      rope.sin_cache.data_ptr(), *qk, window, soft_cap)
+        return _Layer(qkv, o, gate_up, down, _norm(layer.input_layernorm, self.hidden),
+                      _norm(layer.post_attention_layernorm, self.hidden), rope.cos_cache.data_ptr(),
+                      rope.sin_cache.data_ptr(), float(attn.scale),
+                      _norm(pre_ff, self.hidden) if sandwich else None, _norm(post_ff, self.hidden) if sandwich else None,
+                      *qk, window, soft_cap)
 
     def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]]:
         """(key, value) pointers per layer, the pool's block count, block size and dtype (one of
@@ -289,6 +343,8 @@ class LlamaDirectForward:
         self._check_step(input_ids, positions, meta, num_blocks, block_size)
         t = input_ids.shape[0]
         residual = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma, as GemmaModel.forward: one float32 product per value
+            residual = residual * self.embed_scale
         if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.shape != (t, self.hidden):
             raise ValueError("the embedding must give contiguous float32 [tokens, hidden] rows")
         if t == 0:
@@ -296,8 +352,9 @@ class LlamaDirectForward:
         b = self._buffers_for(t)
         gemm = self.gemm_method
         method = 0 if gemm == "dense" else cpu_quant.METHOD_CODES[cpu_quant.choose_method() if gemm == "auto" else gemm]
-        rms, rope, attention, silu, linear = self._rms, self._rope, self._attention, self._silu, self._linear
-        heads_norm = self._heads_norm
+        rms, rope, attention, linear = self._rms, self._rope, self._attention, self._linear
+        heads_norm, off = self._heads_norm, self.unit_offset
+        gated = self._gelu_tanh if self.activation == "gelu_tanh" else self._silu
         kv_fmt = KV_FORMATS[kv_dtype]
         fp8, e5m2 = kv_fmt >= KV_FORMATS[torch.float8_e4m3fn], int(kv_dtype == torch.float8_e5m2)
         cache, cache_fp8 = self._cache_bf16 if kv_dtype == torch.bfloat16 else self._cache, self._cache_fp8
@@ -329,17 +386,16 @@ class LlamaDirectForward:
 
         down_out = None  # the previous layer's MLP output (a tensor: it must outlive the next norm)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv)):
-            eps1, eps2 = self.eps[i]
             if down_out is None:  # as the module path: residual = embedding; hidden = norm(embedding)
-                rms(normed, 0, res, h, 0, 0, layer.ln1, t, h, eps1)
+                rms(normed, 0, res, h, 0, 0, layer.ln1[0], t, h, layer.ln1[1], off)
             else:  # residual += previous MLP output; hidden = norm(residual)
-                rms(normed, res, down_out.data_ptr(), h, res, h, layer.ln1, t, h, eps1)
+                rms(normed, res, down_out.data_ptr(), h, res, h, layer.ln1[0], t, h, layer.ln1[1], off)
             qkv_out = run_linear(layer.qkv, b.normed, b.qkv)
             qkv = qkv_out.data_ptr()
             k_ptr, v_ptr = qkv + 4 * q, qkv + 4 * (q + kvs)
-            if layer.q_norm:  # Qwen3: each head's q and k normalised in place, before RoPE
-                heads_norm(qkv, qkv_w, hq, layer.q_norm, t, d, layer.qk_eps)
-                heads_norm(k_ptr, qkv_w, hk, layer.k_norm, t, d, layer.qk_eps)
+            if layer.q_norm:  # Qwen3, Gemma 3: each head's q and k normalised in place, before RoPE
+                heads_norm(qkv, qkv_w, hq, layer.q_norm, t, d, layer.qk_eps, off)
+                heads_norm(k_ptr, qkv_w, hk, layer.k_norm, t, d, layer.qk_eps, off)
             rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
             k_scale, v_scale = kv_scales[i]
             if fp8:
@@ -347,13 +403,21 @@ class LlamaDirectForward:
             else:
                 cache(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs)
             if attention(att, q, qkv, qkv_w, key_cache, value_cache, tables, table_stride, lens, qsl, num_seqs,
-                         hq, hk, d, block_size, self.scale, kv_fmt, min_tile, k_scale, v_scale, layer.window,
+                         hq, hk, d, block_size, layer.scale, kv_fmt, min_tile, k_scale, v_scale, layer.window,
                          layer.soft_cap):
                 raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
-            o_out = run_linear(layer.o, b.attn, b.o)
-            rms(normed, res, o_out.data_ptr(), h, res, h, layer.ln2, t, h, eps2)
+            o_out = run_linear(layer.o, b.attn, b.o)  # held: a dense linear's result is a fresh tensor
+            o_ptr = o_out.data_ptr()
+            if layer.pre_ff is None:  # residual += attention output; hidden = norm(residual)
+                rms(normed, res, o_ptr, h, res, h, layer.ln2[0], t, h, layer.ln2[1], off)
+            else:  # Gemma 2/3: the output normed alone (in place), then residual += it; hidden = norm(residual)
+                rms(o_ptr, 0, o_ptr, h, 0, 0, layer.ln2[0], t, h, layer.ln2[1], off)
+                rms(normed, res, o_ptr, h, res, h, layer.pre_ff[0], t, h, layer.pre_ff[1], off)
             gu_out = run_linear(layer.gate_up, b.normed, b.gate_up)
-            silu(act, gu_out.data_ptr(), 2 * inter, t, inter)
+            gated(act, gu_out.data_ptr(), 2 * inter, t, inter)
             down_out = run_linear(layer.down, b.act, b.down)
-        rms(normed, res, down_out.data_ptr(), h, res, h, self.final_norm.data_ptr(), t, h, self.final_eps)
+            if layer.post_ff is not None:  # Gemma 2/3: the MLP output normed (in place) before the residual add
+                down = down_out.data_ptr()
+                rms(down, 0, down, h, 0, 0, layer.post_ff[0], t, h, layer.post_ff[1], off)
+        rms(normed, res, down_out.data_ptr(), h, res, h, self.final_norm[0], t, h, self.final_norm[1], off)
         return b.normed

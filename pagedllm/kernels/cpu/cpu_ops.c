@@ -1,6 +1,6 @@
 /* The CPU path's native kernels (float32): PagedAttention for a flat batch of decodes and prompt
- * chunks, the cache write, and the fused elementwise ops (RMSNorm, RoPE, SiLU·mul) that
- * kernels/triton_fused_ops.py provides on CUDA.
+ * chunks, the cache write, and the fused elementwise ops (RMSNorm, Gemma's (1 + w) RMSNorm, RoPE, SiLU·mul,
+ * GeGLU's gelu_tanh·mul) that kernels/triton_fused_ops.py provides on CUDA.
  *
  * Built on first use by pagedllm/kernels/cpu_kernels.py, once per ISA level (kernels/cpu_isa.py:
  * -mavx512f…, -mavx2 -mfma, or plain -O3), and called through ctypes with raw pointers. The OpenMP runtime it links is libgomp.so.1, which resolves to the
@@ -1036,21 +1036,29 @@ void reshape_and_cache_fp8(const float *key, const float *value, int64_t src_str
 
 static inline int rows_parallel(int64_t rows, int64_t cols) { return rows * cols > 16384; }
 
-/* One row: out = weight * src * rsqrt(mean(src²) + eps); out may be src (in place). Both norms below call it, so
- * a row's bits are the same whichever of them normalises it. */
-static inline void rms_row(float *out, const float *src, const float *weight, int64_t hidden, float eps) {
+/* One row: out = w * src * rsqrt(mean(src²) + eps), w = weight, or (1 + weight) with unit_offset (Gemma's norms: the
+ * float32 sum rounded once, then the product, as the module path's `weight + 1.0` times the normalised row); out may
+ * be src (in place). Both norms below call it, so a row's bits are the same whichever of them normalises it. */
+static inline void rms_row(float *out, const float *src, const float *weight, int64_t hidden, float eps,
+                           int unit_offset) {
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < hidden; ++i) ss += src[i] * src[i];
     const float r = 1.f / sqrtf(ss / (float)hidden + eps);
+    if (unit_offset) {
 #pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) out[i] = weight[i] * (src[i] * r);
+        for (int64_t i = 0; i < hidden; ++i) out[i] = (weight[i] + 1.f) * (src[i] * r);
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) out[i] = weight[i] * (src[i] * r);
+    }
 }
 
-/* out[t] = weight * s * rsqrt(mean(s²) + eps) with s = x[t] (+ residual[t], then also stored in
- * residual_out[t]). x and residual rows are `x_stride` / `res_stride` floats apart; outputs are dense. */
+/* out[t] = w * s * rsqrt(mean(s²) + eps) with s = x[t] (+ residual[t], then also stored in residual_out[t]) and w as
+ * rms_row takes it. x and residual rows are `x_stride` / `res_stride` floats apart; outputs are dense. */
 void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_stride, const float *residual,
-                  int64_t res_stride, const float *weight, int64_t num_tokens, int64_t hidden, float eps) {
+                  int64_t res_stride, const float *weight, int64_t num_tokens, int64_t hidden, float eps,
+                  int unit_offset) {
 #pragma omp parallel for schedule(static) if (rows_parallel(num_tokens, hidden))
     for (int64_t t = 0; t < num_tokens; ++t) {
         const float *xt = x + t * x_stride;
@@ -1062,19 +1070,19 @@ void rms_norm_f32(float *out, float *residual_out, const float *x, int64_t x_str
             for (int64_t i = 0; i < hidden; ++i) st[i] = xt[i] + rt[i];
             src = st;
         }
-        rms_row(out + t * hidden, src, weight, hidden, eps);
+        rms_row(out + t * hidden, src, weight, hidden, eps, unit_offset);
     }
 }
 
-/* Qwen3's per-head norm, in place: each of `heads` rows of head_dim at x + t * stride (heads adjacent) is
- * normalised with the one `weight` of head_dim, as rms_norm_f32 normalises a row. */
+/* Per-head q/k norms (Qwen3's; Gemma 3's with unit_offset), in place: each of `heads` rows of head_dim at
+ * x + t * stride (heads adjacent) is normalised with the one `weight` of head_dim, as rms_norm_f32 normalises a row. */
 void rms_norm_heads_f32(float *x, int64_t stride, int64_t heads, const float *weight, int64_t num_tokens,
-                        int64_t head_dim, float eps) {
+                        int64_t head_dim, float eps, int unit_offset) {
     const int64_t rows = num_tokens * heads;
 #pragma omp parallel for schedule(static) if (rows_parallel(rows, head_dim))
     for (int64_t r = 0; r < rows; ++r) {
         float *row = x + (r / heads) * stride + (r % heads) * head_dim;
-        rms_row(row, row, weight, head_dim, eps);
+        rms_row(row, row, weight, head_dim, eps, unit_offset);
     }
 }
 
@@ -1123,6 +1131,49 @@ void silu_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t num_
         }
 #endif
         for (; i < inter; ++i) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* GeGLU (Gemma's MLP): out[t, i] = gelu_tanh(g) * x[t, inter + i], g = x[t, i], for x rows [gate | up] `x_stride`
+ * floats apart. gelu_tanh(g) = 0.5·g·(1 + tanh(u)), u = √(2/π)·(g + 0.044715·g³) (torch's approximate="tanh"), taken
+ * as g / (1 + exp(-2u)): the same function (0.5·(1 + tanh(u)) = 1 / (1 + e^-2u)) without the cancellation of 1 + tanh
+ * where g < 0: one exp and a divide, a few float32 ulps from the exact function of the float32 u (torch's own result
+ * is off by up to ~|g|·2^-24 there). u is computed as torch computes it (g·g·g, then separate products and a sum).
+ * Vector builds take a short tail through one padded vector, so each element's bits depend on its gate and up alone,
+ * not on the row's width or where the element sits in it. */
+#define GELU_BETA 0.7978845608028654f /* √2 · (2/√π) · 0.5 = √(2/π), as torch's kBeta in float32 */
+#define GELU_KAPPA 0.044715f
+#if VECTOR_PATH
+static inline vec v_gelu_tanh_mul(vec g, vec up) {
+    const vec u = v_mul(v_set1(GELU_BETA), v_add(g, v_mul(v_set1(GELU_KAPPA), v_mul(v_mul(g, g), g))));
+    const vec e = v_exp(v_mul(v_set1(-2.f), u));
+    return v_mul(v_div(g, v_add(v_set1(1.f), e)), up);
+}
+#endif
+static inline float gelu_tanh_mul_one(float g, float up) {
+    const float u = GELU_BETA * (g + GELU_KAPPA * (g * g * g));
+    return g / (1.f + expf(-2.f * u)) * up;
+}
+
+void gelu_tanh_and_mul_f32(float *out, const float *x, int64_t x_stride, int64_t num_tokens, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows_parallel(num_tokens, inter))
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const float *gate = x + t * x_stride, *up = gate + inter;
+        float *o = out + t * inter;
+#if VECTOR_PATH
+        int64_t i = 0;
+        for (; i + VW <= inter; i += VW) v_store(o + i, v_gelu_tanh_mul(v_load(gate + i), v_load(up + i)));
+        if (i < inter) {
+            const size_t n = sizeof(float) * (size_t)(inter - i);
+            float g_lanes[VW] = {0.f}, u_lanes[VW] = {0.f};
+            memcpy(g_lanes, gate + i, n);
+            memcpy(u_lanes, up + i, n);
+            v_store(g_lanes, v_gelu_tanh_mul(v_load(g_lanes), v_load(u_lanes)));
+            memcpy(o + i, g_lanes, n);
+        }
+#else
+        for (int64_t i = 0; i < inter; ++i) o[i] = gelu_tanh_mul_one(gate[i], up[i]);
+#endif
     }
 }
 

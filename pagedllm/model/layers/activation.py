@@ -20,8 +20,9 @@ def cuda_fused_ops() -> ModuleType | None:
 
 
 def fused_ops_for(x: torch.Tensor):
-    """The fused RMSNorm/RoPE/SiLU·mul ops for x's device and dtype: Triton on CUDA, the native CPU
-    kernels (kernels/cpu_kernels.py) for float32 on the CPU; None where neither applies (torch serves)."""
+    """The fused RMSNorm (Llama's and Gemma's) / RoPE / SiLU·mul / GeGLU ops for x's device and dtype: Triton on
+    CUDA, the native CPU kernels (kernels/cpu_kernels.py) for float32 on the CPU; None where neither applies
+    (torch serves)."""
     if x.is_cuda:
         return cuda_fused_ops()
     if x.device.type == "cpu" and x.dtype == torch.float32:
@@ -41,8 +42,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """x = [gate | up] along the last dim → gelu(gate) * up (GeGLU; `approximate`: "none" or "tanh", as F.gelu).
-    One fused kernel on CUDA for "tanh" (Gemma's), torch ops otherwise."""
-    if approximate == "tanh" and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (ops := cuda_fused_ops()):
+    One fused kernel for "tanh" (Gemma's) on CUDA and on the CPU in float32 (the kernel the CPU direct forward
+    calls, so both paths give the same bits), torch ops otherwise."""
+    if approximate == "tanh" and x.dim() == 2 and x.stride(-1) == 1 and (ops := fused_ops_for(x)) is not None:
         return ops.gelu_tanh_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate=approximate) * up

@@ -5,10 +5,13 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from pagedllm.model.layers.activation import cuda_fused_ops, fused_ops_for
+from pagedllm.model.layers.activation import fused_ops_for
 
 
 class RMSNorm(nn.Module):
+    #: The scale is weight + weight_offset (the CPU direct forward passes it to the C norm: Gemma's is 1).
+    weight_offset = 0
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
@@ -44,6 +47,8 @@ class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: the checkpoint stores offsets w and the scale is (1 + w), applied in float32 before the one
     rounding to x's dtype (Llama rounds the normalised x first, then multiplies by w in x's dtype)."""
 
+    weight_offset = 1
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
@@ -52,21 +57,15 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalise x (after adding residual, if given); returns (out, new_residual) then.
 
-        CUDA: one fused Triton kernel in Gemma's roundings, any dtype. CPU float32: the native Llama kernels with
-        (1 + w) as their weight (in float32 both rounding orders are the same). Else ``forward_native``."""
-        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype and (
-                ops := cuda_fused_ops()) is not None:
+        One fused kernel in Gemma's roundings: Triton on CUDA (any dtype), the native CPU kernel in float32 (1 + w
+        summed in float32 inside it, from the live weight: the CPU direct forward calls the same kernel, so the
+        two paths agree bit for bit). Else ``forward_native``."""
+        if (x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype
+                and (ops := fused_ops_for(x)) is not None):
             if residual is None:
                 return ops.gemma_rms_norm(x, self.weight, self.eps)
             if residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1:
                 return ops.fused_add_gemma_rms_norm(x, residual, self.weight, self.eps)
-        if (x.dim() == 2 and x.stride(-1) == 1 and x.dtype == torch.float32 and self.weight.dtype == torch.float32
-                and not x.is_cuda and (ops := fused_ops_for(x)) is not None):
-            scale = self.weight + 1.0  # computed per call: no cached copy to go stale when weights are reloaded
-            if residual is None:
-                return ops.rms_norm(x, scale, self.eps)
-            if residual.dtype == x.dtype and residual.shape == x.shape and residual.stride(-1) == 1:
-                return ops.fused_add_rms_norm(x, residual, scale, self.eps)
         return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -46,7 +46,8 @@ def _gelu_approximation(name: str | None) -> str:
 
 
 class GemmaMLP(nn.Module):
-    """GeGLU: down(gelu(gate(x)) · up(x)), gate and up as one merged column-parallel GEMM."""
+    """GeGLU: down(gelu(gate(x)) · up(x)), gate and up as one merged column-parallel GEMM. `gated_activation` names
+    the gate for the CPU direct forward (model/cpu_direct_forward.py; a Llama MLP's, without one, is SiLU)."""
 
     def __init__(self, config: Any, activation: str | None, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
@@ -54,6 +55,7 @@ class GemmaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], False, tp, dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, False, tp, dtype)
         self.approximate = _gelu_approximation(activation)
+        self.gated_activation = "gelu_tanh" if self.approximate == "tanh" else "gelu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_and_mul(self.gate_up_proj(x), self.approximate))
@@ -167,8 +169,6 @@ class GemmaForCausalLM(nn.Module):
     """Gemma (1). Subclasses set the Gemma 2 / 3 differences as class attributes and the hooks below."""
 
     stacked_params = LlamaForCausalLM.stacked_params
-    # The CPU's direct forward (model/cpu_direct_forward.py) is written for Llama's norms and SwiGLU.
-    direct_forward_supported = False
     loads_fp8_checkpoints = True  # [out, in] linears, as Llama's
     qk_norm = False
     sandwich_norms = False  # Gemma 2/3: post-attention and pre/post-feed-forward norms
