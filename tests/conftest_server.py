@@ -1,6 +1,7 @@
 """Helpers for server tests: run `pagedllm serve` as a real subprocess on a free loopback port."""
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -43,3 +44,15 @@ class RemoteServer(ServerProcess):
                 return m
             time.sleep(0.2)
         return m
+
+
+def stream_chunks(server, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed request to `server` (the model's name added to `body`), [DONE] left out."""
+    chunks = []
+    with httpx.stream("POST", server.url(path), json={"model": MODEL_NAME, "stream": True, **body}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+

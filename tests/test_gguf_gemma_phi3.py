@@ -24,6 +24,7 @@ import torch
 import transformers
 from gguf_writing import ENGINE_KW, add_shape_metadata, gguf, hf_greedy, teacher_forced_ranks, write_gguf
 from gguf_writing import own_cache  # noqa: F401 (autouse fixture: a cache directory per test)
+from test_models_hf import hf_greedy_reference
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_config import build_config
@@ -171,19 +172,6 @@ def _prompts(lens: tuple[int, ...]) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
 
 
-def _hf_reference(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """transformers' greedy tokens and its log-softmax at each generated step, per prompt."""
-    tokens, logprobs = [], []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(p):].tolist())
-            logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
-    return tokens, logprobs
-
-
 def _transformers_from_gguf(src: Path, overrides: dict[str, Any]) -> torch.nn.Module:
     """transformers reading ``src`` itself (float32, eager attention), with ``overrides`` set on the config it reads:
     the fields its GGUF reader does not take from the file."""
@@ -218,7 +206,7 @@ def test_gguf_generates_what_transformers_does(name: str, tmp_path: Path) -> Non
     case = CASES[name]
     model = _hf_model(case)
     prompts = _prompts(case.prompt_lens)
-    want, logprobs = _hf_reference(model, prompts)
+    want, logprobs = hf_greedy_reference(model, prompts, MAX_TOKENS)
     src = _write(model, case, tmp_path / f"{name}.gguf")
     if case.transformers_overrides is not None:
         theirs = _transformers_from_gguf(src, case.transformers_overrides)
@@ -242,9 +230,9 @@ def test_features_change_the_outputs() -> None:
                       ("phi3-longrope", {"rope_scaling": {**_longrope(16), "long_factor": [1.0] * 8}})]:
         case = CASES[name]
         prompts = _prompts(case.prompt_lens)[-1:]
-        _, want = _hf_reference(_hf_model(case), prompts)
+        _, want = hf_greedy_reference(_hf_model(case), prompts, MAX_TOKENS)
         changed = Case(case.arch, case.config_cls, case.model_cls, {**case.kwargs, **off}, case.metadata)
-        _, got = _hf_reference(_hf_model(changed), prompts)
+        _, got = hf_greedy_reference(_hf_model(changed), prompts, MAX_TOKENS)
         assert (got[0] - want[0]).abs().max() > 1e-3, (name, off)
 
 
@@ -281,7 +269,7 @@ def test_phi4_mini_shape_partial_rotary(tmp_path: Path) -> None:
         "tie_word_embeddings": True}, _phi3_meta)
     model = _hf_model(case)
     prompts = _prompts(PROMPT_LENS)
-    want, logprobs = _hf_reference(model, prompts)
+    want, logprobs = hf_greedy_reference(model, prompts, MAX_TOKENS)
     src = _write(model, case, tmp_path / "phi4-mini-shape.gguf")
     info = build_config(open_gguf(src), src)
     assert info.config["partial_rotary_factor"] == 0.75

@@ -11,7 +11,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch
@@ -109,25 +109,34 @@ def _random_model(family: Family) -> torch.nn.Module:
     return model
 
 
-def _build(family: Family, path: Path) -> Built:
-    model = _random_model(family)
-    model.save_pretrained(path, safe_serialization=True)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    model.generation_config.eos_token_id = None  # ignore_eos on our side: never stop early here either
+def hf_greedy_reference(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+                        ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """transformers' greedy tokens and its log-softmax at each generated step, one prompt at a time (no padding)."""
     reference, logprobs = [], []
     with torch.inference_mode():
-        for p in prompts:  # one at a time: no padding
+        for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, pad_token_id=0,
+                                 max_new_tokens=max_tokens, pad_token_id=0,
                                  output_logits=True, return_dict_in_generate=True)
             reference.append(out.sequences[0, len(p):].tolist())
             logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
+    return reference, logprobs
+
+
+def build_from_model(model: torch.nn.Module, path: Path, prompt_lens: Sequence[int]) -> Built:
+    """Save `model` to `path` and record transformers' greedy outputs on seeded random prompts of `prompt_lens`."""
+    model.save_pretrained(path, safe_serialization=True)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in prompt_lens]
+    model.generation_config.eos_token_id = None  # ignore_eos on our side: never stop early here either
+    reference, logprobs = hf_greedy_reference(model, prompts)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     return Built(path, prompts, reference, logprobs, state)
 
 
+def _build(family: Family, path: Path) -> Built:
+    return build_from_model(_random_model(family), path, PROMPT_LENS)
 
 
 @pytest.fixture(scope="module")

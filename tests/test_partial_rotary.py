@@ -26,6 +26,7 @@ from test_models_hf import (
     VOCAB,
     Built,
     Family,
+    build_from_model,
     _assert_logprobs_match,
     _greedy,
     _model,
@@ -60,19 +61,7 @@ def _build(name: str, path: Path) -> Built:
     """test_models_hf's build (transformers' greedy tokens and log-probs), with this family's prompt lengths."""
     model = _random_model(FAMILIES[name])
     assert model.config.rope_parameters["partial_rotary_factor"] == 0.75
-    model.save_pretrained(path, safe_serialization=True)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in _PROMPT_LENS[name]]
-    model.generation_config.eos_token_id = None
-    reference, logprobs = [], []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-            reference.append(out.sequences[0, len(p):].tolist())
-            logprobs.append(torch.log_softmax(torch.cat(out.logits).float(), dim=-1))
-    return Built(path, prompts, reference, logprobs, {k: v.clone() for k, v in model.state_dict().items()})
+    return build_from_model(model, path, _PROMPT_LENS[name])
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer  # noqa: E402
+from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer, stream_chunks  # noqa: E402
 
 from pagedllm.engine.arg_utils import EngineArgs  # noqa: E402
 from pagedllm.engine.stats_logger import LoggingStatLogger, stats_interval_s  # noqa: E402
@@ -401,16 +401,6 @@ def server(tmp_path_factory):
     assert rc == 0, srv.logs()[-3000:]
 
 
-def _stream(server, path: str, body: dict) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", server.url(path), json={"model": MODEL_NAME, "stream": True, **body}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    return chunks
-
-
 def test_server_with_vllm_flags(server):
     def post(path: str, body: dict) -> httpx.Response:
         return httpx.post(server.url(path), json={"model": MODEL_NAME, **body}, timeout=120)
@@ -431,7 +421,7 @@ def test_server_with_vllm_flags(server):
     assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"]
 
     # --enable-force-include-usage: a stream without stream_options still ends with a usage chunk (with details).
-    chunks = _stream(server, "/api/v1/completions", body)
+    chunks = stream_chunks(server, "/api/v1/completions", body)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert all(c["usage"] is None for c in chunks[:-1])  # continuous usage stays off
 
@@ -441,7 +431,7 @@ def test_server_with_vllm_flags(server):
     assert chat["choices"][0]["message"]["role"] == "bot"
     chat = post("/api/v1/chat/completions", {"messages": messages, "max_tokens": 3}).json()
     assert chat["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    chunks = _stream(server, "/api/v1/chat/completions", {"messages": messages, "max_tokens": 3})
+    chunks = stream_chunks(server, "/api/v1/chat/completions", {"messages": messages, "max_tokens": 3})
     assert chunks[0]["choices"][0]["delta"]["role"] == "bot"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
 

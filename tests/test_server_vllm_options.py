@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer  # noqa: E402
+from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer, stream_chunks  # noqa: E402
 
 ORIGIN = "https://app.example"
 CONVERSATION = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour I pick is"}]
@@ -35,16 +35,6 @@ def server():
 
 def _post(server, path: str, body: dict, **kw) -> httpx.Response:
     return httpx.post(server.url(path), json={"model": MODEL_NAME, **body}, timeout=120, **kw)
-
-
-def _stream_chunks(server, path: str, body: dict) -> list[dict]:
-    chunks = []
-    with httpx.stream("POST", server.url(path), json={"model": MODEL_NAME, "stream": True, **body}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[6:]))
-    return chunks
 
 
 def _detokenize(server, tokens: list[int]) -> str:
@@ -86,7 +76,7 @@ def test_chat_template_kwargs_and_continue_final_message(server):
 
 def test_continuous_usage_stats_on_every_chunk(server):
     opts = {"include_usage": True, "continuous_usage_stats": True}
-    chunks = _stream_chunks(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 8,
+    chunks = stream_chunks(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 8,
                                                             "ignore_eos": True, "stream_options": opts})
     with_choices = [c for c in chunks if c["choices"]]
     prompt_tokens = with_choices[0]["usage"]["prompt_tokens"]
@@ -95,14 +85,14 @@ def test_continuous_usage_stats_on_every_chunk(server):
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 8
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
-    plain = _stream_chunks(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 4,
+    plain = stream_chunks(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 4,
                                                            "stream_options": {"include_usage": True}})
     assert all(c["usage"] is None for c in plain if c["choices"]) and plain[-1]["usage"]["completion_tokens"] <= 4
 
     # Completions: each choice counts its own prompt's tokens.
     prompts = ["Hello", "The capital of France is a city that"]
     lens = [len(_post(server, "/tokenize", {"prompt": p}).json()["tokens"]) for p in prompts]
-    chunks = _stream_chunks(server, "/v1/completions", {"prompt": prompts, "max_tokens": 5, "ignore_eos": True,
+    chunks = stream_chunks(server, "/v1/completions", {"prompt": prompts, "max_tokens": 5, "ignore_eos": True,
                                                        "stream_options": opts})
     seen = {0: 0, 1: 0}
     for c in (c for c in chunks if c["choices"]):
@@ -128,7 +118,7 @@ def test_return_tokens_as_token_ids(server):
     content = chat.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(re.fullmatch(r"token_id:\d+", e["token"]) for e in content)
     assert all(e["bytes"] == list(e["token"].encode()) for e in content)
-    stream = _stream_chunks(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 3,
+    stream = stream_chunks(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 3,
                                                              "logprobs": True, "return_tokens_as_token_ids": False})
     tokens = [e["token"] for c in stream if c["choices"] and c["choices"][0]["logprobs"]
               for e in c["choices"][0]["logprobs"]["content"]]
