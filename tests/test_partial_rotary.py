@@ -3,9 +3,9 @@ passes the other 32 through, with LongRoPE on top.
 
 A tiny random Phi-4-mini-shaped model (head_dim 16, factor 0.75: 12 rotated dims, GQA, tied embeddings; with and
 without LongRoPE past a 16-token pretraining length, as test_models_hf_gemma.py's Phi-3) must generate what
-transformers generates; ``RotaryEmbedding`` against a plain-torch reference and transformers' Phi-3 tables; the Triton
-kernel (Triton's interpreter without CUDA) against ``forward_native``; the CPU's whole-head C kernel and the CPU direct
-forward are not used for a partial rotary.
+transformers generates, through the CPU direct forward, which gives the module path's bits; ``RotaryEmbedding`` against
+a plain-torch reference and transformers' Phi-3 tables; the Triton kernel (Triton's interpreter without CUDA) and the
+CPU's C kernel (at every ISA level this CPU runs) against ``forward_native``.
 """
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ from test_models_hf import (
     _random_model,
 )
 from test_models_hf_gemma import _LONGROPE_ORIGINAL, _PHI3, LONGROPE_PROMPT_LENS, _longrope_scaling
+from test_cpu_direct_forward import _assert_direct_equals_module_path, _runner
 
 from pagedllm import LLM
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kernels import cpu_isa
 from pagedllm.kernels.cpu_kernels import load_cpu_kernels
-from pagedllm.model.cpu_direct_forward import direct_forward_enabled
+from pagedllm.model.cpu_direct_forward import LlamaDirectForward, direct_forward_enabled
 from pagedllm.model.layers.rotary import RotaryEmbedding, partial_rotary_factor
 from pagedllm.model.models.llama import llama_rotary_embedding
 from pagedllm.model.models.registry import get_model_class
@@ -45,6 +47,7 @@ from pagedllm.model.models.registry import get_model_class
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 HEAD_DIM = _PHI3["hidden_size"] // _PHI3["num_attention_heads"]  # 16
+NUM_LAYERS = _PHI3["num_hidden_layers"]
 ROTARY_DIM = 12  # int(16 · 0.75): even, and its half (6) not a power of two (the kernel's masked lanes)
 _PHI4_MINI = {**_PHI3, "partial_rotary_factor": 0.75, "tie_word_embeddings": True}
 FAMILIES: dict[str, Family] = {
@@ -79,10 +82,15 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Built]:
 # ------------------------------------------------------------------------------------ the model against HF
 
 
+def _direct_forward_runs() -> bool:
+    """Whether the CPU direct forward serves here (native kernels built, not turned off by the environment)."""
+    return load_cpu_kernels() is not None and direct_forward_enabled()
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_parity_with_transformers(name: str, build, caplog: pytest.LogCaptureFixture) -> None:
-    """Token for token and log-probs to float32 noise, under preemption; the CPU direct forward opts out (its C RoPE
-    rotates whole heads) and the module path serves."""
+    """Token for token and log-probs to float32 noise, under preemption; every step on the CPU direct forward (the C
+    RoPE rotating the first rotary_dim dims of each head)."""
     built = build(name)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(model=str(built.path), num_gpu_blocks_override=SMALL_POOL, block_size=4, **ENGINE_KW)
@@ -90,11 +98,19 @@ def test_greedy_parity_with_transformers(name: str, build, caplog: pytest.LogCap
     assert type(model).__name__ == FAMILIES[name].ours
     rope = model.model.layers[0].self_attn.rotary_emb
     assert (rope.head_dim, rope.rotary_dim, tuple(rope.cos_cache.shape)) == (HEAD_DIM, ROTARY_DIM, (128, ROTARY_DIM))
-    assert model.direct_forward_supported is False
-    assert llm.llm_engine.executor.driver_worker.model_runner.direct_forward is None
-    if load_cpu_kernels() is not None and direct_forward_enabled():
-        assert "CPU direct forward not used: Phi3ForCausalLM opts out" in caplog.text
-    outs = _greedy(llm, built.prompts, logprobs=3)
+    assert getattr(model, "direct_forward_supported", True), "Phi-4-mini no longer opts out of the direct forward"
+    runner = _runner(llm)
+    if _direct_forward_runs():
+        assert isinstance(runner.direct_forward, LlamaDirectForward)
+        assert [lyr.rotary_dim for lyr in runner.direct_forward.layers] == [ROTARY_DIM] * NUM_LAYERS
+        assert f"CPU direct forward: {NUM_LAYERS} layers on the native kernels" in caplog.text
+    stats = runner.enable_step_stats()
+    try:
+        outs = _greedy(llm, built.prompts, logprobs=3)
+    finally:
+        runner.step_stats = None
+    if _direct_forward_runs():
+        assert {path for _, path, *_ in stats.records} == {"direct"}
     for prompt, ref, out in zip(built.prompts, built.reference, outs):
         assert list(out.outputs[0].token_ids) == ref, f"{name}: prompt of {len(prompt)} tokens diverged"
     _assert_logprobs_match(outs, built)
@@ -102,6 +118,18 @@ def test_greedy_parity_with_transformers(name: str, build, caplog: pytest.LogCap
     if name == "phi4-mini":
         assert stats["num_preemptions"] > 0, "the small pool should have forced preemption"
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == SMALL_POOL
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_direct_forward_is_bit_identical_to_the_module_path(name: str, build) -> None:
+    """Prefills, mixed steps and decodes of up to 4 sequences: every step runs direct, and the sampled tokens, their
+    log-probs and the prompt log-probs are the module path's (PAGEDLLM_CPU_DIRECT_FORWARD=0's) exactly."""
+    if not _direct_forward_runs():
+        pytest.skip("the CPU direct forward does not run here (no C compiler, or turned off)")
+    built = build(name)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=48, block_size=4, max_num_seqs=4, **ENGINE_KW)
+    direct = _assert_direct_equals_module_path(llm, [{"prompt_token_ids": p} for p in built.prompts[-4:]])
+    assert [lyr.rotary_dim for lyr in direct.layers] == [ROTARY_DIM] * NUM_LAYERS
 
 
 def test_partial_rotary_matters(build) -> None:
@@ -115,14 +143,16 @@ def test_partial_rotary_matters(build) -> None:
     assert (logits - built.logprobs[-1]).abs().max() > 1e-3
 
 
-def test_whole_head_phi3_keeps_the_direct_forward_and_full_tables() -> None:
-    """factor 1.0 (Phi-3): rotary_dim = head_dim, no opt-out; an odd rotary dim is a clear error."""
+def test_phi3_tables_and_no_direct_forward_opt_out() -> None:
+    """factor 1.0 (Phi-3): rotary_dim = head_dim and whole-head tables; 0.75 (Phi-4-mini): tables of the rotated dims;
+    neither opts out of the direct forward; an odd rotary dim is a clear error."""
     tp = TensorParallelGroup()
-    config = transformers.Phi3Config(**_PHI3, vocab_size=VOCAB)
-    model = get_model_class(config)(config, tp, torch.float32)
-    rope = model.model.layers[0].self_attn.rotary_emb
-    assert rope.rotary_dim == rope.head_dim == HEAD_DIM and rope.cos_cache.shape[-1] == HEAD_DIM
-    assert getattr(model, "direct_forward_supported", True)
+    for factor, rotary_dim in ((1.0, HEAD_DIM), (0.75, ROTARY_DIM)):
+        config = transformers.Phi3Config(**_PHI3, vocab_size=VOCAB, partial_rotary_factor=factor)
+        model = get_model_class(config)(config, tp, torch.float32)
+        rope = model.model.layers[0].self_attn.rotary_emb
+        assert (rope.head_dim, rope.rotary_dim, rope.cos_cache.shape[-1]) == (HEAD_DIM, rotary_dim, rotary_dim)
+        assert getattr(model, "direct_forward_supported", True)
     odd = transformers.Phi3Config(**_PHI3, vocab_size=VOCAB, partial_rotary_factor=0.5625)  # 9 of 16 dims
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0.5625 rotates 9 of head_dim 16 dims"):
         get_model_class(odd)(odd, tp, torch.float32)
@@ -208,22 +238,26 @@ def test_full_rotary_is_the_default_and_unchanged() -> None:
     assert torch.equal(rk, _reference(positions, k.view(3, 2, 32), full.cos_cache, full.sin_cache, 32).view(3, -1))
 
 
-def test_cpu_float32_forward_uses_the_torch_path_for_partial_rotary() -> None:
-    """The CPU's fused C RoPE rotates whole heads in place: a partial rotary must not reach it (new tensors, qkv
-    untouched), while a whole-head one still does (in place)."""
+def test_cpu_float32_forward_rotates_part_of_each_head_in_place() -> None:
+    """On the CPU in float32 a partial RotaryEmbedding runs the C kernel: in place on column slices of a qkv buffer,
+    with forward_native's bits; in bfloat16 (no C kernel) forward_native's new tensors."""
+    if load_cpu_kernels() is None:
+        pytest.skip("no C compiler: the CPU path runs torch")
     params = {"rope_type": "default", "rope_theta": 10000.0}
     positions = torch.tensor([3, 0, 9])
     qkv = torch.randn(3, 8 * 16)
-    q, k, _ = qkv.split([4 * 16, 2 * 16, 2 * 16], dim=-1)
+    q, k, v = qkv.split([4 * 16, 2 * 16, 2 * 16], dim=-1)
     before = qkv.clone()
     partial = RotaryEmbedding(16, 32, params, torch.float32, 12)
+    want_q, want_k = partial.forward_native(positions, q, k)
     rq, rk = partial(positions, q, k)
-    assert torch.equal(qkv, before), "partial rotary must not rotate in place on the CPU"
-    eq, ek = partial.forward_native(positions, q, k)
-    assert torch.equal(rq, eq) and torch.equal(rk, ek)
-    if load_cpu_kernels() is not None:
-        rq, _ = RotaryEmbedding(16, 32, params, torch.float32)(positions, q, k)
-        assert rq.data_ptr() == q.data_ptr() and not torch.equal(qkv, before), "whole heads: the fused kernel"
+    assert rq.data_ptr() == q.data_ptr() and rk.data_ptr() == k.data_ptr(), "float32 on the CPU: in place"
+    assert torch.equal(rq, want_q) and torch.equal(rk, want_k)
+    assert torch.equal(v, before[:, 6 * 16:]) and not torch.equal(q, before[:, :4 * 16])
+    q16, k16 = before[:, :4 * 16].bfloat16(), before[:, 4 * 16:6 * 16].bfloat16()
+    rq16, rk16 = partial(positions, q16, k16)
+    assert rq16.data_ptr() != q16.data_ptr()
+    assert torch.equal(rq16, partial.forward_native(positions, q16, k16)[0])
 
 
 def test_bad_rotary_dims_are_clear_errors() -> None:
@@ -235,6 +269,63 @@ def test_bad_rotary_dims_are_clear_errors() -> None:
                 "original_max_position_embeddings": 16, "max_position_embeddings": 64}
     with pytest.raises(ValueError, match="long_factor with rotary_dim / 2 = 6 entries, got 8"):
         RotaryEmbedding(16, 64, longrope, torch.float32, 12)
+
+
+# ------------------------------------------------------------------------------------------ the CPU's C kernel
+
+
+def _isa_param(isa: str):
+    detected = cpu_isa.isa_from_flags(cpu_isa.cpu_flags()) if cpu_isa._is_x86_64() else "portable"
+    above = cpu_isa.ISA_LEVELS.index(isa) > cpu_isa.ISA_LEVELS.index(detected)
+    return pytest.param(isa, marks=pytest.mark.skipif(above, reason=f"above this CPU's level ({detected})"))
+
+
+@pytest.mark.parametrize("isa", [_isa_param(isa) for isa in cpu_isa.ISA_LEVELS])
+@pytest.mark.parametrize("head_dim,rotary_dim,hq,hk", [(16, 12, 4, 2), (128, 96, 6, 2), (80, 40, 3, 1), (32, 32, 3, 1)])
+def test_c_kernel_partial_rotary_matches_forward_native(isa: str, head_dim: int, rotary_dim: int, hq: int, hk: int,
+                                                        kernels_by_isa) -> None:
+    """In place on column slices of a qkv buffer, at every ISA level this CPU runs (tests/conftest.py): the first
+    rotary_dim dims of each head exactly as forward_native, the rest of each head and v untouched. Halves of 6 (under
+    one vector of either width), 48 (whole vectors: Phi-4-mini's), 20 (a vector and a tail), and whole heads."""
+    kernels = kernels_by_isa[isa]
+    max_pos = 256
+    g = torch.Generator().manual_seed(rotary_dim * 10 + hq)
+    emb = RotaryEmbedding(head_dim, max_pos, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32,
+                          rotary_dim)
+    positions = torch.tensor([5, 0, 5, max_pos - 1, 3, 130, 64])
+    t, q_size, kv_size = len(positions), hq * head_dim, hk * head_dim
+    qkv = 2 * torch.randn(t, q_size + 2 * kv_size, generator=g)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    before = qkv.clone()
+    ref_q, ref_k = emb.forward_native(positions, q, k)
+    kernels.rotary_embedding(positions, q, k, emb.cos_cache, emb.sin_cache, head_dim, rotary_dim=rotary_dim)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+    assert torch.equal(v, before[:, q_size + kv_size:]), "v must be untouched"
+    for got, old, h in ((q, before[:, :q_size], hq), (k, before[:, q_size:q_size + kv_size], hk)):
+        assert torch.equal(got.reshape(t, h, head_dim)[..., rotary_dim:], old.reshape(t, h, head_dim)[..., rotary_dim:])
+        assert not torch.equal(got.reshape(t, h, head_dim)[..., :rotary_dim], old.reshape(t, h, head_dim)[..., :rotary_dim])
+    if rotary_dim == head_dim:  # the default is whole heads
+        q2, k2 = before[:, :q_size].clone(), before[:, q_size:q_size + kv_size].clone()
+        kernels.rotary_embedding(positions, q2, k2, emb.cos_cache, emb.sin_cache, head_dim)
+        assert torch.equal(q2, q) and torch.equal(k2, k)
+
+
+def test_c_wrapper_checks_the_rotary_dim() -> None:
+    kernels = load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler: the CPU path runs torch")
+    q, k = torch.zeros(2, 32), torch.zeros(2, 16)
+    cache, whole = torch.zeros(8, 12), torch.zeros(8, 16)
+    positions = torch.zeros(2, dtype=torch.long)
+    for rotary_dim in (11, 18, 0):
+        with pytest.raises(ValueError, match=rf"rotary_dim must be even and in \(0, head_dim = 16\], got {rotary_dim}"):
+            kernels.rotary_embedding(positions, q, k, cache, cache, 16, rotary_dim=rotary_dim)
+    with pytest.raises(ValueError, match=r"cos_cache must be a contiguous \[max_position, 16\] tensor, got \(8, 12\)"):
+        kernels.rotary_embedding(positions, q, k, cache, cache, 16)  # a partial table for whole heads
+    with pytest.raises(ValueError, match=r"sin_cache must be a contiguous \[max_position, 12\] tensor, got \(8, 16\)"):
+        kernels.rotary_embedding(positions, q, k, cache, whole, 16, rotary_dim=12)
+    with pytest.raises(ValueError, match=r"beyond the rotary cache \(4 positions\)"):
+        kernels.rotary_embedding(positions + 5, q, k, cache, cache[:4], 16, rotary_dim=12)
 
 
 # ------------------------------------------------------------------------------------------ Triton kernel

@@ -73,7 +73,8 @@ class CpuKernels:
         self._rms_heads.argtypes = [_ptr, _c_int64, _c_int64, _ptr, _c_int64, _c_int64, _c_float, _c_int]
         self._rotary = lib.rotary_embedding_f32
         self._rotary.restype = None
-        self._rotary.argtypes = [_ptr, _c_int64, _c_int, _ptr, _c_int64, _c_int, _ptr, _ptr, _ptr, _c_int64, _c_int]
+        self._rotary.argtypes = [_ptr, _c_int64, _c_int, _ptr, _c_int64, _c_int, _ptr, _ptr, _ptr, _c_int64, _c_int,
+                                 _c_int]
         self._silu = lib.silu_and_mul_f32
         self._silu.restype = None
         self._silu.argtypes = [_ptr, _ptr, _c_int64, _c_int64, _c_int64]
@@ -90,10 +91,10 @@ class CpuKernels:
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
         without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py).
-        rms_norm takes the eps, then ``unit_offset`` (1: Gemma's (1 + w) scale, 0: w) last. The cache write is the
-        float32 pool's; ``cache_writer`` gives the one for a pool's dtype, and paged_attention takes the pool's
-        ``kv_format`` code, min_tile_query_len, k_scale, v_scale, then the window and soft cap as
-        ``metadata.window_and_cap`` gives them, last."""
+        rotary takes the rotary dim (head_dim for whole heads) after head_dim, last. rms_norm takes the eps, then
+        ``unit_offset`` (1: Gemma's (1 + w) scale, 0: w) last. The cache write is the float32 pool's; ``cache_writer``
+        gives the one for a pool's dtype, and paged_attention takes the pool's ``kv_format`` code, min_tile_query_len,
+        k_scale, v_scale, then the window and soft cap as ``metadata.window_and_cap`` gives them, last."""
         return self._rms, self._rotary, self._cache, self._attention, self._silu
 
     def heads_norm_function(self):
@@ -266,25 +267,32 @@ class CpuKernels:
 
     def rotary_embedding(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
-        sin_cache: torch.Tensor, head_dim: int,
+        sin_cache: torch.Tensor, head_dim: int, rotary_dim: int | None = None,
     ) -> None:
-        """Rotate-half RoPE in place on q [T, Hq·D] and k [T, Hk·D] (rows may be strided) at `positions`."""
+        """Rotate-half RoPE in place on q [T, Hq·D] and k [T, Hk·D] (rows may be strided) at `positions`, on the
+        first `rotary_dim` (default: head_dim; even) dims of each head with caches [max_position, rotary_dim]; the
+        rest of each head is not touched (partial rotary, Phi-4-mini)."""
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
         _check_matrix(q, "q")
         _check_matrix(k, "k")
         t = q.shape[0]
         if k.shape[0] != t or q.shape[1] % head_dim or k.shape[1] % head_dim or head_dim % 2:
             raise ValueError(f"q {tuple(q.shape)} / k {tuple(k.shape)} are not rows of heads of {head_dim}")
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim = {head_dim}], got {rotary_dim}")
         if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != t:
             raise ValueError("positions must be a contiguous int64 tensor with one position per token")
         for name, c in (("cos_cache", cos_cache), ("sin_cache", sin_cache)):
             _check_f32_cpu(c, name)
-            if not c.is_contiguous() or c.dim() != 2 or c.shape[1] != head_dim:
-                raise ValueError(f"{name} must be a contiguous [max_position, {head_dim}] tensor")
-        if t and (int(positions.max()) >= cos_cache.shape[0] or int(positions.min()) < 0):
-            raise ValueError(f"a position is beyond the rotary cache ({cos_cache.shape[0]} positions)")
+            if not c.is_contiguous() or c.dim() != 2 or c.shape[1] != rotary_dim:
+                raise ValueError(f"{name} must be a contiguous [max_position, {rotary_dim}] tensor, got "
+                                 f"{tuple(c.shape)}")
+        rows = min(cos_cache.shape[0], sin_cache.shape[0])
+        if t and (int(positions.max()) >= rows or int(positions.min()) < 0):
+            raise ValueError(f"a position is beyond the rotary cache ({rows} positions)")
         self._rotary(q.data_ptr(), q.stride(0), q.shape[1] // head_dim, k.data_ptr(), k.stride(0),
                      k.shape[1] // head_dim, positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
-                     t, head_dim)
+                     t, head_dim, rotary_dim)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, 2I] = [gate | up] → silu(gate) * up [T, I]; a new tensor."""

@@ -14,15 +14,15 @@ Built by the worker for float32 models of the Llama family (Llama, Mistral, Qwen
 family (Gemma, Gemma 2, Gemma 3 text) on the CPU when the native kernels are loaded and every linear is of one kind:
 GGUF blocks (``--quantization gguf``, the C GEMMs called by pointer) or dense float32 weights (an HF checkpoint or
 ``--quantization none``: the layer's own ``forward``, i.e. oneDNN's packed GEMM, so the products are the module
-path's). Both families run one step: each layer is a :class:`_Layer` read from its modules once (its linears, its
-norms' weights and eps, Gemma 2/3's pre/post-feed-forward norms where it has them, its q/k norms, its RoPE tables,
-its attention scale, sliding window and logit soft cap, which go to its own RoPE and attention calls), and what
-differs between the families is three settings of the model: the RMSNorms' scale (w, or Gemma's 1 + w, computed
-inside the C norm from the live weight: the module path calls the same kernel), the gated activation (SiLU, or
-Gemma's tanh-approximated GELU: one C kernel, which the module path calls too) and the embeddings' factor (Gemma's
-sqrt(hidden)). A model with ``direct_forward_supported = False`` (a class or instance attribute: layers this step
-does not describe) is left to the module path. ``PAGEDLLM_CPU_DIRECT_FORWARD=0`` turns it off (the module path then
-runs every step).
+path's). Both families run one step: each layer is a :class:`_Layer` read from its modules once (its linears, its norms'
+weights and eps, Gemma 2/3's pre/post-feed-forward norms where it has them, its q/k norms, its RoPE tables and the dims
+of each head they rotate (all, or Phi-4-mini's partial rotary), its attention scale, sliding window and logit soft cap,
+which go to its own RoPE and attention calls), and what differs between the families is three settings of the model: the
+RMSNorms' scale (w, or Gemma's 1 + w, computed inside the C norm from the live weight: the module path calls the same
+kernel), the gated activation (SiLU, or Gemma's tanh-approximated GELU: one C kernel, which the module path calls too)
+and the embeddings' factor (Gemma's sqrt(hidden)). A model with ``direct_forward_supported = False`` (a class or
+instance attribute: layers this step does not describe) is left to the module path. ``PAGEDLLM_CPU_DIRECT_FORWARD=0``
+turns it off (the module path then runs every step).
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ class _Layer:
     down: _Linear
     ln1: tuple[int, float]  # before attention (fused with the residual add after the first layer)
     ln2: tuple[int, float]  # after it: fused with the residual add before the MLP, or with `pre_ff` on its own
-    cos: int  # this layer's rotary caches
+    cos: int  # this layer's rotary caches, [max_position, rotary_dim]
     sin: int
+    rotary_dim: int  # the dims of each head RoPE rotates (head_dim, or fewer under a partial rotary: Phi-4-mini)
     scale: float  # the attention scores' scale (Gemma 2/3: query_pre_attn_scalar**-0.5)
     pre_ff: tuple[int, float] | None = None  # Gemma 2/3: the norm fused with the residual add before the MLP
     post_ff: tuple[int, float] | None = None  # Gemma 2/3: the norm of the MLP's output
@@ -154,7 +155,8 @@ class LlamaDirectForward:
         self.embed_scale = None if normalizer is None else float(normalizer)
         self.final_norm = _norm(inner.norm, self.hidden)
         # the positions every layer's rotary tables cover
-        self.max_position = min(layer.self_attn.rotary_emb.cos_cache.shape[0] for layer in inner.layers)
+        self.max_position = min(min(rope.cos_cache.shape[0], rope.sin_cache.shape[0])
+                                for rope in (layer.self_attn.rotary_emb for layer in inner.layers))
         self.layers = [self._layer(layer) for layer in inner.layers]
         linears = [lin for lyr in self.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)]
         if len({lin.dense is None for lin in linears}) != 1:
@@ -255,10 +257,13 @@ class LlamaDirectForward:
         if o.out_features != self.hidden or down.out_features != self.hidden or gate_up.out_features % 2:
             raise ValueError("projection widths do not match the hidden size")
         rope = sa.rotary_emb
+        rotary_dim = rope.rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= d:
+            raise ValueError(f"a rotary dim of {rotary_dim}: the C RoPE takes an even one in (0, head_dim = {d}]")
         for t in (rope.cos_cache, rope.sin_cache):
-            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" \
-                    or t.shape[-1] != d or t.shape[0] < self.max_position:
-                raise ValueError("rotary caches must be contiguous float32 [max_position, head_dim] CPU tensors")
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" or t.dim() != 2 \
+                    or t.shape[-1] != rotary_dim or t.shape[0] < self.max_position:
+                raise ValueError("rotary caches must be contiguous float32 [max_position, rotary_dim] CPU tensors")
         # Gemma 2/3's sandwich: post_attention_layernorm on the attention output alone, then the pre- and post-
         # feed-forward norms (GemmaDecoderLayer); a Llama layer has neither attribute, a Gemma 1 layer has them None.
         pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
@@ -279,7 +284,7 @@ class LlamaDirectForward:
         window, soft_cap = window_and_cap(getattr(attn, "sliding_window", None), getattr(attn, "logits_soft_cap", None))
         return _Layer(qkv, o, gate_up, down, _norm(layer.input_layernorm, self.hidden),
                       _norm(layer.post_attention_layernorm, self.hidden), rope.cos_cache.data_ptr(),
-                      rope.sin_cache.data_ptr(), float(attn.scale),
+                      rope.sin_cache.data_ptr(), rotary_dim, float(attn.scale),
                       _norm(pre_ff, self.hidden) if sandwich else None, _norm(post_ff, self.hidden) if sandwich else None,
                       *qk, window, soft_cap)
 
@@ -396,7 +401,7 @@ class LlamaDirectForward:
             if layer.q_norm:  # Qwen3, Gemma 3: each head's q and k normalised in place, before RoPE
                 heads_norm(qkv, qkv_w, hq, layer.q_norm, t, d, layer.qk_eps, off)
                 heads_norm(k_ptr, qkv_w, hk, layer.k_norm, t, d, layer.qk_eps, off)
-            rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d)
+            rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d, layer.rotary_dim)
             k_scale, v_scale = kv_scales[i]
             if fp8:
                 cache_fp8(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs, e5m2, k_scale, v_scale)

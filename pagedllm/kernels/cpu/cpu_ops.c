@@ -1086,15 +1086,17 @@ void rms_norm_heads_f32(float *x, int64_t stride, int64_t heads, const float *we
     }
 }
 
-/* Rotate-half RoPE in place on `heads` heads of head_dim starting at base[t * stride], using row
- * positions[t] of cos/sin caches [max_pos, head_dim] (each row = [f, f] halves). */
+/* Rotate-half RoPE in place on the first rotary_dim dims of each of `heads` heads of head_dim starting at
+ * base[t * stride], using row positions[t] of cos/sin caches [max_pos, rotary_dim] (each row = [f, f] halves); the
+ * last head_dim - rotary_dim dims of each head (partial rotary, Phi-4-mini) are not read or written. With rotary_dim ==
+ * head_dim this is the whole-head rotation, element for element the same operations. */
 static void rotate_rows(float *base, int64_t stride, int heads, const int64_t *positions, const float *cos_cache,
-                        const float *sin_cache, int64_t num_tokens, int head_dim) {
-    const int half = head_dim / 2;
-#pragma omp parallel for schedule(static) if (rows_parallel(num_tokens, (int64_t)heads * head_dim))
+                        const float *sin_cache, int64_t num_tokens, int head_dim, int rotary_dim) {
+    const int half = rotary_dim / 2;
+#pragma omp parallel for schedule(static) if (rows_parallel(num_tokens, (int64_t)heads * rotary_dim))
     for (int64_t t = 0; t < num_tokens; ++t) {
-        const float *c = cos_cache + positions[t] * head_dim;
-        const float *s = sin_cache + positions[t] * head_dim;
+        const float *c = cos_cache + positions[t] * rotary_dim;
+        const float *s = sin_cache + positions[t] * rotary_dim;
         for (int h = 0; h < heads; ++h) {
             float *x1 = base + t * stride + (int64_t)h * head_dim, *x2 = x1 + half;
 #pragma omp simd
@@ -1109,9 +1111,9 @@ static void rotate_rows(float *base, int64_t stride, int heads, const int64_t *p
 
 void rotary_embedding_f32(float *q, int64_t q_stride, int num_q_heads, float *k, int64_t k_stride, int num_kv_heads,
                           const int64_t *positions, const float *cos_cache, const float *sin_cache,
-                          int64_t num_tokens, int head_dim) {
-    rotate_rows(q, q_stride, num_q_heads, positions, cos_cache, sin_cache, num_tokens, head_dim);
-    rotate_rows(k, k_stride, num_kv_heads, positions, cos_cache, sin_cache, num_tokens, head_dim);
+                          int64_t num_tokens, int head_dim, int rotary_dim) {
+    rotate_rows(q, q_stride, num_q_heads, positions, cos_cache, sin_cache, num_tokens, head_dim, rotary_dim);
+    rotate_rows(k, k_stride, num_kv_heads, positions, cos_cache, sin_cache, num_tokens, head_dim, rotary_dim);
 }
 
 /* out[t, i] = silu(x[t, i]) * x[t, inter + i] for x rows [gate | up] `x_stride` floats apart. */

@@ -209,18 +209,14 @@ class RotaryEmbedding(nn.Module):
         q, k of the same shapes and dtype.
 
         On CUDA (kernels/triton_fused_ops.py) and on the CPU in float32 (kernels/cpu_kernels.py) one fused
-        kernel rotates q and k in place, in fp32 with one final rounding to their dtype, and returns them;
-        elsewhere ``forward_native`` returns new tensors. The CPU kernel rotates whole heads only: partial rotary
-        runs ``forward_native`` there.
+        kernel rotates q and k in place (the first rotary_dim dims of each head), in fp32 with one final rounding
+        to their dtype, and returns them; elsewhere ``forward_native`` returns new tensors.
         """
         ops = None
         if (q.dim() == 2 and k.dim() == 2 and q.stride(-1) == 1 and k.stride(-1) == 1
                 and self.cos_cache.dtype == torch.float32):
             ops = fused_ops_for(q)
-        if ops is not None and self.rotary_dim == self.head_dim:
-            ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
-            return q, k
-        if ops is not None and q.is_cuda:  # the Triton kernel, which takes the rotary dim
+        if ops is not None:
             ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim,
                                  rotary_dim=self.rotary_dim)
             return q, k

@@ -7,11 +7,10 @@ merged parameters' shards at load time, so tensor parallelism shards q, k, v, ga
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
-from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.models.llama import LlamaForCausalLM
 
 
@@ -19,13 +18,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     # An FP8 checkpoint's scales of the fused tensors are not split here: such checkpoints are refused.
     loads_fp8_checkpoints = False
     partial_rotary = True
-
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
-        super().__init__(config, tp, dtype)  # Llama's layers take the config's window (every Phi-3 layer)
-        rope = self.model.layers[0].self_attn.rotary_emb
-        if rope.rotary_dim < rope.head_dim:
-            # The CPU direct forward's RoPE (its C kernel) rotates whole heads: the module path serves this model.
-            self.direct_forward_supported = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._split_fused(weights))
