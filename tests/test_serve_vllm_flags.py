@@ -211,6 +211,15 @@ def test_hf_overrides_reach_the_engine() -> None:
     assert llm.llm_engine.request_checker.max_seq_len == 384
 
 
+def test_benchmark_serve_flags_round_trip_json_fields() -> None:
+    """The HTTP-overhead benchmark rebuilds EngineArgs as serve flags; a dict field travels as JSON."""
+    from pagedllm.benchmarks.http_overhead import engine_cli_flags
+
+    flags = engine_cli_flags(EngineArgs(hf_overrides={"max_position_embeddings": 512}, max_num_seqs=8))
+    rebuilt = EngineArgs.from_cli_args(cli.build_parser().parse_args(["serve", *flags]))
+    assert json.loads(rebuilt.hf_overrides) == {"max_position_embeddings": 512} and rebuilt.max_num_seqs == 8
+
+
 # -- HTTP options ------------------------------------------------------------------------------------------------
 def test_api_key_guards_routes_under_the_root_path():
     from pagedllm.entrypoints.openai.security import ApiKeyAuth

@@ -61,6 +61,8 @@ def engine_cli_flags(engine_args: EngineArgs) -> list[str]:
         name = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(name if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, (dict, list)):  # JSON flags (--hf-overrides, --compilation-config, ...)
+            flags += [name, json.dumps(value)]
         elif value is not None:
             flags += [name, str(value)]
     return flags
