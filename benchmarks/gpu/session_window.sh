@@ -6,7 +6,8 @@
 #   mistral Mistral-7B-v0.1's shape with dummy weights, window 4096 vs none, 2-6 k-token prompts
 #   capacity Mistral-7B-v0.1's shape, 64 requests of 8 192 + 512 tokens in a pool of 262 144 token slots: with its
 #           window 4096 (blocks behind it freed) against the same model with full attention
-#   fused   the CUDA tests of the fused Gemma norm / GeGLU kernels, the Gemma families and Llama's shared RoPE table
+#   fused   the CUDA tests of the fused Gemma norm / GeGLU kernels, the Gemma families and Llama's shared RoPE table,
+#           and (session of 2026-12-05) partial rotary's Triton variant and Phi-4-mini on CUDA
 set -x
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 PARTS="${PART:-tests kernel}"
@@ -16,7 +17,7 @@ tests) python -m pytest tests/test_sliding_window_triton.py tests/test_models_hf
          tests/test_triton_kernels.py tests/test_fp8_kv_cache.py tests/test_piecewise_graphs.py \
          tests/test_sliding_window_engine.py -m cuda -q -p no:cacheprovider --timeout=300 -rfE \
          2>&1 | tail -25 | tee $OUT/cuda_tests.txt ;;
-fused) python -m pytest tests/test_triton_fused_ops.py tests/test_models_hf_gemma.py -m cuda -q -p no:cacheprovider \
+fused) python -m pytest tests/test_triton_fused_ops.py tests/test_models_hf_gemma.py tests/test_partial_rotary.py -m cuda -q -p no:cacheprovider \
          --timeout=300 -rfE 2>&1 | tail -12 | tee $OUT/cuda_tests_fused.txt
        python -m pytest tests/test_models_hf.py -k "cuda_greedy_parity" -q -p no:cacheprovider --timeout=300 -rfE \
          2>&1 | tail -6 | tee -a $OUT/cuda_tests_fused.txt ;;
