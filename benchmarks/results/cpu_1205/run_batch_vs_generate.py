@@ -53,9 +53,10 @@ def generate() -> tuple[float, list[str]]:
     return time.perf_counter() - t0, [o.outputs[0].text for o in outs]
 
 
-for round_ in (1, 2):
-    tb, texts_b = asyncio.run(batch())
-    tg, texts_g = generate()
-    tokens = N * MAX_TOKENS
-    print(f"round {round_}: run-batch path {tb:.2f} s ({tokens / tb:.1f} out tok/s), LLM.generate {tg:.2f} s "
-          f"({tokens / tg:.1f} out tok/s), run-batch / generate time {tb / tg:.3f}; same texts: {texts_b == texts_g}")
+if __name__ == "__main__":  # the engine-core process re-imports this module (spawn)
+    for round_ in (1, 2):
+        tb, texts_b = asyncio.run(batch())
+        tg, texts_g = generate()
+        tokens = N * MAX_TOKENS
+        print(f"round {round_}: run-batch path {tb:.2f} s ({tokens / tb:.1f} out tok/s), LLM.generate {tg:.2f} s "
+              f"({tokens / tg:.1f} out tok/s), run-batch / generate time {tb / tg:.3f}; same texts: {texts_b == texts_g}")
