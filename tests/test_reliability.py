@@ -98,8 +98,17 @@ def test_the_load_catches_an_output_that_breaks_its_constraint():
     assert constraint_problem("allowed", " red green", words) and constraint_problem("allowed", " redblue x", words)
 
 
-def test_sigterm_in_flight_finish_or_end_visibly(server):
-    """Runs last on the module's server: short streams finish, long ones end with a visible error."""
+# Its own server: the long streams must still be decoding when the shutdown timeout runs out on the fastest CPU
+# (120 tokens, all the module server's context allows, took under 2 s on one CI machine), so they ask for 1 500.
+SIGTERM_ARGS = ["--num-gpu-blocks-override", "256", "--max-model-len", "2048", "--max-num-seqs", "8",
+                "--api-key", KEY, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+SHORT_TOKENS, LONG_TOKENS = 4, 1500
+
+
+def test_sigterm_in_flight_finish_or_end_visibly():
+    """Short streams in flight finish; long ones end with a visible error, never a bare [DONE]."""
+    server = RemoteServer(SIGTERM_ARGS)
+
     async def one(client, max_tokens, events):
         body = {"prompt": "Tell me a story.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                 "temperature": 0}
@@ -112,7 +121,7 @@ def test_sigterm_in_flight_finish_or_end_visibly(server):
     async def scenario():
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
             streams = [[] for _ in range(4)]
-            tasks = [asyncio.create_task(one(client, m, ev)) for m, ev in zip((4, 4, 120, 120), streams)]
+            tasks = [asyncio.create_task(one(client, m, ev)) for m, ev in zip(lengths, streams)]
             # Signal once the long streams are decoding. The short ones may already be done by then (a 4-token
             # request can finish between two polls, so "4 running" may never be seen): they must end as
             # "length" either way.
@@ -125,16 +134,20 @@ def test_sigterm_in_flight_finish_or_end_visibly(server):
             results = await asyncio.gather(*tasks)
             return results, time.monotonic() - t0
 
-    results, elapsed = asyncio.run(scenario())
-    assert elapsed < SHUTDOWN_TIMEOUT + 10
-    for events, max_tokens in zip(results, (4, 4, 120, 120)):
-        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-        objs = [json.loads(e) for e in events[:-1]]
-        finished = [c["finish_reason"] for o in objs for c in o.get("choices", []) if c.get("finish_reason")]
-        errors = [o["error"] for o in objs if "error" in o]
-        if max_tokens == 4:
-            assert finished == ["length"] and not errors  # in flight and short: finished
-        else:
-            # Cut by the shutdown: the client is told, never a bare [DONE].
-            assert not finished and errors and "shutting down" in errors[0]["message"]
-    assert server.proc.wait(30) == 0, server.logs()[-3000:]
+    lengths = (SHORT_TOKENS, SHORT_TOKENS, LONG_TOKENS, LONG_TOKENS)
+    try:
+        results, elapsed = asyncio.run(scenario())
+        assert elapsed < SHUTDOWN_TIMEOUT + 10
+        for events, max_tokens in zip(results, lengths):
+            assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+            objs = [json.loads(e) for e in events[:-1]]
+            finished = [c["finish_reason"] for o in objs for c in o.get("choices", []) if c.get("finish_reason")]
+            errors = [o["error"] for o in objs if "error" in o]
+            if max_tokens == SHORT_TOKENS:
+                assert finished == ["length"] and not errors  # in flight and short: finished
+            else:
+                # Cut by the shutdown: the client is told, never a bare [DONE].
+                assert not finished and errors and "shutting down" in errors[0]["message"], objs[-3:]
+        assert server.proc.wait(30) == 0, server.logs()[-3000:]
+    finally:
+        server.kill()
