@@ -384,22 +384,25 @@ def test_rms_norm_and_fused_add_match_torch(tokens, hidden):
 
 
 @needs_kernels
-@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
-def test_rotary_in_place_matches_torch(hq, hk, d):
-    g = torch.Generator().manual_seed(hq * d)
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (3, 1, 80)])
+def test_rotary_in_place_matches_torch(hq, hk, d, kernels_by_isa):
+    """Bit for bit at every ISA level this CPU runs (AVX2 and portable forced too): the C rotation is torch's
+    x·cos + rotate_half(x)·sin element for element (a·c - b·s, b·c + a·s: the same two products and one add, the
+    negation exact) and gcc under -std=c11 contracts nothing into an FMA."""
     rope = RotaryEmbedding(d, 4096, {"rope_type": "default", "rope_theta": 10000.0}, torch.float32)
     t = 41
-    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
-    q, k = qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d]
-    positions = torch.randint(0, 4096, (t,), generator=g)
-    ref_q, ref_k = rope.forward_native(positions, q, k)
-    v_before = qkv[:, (hq + hk) * d :].clone()
-    KERNELS.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, d)
-    torch.testing.assert_close(q, ref_q, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(k, ref_k, atol=2e-6, rtol=1e-5)
-    assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "V columns must be untouched"
-    with pytest.raises(ValueError, match="beyond the rotary cache"):
-        KERNELS.rotary_embedding(torch.full((t,), 4096), q, k, rope.cos_cache, rope.sin_cache, d)
+    for isa, kernels in kernels_by_isa.items():
+        g = torch.Generator().manual_seed(hq * d)
+        qkv = 8 * torch.randn(t, (hq + 2 * hk) * d, generator=g)
+        q, k = qkv[:, : hq * d], qkv[:, hq * d : (hq + hk) * d]
+        positions = torch.randint(0, 4096, (t,), generator=g)
+        ref_q, ref_k = rope.forward_native(positions, q, k)
+        v_before = qkv[:, (hq + hk) * d :].clone()
+        kernels.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, d)
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k), isa
+        assert torch.equal(qkv[:, (hq + hk) * d :], v_before), "V columns must be untouched"
+        with pytest.raises(ValueError, match="beyond the rotary cache"):
+            kernels.rotary_embedding(torch.full((t,), 4096), q, k, rope.cos_cache, rope.sin_cache, d)
 
 
 @needs_kernels

@@ -1,11 +1,13 @@
 """Where a single-sequence CPU decode step's milliseconds go, with the CPU direct forward on and off.
 
-One engine (the bundled model by default, GGUF served quantized), one sequence at a time, greedy: every
-decode step is timed by phase (``time.perf_counter_ns`` around the scheduler, input staging, the forward,
-the LM head, the sampler, output processing), first with the direct forward (model/cpu_direct_forward.py)
-and then with the module path, on the same prompts. Then the C kernels alone, called in a loop with the
-model's own shapes: the 120 layer linears and the LM head (one row); the rest of the forward is the other
-kernels (attention, norms, RoPE, cache writes) plus whatever Python is left.
+One engine (the bundled model by default, GGUF served quantized; or ``--model``: a GGUF file or an HF safetensors
+directory of the Llama or Gemma family, a tokenizer optional: the prompts are token ids), one sequence at a time,
+greedy: every decode step is timed by phase (``time.perf_counter_ns`` around the scheduler, input staging, the
+forward, the LM head, the sampler, output processing), first with the direct forward (model/cpu_direct_forward.py)
+and then with the module path, on the same prompts. Then the linears alone, called in a loop with the model's own
+shapes: the layers' linears (4 per layer) and the LM head, one row (GGUF blocks through the C kernel, dense float32
+weights through their layer's GEMM); then the forward of one token with each group of kernels made a no-op in turn
+(linears, attention, then the rest: norms, q/k norms, RoPE, cache writes, SiLU or GeGLU), leaving the Python.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+_INT8 = 0  # the GGUF linears' int8 design (cpu_quant.choose_method)
 PHASES = ("step", "schedule", "prepare_inputs", "forward", "lm_head", "sampler", "complete", "other")
 
 
@@ -139,28 +142,68 @@ def _best_ms(fn, n: int = 30, reps: int = 5) -> float:
 
 @torch.inference_mode()
 def kernel_times(llm) -> dict[str, float]:
-    """One row through the C linears alone (no Python around them but the ctypes call)."""
+    """One row through the layer linears and the LM head alone: GGUF blocks by the C kernel's pointer call (no
+    Python around them but the ctypes call), dense float32 weights through their layer's ``forward`` (oneDNN)."""
     runner = llm.llm_engine.executor.driver_worker.model_runner
     fwd = runner.direct_forward
     if fwd is None:
         return {}
-    linear = fwd._linear
     lins = [lin for layer in fwd.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    x = torch.randn(1, max(lin.in_features for lin in lins))
-    y = torch.empty(1, max(lin.out_features for lin in lins))
-    int8 = 0  # the int8 design (cpu_quant.choose_method)
+    if fwd.gemm_method == "dense":
+        rows = {lin.in_features: torch.randn(1, lin.in_features) for lin in lins}
 
-    def layers() -> None:
-        for lin in lins:
-            linear(lin.qtype, lin.data_ptr, lin.out_features, lin.in_features, x.data_ptr(), 1, y.data_ptr(), int8)
+        def layers() -> None:
+            for lin in lins:
+                lin.dense.forward(rows[lin.in_features])
 
-    head = runner.model.lm_head.gguf_weight
-    out = torch.empty(1, head.out_features)
-    times = {f"{len(lins)} layer linears (C)": _best_ms(layers),
-             "lm_head linear (C)": _best_ms(lambda: linear(head.qtype, head.data_ptr, head.out_features,
-                                                           head.in_features, x.data_ptr(), 1, out.data_ptr(), int8))}
+        times = {f"{len(lins)} layer linears (dense)": _best_ms(layers)}
+    else:
+        linear = fwd._linear
+        x = torch.randn(1, max(lin.in_features for lin in lins))
+        y = torch.empty(1, max(lin.out_features for lin in lins))
+
+        def layers() -> None:
+            for lin in lins:
+                linear(lin.qtype, lin.data_ptr, lin.out_features, lin.in_features, x.data_ptr(), 1, y.data_ptr(),
+                       _INT8)
+
+        times = {f"{len(lins)} layer linears (C)": _best_ms(layers)}
+    times.update(_lm_head_time(runner.model.lm_head, fwd))
     times.update(_forward_without_kernels(llm, fwd))
     return times
+
+
+def _lm_head_time(head, fwd) -> dict[str, float]:
+    """One row through the LM head: its GGUF blocks by the C kernel, or its dense weight (tied embeddings too)."""
+    w = head.gguf_weight
+    if w is None:
+        hidden = torch.randn(1, fwd.hidden)
+        return {"lm_head linear (dense)": _best_ms(lambda: head.compute_logits(hidden))}
+    x, out = torch.randn(1, w.in_features), torch.empty(1, w.out_features)
+    linear = fwd._linear
+    return {"lm_head linear (C)": _best_ms(lambda: linear(w.qtype, w.data_ptr, w.out_features, w.in_features,
+                                                          x.data_ptr(), 1, out.data_ptr(), _INT8))}
+
+
+#: The direct forward's C entry points other than the linears and attention (LlamaDirectForward's attributes):
+#: norms (Gemma 3's and Qwen3's per-head q/k norms too), RoPE, the cache writes, the gated activations.
+_OTHER_KERNELS = ("_rms", "_heads_norm", "_rope", "_cache", "_cache_bf16", "_cache_fp8", "_silu", "_gelu_tanh")
+
+
+class _SkippedDenseLinears:
+    """Each dense linear's ``forward`` replaced by one returning a fixed output of its shape (restored on exit)."""
+
+    def __init__(self, lins, t: int) -> None:
+        self.modules = {id(lin.dense): (lin.dense, torch.zeros(t, lin.out_features)) for lin in lins
+                        if lin.dense is not None}
+
+    def __enter__(self) -> None:
+        for module, out in self.modules.values():
+            module.forward = lambda *a, _out=out: _out
+
+    def __exit__(self, *exc) -> None:
+        for module, _ in self.modules.values():
+            del module.forward  # back to the class's method
 
 
 def _forward_without_kernels(llm, fwd, context: int = 64) -> dict[str, float]:
@@ -175,16 +218,19 @@ def _forward_without_kernels(llm, fwd, context: int = 64) -> dict[str, float]:
     # Fills blocks no request holds: run after the timed generations (a later request would not read them).
     runner.execute_model([SequenceChunk(-1, [5] * context, 0, table, sample=True)], kv)
     ids, pos, meta, _ = runner.prepare_inputs([SequenceChunk(-1, [7], context, table, sample=True)])
-    names = ("_linear", "_attention", "_rms", "_rope", "_cache", "_cache_bf16", "_cache_fp8", "_silu")
+    names = ("_linear", "_attention", *_OTHER_KERNELS)
     saved = {n: getattr(fwd, n) for n in names}
+    lins = [lin for layer in fwd.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     out = {"direct forward, 1 token": _best_ms(lambda: fwd(ids, pos, kv, meta))}
     try:
-        fwd._linear = lambda *a: 0
-        out["  linears skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
-        fwd._attention = lambda *a: 0
-        out["  and attention skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
-        fwd._rms = fwd._rope = fwd._cache = fwd._cache_bf16 = fwd._cache_fp8 = fwd._silu = lambda *a: None
-        out["  every kernel skipped (Python)"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
+        with _SkippedDenseLinears(lins, 1):
+            fwd._linear = lambda *a: 0
+            out["  linears skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
+            fwd._attention = lambda *a: 0
+            out["  and attention skipped"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
+            for n in _OTHER_KERNELS:
+                setattr(fwd, n, lambda *a: None)
+            out["  every kernel skipped (Python)"] = _best_ms(lambda: fwd(ids, pos, kv, meta))
     finally:
         for n, f in saved.items():
             setattr(fwd, n, f)
@@ -204,7 +250,8 @@ def _cpu_model() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from pagedllm import LLM
-    llm = LLM(args.model, max_num_seqs=1, num_gpu_blocks_override=1024)
+    llm = LLM(args.model, max_num_seqs=1, num_gpu_blocks_override=1024, device="cpu",
+              skip_tokenizer_init=True)  # prompts are token ids: a checkpoint without a tokenizer runs too
     vocab = int(llm.llm_engine.hf_config.vocab_size)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 64))] for _ in range(args.num_prompts)]

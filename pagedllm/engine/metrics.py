@@ -162,6 +162,22 @@ class EngineMetrics:
     def set_snapshot(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self._snapshot = snapshot
 
+    def leave_out(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        """From now on the counters leave out what the engine counted between two of its snapshots (the server's
+        own warm-up request: not a client's)."""
+        keys = [key for _, _, key in _COUNTERS + _SPEC_COUNTERS if key in after]
+        offsets = {key: after[key] - before.get(key, 0) for key in keys}
+        snapshot = self._snapshot
+
+        def discounted() -> dict[str, Any]:
+            stats = dict(snapshot() or {})
+            for key, offset in offsets.items():
+                if key in stats:
+                    stats[key] -= offset
+            return stats
+
+        self._snapshot = discounted
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

@@ -184,7 +184,16 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
     hidden = int(req("embedding_length"))
     n_head = int(req("attention.head_count"))
     n_head_kv = int(gguf_field(reader, f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", 0) or 0) or hidden // n_head
+    key_length = int(gguf_field(reader, f"{arch}.attention.key_length", 0) or 0)
+    head_dim = key_length or hidden // n_head
+    value_length = int(gguf_field(reader, f"{arch}.attention.value_length", 0) or 0)
+    if value_length and value_length != head_dim:
+        keys = (f"{arch}.attention.key_length = {key_length}" if key_length
+                else f"a key length of embedding_length / head_count = {head_dim} ({arch}.attention.key_length unset)")
+        raise ValueError(
+            f"{path} has {keys} but {arch}.attention.value_length = {value_length}: keys and values of different "
+            f"head sizes are not supported (pagedllm runs one head_dim for both; the two must be equal)"
+        )
     tensor_names = {t.name for t in reader.tensors}
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:

@@ -1,11 +1,32 @@
-"""vLLM's request log (--enable-log-requests): one INFO line per request the server hands the engine."""
+"""vLLM's request log (--enable-log-requests): one INFO line per request the server hands the engine.
+
+Requests the server sends itself (the start-up warm-up, warm_up.py) run inside :func:`unlogged` and are left out:
+the log shows what clients sent.
+"""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger("pagedllm.requests")
+
+# True inside `unlogged()`: per asyncio task (a context variable), so a client's request served alongside never
+# inherits it.
+_UNLOGGED = contextvars.ContextVar("pagedllm_request_log_unlogged", default=False)
+
+
+@contextlib.contextmanager
+def unlogged() -> Iterator[None]:
+    """Requests handled in this context (and the tasks it starts) are not written to the request log."""
+    token = _UNLOGGED.set(True)
+    try:
+        yield
+    finally:
+        _UNLOGGED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -21,7 +42,7 @@ class RequestLogger:
 
     def log_inputs(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None, params: Any,
                    lora_request: Any = None) -> None:
-        if not logger.isEnabledFor(logging.INFO):
+        if _UNLOGGED.get() or not logger.isEnabledFor(logging.INFO):
             return
         if self.max_log_len is not None:
             prompt = None if prompt is None else prompt[:self.max_log_len]

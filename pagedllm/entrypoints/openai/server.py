@@ -156,7 +156,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         logger.info("engine loop started")
         if warm_up:
             await warm_up_request(app, ctx.served_model_names[0], api_key, pooling=ctx.runner == "pooling",
-                                  classify=ctx.engine.request_checker.pooling_task == "classify")
+                                  classify=ctx.engine.request_checker.pooling_task == "classify",
+                                  engine=ctx.engine, metrics=metrics)
         if board is not None:
             board.start()
         stats = None  # after the warm-up: its tokens are not the clients'

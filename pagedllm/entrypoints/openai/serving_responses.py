@@ -333,6 +333,8 @@ class _Shape:
                            "name": call.function.name, "arguments": call.function.arguments,
                            "status": item_status})
         n_out = len(comp.token_ids)
+        # Whatever --enable-prompt-tokens-details says (it governs chat and completions' prompt_tokens_details):
+        # the Responses schema requires input_tokens_details, and vLLM's serving_responses always fills it in.
         usage = {"input_tokens": self.n_prompt, "input_tokens_details": {"cached_tokens": num_cached_tokens},
                  "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": self.n_prompt + n_out}

@@ -6,7 +6,8 @@ does not cover: the first step on the engine thread, the event loop's first toke
 first validation and routing, the first streaming response. `warm_up_request` sends one short streamed
 completion through the ASGI app itself (every middleware, the route, the engine, SSE) during lifespan
 startup, i.e. before uvicorn binds its socket, so no client request and no `/health` probe ever sees it.
-The prompt is shorter than one KV block, so nothing of it stays in the prefix cache.
+The prompt is shorter than one KV block, so nothing of it stays in the prefix cache. It is not a client's
+request, so it stays out of the request log (--enable-log-requests; request_logger.unlogged).
 """
 from __future__ import annotations
 
@@ -16,15 +17,21 @@ import logging
 import time
 from typing import Any
 
+from pagedllm.entrypoints.openai.request_logger import unlogged
+
 logger = logging.getLogger("pagedllm.server")
 
 WARM_UP_PROMPT = "Hello"
 
 
 async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_tokens: int = 2,
-                          pooling: bool = False, classify: bool = False) -> float:
+                          pooling: bool = False, classify: bool = False, engine: Any = None,
+                          metrics: Any = None) -> float:
     """Run one streamed /v1/completions request (`pooling`: one /v1/embeddings request; with `classify`, a
-    classification model's: one /classify request) through `app` in-process; return its seconds.
+    classification model's: one /classify request) through `app` in-process; return its seconds. It is left out
+    of the request log, and with the server's `engine` and `metrics` (EngineMetrics) out of /metrics too: the
+    engine's observer (per-request counts and latencies) is detached while it runs, and the engine's counters
+    (tokens, steps) are counted from after it.
 
     Raises RuntimeError when the request does not end in a 200 with a `[DONE]` event (an embedding: with its
     vector; a classification: with its probabilities) (the server would not serve requests either, so it must
@@ -63,9 +70,21 @@ async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
 
+    observer = getattr(engine, "observer", None)
+    before = dict(engine.stats()) if engine is not None else {}
+    if engine is not None:
+        engine.observer = None
     t0 = time.perf_counter()
-    await app(scope, receive, send)
+    try:
+        with unlogged():
+            await app(scope, receive, send)
+    finally:
+        if engine is not None:
+            engine.observer = observer
     seconds = time.perf_counter() - t0
+    if metrics is not None and engine is not None:
+        # The engine loop publishes its stats before it delivers a finished request's output: these include it.
+        metrics.leave_out(before, engine.stats())
     text = b"".join(chunks)
     if status != [200] or expected not in text:
         raise RuntimeError(f"the warm-up request failed (status {status}): {text[:300]!r}")
