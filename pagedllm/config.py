@@ -19,8 +19,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # bytes); "fp8" = fp8_e4m3 (vLLM's names).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Weight quantization: "fp8" = e4m3 weights, per-channel scales, torch._scaled_mm (CUDA); "gguf" = a GGUF file's
-# Q4_0/Q4_1/Q8_0/Q4_K blocks kept quantized (CPU; the default for such a file on the CPU); "none" = dequantized.
-QUANTIZATION_METHODS = ("fp8", "gguf", "none")
+# Q4_0/Q4_1/Q8_0/Q4_K blocks kept quantized (CPU; the default for such a file on the CPU); "gptq", "awq",
+# "compressed-tensors" = the checkpoint's own method, as vLLM (must match its quantization_config; integer weights
+# run as GGUF blocks on the CPU, dequantized elsewhere: model/int_weight_checkpoint.py); "none" = dequantized.
+QUANTIZATION_METHODS = ("fp8", "gguf", "gptq", "awq", "compressed-tensors", "none")
 # vLLM's --runner: "generate" (sample tokens) or "pooling" (return one vector per prompt: embeddings); "auto" picks
 # pooling for base-model checkpoints (architectures like LlamaModel, which have no LM head), else generate.
 RUNNER_TYPES = ("auto", "generate", "pooling")

@@ -191,9 +191,11 @@ def _with_config(src: Path, dst: Path, quantization_config: dict) -> Path:
 
 
 @pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "awq", "bits": 4}, r"quant_method='awq'.*Supported: quant_method 'fp8'"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
-      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}, r"format 'pack-quantized'"),
+    # (GPTQ, AWQ and pack-quantized integer weights load since tests/test_int4_checkpoints.py)
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+     r"quant_method='bitsandbytes'.*Supported: quant_method 'fp8'"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24",
+      "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}}, r"format\(s\) \['marlin-24'\]"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized",
       "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float"}}}}, r"stores 4-bit float weights"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, r"two positive ints"),

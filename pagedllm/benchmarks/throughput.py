@@ -401,12 +401,15 @@ def report_bound(llm, wl: Workload, elapsed_s: float, bandwidth: float, peak: fl
     """Print the efficiency against the lower bound and the step-time breakdown; → figures for the JSON."""
     from pagedllm.benchmarks.lower_bound import ModelShape, format_bound, lower_bound, with_step_count
     from pagedllm.model.fp8_checkpoint import detect_fp8_checkpoint, keeps_fp8
+    from pagedllm.model.int_weight_checkpoint import detect_int_weight_checkpoint
     from pagedllm.worker.step_stats import format_summary
 
     eng = llm.llm_engine
     cc, sc = eng.config.cache_config, eng.config.scheduler_config
     mc = eng.config.model_config
-    fp8_format = detect_fp8_checkpoint(eng.hf_config) if mc.load_format != "dummy" else None
+    # (an integer-weight checkpoint runs dequantized on CUDA: its linears stream model-dtype bytes)
+    fp8_format = None if mc.load_format == "dummy" or detect_int_weight_checkpoint(eng.hf_config) is not None \
+        else detect_fp8_checkpoint(eng.hf_config)
     # Decoder linears hold 1-byte weights with --quantization fp8, or from an FP8 checkpoint kept as such.
     fp8_weights = mc.quantization == "fp8" or (
         fp8_format is not None and fp8_format.weight_strategy != "block"

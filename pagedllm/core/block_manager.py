@@ -24,6 +24,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _mm_extra_keys(seq: Sequence, start: int, end: int) -> tuple[str, ...]:
+    """Content hashes of the images whose placeholders lie (partly) in positions [start, end) of `seq`."""
+    return tuple(h for offset, length, h in seq.mm_placeholders if offset < end and start < offset + length)
+
+
 def leading_null_blocks(table: list[int]) -> int:
     """How many of the table's first entries were freed behind a sliding window (they are always a leading run)."""
     return bisect.bisect_left(table, True, key=lambda block: block != NULL_BLOCK)
@@ -244,7 +249,8 @@ class BlockManager:
         while len(hashes) < n_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else (None if seq.cache_salt is None else hash_cache_salt(seq.cache_salt))
-            hashes.append(hash_block_tokens(parent, tuple(seq.tokens_slice(i * bs, (i + 1) * bs))))
+            extra = _mm_extra_keys(seq, i * bs, (i + 1) * bs) if seq.mm_placeholders else ()
+            hashes.append(hash_block_tokens(parent, tuple(seq.tokens_slice(i * bs, (i + 1) * bs)), extra))
         return hashes[:n_blocks]
 
     # -- swapping ---------------------------------------------------------------------------

@@ -11,13 +11,16 @@ from collections import OrderedDict
 import xxhash
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Content hash of one full block, chained on the previous block's hash."""
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple[str, ...] = ()) -> int:
+    """Content hash of one full block, chained on the previous block's hash. `extra_keys` (vLLM's): what else
+    the block's KV depends on, e.g. the content hashes of the images whose placeholders it holds."""
     h = xxhash.xxh64()
     h.update((parent_hash if parent_hash is not None else 0).to_bytes(8, "little", signed=False))
     h.update(len(token_ids).to_bytes(4, "little"))
     for t in token_ids:
         h.update(t.to_bytes(4, "little", signed=True))
+    for key in extra_keys:
+        h.update(b"\0extra\0" + key.encode("utf-8"))
     return h.intdigest()
 
 

@@ -65,6 +65,9 @@ class Sequence:
     extra: dict[str, Any] = field(default_factory=dict)
     # vLLM's cache_salt: the prefix cache finds this sequence's blocks only for requests with the same salt.
     cache_salt: str | None = None
+    # Multimodal prompts: (offset, length, content hash) of each image's placeholder run. A block holding any of
+    # those positions is cached under the image's hash too, so equal prompts with different images share nothing.
+    mm_placeholders: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
@@ -126,6 +129,7 @@ class Sequence:
             stop_reason=self.stop_reason,
             output_logprobs=list(self.output_logprobs),
             cache_salt=self.cache_salt,
+            mm_placeholders=self.mm_placeholders,
         )
         return child
 

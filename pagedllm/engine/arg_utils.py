@@ -96,7 +96,10 @@ _HELP = {
                     "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
                     "such a file on the CPU); none (dequantize every tensor at load). An FP8 checkpoint "
                     "(compressed-tensors or quant_method fp8 in config.json) loads in FP8 on CUDA without this flag "
-                    "(none: dequantized), dequantized on the CPU.",
+                    "(none: dequantized), dequantized on the CPU. gptq, awq, compressed-tensors: the checkpoint's own "
+                    "method (detected without the flag; a flag that does not match it is an error): 4/8-bit "
+                    "integer weights stay quantized on the CPU in float32 (GGUF Q4_0/Q4_1/Q8_0 kernels), "
+                    "dequantized elsewhere or with none.",
     "max_logprobs": "Most log-probabilities per token a request may ask for (logprobs, prompt_logprobs; top_logprobs "
                     "on the server), as vLLM's --max-logprobs; -1: no cap.",
     "generation_config": "Where request defaults come from (vLLM's): auto (the model's generation_config.json: its "
@@ -140,7 +143,12 @@ _HELP = {
                       "effect; mistral (mistral_common) is not supported.",
     "hf_overrides": "A JSON object of Hugging Face config fields to set when the model loads (vLLM's), e.g. "
                     "'{\"max_position_embeddings\": 4096}'; a nested object updates a sub-config field by field.",
+    "limit_mm_per_prompt": "Most items per prompt of each modality of a multimodal model (vLLM's), a JSON object "
+                           "such as '{\"image\": 2}' (default: 999 each).",
     "pipeline_parallel_size": "Only 1: pipeline parallelism is not supported (use --tensor-parallel-size).",
+    "data_parallel_size": "`pagedllm serve`: this many engine-core processes, each a whole copy of the model (with "
+                          "tensor_parallel_size GPUs each, or an equal share of the CPU cores and of the CPU KV "
+                          "budget), behind one API server that sends each request to the least-loaded one.",
     "max_seq_len_to_capture": "Accepted for vLLM's command lines, no effect: decode CUDA graphs cover every "
                               "context length up to max_model_len (--max-capture-tokens bounds the steps with "
                               "prompt chunks that replay graphs).",
@@ -151,7 +159,8 @@ _HELP = {
 }
 
 #: vLLM's short spellings.
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "quantization": ("-q",)}
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",), "data_parallel_size": ("-dp",),
+                "quantization": ("-q",)}
 #: vLLM's tokenizer modes pagedllm takes (all load the model's Hugging Face tokenizer).
 TOKENIZER_MODES = ("auto", "hf", "slow")
 
@@ -217,7 +226,9 @@ class EngineArgs:
     hf_token: bool | str | None = None
     tokenizer_mode: str = "auto"
     hf_overrides: str | dict | Callable[[Any], Any] | None = None
+    limit_mm_per_prompt: str | dict | None = None
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
     max_seq_len_to_capture: int | None = None
 
     @classmethod
@@ -280,6 +291,8 @@ class EngineArgs:
             kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales,
         )
+        if self.data_parallel_size > 1:  # the ranks share one host's memory: each takes its part of the budget
+            cache.cpu_kv_cache_fraction /= self.data_parallel_size
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -307,6 +320,10 @@ class EngineArgs:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: pipeline parallelism is not "
                              "supported; allowed: 1. Split the model with tensor_parallel_size "
                              "(--tensor-parallel-size) instead.")
+        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
+                or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size!r}: must be an integer >= 1 (the number "
+                             "of engine-core processes behind the server).")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             why = ": pagedllm loads the model's Hugging Face tokenizer, not mistral_common's" \
                 if self.tokenizer_mode == "mistral" else ""

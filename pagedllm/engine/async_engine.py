@@ -35,6 +35,7 @@ from pagedllm.engine.engine_loop import (
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_checker import RequestChecker
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.processor import MultiModalProcessor, prepare_multimodal_prompt
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -136,6 +137,12 @@ class AsyncEngineFront:
         """Hand a command to the engine loop (never waits for it)."""
         raise NotImplementedError
 
+    @property
+    def mm_processor(self) -> MultiModalProcessor | None:
+        """A multimodal model's processor (prompts with images become ids and pixel values here, before they
+        reach the engine loop); None for a text-only model."""
+        return None
+
     def _loop_alive(self) -> bool:
         raise NotImplementedError
 
@@ -201,6 +208,7 @@ class AsyncEngineFront:
             raise EngineDeadError(self._dead_reason or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt = prepare_multimodal_prompt(prompt, self.mm_processor, None)  # pixel values cross, not images
         self.request_checker.check_request(prompt, params, priority)
         stream = AsyncStream(request_id, coalesce)
         self._streams[request_id] = stream
@@ -373,6 +381,10 @@ class AsyncLLMEngine(AsyncEngineFront):
 
     def _submit(self, command: Command) -> None:
         self._commands.put(command)
+
+    @property
+    def mm_processor(self) -> MultiModalProcessor | None:
+        return self.engine.mm_processor
 
     def _loop_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.loop.dead_reason is None

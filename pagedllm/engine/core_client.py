@@ -13,6 +13,7 @@ turns 503.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
@@ -29,6 +30,8 @@ from pagedllm.engine.engine_loop import AbortCommand, Command
 from pagedllm.engine.output_codec import OutputDecoder
 from pagedllm.engine.request_checker import RequestChecker
 from pagedllm.executor.start_method import worker_start_method
+from pagedllm.model.loader import load_config
+from pagedllm.multimodal.processor import MultiModalProcessor
 
 logger = logging.getLogger("pagedllm.async_engine")
 
@@ -57,16 +60,18 @@ class AsyncMPClient(AsyncEngineFront):
     """Start an engine-core process for `engine_args` and serve its requests as async streams."""
 
     def __init__(self, engine_args: EngineArgs, observer: StepObserver | None = None,
-                 startup_timeout_s: float | None = None, admission_window_s: float = 0.002) -> None:
+                 startup_timeout_s: float | None = None, admission_window_s: float = 0.002,
+                 process_env: dict[str, str] | None = None, name: str = "pagedllm-engine-core") -> None:
         super().__init__(observer)
+        self._engine_args = engine_args
         ctx = multiprocessing.get_context(worker_start_method())
         cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
         self._out_recv, out_send = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=run_engine_core,
             args=(engine_args, cmd_recv, out_send, os.getpid(), logging.getLogger().getEffectiveLevel(),
-                  admission_window_s),
-            name="pagedllm-engine-core", daemon=False,  # it may start tensor-parallel worker processes
+                  admission_window_s, process_env),
+            name=name, daemon=False,  # it may start tensor-parallel worker processes
         )
         self.proc.start()
         cmd_recv.close()
@@ -117,6 +122,14 @@ class AsyncMPClient(AsyncEngineFront):
     @property
     def request_checker(self) -> RequestChecker:
         return self.info.checker
+
+    @functools.cached_property
+    def mm_processor(self) -> MultiModalProcessor | None:
+        """This process's own copy of the model's processor (None for a text-only model, or without a tokenizer)."""
+        if not self.info.has_tokenizer:
+            return None
+        config = load_config(self.info.model_dir, hf_overrides=self._engine_args.hf_overrides)
+        return MultiModalProcessor.for_model(self.info.model_dir, config, self._engine_args.limit_mm_per_prompt)
 
     def _submit(self, command: Command) -> None:
         if isinstance(command, AbortCommand):

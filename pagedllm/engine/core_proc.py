@@ -111,9 +111,16 @@ def _read_commands(conn: Connection, commands: queue.Queue, sink: PipeSink) -> N
 
 
 def run_engine_core(engine_args: EngineArgs, cmd_conn: Connection, out_conn: Connection, parent_pid: int,
-                    log_level: int, admission_window_s: float = 0.002) -> None:
-    """Main of the engine-core process (see the module docstring)."""
+                    log_level: int, admission_window_s: float = 0.002, process_env: dict[str, str] | None = None) -> None:
+    """Main of the engine-core process (see the module docstring). `process_env`: environment variables of this
+    process alone (a data-parallel rank's CUDA_VISIBLE_DEVICES and CPU thread count), set before the engine is built."""
     _die_with_parent()
+    if process_env:
+        os.environ.update(process_env)
+        if "OMP_NUM_THREADS" in process_env:  # torch read the variable at import, before it was set
+            import torch
+
+            torch.set_num_threads(int(process_env["OMP_NUM_THREADS"]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
     if not logging.getLogger().handlers:
         logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")

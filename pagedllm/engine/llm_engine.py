@@ -38,7 +38,10 @@ from pagedllm.model.layers.sampler import (
     token_rank,
     warm_up_sampler,
 )
-from pagedllm.model.models.registry import get_model_max_len, get_sliding_window, shared_sliding_window
+from pagedllm.model.models.registry import (get_model_max_len, get_sliding_window, shared_sliding_window,
+                                            text_config)
+from pagedllm.multimodal.inputs import features_in_range
+from pagedllm.multimodal.processor import MultiModalProcessor, checked_features, prepare_multimodal_prompt
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -70,6 +73,7 @@ class LLMEngine:
         self.engine_args = engine_args
         self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
         self.hf_config = loader.load_config(self.model_dir, hf_overrides=engine_args.hf_overrides)
+        self.hf_text_config = text_config(self.hf_config)  # the language model's (a multimodal model's text_config)
         model_max_len = get_model_max_len(self.hf_config, engine_args.max_model_len)
         window = get_sliding_window(self.hf_config)
         if engine_args.disable_sliding_window and window is not None:
@@ -79,8 +83,11 @@ class LLMEngine:
         self.default_sampling_params = default_sampling_params(
             self.model_dir, engine_args.generation_config, engine_args.override_generation_config)
         self.tokenizer = None
+        self.mm_processor = None  # a multimodal model's: prompts with multi_modal_data → ids and pixel values
         if not mc.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(str(self.model_dir), mc.tokenizer)
+            self.mm_processor = MultiModalProcessor.for_model(self.model_dir, self.hf_config,
+                                                              engine_args.limit_mm_per_prompt)
         torch.manual_seed(mc.seed)
         self._check_async_scheduling()
         self.executor = self._make_executor()
@@ -105,14 +112,16 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
-            warm_up_sampler(self.sampler, int(self.hf_config.vocab_size), self.executor.device, self.executor.dtype)
+            warm_up_sampler(self.sampler, int(self.hf_text_config.vocab_size), self.executor.device,
+                            self.executor.dtype)
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         on_cpu = self.executor.device.type == "cpu"
         # On a CPU engine a grammar compiles on one thread, and the forward pass gives up one of its threads
         # meanwhile (`_share_cores_with_compiles`): on 2 cores, both at full width slowed a step 5x, sharing 1.6x.
         self.structured_output = StructuredOutputManager(
-            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_config.vocab_size), self.eos_token_ids,
+            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_text_config.vocab_size),
+            self.eos_token_ids,
             num_threads=1 if on_cpu else None, pin_memory=str(self.executor.device).startswith("cuda"),
             reasoning_tokens=reasoning_token_ids(self.tokenizer) if engine_args.reasoning_parser else None)
         self._torch_threads = torch.get_num_threads() if on_cpu else None
@@ -122,7 +131,7 @@ class LLMEngine:
             self.structured_output.start_backend_init()
             # The bitmask kernel compiles at its first use: both variants (every row / a row list) now, not
             # in the first constrained TTFT.
-            vocab = int(self.hf_config.vocab_size)
+            vocab = int(self.hf_text_config.vocab_size)
             for rows in ([0, 1], [0]):
                 apply_token_bitmask_(torch.zeros((2, vocab), dtype=self.executor.dtype, device=self.executor.device),
                                      torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32), rows)
@@ -209,7 +218,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids: set[int] = set()
-        for source in (self.hf_config, load_generation_config(self.model_dir)):
+        for source in (self.hf_text_config, load_generation_config(self.model_dir)):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             if isinstance(eos, int):
                 ids.add(eos)
@@ -245,9 +254,15 @@ class LLMEngine:
         params = params or SamplingParams()
         self.request_checker.check_priority(priority)
         self.request_checker.check_params(params)
+        prompt = prepare_multimodal_prompt(prompt, self.mm_processor, self.hf_config)
         text, token_ids = self._tokenize(prompt)
+        mm_features = checked_features(prompt, token_ids, self.mm_processor, self.hf_config)
         truncate = pooling.truncate_prompt_tokens if pooling is not None else params.truncate_prompt_tokens
+        n_before = len(token_ids)
         token_ids = self.request_checker.truncate(token_ids, truncate)
+        if mm_features and len(token_ids) != n_before:
+            raise ValueError(f"truncate_prompt_tokens={truncate} would cut this prompt's {n_before} tokens, which "
+                             f"hold image placeholders; leave it unset for prompts with images.")
         self.request_checker.check_prompt_ids(token_ids)
         limit = self.max_seq_len
         if any(g.request_id == request_id for g in self._all_groups()):
@@ -260,7 +275,9 @@ class LLMEngine:
             self._load_lora(lora_request)
             # An adapter changes every layer's K/V: its prompts' blocks are cached apart from the base model's.
             salt = f"{salt or ''}\0lora:{lora_request.lora_int_id}"
-        seq = Sequence(next(self._seq_counter), list(token_ids), cache_salt=salt)
+        seq = Sequence(next(self._seq_counter), list(token_ids), cache_salt=salt,
+                       mm_placeholders=tuple((f.placeholder.offset, f.placeholder.length, f.identifier)
+                                             for f in mm_features))
         group = SequenceGroup(
             request_id=request_id,
             seqs=[seq],
@@ -278,6 +295,8 @@ class LLMEngine:
             group.extra["pooling"] = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels)
         if lora_request is not None:
             group.extra["lora_request"] = lora_request
+        if mm_features:
+            group.extra["mm_features"] = mm_features
         if params.bad_words:
             group.extra["bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         if params.use_beam_search:
@@ -325,11 +344,11 @@ class LLMEngine:
         """The configuration-only request checks (plain data: the API server process checks with it)."""
         sc, cc = self.config.scheduler_config, self.config.cache_config
         task = self.config.model_config.pooling_task
-        return RequestChecker(vocab_size=int(self.hf_config.vocab_size), max_model_len=sc.max_model_len,
+        return RequestChecker(vocab_size=int(self.hf_text_config.vocab_size), max_model_len=sc.max_model_len,
                               num_gpu_blocks=cc.num_gpu_blocks, block_size=cc.block_size,
                               max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
                               scheduling_policy=sc.policy, max_logprobs=self.engine_args.max_logprobs,
-                              runner=self.runner, hidden_size=int(self.hf_config.hidden_size),
+                              runner=self.runner, hidden_size=int(self.hf_text_config.hidden_size),
                               matryoshka_dimensions=matryoshka_dimensions(self.hf_config),
                               pooling_task=task, sliding_window=cc.sliding_window,
                               labels=classification_labels(self.hf_config) if task == "classify" else ())
@@ -632,6 +651,7 @@ class LLMEngine:
             wants_prompt_logprobs = (
                 item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
             )
+        mm = item.group.extra.get("mm_features")
         return SequenceChunk(
             seq_id=seq.seq_id,
             token_ids=token_ids,
@@ -640,6 +660,7 @@ class LLMEngine:
             sample=item.completes,
             all_logits=wants_prompt_logprobs,
             lora_id=item.group.lora_int_id,
+            mm_features=features_in_range(mm, start, start + len(token_ids)) or None if mm else None,
         )
 
     def _launch_sampling(self, step: LaunchedStep) -> None:

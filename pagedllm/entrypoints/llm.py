@@ -15,6 +15,9 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
+from pagedllm.multimodal.chat import needs_multimodal_render, render_multimodal_chat
+from pagedllm.multimodal.media import load_image_url
+from pagedllm.multimodal.processor import text_only_error
 from pagedllm.entrypoints.score_utils import as_texts, cosine_score, score_pairs, score_prompt_ids
 from pagedllm.outputs import (
     ClassificationRequestOutput,
@@ -38,6 +41,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        if self.engine_args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.engine_args.data_parallel_size!r}: the offline LLM runs one "
+                             "engine; allowed: 1. Data parallelism is `pagedllm serve --data-parallel-size N`.")
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, usage_context="llm_class")
         self._request_counter = itertools.count()
         # The engine froze its start-up heap (engine/gc_heap.py). The engine sits in reference cycles, so
@@ -88,17 +94,35 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of
         opening a new turn; `chat_template_kwargs` are extra template variables; `tools` (OpenAI's function
-        tools) go to the template as its `tools` (all as in vLLM)."""
+        tools) go to the template as its `tools` (all as in vLLM). A multimodal model's messages may hold image
+        parts: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..." or "https://..."}}`` or
+        ``{"type": "image_pil", "image_pil": PIL.Image}``."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists).")
         conversations = messages if isinstance(messages[0], list) else [messages]
         tok = self._require_tokenizer()
         prompts = [
+            self._image_chat_prompt(conv, add_generation_prompt, chat_template, tools, continue_final_message,
+                                    chat_template_kwargs)
+            if needs_multimodal_render(conv, self.llm_engine.mm_processor is not None) else
             {"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt, chat_template, tools,
                                                      continue_final_message, chat_template_kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def _image_chat_prompt(self, conv: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                           tools: list[dict] | None, continue_final_message: bool,
+                           chat_template_kwargs: dict[str, Any] | None) -> dict:
+        """A conversation with image parts → a processed multimodal prompt (URLs loaded here)."""
+        processor = self.llm_engine.mm_processor
+        if processor is None:
+            raise text_only_error(self.llm_engine.hf_config)
+        text, refs = render_multimodal_chat(self.get_tokenizer(), conv, processor.image_token,
+                                            chat_template or processor.chat_template, add_generation_prompt, tools,
+                                            continue_final_message, chat_template_kwargs)
+        images = [ref.image if ref.image is not None else load_image_url(ref.url) for ref in refs]
+        return processor.process({"prompt": text, "multi_modal_data": {"image": images}}, add_special_tokens=False)
 
     def encode(
         self,

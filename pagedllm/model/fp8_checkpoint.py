@@ -34,7 +34,8 @@ _E4M3 = torch.float8_e4m3fn
 _SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 _UNUSED_SCALES = ("input_scale", "k_scale", "v_scale", "kv_scale", "output_scale")
 _SUPPORTED = ("quant_method 'fp8' (AutoFP8, transformers' fine-grained FP8) or 'compressed-tensors' with 8-bit "
-              "float weights (llm-compressor's FP8 schemes); 4-bit weights load from GGUF files")
+              "float weights (llm-compressor's FP8 schemes); 4- and 8-bit integer weights load from GPTQ, AWQ and "
+              "compressed-tensors pack-quantized checkpoints (model/int_weight_checkpoint.py) and GGUF files")
 
 
 @dataclass(frozen=True)

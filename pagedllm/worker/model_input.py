@@ -18,6 +18,8 @@ class SequenceChunk:
     sample: bool  # the chunk ends the sequence: return logits for its last token
     all_logits: bool = False  # return logits for every token (prompt_logprobs)
     lora_id: int = 0  # the request's LoRA adapter (lora_int_id), 0 for none
+    # Images whose placeholder positions the chunk covers (multimodal.inputs.MultiModalFeature), or None.
+    mm_features: list[Any] | None = None
 
 
 @dataclass

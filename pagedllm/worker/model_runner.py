@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.model_input import (SequenceChunk, logits_rows, read_freed_blocks_as_zero,
                                          split_into_decode_rows)
 from pagedllm.worker.step_stats import StepStats, StepWork, step_kind
@@ -42,6 +43,8 @@ class ModelRunner:
         # A classification model's `score` head (pooling runner): the rows a step returns are its label logits.
         self.classifier = None
         self.lora_manager = None  # --enable-lora: each step's token → adapter mapping goes to it (lora/manager.py)
+        # A multimodal model's image embeddings, from an image's first prefill chunk until its placeholders ran.
+        self.encoder_cache = EncoderCache() if getattr(model, "supports_multimodal", False) else None
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -173,6 +176,8 @@ class ModelRunner:
             self.lora_manager.set_mapping([c.lora_id for c in chunks], [len(c.token_ids) for c in chunks])
         stats = self.step_stats
         start = stats.start(self.device) if stats is not None else None
+        if self.encoder_cache is not None and any(c.mm_features for c in chunks):
+            return self._execute_multimodal(chunks, kv_caches, pending_inputs, prev_sampled_token_ids, start)
         gr = self.graph_runner
         if gr is not None and kv_caches is gr.kv_caches and gr.can_run(chunks):
             pending = None
@@ -220,6 +225,23 @@ class ModelRunner:
         if stats is not None:
             stats.stop(step_kind(chunks), path, int(input_ids.shape[0]), start,
                        StepWork.of(chunks, int(logits_indices.numel())))
+        return logits
+
+    def _execute_multimodal(self, chunks: list[SequenceChunk], kv_caches, pending_inputs, prev_sampled_token_ids,
+                            start) -> torch.Tensor | None:
+        """A step with image placeholder rows: the images' embeddings merged into the input embeddings, run
+        eagerly (graphs and the CPU direct forward take token ids)."""
+        input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
+        if pending_inputs:
+            ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
+            fill_pending_tokens(input_ids, [int(ends[i]) for i, _ in pending_inputs],
+                                [r for _, r in pending_inputs], prev_sampled_token_ids)
+        embeds = self.encoder_cache.inputs_embeds(self.model, chunks, input_ids)
+        hidden = self.model(input_ids, positions, kv_caches, meta, inputs_embeds=embeds)
+        logits = self._head(hidden[logits_indices]) if logits_indices.numel() else None
+        if self.step_stats is not None:
+            self.step_stats.stop(step_kind(chunks), "eager", int(input_ids.shape[0]), start,
+                                 StepWork.of(chunks, int(logits_indices.numel())))
         return logits
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

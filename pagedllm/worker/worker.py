@@ -23,6 +23,7 @@ from pagedllm.model.fp8_checkpoint import (
     log_fp8_checkpoint,
     prepare_for_fp8_checkpoint,
 )
+from pagedllm.model.int_weight_checkpoint import detect_int_weight_checkpoint
 from pagedllm.model.layers.attention import (
     NativeCpuAttentionBackend,
     TorchAttentionBackend,
@@ -34,13 +35,14 @@ from pagedllm.model.layers.linear import (
     quantize_weights_fp8,
     restore_dense_weights,
 )
+from pagedllm.model.layers.int_weight_blocks import IntCheckpointLoad, resolve_int_weight_quantization
 from pagedllm.model.layers.quantized_linear import (
     attach_gguf_weights,
     log_attach_report,
     num_parameters,
     resolve_quantization,
 )
-from pagedllm.model.models.registry import get_model_class, is_base_model
+from pagedllm.model.models.registry import get_model_class, is_base_model, text_config
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.worker.cache_engine import CacheEngine
@@ -75,7 +77,8 @@ def log_amx_bf16_hint() -> None:
 
 
 def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
-    """(num_layers, KV heads this rank holds, head_dim) from a HF config."""
+    """(num_layers, KV heads this rank holds, head_dim) from a HF config (a multimodal one's text_config)."""
+    hf_config = text_config(hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -103,11 +106,18 @@ class Worker:
             raise ValueError(f"quantization='fp8' runs _scaled_mm with row-wise scales, whose outputs are bfloat16: "
                              f"use dtype='bfloat16' (or 'auto'), not {config.model_config.dtype!r}.")
         self.gguf_path = self._gguf_source()
-        # A checkpoint stored in FP8 (model/fp8_checkpoint.py): its layers load as such.
-        self.fp8_format = None if config.model_config.load_format == "dummy" else detect_fp8_checkpoint(hf_config)
-        # --quantization gguf (the default for a quantized GGUF on the CPU) keeps the file's blocks.
-        self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
-                                                 self.dtype)
+        dummy = config.model_config.load_format == "dummy"
+        # A GPTQ / AWQ / compressed-tensors integer checkpoint (model/int_weight_checkpoint.py), or one stored in FP8
+        # (model/fp8_checkpoint.py): its layers load as such.
+        self.int_format = None if dummy else detect_int_weight_checkpoint(hf_config, config.model_config.quantization)
+        self.fp8_format = None if dummy or self.int_format is not None else detect_fp8_checkpoint(hf_config)
+        self.int_checkpoint: IntCheckpointLoad | None = None
+        if self.int_format is not None:  # "gguf" (its layers as GGUF blocks: CPU, float32) or None (dequantized)
+            self.quantization = resolve_int_weight_quantization(self.int_format, config.model_config.quantization,
+                                                                device, self.dtype, self.tp.size)
+        else:  # --quantization gguf (the default for a quantized GGUF on the CPU) keeps the file's blocks.
+            self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
+                                                     self.dtype)
         self.model = None
         # What loading took on a CUDA device, and its peak (load_model); 0 elsewhere.
         self.model_memory_bytes = 0
@@ -145,7 +155,11 @@ class Worker:
             self._load_fp8_checkpoint(model, keep_fp8)
         else:
             weights = loader.iterate_weights(self.model_dir, mc.load_format)
-            model.load_weights(base_model_weights(weights) if is_base_model(self.hf_config) else weights)
+            weights = base_model_weights(weights) if is_base_model(self.hf_config) else weights
+            if self.int_format is not None:
+                self.int_checkpoint = IntCheckpointLoad(self.int_format, keep_blocks=self.quantization == "gguf")
+                weights = self.int_checkpoint.weights(weights)
+            model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
         n_params = num_parameters(model)
@@ -236,8 +250,11 @@ class Worker:
             # Every GEMM design gives a row the same bits in any batch, so speculative verification (k+1
             # rows per sequence) reproduces plain decoding exactly: no design needs pinning.
             gemm = "auto"
-            report = attach_gguf_weights(self.model, self.gguf_path, gemm_method=gemm)
-            log_attach_report(report)
+            if self.int_checkpoint is not None:  # blocks made from an integer checkpoint's groups
+                report = self.int_checkpoint.attach(self.model, gemm)
+            else:
+                report = attach_gguf_weights(self.model, self.gguf_path, gemm_method=gemm)
+                log_attach_report(report)
             return f"gguf quantized ({report.quantized_layers} layers, GEMM design {gemm})"
         if (kept := sum(getattr(m, "fp8_weight", None) is not None for m in self.model.modules())):
             return f"fp8 _scaled_mm ({kept} layers from the FP8 checkpoint)"
@@ -322,7 +339,9 @@ class Worker:
         if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
             from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 
-            self.model_runner.direct_forward = LlamaDirectForward.build(self.model, backend)
+            # (a multimodal model's language model: its text-only steps)
+            self.model_runner.direct_forward = LlamaDirectForward.build(getattr(self.model, "language_model",
+                                                                                self.model), backend)
             if self.model_runner.direct_forward is not None:
                 self.model_runner.direct_forward.lora_manager = self.lora_manager
             if self.config.model_config.batch_invariant and self.model_runner.direct_forward is None:
@@ -388,7 +407,7 @@ class Worker:
                 from pagedllm.tokenizer import get_tokenizer
 
                 tokenizer = get_tokenizer(self.model_dir, mc.tokenizer, mc.trust_remote_code)
-            token_ids = calibration_token_ids(tokenizer, int(self.hf_config.vocab_size),
+            token_ids = calibration_token_ids(tokenizer, int(text_config(self.hf_config).vocab_size),
                                               self.config.scheduler_config.max_model_len, seed=mc.seed)
         layers, _, _ = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
         cal = calibrate_kv_amax(self.model, token_ids, layers, self.device)

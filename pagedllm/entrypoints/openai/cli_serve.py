@@ -158,6 +158,9 @@ def _add_log_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=None,
                    help="With --enable-log-requests: log at most this many prompt characters and prompt token "
                         "ids (default: all).")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="The only hosts an http(s) image_url may be fetched from, redirects refused (vLLM's flag; "
+                        "default: any host).")
 
 
 def _add_http_args(p: argparse.ArgumentParser) -> None:
@@ -260,7 +263,16 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--response-role must not be empty (e.g. assistant).")
     return {"response_role": args.response_role, "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
             "enable_force_include_usage": args.enable_force_include_usage,
-            "request_logger": RequestLogger(args.max_log_len) if args.enable_log_requests else None}
+            "request_logger": RequestLogger(args.max_log_len) if args.enable_log_requests else None,
+            "media_limits": _media_limits(args.allowed_media_domains)}
+
+
+def _media_limits(domains: list[str] | None) -> Any:
+    from pagedllm.multimodal.media import MediaLimits
+
+    if domains is not None and not all(d.strip() for d in domains):
+        raise ValueError("--allowed-media-domains: every entry must be a host name (e.g. upload.wikimedia.org).")
+    return MediaLimits(allowed_domains=tuple(d.strip().lower() for d in domains) if domains is not None else None)
 
 
 def start_serving(args: argparse.Namespace, command: str) -> tuple[ServingContext, EngineMetrics, EngineArgs]:
@@ -284,7 +296,14 @@ def start_serving(args: argparse.Namespace, command: str) -> tuple[ServingContex
     names = args.served_model_name or [_default_name(engine_args.model)]
     loras = _lora_requests(args.lora_modules, engine_args.enable_lora, names)
     metrics = EngineMetrics(names[0])
-    if args.disable_frontend_multiprocessing:
+    if engine_args.data_parallel_size > 1:
+        if args.disable_frontend_multiprocessing:
+            raise ValueError("--data-parallel-size > 1 runs one engine-core process per rank; it cannot be combined "
+                             "with --disable-frontend-multiprocessing (one engine on a thread of the server).")
+        from pagedllm.engine.dp_client import DPAsyncMPClient
+
+        engine = DPAsyncMPClient.from_engine_args(engine_args, observer=metrics)
+    elif args.disable_frontend_multiprocessing:
         engine = AsyncLLMEngine.from_engine_args(engine_args, observer=metrics)
     else:
         engine = AsyncMPClient.from_engine_args(engine_args, observer=metrics)

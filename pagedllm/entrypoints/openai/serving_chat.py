@@ -1,8 +1,9 @@
 """POST /v1/chat/completions: the model's chat template, then one engine request with n choices."""
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -25,6 +26,10 @@ from pagedllm.entrypoints.openai.serving_common import (
     sse,
 )
 from pagedllm.entrypoints.openai.stream_format import ChatChunker, ContinuousUsage
+from pagedllm.multimodal.chat import needs_multimodal_render, render_multimodal_chat
+from pagedllm.multimodal.inputs import MM_FEATURES_KEY
+from pagedllm.multimodal.media import MediaLimits, load_image_url_async
+from pagedllm.multimodal.processor import text_only_error
 from pagedllm.outputs import RequestOutput
 from pagedllm.tokenizer import apply_chat_template, check_chat_template_options
 
@@ -58,7 +63,31 @@ class OpenAIServingChat:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def _validate(self, req: ChatCompletionRequest) -> tuple[str, list[int], int | None, int | None, ChatTools]:
+    async def _image_prompt(self, req: ChatCompletionRequest) -> dict | None:
+        """A conversation with image parts → a processed multimodal prompt (its images fetched or decoded, the
+        model's processor run); None for a text-only conversation. Bad parts, URLs or images are a 400 naming
+        `messages`, and so are images sent to a text-only model."""
+        plain = [m.model_dump(exclude_none=True) for m in req.messages or []]
+        processor = self.ctx.engine.mm_processor if has_parts(plain) else None
+        if not needs_multimodal_render(plain, processor is not None):
+            return None
+        try:
+            if processor is None:
+                raise text_only_error()
+            tools = ChatTools(req, self.ctx.tool_call_parser).template_tools()
+            template = req.chat_template or self.ctx.chat_template or processor.chat_template
+            text, refs = render_multimodal_chat(self.ctx.tokenizer, plain, processor.image_token, template,
+                                                req.add_generation_prompt, tools, req.continue_final_message,
+                                                req.chat_template_kwargs)
+            images = await asyncio.gather(*(load_image_url_async(r.url, self.ctx.media_limits or MediaLimits()) if r.image is None else _ready(r.image)
+                                            for r in refs))
+            return await asyncio.to_thread(processor.process, {"prompt": text, "multi_modal_data": {"image": images}},
+                                           add_special_tokens=False)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from None
+
+    def _validate(self, req: ChatCompletionRequest,
+                  image_prompt: dict | None = None) -> tuple[str, list[int], int | None, int | None, ChatTools]:
         model = self.ctx.check_model(req.model)
         try:
             tools = ChatTools(req, self.ctx.tool_call_parser)
@@ -81,7 +110,10 @@ class OpenAIServingChat:
         self.ctx.check_prompt_logprobs(req)
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
-        ids = render_messages(self.ctx, req, tools.template_tools())
+        if image_prompt is None:
+            ids = render_messages(self.ctx, req, tools.template_tools())
+        else:
+            ids = image_prompt["prompt_token_ids"]
         ids = self.ctx.truncate(ids, req.truncate_prompt_tokens)
         self.ctx.check_length(len(ids), max_tokens, "messages", max_param)
         self.ctx.check_fits_pool(len(ids), max_tokens, req, max_param)
@@ -89,11 +121,14 @@ class OpenAIServingChat:
 
     async def create_chat_completion(self, req: ChatCompletionRequest,
                                      client_request_id: str | None = None) -> dict | AsyncIterator[str]:
-        model, ids, max_tokens, logprobs, tools = self._validate(req)
+        self.ctx.check_model(req.model)  # (before any image is fetched)
+        image_prompt = await self._image_prompt(req)
+        model, ids, max_tokens, logprobs, tools = self._validate(req, image_prompt)
         params = self.ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
                                           structured_outputs=tools.constraint)
         request_id, engine_prefix = request_ids("chatcmpl", client_request_id)
-        streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt, model)
+        streams = await self.ctx.add_all([ids], params, engine_prefix, req.priority, req.cache_salt, model,
+                                         mm_features=image_prompt[MM_FEATURES_KEY] if image_prompt else None)
         if req.stream:
             return self._stream(req, model, request_id, ids, streams, tools)
         final: RequestOutput | None = None
@@ -204,3 +239,12 @@ class OpenAIServingChat:
         finally:
             self.ctx.abort_unfinished(streams)
         yield sse("[DONE]")
+
+
+async def _ready(value: Any) -> Any:
+    return value
+
+
+def has_parts(messages: list[dict]) -> bool:
+    """Whether any message's content is a list of parts (only then may the model's processor be needed)."""
+    return any(isinstance(m.get("content"), list) for m in messages)

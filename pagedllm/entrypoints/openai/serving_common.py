@@ -130,6 +130,8 @@ class ServingContext:
     enable_force_include_usage: bool = False
     #: --enable-log-requests: logs each request handed to the engine (None: off).
     request_logger: RequestLogger | None = None
+    #: Limits on images named by URL (--allowed-media-domains); None: MediaLimits' defaults.
+    media_limits: Any = None
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -356,9 +358,9 @@ class ServingContext:
     # -- engine --------------------------------------------------------------------------------------
     async def add_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
                       priority: int = 0, cache_salt: str | None = None,
-                      model: str | None = None) -> list[tuple[str, AsyncStream]]:
-        """Add one request per prompt (`model`: a --lora-modules name runs them with its adapter); on any failure
-        abort those already added and raise an OpenAIError."""
+                      model: str | None = None, mm_features: list | None = None) -> list[tuple[str, AsyncStream]]:
+        """Add one request per prompt (`model`: a --lora-modules name runs them with its adapter; `mm_features`: the
+        prompts' images, processed); on any failure abort those already added and raise an OpenAIError."""
         lora = self.lora_modules.get(model)
         added: list[tuple[str, AsyncStream]] = []
         try:
@@ -368,6 +370,8 @@ class ServingContext:
                     self._log_request(rid, ids, params, lora)
                 prompt = {"prompt_token_ids": ids} if cache_salt is None else {"prompt_token_ids": ids,
                                                                                 "cache_salt": cache_salt}
+                if mm_features:
+                    prompt["mm_features"] = mm_features
                 added.append((rid, await self.engine.add_request(rid, prompt, params, coalesce=True,
                                                             priority=priority, lora_request=lora)))
         except BaseException as e:

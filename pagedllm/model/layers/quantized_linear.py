@@ -119,13 +119,24 @@ def attach_gguf_weights(model: nn.Module, gguf_path: str | os.PathLike[str],
     """Give every supported layer of ``model`` its GGUF blocks and drop its float32 weight (see module doc).
     ``gemm_method``: "auto" (the faster design per batch size) or one design for every batch size."""
     from pagedllm.model.gguf_loader import read_gguf_raw_tensors
+
+    if gemm_method not in cpu_quant.GEMM_METHODS:
+        raise ValueError(f"gemm_method must be one of {list(cpu_quant.GEMM_METHODS)}, got {gemm_method!r}")
+    raw, file_bytes = read_gguf_raw_tensors(gguf_path)
+    return attach_quantized_blocks(model, raw, file_bytes, gemm_method)
+
+
+def attach_quantized_blocks(model: nn.Module, raw: dict, source_bytes: int,
+                            gemm_method: str = "auto") -> GGUFAttachReport:
+    """:func:`attach_gguf_weights` on blocks already read: ``raw`` maps HF weight names to GGUFRawTensors (from a
+    GGUF file, or made from an integer checkpoint: layers/int_weight_blocks.py); ``source_bytes`` is what the
+    source's tensors take, for the report."""
     from pagedllm.model.layers.embedding import VocabParallelEmbedding
     from pagedllm.model.layers.linear import PackableGemm
 
     if gemm_method not in cpu_quant.GEMM_METHODS:
         raise ValueError(f"gemm_method must be one of {list(cpu_quant.GEMM_METHODS)}, got {gemm_method!r}")
-    raw, file_bytes = read_gguf_raw_tensors(gguf_path)
-    report = GGUFAttachReport(file_tensor_bytes=file_bytes)
+    report = GGUFAttachReport(file_tensor_bytes=source_bytes)
     fused = _source_names(model)
     modules = dict(model.named_modules())
     tied = bool(getattr(model, "tie_word_embeddings", False))

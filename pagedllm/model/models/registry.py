@@ -17,6 +17,7 @@ _GEMMA = "pagedllm.model.models.gemma:GemmaForCausalLM"
 _GEMMA2 = "pagedllm.model.models.gemma:Gemma2ForCausalLM"
 _GEMMA3 = "pagedllm.model.models.gemma:Gemma3ForCausalLM"
 _PHI3 = "pagedllm.model.models.phi3:Phi3ForCausalLM"
+_LLAVA = "pagedllm.model.models.llava:LlavaForConditionalGeneration"
 
 # Architecture (HF `architectures[0]`) or `model_type` → "module:Class".
 _MODELS = {
@@ -33,6 +34,8 @@ _MODELS = {
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,  # Gemma 3 text-only checkpoints (gemma-3-1b, model_type gemma3_text)
     "Phi3ForCausalLM": _PHI3,
+    # Image inputs (multimodal/): a vision tower and projector in front of the text model of `text_config`.
+    "LlavaForConditionalGeneration": _LLAVA,
     # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
     "LlamaModel": _LLAMA,
     "MistralModel": _LLAMA,
@@ -56,6 +59,7 @@ _MODELS = {
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA3,
     "phi3": _PHI3,
+    "llava": _LLAVA,
 }
 
 _DEFAULT_MAX_LEN = 2048
@@ -80,6 +84,12 @@ def is_classification_model(config: Any) -> bool:
     return bool(archs) and archs[0] in _CLASSIFICATION_MODELS
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config: a multimodal config's `text_config` (vLLM's hf_text_config), else the config."""
+    sub = getattr(config, "text_config", None)
+    return sub if sub is not None and getattr(config, "vision_config", None) is not None else config
+
+
 def supported_architectures() -> list[str]:
     return sorted(k for k in _MODELS if k[0].isupper())
 
@@ -96,6 +106,7 @@ def get_model_class(config: Any) -> type:
 
 def get_sliding_window(config: Any) -> int | None:
     """The attention window of a HF config (Mistral, Qwen2 with use_sliding_window), or None."""
+    config = text_config(config)
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         return None

@@ -1,0 +1,127 @@
+"""Images from the URLs of OpenAI content parts: ``data:`` URLs decoded, ``http(s)`` URLs fetched with a timeout
+and a size limit; every failure is a ValueError saying what was wrong (the server answers 400 with it)."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+#: URL schemes an image may come from.
+ALLOWED_SCHEMES = ("data", "http", "https")
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Bounds on one fetched image (vLLM's VLLM_IMAGE_FETCH_TIMEOUT is 5 s)."""
+
+    fetch_timeout_s: float = 5.0
+    max_bytes: int = 20 * 2**20
+    max_pixels: int = 64 * 2**20  # decoded width × height: refuses decompression bombs
+    #: --allowed-media-domains: the only hosts http(s) images may come from, redirects refused (None: any host).
+    allowed_domains: tuple[str, ...] | None = None
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """With an allow-list, a redirect could lead anywhere: it is refused as the HTTP error it is."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102 (urllib's hook)
+        return None
+
+
+def _short(url: str, n: int = 60) -> str:
+    return url if len(url) <= n else url[:n] + "..."
+
+
+def decode_image_bytes(data: bytes, source: str, limits: MediaLimits = MediaLimits()) -> Any:
+    """The PIL image in `data` (fully decoded, so a truncated file fails here); ValueError naming `source`."""
+    from PIL import Image
+
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"the image at {source} has {len(data)} bytes, more than the {limits.max_bytes} allowed.")
+    try:
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > limits.max_pixels:
+            raise ValueError(f"the image at {source} is {img.width}x{img.height} pixels, more than the "
+                             f"{limits.max_pixels} allowed.")
+        img.load()
+    except ValueError:
+        raise
+    except Exception as e:  # PIL.UnidentifiedImageError, OSError (truncated), DecompressionBombError
+        raise ValueError(f"the data at {source} is not an image this server can read (PNG, JPEG, GIF, WebP, ...): "
+                         f"{e}") from None
+    return img
+
+
+def _decode_data_url(url: str, limits: MediaLimits) -> Any:
+    header, sep, payload = url[len("data:"):].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ValueError(f"image_url {_short(url)!r}: a data URL must look like 'data:image/png;base64,<base64 "
+                         f"data>'.")
+    mime = header[: -len(";base64")]
+    if mime and not mime.startswith("image/"):
+        raise ValueError(f"image_url {_short(url)!r}: the data URL's media type is {mime!r}, not an image/* type.")
+    if len(payload) > limits.max_bytes * 4 // 3 + 4:
+        raise ValueError(f"image_url data URL: more than the {limits.max_bytes} bytes allowed.")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("image_url data URL: the payload is not valid base64.") from None
+    return decode_image_bytes(data, "the data URL", limits)
+
+
+def _check_domain(url: str, limits: MediaLimits) -> None:
+    if limits.allowed_domains is None:
+        return
+    host = (urllib.parse.urlsplit(url).hostname or "").lower()
+    if host not in limits.allowed_domains:
+        raise ValueError(f"image_url {_short(url)!r}: the host {host!r} is not in the server's "
+                         f"--allowed-media-domains ({', '.join(limits.allowed_domains)}).")
+
+
+def _fetch(url: str, limits: MediaLimits) -> bytes:
+    _check_domain(url, limits)
+    req = urllib.request.Request(url, headers={"User-Agent": "pagedllm", "Accept": "image/*"})
+    opener = urllib.request.build_opener(_NoRedirects) if limits.allowed_domains is not None \
+        else urllib.request.build_opener()
+    try:
+        with opener.open(req, timeout=limits.fetch_timeout_s) as resp:  # noqa: S310 (scheme checked)
+            length = resp.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limits.max_bytes:
+                raise ValueError(f"image_url {_short(url)!r}: {length} bytes, more than the {limits.max_bytes} "
+                                 f"allowed.")
+            data = resp.read(limits.max_bytes + 1)
+    except urllib.error.HTTPError as e:
+        raise ValueError(f"image_url {_short(url)!r} could not be fetched: HTTP {e.code} {e.reason}.") from None
+    except (urllib.error.URLError, OSError) as e:  # refused, unknown host, timeout
+        reason = getattr(e, "reason", e)
+        raise ValueError(f"image_url {_short(url)!r} could not be fetched (timeout {limits.fetch_timeout_s:g} s): "
+                         f"{reason}.") from None
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"image_url {_short(url)!r}: more than the {limits.max_bytes} bytes allowed.")
+    return data
+
+
+def load_image_url(url: Any, limits: MediaLimits = MediaLimits()) -> Any:
+    """The PIL image an image_url names (blocking: a fetch waits up to the timeout)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"image_url must be a non-empty URL string, got {url!r}.")
+    scheme = urllib.parse.urlsplit(url).scheme.lower() if not url.startswith("data:") else "data"
+    if scheme not in ALLOWED_SCHEMES:
+        raise ValueError(f"image_url {_short(url)!r}: scheme {scheme!r} is not allowed; allowed: "
+                         f"{', '.join(ALLOWED_SCHEMES)}.")
+    if scheme == "data":
+        return _decode_data_url(url, limits)
+    return decode_image_bytes(_fetch(url, limits), repr(_short(url)), limits)
+
+
+async def load_image_url_async(url: Any, limits: MediaLimits = MediaLimits()) -> Any:
+    """`load_image_url` off the event loop (a fetch or a large decode never stalls other requests)."""
+    if isinstance(url, str) and url.startswith("data:") and len(url) < 256 * 1024:
+        return load_image_url(url, limits)
+    return await asyncio.to_thread(load_image_url, url, limits)
