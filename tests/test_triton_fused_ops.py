@@ -310,7 +310,15 @@ def test_cuda_layers_dispatch_to_fused_kernels(dtype):
     _check_close(out, ref)
     assert torch.equal(res, ref_res)
     gate, up = gu.chunk(2, dim=-1)
-    _check_close(gelu_and_mul(gu, "tanh"), F.gelu(gate, approximate="tanh") * up)
+    out, ref = gelu_and_mul(gu, "tanh"), F.gelu(gate, approximate="tanh") * up
+    if dtype == torch.float32:
+        # Where the gate is very negative, 1 + tanh(inner) cancels: one ulp between Triton's libdevice tanhf and the
+        # CUDA toolkit's that built torch becomes hundreds of ulps of a tiny result (H200, 2026-12-05: 0.5 % of the
+        # elements, at most 259 ulps), so float32 is held to an absolute bound at the scale of |gate * up|.
+        assert (_ulps(out, ref) == 0).float().mean().item() > 0.99
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=4e-7 * (gate * up).abs().max().item())
+    else:
+        _check_close(out, ref)
 
 
 @pytest.mark.cuda
