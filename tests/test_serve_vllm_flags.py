@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (  # noqa: E402
 )
 from pagedllm.entrypoints.openai.request_logger import RequestLogger  # noqa: E402
 from pagedllm.entrypoints.openai.serving_common import ServingContext  # noqa: E402
+from pagedllm.multimodal.media import MediaLimits  # noqa: E402
 
 
 def _parse(*argv: str):
@@ -73,7 +74,7 @@ def test_a_vllm_command_line_parses_and_lands_in_engine_http_and_serving_options
     assert http.root_path == "/api" and http.disable_fastapi_docs is True
     extras = cli_serve.serving_options(args)
     assert extras == {"response_role": "bot", "enable_prompt_tokens_details": True, "enable_force_include_usage": True,
-                      "request_logger": None}
+                      "request_logger": None, "media_limits": MediaLimits()}
     assert cli_serve.ssl_options(args) == {}
 
 
@@ -82,7 +83,8 @@ def test_defaults_match_vllm():
     engine = EngineArgs.from_cli_args(args)
     assert engine.disable_log_stats is False and cli_serve.stats_log_interval(engine) == 10.0
     assert cli_serve.serving_options(args) == {"response_role": "assistant", "enable_prompt_tokens_details": False,
-                                               "enable_force_include_usage": False, "request_logger": None}
+                                               "enable_force_include_usage": False, "request_logger": None,
+                                               "media_limits": MediaLimits()}
     http = cli_serve.http_options(args)
     assert http.root_path == "" and http.disable_fastapi_docs is False
     assert engine.compat_notes() == []  # nothing to warn about
@@ -90,6 +92,8 @@ def test_defaults_match_vllm():
 
 def test_request_log_flags():
     assert cli_serve.serving_options(_parse("serve", "--enable-log-requests"))["request_logger"] == RequestLogger()
+    limits = cli_serve.serving_options(_parse("serve", "--allowed-media-domains", "Images.Example", "cdn.example"))
+    assert limits["media_limits"] == MediaLimits(allowed_domains=("images.example", "cdn.example"))
     logger = cli_serve.serving_options(_parse("serve", "--enable-log-requests", "--max-log-len", "7"))["request_logger"]
     assert logger == RequestLogger(max_log_len=7)
     # vLLM's two spellings share one switch: the last one given wins.
