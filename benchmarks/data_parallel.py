@@ -12,17 +12,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 
 from pagedllm.benchmarks import serving
 from pagedllm.benchmarks.server_process import ServerProcess
 
 
+def _preemptions(server: ServerProcess) -> float:
+    """vllm:num_preemptions_total from the server's /metrics (all ranks)."""
+    import httpx
+
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(r"^vllm:num_preemptions_total(?:\{[^}]*\})? (\S+)$", text,
+                                                       re.MULTILINE))
+
+
 def _serve_and_measure(flags: list[str], args: argparse.Namespace) -> dict:
     server = ServerProcess(flags)
     try:
         args.base_url = server.base_url
-        return asyncio.run(serving.benchmark(args))
+        summary = asyncio.run(serving.benchmark(args))
+        summary["preemptions"] = _preemptions(server)
+        return summary
     finally:
         server.stop()
 
@@ -32,8 +44,9 @@ def main() -> None:
     serving.add_args(p)
     p.add_argument("--data-parallel-size", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--server-args", default="--num-gpu-blocks-override 2048 --max-model-len 1024 --no-dashboard",
-                   help="Flags given to both servers.")
+    p.add_argument("--server-args", default="--num-gpu-blocks-override 4096 --max-model-len 1024 --no-dashboard",
+                   help="Flags given to both servers (a pool override applies to each rank; the default pool holds "
+                        "the default workload without preemption in either configuration).")
     args = p.parse_args()
     common = args.server_args.split()
     configs = {"1 engine": common, f"{args.data_parallel_size} engines (DP)":
@@ -46,7 +59,8 @@ def main() -> None:
                 raise SystemExit(f"{name}: {s['failed']} request(s) failed: {s.get('errors')}")
             results[name].append(s)
             print(f"round {r + 1} {name:<18} {s['output_throughput_tok_s']:8.1f} out tok/s  "
-                  f"mean TTFT {s['mean_ttft_ms']:8.1f} ms  median TPOT {s['median_tpot_ms']:7.1f} ms", flush=True)
+                  f"mean TTFT {s['mean_ttft_ms']:8.1f} ms  median TPOT {s['median_tpot_ms']:7.1f} ms  "
+                  f"preemptions {s['preemptions']:.0f}", flush=True)
     print(f"\n{args.num_prompts} requests, ~{args.input_len} in / ~{args.output_len} out, rate {args.request_rate}")
     print(f"{'server':<20}{'out tok/s (rounds)':>28}{'mean TTFT ms':>14}{'median TPOT ms':>16}")
     for name, runs in results.items():
