@@ -92,7 +92,7 @@ def test_bad_requests_are_400_naming_the_field(server, body, param, text):
 
 
 def test_generation_routes_refused_and_invocations_embed(server, client):
-    done_before = server.metrics()["vllm:request_success_total"]
+    done_before = server.metrics().get("vllm:request_success_total", 0.0)
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
         r = httpx.post(server.url(path), json={"model": MODEL_NAME, **body}, timeout=60)
