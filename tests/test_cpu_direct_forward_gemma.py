@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from test_cpu_direct_forward import _assert_direct_equals_module_path, _runner
 from test_models_hf_gemma import FAMILIES, WINDOW
-from test_models_hf import ENGINE_KW, VOCAB, _random_model
+from test_models_hf import ENGINE_KW, VOCAB, random_checkpoints
 
 from pagedllm import LLM
 from pagedllm.kernels import cpu_isa, cpu_kernels
@@ -41,15 +41,7 @@ def _prompts() -> list[dict]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """name → a directory holding transformers' tiny random model of that family (written once per module)."""
-    paths: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in paths:
-            paths[name] = tmp_path_factory.mktemp(name)
-            _random_model(FAMILIES[name]).save_pretrained(paths[name], safe_serialization=True)
-        return paths[name]
-
-    return get
+    return random_checkpoints(tmp_path_factory, FAMILIES)
 
 
 def _llm(path: Path) -> LLM:

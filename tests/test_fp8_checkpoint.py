@@ -25,11 +25,9 @@ from pagedllm.model.fp8_checkpoint import (
 )
 from pagedllm.model.layers.linear import restore_dense_weights
 from pagedllm.model.models.llama import LlamaForCausalLM
-from tiny_models import save_tiny_llama
+from tiny_models import TINY_ENGINE_KW as ENGINE_KW, TINY_MAX_TOKENS as MAX_TOKENS, TINY_PROMPTS as PROMPTS
+from tiny_models import save_tiny_llama, tiny_hf_greedy
 
-ENGINE_KW = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=8)
-PROMPTS = [[5, 17, 300, 42], [900, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [77] * 6]
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +46,6 @@ def _greedy(llm: LLM) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
-
-def _hf_greedy(path: Path) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # ignore_eos on our side: never stop early here either
-    out = []
-    with torch.inference_mode():
-        for p in PROMPTS:  # one at a time: no padding
-            ids = torch.tensor([p])
-            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                              pad_token_id=0)
-            out.append(seq[0, len(p):].tolist())
-    return out
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -92,7 +76,7 @@ def test_fp8_checkpoint_loads_as_its_dequantized_weights_and_matches_transformer
     for name, (got, expect) in cases.items():
         torch.testing.assert_close(got, expect, rtol=0, atol=0, msg=f"{kind}: {name}")
     assert all(not hasattr(m, "weight_scale") for m in model.modules())  # the per-row scales were folded in
-    assert _greedy(llm) == _hf_greedy(twin)
+    assert _greedy(llm) == tiny_hf_greedy(twin)
 
 
 def test_tied_embeddings_stay_one_parameter_through_the_meta_build(tmp_path):
@@ -103,7 +87,7 @@ def test_tied_embeddings_stay_one_parameter_through_the_meta_build(tmp_path):
     llm = LLM(model=str(tmp_path / "fp8"), **ENGINE_KW)
     model = llm.llm_engine.executor.driver_worker.model
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert _greedy(llm) == _hf_greedy(twin)
+    assert _greedy(llm) == tiny_hf_greedy(twin)
 
 
 def test_kept_layers_hold_the_checkpoints_e4m3_bytes_and_scales(checkpoints):

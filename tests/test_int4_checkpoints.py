@@ -35,11 +35,9 @@ from pagedllm.model.int_weight_checkpoint import (
 )
 from pagedllm.model.layers.int_weight_blocks import DEFAULT_ENV, gguf_blocks
 from pagedllm.model.layers.linear import restore_dense_weights
-from tiny_models import save_tiny_llama, save_tiny_qwen2
+from tiny_models import TINY_ENGINE_KW as ENGINE_KW, TINY_MAX_TOKENS as MAX_TOKENS, TINY_PROMPTS as PROMPTS
+from tiny_models import save_tiny_llama, save_tiny_qwen2, tiny_hf_greedy
 
-ENGINE_KW = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=8)
-PROMPTS = [[5, 17, 300, 42], [900, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [77] * 6]
-MAX_TOKENS = 12
 
 GPTQ_SYM = Kind("gptq", 4, 64, sym=True, checkpoint_format="gptq")
 GPTQ_ASYM_V2 = Kind("gptq", 4, 64, sym=False, checkpoint_format="gptq_v2")
@@ -81,20 +79,6 @@ def _greedy(llm: LLM) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
-
-def _hf_greedy(path: Path, **kwargs) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
-    hf.generation_config.eos_token_id = None  # ignore_eos on our side: never stop early here either
-    out = []
-    with torch.inference_mode():
-        for p in PROMPTS:  # one at a time: no padding
-            ids = torch.tensor([p])
-            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                              pad_token_id=0)
-            out.append(seq[0, len(p):].tolist())
-    return out
 
 
 def _forced(llm: LLM, continuations: list[list[int]]) -> tuple[list[bool], list[float]]:
@@ -263,14 +247,14 @@ def test_dequantized_path_loads_the_exact_weights_and_matches_transformers(kind,
     got, want = _linear_weights(model), _twin_weights(twin)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"{kind.name}: {name}")
-    assert _greedy(llm) == _hf_greedy(twin)
+    assert _greedy(llm) == tiny_hf_greedy(twin)
 
 
 def test_qwen2_with_biases_matches_transformers_and_its_quantized_path_agrees(checkpoint):
     quantized, twin = checkpoint(GPTQ_ASYM_V2, "qwen2")
     dense = LLM(model=str(quantized), quantization="none", **ENGINE_KW)
     tokens = _greedy(dense)
-    assert tokens == _hf_greedy(twin)
+    assert tokens == tiny_hf_greedy(twin)
     del dense
     blocks = LLM(model=str(quantized), **ENGINE_KW)
     assert _model(blocks).model.layers[0].self_attn.qkv_proj.gguf_weight is not None
@@ -293,7 +277,8 @@ def test_compressed_tensors_checkpoint_equals_transformers_own_decompression(che
         for name, t in want.items():
             assert torch.equal(state[name], t), name
         llm = LLM(model=str(quantized), quantization="none", **ENGINE_KW)
-        assert _greedy(llm) == _hf_greedy(quantized, quantization_config=CompressedTensorsConfig(run_compressed=False))
+        ct = CompressedTensorsConfig(run_compressed=False)
+        assert _greedy(llm) == tiny_hf_greedy(quantized, quantization_config=ct)
 
 
 def test_act_order_checkpoint_matches_transformers_on_the_dequantized_path(checkpoint, caplog):
@@ -306,7 +291,7 @@ def test_act_order_checkpoint_matches_transformers_on_the_dequantized_path(check
         llm = LLM(model=str(quantized), **ENGINE_KW)
     assert "21 quantized tensors dequantized to float32 instead (act-order g_idx" in caplog.text
     assert not any(getattr(m, "gguf_weight", None) is not None for m in _model(llm).modules())
-    assert _greedy(llm) == _hf_greedy(twin)
+    assert _greedy(llm) == tiny_hf_greedy(twin)
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,4 +457,4 @@ def test_cuda_runs_the_dequantized_weights_and_matches_transformers(kind, checkp
     quantized, twin = checkpoint(kind)
     llm = LLM(model=str(quantized), **{**ENGINE_KW, "device": "cuda"})
     assert not any(getattr(m, "gguf_weight", None) is not None for m in _model(llm).modules())
-    assert _greedy(llm) == _hf_greedy(twin)
+    assert _greedy(llm) == tiny_hf_greedy(twin)

@@ -124,6 +124,21 @@ def hf_greedy_reference(model: torch.nn.Module, prompts: list[list[int]], max_to
     return reference, logprobs
 
 
+def random_checkpoints(tmp_path_factory: pytest.TempPathFactory,
+                       families: dict[str, Family]) -> Callable[[str], Path]:
+    """name → a directory holding transformers' tiny random model of `families[name]` (safetensors, no tokenizer),
+    written once per factory."""
+    paths: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in paths:
+            paths[name] = tmp_path_factory.mktemp(name)
+            _random_model(families[name]).save_pretrained(paths[name], safe_serialization=True)
+        return paths[name]
+
+    return get
+
+
 def build_from_model(model: torch.nn.Module, path: Path, prompt_lens: Sequence[int]) -> Built:
     """Save `model` to `path` and record transformers' greedy outputs on seeded random prompts of `prompt_lens`."""
     model.save_pretrained(path, safe_serialization=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from test_models_hf import ENGINE_KW, FAMILIES as LLAMA_FAMILIES, _random_model
+from test_models_hf import ENGINE_KW, FAMILIES as LLAMA_FAMILIES, random_checkpoints
 from test_models_hf_gemma import FAMILIES as GEMMA_FAMILIES
 
 from pagedllm import LLM
@@ -35,16 +35,8 @@ FAMILIES = {"llama": LLAMA_FAMILIES["llama"], "gemma3": GEMMA_FAMILIES["gemma3"]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    """name → a directory holding transformers' tiny random model of that family (safetensors, no tokenizer)."""
-    paths: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in paths:
-            paths[name] = tmp_path_factory.mktemp(name)
-            _random_model(FAMILIES[name]).save_pretrained(paths[name], safe_serialization=True)
-        return paths[name]
-
-    return get
+    """name → a directory holding transformers' tiny random model of that family (written once per module)."""
+    return random_checkpoints(tmp_path_factory, FAMILIES)
 
 
 # -- 1. bench cpu-decode-step on dense checkpoints and Gemma ---------------------------------------------------------

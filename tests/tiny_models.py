@@ -3,6 +3,28 @@ from __future__ import annotations
 
 import torch
 
+#: What the tiny-Llama checkpoint tests (FP8, integer weights) run: CPU, float32, a small pool, token-id prompts.
+TINY_ENGINE_KW = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", num_gpu_blocks_override=64,
+                      block_size=8)
+TINY_PROMPTS = [[5, 17, 300, 42], [900, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [77] * 6]
+TINY_MAX_TOKENS = 12
+
+
+def tiny_hf_greedy(path, **from_pretrained_kwargs) -> list[list[int]]:
+    """transformers' greedy tokens (float32, no end of sequence) for TINY_PROMPTS, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **from_pretrained_kwargs).eval()
+    hf.generation_config.eos_token_id = None  # ignore_eos on the engine's side: never stop early here either
+    out = []
+    with torch.inference_mode():
+        for p in TINY_PROMPTS:
+            ids = torch.tensor([p])
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=TINY_MAX_TOKENS, pad_token_id=0)
+            out.append(seq[0, len(p):].tolist())
+    return out
+
 
 def _save_random(hf_model, path) -> str:
     """Weights (and biases) of `hf_model` drawn N(0, 0.08) from torch's generator as the caller seeded it, saved to
