@@ -68,6 +68,8 @@ class ModelConfig:
     runner: str = "generate"  # resolved: "generate" or "pooling"
     pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
     pooling_task: str | None = None  # runner "pooling": one of POOLING_MODEL_TASKS
+    # --enable-prompt-embeds: prompts may be embeddings ({"prompt_embeds": tensor}), engine/prompt_embeds.py
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling_task is not None:
@@ -144,12 +146,19 @@ class CacheConfig:
     cache_dtype: str = "auto"  # --kv-cache-dtype
     # FP8 pools: per-layer k/v scales from one calibration pass at start-up (else 1.0); plain pools ignore it.
     calculate_kv_scales: bool = False
+    # --disable-sliding-window: every layer keeps (and attends through) the whole context, capped at the window.
+    disable_sliding_window: bool = False
+    # --disable-hybrid-kv-cache-manager (also set where a feature needs one table per sequence): a model mixing
+    # full-attention and sliding-window layers keeps one block table for all of them (core/kv_cache_groups.py).
+    disable_hybrid_kv_cache_manager: bool = False
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
     # Filled in from the model: the window every attention layer shares (Mistral-7B-v0.1, Phi-3), behind which the
     # block manager frees blocks; None when any layer attends to the whole context.
     sliding_window: int | None = field(default=None, init=False)
+    # Filled in from the model: each KV cache group's window (core/kv_cache_groups.py); one entry unless hybrid.
+    kv_cache_group_windows: tuple[int | None, ...] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)

@@ -22,13 +22,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_writing import ENGINE_KW, add_shape_metadata, gguf, hf_greedy, teacher_forced_ranks, write_gguf
+from gguf_writing import ENGINE_KW as _GGUF_ENGINE_KW
+from gguf_writing import add_shape_metadata, gguf, hf_greedy, teacher_forced_ranks, write_gguf
 from gguf_writing import own_cache  # noqa: F401 (autouse fixture: a cache directory per test)
 from test_models_hf import hf_greedy_reference
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_config import build_config
 from pagedllm.model.gguf_loader import gguf_cache_dir, open_gguf, transformers_dense_gguf_kwargs
+
+# Gemma 3's hybrid KV cache (core/kv_cache_groups.py) counts blocks of one group's layers: a pool of more of them.
+ENGINE_KW = {**_GGUF_ENGINE_KW, "num_gpu_blocks_override": 128}
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

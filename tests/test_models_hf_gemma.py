@@ -37,7 +37,8 @@ from pagedllm.model.cpu_direct_forward import direct_forward_enabled
 from pagedllm.model.layers.linear import restore_dense_weights
 from pagedllm.model.layers.norm import GemmaRMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, _inv_freq, attention_factor, rope_parameters
-from pagedllm.model.models.registry import get_model_class
+from pagedllm.core.kv_cache_groups import plan_kv_cache_groups
+from pagedllm.model.models.registry import get_model_class, layer_sliding_windows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -110,10 +111,18 @@ def _check_parity(name: str, built: Built, outs: list, atol: float = 2e-5) -> No
     _assert_logprobs_match(outs, built, atol)
 
 
+def _same_bytes(built: Built, blocks: int) -> int:
+    """The pool of `blocks` one-table blocks in blocks of the model's KV cache groups (core/kv_cache_groups.py): a
+    hybrid model's block holds only one group's layers, so the same memory holds more of them."""
+    windows = layer_sliding_windows(transformers.AutoConfig.from_pretrained(built.path))
+    return blocks * len(windows) // plan_kv_cache_groups(windows).num_slots
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_greedy_parity_with_preemption(name: str, build) -> None:
     built = build(name)
-    llm = LLM(model=str(built.path), num_gpu_blocks_override=SMALL_POOL, block_size=4, **ENGINE_KW)
+    pool = _same_bytes(built, SMALL_POOL)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=pool, block_size=4, **ENGINE_KW)
     assert type(_model(llm)).__name__ == FAMILIES[name].ours
     runner = llm.llm_engine.executor.driver_worker.model_runner
     direct = load_cpu_kernels() is not None and direct_forward_enabled()
@@ -129,14 +138,15 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     stats = llm.stats()
     if len(built.prompts) == len(PROMPT_LENS) and name != "phi3":  # phi3's window frees blocks as sequences grow
         assert stats["num_preemptions"] > 0, "the small pool should have forced preemption"
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == SMALL_POOL
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == pool
 
 
 @pytest.mark.parametrize("name", ["gemma2", "phi3"])
 def test_parity_with_swap_preemption_and_block_size_8(name: str, build) -> None:
     """Swapped-out and swapped-in sequences keep their windows' K/V (Phi-3's freed blocks behind the window too)."""
     built = build(name)
-    llm = LLM(model=str(built.path), num_gpu_blocks_override=12, block_size=8, preemption_mode="swap", **ENGINE_KW)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=_same_bytes(built, 12), block_size=8,
+              preemption_mode="swap", **ENGINE_KW)
     _check_parity(name, built, _greedy(llm, built.prompts, logprobs=3))
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
@@ -185,7 +195,8 @@ def test_tensor_parallel_tp2_matches_hf(name: str, kv_heads_per_rank: int, build
     """tp=2 (real processes, gloo): each rank holds half the heads; Phi-3's fused tensors are split by rows per
     projection, so each rank gets its own q, k, v, gate and up rows."""
     built = build(name)
-    llm = LLM(model=str(built.path), num_gpu_blocks_override=SMALL_POOL, block_size=4, tensor_parallel_size=2,
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=_same_bytes(built, SMALL_POOL), block_size=4,
+              tensor_parallel_size=2,
               distributed_executor_backend="mp", **ENGINE_KW)
     executor = llm.llm_engine.executor
     try:

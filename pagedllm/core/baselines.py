@@ -105,6 +105,7 @@ class ContiguousBlockManager:
     max_model_len: int
     num_cpu_blocks: int = 0  # no swap pool: these managers never preempt
     block_tables: dict[int, list[int]] = field(init=False, default_factory=dict)
+    num_groups: int = field(init=False, default=1)  # one region serves every layer
     stats: BlockManagerStats = field(init=False, default_factory=BlockManagerStats)
     allocator: BuddyAllocator = field(init=False)
     groups: dict[str, GroupReservation] = field(init=False, default_factory=dict)
@@ -146,6 +147,10 @@ class ContiguousBlockManager:
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
+
+    def get_block_tables(self, seq: Sequence) -> list[list[int]]:
+        """One KV cache group: a contiguous region serves every layer."""
+        return [self.get_block_table(seq)]
 
     def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Always 0: memory is reserved at admission (`can_admit`), growth stays inside the region."""

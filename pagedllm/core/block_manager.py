@@ -46,7 +46,7 @@ class BlockManagerStats:
 
 @dataclass
 class BlockManager:
-    """Owns the device pool, the CPU swap pool, and every sequence's block table."""
+    """Owns the device pool, the CPU swap pool, and every sequence's block tables (one per KV cache group)."""
 
     block_size: int
     num_gpu_blocks: int
@@ -57,20 +57,45 @@ class BlockManager:
     # sequence's next query are freed (their entries become NULL_BLOCK), so a sequence holds about W tokens of
     # blocks however long it grows (vLLM's SlidingWindowManager). None: full attention, nothing freed early.
     sliding_window: int | None = None
+    # Hybrid models (core/kv_cache_groups.py): the window of each KV cache group (None: full attention). Every
+    # group has a table per sequence over the one shared pool; a sliding group frees its blocks behind its window.
+    # None: one group with `sliding_window`.
+    group_windows: tuple[int | None, ...] | None = None
     gpu_pool: BlockPool = field(init=False)
     cpu_pool: BlockPool = field(init=False)
-    block_tables: dict[int, list[int]] = field(init=False, default_factory=dict)
-    cpu_block_tables: dict[int, list[int]] = field(init=False, default_factory=dict)
+    # tables[g][seq_id]: group g's table; block_tables / cpu_block_tables are group 0's (the full-attention
+    # group of a hybrid model: the one holding every block of the context).
+    tables: list[dict[int, list[int]]] = field(init=False)
+    cpu_tables: list[dict[int, list[int]]] = field(init=False)
     # Hashes of each sequence's full blocks, in order (prefix caching).
     _seq_block_hashes: dict[int, list[int]] = field(init=False, default_factory=dict)
     stats: BlockManagerStats = field(init=False, default_factory=BlockManagerStats)
 
     def __post_init__(self) -> None:
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
+        if self.group_windows is None:
+            self.group_windows = (self.sliding_window,)
+        elif self.sliding_window is not None:
+            raise ValueError("give sliding_window (one group) or group_windows (a hybrid model's), not both")
+        self.group_windows = tuple(self.group_windows)
+        if not self.group_windows:
+            raise ValueError("group_windows needs at least one KV cache group")
+        for window in self.group_windows:
+            if window is not None and window < 1:
+                raise ValueError(f"sliding_window must be a positive number of tokens or None, got {window}")
+        self.num_groups = len(self.group_windows)
         self.gpu_pool = BlockPool(self.num_gpu_blocks, enable_caching=self.enable_caching)
         self.cpu_pool = BlockPool(self.num_cpu_blocks)
         self.watermark_blocks = int(self.watermark * self.num_gpu_blocks)
+        self.tables = [{} for _ in self.group_windows]
+        self.cpu_tables = [{} for _ in self.group_windows]
+
+    @property
+    def block_tables(self) -> dict[int, list[int]]:
+        return self.tables[0]
+
+    @property
+    def cpu_block_tables(self) -> dict[int, list[int]]:
+        return self.cpu_tables[0]
 
     # -- queries ----------------------------------------------------------------------------
     def get_num_free_gpu_blocks(self) -> int:
@@ -82,21 +107,32 @@ class BlockManager:
     def get_block_table(self, seq: Sequence) -> list[int]:
         return self.block_tables.get(seq.seq_id, [])
 
+    def get_block_tables(self, seq: Sequence) -> list[list[int]]:
+        """The sequence's table in every KV cache group, in group order."""
+        return [tables.get(seq.seq_id, []) for tables in self.tables]
+
     def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks `allocate_slots(seq, num_new_tokens)` would take, counting copy-on-write."""
+        """Net blocks `allocate_slots(seq, num_new_tokens)` would take from the pool in all groups: new blocks and
+        copy-on-write copies, less the blocks it frees behind a sliding window."""
         bs = self.block_size
         computed = seq.num_computed_tokens
         needed = (computed + num_new_tokens + bs - 1) // bs
-        table = self.block_tables.get(seq.seq_id)
-        if not table:
-            return needed
-        have = len(table)
         refs = self.gpu_pool.ref_counts
-        cow = 0
-        for i in range(computed // bs, have if have < needed else needed):  # the blocks written into
-            if refs[table[i]] > 1:
-                cow += 1
-        return (needed - have if needed > have else 0) + cow
+        total = 0
+        for window, tables in zip(self.group_windows, self.tables):
+            table = tables.get(seq.seq_id)
+            if not table:
+                total += needed
+                continue
+            have = len(table)
+            cow = 0
+            for i in range(computed // bs, have if have < needed else needed):  # the blocks written into
+                if refs[table[i]] > 1:
+                    cow += 1
+            total += (needed - have if needed > have else 0) + cow
+            if window is not None:
+                total -= sum(1 for i in self._outside_window(seq, table, window) if refs[table[i]] == 1)
+        return total
 
     def can_allocate(self, num_blocks: int, for_new_request: bool) -> bool:
         """Whether `num_blocks` can be taken now; new requests must leave the watermark free."""
@@ -123,83 +159,145 @@ class BlockManager:
 
         Returns the copy-on-write copies (src, dst) the worker must do before the step.
         """
-        table = self.block_tables.setdefault(seq.seq_id, [])
         bs = self.block_size
         needed = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs
         pool = self.gpu_pool
         refs = pool.ref_counts
         copies: list[tuple[int, int]] = []
-        for i in range(seq.num_computed_tokens // bs, min(len(table), needed)):
-            old = table[i]
-            if refs[old] > 1:
-                new = pool.allocate()
-                pool.decref(old)
-                table[i] = new
-                copies.append((old, new))
+        for window, tables in zip(self.group_windows, self.tables):
+            table = tables.setdefault(seq.seq_id, [])
+            for i in range(seq.num_computed_tokens // bs, min(len(table), needed)):
+                old = table[i]
+                if refs[old] > 1:
+                    new = pool.allocate()
+                    pool.decref(old)
+                    table[i] = new
+                    copies.append((old, new))
+            if window is not None:
+                self._free_outside_window(seq, table, window)
+            while len(table) < needed:
+                table.append(pool.allocate())
         if copies:
             self.stats.num_cow_copies += len(copies)
-        if self.sliding_window is not None:
-            self._free_outside_window(seq, table)
-        while len(table) < needed:
-            table.append(pool.allocate())
         return copies
 
-    def _free_outside_window(self, seq: Sequence, table: list[int]) -> None:
-        """Free the blocks that the step's first query (position num_computed_tokens) and every later one can no
-        longer see: it reads keys after position - W, so block i goes once its last slot is before that."""
-        first_seen = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
-        i = min(first_seen, len(table)) - 1
-        while i >= 0 and table[i] != NULL_BLOCK:  # entries before the first NULL_BLOCK went in earlier steps
+    def _outside_window(self, seq: Sequence, table: list[int], window: int) -> list[int]:
+        """Indices of the table's live entries that the step's first query (position num_computed_tokens) and every
+        later one can no longer see: it reads keys after position - W, so block i goes once its last slot is
+        before that. Entries before the first NULL_BLOCK went in earlier steps."""
+        out = []
+        i = min(self._first_seen_block(seq.num_computed_tokens, window), len(table)) - 1
+        while i >= 0 and table[i] != NULL_BLOCK:
+            out.append(i)
+            i -= 1
+        return out
+
+    def _free_outside_window(self, seq: Sequence, table: list[int], window: int) -> None:
+        for i in self._outside_window(seq, table, window):
             self.gpu_pool.decref(table[i])
             table[i] = NULL_BLOCK
-            i -= 1
+
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """Keep the first `num_blocks` entries of every group's table (speculative decoding gives back the blocks
+        that held only rejected drafts)."""
+        for tables in self.tables:
+            table = tables.get(seq.seq_id)
+            while table is not None and len(table) > num_blocks:
+                block = table.pop()
+                if block != NULL_BLOCK:
+                    self.gpu_pool.decref(block)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (no KV bytes move)."""
-        table = self.block_tables.get(parent.seq_id, [])
-        for block in table:
-            if block != NULL_BLOCK:
-                self.gpu_pool.incref(block)
-        self.block_tables[child.seq_id] = list(table)
+        for tables in self.tables:
+            table = tables.get(parent.seq_id, [])
+            for block in table:
+                if block != NULL_BLOCK:
+                    self.gpu_pool.incref(block)
+            tables[child.seq_id] = list(table)
         if parent.seq_id in self._seq_block_hashes:
             self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references on whichever pool holds it."""
-        table = self.block_tables.pop(seq.seq_id, None)
-        if table is not None:
-            # Free tail first so that, under LRU eviction, a prefix outlives its suffix.
-            for block in reversed(table):
-                if block != NULL_BLOCK:
-                    self.gpu_pool.decref(block)
-        cpu_table = self.cpu_block_tables.pop(seq.seq_id, None)
-        if cpu_table is not None:
-            for block in cpu_table:
-                if block != NULL_BLOCK:
-                    self.cpu_pool.decref(block)
+        for tables in self.tables:
+            table = tables.pop(seq.seq_id, None)
+            if table is not None:
+                # Free tail first so that, under LRU eviction, a prefix outlives its suffix.
+                for block in reversed(table):
+                    if block != NULL_BLOCK:
+                        self.gpu_pool.decref(block)
+        for tables in self.cpu_tables:
+            cpu_table = tables.pop(seq.seq_id, None)
+            if cpu_table is not None:
+                for block in cpu_table:
+                    if block != NULL_BLOCK:
+                        self.cpu_pool.decref(block)
         self._seq_block_hashes.pop(seq.seq_id, None)
 
     # -- prefix caching ---------------------------------------------------------------------
     def allocate_cached_prefix(self, seq: Sequence) -> int:
-        """Point a fresh sequence's table at its longest cached prefix; returns tokens reused.
+        """Point a fresh sequence's tables at its longest cached prefix; returns tokens reused.
 
         Only full blocks strictly before the last token count, so at least one token is
         computed and the step has a query to sample from.
         """
         if not self.enable_caching or seq.seq_id in self.block_tables:
             return 0
+        n, hits = self._find_cached_prefix(seq)
+        for window, tables, found in zip(self.group_windows, self.tables, hits):
+            first = 0 if window is None else self._first_seen_block(n * self.block_size, window)
+            table = [NULL_BLOCK] * first
+            for i in range(first, n):
+                block = found[i]
+                self.gpu_pool.incref(block)
+                table.append(block)
+            tables[seq.seq_id] = table
+        return n * self.block_size
+
+    def _first_seen_block(self, position: int, window: int) -> int:
+        """The first block a query at `position` reads under a `window`-token window."""
+        return max(0, position - window + 1) // self.block_size
+
+    def _find_cached_prefix(self, seq: Sequence) -> tuple[int, list[dict[int, int]]]:
+        """(n, per group {block index: cached block}): the most leading full blocks n such that every group has
+        cached what a query right after them reads: blocks 0..n-1 in a full-attention group, those within the
+        window of position n * block_size in a sliding group (the ones before it were freed, or may have been
+        evicted since). No side effects."""
         max_blocks = (seq.get_len() - 1) // self.block_size
         hashes = self._block_hashes_upto(seq, max_blocks)
-        table: list[int] = []
-        for i, block_hash in enumerate(hashes):
-            tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
-            block = self.gpu_pool.lookup(block_hash, tokens)
+        bs = self.block_size
+        found: list[dict[int, int]] = [{} for _ in self.group_windows]
+        missing: list[set[int]] = [set() for _ in self.group_windows]
+
+        def cached(g: int, i: int) -> bool:
+            if i in found[g]:
+                return True
+            if i in missing[g]:
+                return False
+            block = self.gpu_pool.lookup(self._group_hash(g, hashes[i]), tuple(seq.tokens_slice(i * bs, (i + 1) * bs)))
             if block is None:
-                break
-            self.gpu_pool.incref(block)
-            table.append(block)
-        self.block_tables[seq.seq_id] = table
-        return len(table) * self.block_size
+                missing[g].add(i)
+                return False
+            found[g][i] = block
+            return True
+
+        n = max_blocks
+        settled = False
+        while n > 0 and not settled:
+            settled = True
+            for g, window in enumerate(self.group_windows):
+                first = 0 if window is None else self._first_seen_block(n * bs, window)
+                # Checking from the end: a miss at block j rules out every n' in (j, n] (their ranges hold j).
+                j = next((i for i in range(n - 1, first - 1, -1) if not cached(g, i)), None)
+                if j is not None:
+                    n, settled = j, False
+                    break
+        return n, found
+
+    def _group_hash(self, group: int, block_hash: int) -> int:
+        """Group `group`'s key for a block of content `block_hash`: each group caches its own copy of a block."""
+        return block_hash if group == 0 else hash_block_tokens(block_hash, (), (f"kv-cache-group {group}",))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's ``reset_prefix_cache``: only while no device block is in use (a
@@ -219,29 +317,22 @@ class BlockManager:
         """How many leading blocks of `seq` are in the prefix cache now (no side effects)."""
         if not self.enable_caching:
             return 0
-        max_blocks = (seq.get_len() - 1) // self.block_size
-        hashes = self._block_hashes_upto(seq, max_blocks)
-        n = 0
-        for i, block_hash in enumerate(hashes):
-            tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
-            if self.gpu_pool.lookup(block_hash, tokens) is None:
-                break
-            n += 1
-        return n
+        return self._find_cached_prefix(seq)[0]
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly completed full blocks in the prefix cache."""
         if not self.enable_caching:
             return
-        table = self.block_tables.get(seq.seq_id)
-        if not table:
-            return
-        n_full = min(seq.num_computed_tokens // self.block_size, len(table))
-        hashes = self._block_hashes_upto(seq, n_full)
-        for i in range(n_full):
-            if table[i] != NULL_BLOCK and self.gpu_pool.block_hash(table[i]) is None:
-                tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
-                self.gpu_pool.cache_block(table[i], hashes[i], tokens)
+        for g, tables in enumerate(self.tables):
+            table = tables.get(seq.seq_id)
+            if not table:
+                continue
+            n_full = min(seq.num_computed_tokens // self.block_size, len(table))
+            hashes = self._block_hashes_upto(seq, n_full)
+            for i in range(n_full):
+                if table[i] != NULL_BLOCK and self.gpu_pool.block_hash(table[i]) is None:
+                    tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
+                    self.gpu_pool.cache_block(table[i], self._group_hash(g, hashes[i]), tokens)
 
     def _block_hashes_upto(self, seq: Sequence, n_blocks: int) -> list[int]:
         hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
@@ -254,51 +345,52 @@ class BlockManager:
         return hashes[:n_blocks]
 
     # -- swapping ---------------------------------------------------------------------------
-    def _group_blocks(self, tables: dict[int, list[int]], group: SequenceGroup) -> set[int]:
-        return {b for s in group.unfinished_seqs() for b in tables.get(s.seq_id, []) if b != NULL_BLOCK}
+    def _group_blocks(self, tables: list[dict[int, list[int]]], group: SequenceGroup) -> set[int]:
+        return {b for t in tables for s in group.unfinished_seqs() for b in t.get(s.seq_id, []) if b != NULL_BLOCK}
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
-        return len(self._group_blocks(self.block_tables, group)) <= self.get_num_free_cpu_blocks()
+        return len(self._group_blocks(self.tables, group)) <= self.get_num_free_cpu_blocks()
 
     def can_swap_in(self, group: SequenceGroup, num_extra_blocks: int = 0) -> bool:
-        needed = len(self._group_blocks(self.cpu_block_tables, group)) + num_extra_blocks
+        needed = len(self._group_blocks(self.cpu_tables, group)) + num_extra_blocks
         return self.can_allocate(needed, for_new_request=False)
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks to the CPU pool; shared blocks move once."""
-        mapping = self._move(group, self.block_tables, self.cpu_block_tables, self.gpu_pool, self.cpu_pool)
+        mapping = self._move(group, self.tables, self.cpu_tables, self.gpu_pool, self.cpu_pool)
         self.stats.num_swap_outs += 1
         self.stats.num_swapped_out_blocks += len(mapping)
         return mapping
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
-        mapping = self._move(group, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.gpu_pool)
+        mapping = self._move(group, self.cpu_tables, self.tables, self.cpu_pool, self.gpu_pool)
         self.stats.num_swap_ins += 1
         return mapping
 
     @staticmethod
     def _move(
         group: SequenceGroup,
-        src_tables: dict[int, list[int]],
-        dst_tables: dict[int, list[int]],
+        src_tables: list[dict[int, list[int]]],
+        dst_tables: list[dict[int, list[int]]],
         src_pool: BlockPool,
         dst_pool: BlockPool,
     ) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
-        for seq in group.unfinished_seqs():
-            src_table = src_tables.pop(seq.seq_id, [])
-            dst_table = []
-            for block in src_table:
-                if block == NULL_BLOCK:
-                    dst_table.append(NULL_BLOCK)
-                    continue
-                if block in mapping:
-                    dst_pool.incref(mapping[block])
-                else:
-                    mapping[block] = dst_pool.allocate()
-                dst_table.append(mapping[block])
-                src_pool.decref(block)
-            dst_tables[seq.seq_id] = dst_table
+        for src, dst in zip(src_tables, dst_tables):
+            for seq in group.unfinished_seqs():
+                src_table = src.pop(seq.seq_id, [])
+                dst_table = []
+                for block in src_table:
+                    if block == NULL_BLOCK:
+                        dst_table.append(NULL_BLOCK)
+                        continue
+                    if block in mapping:
+                        dst_pool.incref(mapping[block])
+                    else:
+                        mapping[block] = dst_pool.allocate()
+                    dst_table.append(mapping[block])
+                    src_pool.decref(block)
+                dst[seq.seq_id] = dst_table
         return list(mapping.items())
 
     # -- introspection ----------------------------------------------------------------------
@@ -310,10 +402,10 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Refcounts equal the number of tables pointing at each block, on both pools."""
-        for pool, tables in ((self.gpu_pool, self.block_tables), (self.cpu_pool, self.cpu_block_tables)):
+        for pool, group_tables in ((self.gpu_pool, self.tables), (self.cpu_pool, self.cpu_tables)):
             pool.check_invariants()
             counts = [0] * pool.num_blocks
-            for table in tables.values():
+            for table in (t for tables in group_tables for t in tables.values()):
                 for block in table:
                     if block != NULL_BLOCK:
                         counts[block] += 1

@@ -112,8 +112,7 @@ def _paged(manager: BlockManager, groups: Iterable[SequenceGroup], cap: int, out
         final = final_len(group, cap)
         seqs = group.unfinished_seqs()
         may_share = manager.enable_caching or len(seqs) > 1
-        for seq in seqs:
-            table = manager.block_tables.get(seq.seq_id)
+        for seq, table in ((s, t.get(s.seq_id)) for t in manager.tables for s in seqs):  # every KV cache group's
             if not table:
                 continue
             c = seq.num_computed_tokens

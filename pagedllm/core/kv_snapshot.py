@@ -31,8 +31,9 @@ class SeqCapture(NamedTuple):
     status: SequenceStatus
     num_tokens: int
     num_computed_tokens: int
-    blocks: tuple[int, ...]  # device block table
+    blocks: tuple[int, ...]  # device block table (a hybrid model's: every KV cache group's, one after the other)
     cpu_blocks: tuple[int, ...]  # CPU block table (swapped sequences)
+    num_kv_cache_groups: int = 1  # the tables in `blocks`, of equal length
 
 
 class GroupCapture(NamedTuple):
@@ -55,14 +56,15 @@ class KVCapture:
 def capture_kv_state(scheduler: Any) -> KVCapture:
     """Copy the state a snapshot needs; call it on the thread that owns `scheduler` (tuples only: cheap)."""
     bm = scheduler.block_manager
-    tables, cpu_tables = bm.block_tables, bm.cpu_block_tables
-    empty: tuple[int, ...] = ()
+    tables = getattr(bm, "tables", [bm.block_tables])  # one per KV cache group
+    cpu_tables = getattr(bm, "cpu_tables", [bm.cpu_block_tables])
     groups = []
     for queue in QUEUES:
         for group in getattr(scheduler, queue):
             seqs = tuple(
                 SeqCapture(s.seq_id, s.status, s.get_len(), s.num_computed_tokens,
-                           tuple(tables.get(s.seq_id, empty)), tuple(cpu_tables.get(s.seq_id, empty)))
+                           tuple(b for t in tables for b in t.get(s.seq_id, ())),
+                           tuple(b for t in cpu_tables for b in t.get(s.seq_id, ())), len(tables))
                 for s in group.seqs if not s.status.is_finished
             )
             groups.append(GroupCapture(group.request_id, queue, seqs))
@@ -85,10 +87,11 @@ def build_kv_snapshot(cap: KVCapture) -> dict[str, Any]:
     queues: dict[str, list[dict[str, Any]]] = {q: [] for q in QUEUES}
     for g in cap.groups:
         for s in g.seqs:
+            per_table = len(s.blocks) // s.num_kv_cache_groups or 1
             for i, block in enumerate(s.blocks):
                 if block == NULL_BLOCK:  # freed behind a sliding window
                     continue
-                f = s.num_computed_tokens - i * bs
+                f = s.num_computed_tokens - i % per_table * bs
                 if f > fill[block]:
                     fill[block] = f if f < bs else bs
                 _add_owner(owners, block, g.request_id)

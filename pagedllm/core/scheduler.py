@@ -241,8 +241,9 @@ class Scheduler:
             num_seqs = group.num_unfinished_seqs()
             if not budget.can_add_seqs(num_seqs) or budget.tokens_left < num_seqs:
                 break
-            # Swapped groups are decoding (one token each); leave room for that growth too.
-            if not self.block_manager.can_swap_in(group, num_extra_blocks=num_seqs):
+            # Swapped groups are decoding (one token each); leave room for that growth too (a block in each KV
+            # cache group of a hybrid model).
+            if not self.block_manager.can_swap_in(group, num_extra_blocks=num_seqs * self.block_manager.num_groups):
                 break
             if not self._fits_lora_slots(group, self._running_loras()):
                 break
@@ -408,6 +409,7 @@ class Scheduler:
 def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> KVCacheManager:
     """The KV manager `cache_config.kv_cache_manager` names, over `cache_config.num_gpu_blocks` blocks."""
     if cache_config.kv_cache_manager == "paged":
+        groups = cache_config.kv_cache_group_windows
         return BlockManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
@@ -415,6 +417,7 @@ def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: Cache
             enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark,
             sliding_window=cache_config.sliding_window,
+            group_windows=groups if groups is not None and len(groups) > 1 else None,
         )
     return ContiguousBlockManager(
         block_size=cache_config.block_size,

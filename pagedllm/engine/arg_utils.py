@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, get_type_hints
 
@@ -32,6 +33,10 @@ from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resol
 
 logger = logging.getLogger(__name__)
 
+# The hybrid KV cache's CUDA paths (eager and graph-captured steps reading each group's tables) have not run on a GPU
+# yet: on CUDA the engine keeps one table per sequence unless this is "1" (benchmarks/gpu/session_1205b.sh sets it).
+CUDA_HYBRID_KV_CACHE_ENV = "PAGEDLLM_CUDA_HYBRID_KV_CACHE"
+
 _HELP = {
     "model": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct).",
     "tokenizer": "Tokenizer directory if it differs from the model's.",
@@ -43,6 +48,12 @@ _HELP = {
     "disable_sliding_window": "Serve a sliding-window model (Mistral-7B-v0.1, Gemma 2/3, Phi-3) with max_model_len "
                               "capped at its window, where full attention is the same; default: attend through "
                               "the window, freeing the KV blocks behind it where every layer slides.",
+    "disable_hybrid_kv_cache_manager": "For a model mixing full-attention and sliding-window layers (Gemma 2/3): "
+                                       "one block table for every layer, instead of a table per group of layers "
+                                       "whose sliding groups free the blocks behind their window (vLLM's hybrid "
+                                       "KV cache manager; off by itself with speculative decoding, an FP8 KV "
+                                       "cache, a contiguous kv_cache_manager, and on CUDA unless "
+                                       "PAGEDLLM_CUDA_HYBRID_KV_CACHE=1 until verified on a GPU).",
     "max_num_seqs": "Most sequences in one step (default: 256; 1024 for the offline LLM on a GPU of >= 70 GiB "
                     "other than an A100, as in vLLM).",
     "max_num_batched_tokens": "Most tokens in one step (default with chunked prefill: 2048, 8192 for the offline "
@@ -143,8 +154,14 @@ _HELP = {
                       "effect; mistral (mistral_common) is not supported.",
     "hf_overrides": "A JSON object of Hugging Face config fields to set when the model loads (vLLM's), e.g. "
                     "'{\"max_position_embeddings\": 4096}'; a nested object updates a sub-config field by field.",
+    "enable_prompt_embeds": "Accept prompts given as embeddings (vLLM's): {'prompt_embeds': tensor [num_tokens, "
+                            "hidden_size]} offline, base64 torch.save()d tensors in /v1/completions' "
+                            "prompt_embeds. Only for trusted clients (vLLM's warning): embeddings steer the model "
+                            "freely.",
     "limit_mm_per_prompt": "Most items per prompt of each modality of a multimodal model (vLLM's), a JSON object "
                            "such as '{\"image\": 2}' (default: 999 each).",
+    "enable_sleep_mode": "Let LLM.sleep() / POST /sleep free the engine's memory (vLLM's sleep mode: level 1 moves "
+                         "the weights to host memory and drops the KV cache, level 2 drops both) until wake_up.",
     "pipeline_parallel_size": "Only 1: pipeline parallelism is not supported (use --tensor-parallel-size).",
     "data_parallel_size": "`pagedllm serve`: this many engine-core processes, each a whole copy of the model (with "
                           "tensor_parallel_size GPUs each, or an equal share of the CPU cores and of the CPU KV "
@@ -180,6 +197,7 @@ class EngineArgs:
     block_size: int = 16
     max_model_len: int | None = None
     disable_sliding_window: bool = False
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -217,6 +235,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     disable_log_stats: bool = False
+    enable_sleep_mode: bool = False
     # vLLM's model-source and parallelism options: accepted so its command lines and LLM(...) calls work
     # (`compat_notes` says which have no effect here).
     trust_remote_code: bool = False
@@ -227,6 +246,7 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     hf_overrides: str | dict | Callable[[Any], Any] | None = None
     limit_mm_per_prompt: str | dict | None = None
+    enable_prompt_embeds: bool = False
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     max_seq_len_to_capture: int | None = None
@@ -280,7 +300,7 @@ class EngineArgs:
             max_model_len=max_model_len, load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
-            pooler_config=pooler, pooling_task=pooling_task,
+            pooler_config=pooler, pooling_task=pooling_task, enable_prompt_embeds=self.enable_prompt_embeds,
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -289,7 +309,12 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST"),
             preemption_mode=self.preemption_mode,
             kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
-            calculate_kv_scales=self.calculate_kv_scales,
+            calculate_kv_scales=self.calculate_kv_scales, disable_sliding_window=self.disable_sliding_window,
+            disable_hybrid_kv_cache_manager=(self.disable_hybrid_kv_cache_manager or self.kv_cache_manager != "paged"
+                                             or self.speculative_config is not None
+                                             or self.kv_cache_dtype.startswith("fp8")
+                                             or (DeviceConfig(self.device).resolve() == "cuda"
+                                                 and os.environ.get(CUDA_HYBRID_KV_CACHE_ENV) != "1")),
         )
         if self.data_parallel_size > 1:  # the ranks share one host's memory: each takes its part of the budget
             cache.cpu_kv_cache_fraction /= self.data_parallel_size

@@ -34,6 +34,7 @@ from pagedllm.engine.engine_loop import (
 )
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.engine.request_checker import RequestChecker
+from pagedllm.engine.sleep_mode import EngineSleepingError, check_sleep_args, check_wake_tags, sleep_mode_disabled_error
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.processor import MultiModalProcessor, prepare_multimodal_prompt
 from pagedllm.outputs import RequestOutput
@@ -48,6 +49,28 @@ def _reset_prefix_cache(engine: LLMEngine) -> bool:
 
 def _remove_lora(lora_int_id: int, engine: LLMEngine) -> bool:
     return engine.remove_lora(lora_int_id)
+
+
+def _check_sleep_mode(engine: LLMEngine) -> None:
+    if not engine.engine_args.enable_sleep_mode:
+        raise sleep_mode_disabled_error()
+
+
+def _sleep(level: int, mode: str, engine: LLMEngine) -> None:
+    engine.sleep(level, mode)
+
+
+def _wake_up(tags: list[str] | None, engine: LLMEngine) -> bool:
+    engine.wake_up(tags)
+    return engine.is_sleeping()
+
+
+def _is_sleeping(engine: LLMEngine) -> bool:
+    return engine.is_sleeping()
+
+
+def _collective_rpc(method, timeout: float | None, args: tuple, kwargs: dict | None, engine: LLMEngine) -> list:
+    return engine.collective_rpc(method, timeout, args, kwargs)
 
 __all__ = ["AsyncEngineFront", "AsyncLLMEngine", "AsyncStream", "EngineDeadError", "EngineStepError",
            "FrontSink", "StepObserver"]
@@ -127,6 +150,7 @@ class AsyncEngineFront:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead_reason: str | None = None
         self._stats: dict[str, Any] = {}
+        self._sleeping = False  # from sleep() until wake_up() woke every part: new requests are refused
 
     # -- what a front provides ----------------------------------------------------------------------
     @property
@@ -194,6 +218,40 @@ class AsyncEngineFront:
         """Drop a loaded LoRA adapter between two steps (``LLMEngine.remove_lora``)."""
         return await self.call_between_steps(functools.partial(_remove_lora, lora_int_id))
 
+    # -- sleep mode (engine/sleep_mode.py) and worker calls --------------------------------------------------
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """``LLMEngine.sleep`` between two steps. New requests are refused (EngineSleepingError) from now on; those in
+        flight end with EngineSleepingError (mode "abort", vLLM's default) or are waited for (mode "wait")."""
+        check_sleep_args(level, mode)
+        await self.call_between_steps(_check_sleep_mode)  # ValueError before any request is touched
+        was_sleeping, self._sleeping = self._sleeping, True
+        try:
+            if mode == "abort" and self._streams:
+                ids = list(self._streams)
+                self._end_streams(ids, EngineSleepingError(f"the engine was put to sleep (level {level}) while this "
+                                                           f"request ran; it was aborted"))
+                self._submit(AbortCommand(ids))
+            while self._streams:  # mode "wait": nothing new is admitted meanwhile
+                await asyncio.sleep(0.01)
+            await self.call_between_steps(functools.partial(_sleep, level, mode))
+        except BaseException:
+            self._sleeping = was_sleeping
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """``LLMEngine.wake_up``; requests are admitted again once every part is awake."""
+        check_wake_tags(tags)
+        self._sleeping = await self.call_between_steps(functools.partial(_wake_up, tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self.call_between_steps(_is_sleeping)
+
+    async def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``LLMEngine.collective_rpc`` between two steps (to an engine-core process `method` must pickle: a name,
+        or a module-level function)."""
+        return await self.call_between_steps(functools.partial(_collective_rpc, method, timeout, tuple(args), kwargs))
+
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
@@ -206,6 +264,9 @@ class AsyncEngineFront:
         `coalesce`: see `AsyncStream`. `priority`: see `LLMEngine.add_request`."""
         if not self.is_healthy:
             raise EngineDeadError(self._dead_reason or "the engine is not running")
+        if self._sleeping:
+            raise EngineSleepingError("the engine is asleep (POST /sleep): wake it up (POST /wake_up) before sending "
+                                      "requests.")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = prepare_multimodal_prompt(prompt, self.mm_processor, None)  # pixel values cross, not images
@@ -283,6 +344,13 @@ class AsyncEngineFront:
             fut.set_result(result)
         else:
             fut.set_exception(exc)
+
+    def _end_streams(self, request_ids: list[str], exc: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(exc)
+                stream.finish()
 
     def _fail_all_streams(self, exc: BaseException) -> None:
         for rid in list(self._streams):

@@ -409,9 +409,6 @@ class DeviceSpecLoop:
         """Give back the look-ahead blocks: each running sequence keeps those its tokens occupy."""
         bm = self.engine.scheduler.block_manager
         for _, seq in members:
-            table = bm.block_tables.get(seq.seq_id)
-            if seq.is_finished() or table is None:
+            if seq.is_finished() or seq.seq_id not in bm.block_tables:
                 continue
-            keep = cdiv(seq.get_len(), self.block_size)
-            while len(table) > keep:
-                bm.gpu_pool.decref(table.pop())
+            bm.truncate(seq, cdiv(seq.get_len(), self.block_size))

@@ -215,6 +215,21 @@ class DPAsyncMPClient(AsyncEngineFront):
         results = await asyncio.gather(*(client.remove_lora(lora_int_id) for client in self.ranks))
         return any(results)
 
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        await asyncio.gather(*(client.sleep(level, mode) for client in self.ranks))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await asyncio.gather(*(client.wake_up(tags) for client in self.ranks))
+
+    async def is_sleeping(self) -> bool:
+        return any(await asyncio.gather(*(client.is_sleeping() for client in self.ranks)))
+
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """Every rank's workers' results, rank after rank."""
+        results = await asyncio.gather(*(client.collective_rpc(method, timeout, args, kwargs) for client in self.ranks))
+        return [r for rank in results for r in rank]
+
     # -- life -----------------------------------------------------------------------------------------------
     def start(self) -> None:
         for client in self.ranks:

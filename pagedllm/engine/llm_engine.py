@@ -19,13 +19,16 @@ from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutpu
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.engine.generation_defaults import default_sampling_params, load_generation_config
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.arg_utils import CUDA_HYBRID_KV_CACHE_ENV, EngineArgs
 from pagedllm.engine.beam_search import new_beam_state
 from pagedllm.engine.gc_heap import freeze_startup_heap, release_frozen_heap
 from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
+from pagedllm.engine.prompt_embeds import (as_model_input, check_takes_prompt_embeds, embeds_identifier,
+                                           is_embeds_prompt)
 from pagedllm.engine.pooling import PoolingState, classification_labels, matryoshka_dimensions
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
+from pagedllm.engine.sleep_mode import SleepState, check_sleep_args, check_wake_tags, sleep_mode_disabled_error
 from pagedllm.logprobs import position_logprobs
 from pagedllm.lora.request import LoRARequest
 from pagedllm.reasoning import reasoning_token_ids
@@ -38,8 +41,8 @@ from pagedllm.model.layers.sampler import (
     token_rank,
     warm_up_sampler,
 )
-from pagedllm.model.models.registry import (get_model_max_len, get_sliding_window, shared_sliding_window,
-                                            text_config)
+from pagedllm.model.models.registry import (get_model_class, get_model_max_len, get_sliding_window,
+                                            kv_cache_layout, layer_sliding_windows, text_config)
 from pagedllm.multimodal.inputs import features_in_range
 from pagedllm.multimodal.processor import MultiModalProcessor, checked_features, prepare_multimodal_prompt
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
@@ -80,6 +83,8 @@ class LLMEngine:
             model_max_len = min(model_max_len, window)  # within the window full attention is the window's
         self.config = engine_args.create_engine_config(model_max_len, usage_context, self.hf_config)
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
+        if mc.enable_prompt_embeds:
+            check_takes_prompt_embeds(get_model_class(self.hf_config))
         self.default_sampling_params = default_sampling_params(
             self.model_dir, engine_args.generation_config, engine_args.override_generation_config)
         self.tokenizer = None
@@ -105,10 +110,21 @@ class LLMEngine:
             num_gpu, cc.block_size, num_gpu * cc.block_size, self.executor.device, num_cpu, cc.cache_dtype,
             sc.max_model_len,
         )
-        cc.sliding_window = None if engine_args.disable_sliding_window else shared_sliding_window(self.hf_config)
+        layout = kv_cache_layout(self.hf_config, cc)
+        cc.kv_cache_group_windows = layout.group_windows
+        cc.sliding_window = layout.groups[0].sliding_window if not layout.is_hybrid else None
         if cc.sliding_window is not None:
             logger.info("Sliding-window attention on every layer (%d tokens): KV blocks behind the window are freed",
                         cc.sliding_window)
+        if layout.is_hybrid:
+            logger.info("Hybrid KV cache: %d groups of %d layers (windows %s) share the pool; a block holds %d "
+                        "layers, and sliding groups free their blocks behind the window",
+                        layout.num_groups, layout.num_slots, [g.sliding_window for g in layout.groups],
+                        layout.num_slots)
+        elif len(set(layer_sliding_windows(self.hf_config))) > 1 and not engine_args.disable_sliding_window:
+            logger.info("Full-attention and sliding-window layers under one block table (the hybrid KV cache "
+                        "manager is off: --disable-hybrid-kv-cache-manager, speculative decoding, an FP8 KV "
+                        "cache, a contiguous kv_cache_manager, or CUDA without %s=1)", CUDA_HYBRID_KV_CACHE_ENV)
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
@@ -162,6 +178,7 @@ class LLMEngine:
             self.spec_decoder = SpecDecoder(self.config.speculative_config, self.scheduler, self.executor,
                                             self.max_seq_len, async_steps=self.async_scheduling)
         self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
+        self._sleep = SleepState()  # sleep mode (engine/sleep_mode.py)
         self.device_spec = None
         if self.spec_decoder is not None and self.config.speculative_config.method == "ngram_gpu":
             from pagedllm.engine.device_spec_loop import DeviceSpecLoop
@@ -247,6 +264,7 @@ class LLMEngine:
         the priority scheduling policy, lower values are served first (ties by arrival). A pooling engine
         (runner "pooling") takes PoolingParams (or None) and returns a PoolingRequestOutput. `lora_request`: the
         LoRA adapter to run with (enable_lora engines; loaded on first use, a ValueError if it cannot be)."""
+        self._sleep.check_awake()
         pooling = None
         if self.runner == "pooling" or isinstance(params, PoolingParams):
             pooling = self.request_checker.check_pooling_params(params)
@@ -255,9 +273,12 @@ class LLMEngine:
         self.request_checker.check_priority(priority)
         self.request_checker.check_params(params)
         prompt = prepare_multimodal_prompt(prompt, self.mm_processor, self.hf_config)
-        text, token_ids = self._tokenize(prompt)
-        mm_features = checked_features(prompt, token_ids, self.mm_processor, self.hf_config)
         truncate = pooling.truncate_prompt_tokens if pooling is not None else params.truncate_prompt_tokens
+        embeds = None
+        if is_embeds_prompt(prompt):  # checked, truncated, cast to the model's dtype; vLLM's placeholder ids
+            embeds = as_model_input(self.request_checker.prompt_embeds(prompt, truncate), self.executor.dtype)
+        text, token_ids = self._tokenize(prompt) if embeds is None else (None, [0] * len(embeds))
+        mm_features = checked_features(prompt, token_ids, self.mm_processor, self.hf_config)
         n_before = len(token_ids)
         token_ids = self.request_checker.truncate(token_ids, truncate)
         if mm_features and len(token_ids) != n_before:
@@ -275,9 +296,10 @@ class LLMEngine:
             self._load_lora(lora_request)
             # An adapter changes every layer's K/V: its prompts' blocks are cached apart from the base model's.
             salt = f"{salt or ''}\0lora:{lora_request.lora_int_id}"
-        seq = Sequence(next(self._seq_counter), list(token_ids), cache_salt=salt,
-                       mm_placeholders=tuple((f.placeholder.offset, f.placeholder.length, f.identifier)
-                                             for f in mm_features))
+        placeholders = tuple((f.placeholder.offset, f.placeholder.length, f.identifier) for f in mm_features)
+        if embeds is not None:  # the embeddings key every prompt block in the prefix cache, as an image its own
+            placeholders = ((0, len(embeds), embeds_identifier(embeds)),)
+        seq = Sequence(next(self._seq_counter), list(token_ids), cache_salt=salt, mm_placeholders=placeholders)
         group = SequenceGroup(
             request_id=request_id,
             seqs=[seq],
@@ -297,6 +319,8 @@ class LLMEngine:
             group.extra["lora_request"] = lora_request
         if mm_features:
             group.extra["mm_features"] = mm_features
+        if embeds is not None:
+            group.extra["prompt_embeds"] = embeds
         if params.bad_words:
             group.extra["bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         if params.use_beam_search:
@@ -351,6 +375,8 @@ class LLMEngine:
                               runner=self.runner, hidden_size=int(self.hf_text_config.hidden_size),
                               matryoshka_dimensions=matryoshka_dimensions(self.hf_config),
                               pooling_task=task, sliding_window=cc.sliding_window,
+                              group_windows=cc.kv_cache_group_windows,
+                              enable_prompt_embeds=self.config.model_config.enable_prompt_embeds,
                               labels=classification_labels(self.hf_config) if task == "classify" else ())
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
@@ -640,27 +666,37 @@ class LLMEngine:
         token_ids = seq.tokens_slice(start, start + item.num_new_tokens)
         if len(token_ids) < item.num_new_tokens:  # ends with a token still on the device
             token_ids.append(0)
+        bm = self.scheduler.block_manager
+        tables = bm.get_block_tables(seq)
+        group_tables = [list(t) for t in tables[1:]] or None
         if drafts:  # verification: the last token and the drafts, a logits row for each
-            return SequenceChunk(seq.seq_id, token_ids + list(drafts), start,
-                                 list(self.scheduler.block_manager.get_block_table(seq)), sample=False,
-                                 all_logits=True)
+            return SequenceChunk(seq.seq_id, token_ids + list(drafts), start, list(tables[0]), sample=False,
+                                 all_logits=True, group_block_tables=group_tables)
         pooling = item.group.extra.get("pooling")
         if pooling is not None:
             wants_prompt_logprobs = pooling.wants_every_row
         else:
+            # (an embeds prompt has no prompt token ids to score: no prompt logprobs, as vLLM)
             wants_prompt_logprobs = (
                 item.group.sampling_params.prompt_logprobs is not None and start < len(seq.prompt_token_ids)
+                and "prompt_embeds" not in item.group.extra
             )
         mm = item.group.extra.get("mm_features")
+        embeds = item.group.extra.get("prompt_embeds")
         return SequenceChunk(
             seq_id=seq.seq_id,
             token_ids=token_ids,
             start_pos=start,
-            block_table=list(self.scheduler.block_manager.get_block_table(seq)),
+            block_table=list(tables[0]),
             sample=item.completes,
             all_logits=wants_prompt_logprobs,
             lora_id=item.group.lora_int_id,
             mm_features=features_in_range(mm, start, start + len(token_ids)) or None if mm else None,
+            # the rows of the chunk's leading prompt positions (all its positions from `start` on that the
+            # prompt holds: a recompute after preemption runs them again)
+            prompt_embeds=embeds[start:start + len(token_ids)] if embeds is not None and start < len(embeds)
+            else None,
+            group_block_tables=group_tables,
         )
 
     def _launch_sampling(self, step: LaunchedStep) -> None:
@@ -858,6 +894,61 @@ class LLMEngine:
                        bm.num_gpu_blocks - bm.get_num_free_gpu_blocks(), self.get_num_unfinished_requests())
         return False
 
+    # -- sleep mode (engine/sleep_mode.py) and worker calls ----------------------------------------------------
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep: free the workers' memory until `wake_up`. Level 1 moves the weights to host memory and drops
+        the KV cache; level 2 drops both. Requests in flight are aborted (mode "abort", vLLM's default); mode "wait"
+        refuses while there are any (nothing steps this engine while sleep waits). The prefix cache is reset. Needs
+        enable_sleep_mode=True; requests are refused (EngineSleepingError) until every part is awake."""
+        if not self.engine_args.enable_sleep_mode:
+            raise sleep_mode_disabled_error()
+        check_sleep_args(level, mode)
+        if self._sleep.is_sleeping:
+            logger.warning("sleep: the engine is already asleep (level %d)", self._sleep.level)
+            return
+        ids = [g.request_id for g in self._all_groups()]
+        if ids and mode == "wait":
+            raise ValueError(f"sleep(mode='wait'): {len(ids)} request(s) in flight, and nothing steps this engine "
+                             f"while sleep waits: step it until has_unfinished_requests() is False, or use "
+                             f"mode='abort'.")
+        if ids:
+            logger.warning("sleep: aborting %d request(s) in flight", len(ids))
+            self.abort_request(ids)
+        while self._inflight is not None:  # an asynchronously launched step of aborted requests
+            self.step()
+        if not self.reset_prefix_cache():  # the KV cache's contents are gone
+            raise RuntimeError("sleep: KV blocks are still in use after every request was aborted")
+        self.device_spec = None  # its graphs hold the KV pools' addresses (rebuilt by wake_up)
+        self.executor.sleep(level)
+        self._sleep.fall_asleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `sleep` freed: tags "weights" and/or "kv_cache" (None: both). Requests run again once both
+        are awake; waking the weights first lets new weights be loaded (collective_rpc) before the KV cache is back."""
+        if not self._sleep.is_sleeping:
+            check_wake_tags(tags)
+            logger.warning("wake_up: the engine is not asleep")
+            return
+        wake = self._sleep.to_wake(tags)
+        if wake:
+            self.executor.wake_up(wake)
+        self._sleep.woke(wake)
+        spec = self.config.speculative_config
+        if not self._sleep.is_sleeping and spec is not None and spec.method == "ngram_gpu":
+            from pagedllm.engine.device_spec_loop import DeviceSpecLoop
+
+            self.device_spec = DeviceSpecLoop(self)
+
+    def is_sleeping(self) -> bool:
+        """Whether any part (weights, KV cache) is asleep."""
+        return self._sleep.is_sleeping
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's collective_rpc: run a Worker method (by name, or a callable taking the worker first) on every
+        worker; their results in rank order (executor/rpc.py)."""
+        return self.executor.collective_rpc(method, timeout, args, kwargs)
+
     # -- observability ----------------------------------------------------------------------
     def kv_memory_breakdown(self) -> KVMemoryBreakdown:
         """Where the device KV pool's token slots go now (the paper's Fig. 2; see core/kv_accounting.py)."""
@@ -877,11 +968,12 @@ class LLMEngine:
         groups = list(self._all_groups())
         for group in groups:
             for seq in group.unfinished_seqs():
-                for i, block in enumerate(bm.block_tables.get(seq.seq_id, [])):
-                    if block == NULL_BLOCK:  # freed behind a sliding window
-                        continue
-                    n = max(0, min(bs, seq.num_computed_tokens - i * bs))
-                    filled[block] = max(filled.get(block, 0), n)
+                for table in bm.get_block_tables(seq):  # every KV cache group's
+                    for i, block in enumerate(table):
+                        if block == NULL_BLOCK:  # freed behind a sliding window
+                            continue
+                        n = max(0, min(bs, seq.num_computed_tokens - i * bs))
+                        filled[block] = max(filled.get(block, 0), n)
         used = bm.num_gpu_blocks - bm.get_num_free_gpu_blocks()
         st = bm.stats
         return {

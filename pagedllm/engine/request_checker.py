@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.engine.prompt_embeds import PROMPT_EMBEDS_KEY, checked_prompt_embeds, is_embeds_prompt
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,17 +30,30 @@ class RequestChecker:
     pooling_task: str | None = None  # runner "pooling": "embed" (an embedding model) or "classify" (a classifier)
     labels: tuple[str, ...] = ()  # a classifier's label names by class index (its config's id2label)
     sliding_window: int | None = None  # the window every layer shares: blocks behind it are freed (BlockManager)
+    # A hybrid model's KV cache groups' windows (core/kv_cache_groups.py); None: one group with `sliding_window`.
+    group_windows: tuple[int | None, ...] | None = None
+    enable_prompt_embeds: bool = False  # prompts may be embeddings (engine/prompt_embeds.py)
 
     @property
     def max_seq_len(self) -> int:
-        """Longest a sequence may grow: the model's limit and the whole pool's capacity, or, where every layer
-        slides, the model's limit once the pool holds one window plus one step's chunk of blocks."""
-        capacity = self.num_gpu_blocks * self.block_size
-        if self.sliding_window is not None:
-            chunk = min(self.max_num_batched_tokens or self.max_model_len, self.max_model_len)
-            if capacity >= self.sliding_window + chunk + 2 * self.block_size:  # + the two partly filled blocks
-                return self.max_model_len
-        return min(self.max_model_len, capacity)
+        """Longest a sequence may grow alone in the pool: the model's limit, or less where the pool cannot hold its
+        blocks: every block of a full-attention group's table, and a sliding group's window plus one step's chunk
+        (its blocks behind the window are freed)."""
+        windows = self.group_windows or (self.sliding_window,)
+        bs = self.block_size
+        chunk = min(self.max_num_batched_tokens or self.max_model_len, self.max_model_len)
+
+        def blocks_needed(length: int) -> int:
+            full = -(-length // bs)
+            return sum(full if w is None else min(full, -(-(w + chunk) // bs) + 2) for w in windows)
+
+        if blocks_needed(self.max_model_len) <= self.num_gpu_blocks:
+            return self.max_model_len
+        lo, hi = 0, self.max_model_len  # blocks_needed grows with the length: the longest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if blocks_needed(mid) <= self.num_gpu_blocks else (lo, mid - 1)
+        return lo
 
     def check_pooling_params(self, params: PoolingParams | None) -> PoolingParams:
         """A pooling request's parameters (None: the defaults); ValueError on a generating engine, on
@@ -154,10 +168,23 @@ class RequestChecker:
         else:
             params = params or SamplingParams()
             self.check_params(params)
-        ids = prompt_token_ids(prompt)
         prompt_cache_salt(prompt)
+        if is_embeds_prompt(prompt):
+            self.prompt_embeds(prompt, params.truncate_prompt_tokens)
+            return
+        ids = prompt_token_ids(prompt)
         if ids is not None:
             self.check_prompt_ids(self.truncate(ids, params.truncate_prompt_tokens))
+
+    def prompt_embeds(self, prompt: dict, truncate_prompt_tokens: int | None = None):
+        """An embeds prompt's tensor [num_tokens, hidden_size], checked (ValueError naming what is wrong) and
+        truncated to its last `truncate_prompt_tokens` rows (-1: as many as fit)."""
+        n = prompt.get(PROMPT_EMBEDS_KEY)
+        n = int(n.shape[-2]) if getattr(n, "ndim", 0) >= 2 else 0
+        keep = None
+        if truncate_prompt_tokens is not None and self.enable_prompt_embeds:
+            keep = len(self.truncate(range(n), truncate_prompt_tokens))
+        return checked_prompt_embeds(prompt, self.enable_prompt_embeds, self.hidden_size, self.max_seq_len, keep)
 
     def truncate(self, token_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (vLLM's field; -1: as many as fit with one generated

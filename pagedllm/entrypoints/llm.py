@@ -7,7 +7,8 @@ import gc
 import itertools
 import time
 import weakref
-from typing import Any, Sequence as Seq
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 from tqdm.auto import tqdm
 
@@ -31,6 +32,9 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
+if TYPE_CHECKING:
+    from pagedllm.engine.metrics_reader import Metric
+
 
 class LLM:
     """An LLM for offline batched generation, with vLLM's names and semantics.
@@ -46,6 +50,8 @@ class LLM:
                              "engine; allowed: 1. Data parallelism is `pagedllm serve --data-parallel-size N`.")
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, usage_context="llm_class")
         self._request_counter = itertools.count()
+        self._num_steps = 0
+        self._metrics = _offline_metrics(self)  # what get_metrics() reads (None without prometheus_client)
         # The engine froze its start-up heap (engine/gc_heap.py). The engine sits in reference cycles, so
         # without this `del llm; gc.collect()` would no longer free its weights and KV pool.
         weakref.finalize(self, gc.unfreeze)
@@ -221,6 +227,40 @@ class LLM:
         """Forget every cached prompt prefix (e.g. between benchmark runs); see ``LLMEngine.reset_prefix_cache``."""
         return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep mode (needs ``enable_sleep_mode=True``): free the engine's memory until `wake_up`. Level 1
+        moves the weights to host memory (on a GPU; a CPU engine's already are) and drops the KV cache; level 2 drops
+        both (wake_up reloads the weights from the checkpoint, or load new ones through `collective_rpc`). The
+        prefix cache is reset; requests in flight (none between two generate() calls) are aborted, or with
+        mode="wait" refused. generate() raises EngineSleepingError until the engine is awake."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `sleep` freed: ``tags`` "weights" and/or "kv_cache" (None: both), e.g. the weights first,
+        new weights loaded, then the KV cache."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Run a method on every worker and return their results in rank order (vLLM's): a ``Worker`` method by
+        name (``"load_weights"``, ...), or a callable taking the worker as its first argument. A callable reaches
+        tensor-parallel worker processes through cloudpickle; its result must pickle."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics as vLLM's ``LLM.get_metrics()`` returns them: ``Counter``, ``Gauge``,
+        ``Histogram`` (and ``Vector``) objects of ``pagedllm.engine.metrics_reader``, named as the server's /metrics
+        names them (``vllm:prompt_tokens``, ``vllm:time_to_first_token_seconds``, ...)."""
+        if self._metrics is None:
+            raise ImportError("LLM.get_metrics() needs prometheus_client: pip install prometheus_client (it is in "
+                              "pagedllm's `server` extra).")
+        from pagedllm.engine.metrics_reader import get_metrics_snapshot
+
+        return get_metrics_snapshot(self._metrics.registry)
+
     # -- internals --------------------------------------------------------------------------
     def _require_tokenizer(self, purpose: str = "chat needs a tokenizer"):
         tok = self.llm_engine.tokenizer
@@ -287,7 +327,11 @@ class LLM:
         t0, out_tokens = time.perf_counter(), 0
         try:
             while pending and engine.has_unfinished_requests():
-                for out in engine.step():
+                outputs = engine.step()
+                self._num_steps += 1
+                if self._metrics is not None and outputs:
+                    self._metrics.on_outputs(outputs, time.monotonic())
+                for out in outputs:
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
@@ -305,6 +349,26 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _offline_metrics(llm: LLM):
+    """The offline engine's `EngineMetrics` (engine/metrics.py, as /metrics has them): counters and gauges read from
+    `LLMEngine.stats()` when read, latency histograms observed as generate() returns outputs. None without
+    prometheus_client (an optional dependency)."""
+    try:
+        from pagedllm.engine.metrics import EngineMetrics
+    except ImportError:
+        return None
+    from pagedllm.entrypoints.openai.cli_serve import _default_name  # the server's model_name label
+
+    engine = llm.llm_engine
+    ref = weakref.ref(llm)  # the registry must not keep the LLM alive
+
+    def snapshot() -> dict[str, Any]:
+        owner = ref()
+        return {**engine.stats(), "num_steps": owner._num_steps if owner is not None else 0, "healthy": True}
+
+    return EngineMetrics(_default_name(engine.engine_args.model), snapshot)
 
 
 def _with_task(params: PoolingParams, task: str) -> PoolingParams:

@@ -14,6 +14,7 @@ import os
 import threading
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from pagedllm.distributed.process_group import (
     default_backend,
     wait_for_ranks,
 )
+from pagedllm.executor.rpc import check_rpc_method, pack_method, unpack_results
 from pagedllm.executor.step_codec import encode_request
 from pagedllm.executor.worker_wrapper import WorkerWrapper
 from pagedllm.model.models.registry import get_model_class
@@ -115,8 +117,8 @@ class DistributedExecutorBase(ABC):
         """Ask every worker to run Worker.`method`(*args); return a handle for _finish_call."""
 
     @abstractmethod
-    def _finish_call(self, handle: Any) -> list[Any]:
-        """Every worker's result of the call, in rank order."""
+    def _finish_call(self, handle: Any, timeout_s: float | None = None) -> list[Any]:
+        """Every worker's result of the call, in rank order (waiting at most `timeout_s`; None: the setup bound)."""
 
     @abstractmethod
     def _announce_step(self, nbytes: int) -> Any:
@@ -142,16 +144,32 @@ class DistributedExecutorBase(ABC):
         """One line on each worker that died or reported an error ('' if none)."""
 
     # -- executor API -----------------------------------------------------------------------
-    def _run_workers(self, method: str, *args: Any) -> list[Any]:
+    def _run_workers(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Run Worker.`method` on every rank at once (it may use collectives); results by rank."""
         self._raise_if_failed()
         with self._lock:
             try:
                 handle = self._start_call(method, args)
                 ours = self.driver.call(method, *args)
-                return [ours, *self._finish_call(handle)]
+                return [ours, *self._finish_call(handle, timeout_s)]
             except BaseException as e:
                 raise self._fail(f"{method} failed: {e!r}") from e
+
+    def sleep(self, level: int = 1) -> None:
+        """Every rank frees its KV pools and weights (Worker.sleep)."""
+        self._run_workers("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self._run_workers("wake_up", tags)
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """vLLM's collective_rpc: `method` on every rank at once, results in rank order. A method that raises on a
+        rank raises WorkerRPCError here and the ranks keep serving; one that outlasts `timeout` seconds leaves the
+        ranks out of step, which fails the executor (TensorParallelWorkerError)."""
+        kwargs = check_rpc_method(method, args, kwargs)
+        return unpack_results(self._run_workers("collective_rpc", pack_method(method), tuple(args), kwargs,
+                                                timeout_s=timeout))
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """Every rank sizes its own pools; the scheduler must fit the smallest."""

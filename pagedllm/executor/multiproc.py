@@ -85,9 +85,9 @@ class MultiprocExecutor(DistributedExecutorBase):
     def _start_call(self, method: str, args: tuple) -> None:
         self._send_all(_CALL + pickle.dumps((method, args)))
 
-    def _finish_call(self, handle: Any) -> list[Any]:
+    def _finish_call(self, handle: Any, timeout_s: float | None = None) -> list[Any]:
         # Calls such as determine_num_available_blocks may profile for a while: the setup bound.
-        return self._collect_replies(max(self.timeout_s, 600.0), "answer")
+        return self._collect_replies(timeout_s if timeout_s is not None else max(self.timeout_s, 600.0), "answer")
 
     def _collect_replies(self, timeout_s: float, what: str) -> list[Any]:
         """One reply per worker; raise on an error reply, a dead worker, or the deadline."""

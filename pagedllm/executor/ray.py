@@ -115,8 +115,8 @@ class RayExecutor(DistributedExecutorBase):
     def _start_call(self, method: str, args: tuple) -> list[Any]:
         return [a.call.remote(method, *args) for a in self._workers]
 
-    def _finish_call(self, handle: list[Any]) -> list[Any]:
-        return self._get(handle, max(self.timeout_s, 600.0), "answer")
+    def _finish_call(self, handle: list[Any], timeout_s: float | None = None) -> list[Any]:
+        return self._get(handle, timeout_s if timeout_s is not None else max(self.timeout_s, 600.0), "answer")
 
     def _announce_step(self, nbytes: int) -> list[Any]:
         return [a.receive_and_execute.remote(nbytes) for a in self._workers]

@@ -1,9 +1,13 @@
 """Single-process executor: one worker in this process."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.executor.rpc import check_rpc_method, run_method
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.worker import Worker
 
@@ -44,6 +48,18 @@ class UniProcExecutor:
     def release_free_memory(self) -> None:
         """The engine is idle: let the worker return freed host memory to the OS."""
         self.driver_worker.release_free_memory()
+
+    def sleep(self, level: int = 1) -> None:
+        self.driver_worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.driver_worker.wake_up(tags)
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """The worker's result, as a one-element list (`timeout` has nothing to bound in one process)."""
+        kwargs = check_rpc_method(method, args, kwargs)
+        return [run_method(self.driver_worker, method, tuple(args), kwargs)]
 
     def shutdown(self) -> None:
         return None

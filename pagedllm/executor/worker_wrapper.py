@@ -20,14 +20,15 @@ from pagedllm.distributed.process_group import (
     cpu_threads_per_rank,
     init_tensor_parallel_group,
 )
+from pagedllm.executor.rpc import run_method_guarded
 from pagedllm.executor.step_codec import decode_request
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger("pagedllm")
 
-# Worker methods the driver may call on every rank (anything else is refused).
-ALLOWED_CALLS = ("determine_num_available_blocks", "init_cache")
+# Worker methods the driver may call on every rank (anything else is refused); collective_rpc runs any method.
+ALLOWED_CALLS = ("determine_num_available_blocks", "init_cache", "release_free_memory", "sleep", "wake_up")
 
 
 class WorkerWrapper:
@@ -51,6 +52,8 @@ class WorkerWrapper:
         self.worker.load_model()
 
     def call(self, method: str, *args: Any) -> Any:
+        if method == "collective_rpc":  # (method, args, kwargs): ("ok", result) or ("err", traceback)
+            return run_method_guarded(self.worker, *args)
         if method not in ALLOWED_CALLS:
             raise ValueError(f"unknown worker call {method!r}; allowed: {list(ALLOWED_CALLS)}")
         return getattr(self.worker, method)(*args)

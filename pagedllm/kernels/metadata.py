@@ -1,6 +1,7 @@
 """What attention needs to know about a flattened batch (passed down, never global)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass
@@ -34,6 +35,20 @@ class AttentionMetadata:
     # one launch whose grid depends on those sizes only (kernels/triton_unified_attention.py); the host lists
     # describe the capture, not the step.
     unified: bool = False
+    # A hybrid model's KV cache groups (core/kv_cache_groups.py): entry g is group g's metadata (its own slot mapping
+    # and block tables; entry 0 is this one). An attention layer of group g reads entry g. None: one group.
+    group_metadata: list[AttentionMetadata] | None = None
+    kv_cache_group: int = 0  # which group's metadata this is
+
+    def with_groups(self, slots_and_tables: list[tuple[torch.Tensor, torch.Tensor]]) -> AttentionMetadata:
+        """This metadata as group 0's, with groups 1.. reading (slot_mapping, block_tables) from `slots_and_tables`
+        (the same sequences, lengths and query rows); unchanged when there is no other group."""
+        if slots_and_tables:
+            self.group_metadata = [self] + [
+                dataclasses.replace(self, slot_mapping=slots, block_tables=tables, group_metadata=None,
+                                    kv_cache_group=g)
+                for g, (slots, tables) in enumerate(slots_and_tables, 1)]
+        return self
 
     @property
     def num_seqs(self) -> int:

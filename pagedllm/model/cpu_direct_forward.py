@@ -80,6 +80,7 @@ class _Layer:
     qk_eps: float = 0.0
     window: int = 0  # the attention kernel's sliding window and logit soft cap (0: none)
     soft_cap: float = 0.0
+    kv_cache_group: int = 0  # its blocks' KV cache group (core/kv_cache_groups.py): whose slots and tables it uses
 
 
 class _Buffers:
@@ -286,7 +287,7 @@ class LlamaDirectForward:
                       _norm(layer.post_attention_layernorm, self.hidden), rope.cos_cache.data_ptr(),
                       rope.sin_cache.data_ptr(), rotary_dim, float(attn.scale),
                       _norm(pre_ff, self.hidden) if sandwich else None, _norm(post_ff, self.hidden) if sandwich else None,
-                      *qk, window, soft_cap)
+                      *qk, window, soft_cap, int(getattr(attn, "kv_cache_group", 0)))
 
     def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]]:
         """(key, value) pointers per layer, the pool's block count, block size and dtype (one of
@@ -338,8 +339,11 @@ class LlamaDirectForward:
             raise ValueError(f"positions must lie in [0, {self.max_position}) (the rotary cache)")
         if t and int(meta.slot_mapping.max()) >= num_blocks * block_size:
             raise ValueError(f"slot_mapping holds slots beyond the pool's {num_blocks * block_size}")
-        self.kernels.check_attention_indices(meta.block_tables, meta.seq_lens, meta.query_start_loc, t,
-                                             num_blocks, block_size)
+        for group in meta.group_metadata or (meta,):
+            if group is not meta and t and int(group.slot_mapping.max()) >= num_blocks * block_size:
+                raise ValueError(f"slot_mapping holds slots beyond the pool's {num_blocks * block_size}")
+            self.kernels.check_attention_indices(group.block_tables, group.seq_lens, group.query_start_loc, t,
+                                                 num_blocks, block_size)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata
                  ) -> torch.Tensor:
@@ -367,9 +371,11 @@ class LlamaDirectForward:
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
         hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.two_inter // 2
         res, normed, att, act = residual.data_ptr(), b.normed.data_ptr(), b.attn.data_ptr(), b.act.data_ptr()
-        pos, slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
-        tables, lens, qsl = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr()
-        table_stride, num_seqs = meta.block_tables.stride(0), meta.num_seqs
+        pos = positions.data_ptr()
+        lens, qsl, num_seqs = meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.num_seqs
+        # Per KV cache group: (slot mapping, block tables, table stride); one entry without groups.
+        group_ptrs = [(g.slot_mapping.data_ptr(), g.block_tables.data_ptr(), g.block_tables.stride(0))
+                      for g in meta.group_metadata or (meta,)]
 
         lora = self.lora_manager if self.lora_manager is not None and self.lora_manager.step_has_adapters else None
 
@@ -403,6 +409,7 @@ class LlamaDirectForward:
                 heads_norm(k_ptr, qkv_w, hk, layer.k_norm, t, d, layer.qk_eps, off)
             rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d, layer.rotary_dim)
             k_scale, v_scale = kv_scales[i]
+            slots, tables, table_stride = group_ptrs[layer.kv_cache_group]
             if fp8:
                 cache_fp8(k_ptr, v_ptr, qkv_w, key_cache, value_cache, slots, t, kvs, e5m2, k_scale, v_scale)
             else:

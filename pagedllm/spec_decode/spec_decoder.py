@@ -267,10 +267,7 @@ class SpecDecoder:
         seq = item.seq
         seq.num_computed_tokens = num_kv_valid
         bm = self.scheduler.block_manager
-        table = bm.block_tables.get(seq.seq_id)
-        if table is None:  # finished and freed
+        if seq.seq_id not in bm.block_tables:  # finished and freed
             return
-        keep = cdiv(num_kv_valid, bm.block_size)
-        while len(table) > keep:
-            bm.gpu_pool.decref(table.pop())
+        bm.truncate(seq, cdiv(num_kv_valid, bm.block_size))
         bm.cache_computed_blocks(seq)

@@ -27,20 +27,32 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        layer_slots: list[int] | None = None,
     ) -> None:
+        """`layer_slots[i]`: the pool tensor layer i's KV lives in (core/kv_cache_groups.py: a hybrid model's
+        groups share tensors, each block id owned by one group); None: one tensor per layer."""
         self.block_size = block_size
         self.device = device
         self.layout = kv_layout.default_layout(device)
+        if layer_slots is None:
+            layer_slots = list(range(num_layers))
+        if len(layer_slots) != num_layers or sorted(set(layer_slots)) != list(range(max(layer_slots, default=-1) + 1)):
+            raise ValueError(f"layer_slots must give each of the {num_layers} layers a slot 0..n-1, using every slot")
+        self.layer_slots = list(layer_slots)
+        self.num_slots = max(layer_slots, default=-1) + 1
         shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
-        self.gpu_cache = [(self._pool(shape, dtype, device), self._pool(shape, dtype, device))
-                          for _ in range(num_layers)]
+        # Every distinct pool tensor once (swaps and copy-on-write copy each once); gpu_cache: per layer.
+        self.slot_gpu_cache = [(self._pool(shape, dtype, device), self._pool(shape, dtype, device))
+                               for _ in range(self.num_slots)]
+        self.gpu_cache = [self.slot_gpu_cache[s] for s in self.layer_slots]
         # The swap pool is stored like the device pool, so a block swaps as one contiguous copy.
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         host, pin = torch.device("cpu"), device.type == "cuda"  # pinned: async swaps on a side stream
-        self.cpu_cache = [
+        self.slot_cpu_cache = [
             (self._pool(cpu_shape, dtype, host, pin), self._pool(cpu_shape, dtype, host, pin))
-            for _ in range(num_layers)
+            for _ in range(self.num_slots)
         ] if num_cpu_blocks else []
+        self.cpu_cache = [self.slot_cpu_cache[s] for s in self.layer_slots] if num_cpu_blocks else []
         # CUDA: swaps run on a side stream (pinned host pool, no host sync); compute waits on it on the device.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -49,6 +61,49 @@ class CacheEngine:
         storage = _zeros(kv_layout.physical_shape(shape, self.layout), dtype, device, pin_memory)
         return kv_layout.logical_view(storage, self.layout)
 
+    # -- sleep mode: the pools dropped and rebuilt (engine/sleep_mode.py) ------------------------------------
+    _released_spec: tuple | None = None  # what `release` dropped: (device pool shapes, swap pool shapes, dtype)
+
+    @property
+    def released(self) -> bool:
+        return self._released_spec is not None
+
+    @property
+    def num_blocks(self) -> tuple[int, int]:
+        """(device pool blocks, swap pool blocks), released or not."""
+        if self.released:
+            gpu, cpu, _ = self._released_spec
+            return (gpu[0][0] if gpu else 0), (cpu[0][0] if cpu else 0)
+        return ((self.slot_gpu_cache[0][0].shape[0] if self.slot_gpu_cache else 0),
+                (self.slot_cpu_cache[0][0].shape[0] if self.slot_cpu_cache else 0))
+
+    def release(self) -> int:
+        """Drop the device pool and the swap pool (their contents are lost); returns the bytes dropped.
+        `reallocate` rebuilds them, zero-filled, with the same shapes, dtypes and layer → tensor sharing."""
+        if self.released:
+            return 0
+        pools = self.slot_gpu_cache + self.slot_cpu_cache
+        # (keys and values of a slot have one shape)
+        self._released_spec = ([tuple(k.shape) for k, _ in self.slot_gpu_cache],
+                               [tuple(k.shape) for k, _ in self.slot_cpu_cache],
+                               self.slot_gpu_cache[0][0].dtype if self.slot_gpu_cache else None)
+        nbytes = sum(2 * k.numel() * k.element_size() for k, _ in pools)
+        self.slot_gpu_cache, self.gpu_cache, self.slot_cpu_cache, self.cpu_cache = [], [], [], []
+        return nbytes
+
+    def reallocate(self) -> None:
+        """Rebuild the pools `release` dropped, by the allocation `__init__` uses (new tensors: new addresses)."""
+        if not self.released:
+            return
+        gpu_shapes, cpu_shapes, dtype = self._released_spec
+        host, pin = torch.device("cpu"), self.device.type == "cuda"
+        self.slot_gpu_cache = [(self._pool(s, dtype, self.device), self._pool(s, dtype, self.device))
+                               for s in gpu_shapes]
+        self.gpu_cache = [self.slot_gpu_cache[s] for s in self.layer_slots]
+        self.slot_cpu_cache = [(self._pool(s, dtype, host, pin), self._pool(s, dtype, host, pin)) for s in cpu_shapes]
+        self.cpu_cache = [self.slot_cpu_cache[s] for s in self.layer_slots] if cpu_shapes else []
+        self._released_spec = None
+
     @staticmethod
     def get_cache_block_size(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block takes across all layers (keys and values)."""
@@ -56,10 +111,10 @@ class CacheEngine:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
-        self._swap(self.gpu_cache, self.cpu_cache, mapping)
+        self._swap(self.slot_gpu_cache, self.slot_cpu_cache, mapping)
 
     def swap_in(self, mapping: list[tuple[int, int]]) -> None:
-        self._swap(self.cpu_cache, self.gpu_cache, mapping)
+        self._swap(self.slot_cpu_cache, self.slot_gpu_cache, mapping)
 
     def _swap(self, src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
@@ -94,9 +149,9 @@ class CacheEngine:
         if self.device.type == "cuda":
             from pagedllm.kernels import triton_cache_ops  # needs triton: imported on use
 
-            triton_cache_ops.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)
+            triton_cache_ops.copy_blocks([k for k, _ in self.slot_gpu_cache], [v for _, v in self.slot_gpu_cache], m)
             return
-        reference.copy_blocks([k for k, _ in self.gpu_cache], [v for _, v in self.gpu_cache], m)
+        reference.copy_blocks([k for k, _ in self.slot_gpu_cache], [v for _, v in self.slot_gpu_cache], m)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> torch.Tensor:

@@ -93,6 +93,7 @@ class CUDAGraphRunner:
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -105,16 +106,21 @@ class CUDAGraphRunner:
         device = kv_caches[0][0].device
         self.device = device
         mb, nb = self.max_batch, self.max_blocks
-        # Host staging (pinned): int64 rows [input_ids, positions, slot_mapping]; int32 [seq_lens | tables].
-        self._host64 = torch.zeros((3, mb), dtype=torch.int64, pin_memory=True)
-        self._host32 = torch.zeros(mb + mb * nb, dtype=torch.int32, pin_memory=True)
+        # A hybrid model's KV cache groups each have their slot mapping and block tables (core/kv_cache_groups.py).
+        self.num_groups = g = num_kv_cache_groups
+        # Host staging (pinned): int64 rows [input_ids, positions, slot_mapping per group];
+        # int32 [seq_lens | tables of group 0 | tables of group 1 | ...].
+        self._host64 = torch.zeros((2 + g, mb), dtype=torch.int64, pin_memory=True)
+        self._host32 = torch.zeros(mb + g * mb * nb, dtype=torch.int32, pin_memory=True)
         self._np64 = self._host64.numpy()
         self._np32 = self._host32.numpy()
-        self._dev64 = torch.zeros((3, mb), dtype=torch.int64, device=device)
-        self._dev32 = torch.zeros(mb + mb * nb, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self._dev64[0], self._dev64[1], self._dev64[2]
+        self._dev64 = torch.zeros((2 + g, mb), dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(mb + g * mb * nb, dtype=torch.int32, device=device)
+        self.input_ids, self.positions = self._dev64[0], self._dev64[1]
+        self.group_slot_mapping = [self._dev64[2 + i] for i in range(g)]
+        self.group_block_tables = [self._dev32[mb + i * mb * nb: mb + (i + 1) * mb * nb].view(mb, nb) for i in range(g)]
+        self.slot_mapping, self.block_tables = self.group_slot_mapping[0], self.group_block_tables[0]
         self.seq_lens = self._dev32[:mb]
-        self.block_tables = self._dev32[mb:].view(mb, nb)
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -135,12 +141,13 @@ class CUDAGraphRunner:
             max_seq_len=self.max_model_len,
             max_query_len=1,
             backend=self.attn_backend,
-        )
+        ).with_groups([(self.group_slot_mapping[i][:batch], self.group_block_tables[i][:batch])
+                       for i in range(1, self.num_groups)])
 
     def _reset_padding(self) -> None:
         """Every row a harmless padding row: token 0 at position 0, slot -1, one token of context in block 0."""
         self._np64[:2] = 0
-        self._np64[2] = -1
+        self._np64[2:] = -1
         self._np32[:] = 0
         self._np32[: self.max_batch] = 1
         self._dev64.copy_(self._host64)
@@ -215,23 +222,26 @@ class CUDAGraphRunner:
         pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n)
         np64[0, :n] = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
         np64[1, :n] = pos
-        tables = np32[mb: mb + b * nb].reshape(b, nb)
         blk_of_pos = np.empty(n, dtype=np.int64)
-        for i, c in enumerate(chunks):
-            bt = c.block_table
-            tables[i, : len(bt)] = bt
-            blk_of_pos[i] = bt[pos[i] // bs]
-        read_freed_blocks_as_zero(tables[:n])
-        np64[2, :n] = blk_of_pos * bs + pos % bs
+        for g in range(self.num_groups):
+            lo = mb + g * mb * nb
+            tables = np32[lo: lo + b * nb].reshape(b, nb)
+            for i, c in enumerate(chunks):
+                bt = c.group_block_tables[g - 1] if g and c.group_block_tables else c.block_table
+                tables[i, : len(bt)] = bt
+                blk_of_pos[i] = bt[pos[i] // bs]
+            read_freed_blocks_as_zero(tables[:n])
+            np64[2 + g, :n] = blk_of_pos * bs + pos % bs
+            tables[n:b, 0] = 0  # padding rows n..b (they may hold a previous step's values)
         np32[:n] = pos + 1
-        # Padding rows n..b (they may hold a previous step's values).
         np64[:2, n:b] = 0
-        np64[2, n:b] = -1
+        np64[2:, n:b] = -1
         np32[n:b] = 1
-        tables[n:b, 0] = 0
         self._dev64[:, :b].copy_(self._host64[:, :b], non_blocking=True)
         self._dev32[:b].copy_(self._host32[:b], non_blocking=True)
-        self._dev32[mb: mb + b * nb].copy_(self._host32[mb: mb + b * nb], non_blocking=True)
+        for g in range(self.num_groups):
+            lo = mb + g * mb * nb
+            self._dev32[lo: lo + b * nb].copy_(self._host32[lo: lo + b * nb], non_blocking=True)
         self._copied.record()
         if pending is not None:
             fill_pending_tokens(self.input_ids, *pending)

@@ -20,6 +20,12 @@ class SequenceChunk:
     lora_id: int = 0  # the request's LoRA adapter (lora_int_id), 0 for none
     # Images whose placeholder positions the chunk covers (multimodal.inputs.MultiModalFeature), or None.
     mm_features: list[Any] | None = None
+    # An embeds prompt's rows (a CPU tensor [k, hidden_size]) that replace the token embeddings of the chunk's first
+    # k positions (engine/prompt_embeds.py), or None.
+    prompt_embeds: Any = None
+    # A hybrid model's other KV cache groups (core/kv_cache_groups.py): their tables, group 1 first, each as long
+    # as `block_table` (group 0's); None with one group.
+    group_block_tables: list[list[int]] | None = None
 
 
 @dataclass
@@ -66,7 +72,8 @@ def split_into_decode_rows(chunks: list[SequenceChunk], max_query_len: int) -> l
     the caller keeps the rows the original chunks asked for (`logits_rows`)."""
     if max_query_len < 2 or any(len(c.token_ids) > max_query_len for c in chunks):
         return None
-    return [SequenceChunk(c.seq_id, [tok], c.start_pos + j, c.block_table, sample=True)
+    return [SequenceChunk(c.seq_id, [tok], c.start_pos + j, c.block_table, sample=True,
+                          group_block_tables=c.group_block_tables)
             for c in chunks for j, tok in enumerate(c.token_ids)]
 
 

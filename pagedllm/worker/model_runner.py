@@ -4,7 +4,8 @@ On CUDA (unless ``enforce_eager``), decode-only steps replay a captured CUDA gra
 (``worker/cuda_graph.py``), and so do speculative verification steps, one decode row per query token;
 steps with prefill chunks (and decode steps the decode graphs cannot take)
 replay piecewise graphs split at attention (``worker/piecewise_graph.py``); steps larger than the
-largest token bucket, or with a chunk asking for every token's logits, run eagerly.
+largest token bucket, or with a chunk asking for every token's logits, run eagerly, as do steps with image or
+prompt-embedding rows (their input embeddings are built here, not from token ids).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.worker.encoder_cache import EncoderCache
+from pagedllm.worker.prompt_embeds import write_prompt_embeds
 from pagedllm.worker.model_input import (SequenceChunk, logits_rows, read_freed_blocks_as_zero,
                                          split_into_decode_rows)
 from pagedllm.worker.step_stats import StepStats, StepWork, step_kind
@@ -34,6 +36,9 @@ class ModelRunner:
         # verification: 1 + num_speculative_tokens); 0 = only one-token chunks do.
         self.verify_query_len = 0
         self.table_width: int | None = None  # pad every block table to this width (fixed kernel variants)
+        # A hybrid model's KV cache groups (core/kv_cache_groups.py): each step's metadata carries one slot mapping
+        # and table per group (AttentionMetadata.group_metadata), as its attention layers were told.
+        self.num_kv_cache_groups = 1 + max((getattr(m, "kv_cache_group", 0) for m in model.modules()), default=0)
         self.step_stats: StepStats | None = None
         # CPU, float32 Llama family on GGUF linears: the stack's kernels called directly (model/cpu_direct_forward.py)
         self.direct_forward = None
@@ -45,6 +50,8 @@ class ModelRunner:
         self.lora_manager = None  # --enable-lora: each step's token → adapter mapping goes to it (lora/manager.py)
         # A multimodal model's image embeddings, from an image's first prefill chunk until its placeholders ran.
         self.encoder_cache = EncoderCache() if getattr(model, "supports_multimodal", False) else None
+        # --enable-prompt-embeds (the worker sets it): chunks may carry prompt-embedding rows (their prompt_embeds)
+        self.prompt_embeds = False
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -74,7 +81,7 @@ class ModelRunner:
 
         verify_rows = min(verify_max_num_seqs, max_num_seqs) * verify_query_len if verify_query_len >= 2 else 0
         runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size,
-                                 max(max_num_seqs, verify_rows), max_model_len)
+                                 max(max_num_seqs, verify_rows), max_model_len, self.num_kv_cache_groups)
         runner.capture(time_buckets)
         self.graph_runner = runner
         self.table_width = runner.max_blocks
@@ -85,7 +92,8 @@ class ModelRunner:
         attn = attention_geometry(self.model)
         pw = PiecewiseGraphRunner(self.model, kv_caches, self.attn_backend, *attn[:3],
                                   max_num_batched_tokens or max_model_len,
-                                  max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool)
+                                  max_capture_tokens or DEFAULT_MAX_CAPTURE_TOKENS, pool=runner.pool,
+                                  num_kv_cache_groups=self.num_kv_cache_groups)
         pw.capture()
         if whole_steps:
             pw.capture_whole(self.table_width, min(max_num_seqs, WHOLE_GRAPH_MAX_SEQS))
@@ -139,6 +147,8 @@ class ModelRunner:
             num_decodes += 1
 
         logits_idx = logits_rows(chunks, cu)
+        group_parts = [self._group_tables_and_slots(chunks, g, max_blocks, seq_of_token, positions)
+                       for g in range(1, self.num_kv_cache_groups)]
 
         dev = self.device
         to = lambda a, dt: torch.from_numpy(a).to(device=dev, dtype=dt, non_blocking=True)  # noqa: E731
@@ -154,8 +164,21 @@ class ModelRunner:
             max_query_len=int(qlens.max()) if num_seqs else 0,
             backend=self.attn_backend,
         )
+        meta.with_groups([(to(g_slots, torch.int64), to(g_tables, torch.int32)) for g_tables, g_slots in group_parts])
         logits_indices = async_tensor_h2d(logits_idx, torch.int64, dev)
         return to(token_ids, torch.int64), to(positions, torch.int64), meta, logits_indices
+
+    def _group_tables_and_slots(self, chunks: list[SequenceChunk], group: int, width: int, seq_of_token: np.ndarray,
+                                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """KV cache group `group`'s block tables [seqs, width] and slot mapping [tokens] for the step. A chunk built
+        without group tables (the warm-up's) uses its one table for every group."""
+        tables = np.zeros((len(chunks), width), dtype=np.int64)
+        for i, c in enumerate(chunks):
+            table = c.group_block_tables[group - 1] if c.group_block_tables else c.block_table
+            tables[i, : len(table)] = table
+        read_freed_blocks_as_zero(tables)
+        bs = self.block_size
+        return tables, tables[seq_of_token, positions // bs] * bs + positions % bs
 
     @torch.inference_mode()
     def execute_model(
@@ -176,8 +199,9 @@ class ModelRunner:
             self.lora_manager.set_mapping([c.lora_id for c in chunks], [len(c.token_ids) for c in chunks])
         stats = self.step_stats
         start = stats.start(self.device) if stats is not None else None
-        if self.encoder_cache is not None and any(c.mm_features for c in chunks):
-            return self._execute_multimodal(chunks, kv_caches, pending_inputs, prev_sampled_token_ids, start)
+        if ((self.encoder_cache is not None and any(c.mm_features for c in chunks))
+                or (self.prompt_embeds and any(c.prompt_embeds is not None for c in chunks))):
+            return self._execute_with_embeds(chunks, kv_caches, pending_inputs, prev_sampled_token_ids, start)
         gr = self.graph_runner
         if gr is not None and kv_caches is gr.kv_caches and gr.can_run(chunks):
             pending = None
@@ -227,16 +251,21 @@ class ModelRunner:
                        StepWork.of(chunks, int(logits_indices.numel())))
         return logits
 
-    def _execute_multimodal(self, chunks: list[SequenceChunk], kv_caches, pending_inputs, prev_sampled_token_ids,
-                            start) -> torch.Tensor | None:
-        """A step with image placeholder rows: the images' embeddings merged into the input embeddings, run
-        eagerly (graphs and the CPU direct forward take token ids)."""
+    def _execute_with_embeds(self, chunks: list[SequenceChunk], kv_caches, pending_inputs, prev_sampled_token_ids,
+                             start) -> torch.Tensor | None:
+        """A step with image placeholder rows or prompt-embedding rows: the images' embeddings and the prompts' rows
+        merged into the input embeddings, run eagerly on the module path (CUDA graphs and the CPU direct forward
+        take token ids)."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(chunks)
         if pending_inputs:
             ends = np.cumsum([len(c.token_ids) for c in chunks]) - 1
             fill_pending_tokens(input_ids, [int(ends[i]) for i, _ in pending_inputs],
                                 [r for _, r in pending_inputs], prev_sampled_token_ids)
-        embeds = self.encoder_cache.inputs_embeds(self.model, chunks, input_ids)
+        if self.encoder_cache is not None and any(c.mm_features for c in chunks):
+            embeds = self.encoder_cache.inputs_embeds(self.model, chunks, input_ids)
+        else:
+            embeds = self.model.embed_input_ids(input_ids)
+        write_prompt_embeds(embeds, chunks)
         hidden = self.model(input_ids, positions, kv_caches, meta, inputs_embeds=embeds)
         logits = self._head(hidden[logits_indices]) if logits_indices.numel() else None
         if self.step_stats is not None:

@@ -76,17 +76,22 @@ def fits_whole_graph(meta: AttentionMetadata, bucket_captured: bool, num_seq_slo
 
 
 def static_whole_metadata(max_tokens: int, max_seqs: int, table_width: int, device: torch.device,
-                          backend=None) -> AttentionMetadata:
+                          backend=None, num_kv_cache_groups: int = 1) -> AttentionMetadata:
     """The whole-step graphs' static metadata: KV slots for `max_tokens` rows (all -1), and block tables, context
-    lengths and query offsets for `max_seqs` sequence slots (all empty)."""
+    lengths and query offsets for `max_seqs` sequence slots (all empty); a slot mapping and tables per KV cache
+    group of a hybrid model."""
+    def slots_and_tables() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
+                torch.zeros((max_seqs, table_width), dtype=torch.int32, device=device))
+
+    slot_mapping, block_tables = slots_and_tables()
     return AttentionMetadata(
-        slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros((max_seqs, table_width), dtype=torch.int32, device=device),
+        slot_mapping=slot_mapping, block_tables=block_tables,
         seq_lens=torch.zeros(max_seqs, dtype=torch.int32, device=device),
         query_start_loc=torch.zeros(max_seqs + 1, dtype=torch.int32, device=device),
         seq_lens_cpu=[0] * max_seqs, query_lens_cpu=[0] * max_seqs, num_decodes=0, max_seq_len=0,
         max_query_len=0, backend=backend, unified=True,
-    )
+    ).with_groups([slots_and_tables() for _ in range(num_kv_cache_groups - 1)])
 
 
 def stage_whole_step(static: AttentionMetadata, num_tokens: int, bucket: int, meta: AttentionMetadata) -> None:
@@ -94,10 +99,11 @@ def stage_whole_step(static: AttentionMetadata, num_tokens: int, bucket: int, me
     padding rows write no KV, and the sequence slots past the step own no rows. What the previous step left past
     the step's block-table columns and in unused slots is never read (no position reaches it)."""
     t, n = num_tokens, meta.num_seqs
-    static.slot_mapping[:t].copy_(meta.slot_mapping)
-    if bucket > t:
-        static.slot_mapping[t:bucket].fill_(-1)
-    static.block_tables[:n, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+    for group, step in zip(static.group_metadata or [static], meta.group_metadata or [meta]):
+        group.slot_mapping[:t].copy_(step.slot_mapping)
+        if bucket > t:
+            group.slot_mapping[t:bucket].fill_(-1)
+        group.block_tables[:n, : step.block_tables.shape[1]].copy_(step.block_tables)
     static.seq_lens[:n].copy_(meta.seq_lens)
     static.query_start_loc[: n + 1].copy_(meta.query_start_loc)
     static.query_start_loc[n + 1 :].fill_(t)
@@ -141,6 +147,7 @@ class _Site:
     value: torch.Tensor
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    kv_cache_group: int = 0  # whose slot mapping and tables the layer reads (AttentionMetadata.group_metadata)
 
 
 class _SplitRecorder:
@@ -177,7 +184,7 @@ class _SplitRecorder:
         # Released to the pool when the model drops them; later pieces may reuse that memory, which is safe:
         # they replay after this attention has read it.
         views = (non_owning_view(query), non_owning_view(key), non_owning_view(value))
-        self.sites.append(_Site(kv_index, scale, *views, sliding_window, logits_soft_cap))
+        self.sites.append(_Site(kv_index, scale, *views, sliding_window, logits_soft_cap, meta.kv_cache_group))
         self.begin()
         return r.static_out[:t]
 
@@ -196,9 +203,11 @@ class PiecewiseGraphRunner:
         max_num_batched_tokens: int,
         max_capture_tokens: int = DEFAULT_MAX_CAPTURE_TOKENS,
         pool=None,
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
+        self.num_groups = num_kv_cache_groups  # a hybrid model's KV cache groups (core/kv_cache_groups.py)
         self.attn_backend = attn_backend
         self.buckets = capture_token_counts(max_num_batched_tokens, max_capture_tokens)
         self.max_tokens = self.buckets[-1]
@@ -222,12 +231,13 @@ class PiecewiseGraphRunner:
         self._whole_meta: AttentionMetadata | None = None
 
     def _capture_meta(self, t: int, backend) -> AttentionMetadata:
-        # Only the backend is read during capture (attention itself runs at replay).
-        return AttentionMetadata(
+        # Only the backend (and each group's index) is read during capture (attention itself runs at replay).
+        meta = AttentionMetadata(
             slot_mapping=self.positions[:t], block_tables=self.positions[:1].view(1, 1), seq_lens=self.positions[:1],
             query_start_loc=self.positions[:2], seq_lens_cpu=[t], query_lens_cpu=[t], num_decodes=0,
             max_seq_len=t, max_query_len=t, backend=backend,
         )
+        return meta.with_groups([(meta.slot_mapping, meta.block_tables)] * (self.num_groups - 1))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -267,7 +277,7 @@ class PiecewiseGraphRunner:
             return
         t0 = time.perf_counter()
         dev = self.device
-        meta = static_whole_metadata(self.max_tokens, max_seqs, table_width, dev, self.attn_backend)
+        meta = static_whole_metadata(self.max_tokens, max_seqs, table_width, dev, self.attn_backend, self.num_groups)
         self._whole_meta = meta
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -276,7 +286,8 @@ class PiecewiseGraphRunner:
                 # No sequence owns a row here and every KV slot is -1: capturing writes no cache.
                 step = AttentionMetadata(meta.slot_mapping[:t], meta.block_tables, meta.seq_lens,
                                          meta.query_start_loc, meta.seq_lens_cpu, meta.query_lens_cpu, 0, 0, 0,
-                                         self.attn_backend, unified=True)
+                                         self.attn_backend, unified=True).with_groups(
+                    [(g.slot_mapping[:t], g.block_tables) for g in (meta.group_metadata or [meta])[1:]])
                 ids, pos = self.input_ids[:t], self.positions[:t]
                 self.model(ids, pos, self.kv_caches, step)  # warm-up: compiles, sizes the allocator
                 stream.synchronize()
@@ -359,8 +370,9 @@ class PiecewiseGraphRunner:
             graph.replay()
             if i < len(sites):
                 site = sites[i]
+                step = meta.group_metadata[site.kv_cache_group] if site.kv_cache_group else meta
                 self.attn_backend.forward(site.query[:t], site.key[:t], site.value[:t],
-                                          self.kv_caches[site.kv_index], meta, site.scale, out=self.static_out[:t],
+                                          self.kv_caches[site.kv_index], step, site.scale, out=self.static_out[:t],
                                           sliding_window=site.sliding_window,
                                           logits_soft_cap=site.logits_soft_cap)
         return self.outputs[b][:t], "piecewise"

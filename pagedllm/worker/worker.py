@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections import Counter
@@ -11,6 +12,7 @@ import torch
 
 from pagedllm import batch_invariance
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import KVCacheLayout
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
 from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, kv_quant
 from pagedllm.model import loader
@@ -25,6 +27,7 @@ from pagedllm.model.fp8_checkpoint import (
 )
 from pagedllm.model.int_weight_checkpoint import detect_int_weight_checkpoint
 from pagedllm.model.layers.attention import (
+    Attention,
     NativeCpuAttentionBackend,
     TorchAttentionBackend,
     TritonAttentionBackend,
@@ -42,10 +45,11 @@ from pagedllm.model.layers.quantized_linear import (
     num_parameters,
     resolve_quantization,
 )
-from pagedllm.model.models.registry import get_model_class, is_base_model, text_config
+from pagedllm.model.models.registry import get_model_class, is_base_model, kv_cache_layout, text_config
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.worker.cache_engine import CacheEngine
+from pagedllm.engine.sleep_mode import SLEEP_TAGS, check_sleep_args, check_wake_tags
 from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
 from pagedllm.worker.kv_scale_calibration import (
     KVCalibration,
@@ -55,6 +59,7 @@ from pagedllm.worker.kv_scale_calibration import (
 )
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.sleep_offload import OffloadedModel, offload_model, restore_model
 
 logger = logging.getLogger("pagedllm")
 
@@ -74,6 +79,15 @@ def log_amx_bf16_hint() -> None:
         logger.info("This CPU has AMX-BF16 tiles, which float32 GEMMs leave unused: --dtype bfloat16 runs them "
                     "(on the bundled model 1.9-2.0x faster with 64 sequences in flight, 0.88x with one; "
                     "BENCHMARKS.md §52.9; outputs then differ from float32's).")
+
+
+def set_kv_cache_groups(model: torch.nn.Module, layer_groups: list[int]) -> None:
+    """Tell each attention layer (in layer order) which KV cache group its blocks are in."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != len(layer_groups):
+        raise ValueError(f"{len(layers)} attention layers, {len(layer_groups)} KV cache group entries")
+    for attn, group in zip(layers, layer_groups):
+        attn.kv_cache_group = group
 
 
 def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
@@ -283,9 +297,15 @@ class Worker:
                 f"({f32_gemm.isa} build)")
 
     def cache_block_size_bytes(self) -> int:
-        layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
-        return CacheEngine.get_cache_block_size(layers, kv_heads, head_dim, self.config.cache_config.block_size,
-                                              self.kv_spec.dtype)
+        """One block id's bytes: a page of each pool tensor (one per layer, or per slot of a hybrid model's groups)."""
+        _, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
+        return CacheEngine.get_cache_block_size(self.kv_layout.num_slots, kv_heads, head_dim,
+                                              self.config.cache_config.block_size, self.kv_spec.dtype)
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """The model's KV cache groups (core/kv_cache_groups.py), as the engine's block manager has them."""
+        return kv_cache_layout(self.hf_config, self.config.cache_config)
 
     def _init_lora_slots(self) -> None:
         """The adapters' device slots, before the KV pool is sized (so the pool leaves their memory free)."""
@@ -313,17 +333,21 @@ class Worker:
 
             return profile_num_gpu_blocks(self, block_bytes), num_cpu
         budget = int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
-        # No need for more than every sequence at full length.
+        # No need for more than every sequence at full length (in every KV cache group).
         sc = self.config.scheduler_config
-        max_useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size)
+        max_useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) * self.kv_layout.num_groups
         return min(budget // block_bytes, max_useful), num_cpu
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
+        layout = self.kv_layout
+        placement = layout.layer_placement(layers)
         self.cache_engine = CacheEngine(
             layers, kv_heads, head_dim, self.config.cache_config.block_size,
             num_gpu_blocks, num_cpu_blocks, self.kv_spec.dtype, self.device,
+            layer_slots=[slot for _, slot in placement],
         )
+        set_kv_cache_groups(self.model, [group for group, _ in placement])
         logger.info("KV pool dtype %s (%d bytes per block)", self.kv_spec.dtype, self.cache_block_size_bytes())
         if self.kv_spec.is_fp8 and self.config.cache_config.calculate_kv_scales:
             self.calibrate_kv_scales()  # before the backend is built and graphs bake the scales in
@@ -331,6 +355,7 @@ class Worker:
         logger.info("Attention backend: %s", backend.name)
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
+        self.model_runner.prompt_embeds = self.config.model_config.enable_prompt_embeds
         if self.config.model_config.pooling_task == "classify":
             self.model_runner.classifier = self.model.classify
         if self.lora_manager is not None:
@@ -349,17 +374,21 @@ class Worker:
                                "activations) are not checked for batch invariance here, only the attention "
                                "kernel and the GEMMs", batch_invariance.BATCH_INVARIANT_ENV)
         if self.use_cuda_graphs():
-            sc, mc, cc = self.config.scheduler_config, self.config.model_config, self.config.compilation_config
-            t0 = time.perf_counter()
-            spec = self.config.speculative_config
-            self.model_runner.capture_cuda_graphs(
-                self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
-                piecewise=mc.max_capture_tokens > 0 and cc.piecewise_graphs,
-                whole_steps=cc.whole_step_graphs, max_capture_tokens=mc.max_capture_tokens or None,
-                verify_query_len=1 + spec.num_speculative_tokens if spec is not None else 0,
-                verify_max_num_seqs=spec.disable_by_batch_size if spec is not None else 0,
-                time_buckets=self.routes_graph_buckets())
-            logger.info("Warm start (graphs captured, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
+            self.capture_cuda_graphs()
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the runner's CUDA graphs over the current KV pools and weights (init_cache; wake_up after sleep)."""
+        sc, mc, cc = self.config.scheduler_config, self.config.model_config, self.config.compilation_config
+        t0 = time.perf_counter()
+        spec = self.config.speculative_config
+        self.model_runner.capture_cuda_graphs(
+            self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
+            piecewise=mc.max_capture_tokens > 0 and cc.piecewise_graphs,
+            whole_steps=cc.whole_step_graphs, max_capture_tokens=mc.max_capture_tokens or None,
+            verify_query_len=1 + spec.num_speculative_tokens if spec is not None else 0,
+            verify_max_num_seqs=spec.disable_by_batch_size if spec is not None else 0,
+            time_buckets=self.routes_graph_buckets())
+        logger.info("Warm start (graphs captured, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
 
     def _use_invariant_gemms(self) -> str:
         """Every linear through the batch-invariant Triton GEMM, its variants compiled now (one per layer shape and
@@ -469,6 +498,90 @@ class Worker:
             logger.info("engine idle: malloc_trim returned %.0f MiB of freed memory to the OS in %.1f ms",
                         released, 1e3 * (time.perf_counter() - t0))
         return released
+
+    # -- sleep mode (engine/sleep_mode.py) --------------------------------------------------------------------
+    sleep_level: int = 0  # 0 awake, else the level of the last sleep() until every part is awake again
+    asleep: frozenset[str] = frozenset()  # the parts (SLEEP_TAGS) still asleep
+    _offloaded: OffloadedModel | None = None  # level 1 on a GPU: the weights in pinned host memory
+
+    def sleep(self, level: int = 1) -> None:
+        """Free this worker's memory until `wake_up`. Level 1 moves the weights to pinned host memory on a GPU
+        (a CPU worker's weights already are host memory and stay) and drops the KV pools; level 2 drops the
+        weights too (wake_up reloads them from the checkpoint). The KV pools' contents are lost at either level."""
+        check_sleep_args(level)
+        if self.sleep_level:
+            logger.warning("the worker is already asleep (level %d)", self.sleep_level)
+            return
+        t0 = time.perf_counter()
+        self._drop_graphs()  # they hold the KV pools' and the weights' addresses
+        kv_bytes = self.cache_engine.release()
+        weight_bytes = 0
+        if level == 2:
+            self.model = self.model_runner = self.lora_manager = self.int_checkpoint = None
+        elif self.device.type == "cuda":
+            self._offloaded = offload_model(self.model, self.device)
+            weight_bytes = self._offloaded.nbytes
+        self.sleep_level, self.asleep = level, frozenset(SLEEP_TAGS)
+        self._return_freed_memory()
+        logger.info("asleep (level %d) in %.2f s: KV pools dropped (%.1f MiB)%s", level, time.perf_counter() - t0,
+                    kv_bytes / 2**20, "; weights dropped" if level == 2 else
+                    f"; weights moved to host memory ({weight_bytes / 2**20:.1f} MiB)" if weight_bytes else "")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what `sleep` freed: "weights" (from host memory; after level 2 reloaded from the checkpoint),
+        "kv_cache" (new, empty pools); every part for None. Once all are back the worker runs as after start-up,
+        its CUDA graphs captured again over the new addresses."""
+        wake = [t for t in check_wake_tags(tags) if t in self.asleep]
+        if not wake:
+            return
+        t0 = time.perf_counter()
+        self.asleep = self.asleep - set(wake)
+        if "weights" in wake:
+            if self.sleep_level == 2:
+                self.load_model()
+            elif self._offloaded is not None:
+                restore_model(self._offloaded)
+                self._offloaded = None
+        if "kv_cache" in wake and not (self.sleep_level == 2 and not self.asleep):
+            self.cache_engine.reallocate()  # (a level-2 worker waking whole gets its pools from init_cache below)
+        if not self.asleep:
+            self._rebuild_after_sleep()
+            self.sleep_level = 0
+        if "weights" in wake and self.device.type == "cpu":
+            release_free_memory()  # the checkpoint loader's freed buffers
+        logger.info("woke %s in %.2f s", wake, time.perf_counter() - t0)
+
+    def _drop_graphs(self) -> None:
+        if self.model_runner is not None:
+            self.model_runner.graph_runner = self.model_runner.piecewise_runner = None
+
+    def _rebuild_after_sleep(self) -> None:
+        """Every part is awake: what holds the old addresses is built again."""
+        ce = self.cache_engine
+        if self.sleep_level == 2:  # a new model: runner, backend, direct forward and graphs as at start-up
+            num_gpu, num_cpu = ce.num_blocks
+            ce.release()
+            self.init_cache(num_gpu, num_cpu)
+            return
+        # Level 1: the same model and runner; the per-layer FP8 scales are keyed by the pools' addresses.
+        self.model_runner.attn_backend.layer_scales = dict(self._scales_by_cache() or {})
+        if self.use_cuda_graphs():
+            self.capture_cuda_graphs()
+
+    def _return_freed_memory(self) -> None:
+        # What was dropped may sit in reference cycles that the engine's start-up freeze (engine/gc_heap.py) keeps
+        # from every collection (at level 2 the CPU direct forward's, holding every packed weight): thaw, collect,
+        # freeze what is left again.
+        frozen = gc.get_freeze_count() > 0
+        if frozen:
+            gc.unfreeze()
+        gc.collect()
+        if frozen:
+            gc.freeze()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            release_free_memory()
 
 
 def _available_ram_bytes() -> int:

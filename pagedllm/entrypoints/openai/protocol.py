@@ -207,7 +207,11 @@ class SamplingExtras(StructuredOutputsExtras):
 # -- completions ----------------------------------------------------------------------------------------
 class CompletionRequest(SamplingExtras):
     model: str | None = None
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    #: May be absent or "" when prompt_embeds gives the prompt(s) (serving_completion checks that one of them does).
+    prompt: Text | list[Text] | list[int] | list[list[int]] | None = None
+    #: vLLM's: prompts as embeddings, base64 of a torch.save()d tensor [num_tokens, hidden_size] (one, or a list);
+    #: the server needs --enable-prompt-embeds. They run before the request's `prompt`s (choices in that order).
+    prompt_embeds: str | list[str] | None = None
     #: Absent: 16 (OpenAI's and vLLM's default); explicit null: up to the context limit (as vLLM).
     max_tokens: int | None = 16
     temperature: float | None = None

@@ -50,6 +50,7 @@ from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedllm.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
+from pagedllm.entrypoints.openai.sleep_routes import register_sleep_routes
 from pagedllm.entrypoints.openai.warm_up import warm_up_request
 
 logger = logging.getLogger("pagedllm.server")
@@ -108,7 +109,8 @@ _INVOCATIONS_BODY = {"requestBody": {"required": True, "content": {"application/
     {"$ref": f"#/components/schemas/{name}"} for name in ("ChatCompletionRequest", "CompletionRequest",
                                                           "ResponsesRequest", "EmbeddingRequest")]}}}}}
 
-# vLLM's switch for its development routes (here: POST /reset_prefix_cache).
+# vLLM's switch for its development routes (here: POST /reset_prefix_cache, and sleep mode's POST /sleep,
+# POST /wake_up, GET /is_sleeping).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
@@ -137,7 +139,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
               dev_mode: bool = False, http: HttpOptions = HttpOptions(), responses_store: bool = False,
               enable_lora: bool = False, log_stats_interval_s: float | None = None) -> FastAPI:
     """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py).
-    `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development route ``POST /reset_prefix_cache``.
+    `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development routes ``POST /reset_prefix_cache`` and
+    sleep mode's ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` (sleep_routes.py).
     `http`: response headers and CORS (HttpOptions). `responses_store`: keep /v1/responses results in memory
     (--enable-responses-api-store). `enable_lora`: the engine serves LoRA adapters (the runtime LoRA routes need
     it, and VLLM_ALLOW_RUNTIME_LORA_UPDATING). `log_stats_interval_s`: log vLLM's stats line this often once the
@@ -364,6 +367,8 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
                 raise OpenAIError("Prefix cache reset failed: requests still hold KV blocks; retry when they finish.",
                                   code="conflict", status=409)
             return Response(status_code=200)
+
+        register_sleep_routes(app, ctx.engine)
 
     return app
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from pagedllm.engine.async_engine import AsyncEngineFront, AsyncStream, EngineDeadError
+from pagedllm.engine.sleep_mode import EngineSleepingError
+from pagedllm.engine.prompt_embeds import PROMPT_EMBEDS_KEY
 from pagedllm.entrypoints.openai.headers import client_request_id
 from pagedllm.entrypoints.openai.protocol import (
     ChatTokenLogprob,
@@ -57,6 +59,8 @@ def error_from_exception(exc: BaseException) -> OpenAIError:
     if isinstance(exc, EngineDeadError):
         return OpenAIError(f"the engine is not available: {exc}", code="engine_unavailable", status=503,
                            type="server_error")
+    if isinstance(exc, EngineSleepingError):  # sleep mode: a 503 the client may retry after POST /wake_up
+        return OpenAIError(str(exc), code="engine_sleeping", status=503, type="server_error")
     if isinstance(exc, (ValueError, TypeError, NotImplementedError)):
         message = str(exc) or type(exc).__name__
         m = re.match(r"([a-z_]+)\b", message)
@@ -356,11 +360,12 @@ class ServingContext:
             raise error_from_exception(e) from None
 
     # -- engine --------------------------------------------------------------------------------------
-    async def add_all(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+    async def add_all(self, prompts: list[list[int] | Any], params: SamplingParams, prefix: str,
                       priority: int = 0, cache_salt: str | None = None,
                       model: str | None = None, mm_features: list | None = None) -> list[tuple[str, AsyncStream]]:
-        """Add one request per prompt (`model`: a --lora-modules name runs them with its adapter; `mm_features`: the
-        prompts' images, processed); on any failure abort those already added and raise an OpenAIError."""
+        """Add one request per prompt, token ids or a prompt-embeddings tensor (`model`: a --lora-modules name runs
+        them with its adapter; `mm_features`: the prompts' images, processed); on any failure abort those already
+        added and raise an OpenAIError."""
         lora = self.lora_modules.get(model)
         added: list[tuple[str, AsyncStream]] = []
         try:
@@ -368,8 +373,9 @@ class ServingContext:
                 rid = f"{prefix}-{i}"
                 if self.request_logger is not None:
                     self._log_request(rid, ids, params, lora)
-                prompt = {"prompt_token_ids": ids} if cache_salt is None else {"prompt_token_ids": ids,
-                                                                                "cache_salt": cache_salt}
+                prompt = {"prompt_token_ids" if isinstance(ids, list) else PROMPT_EMBEDS_KEY: ids}
+                if cache_salt is not None:
+                    prompt["cache_salt"] = cache_salt
                 if mm_features:
                     prompt["mm_features"] = mm_features
                 added.append((rid, await self.engine.add_request(rid, prompt, params, coalesce=True,
@@ -381,7 +387,10 @@ class ServingContext:
             raise
         return added
 
-    def _log_request(self, request_id: str, ids: list[int], params: Any, lora: Any) -> None:
+    def _log_request(self, request_id: str, ids: list[int] | Any, params: Any, lora: Any) -> None:
+        if not isinstance(ids, list):  # prompt embeddings: no text, no ids
+            self.request_logger.log_inputs(request_id, f"<prompt_embeds {tuple(ids.shape)}>", None, params, lora)
+            return
         limit = self.request_logger.max_log_len
         # The logger cuts the text to `limit` characters; `limit` tokens decode to about that many or more.
         text = self.tokenizer.decode(ids if limit is None else ids[:limit])

@@ -1,9 +1,11 @@
 """POST /v1/completions: one engine request per prompt, n choices each, streamed or whole."""
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
+from pagedllm.engine.prompt_embeds import load_prompt_embeds
 from pagedllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -38,7 +40,11 @@ class OpenAIServingCompletion:
         self.ctx.check_prompt_logprobs(req)
         self.ctx.check_n(req.n, req.best_of, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
-        texts, ids = self.ctx.completion_prompts(req.prompt)
+        if req.prompt is None and not req.prompt_embeds:
+            raise OpenAIError("Field required: give `prompt` (text or token ids), or `prompt_embeds` (with "
+                              "--enable-prompt-embeds).", param="prompt", code="missing")
+        only_embeds = bool(req.prompt_embeds) and req.prompt in (None, "")  # vLLM's: an empty prompt adds nothing
+        texts, ids = ([], []) if only_embeds else self.ctx.completion_prompts(req.prompt)
         kept = [self.ctx.truncate(prompt_ids, req.truncate_prompt_tokens) for prompt_ids in ids]
         # echo returns what the model saw: a truncated prompt's text is decoded from the ids it kept.
         texts = [t if len(k) == len(full) else None for t, k, full in zip(texts, kept, ids)]
@@ -48,17 +54,48 @@ class OpenAIServingCompletion:
             self.ctx.check_fits_pool(len(prompt_ids), 1 if _echo_only(req) else req.max_tokens, req, "max_tokens")
         return model, texts, ids
 
+    def _prompt_embeds(self, req: CompletionRequest, n_text_prompts: int) -> list:
+        """The request's prompt_embeds, loaded and checked (a 400 naming what is wrong): the server's flag first,
+        so that a server without it never deserializes a payload."""
+        checker = self.ctx.engine.request_checker
+        if not checker.enable_prompt_embeds:
+            raise OpenAIError("prompt_embeds inputs are off on this server: start it with --enable-prompt-embeds.",
+                              param="prompt_embeds")
+        if req.echo:
+            raise OpenAIError("echo is not supported with prompt_embeds: an embeddings prompt has no text or token "
+                              "ids to echo.", param="echo")
+        items = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else list(req.prompt_embeds)
+        self.ctx.limits.check_prompt_count(len(items) + n_text_prompts)
+        out = []
+        for item in items:
+            try:
+                embeds = checker.prompt_embeds({"prompt_embeds": load_prompt_embeds(item)},
+                                               req.truncate_prompt_tokens)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="prompt_embeds") from None
+            self.ctx.check_length(len(embeds), req.max_tokens, "prompt_embeds", "max_tokens")
+            self.ctx.check_fits_pool(len(embeds), req.max_tokens, req, "max_tokens")
+            out.append(embeds)
+        return out
+
     async def create_completion(self, req: CompletionRequest,
                                 client_request_id: str | None = None) -> dict | AsyncIterator[str]:
         """A response dict, or (stream=True) an async iterator of SSE lines. Raises OpenAIError."""
         model, texts, ids = self._validate(req)
+        # Embeddings prompts come first (vLLM's order); their placeholder ids stand for them in the response.
+        embeds = []
+        if req.prompt_embeds:  # base64 and torch.load off the event loop
+            embeds = await asyncio.to_thread(self._prompt_embeds, req, len(ids))
+        engine_prompts = [*embeds, *ids]
+        texts = [None] * len(embeds) + texts
+        ids = [[0] * len(e) for e in embeds] + ids
         asked = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
         prompt_logprobs = max(asked) if asked else None  # an echo's logprobs are the prompt's too
         # OpenAI's (and vLLM's) echo with max_tokens 0 scores the prompt: one token runs, none is returned.
         max_tokens = 1 if _echo_only(req) else req.max_tokens
         params = self.ctx.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
         request_id, engine_prefix = request_ids("cmpl", client_request_id)
-        streams = await self.ctx.add_all(ids, params, engine_prefix, req.priority, req.cache_salt, model)
+        streams = await self.ctx.add_all(engine_prompts, params, engine_prefix, req.priority, req.cache_salt, model)
         if req.stream:
             return self._stream(req, model, request_id, texts, ids, streams)
         finals = await final_outputs(self.ctx, streams)

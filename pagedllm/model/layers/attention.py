@@ -199,6 +199,8 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # The KV cache group this layer's blocks are in (core/kv_cache_groups.py), set by the worker; 0 with one.
+        self.kv_cache_group = 0
 
     def forward(
         self,
@@ -209,6 +211,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q [T, Hq·D], k/v [T, Hk·D] → [T, Hq·D]."""
+        if self.kv_cache_group:
+            meta = meta.group_metadata[self.kv_cache_group]
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

@@ -189,8 +189,13 @@ class LlamaForCausalLM(nn.Module):
         """Layer `layer_index`'s feed-forward block; None: the dense SwiGLU MLP (MoE models override this)."""
         return None
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of `input_ids` (a step with prompt-embedding rows merges those in)."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: embeddings to run instead of `input_ids`' (a step with prompt-embedding rows)."""
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

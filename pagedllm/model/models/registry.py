@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from pagedllm.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_groups
+
 _LLAMA = "pagedllm.model.models.llama:LlamaForCausalLM"
 _QWEN2 = "pagedllm.model.models.qwen2:Qwen2ForCausalLM"
 _QWEN3 = "pagedllm.model.models.qwen3:Qwen3ForCausalLM"
@@ -116,16 +118,24 @@ def get_sliding_window(config: Any) -> int | None:
     return int(window)
 
 
-def shared_sliding_window(config: Any) -> int | None:
-    """The window every attention layer of the model shares (Mistral-7B-v0.1, Phi-3): KV blocks behind it are never
-    read again, so the block manager frees them. None when any layer attends to the whole context (Gemma 2/3's
-    global layers), or the model class has no windows."""
+def layer_sliding_windows(config: Any) -> list[int | None]:
+    """Each attention layer's window (None: full attention), as the model class builds its layers."""
     try:
         windows = getattr(get_model_class(config), "sliding_windows", None)
     except ValueError:
-        return None
-    found = set(windows(config)) if windows is not None else {None}
-    return found.pop() if len(found) == 1 else None
+        windows = None
+    if windows is None:
+        return [None] * int(text_config(config).num_hidden_layers)
+    return list(windows(config))
+
+
+def kv_cache_layout(config: Any, cache_config: Any) -> KVCacheLayout:
+    """The model's KV cache groups under `cache_config` (its disable_sliding_window and
+    disable_hybrid_kv_cache_manager): core/kv_cache_groups.py."""
+    windows = layer_sliding_windows(config)
+    if cache_config.disable_sliding_window:
+        windows = [None] * len(windows)
+    return plan_kv_cache_groups(windows, enable_hybrid=not cache_config.disable_hybrid_kv_cache_manager)
 
 
 def get_model_max_len(config: Any, max_model_len: int | None = None) -> int:
