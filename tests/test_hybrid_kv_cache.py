@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from hypothesis import given, settings, strategies as st
+from test_models_hf import hf_greedy_reference
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv, leading_null_blocks
@@ -229,15 +230,8 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[in
     model.save_pretrained(path, safe_serialization=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    model.generation_config.eos_token_id = None
-    reference = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0)
-            reference.append(out[0, len(p):].tolist())
-    return path, prompts, reference
+    model.generation_config.eos_token_id = None  # ignore_eos on the engine's side: never stop early here either
+    return path, prompts, hf_greedy_reference(model, prompts, MAX_TOKENS)[0]
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
