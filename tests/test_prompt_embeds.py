@@ -147,6 +147,28 @@ def test_matches_transformers_inputs_embeds(tiny_dir, tiny_hf):
     assert _tokens(llm.generate([{"prompt_embeds": p} for p in prompts], GREEDY, use_tqdm=False)) == ref
 
 
+def test_gemma3_matches_transformers_inputs_embeds(tmp_path):
+    """Gemma's `inputs_embeds` are scaled embeddings (transformers' Gemma3TextScaledWordEmbedding); on the hybrid KV
+    cache (local and global groups) with a 12-token step budget and a window of 8."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_implementation="eager",
+        initializer_range=0.1)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    hf.generation_config.eos_token_id = None
+    prompts = _perturbed_prompts(hf, [5, 19, 33], seed=3)
+    llm = LLM(str(tmp_path), enable_prompt_embeds=True, max_num_batched_tokens=12, max_num_seqs=4,
+              **{**TINY_ENGINE_KW, "num_gpu_blocks_override": 128})
+    assert llm.llm_engine.scheduler.block_manager.num_groups == 3
+    assert _tokens(llm.generate([{"prompt_embeds": p} for p in prompts], GREEDY, use_tqdm=False)) == _hf_greedy(
+        hf, prompts)
+
+
 def test_preemption_by_recompute_reruns_the_same_embeddings(tiny_dir, tiny_hf):
     prompts = _perturbed_prompts(tiny_hf, [30, 27, 34, 25], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

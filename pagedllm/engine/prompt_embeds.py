@@ -115,8 +115,8 @@ def load_prompt_embeds(data: str | bytes, param: str = "prompt_embeds") -> torch
 
 def check_takes_prompt_embeds(model_class: type) -> None:
     """ValueError at start-up for enable_prompt_embeds on a model class that cannot run input embeddings (it needs
-    ``embed_input_ids`` and a forward taking ``inputs_embeds``: the Llama family and LLaVA)."""
+    ``embed_input_ids`` and a forward taking ``inputs_embeds``: the Llama and Gemma families and LLaVA)."""
     if not callable(getattr(model_class, "embed_input_ids", None)):
         raise ValueError(f"enable_prompt_embeds: {model_class.__name__} does not take input embeddings; prompt "
                          f"embeddings are supported for the Llama family (Llama, Mistral, Qwen2/3, Phi-3, Mixtral, "
-                         f"Qwen MoE) and LLaVA. Start the engine without --enable-prompt-embeds for this model.")
+                         f"Qwen MoE), the Gemma family (Gemma 1/2/3) and LLaVA. Start the engine without --enable-prompt-embeds for this model.")

@@ -156,8 +156,14 @@ class GemmaModel(nn.Module):
         ])
         self.norm = GemmaRMSNorm(hidden, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled token embeddings (transformers' Gemma*TextScaledWordEmbedding: what `inputs_embeds` means)."""
+        return self.embed_tokens(input_ids) * self.normalizer
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs_embeds`: scaled embeddings to run instead of `input_ids`' (a step with prompt-embedding rows)."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -222,8 +228,13 @@ class GemmaForCausalLM(nn.Module):
         return rope_parameters(config)
 
     # -- the engine's interface ----------------------------------------------------------------
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of `input_ids`, scaled as the model runs them (a step with prompt-embedding rows
+        merges those in)."""
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
