@@ -19,15 +19,13 @@ import random
 import time
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.block_manager import cdiv
+from pagedllm.core.kv_cache_groups import blocks_for_sequence
 
 
 def sequences_that_fit(llm: LLM, length: int) -> float:
     """Full-length sequences (prompt + output) the pool's blocks hold at once in decode (after a step's chunk)."""
     bm = llm.llm_engine.scheduler.block_manager
-    bs = bm.block_size
-    per_seq = sum(cdiv(length, bs) if w is None else min(cdiv(length, bs), cdiv(w, bs) + 1) for w in bm.group_windows)
-    return bm.num_gpu_blocks / per_seq
+    return bm.num_gpu_blocks / blocks_for_sequence(bm.group_windows, length, bm.block_size)
 
 
 def run_layout(args: argparse.Namespace, hybrid: bool, prompts: list[list[int]]) -> dict:

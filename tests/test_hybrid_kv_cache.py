@@ -14,7 +14,7 @@ from test_models_hf import hf_greedy_reference
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv, leading_null_blocks
 from pagedllm.core.kv_accounting import kv_memory_breakdown
-from pagedllm.core.kv_cache_groups import plan_kv_cache_groups
+from pagedllm.core.kv_cache_groups import blocks_for_sequence, plan_kv_cache_groups
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.arg_utils import CUDA_HYBRID_KV_CACHE_ENV
 from pagedllm.engine.request_checker import RequestChecker
@@ -156,12 +156,27 @@ def test_every_position_a_query_can_see_stays_held_in_every_group(window: int, b
         bm.check_invariants()
 
 
+@settings(max_examples=40, deadline=None)
+@given(window=st.integers(1, 20), bs=st.sampled_from([1, 2, 4, 8]), step=st.integers(1, 9),
+       length=st.integers(1, 80))
+def test_blocks_for_sequence_bounds_what_a_sequence_holds(window: int, bs: int, step: int, length: int) -> None:
+    """The bound the request checker and the GPU profile use: never below what the block manager holds, reached."""
+    bm = BlockManager(block_size=bs, num_gpu_blocks=1000, group_windows=(None, window))
+    seq = Sequence(0, list(range(length)))
+    most = 0
+    while seq.num_computed_tokens < length:
+        _grow(bm, seq, min(step, length - seq.num_computed_tokens))
+        most = max(most, 1000 - bm.get_num_free_gpu_blocks())
+    assert most <= blocks_for_sequence((None, window), length, bs, step)
+
+
 def test_request_checker_counts_every_groups_blocks() -> None:
     common = dict(vocab_size=10, max_model_len=1000, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
     # One full group: the pool's tokens. Full + a window of 8: the full group's blocks plus ~(8 + 16) / 4 + 2.
     assert RequestChecker(num_gpu_blocks=100, **common).max_seq_len == 400
     hybrid = RequestChecker(num_gpu_blocks=100, group_windows=(None, 8), **common)
-    assert hybrid.max_seq_len == 4 * (100 - (cdiv(8 + 16, 4) + 2))
+    assert hybrid.max_seq_len == 4 * (100 - (cdiv(8 + 16 - 1, 4) + 1))
+    assert blocks_for_sequence((None, 8), 40, 4, 16) == 10 + 7 and blocks_for_sequence((8,), 4, 4) == 1
     assert RequestChecker(num_gpu_blocks=500, group_windows=(None, 8), **common).max_seq_len == 1000
 
 

@@ -87,3 +87,12 @@ def plan_kv_cache_groups(layer_windows: list[int | None], enable_hybrid: bool = 
         for start in range(0, len(layers), size):
             groups.append(KVCacheGroupSpec(w, tuple(layers[start:start + size])))
     return KVCacheLayout(tuple(groups), size)
+
+
+def blocks_for_sequence(group_windows: tuple[int | None, ...], length: int, block_size: int,
+                        step_tokens: int = 1) -> int:
+    """The most blocks one sequence of `length` tokens holds across the groups while steps of up to `step_tokens`
+    tokens run: a full-attention group every block of the context, a sliding group at most the blocks from the first
+    one its step's first query sees to the last one the step writes (BlockManager frees the rest)."""
+    full = -(-length // block_size)
+    return sum(full if w is None else min(full, -(-(w + step_tokens - 1) // block_size) + 1) for w in group_windows)

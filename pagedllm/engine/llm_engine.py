@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.core.block_manager import NULL_BLOCK
 from pagedllm.core.kv_accounting import KVMemoryBreakdown, kv_memory_breakdown
+from pagedllm.core.kv_cache_groups import blocks_for_sequence
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.device_utils import async_tensor_h2d
@@ -116,6 +117,8 @@ class LLMEngine:
         if cc.sliding_window is not None:
             logger.info("Sliding-window attention on every layer (%d tokens): KV blocks behind the window are freed",
                         cc.sliding_window)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx", sc.max_model_len,
+                    num_gpu / blocks_for_sequence(layout.group_windows, sc.max_model_len, cc.block_size))
         if layout.is_hybrid:
             logger.info("Hybrid KV cache: %d groups of %d layers (windows %s) share the pool; a block holds %d "
                         "layers, and sliding groups free their blocks behind the window",

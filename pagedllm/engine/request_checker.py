@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.core.kv_cache_groups import blocks_for_sequence
+
 from pagedllm.engine.prompt_embeds import PROMPT_EMBEDS_KEY, checked_prompt_embeds, is_embeds_prompt
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -40,12 +42,10 @@ class RequestChecker:
         blocks: every block of a full-attention group's table, and a sliding group's window plus one step's chunk
         (its blocks behind the window are freed)."""
         windows = self.group_windows or (self.sliding_window,)
-        bs = self.block_size
         chunk = min(self.max_num_batched_tokens or self.max_model_len, self.max_model_len)
 
         def blocks_needed(length: int) -> int:
-            full = -(-length // bs)
-            return sum(full if w is None else min(full, -(-(w + chunk) // bs) + 2) for w in windows)
+            return blocks_for_sequence(windows, length, self.block_size, chunk)
 
         if blocks_needed(self.max_model_len) <= self.num_gpu_blocks:
             return self.max_model_len

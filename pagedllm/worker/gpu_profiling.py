@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from pagedllm.core.kv_cache_groups import blocks_for_sequence
 from pagedllm.worker.model_input import SequenceChunk
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -68,7 +69,7 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     non_torch = max(0, (total - free) - torch.cuda.memory_reserved(device))
     budget = int(total * cc.gpu_memory_utilization) - peak - non_torch - graph_bytes
     num_blocks = max(0, budget // block_bytes)
-    per_seq = -(-sc.max_model_len // cc.block_size)
+    per_seq = blocks_for_sequence(worker.kv_layout.group_windows, sc.max_model_len, cc.block_size)
     logger.info(
         "GPU memory: total %.2f GiB, weights %.2f GiB, peak activations %.2f GiB (%d tokens), other %.2f GiB, "
         "CUDA graphs %.2f GiB, other engines in this process %.2f GiB; "
