@@ -40,7 +40,7 @@ def pack_method(method: str | Callable) -> str | bytes:
     """What crosses to a worker process: a name as such, a callable as cloudpickle bytes."""
     if isinstance(method, str):
         return method
-    import cloudpickle  # (a dependency of ray and of the test extra; only needed for callables across processes)
+    import cloudpickle  # (only needed for callables across processes)
 
     return cloudpickle.dumps(method)
 
