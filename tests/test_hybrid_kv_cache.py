@@ -10,6 +10,7 @@ import torch
 import transformers
 from hypothesis import given, settings, strategies as st
 from test_models_hf import hf_greedy_reference
+from tiny_models import greedy_token_ids
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv, leading_null_blocks
@@ -250,9 +251,7 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[in
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return greedy_token_ids(llm, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])

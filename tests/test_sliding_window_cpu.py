@@ -15,6 +15,7 @@ import random
 
 import pytest
 import torch
+from test_models_hf import hf_greedy_reference
 
 from pagedllm.kernels import cpu_isa, cpu_kernels, reference
 from pagedllm.kernels.metadata import AttentionMetadata, window_and_cap
@@ -436,14 +437,7 @@ def windowed_mistral(tmp_path_factory):
             model.generation_config.eos_token_id = None
             gen = torch.Generator().manual_seed(window + 1)
             prompts = [torch.randint(0, MISTRAL["vocab_size"], (n,), generator=gen).tolist() for n in PROMPT_LENS]
-            refs = []
-            with torch.inference_mode():
-                for p in prompts:
-                    ids = torch.tensor([p])
-                    seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                         max_new_tokens=MAX_TOKENS, pad_token_id=0)
-                    refs.append(seq[0, len(p):].tolist())
-            cache[window] = (str(path), prompts, refs)
+            cache[window] = (str(path), prompts, hf_greedy_reference(model, prompts, MAX_TOKENS)[0])
         return cache[window]
 
     return get

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_models_hf import hf_greedy_reference
+from tiny_models import greedy_token_ids
 
 from pagedllm import LLM, SamplingParams
 
@@ -32,20 +34,11 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[i
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     model.set_attn_implementation("eager")
     model.generation_config.eos_token_id = None  # ignore_eos on our side: never stop early here either
-    reference = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                 pad_token_id=0)
-            reference.append(out[0, len(p):].tolist())
-    return path, prompts, reference
+    return path, prompts, hf_greedy_reference(model, prompts, MAX_TOKENS)[0]
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return greedy_token_ids(llm, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])

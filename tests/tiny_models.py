@@ -26,6 +26,15 @@ def tiny_hf_greedy(path, **from_pretrained_kwargs) -> list[list[int]]:
     return out
 
 
+def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The engine's greedy tokens for token-id prompts (no end of sequence), one list per prompt."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def _save_random(hf_model, path) -> str:
     """Weights (and biases) of `hf_model` drawn N(0, 0.08) from torch's generator as the caller seeded it, saved to
     `path`."""
