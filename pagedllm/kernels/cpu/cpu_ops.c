@@ -172,6 +172,17 @@ static inline void transpose_tile(const float *const src[VW], float *dst, int64_
 
 /* ---- The token path: decodes and short chunks, one query token at a time against K/V rows as stored ---- */
 
+/* PREFETCH_AHEAD: how many blocks ahead of the one it reads the token path prefetches. PREFETCH_LOCALITY 2
+ * (prefetcht1): the lines go to L2, whose miss queue holds far more lines in flight than L1's few fill buffers;
+ * into L1 (3) the random block reads of a 64-sequence decode ran at 13-14 GB/s, into L2 at 17-18 (Zen 4), and at
+ * 21-23 with the prefetches spread between the FMAs (run_scores, weigh_span) rather than issued per slice. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 2
+#endif
+
 /* scores[g * stride] = scale * (q_g · k) for the `group` query rows that share one K row. */
 static inline void group_scores(const float *restrict q, const float *restrict k, int group, int head_dim,
                                 float scale, float *restrict scores, int64_t stride) {
@@ -205,8 +216,12 @@ static inline void group_scores(const float *restrict q, const float *restrict k
 /* Scores of a run of VW tokens: out[g * stride + j] = scale * (q_g · k_j), k_j = k + j * row_stride, for the
  * `group` query rows sharing these K rows (vector builds with head_dim % VW == 0 only). */
 static inline void run_scores(const float *restrict q, const float *restrict k, int64_t row_stride, int group,
-                              int head_dim, float scale, float *restrict out, int64_t stride) {
+                              int head_dim, float scale, float *restrict out, int64_t stride, const char *pf,
+                              int64_t pf_bytes) {
 #if VECTOR_PATH
+    /* pf[0 : pf_bytes): lines of a later block, prefetched a few per vector of dims, between the FMAs */
+    const int64_t per = (pf_bytes / 64 + group * (head_dim / VW) - 1) / (group * (head_dim / VW));
+    int64_t off = 0;
     const vec vscale = v_set1(scale);
     for (int g = 0; g < group; ++g) {
         vec acc[VW];
@@ -214,11 +229,13 @@ static inline void run_scores(const float *restrict q, const float *restrict k, 
         for (int d = 0; d < head_dim; d += VW) {
             const vec qv = v_load(q + g * head_dim + d);
             for (int j = 0; j < VW; ++j) acc[j] = v_fma(qv, v_load(k + j * row_stride + d), acc[j]);
+            for (int64_t l = 0; l < per && off < pf_bytes; ++l, off += 64) __builtin_prefetch(pf + off, 0, PREFETCH_LOCALITY);
         }
         v_store(out + g * stride, v_mul(hsum_run(acc), vscale));
     }
 #else
-    (void)q, (void)k, (void)row_stride, (void)group, (void)head_dim, (void)scale, (void)out, (void)stride;
+    (void)q, (void)k, (void)row_stride, (void)group, (void)head_dim, (void)scale, (void)out, (void)stride, (void)pf,
+        (void)pf_bytes;
 #endif
 }
 
@@ -292,7 +309,11 @@ static void score_tile(const float *qt, int64_t ldq, int n, const float *kt, int
  * hide the FMA latency, plus N broadcast weights and one V vector: 16 registers for AVX2's 3 × 4). */
 static inline __attribute__((always_inline)) void weigh_span(const float *restrict p, int64_t p_stride, const int N,
                                                              const float *restrict v, int64_t row_stride, int n,
-                                                             float *acc, int64_t acc_stride, int d0, const int C) {
+                                                             float *acc, int64_t acc_stride, int d0, const int C,
+                                                             const char *pf, int64_t pf_bytes) {
+    /* pf[0 : pf_bytes): lines of a later block, prefetched a few per key, between the FMAs */
+    const int64_t per = n > 0 ? (pf_bytes / 64 + n - 1) / n : 0;
+    int64_t off = 0;
     vec r[PV_ROWS][4];
     for (int i = 0; i < N; ++i)
         for (int c = 0; c < C; ++c) r[i][c] = v_zero();
@@ -304,6 +325,7 @@ static inline __attribute__((always_inline)) void weigh_span(const float *restri
             const vec x = v_load(vj + c * VW);
             for (int i = 0; i < N; ++i) r[i][c] = v_fma(w[i], x, r[i][c]);
         }
+        for (int64_t l = 0; l < per && off < pf_bytes; ++l, off += 64) __builtin_prefetch(pf + off, 0, PREFETCH_LOCALITY);
     }
     for (int i = 0; i < N; ++i)
         for (int c = 0; c < C; ++c) {
@@ -315,22 +337,24 @@ static inline __attribute__((always_inline)) void weigh_span(const float *restri
 /* All of head_dim (a multiple of VW) in spans of four vectors, the last span shorter. */
 static inline __attribute__((always_inline)) void weigh_rows(const float *p, int64_t p_stride, const int N,
                                                              const float *v, int64_t row_stride, int n, float *acc,
-                                                             int64_t acc_stride, int head_dim) {
-    int d0 = 0;
-    for (; d0 + 4 * VW <= head_dim; d0 += 4 * VW) weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 4);
+                                                             int64_t acc_stride, int head_dim, const char *pf,
+                                                             int64_t pf_bytes) {
+    int d0 = 0; /* the first span issues the prefetches */
+    for (; d0 + 4 * VW <= head_dim; d0 += 4 * VW, pf_bytes = 0)
+        weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 4, pf, pf_bytes);
     switch ((head_dim - d0) / VW) {
-    case 3: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 3); break;
-    case 2: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 2); break;
-    case 1: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 1); break;
+    case 3: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 3, pf, pf_bytes); break;
+    case 2: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 2, pf, pf_bytes); break;
+    case 1: weigh_span(p, p_stride, N, v, row_stride, n, acc, acc_stride, d0, 1, pf, pf_bytes); break;
     default: break;
     }
 }
 
 /* weigh_rows for any n ≤ PV_ROWS rows. */
 static void weigh_tile(const float *p, int64_t p_stride, int n, const float *v, int64_t row_stride, int keys,
-                       float *acc, int64_t acc_stride, int head_dim) {
+                       float *acc, int64_t acc_stride, int head_dim, const char *pf, int64_t pf_bytes) {
     switch (n) {
-#define WEIGH_CASE(N) case N: weigh_rows(p, p_stride, N, v, row_stride, keys, acc, acc_stride, head_dim); break;
+#define WEIGH_CASE(N) case N: weigh_rows(p, p_stride, N, v, row_stride, keys, acc, acc_stride, head_dim, pf, pf_bytes); break;
         WEIGH_CASE(1) WEIGH_CASE(2)
 #if PV_ROWS > 2
         WEIGH_CASE(3)
@@ -444,23 +468,14 @@ static void soft_cap_scores(float *row, int n, float cap) {
 #endif
 }
 
-/* PREFETCH_AHEAD: how many blocks ahead of the one it reads the token path prefetches. PREFETCH_LOCALITY 2
- * (prefetcht1): the lines go to L2, whose miss queue holds far more lines in flight than L1's few fill buffers;
- * into L1 (3) the random block reads of a 64-sequence decode ran at 13-14 GB/s, into L2 at 17-18 (Zen 4). */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2
-#endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 2
-#endif
 static inline void prefetch_bytes(const void *block, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)block + i, 0, PREFETCH_LOCALITY);
 }
 
 /* Prefetches block[done : upto) by 64-byte lines and returns the new `done` (no-op for a NULL block). The token
- * path fetches the next block a slice per piece of work on the current one: a whole block's prefetches at once
- * queue on the core's few miss buffers and the work stalls behind them (a random-block read with this much work
- * per byte: +40 % bandwidth in slices, nothing as one burst). */
+ * path fetches a later block a slice per piece of work on the current one, its lines spread between that work's
+ * FMAs: a whole block's prefetches at once queue on the core's miss buffers and the work stalls behind them (a
+ * random-block read with this much work per byte: +40 % bandwidth in slices, nothing as one burst). */
 static inline int64_t prefetch_upto(const char *block, int64_t done, int64_t upto) {
     if (block == NULL) return done;
     for (; done < upto; done += 64) __builtin_prefetch(block + done, 0, PREFETCH_LOCALITY);
@@ -803,10 +818,12 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                         int j0 = 0; /* runs of VW tokens: one transpose-add tree per query row */
                         for (; VECTOR_PATH && j0 + VW <= n && head_dim % VW == 0; j0 += VW)
                             for (int h = 0; h < num_kv_heads; ++h) {
+                                const int64_t upto = next != NULL && slice < slices ? block_bytes * ++slice / slices : fetched;
                                 run_scores(qs + (int64_t)h * group * head_dim, kb + j0 * token_stride + (int64_t)h * head_dim,
                                            token_stride, group, head_dim, scale,
-                                           scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j0, max_len);
-                                if (slice < slices) fetched = prefetch_upto(next, fetched, block_bytes * ++slice / slices);
+                                           scores + (h * ldq + i * group) * (int64_t)max_len + t0 + j0, max_len,
+                                           next != NULL ? next + fetched : NULL, upto - fetched);
+                                fetched = upto;
                             }
                         for (int j = j0; j < n; ++j)
                             for (int h = 0; h < num_kv_heads; ++h)
@@ -916,10 +933,12 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                          * keys past its own token weigh +0, whose products add exact zeros to it. */
                         const int tiles = (rows_all - r0 + PV_ROWS - 1) / PV_ROWS; /* this head's slice, split per tile */
                         for (int r = r0, tile = 1; r < rows_all; r += PV_ROWS, ++tile) {
+                            const int64_t upto = next != NULL ? block_bytes * ((int64_t)h * tiles + tile) /
+                                                                    ((int64_t)num_kv_heads * tiles) : fetched;
                             weigh_tile(ph + r * (int64_t)max_len, max_len, rows_all - r < PV_ROWS ? rows_all - r : PV_ROWS,
-                                       vh, token_stride, rows, ah + (int64_t)r * head_dim, head_dim, head_dim);
-                            fetched = prefetch_upto(next, fetched, block_bytes * ((int64_t)h * tiles + tile) /
-                                                                       ((int64_t)num_kv_heads * tiles));
+                                       vh, token_stride, rows, ah + (int64_t)r * head_dim, head_dim, head_dim,
+                                       next != NULL ? next + fetched : NULL, upto - fetched);
+                            fetched = upto;
                         }
                     }
                 }
