@@ -7,10 +7,10 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.model.cpu_direct_forward import LlamaDirectForward
 from pagedllm.kernels.cpu_f32_gemm import F32Gemm
 
-acc = collections.defaultdict(float); cnt = collections.Counter()
+acc = collections.defaultdict(float); cnt = collections.Counter(); durs = collections.defaultdict(list)
 def timed(name, fn):
     def w(*a, **k):
-        t0 = time.perf_counter(); r = fn(*a, **k); acc[name] += time.perf_counter() - t0; cnt[name] += 1; return r
+        t0 = time.perf_counter(); r = fn(*a, **k); d = time.perf_counter() - t0; acc[name] += d; cnt[name] += 1; durs[name].append(d); return r
     return w
 orig_call = LlamaDirectForward.__call__
 rows_of_step = []
@@ -44,3 +44,5 @@ for k, v in sorted(acc.items(), key=lambda x: -x[1]): print(f"  {k:12s} {v:7.2f}
 for kind, d in per_kind.items():
     n = sum(1 for r, _ in rows_of_step if (r == rows) == (kind == "decode"))
     print(kind, n, "steps; per step ms:", {k: round(1e3 * v / n, 1) for k, v in sorted(d.items(), key=lambda x: -x[1])})
+for n, v in durs.items():
+    v = sorted(v); print(n, "calls", len(v), "median us", round(1e6*v[len(v)//2],1), "p10", round(1e6*v[len(v)//10],1), "p90", round(1e6*v[9*len(v)//10],1), "max", round(1e6*v[-1],1))
