@@ -23,13 +23,19 @@
 
 #if defined(__AVX512F__)
 #define VEC_BYTES 64
+#ifndef MR
 #define MR 12
+#endif
 #elif defined(__AVX2__)
 #define VEC_BYTES 32
+#ifndef MR
 #define MR 6
+#endif
 #else
 #define VEC_BYTES 16
+#ifndef MR
 #define MR 4
+#endif
 #endif
 #define VL (VEC_BYTES / 4)
 #define NB (2 * VL)
@@ -127,6 +133,9 @@ static void tile_any(const float *x, int64_t ldx, const float *panel, int64_t k,
 #endif
 #if MR > 6
         TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+#endif
+#if MR > 12
+        TILE_CASE(13) TILE_CASE(14)
 #endif
         default: break;
     }
