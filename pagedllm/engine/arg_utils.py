@@ -28,6 +28,7 @@ from pagedllm.config import (
     SpeculativeConfig,
 )
 from pagedllm.device_utils import is_large_gpu
+from pagedllm.model.models.registry import is_encoder_only
 from pagedllm.reasoning import REASONING_PARSERS, check_reasoning_parser
 from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 
@@ -260,15 +261,17 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self, model_max_len: int, usage_context: str = "engine",
-                             hf_config: Any = None) -> EngineConfig:
+                             hf_config: Any = None, model_dir: str | os.PathLike[str] | None = None) -> EngineConfig:
         """Validated configs; `model_max_len` is the model's own context length. `usage_context` is vLLM's:
         "llm_class" (the offline `LLM`) gets a larger default step budget on a GPU. `hf_config` (the model's) lets
-        runner="auto" see a base-model checkpoint."""
+        runner="auto" see a base-model checkpoint; `model_dir` (its directory) lets a pooling model take its
+        sentence-transformers pooling config."""
         max_model_len = self.max_model_len or model_max_len
         notes = self.compat_notes()
         if notes:
             logger.warning("vLLM options without effect here: %s", "; ".join(notes))
-        runner, pooler, pooling_task = self._resolve_runner(hf_config)
+        runner, pooler, pooling_task = self._resolve_runner(hf_config, model_dir)
+        encoder = hf_config is not None and is_encoder_only(hf_config)
         resolve_backend(self.structured_outputs_backend)
         check_reasoning_parser(self.reasoning_parser)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
@@ -289,8 +292,15 @@ class EngineArgs:
             # (issue 16's long and short workloads: +1.5 points of the lower bound on the H100, BENCHMARKS §30);
             # 8192 is also the largest piecewise-captured step. Online, 2048 keeps decode steps short.
             budget = 8192 if offline_gpu else 2048
-            batched = max(budget, max_num_seqs) if self.enable_chunked_prefill else max_model_len
-        if not self.enable_chunked_prefill and batched < max_model_len:
+            if encoder:  # whole prompts only: a step holds the longest one, and a batch of short ones
+                batched = max(budget, max_model_len)
+            else:
+                batched = max(budget, max_num_seqs) if self.enable_chunked_prefill else max_model_len
+        if encoder:
+            from pagedllm.engine.pooling import check_encoder_step_budget
+
+            check_encoder_step_budget(batched, max_model_len, hf_config)
+        elif not self.enable_chunked_prefill and batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) must be >= max_model_len ({max_model_len}) "
                 "when chunked prefill is disabled."
@@ -298,7 +308,7 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             max_model_len=max_model_len, load_format=self.load_format,
-            skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager,
+            skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager or encoder,
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
             pooler_config=pooler, pooling_task=pooling_task, enable_prompt_embeds=self.enable_prompt_embeds,
         )
@@ -306,7 +316,8 @@ class EngineArgs:
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
-            enable_prefix_caching=self.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST"),
+            enable_prefix_caching=(self.enable_prefix_caching and not encoder
+                                   and (pooler is None or pooler.pooling_type == "LAST")),
             preemption_mode=self.preemption_mode,
             kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, disable_sliding_window=self.disable_sliding_window,
@@ -320,7 +331,7 @@ class EngineArgs:
             cache.cpu_kv_cache_fraction /= self.data_parallel_size
         sched = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill and not encoder,
             async_scheduling=self.async_scheduling, batching=self.batching, policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else None,
         )
@@ -383,10 +394,11 @@ class EngineArgs:
             raise ValueError(f"enable_lora does not combine with {why}.")
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
-    def _resolve_runner(self, hf_config: Any) -> tuple[str, PoolerConfig | None, str | None]:
+    def _resolve_runner(self, hf_config: Any, model_dir: str | os.PathLike[str] | None = None
+                        ) -> tuple[str, PoolerConfig | None, str | None]:
         """(runner, pooler config, pooling task): "generate", None and None, or "pooling", its PoolerConfig and
         "embed" or "classify"."""
-        from pagedllm.engine.pooling import resolve_pooling_task, resolve_runner
+        from pagedllm.engine.pooling import resolve_pooler_config, resolve_pooling_task, resolve_runner
 
         for name, value, allowed in (("runner", self.runner, RUNNER_TYPES), ("convert", self.convert, CONVERT_TYPES)):
             if value not in allowed:
@@ -398,8 +410,12 @@ class EngineArgs:
                                  "pooling) or drop it.")
             return runner, None, None
         task = resolve_pooling_task(self.convert, hf_config)
-        pooler = PoolerConfig.from_json(self.pooler_config)
-        if self.enable_prefix_caching and pooler.pooling_type != "LAST":
+        pooler = resolve_pooler_config(self.pooler_config, hf_config, task, model_dir)
+        if hf_config is not None and is_encoder_only(hf_config):
+            if self.enable_prefix_caching:
+                logger.warning("Prefix caching is off: an encoder-only model attends over each whole prompt, so a "
+                               "cached prefix would skip tokens the encoder needs.")
+        elif self.enable_prefix_caching and pooler.pooling_type != "LAST":
             logger.warning(
                 "Prefix caching is off: %s pooling reads every prompt token's hidden state, which a cached prefix "
                 "would skip (LAST pooling keeps it).", pooler.pooling_type)

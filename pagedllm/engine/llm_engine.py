@@ -27,7 +27,8 @@ from pagedllm.engine.launched_step import LaunchedStep
 from pagedllm.engine.output_processor import OutputProcessor, StopConfig
 from pagedllm.engine.prompt_embeds import (as_model_input, check_takes_prompt_embeds, embeds_identifier,
                                            is_embeds_prompt)
-from pagedllm.engine.pooling import PoolingState, classification_labels, matryoshka_dimensions
+from pagedllm.engine.pooling import (PoolingState, classification_labels, matryoshka_dimensions,
+                                     token_type_start)
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
 from pagedllm.engine.sleep_mode import SleepState, check_sleep_args, check_wake_tags, sleep_mode_disabled_error
 from pagedllm.logprobs import position_logprobs
@@ -82,7 +83,8 @@ class LLMEngine:
         window = get_sliding_window(self.hf_config)
         if engine_args.disable_sliding_window and window is not None:
             model_max_len = min(model_max_len, window)  # within the window full attention is the window's
-        self.config = engine_args.create_engine_config(model_max_len, usage_context, self.hf_config)
+        self.config = engine_args.create_engine_config(model_max_len, usage_context, self.hf_config,
+                                                       self.model_dir)
         mc, cc, sc = self.config.model_config, self.config.cache_config, self.config.scheduler_config
         if mc.enable_prompt_embeds:
             check_takes_prompt_embeds(get_model_class(self.hf_config))
@@ -288,6 +290,7 @@ class LLMEngine:
             raise ValueError(f"truncate_prompt_tokens={truncate} would cut this prompt's {n_before} tokens, which "
                              f"hold image placeholders; leave it unset for prompts with images.")
         self.request_checker.check_prompt_ids(token_ids)
+        types_start = self._token_type_start(prompt, n_before, len(token_ids))
         limit = self.max_seq_len
         if any(g.request_id == request_id for g in self._all_groups()):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -324,6 +327,8 @@ class LLMEngine:
             group.extra["mm_features"] = mm_features
         if embeds is not None:
             group.extra["prompt_embeds"] = embeds
+        if types_start is not None:
+            group.extra["token_type_start"] = types_start
         if params.bad_words:
             group.extra["bad_words_token_ids"] = self._bad_words_token_ids(params.bad_words)
         if params.use_beam_search:
@@ -387,6 +392,16 @@ class LLMEngine:
 
         A text prompt's ids are checked by `add_request` once tokenized."""
         self.request_checker.check_request(prompt, params, priority)
+
+    def _token_type_start(self, prompt: PromptType, n_given: int, n_kept: int) -> int | None:
+        """Where a token-id prompt's ``token_type_ids`` (a BERT pair's) turn to 1, after truncation kept its last
+        `n_kept` of `n_given` tokens; None where every token is type 0 or the model takes no token types."""
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if (types is None or not getattr(get_model_class(self.hf_config), "supports_token_types", False)
+                or int(getattr(self.hf_config, "type_vocab_size", 1) or 1) < 2):
+            return None
+        start = token_type_start(types, n_given)
+        return None if start is None else max(0, start - (n_given - n_kept))
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         ids = prompt_token_ids(prompt)  # raises for a malformed prompt
@@ -699,6 +714,7 @@ class LLMEngine:
             # prompt holds: a recompute after preemption runs them again)
             prompt_embeds=embeds[start:start + len(token_ids)] if embeds is not None and start < len(embeds)
             else None,
+            token_type_start=item.group.extra.get("token_type_start"),
             group_block_tables=group_tables,
         )
 

@@ -10,13 +10,15 @@ single label: vLLM's defaults) unless asked not to (`activation`).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedllm.config import PoolerConfig
-from pagedllm.model.models.registry import is_base_model, is_classification_model
+from pagedllm.model.models.registry import is_base_model, is_classification_model, is_encoder_only
 from pagedllm.pooling_params import PoolingParams
 
 
@@ -52,6 +54,92 @@ def resolve_pooling_task(convert: str, hf_config: Any) -> str:
                          f"head); this one is {archs[0]}: pass convert='embed' (--convert embed) for embeddings "
                          f"instead.")
     return "embed"
+
+
+# sentence-transformers' Pooling modes → vLLM's pooling types (the ones pagedllm runs), in the order vLLM checks them.
+_ST_POOLING_MODES = (("pooling_mode_cls_token", "CLS"), ("pooling_mode_mean_tokens", "MEAN"),
+                     ("pooling_mode_lasttoken", "LAST"))
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+
+
+def sentence_transformers_pooling(model_dir: str | Path | None) -> dict[str, Any] | None:
+    """What a sentence-transformers checkpoint's `modules.json` (and its Pooling module's `config.json`) says about
+    pooling, as vLLM reads it: {"pooling_type": "CLS" | "MEAN" | "LAST", "normalize": a Normalize module follows};
+    None where the directory has no such files or names no mode pagedllm runs."""
+    if model_dir is None or not (Path(model_dir) / "modules.json").is_file():
+        return None
+    root = Path(model_dir)
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+        pooling = next((m for m in modules if m.get("type") == _ST_POOLING), None)
+        if pooling is None:
+            return None
+        config = json.loads((root / pooling.get("path", "") / "config.json").read_text())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    kind = next((t for key, t in _ST_POOLING_MODES if config.get(key) is True), None)
+    if kind is None:
+        return None
+    return {"pooling_type": kind, "normalize": any(m.get("type") == _ST_NORMALIZE for m in modules)}
+
+
+def default_pooler_fields(hf_config: Any, task: str, model_dir: str | Path | None) -> dict[str, Any]:
+    """The model's own pooler defaults, under any `pooler_config` the user gives (vLLM's order: the user's
+    fields, then the sentence-transformers config of an embedding checkpoint, then the model's): encoder-only
+    models pool CLS (their classification heads read the CLS row), decoders the last token."""
+    fields: dict[str, Any] = {"pooling_type": "CLS" if is_encoder_only(hf_config) else "LAST"}
+    if task == "embed":
+        fields.update(sentence_transformers_pooling(model_dir) or {})
+    return fields
+
+
+def resolve_pooler_config(given: Any, hf_config: Any, task: str, model_dir: str | Path | None) -> PoolerConfig:
+    """The pooler config: the user's `pooler_config` (a dict, JSON text or a PoolerConfig, whose fields all count
+    as given) over the model's defaults (default_pooler_fields). An encoder-only classifier's head reads the CLS
+    row, so it takes no other pooling type."""
+    if isinstance(given, PoolerConfig):
+        pooler = given
+    else:
+        user = PoolerConfig.from_json(given)  # validates the user's JSON and keys
+        fields = {k: getattr(user, k) for k in _given_keys(given)}
+        pooler = PoolerConfig.from_json({**default_pooler_fields(hf_config, task, model_dir), **fields})
+    if task == "classify" and is_encoder_only(hf_config) and pooler.pooling_type != "CLS":
+        archs = getattr(hf_config, "architectures", None) or ["?"]
+        raise ValueError(f"pooler_config pooling_type={pooler.pooling_type!r}: {archs[0]}'s classification head "
+                         f"reads the CLS token's hidden state, so it takes pooling_type 'CLS' only; drop the "
+                         f"pooling_type or pass convert='embed' for {pooler.pooling_type} embeddings.")
+    return pooler
+
+
+def _given_keys(given: Any) -> list[str]:
+    if given is None or given == "":
+        return []
+    value = json.loads(given) if isinstance(given, str) else given
+    return list(value)
+
+
+def check_encoder_step_budget(max_num_batched_tokens: int, max_model_len: int, hf_config: Any) -> None:
+    """An encoder runs each prompt whole in one step: the step budget must hold the longest prompt."""
+    if max_num_batched_tokens < max_model_len:
+        archs = getattr(hf_config, "architectures", None) or ["?"]
+        raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} is less than max_model_len="
+                         f"{max_model_len}: {archs[0]} is encoder-only and runs each prompt whole in one step "
+                         f"(no chunked prefill), so raise max_num_batched_tokens to at least {max_model_len} or "
+                         f"lower max_model_len.")
+
+
+def token_type_start(token_type_ids: Any, num_tokens: int) -> int | None:
+    """A pair prompt's token types (0 for the first segment, then 1 for the second: BERT's) as the position where
+    the 1s start (vLLM's compressed form); None where all are 0. ValueError for any other shape of types."""
+    if not isinstance(token_type_ids, (list, tuple)) or len(token_type_ids) != num_tokens:
+        n = len(token_type_ids) if isinstance(token_type_ids, (list, tuple)) else type(token_type_ids).__name__
+        raise ValueError(f"token_type_ids must be a list of one 0 or 1 per prompt token ({num_tokens}), got {n}.")
+    start = next((i for i, t in enumerate(token_type_ids) if t == 1), num_tokens)
+    if any(t != 0 for t in token_type_ids[:start]) or any(t != 1 for t in token_type_ids[start:]):
+        raise ValueError("token_type_ids must be 0s then 1s (a text pair's first and second segment), as a "
+                         "tokenizer's pair encoding gives them.")
+    return start if start < num_tokens else None
 
 
 def classification_labels(hf_config: Any) -> tuple[str, ...]:

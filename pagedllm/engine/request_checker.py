@@ -152,7 +152,13 @@ class RequestChecker:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
         limit = self.max_seq_len
-        if len(token_ids) >= limit:
+        if self.runner == "pooling" and len(token_ids) > limit:  # a pooling request generates nothing
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but this engine fits at most {limit} prompt tokens "
+                f"(max_model_len={self.max_model_len}, KV pool={self.num_gpu_blocks} blocks); shorten it, or pass "
+                f"truncate_prompt_tokens to keep its last tokens."
+            )
+        if self.runner != "pooling" and len(token_ids) >= limit:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but this engine fits at most {limit - 1} "
                 f"prompt tokens (max_model_len={self.max_model_len}, "

@@ -19,7 +19,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.chat import needs_multimodal_render, render_multimodal_chat
 from pagedllm.multimodal.media import load_image_url
 from pagedllm.multimodal.processor import text_only_error
-from pagedllm.entrypoints.score_utils import as_texts, cosine_score, score_pairs, score_prompt_ids
+from pagedllm.entrypoints.score_utils import as_texts, cosine_score, score_pairs, score_prompt
 from pagedllm.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -208,7 +208,7 @@ class LLM:
                                pooling_task="embed")
             return [_cosine_output(outs[i], outs[len(texts_1) + j]) for i, j in pairs]
         tok = self._require_tokenizer("LLM.score() tokenizes each text pair")
-        prompts = [{"prompt_token_ids": score_prompt_ids(tok, texts_1[i], texts_2[j])} for i, j in pairs]
+        prompts = [score_prompt(tok, texts_1[i], texts_2[j]) for i, j in pairs]
         outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="score")
         return [ScoringRequestOutput.from_base(o) for o in outs]
 

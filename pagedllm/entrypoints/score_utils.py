@@ -49,6 +49,17 @@ def score_prompt_ids(tokenizer: Any, text_1: str, text_2: str) -> list[int]:
     return [*tokenizer.encode(text_1), sep, *tokenizer.encode(text_2, add_special_tokens=False)]
 
 
+def score_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict[str, list[int]]:
+    """A cross-encoder's prompt for the pair as a token-id prompt: ``prompt_token_ids``, and the pair encoding's
+    ``token_type_ids`` where its second segment has type 1 (BERT's; RoBERTa and decoder tokenizers have none)."""
+    ids = score_prompt_ids(tokenizer, text_1, text_2)
+    prompt = {"prompt_token_ids": ids}
+    types = tokenizer(text_1, text_pair=text_2).get("token_type_ids")
+    if types is not None and len(types) == len(ids) and any(types):
+        prompt["token_type_ids"] = list(types)
+    return prompt
+
+
 def cosine_score(a: torch.Tensor, b: torch.Tensor) -> float:
     """The cosine similarity of two embeddings (an embedding model's score)."""
     return float(torch.nn.functional.cosine_similarity(a.float().reshape(1, -1), b.float().reshape(1, -1))[0])

@@ -26,6 +26,8 @@ class SequenceChunk:
     # A hybrid model's other KV cache groups (core/kv_cache_groups.py): their tables, group 1 first, each as long
     # as `block_table` (group 0's); None with one group.
     group_block_tables: list[list[int]] | None = None
+    # A BERT pair prompt's second segment: positions from here on have token type 1 (None: every token type 0).
+    token_type_start: int | None = None
 
 
 @dataclass

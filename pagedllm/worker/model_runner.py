@@ -242,7 +242,7 @@ class ModelRunner:
             hidden = self.direct_forward(input_ids, positions, kv_caches, meta)
         else:
             path = "eager"
-            hidden = self.model(input_ids, positions, kv_caches, meta)
+            hidden = self.model(input_ids, positions, kv_caches, meta, **token_type_kwargs(chunks, positions))
         logits = None
         if logits_indices.numel():
             logits = self._head(hidden[logits_indices])
@@ -317,6 +317,18 @@ def fill_pending_tokens(input_ids: torch.Tensor, positions: list[int], rows: lis
     dev = input_ids.device
     src = sampled.index_select(0, async_tensor_h2d(rows, torch.long, dev))
     input_ids.index_copy_(0, async_tensor_h2d(positions, torch.long, dev), src.to(input_ids.dtype))
+
+
+def token_type_kwargs(chunks: list[SequenceChunk], positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"token_type_ids": ...} for a step with a BERT pair prompt (1 from each chunk's token_type_start on, 0
+    elsewhere), else {} (the model's forward takes no such argument)."""
+    if all(c.token_type_start is None for c in chunks):
+        return {}
+    never = 1 << 62
+    starts = torch.tensor([never if c.token_type_start is None else c.token_type_start for c in chunks])
+    lens = torch.tensor([len(c.token_ids) for c in chunks])
+    per_token = torch.repeat_interleave(starts, lens).to(positions.device)
+    return {"token_type_ids": (positions >= per_token).long()}
 
 
 def attention_geometry(model: nn.Module) -> tuple[int, int, int, float]:

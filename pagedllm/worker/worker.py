@@ -45,7 +45,8 @@ from pagedllm.model.layers.quantized_linear import (
     num_parameters,
     resolve_quantization,
 )
-from pagedllm.model.models.registry import get_model_class, is_base_model, kv_cache_layout, text_config
+from pagedllm.model.models.registry import (get_model_class, is_base_model, is_encoder_only, kv_cache_layout,
+                                             text_config)
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.worker.cache_engine import CacheEngine
@@ -139,6 +140,9 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.model_runner: ModelRunner | None = None
         self.lora_manager = None  # a LoRAModelManager with --enable-lora
+        # BERT-family encoders (model/models/bert.py) keep no KV cache: the pool has no tensors, its blocks only
+        # count what the scheduler admits.
+        self.encoder_only = is_encoder_only(hf_config)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -169,7 +173,8 @@ class Worker:
             self._load_fp8_checkpoint(model, keep_fp8)
         else:
             weights = loader.iterate_weights(self.model_dir, mc.load_format)
-            weights = base_model_weights(weights) if is_base_model(self.hf_config) else weights
+            if is_base_model(self.hf_config) and not self.encoder_only:  # (encoders load their own names)
+                weights = base_model_weights(weights)
             if self.int_format is not None:
                 self.int_checkpoint = IntCheckpointLoad(self.int_format, keep_blocks=self.quantization == "gguf")
                 weights = self.int_checkpoint.weights(weights)
@@ -322,6 +327,11 @@ class Worker:
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) this worker can hold under the cache config."""
         cc = self.config.cache_config
+        sc = self.config.scheduler_config
+        if self.encoder_only:  # blocks of no memory: enough for every sequence at full length, no swap pool
+            if cc.num_gpu_blocks_override is not None:
+                return cc.num_gpu_blocks_override, 0
+            return sc.max_num_seqs * -(-sc.max_model_len // cc.block_size), 0
         block_bytes = self.cache_block_size_bytes()
         num_cpu = int(cc.swap_space * (1 << 30)) // block_bytes
         if cc.num_gpu_blocks_override is not None:
@@ -334,22 +344,26 @@ class Worker:
             return profile_num_gpu_blocks(self, block_bytes), num_cpu
         budget = int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
         # No need for more than every sequence at full length (in every KV cache group).
-        sc = self.config.scheduler_config
         max_useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) * self.kv_layout.num_groups
         return min(budget // block_bytes, max_useful), num_cpu
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
-        layout = self.kv_layout
-        placement = layout.layer_placement(layers)
+        if self.encoder_only:
+            layers = 0  # no pool tensors (the encoder attends within each step's prompts)
+        placement = self.kv_layout.layer_placement(layers) if layers else []
         self.cache_engine = CacheEngine(
             layers, kv_heads, head_dim, self.config.cache_config.block_size,
             num_gpu_blocks, num_cpu_blocks, self.kv_spec.dtype, self.device,
             layer_slots=[slot for _, slot in placement],
         )
-        set_kv_cache_groups(self.model, [group for group, _ in placement])
-        logger.info("KV pool dtype %s (%d bytes per block)", self.kv_spec.dtype, self.cache_block_size_bytes())
-        if self.kv_spec.is_fp8 and self.config.cache_config.calculate_kv_scales:
+        if self.encoder_only:
+            logger.info("Encoder-only model: no KV pool tensors (%d blocks are admission accounting only)",
+                        num_gpu_blocks)
+        else:
+            set_kv_cache_groups(self.model, [group for group, _ in placement])
+            logger.info("KV pool dtype %s (%d bytes per block)", self.kv_spec.dtype, self.cache_block_size_bytes())
+        if self.kv_spec.is_fp8 and self.config.cache_config.calculate_kv_scales and not self.encoder_only:
             self.calibrate_kv_scales()  # before the backend is built and graphs bake the scales in
         backend = self.attn_backend()
         logger.info("Attention backend: %s", backend.name)

@@ -278,7 +278,12 @@ class ServingContext:
         limit = self.max_model_len
         if n_prompt == 0:
             raise OpenAIError("the prompt is empty: give at least one token.", param=prompt_param)
-        if n_prompt >= limit:
+        if self.runner == "pooling" and n_prompt > limit:  # a pooling request generates nothing: limit tokens fit
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has {n_prompt} "
+                f"tokens. Please shorten the prompt (or pass truncate_prompt_tokens).",
+                param=prompt_param, code="context_length_exceeded")
+        if self.runner != "pooling" and n_prompt >= limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has {n_prompt} "
                 f"tokens, which leaves no room for a completion. Please shorten the prompt.",
@@ -362,10 +367,12 @@ class ServingContext:
     # -- engine --------------------------------------------------------------------------------------
     async def add_all(self, prompts: list[list[int] | Any], params: SamplingParams, prefix: str,
                       priority: int = 0, cache_salt: str | None = None,
-                      model: str | None = None, mm_features: list | None = None) -> list[tuple[str, AsyncStream]]:
+                      model: str | None = None, mm_features: list | None = None,
+                      prompt_extras: list[dict] | None = None) -> list[tuple[str, AsyncStream]]:
         """Add one request per prompt, token ids or a prompt-embeddings tensor (`model`: a --lora-modules name runs
-        them with its adapter; `mm_features`: the prompts' images, processed); on any failure abort those already
-        added and raise an OpenAIError."""
+        them with its adapter; `mm_features`: the prompts' images, processed; `prompt_extras`: more prompt fields
+        per prompt, e.g. a BERT pair's token_type_ids); on any failure abort those already added and raise an
+        OpenAIError."""
         lora = self.lora_modules.get(model)
         added: list[tuple[str, AsyncStream]] = []
         try:
@@ -378,6 +385,8 @@ class ServingContext:
                     prompt["cache_salt"] = cache_salt
                 if mm_features:
                     prompt["mm_features"] = mm_features
+                if prompt_extras:
+                    prompt.update(prompt_extras[i])
                 added.append((rid, await self.engine.add_request(rid, prompt, params, coalesce=True,
                                                             priority=priority, lora_request=lora)))
         except BaseException as e:

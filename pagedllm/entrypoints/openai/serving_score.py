@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     final_outputs,
     request_ids,
 )
-from pagedllm.entrypoints.score_utils import cosine_score, score_pairs, score_prompt_ids
+from pagedllm.entrypoints.score_utils import cosine_score, score_pairs, score_prompt
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 
@@ -108,18 +108,23 @@ class OpenAIServingScore:
             raise OpenAIError(str(e), param="activation") from None
         if cross_encoder:
             ctx.limits.check_prompt_count(len(pairs))
-            prompts = [score_prompt_ids(ctx.tokenizer, texts_1[i], texts_2[j]) for i, j in pairs]
+            encoded = [score_prompt(ctx.tokenizer, texts_1[i], texts_2[j]) for i, j in pairs]
+            prompts = [e["prompt_token_ids"] for e in encoded]
             sides = [names[0]] * len(prompts)
         else:  # every text embedded once
+            encoded = None
             _, prompts = ctx.completion_prompts(texts_1 + texts_2, param=names[0])
             sides = [names[0]] * len(texts_1) + [names[1]] * len(texts_2)
         prompts = [ctx.truncate(p, truncate) for p in prompts]
+        # A BERT pair's token types (its second segment), cut as truncation cut the ids (their last tokens kept).
+        extras = [{"token_type_ids": e["token_type_ids"][len(e["token_type_ids"]) - len(p):]}
+                  if "token_type_ids" in e else {} for e, p in zip(encoded, prompts)] if encoded else None
         total = 0
         for ids, side in zip(prompts, sides):
             ctx.check_length(len(ids), None, side, side)
             total += len(ids)
             ctx.limits.check_total_tokens(total)
-        streams = await ctx.add_all(prompts, params, engine_prefix, priority)
+        streams = await ctx.add_all(prompts, params, engine_prefix, priority, prompt_extras=extras)
         finals: list[PoolingRequestOutput | None] = await final_outputs(ctx, streams)
         if any(out is None or out.outputs.data is None for out in finals):
             raise OpenAIError("the request ended without a score", status=500, type="server_error")

@@ -20,6 +20,7 @@ _GEMMA2 = "pagedllm.model.models.gemma:Gemma2ForCausalLM"
 _GEMMA3 = "pagedllm.model.models.gemma:Gemma3ForCausalLM"
 _PHI3 = "pagedllm.model.models.phi3:Phi3ForCausalLM"
 _LLAVA = "pagedllm.model.models.llava:LlavaForConditionalGeneration"
+_BERT = "pagedllm.model.models.bert:"
 
 # Architecture (HF `architectures[0]`) or `model_type` → "module:Class".
 _MODELS = {
@@ -48,6 +49,13 @@ _MODELS = {
     "MistralForSequenceClassification": _SEQ_CLS + "LlamaForSequenceClassification",
     "Qwen2ForSequenceClassification": _SEQ_CLS + "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification": _SEQ_CLS + "Qwen3ForSequenceClassification",
+    # Encoder-only models (bidirectional attention, no KV cache: model/models/bert.py): pooling runner only.
+    "BertModel": _BERT + "BertModel",
+    "RobertaModel": _BERT + "RobertaModel",
+    "XLMRobertaModel": _BERT + "XLMRobertaModel",
+    "BertForSequenceClassification": _BERT + "BertForSequenceClassification",
+    "RobertaForSequenceClassification": _BERT + "RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": _BERT + "XLMRobertaForSequenceClassification",
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _QWEN2,
@@ -67,11 +75,16 @@ _MODELS = {
 _DEFAULT_MAX_LEN = 2048
 
 
-_BASE_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+_ENCODER_BASE_MODELS = ("BertModel", "RobertaModel", "XLMRobertaModel")
+_ENCODER_CLASSIFICATION_MODELS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                                  "XLMRobertaForSequenceClassification")
+
+_BASE_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", *_ENCODER_BASE_MODELS)
 
 
 _CLASSIFICATION_MODELS = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
-                          "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+                          "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
+                          *_ENCODER_CLASSIFICATION_MODELS)
 
 
 def is_base_model(config: Any) -> bool:
@@ -84,6 +97,13 @@ def is_classification_model(config: Any) -> bool:
     """A *ForSequenceClassification checkpoint: the decoder and a `score` head over the labels, no LM head."""
     archs = list(getattr(config, "architectures", None) or [])
     return bool(archs) and archs[0] in _CLASSIFICATION_MODELS
+
+
+def is_encoder_only(config: Any) -> bool:
+    """An encoder-only checkpoint (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention over each whole prompt,
+    no KV cache, no chunked prefill, no prefix caching."""
+    archs = list(getattr(config, "architectures", None) or [])
+    return bool(archs) and archs[0] in _ENCODER_BASE_MODELS + _ENCODER_CLASSIFICATION_MODELS
 
 
 def text_config(config: Any) -> Any:
@@ -142,6 +162,8 @@ def get_model_max_len(config: Any, max_model_len: int | None = None) -> int:
     """The longest context this engine may serve for `config` (`max_model_len` is the user's request, which the
     engine applies under this ceiling): the config's position limit. A sliding window does not lower it: every
     attention backend implements it (each query attends to its last `sliding_window` keys, whatever the context)."""
+    if is_encoder_only(config):
+        return get_model_class(config).max_model_len(config)
     limit = None
     for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length"):
         value = getattr(config, key, None)
