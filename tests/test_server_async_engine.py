@@ -7,7 +7,7 @@ import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineStepError
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,29 @@ def test_abort_frees_blocks_and_bad_request_raises(core_engine):
     assert idle["num_running"] == 0 and idle["num_waiting"] == 0
     assert idle["kv_blocks_free"] == idle["kv_blocks_total"]
     assert idle["generation_tokens_total"] - busy["generation_tokens_total"] < 100
+
+
+def test_shutdown_ends_an_open_stream_with_an_error_and_frees_its_blocks(core_engine):
+    """A request still running at shutdown is told so (EngineDeadError: a server turns it into an error event,
+    never a bare [DONE]), and the engine it ran on is left with no request and every block free."""
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def main():
+        engine = AsyncLLMEngine(core_engine)
+        engine.start()
+        stream = await engine.add_request("cut", "Tell me a story", params)
+        assert not (await stream.__anext__()).finished
+        await engine.shutdown()
+        seen = []
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for out in stream:
+                seen.append(out)
+        assert not any(o.finished for o in seen)
+
+    asyncio.run(main())
+    assert not core_engine.has_unfinished_requests()
+    stats = core_engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_step_fault_fails_requests_and_engine_recovers(core_engine, monkeypatch):

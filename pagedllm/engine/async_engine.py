@@ -311,13 +311,16 @@ class AsyncEngineFront:
         return len(ids)
 
     def _begin_shutdown(self) -> None:
-        """Abort every in-flight request and ask the loop to stop (the subclass waits for it)."""
+        """Abort every in-flight request and ask the loop to stop (the subclass waits for it). A stream still open
+        ends with EngineDeadError, so its client is told the request was cut short (a server's stream never ends
+        as a bare [DONE])."""
         self._submit(AbortCommand(list(self._streams)))
-        for stream in list(self._streams.values()):
-            stream.finish()
-        self._streams.clear()
         if self._dead_reason is None:
             self._dead_reason = "the engine was shut down"
+        for stream in list(self._streams.values()):
+            stream.put(EngineDeadError(self._dead_reason))
+            stream.finish()
+        self._streams.clear()
         self._submit(StopCommand())
 
     # -- delivery (event loop side) ------------------------------------------------------------------
