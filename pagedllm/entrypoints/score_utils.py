@@ -42,20 +42,21 @@ def score_pairs(n_1: int, n_2: int, names: tuple[str, str] = ("data_1", "data_2"
 
 def score_prompt_ids(tokenizer: Any, text_1: str, text_2: str) -> list[int]:
     """A cross-encoder's prompt for the pair (text_1, text_2) (see the module docstring)."""
-    marks_pairs = tokenizer.num_special_tokens_to_add(pair=True) > tokenizer.num_special_tokens_to_add(pair=False)
-    sep = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
-    if marks_pairs or sep is None:
-        return list(tokenizer(text_1, text_pair=text_2)["input_ids"])
-    return [*tokenizer.encode(text_1), sep, *tokenizer.encode(text_2, add_special_tokens=False)]
+    return score_prompt(tokenizer, text_1, text_2)["prompt_token_ids"]
 
 
 def score_prompt(tokenizer: Any, text_1: str, text_2: str) -> dict[str, list[int]]:
     """A cross-encoder's prompt for the pair as a token-id prompt: ``prompt_token_ids``, and the pair encoding's
     ``token_type_ids`` where its second segment has type 1 (BERT's; RoBERTa and decoder tokenizers have none)."""
-    ids = score_prompt_ids(tokenizer, text_1, text_2)
-    prompt = {"prompt_token_ids": ids}
-    types = tokenizer(text_1, text_pair=text_2).get("token_type_ids")
-    if types is not None and len(types) == len(ids) and any(types):
+    marks_pairs = tokenizer.num_special_tokens_to_add(pair=True) > tokenizer.num_special_tokens_to_add(pair=False)
+    sep = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    if not marks_pairs and sep is not None:
+        ids = [*tokenizer.encode(text_1), sep, *tokenizer.encode(text_2, add_special_tokens=False)]
+        return {"prompt_token_ids": ids}
+    encoded = tokenizer(text_1, text_pair=text_2)
+    prompt = {"prompt_token_ids": list(encoded["input_ids"])}
+    types = encoded.get("token_type_ids")
+    if types is not None and any(types):
         prompt["token_type_ids"] = list(types)
     return prompt
 

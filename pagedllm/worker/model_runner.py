@@ -50,6 +50,8 @@ class ModelRunner:
         self.lora_manager = None  # --enable-lora: each step's token → adapter mapping goes to it (lora/manager.py)
         # A multimodal model's image embeddings, from an image's first prefill chunk until its placeholders ran.
         self.encoder_cache = EncoderCache() if getattr(model, "supports_multimodal", False) else None
+        # A BERT-family encoder (model/models/bert.py) takes each token's type; no other model's forward does.
+        self.takes_token_types = getattr(model, "supports_token_types", False)
         # --enable-prompt-embeds (the worker sets it): chunks may carry prompt-embedding rows (their prompt_embeds)
         self.prompt_embeds = False
 
@@ -242,7 +244,8 @@ class ModelRunner:
             hidden = self.direct_forward(input_ids, positions, kv_caches, meta)
         else:
             path = "eager"
-            hidden = self.model(input_ids, positions, kv_caches, meta, **token_type_kwargs(chunks, positions))
+            types = token_type_kwargs(chunks, positions) if self.takes_token_types else {}
+            hidden = self.model(input_ids, positions, kv_caches, meta, **types)
         logits = None
         if logits_indices.numel():
             logits = self._head(hidden[logits_indices])
