@@ -34,8 +34,9 @@ from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resol
 
 logger = logging.getLogger(__name__)
 
-# The hybrid KV cache's CUDA paths (eager and graph-captured steps reading each group's tables) have not run on a GPU
-# yet: on CUDA the engine keeps one table per sequence unless this is "1" (benchmarks/gpu/session_1205b.sh sets it).
+# The hybrid KV cache's CUDA paths (eager and graph-captured steps reading each group's tables) match transformers on an
+# H100, but ran 0.81x as fast as one table end to end on the one GPU workload measured (BENCHMARKS.md §73.4): on CUDA
+# the engine keeps one table per sequence unless this is "1".
 CUDA_HYBRID_KV_CACHE_ENV = "PAGEDLLM_CUDA_HYBRID_KV_CACHE"
 
 _HELP = {
@@ -54,7 +55,7 @@ _HELP = {
                                        "whose sliding groups free the blocks behind their window (vLLM's hybrid "
                                        "KV cache manager; off by itself with speculative decoding, an FP8 KV "
                                        "cache, a contiguous kv_cache_manager, and on CUDA unless "
-                                       "PAGEDLLM_CUDA_HYBRID_KV_CACHE=1 until verified on a GPU).",
+                                       "PAGEDLLM_CUDA_HYBRID_KV_CACHE=1, where it was correct but slower).",
     "max_num_seqs": "Most sequences in one step (default: 256; 1024 for the offline LLM on a GPU of >= 70 GiB "
                     "other than an A100, as in vLLM).",
     "max_num_batched_tokens": "Most tokens in one step (default with chunked prefill: 2048, 8192 for the offline "
