@@ -3,6 +3,7 @@ keeps a block table per group of layers over one shared pool; the sliding groups
 window, so the same memory holds more tokens, and the tokens are transformers' greedy tokens all the same."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -378,3 +379,28 @@ def test_cuda_keeps_one_table_unless_opted_in(gemma3, monkeypatch) -> None:
     assert args.create_engine_config(128, hf_config=None).cache_config.disable_hybrid_kv_cache_manager
     monkeypatch.setenv(CUDA_HYBRID_KV_CACHE_ENV, "1")
     assert not args.create_engine_config(128, hf_config=None).cache_config.disable_hybrid_kv_cache_manager
+
+
+def test_hybrid_benchmark_alternates_the_layouts_and_gets_the_same_tokens(gemma3, tmp_path, monkeypatch,
+                                                                           capsys) -> None:
+    """benchmarks/hybrid_kv_cache.py on the tiny Gemma 3: each layout runs `--rounds` engines (hybrid first, then one
+    table first), the two layouts' greedy tokens agree, and each layout's steps are listed against its wall time."""
+    import runpy
+    import sys
+
+    path, _, _ = gemma3
+    out = tmp_path / "hybrid.json"
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "hybrid_kv_cache.py"
+    monkeypatch.setattr(sys, "argv", [str(bench), "--model", str(path), "--num-prompts", "3", "--input-len", "20",
+                                      "--output-len", "12", "--block-size", "4", "--kv-cache-memory-bytes", "300000",
+                                      "--dtype", "float32", "--device", "cpu", "--rounds", "2",
+                                      "--output-json", str(out)])
+    runpy.run_path(str(bench), run_name="__main__")
+    text = capsys.readouterr().out
+    assert "identical greedy outputs 3/3" in text
+    assert "hybrid: steps" in text and "one table: steps" in text and "decode/" in text
+    result = json.loads(out.read_text())
+    assert {k: len(v) for k, v in result["elapsed_s_per_engine"].items()} == {"hybrid": 2, "one table": 2}
+    hybrid, one = result["runs"]
+    assert hybrid["groups"] > 1 and one["groups"] == 1
+    assert hybrid["steps_total_s"] <= hybrid["elapsed_s"]
