@@ -24,7 +24,7 @@ from torch import nn
 
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.worker.model_runner import fill_pending_tokens
-from pagedllm.worker.model_input import SequenceChunk, read_freed_blocks_as_zero
+from pagedllm.worker.model_input import SequenceChunk, fill_block_table_row
 
 logger = logging.getLogger("pagedllm")
 
@@ -228,9 +228,8 @@ class CUDAGraphRunner:
             tables = np32[lo: lo + b * nb].reshape(b, nb)
             for i, c in enumerate(chunks):
                 bt = c.group_block_tables[g - 1] if g and c.group_block_tables else c.block_table
-                tables[i, : len(bt)] = bt
+                fill_block_table_row(tables[i], bt)
                 blk_of_pos[i] = bt[pos[i] // bs]
-            read_freed_blocks_as_zero(tables[:n])
             np64[2 + g, :n] = blk_of_pos * bs + pos % bs
             tables[n:b, 0] = 0  # padding rows n..b (they may hold a previous step's values)
         np32[:n] = pos + 1

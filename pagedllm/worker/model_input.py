@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from pagedllm.core.block_manager import leading_null_blocks
+
 
 @dataclass
 class SequenceChunk:
@@ -77,6 +79,19 @@ def split_into_decode_rows(chunks: list[SequenceChunk], max_query_len: int) -> l
     return [SequenceChunk(c.seq_id, [tok], c.start_pos + j, c.block_table, sample=True,
                           group_block_tables=c.group_block_tables)
             for c in chunks for j, tok in enumerate(c.token_ids)]
+
+
+def fill_block_table_row(row: np.ndarray, table: list[int]) -> None:
+    """`row[:len(table)] = table`, with the leading entries freed behind a sliding window (core's NULL_BLOCK, -1)
+    written as block 0, as read_freed_blocks_as_zero would make them. Most of a long context's table in a sliding
+    group is such entries, so only the live tail is converted from the list (a step's tables are built row by row:
+    BENCHMARKS.md §73.4)."""
+    if not table or table[0] >= 0:
+        row[: len(table)] = table
+        return
+    live = leading_null_blocks(table)
+    row[:live] = 0
+    row[live: len(table)] = table[live:]
 
 
 def read_freed_blocks_as_zero(tables: np.ndarray) -> None:

@@ -19,7 +19,7 @@ from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.prompt_embeds import write_prompt_embeds
-from pagedllm.worker.model_input import (SequenceChunk, logits_rows, read_freed_blocks_as_zero,
+from pagedllm.worker.model_input import (SequenceChunk, fill_block_table_row, logits_rows,
                                          split_into_decode_rows)
 from pagedllm.worker.step_stats import StepStats, StepWork, step_kind
 
@@ -139,8 +139,7 @@ class ModelRunner:
             max_blocks = max(max_blocks, self.table_width)
         tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
         for i, c in enumerate(chunks):
-            tables[i, : len(c.block_table)] = c.block_table
-        read_freed_blocks_as_zero(tables)
+            fill_block_table_row(tables[i], c.block_table)
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs] * bs + positions % bs
         seq_lens = starts + qlens
@@ -176,9 +175,7 @@ class ModelRunner:
         without group tables (the warm-up's) uses its one table for every group."""
         tables = np.zeros((len(chunks), width), dtype=np.int64)
         for i, c in enumerate(chunks):
-            table = c.group_block_tables[group - 1] if c.group_block_tables else c.block_table
-            tables[i, : len(table)] = table
-        read_freed_blocks_as_zero(tables)
+            fill_block_table_row(tables[i], c.group_block_tables[group - 1] if c.group_block_tables else c.block_table)
         bs = self.block_size
         return tables, tables[seq_of_token, positions // bs] * bs + positions % bs
 
