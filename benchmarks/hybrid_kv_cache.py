@@ -33,10 +33,14 @@ def sequences_that_fit(llm: LLM, length: int) -> float:
     return bm.num_gpu_blocks / blocks_for_sequence(bm.group_windows, length, bm.block_size)
 
 
-def model_vocab_size(model: str) -> int:
-    """The vocabulary of an HF model directory (its text config's, for a multimodal one)."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    return int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+def prompt_id_limit(model: str) -> int:
+    """Prompt ids are drawn below this: 30 000, or an HF model directory's smaller vocabulary (its text config's,
+    for a multimodal one). A GGUF file's vocabulary is not read here (Gemma's are over 256 000 ids)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return 30000
+    config = json.loads(path.read_text())
+    return min(30000, int(config.get("vocab_size") or config["text_config"]["vocab_size"]))
 
 
 def run_layout(args: argparse.Namespace, hybrid: bool, prompts: list[list[int]]) -> dict:
@@ -94,7 +98,7 @@ def main() -> None:
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     rng = random.Random(args.seed)
-    top = min(30000, model_vocab_size(args.model))
+    top = prompt_id_limit(args.model)
     prompts = [[rng.randrange(min(100, top // 2), top) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
