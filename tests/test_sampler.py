@@ -115,6 +115,23 @@ def test_greedy_is_argmax(device: str) -> None:
     assert [r.token_ids[0] for r in res] == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_greedy_rows_are_the_samplers_greedy_tokens_and_logprobs(device: str, batch_invariant: bool) -> None:
+    """Speculative verification's greedy rows (one kernel, or torch ops under batch invariance): each row's first
+    maximal index, as greedy sampling picks it (ties included), and its raw log-softmax; an empty batch gives
+    nothing."""
+    logits = _logits(20, vocab=49152, device=device)
+    logits[3, 7] = logits[3, 11] = logits[3].max() + 1.0  # a tie: the first index wins
+    sampler = Sampler(batch_invariant=batch_invariant)
+    tokens, logprobs = sampler.greedy_rows(logits)
+    assert tokens == logits.argmax(-1).tolist() and tokens[3] == 7
+    want = logits.float().log_softmax(-1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
+    assert logprobs == pytest.approx(want.tolist(), abs=1e-4)
+    plain = _sample(logits, [_row(SamplingParams(temperature=0.0), device=device) for _ in range(20)])
+    assert [r.token_ids[0] for r in plain] == tokens
+    assert sampler.greedy_rows(logits[:0]) == ([], [])
+
+
 def test_top_k_one_equals_greedy(device: str) -> None:
     mk = partial(_row, device=device)
     logits = _logits(6, seed=5, device=device)

@@ -75,3 +75,22 @@ def test_bursty_acceptance_makes_deep_drafts_worth_verifying():
     cost = linear(10, 2)
     assert choose_draft_lengths(1, 1, [0.5], [4], cost) == [2]  # as independent tokens: 0.5, 0.25, ...
     assert choose_draft_lengths(1, 1, [0.5], [4], cost, depth=[0.95, 0.95, 0.95]) == [4]
+
+
+def test_a_stale_slow_row_count_below_a_faster_larger_one_does_not_steer_the_choice():
+    """Rows 13-15 measured once at a slow moment (25-29 ms) next to 16 rows at 18 ms, as a Zen 4 showed
+    (BENCHMARKS.md §74.1): read through the envelope they cost at most what 16 rows cost, so 4 decodes whose drafts
+    reach 15 rows (4 + 4 + 3 drafts) verify them all, where the stale times stop them at 12 rows."""
+    times = {4: 0.0093, 8: 0.0123, 12: 0.0153, 13: 0.0250, 14: 0.0270, 15: 0.0290, 16: 0.0183}
+    m = StepCostModel(dict(times))
+    assert [m.estimate(r) for r in (13, 14, 15)] == [0.0183] * 3
+    assert m.estimate(12) == 0.0153 and m.estimate(10) == pytest.approx(0.0138)
+    assert all(m.estimate(r) <= m.estimate(r + 1) for r in range(1, 24))
+
+    def raw(rows: int) -> float:  # the times as measured, interpolated between row counts
+        lo, hi = max(r for r in times if r <= rows), min(r for r in times if r >= rows)
+        return times[lo] if lo == hi else times[lo] + (times[hi] - times[lo]) * (rows - lo) / (hi - lo)
+
+    rates, depth = [0.9, 0.9, 0.9], [0.95, 0.95, 0.95]
+    assert choose_draft_lengths(4, 4, rates, [4, 4, 3], m.estimate, depth) == [4, 4, 3]
+    assert choose_draft_lengths(4, 4, rates, [4, 4, 3], raw, depth) == [3, 3, 2]

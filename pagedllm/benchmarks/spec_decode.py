@@ -68,8 +68,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", help="dummy: random weights (then acceptance means little)")
     p.add_argument("--quantization", default=None,
                    help="none: a GGUF model's weights dequantized to --dtype at load (default: served quantized on CPU)")
-    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
-                                                   '"prompt_lookup_max": 4}')
+    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 6, '
+                                                   '"prompt_lookup_min": 3, "prompt_lookup_max": 4}',
+                   help="default: the n-gram setting that did best on a 2-core CPU at 4 concurrent (BENCHMARKS §74.1)")
     p.add_argument("--num-prompts", type=int, default=100, help="input-copying prompts (0: skip that workload)")
     p.add_argument("--copy-prompts", choices=("frozen", "draw"), default="frozen",
                    help="frozen: the 100 prompts of data/copy_prompts.json; draw: drawn from this tree with --seed")

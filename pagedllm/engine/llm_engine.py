@@ -129,7 +129,7 @@ class LLMEngine:
         elif len(set(layer_sliding_windows(self.hf_config))) > 1 and not engine_args.disable_sliding_window:
             logger.info("Full-attention and sliding-window layers under one block table (the hybrid KV cache "
                         "manager is off: --disable-hybrid-kv-cache-manager, speculative decoding, an FP8 KV "
-                        "cache, a contiguous kv_cache_manager, or CUDA without %s=1)", CUDA_HYBRID_KV_CACHE_ENV)
+                        "cache, a contiguous kv_cache_manager, or CUDA with %s=0)", CUDA_HYBRID_KV_CACHE_ENV)
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
@@ -766,7 +766,7 @@ class LLMEngine:
         touched: dict[str, SequenceGroup] = {}
         greedy = None
         if step.spec_drafts:  # plain greedy verification for the whole step: one device→host copy
-            greedy = self.spec_decoder.batch_greedy(step.logits)
+            greedy = self.sampler.greedy_rows(step.logits)
         for item, chunk, (lo, hi) in zip(step.scheduled, step.chunks, layout):
             if item.seq.seq_id in step.spec_drafts:
                 fast = (greedy[0][lo:hi], greedy[1][lo:hi]) if self.spec_decoder.plain_greedy(item) else None

@@ -21,7 +21,7 @@ _EMA = 0.2  # weight of the newest step time of a row count
 @dataclass
 class StepCostModel:
     """Seconds of a decode-only step by its number of query rows (per row count: the fastest recent time,
-    drifting up by an exponential average when steps get slower)."""
+    drifting up by an exponential average when steps get slower), read through a non-decreasing envelope."""
 
     times: dict[int, float] = field(default_factory=dict)
 
@@ -32,26 +32,39 @@ class StepCostModel:
         old = self.times.get(rows)
         self.times[rows] = seconds if old is None or seconds < old else old + _EMA * (seconds - old)
 
+    def envelope(self) -> dict[int, float]:
+        """The times as a non-decreasing function of rows: each row count's time, or a larger count's where that
+        ran faster. More rows never make a step cheaper, so a higher time below a faster larger count is stale (a
+        count chosen rarely keeps the time of a slow moment: BENCHMARKS.md §74.1 saw 13-15 rows at 25-29 ms next
+        to 21 ms for 16), and left alone it would keep the choice away from that count."""
+        env: dict[int, float] = {}
+        low = float("inf")
+        for rows in sorted(self.times, reverse=True):
+            low = min(low, self.times[rows])
+            env[rows] = low
+        return env
+
     def estimate(self, rows: int) -> float | None:
-        """Interpolated between the row counts seen; beyond them, the slope of the two nearest (never
-        negative); with one row count seen, flat (optimistic: speculating then measures the cost). None
+        """From the envelope: interpolated between the row counts seen; beyond them, the slope of the two
+        nearest; with one row count seen, flat (optimistic: speculating then measures the cost). None
         before any step was seen."""
         if not self.times:
             return None
-        if rows in self.times:
-            return self.times[rows]
-        seen = sorted(self.times)
+        env = self.envelope()
+        if rows in env:
+            return env[rows]
+        seen = sorted(env)
         if len(seen) == 1:
-            return self.times[seen[0]]
+            return env[seen[0]]
         below = [r for r in seen if r < rows]
         above = [r for r in seen if r > rows]
         if not below:  # below the smallest: the step cannot cost less than the smallest one seen
-            return self.times[above[0]]
+            return env[above[0]]
         if above:
             lo, hi = below[-1], above[0]
-            return self.times[lo] + (self.times[hi] - self.times[lo]) * (rows - lo) / (hi - lo)
+            return env[lo] + (env[hi] - env[lo]) * (rows - lo) / (hi - lo)
         lo, hi = seen[-2], seen[-1]
-        return self.times[hi] + max(0.0, (self.times[hi] - self.times[lo]) / (hi - lo)) * (rows - hi)
+        return env[hi] + (env[hi] - env[lo]) / (hi - lo) * (rows - hi)
 
 
 def choose_draft_lengths(base_rows: int, base_tokens: int, acceptance: list[float], max_lengths: list[int],

@@ -227,14 +227,6 @@ class SpecDecoder:
         return (is_greedy(p) and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                 and len(item.seq.output_token_ids) >= p.min_tokens and p.logprobs is None)
 
-    @staticmethod
-    def batch_greedy(logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        """Argmax and its raw logprob for every row, in one device→host transfer."""
-        lg = logits.float()
-        best, idx = lg.max(dim=-1)
-        both = torch.stack([idx.to(torch.float64), (best - lg.logsumexp(dim=-1)).to(torch.float64)]).tolist()
-        return [int(t) for t in both[0]], both[1]
-
     def verify_seq(self, item: ScheduledSequence, drafts: list[int], logits: torch.Tensor,
                    eos_token_ids: tuple[int, ...], greedy: list[int] | None = None) -> VerifyResult:
         """Accept a prefix of `drafts` for one sequence from its k+1 target rows (`greedy`: their argmax,
