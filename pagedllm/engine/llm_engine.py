@@ -129,7 +129,7 @@ class LLMEngine:
         elif len(set(layer_sliding_windows(self.hf_config))) > 1 and not engine_args.disable_sliding_window:
             logger.info("Full-attention and sliding-window layers under one block table (the hybrid KV cache "
                         "manager is off: --disable-hybrid-kv-cache-manager, speculative decoding, an FP8 KV "
-                        "cache, a contiguous kv_cache_manager, or CUDA with %s=0)", CUDA_HYBRID_KV_CACHE_ENV)
+                        "cache, a contiguous kv_cache_manager, or CUDA without %s=1)", CUDA_HYBRID_KV_CACHE_ENV)
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel

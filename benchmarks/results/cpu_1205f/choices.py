@@ -1,5 +1,6 @@
 """Per step: candidates, drafts proposed, drafts chosen (goodput) at 4 concurrent over the 100 copy prompts."""
-import collections, sys, time, json
+import collections
+import sys
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.spec_decode import make_copy_prompts, run_closed_loop
 from pagedllm.spec_decode.spec_decoder import SpecDecoder
