@@ -22,8 +22,7 @@ from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.arg_utils import CUDA_HYBRID_KV_CACHE_ENV
 from pagedllm.engine.request_checker import RequestChecker
 from pagedllm.executor.step_codec import decode_request, encode_request
-from pagedllm.worker.model_input import (ExecuteModelRequest, SequenceChunk, fill_block_table_row,
-                                         read_freed_blocks_as_zero)
+from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk, fill_block_table_row
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -414,7 +413,7 @@ def test_hybrid_benchmark_alternates_the_layouts_and_gets_the_same_tokens(gemma3
        st.integers(-5, 5))
 def test_a_row_filled_from_its_live_tail_is_the_whole_table_with_freed_entries_as_zero(rows, stale: int) -> None:
     """fill_block_table_row converts only the entries after a sliding group's freed ones and writes those as block
-    0; the result is what copying the whole table and read_freed_blocks_as_zero give, also over a reused buffer."""
+    0; the result is the whole table copied with its freed entries set to 0, also over a reused buffer."""
     width = 80
     expected = np.zeros((len(rows), width), dtype=np.int64)
     got = np.full((len(rows), width), stale, dtype=np.int32)  # a CUDA graph's staging rows hold the last step's ids
@@ -423,5 +422,5 @@ def test_a_row_filled_from_its_live_tail_is_the_whole_table_with_freed_entries_a
         expected[i, : len(table)] = table
         fill_block_table_row(got[i], table)
         got[i, len(table):] = 0  # past the table the callers read nothing
-    read_freed_blocks_as_zero(expected)
+    expected[expected == NULL_BLOCK] = 0
     assert (got == expected).all()

@@ -29,7 +29,7 @@ import torch
 from pagedllm.core.block_manager import cdiv
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.spec_decode.device_ngram import accept_greedy, append_history, build_rows, propose_ngrams
-from pagedllm.worker.model_input import read_freed_blocks_as_zero
+from pagedllm.worker.model_input import fill_block_table_row
 
 if TYPE_CHECKING:
     from pagedllm.engine.launched_step import LaunchedStep
@@ -339,10 +339,9 @@ class DeviceSpecLoop:
         host_tables[:n] = 0
         for i, (_, seq) in enumerate(members):
             t = bm.get_block_table(seq)
-            host_tables[i, : len(t)] = t
+            fill_block_table_row(host_tables[i], t)
             host_ic[0, i] = slots[i]
             host_ic[1, i] = len(t) * self.block_size
-        read_freed_blocks_as_zero(host_tables[:n])
         self.idx[:n].copy_(staged_ic[0, :n], non_blocking=self._pin)
         self.capacity[:n].copy_(staged_ic[1, :n], non_blocking=self._pin)
         self.tables[:n].copy_(staged_tables[:n], non_blocking=self._pin)

@@ -24,12 +24,15 @@ class StepCostModel:
     drifting up by an exponential average when steps get slower), read through a non-decreasing envelope."""
 
     times: dict[int, float] = field(default_factory=dict)
+    # the envelope of `times`, kept until the next record (estimate is called once per candidate draft count)
+    _envelope: dict[int, float] | None = field(default=None, repr=False, compare=False)
 
     def record(self, rows: int, seconds: float) -> None:
         """A faster step replaces the estimate at once, a slower one moves it by `_EMA`: a one-off slow step
         (a first-time allocation, a preempted host thread) would otherwise keep a row count looking
         expensive, and a row count that looks expensive is rarely chosen, so rarely measured again."""
         old = self.times.get(rows)
+        self._envelope = None
         self.times[rows] = seconds if old is None or seconds < old else old + _EMA * (seconds - old)
 
     def envelope(self) -> dict[int, float]:
@@ -37,12 +40,14 @@ class StepCostModel:
         ran faster. More rows never make a step cheaper, so a higher time below a faster larger count is stale (a
         count chosen rarely keeps the time of a slow moment: BENCHMARKS.md §74.1 saw 13-15 rows at 25-29 ms next
         to 21 ms for 16), and left alone it would keep the choice away from that count."""
-        env: dict[int, float] = {}
-        low = float("inf")
-        for rows in sorted(self.times, reverse=True):
-            low = min(low, self.times[rows])
-            env[rows] = low
-        return env
+        if self._envelope is None:
+            env: dict[int, float] = {}
+            low = float("inf")
+            for rows in sorted(self.times, reverse=True):
+                low = min(low, self.times[rows])
+                env[rows] = low
+            self._envelope = dict(sorted(env.items()))
+        return self._envelope
 
     def estimate(self, rows: int) -> float | None:
         """From the envelope: interpolated between the row counts seen; beyond them, the slope of the two
@@ -53,7 +58,7 @@ class StepCostModel:
         env = self.envelope()
         if rows in env:
             return env[rows]
-        seen = sorted(env)
+        seen = list(env)  # ascending
         if len(seen) == 1:
             return env[seen[0]]
         below = [r for r in seen if r < rows]

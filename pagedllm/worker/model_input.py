@@ -83,20 +83,12 @@ def split_into_decode_rows(chunks: list[SequenceChunk], max_query_len: int) -> l
 
 def fill_block_table_row(row: np.ndarray, table: list[int]) -> None:
     """`row[:len(table)] = table`, with the leading entries freed behind a sliding window (core's NULL_BLOCK, -1)
-    written as block 0, as read_freed_blocks_as_zero would make them. Most of a long context's table in a sliding
-    group is such entries, so only the live tail is converted from the list (a step's tables are built row by row:
-    BENCHMARKS.md §73.4)."""
+    written as block 0: a real block whose keys every window masks, so kernels and their index checks see valid
+    ids. Most of a long context's table in a sliding group is such entries, so only the live tail is converted from
+    the list (a step's tables are built row by row: BENCHMARKS.md §73.4)."""
     if not table or table[0] >= 0:
         row[: len(table)] = table
         return
     live = leading_null_blocks(table)
     row[:live] = 0
     row[live: len(table)] = table[live:]
-
-
-def read_freed_blocks_as_zero(tables: np.ndarray) -> None:
-    """Rewrite, in place, the table entries freed behind a sliding window (core's NULL_BLOCK, -1) as block 0: a real
-    block whose keys every window masks, so kernels and their index checks see valid ids. Freed entries lead a
-    row, so column 0 tells whether a row has any."""
-    if len(tables) and tables[:, 0].min() < 0:
-        np.maximum(tables, 0, out=tables)
