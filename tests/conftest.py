@@ -11,6 +11,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The bundled Q4_1 GGUF runs quantized by default on the CPU; the suite's HF-parity tests compare the dequantized
 # path token for token, so they keep it (tests/test_quantized_gguf.py asks for quantization='gguf' itself).
 os.environ.setdefault("PAGEDLLM_GGUF_QUANTIZATION", "none")
+# Every step checks the worker's persistent block-table rows against the block manager's tables
+# (worker/block_table_rows.py): a table change that did not bump its version fails the test that made it.
+os.environ.setdefault("PAGEDLLM_CHECK_BLOCK_TABLE_ROWS", "1")
 
 from pagedllm.benchmarks.gguf_quant import FIXED_TEXT as _TEXT  # noqa: E402 (the same fixed prose)
 

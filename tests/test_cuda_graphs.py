@@ -210,7 +210,7 @@ def test_graph_decode_equals_eager_with_padded_buckets(tmp_path):
 
     orig = cuda_graph.CUDAGraphRunner.run
     cuda_graph.CUDAGraphRunner.run = (
-        lambda self, chunks, pending=None: replays.append(len(chunks)) or orig(self, chunks, pending))
+        lambda self, chunks, *rest: replays.append(len(chunks)) or orig(self, chunks, *rest))
     try:
         graphed, runner = _generate(model_dir, prompts, params, num_gpu_blocks_override=256, max_num_seqs=16)
     finally:
@@ -360,7 +360,7 @@ def test_verification_steps_replay_decode_graphs_and_equal_eager(tmp_path):
 
     orig = cuda_graph.CUDAGraphRunner.run
     cuda_graph.CUDAGraphRunner.run = (
-        lambda self, chunks, pending=None: replays.append([c.seq_id for c in chunks]) or orig(self, chunks, pending))
+        lambda self, chunks, *rest: replays.append([c.seq_id for c in chunks]) or orig(self, chunks, *rest))
     try:
         graphed, runner = _generate(model_dir, prompts, params, speculative_config=spec, **kw)
     finally:

@@ -350,9 +350,8 @@ def test_parallel_sampling_and_beam_search_give_what_one_table_gives(gemma3) -> 
 def test_cuda_hybrid_matches_transformers(eager: bool, gemma3, monkeypatch) -> None:
     """On CUDA: the Triton kernels read each group's tables, eagerly and from the graphs' static buffers (decode
     graphs, piecewise graphs' attention between pieces, whole-step graphs), in a pool small enough to preempt.
-    (Passed on an H100 and an H200; the layout stays opt-in on CUDA while it is slower end to end there:
-    CUDA_HYBRID_KV_CACHE_ENV.)"""
-    monkeypatch.setenv(CUDA_HYBRID_KV_CACHE_ENV, "1")
+    (Passed on an H100 and an H200; the layout is on by default on CUDA, CUDA_HYBRID_KV_CACHE_ENV=0 turns it off.)"""
+    monkeypatch.delenv(CUDA_HYBRID_KV_CACHE_ENV, raising=False)
     path, prompts, reference = gemma3
     llm = LLM(model=str(path), num_gpu_blocks_override=60, enforce_eager=eager, **{**ENGINE_KW, "device": "cuda"})
     assert llm.llm_engine.scheduler.block_manager.num_groups == 6
@@ -369,15 +368,17 @@ def test_cuda_hybrid_matches_transformers(eager: bool, gemma3, monkeypatch) -> N
     llm.llm_engine.scheduler.block_manager.check_invariants()
 
 
-def test_cuda_keeps_one_table_unless_opted_in(gemma3, monkeypatch) -> None:
-    """Without the opt-in a CUDA engine builds no hybrid layout (the flag is read where the config is made: any
-    machine can check it)."""
+def test_cuda_uses_the_hybrid_layout_unless_opted_out(gemma3, monkeypatch) -> None:
+    """A CUDA engine builds the hybrid layout by default and one table with the opt-out set to "0" (the flag is read
+    where the config is made: any machine can check it)."""
     from pagedllm.engine.arg_utils import EngineArgs
 
     monkeypatch.delenv(CUDA_HYBRID_KV_CACHE_ENV, raising=False)
     path, _, _ = gemma3
     kw = {k: v for k, v in ENGINE_KW.items() if k not in ("dtype", "swap_space")}
     args = EngineArgs(model=str(path), **{**kw, "device": "cuda"})
+    assert not args.create_engine_config(128, hf_config=None).cache_config.disable_hybrid_kv_cache_manager
+    monkeypatch.setenv(CUDA_HYBRID_KV_CACHE_ENV, "0")
     assert args.create_engine_config(128, hf_config=None).cache_config.disable_hybrid_kv_cache_manager
     monkeypatch.setenv(CUDA_HYBRID_KV_CACHE_ENV, "1")
     assert not args.create_engine_config(128, hf_config=None).cache_config.disable_hybrid_kv_cache_manager

@@ -152,6 +152,10 @@ class ContiguousBlockManager:
         """One KV cache group: a contiguous region serves every layer."""
         return [self.get_block_table(seq)]
 
+    def table_version(self, seq: Sequence) -> int | None:
+        """None: the worker rebuilds this manager's tables every step (they grow inside a reserved region)."""
+        return None
+
     def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Always 0: memory is reserved at admission (`can_admit`), growth stays inside the region."""
         return 0

@@ -7,6 +7,7 @@ block before writing into it) and ``free``. Swapping moves whole sequence groups
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool, hash_block_tokens, hash_cache_salt
@@ -69,6 +70,18 @@ class BlockManager:
     cpu_tables: list[dict[int, list[int]]] = field(init=False)
     # Hashes of each sequence's full blocks, in order (prefix caching).
     _seq_block_hashes: dict[int, list[int]] = field(init=False, default_factory=dict)
+    # A number per sequence that changes whenever its device tables change other than by blocks appended at the end
+    # or entries freed behind a sliding window (a new table, copy-on-write, truncation, swap): the worker keeps each
+    # sequence's tables as persistent rows and copies only new entries while the version holds
+    # (worker/block_table_rows.py). A freed entry may stay as its old block id there: no query reads it again.
+    table_versions: dict[int, int] = field(init=False, default_factory=dict)
+    # Prefix caching: (table version, leading blocks registered) per sequence (cache_computed_blocks).
+    _cached_upto: dict[int, tuple[int, int]] = field(init=False, default_factory=dict)
+    # num_blocks_to_grow found nothing for allocate_slots to do: seq_id → (computed tokens, new tokens, version,
+    # table length, the pool's incref count) it saw. allocate_slots with the same returns at once (the scheduler asks
+    # both for every running sequence every step, and most decode steps change no table).
+    _unchanged: dict[int, tuple[int, int, int | None, int, int]] = field(init=False, default_factory=dict)
+    _versions: itertools.count = field(init=False, default_factory=lambda: itertools.count(1))
     stats: BlockManagerStats = field(init=False, default_factory=BlockManagerStats)
 
     def __post_init__(self) -> None:
@@ -111,27 +124,50 @@ class BlockManager:
         """The sequence's table in every KV cache group, in group order."""
         return [tables.get(seq.seq_id, []) for tables in self.tables]
 
+    def table_version(self, seq: Sequence) -> int | None:
+        """The version of the sequence's device tables (see `table_versions`); None while it has none."""
+        return self.table_versions.get(seq.seq_id)
+
+    def _new_table_version(self, seq_id: int) -> None:
+        self.table_versions[seq_id] = next(self._versions)
+
     def num_blocks_to_grow(self, seq: Sequence, num_new_tokens: int) -> int:
         """Net blocks `allocate_slots(seq, num_new_tokens)` would take from the pool in all groups: new blocks and
         copy-on-write copies, less the blocks it frees behind a sliding window."""
+        # (Runs for every scheduled sequence every step, in every group: the window's loop is inlined.)
         bs = self.block_size
         computed = seq.num_computed_tokens
         needed = (computed + num_new_tokens + bs - 1) // bs
         refs = self.gpu_pool.ref_counts
+        sid = seq.seq_id
         total = 0
+        changes = False
         for window, tables in zip(self.group_windows, self.tables):
-            table = tables.get(seq.seq_id)
+            table = tables.get(sid)
             if not table:
                 total += needed
+                changes = True
                 continue
             have = len(table)
-            cow = 0
+            if needed > have:
+                total += needed - have
+                changes = True
             for i in range(computed // bs, have if have < needed else needed):  # the blocks written into
                 if refs[table[i]] > 1:
-                    cow += 1
-            total += (needed - have if needed > have else 0) + cow
-            if window is not None:
-                total -= sum(1 for i in self._outside_window(seq, table, window) if refs[table[i]] == 1)
+                    total += 1
+                    changes = True
+            if window is not None:  # the live blocks allocate_slots frees behind the window
+                i = min((computed - window + 1) // bs if computed >= window else 0, have) - 1  # _first_seen_block
+                while i >= 0 and table[i] != NULL_BLOCK:
+                    changes = True
+                    if refs[table[i]] == 1:
+                        total -= 1
+                    i -= 1
+        if changes:
+            self._unchanged.pop(sid, None)
+        else:
+            self._unchanged[sid] = (computed, num_new_tokens, self.table_versions.get(sid), len(self.tables[0][sid]),
+                                    self.gpu_pool.num_increfs)
         return total
 
     def can_allocate(self, num_blocks: int, for_new_request: bool) -> bool:
@@ -160,13 +196,25 @@ class BlockManager:
         Returns the copy-on-write copies (src, dst) the worker must do before the step.
         """
         bs = self.block_size
-        needed = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs
+        computed = seq.num_computed_tokens
+        needed = (computed + num_new_tokens + bs - 1) // bs
         pool = self.gpu_pool
         refs = pool.ref_counts
+        sid = seq.seq_id
+        seen = self._unchanged.pop(sid, None)
+        version = self.table_versions.get(sid)
+        if seen is not None and seen == (computed, num_new_tokens, version, len(self.tables[0].get(sid, ())),
+                                         pool.num_increfs):
+            return []  # nothing to copy, free or append (only references may have gone since: no copy needed)
         copies: list[tuple[int, int]] = []
+        if version is None:
+            self._new_table_version(sid)
         for window, tables in zip(self.group_windows, self.tables):
-            table = tables.setdefault(seq.seq_id, [])
-            for i in range(seq.num_computed_tokens // bs, min(len(table), needed)):
+            table = tables.get(sid)
+            if table is None:
+                table = tables[sid] = []
+            have = len(table)
+            for i in range(computed // bs, have if have < needed else needed):
                 old = table[i]
                 if refs[old] > 1:
                     new = pool.allocate()
@@ -174,34 +222,27 @@ class BlockManager:
                     table[i] = new
                     copies.append((old, new))
             if window is not None:
-                self._free_outside_window(seq, table, window)
+                # Blocks wholly before the window of the step's first query (position `computed`) and every later
+                # one: it reads keys after position - W. Entries before the first NULL_BLOCK went in earlier steps.
+                i = min((computed - window + 1) // bs if computed >= window else 0, have) - 1  # _first_seen_block
+                while i >= 0 and table[i] != NULL_BLOCK:
+                    pool.decref(table[i])
+                    table[i] = NULL_BLOCK
+                    i -= 1
             while len(table) < needed:
                 table.append(pool.allocate())
         if copies:
             self.stats.num_cow_copies += len(copies)
+            self._new_table_version(sid)
         return copies
-
-    def _outside_window(self, seq: Sequence, table: list[int], window: int) -> list[int]:
-        """Indices of the table's live entries that the step's first query (position num_computed_tokens) and every
-        later one can no longer see: it reads keys after position - W, so block i goes once its last slot is
-        before that. Entries before the first NULL_BLOCK went in earlier steps."""
-        out = []
-        i = min(self._first_seen_block(seq.num_computed_tokens, window), len(table)) - 1
-        while i >= 0 and table[i] != NULL_BLOCK:
-            out.append(i)
-            i -= 1
-        return out
-
-    def _free_outside_window(self, seq: Sequence, table: list[int], window: int) -> None:
-        for i in self._outside_window(seq, table, window):
-            self.gpu_pool.decref(table[i])
-            table[i] = NULL_BLOCK
 
     def truncate(self, seq: Sequence, num_blocks: int) -> None:
         """Keep the first `num_blocks` entries of every group's table (speculative decoding gives back the blocks
         that held only rejected drafts)."""
         for tables in self.tables:
             table = tables.get(seq.seq_id)
+            if table is not None and len(table) > num_blocks:
+                self._new_table_version(seq.seq_id)
             while table is not None and len(table) > num_blocks:
                 block = table.pop()
                 if block != NULL_BLOCK:
@@ -215,6 +256,7 @@ class BlockManager:
                 if block != NULL_BLOCK:
                     self.gpu_pool.incref(block)
             tables[child.seq_id] = list(table)
+        self._new_table_version(child.seq_id)
         if parent.seq_id in self._seq_block_hashes:
             self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
 
@@ -234,6 +276,9 @@ class BlockManager:
                     if block != NULL_BLOCK:
                         self.cpu_pool.decref(block)
         self._seq_block_hashes.pop(seq.seq_id, None)
+        self.table_versions.pop(seq.seq_id, None)
+        self._cached_upto.pop(seq.seq_id, None)
+        self._unchanged.pop(seq.seq_id, None)
 
     # -- prefix caching ---------------------------------------------------------------------
     def allocate_cached_prefix(self, seq: Sequence) -> int:
@@ -253,6 +298,7 @@ class BlockManager:
                 self.gpu_pool.incref(block)
                 table.append(block)
             tables[seq.seq_id] = table
+        self._new_table_version(seq.seq_id)
         return n * self.block_size
 
     def _first_seen_block(self, position: int, window: int) -> int:
@@ -323,16 +369,29 @@ class BlockManager:
         """Register the sequence's newly completed full blocks in the prefix cache."""
         if not self.enable_caching:
             return
+        # Blocks before `done` were registered by an earlier call under the same table version (a registered block
+        # keeps its hash while a table holds it): each step looks at its new full blocks only.
+        version = self.table_versions.get(seq.seq_id)
+        seen_version, done = self._cached_upto.get(seq.seq_id, (None, 0))
+        if seen_version != version:
+            done = 0
+        n_full = seq.num_computed_tokens // self.block_size
         for g, tables in enumerate(self.tables):
             table = tables.get(seq.seq_id)
             if not table:
                 continue
-            n_full = min(seq.num_computed_tokens // self.block_size, len(table))
-            hashes = self._block_hashes_upto(seq, n_full)
-            for i in range(n_full):
+            n = min(n_full, len(table))
+            if n <= done:
+                continue
+            self._block_hashes_upto(seq, n)
+            hashes = self._seq_block_hashes[seq.seq_id]
+            for i in range(done, n):
                 if table[i] != NULL_BLOCK and self.gpu_pool.block_hash(table[i]) is None:
                     tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
                     self.gpu_pool.cache_block(table[i], self._group_hash(g, hashes[i]), tokens)
+        if version is not None:
+            lengths = [len(t.get(seq.seq_id, ())) for t in self.tables]
+            self._cached_upto[seq.seq_id] = (version, min(n_full, *lengths))
 
     def _block_hashes_upto(self, seq: Sequence, n_blocks: int) -> list[int]:
         hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
@@ -358,12 +417,16 @@ class BlockManager:
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's blocks to the CPU pool; shared blocks move once."""
         mapping = self._move(group, self.tables, self.cpu_tables, self.gpu_pool, self.cpu_pool)
+        for seq in group.unfinished_seqs():
+            self.table_versions.pop(seq.seq_id, None)
         self.stats.num_swap_outs += 1
         self.stats.num_swapped_out_blocks += len(mapping)
         return mapping
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         mapping = self._move(group, self.cpu_tables, self.tables, self.cpu_pool, self.gpu_pool)
+        for seq in group.unfinished_seqs():
+            self._new_table_version(seq.seq_id)
         self.stats.num_swap_ins += 1
         return mapping
 

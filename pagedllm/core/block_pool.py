@@ -48,6 +48,7 @@ class BlockPool:
         self._block_hash: dict[int, int] = {}
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self.num_evictions = 0
+        self.num_increfs = 0  # ever: a block gaining a reference may need copying before a write
 
     # -- allocation -------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -67,6 +68,7 @@ class BlockPool:
         return block
 
     def incref(self, block: int) -> None:
+        self.num_increfs += 1
         if self.ref_counts[block] == 0:
             # Revived from the prefix cache.
             self._evictable.pop(block, None)

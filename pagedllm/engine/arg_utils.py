@@ -35,9 +35,10 @@ from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resol
 logger = logging.getLogger(__name__)
 
 # The hybrid KV cache's CUDA paths (eager and graph-captured steps reading each group's tables) match transformers on an
-# H100, but on the one GPU workload measured they ran 0.81x as fast as one table end to end (BENCHMARKS.md §73.4), and
-# with each step's table rows filled from their live tail only 1.05x / 0.92x on an H200 and 0.71x on an H100 (§74.3):
-# the per-group host work of each step is not hidden. On CUDA the engine keeps one table per sequence unless this is "1".
+# H100. End to end they first ran 0.71-1.05x as fast as one table (BENCHMARKS.md §73.4, §74.3): each step rebuilt every
+# group's tables on the host. With persistent table rows (worker/block_table_rows.py) and cheaper per-group scheduling,
+# 1.53x on an H100 and 1.32x on an H200 with 3.76x the sequences (§75). It is on, as in vLLM; "0" keeps one table per
+# sequence on CUDA (as --disable-hybrid-kv-cache-manager does everywhere).
 CUDA_HYBRID_KV_CACHE_ENV = "PAGEDLLM_CUDA_HYBRID_KV_CACHE"
 
 _HELP = {
@@ -55,8 +56,8 @@ _HELP = {
                                        "one block table for every layer, instead of a table per group of layers "
                                        "whose sliding groups free the blocks behind their window (vLLM's hybrid "
                                        "KV cache manager; off by itself with speculative decoding, an FP8 KV "
-                                       "cache, a contiguous kv_cache_manager, and on CUDA unless "
-                                       "PAGEDLLM_CUDA_HYBRID_KV_CACHE=1, where it was correct but slower).",
+                                       "cache, a contiguous kv_cache_manager, and on CUDA with "
+                                       "PAGEDLLM_CUDA_HYBRID_KV_CACHE=0).",
     "max_num_seqs": "Most sequences in one step (default: 256; 1024 for the offline LLM on a GPU of >= 70 GiB "
                     "other than an A100, as in vLLM).",
     "max_num_batched_tokens": "Most tokens in one step (default with chunked prefill: 2048, 8192 for the offline "
@@ -327,7 +328,7 @@ class EngineArgs:
                                              or self.speculative_config is not None
                                              or self.kv_cache_dtype.startswith("fp8")
                                              or (DeviceConfig(self.device).resolve() == "cuda"
-                                                 and os.environ.get(CUDA_HYBRID_KV_CACHE_ENV) != "1")),
+                                                 and os.environ.get(CUDA_HYBRID_KV_CACHE_ENV) == "0")),
         )
         if self.data_parallel_size > 1:  # the ranks share one host's memory: each takes its part of the budget
             cache.cpu_kv_cache_fraction /= self.data_parallel_size

@@ -129,7 +129,7 @@ class LLMEngine:
         elif len(set(layer_sliding_windows(self.hf_config))) > 1 and not engine_args.disable_sliding_window:
             logger.info("Full-attention and sliding-window layers under one block table (the hybrid KV cache "
                         "manager is off: --disable-hybrid-kv-cache-manager, speculative decoding, an FP8 KV "
-                        "cache, a contiguous kv_cache_manager, or CUDA without %s=1)", CUDA_HYBRID_KV_CACHE_ENV)
+                        "cache, a contiguous kv_cache_manager, or CUDA with %s=0)", CUDA_HYBRID_KV_CACHE_ENV)
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
@@ -685,11 +685,14 @@ class LLMEngine:
         if len(token_ids) < item.num_new_tokens:  # ends with a token still on the device
             token_ids.append(0)
         bm = self.scheduler.block_manager
+        # The block manager's own lists, not copies: the worker reads them when the step launches, before anything
+        # schedules again (SequenceChunk.block_table).
         tables = bm.get_block_tables(seq)
-        group_tables = [list(t) for t in tables[1:]] or None
+        group_tables = tables[1:] or None
+        version = bm.table_version(seq)
         if drafts:  # verification: the last token and the drafts, a logits row for each
-            return SequenceChunk(seq.seq_id, token_ids + list(drafts), start, list(tables[0]), sample=False,
-                                 all_logits=True, group_block_tables=group_tables)
+            return SequenceChunk(seq.seq_id, token_ids + list(drafts), start, tables[0], sample=False,
+                                 all_logits=True, group_block_tables=group_tables, table_version=version)
         pooling = item.group.extra.get("pooling")
         if pooling is not None:
             wants_prompt_logprobs = pooling.wants_every_row
@@ -705,7 +708,7 @@ class LLMEngine:
             seq_id=seq.seq_id,
             token_ids=token_ids,
             start_pos=start,
-            block_table=list(tables[0]),
+            block_table=tables[0],
             sample=item.completes,
             all_logits=wants_prompt_logprobs,
             lora_id=item.group.lora_int_id,
@@ -716,6 +719,7 @@ class LLMEngine:
             else None,
             token_type_start=item.group.extra.get("token_type_start"),
             group_block_tables=group_tables,
+            table_version=version,
         )
 
     def _launch_sampling(self, step: LaunchedStep) -> None:

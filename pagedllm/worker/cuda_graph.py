@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.worker.block_table_rows import PersistentBlockTables
 from pagedllm.worker.model_runner import fill_pending_tokens
 from pagedllm.worker.model_input import SequenceChunk, fill_block_table_row
 
@@ -209,11 +210,13 @@ class CUDAGraphRunner:
     def can_run(self, chunks: list[SequenceChunk]) -> bool:
         return bool(self.graphs) and is_graphable(chunks, self.max_batch, self.max_blocks)
 
-    def run(self, chunks: list[SequenceChunk], pending=None) -> torch.Tensor:
+    def run(self, chunks: list[SequenceChunk], pending=None, table_rows: PersistentBlockTables | None = None
+            ) -> torch.Tensor:
         """Fill the static buffers for `chunks` (padded to their bucket), replay, → hidden states [n, H].
 
         `pending` = (rows, sampler rows, sampled token ids): tokens taken from the device (see
-        `model_runner.fill_pending_tokens`)."""
+        `model_runner.fill_pending_tokens`). `table_rows`: the runner's persistent block tables; the chunks' rows
+        are gathered from it (else built from the chunks' lists)."""
         n = len(chunks)
         b = self.bucket(n)
         self._copied.synchronize()
@@ -222,14 +225,19 @@ class CUDAGraphRunner:
         pos = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=n)
         np64[0, :n] = np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n)
         np64[1, :n] = pos
+        rows = table_rows.row_indices(chunks) if table_rows is not None else None
         blk_of_pos = np.empty(n, dtype=np.int64)
         for g in range(self.num_groups):
             lo = mb + g * mb * nb
             tables = np32[lo: lo + b * nb].reshape(b, nb)
-            for i, c in enumerate(chunks):
-                bt = c.group_block_tables[g - 1] if g and c.group_block_tables else c.block_table
-                fill_block_table_row(tables[i], bt)
-                blk_of_pos[i] = bt[pos[i] // bs]
+            if rows is not None:
+                tables[:n] = table_rows.gather(g, rows, nb)
+                blk_of_pos[:] = tables[np.arange(n), pos // bs]
+            else:
+                for i, c in enumerate(chunks):
+                    bt = c.group_block_tables[g - 1] if g and c.group_block_tables else c.block_table
+                    fill_block_table_row(tables[i], bt)
+                    blk_of_pos[i] = bt[pos[i] // bs]
             np64[2 + g, :n] = blk_of_pos * bs + pos % bs
             tables[n:b, 0] = 0  # padding rows n..b (they may hold a previous step's values)
         np32[:n] = pos + 1

@@ -16,6 +16,8 @@ class SequenceChunk:
     seq_id: int
     token_ids: list[int]
     start_pos: int
+    # The engine passes its block manager's lists themselves (no copy per step): read them (and
+    # `group_block_tables`) when the step launches, never after; a later step's scheduling changes them.
     block_table: list[int]
     sample: bool  # the chunk ends the sequence: return logits for its last token
     all_logits: bool = False  # return logits for every token (prompt_logprobs)
@@ -30,6 +32,9 @@ class SequenceChunk:
     group_block_tables: list[list[int]] | None = None
     # A BERT pair prompt's second segment: positions from here on have token type 1 (None: every token type 0).
     token_type_start: int | None = None
+    # The block manager's version of the sequence's tables (BlockManager.table_versions): while it holds, the worker
+    # copies only entries past those it already has (worker/block_table_rows.py). None: rebuild the rows.
+    table_version: int | None = None
 
 
 @dataclass
@@ -77,7 +82,7 @@ def split_into_decode_rows(chunks: list[SequenceChunk], max_query_len: int) -> l
     if max_query_len < 2 or any(len(c.token_ids) > max_query_len for c in chunks):
         return None
     return [SequenceChunk(c.seq_id, [tok], c.start_pos + j, c.block_table, sample=True,
-                          group_block_tables=c.group_block_tables)
+                          group_block_tables=c.group_block_tables, table_version=c.table_version)
             for c in chunks for j, tok in enumerate(c.token_ids)]
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.worker.block_table_rows import PersistentBlockTables
 from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.prompt_embeds import write_prompt_embeds
 from pagedllm.worker.model_input import (SequenceChunk, fill_block_table_row, logits_rows,
@@ -39,6 +40,8 @@ class ModelRunner:
         # A hybrid model's KV cache groups (core/kv_cache_groups.py): each step's metadata carries one slot mapping
         # and table per group (AttentionMetadata.group_metadata), as its attention layers were told.
         self.num_kv_cache_groups = 1 + max((getattr(m, "kv_cache_group", 0) for m in model.modules()), default=0)
+        # Every sequence's tables as rows kept across steps (block_table_rows.py): a step copies new entries only.
+        self.table_rows = PersistentBlockTables(self.num_kv_cache_groups)
         self.step_stats: StepStats | None = None
         # CPU, float32 Llama family on GGUF linears: the stack's kernels called directly (model/cpu_direct_forward.py)
         self.direct_forward = None
@@ -137,19 +140,16 @@ class ModelRunner:
         max_blocks = max((len(c.block_table) for c in chunks), default=1) or 1
         if self.table_width is not None:
             max_blocks = max(max_blocks, self.table_width)
-        tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            fill_block_table_row(tables[i], c.block_table)
-        bs = self.block_size
-        slots = tables[seq_of_token, positions // bs] * bs + positions % bs
+        rows = self.table_rows.row_indices(chunks)
+        group_parts = [self._group_tables_and_slots(chunks, rows, g, max_blocks, seq_of_token, positions)
+                       for g in range(self.num_kv_cache_groups)]
+        tables, slots = group_parts.pop(0)
         seq_lens = starts + qlens
         num_decodes = 0
         while num_decodes < num_seqs and qlens[num_decodes] == 1:
             num_decodes += 1
 
         logits_idx = logits_rows(chunks, cu)
-        group_parts = [self._group_tables_and_slots(chunks, g, max_blocks, seq_of_token, positions)
-                       for g in range(1, self.num_kv_cache_groups)]
 
         dev = self.device
         to = lambda a, dt: torch.from_numpy(a).to(device=dev, dtype=dt, non_blocking=True)  # noqa: E731
@@ -169,15 +169,20 @@ class ModelRunner:
         logits_indices = async_tensor_h2d(logits_idx, torch.int64, dev)
         return to(token_ids, torch.int64), to(positions, torch.int64), meta, logits_indices
 
-    def _group_tables_and_slots(self, chunks: list[SequenceChunk], group: int, width: int, seq_of_token: np.ndarray,
-                                positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """KV cache group `group`'s block tables [seqs, width] and slot mapping [tokens] for the step. A chunk built
-        without group tables (the warm-up's) uses its one table for every group."""
-        tables = np.zeros((len(chunks), width), dtype=np.int64)
-        for i, c in enumerate(chunks):
-            fill_block_table_row(tables[i], c.group_block_tables[group - 1] if c.group_block_tables else c.block_table)
+    def _group_tables_and_slots(self, chunks: list[SequenceChunk], rows: np.ndarray | None, group: int, width: int,
+                                seq_of_token: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """KV cache group `group`'s block tables [seqs, width] and slot mapping [tokens] for the step: gathered from
+        the persistent rows `rows` (`PersistentBlockTables.row_indices`), or, with None, built from the chunks'
+        lists (a chunk built without group tables, as the warm-up's, uses its one table for every group)."""
+        if rows is not None:
+            tables = self.table_rows.gather(group, rows, width)
+        else:
+            tables = np.zeros((len(chunks), width), dtype=np.int32)
+            for i, c in enumerate(chunks):
+                fill_block_table_row(tables[i], c.group_block_tables[group - 1] if group and c.group_block_tables
+                                     else c.block_table)
         bs = self.block_size
-        return tables, tables[seq_of_token, positions // bs] * bs + positions % bs
+        return tables, tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
     @torch.inference_mode()
     def execute_model(
@@ -206,7 +211,7 @@ class ModelRunner:
             pending = None
             if pending_inputs:  # graph row i holds chunk i's one token
                 pending = ([i for i, _ in pending_inputs], [r for _, r in pending_inputs], prev_sampled_token_ids)
-            hidden = gr.run(chunks, pending)  # decode rows, in chunk order: each samples its one token
+            hidden = gr.run(chunks, pending, self.table_rows)  # decode rows, in chunk order: each samples its token
             logits = self._head(hidden)
             if stats is not None:
                 stats.stop(step_kind(chunks), "graph", len(chunks), start)
@@ -219,7 +224,7 @@ class ModelRunner:
             if pending_inputs:
                 pending = ([int(ends[i]) - 1 for i, _ in pending_inputs], [r for _, r in pending_inputs],
                            prev_sampled_token_ids)
-            hidden = gr.run(rows, pending)
+            hidden = gr.run(rows, pending, self.table_rows)
             wanted = logits_rows(chunks, [0, *ends])
             logits = None
             if wanted:
