@@ -5,11 +5,9 @@ wall time per step, GPU kernel time per step (torch.profiler) with the top kerne
     python benchmarks/gpu/profile_hybrid_step.py /tmp/g1b hybrid 32 4096
     python benchmarks/gpu/profile_hybrid_step.py /tmp/g1b one 32 4096
 
-(`hybrid` sets PAGEDLLM_CUDA_HYBRID_KV_CACHE=1 itself.)
+(`hybrid` sets PAGEDLLM_CUDA_HYBRID_KV_CACHE=1 itself, which has been the default on CUDA since BENCHMARKS.md §75.)
 """
-import cProfile
 import os
-import pstats
 import random
 import sys
 import time
@@ -18,10 +16,10 @@ if sys.argv[2] == "hybrid":
     os.environ["PAGEDLLM_CUDA_HYBRID_KV_CACHE"] = "1"
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import RequestOutputKind  # noqa: E402
+from step_profile import print_step_profile  # noqa: E402
 
 if __name__ == "__main__":
     model, layout, batch, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -51,18 +49,4 @@ if __name__ == "__main__":
     torch.cuda.synchronize()
     print(f"{layout}, batch {batch} (running {running}), context ~{ctx}: {(time.perf_counter() - t) / n * 1e3:.2f} "
           f"ms/step wall ({steps} prefill steps before)")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            engine.step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / n
-    print(f"GPU kernel time per step: {gpu_us / 1e3:.2f} ms")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=70))
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        engine.step()
-    torch.cuda.synchronize()
-    pr.disable()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+    print_step_profile(engine.step, n, kernels=14, cumulative=0, tottime=18)

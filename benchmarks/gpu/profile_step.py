@@ -3,19 +3,17 @@ GPU kernel time per step (torch.profiler), the top kernels, and a cProfile of th
 
     python benchmarks/gpu/profile_step.py 64
 """
-import cProfile
-import pstats
 import random
 import sys
 import tempfile
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.roofline import LLAMA3_8B
+from step_profile import print_step_profile
 
 if __name__ == "__main__":
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 64
@@ -36,19 +34,4 @@ if __name__ == "__main__":
         engine.step()
     torch.cuda.synchronize()
     print(f"batch {batch}: {(time.perf_counter() - t) / n * 1e3:.2f} ms/step wall")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            engine.step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events) / n
-    print(f"GPU kernel time per step: {gpu_us / 1e3:.2f} ms")
-    print(events.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60))
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(n):
-        engine.step()
-    torch.cuda.synchronize()
-    pr.disable()
-    pstats.Stats(pr).sort_stats("cumulative").print_stats(28)
-    pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+    print_step_profile(engine.step, n)
