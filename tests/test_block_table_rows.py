@@ -169,3 +169,28 @@ def test_a_fork_between_the_estimate_and_the_allocation_still_copies() -> None:
     assert len(bm.allocate_slots(parent, 1)) == 1  # copied before the write, not skipped on the stale estimate
     assert bm.get_block_table(parent)[1] != before == bm.get_block_table(child)[1]
     bm.check_invariants()
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps=st.lists(st.integers(1, 6), min_size=1, max_size=25), fork_at=st.integers(0, 25),
+       truncate_at=st.integers(0, 25))
+def test_prefix_caching_registers_every_full_block_looking_only_at_new_ones(steps, fork_at, truncate_at) -> None:
+    """cache_computed_blocks skips the blocks it registered under the same table version; every full block of the
+    sequence is still found after each step, through copy-on-write and truncation."""
+    bm = BlockManager(block_size=4, num_gpu_blocks=400, enable_caching=True, group_windows=(None, 9))
+    seq = Sequence(0, list(range(200)))
+    for k, n in enumerate(steps):
+        if k == fork_at:
+            child = Sequence(1, list(range(200)))
+            child.num_computed_tokens = seq.num_computed_tokens
+            bm.fork(seq, child)
+        if k == truncate_at and seq.num_computed_tokens:
+            keep = (seq.num_computed_tokens - 1) // 4
+            bm.truncate(seq, keep)
+            seq.num_computed_tokens = keep * 4
+        _grow(bm, seq, n)
+        bm.cache_computed_blocks(seq)
+        # a new sequence of the same tokens finds every full block (in this block or, after a truncation, under the
+        # copy registered first: the first writer of a hash keeps it)
+        probe = Sequence(99, list(range(seq.num_computed_tokens + 1)))
+        assert bm.num_cached_prefix_blocks(probe) == seq.num_computed_tokens // 4, k

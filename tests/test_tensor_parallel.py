@@ -73,7 +73,8 @@ def test_step_codec_round_trip():
     rng = np.random.default_rng(0)
     chunks = [
         SequenceChunk(int(rng.integers(0, 1000)), rng.integers(0, 50000, n).tolist(), int(s),
-                      rng.integers(0, 500, b).tolist(), sample=bool(k % 2), all_logits=k == 3)
+                      rng.integers(0, 500, b).tolist(), sample=bool(k % 2), all_logits=k == 3,
+                      table_version=None if k == 2 else k * 7)  # the worker's persistent rows read it
         for k, (n, s, b) in enumerate([(1, 40, 3), (1, 7, 1), (30, 0, 2), (5, 16, 2), (0, 0, 0)])
     ]
     req = ExecuteModelRequest(chunks, [(1, 2), (3, 4)], [(5, 6)], [(7, 8), (9, 10), (11, 12)])

@@ -383,8 +383,7 @@ class BlockManager:
             n = min(n_full, len(table))
             if n <= done:
                 continue
-            self._block_hashes_upto(seq, n)
-            hashes = self._seq_block_hashes[seq.seq_id]
+            hashes = self._block_hashes_upto(seq, n)
             for i in range(done, n):
                 if table[i] != NULL_BLOCK and self.gpu_pool.block_hash(table[i]) is None:
                     tokens = tuple(seq.tokens_slice(i * self.block_size, (i + 1) * self.block_size))
@@ -394,6 +393,7 @@ class BlockManager:
             self._cached_upto[seq.seq_id] = (version, min(n_full, *lengths))
 
     def _block_hashes_upto(self, seq: Sequence, n_blocks: int) -> list[int]:
+        """The sequence's block hashes, at least its first `n_blocks` (the list itself: read, do not change it)."""
         hashes = self._seq_block_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
         while len(hashes) < n_blocks:
@@ -401,7 +401,7 @@ class BlockManager:
             parent = hashes[-1] if hashes else (None if seq.cache_salt is None else hash_cache_salt(seq.cache_salt))
             extra = _mm_extra_keys(seq, i * bs, (i + 1) * bs) if seq.mm_placeholders else ()
             hashes.append(hash_block_tokens(parent, tuple(seq.tokens_slice(i * bs, (i + 1) * bs)), extra))
-        return hashes[:n_blocks]
+        return hashes
 
     # -- swapping ---------------------------------------------------------------------------
     def _group_blocks(self, tables: list[dict[int, list[int]]], group: SequenceGroup) -> set[int]:

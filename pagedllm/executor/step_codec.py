@@ -2,7 +2,8 @@
 
 Layout (all one dtype, int32 when every value fits, else int64; the first byte says which):
     header   [n_chunks, n_swap_in, n_swap_out, n_copy, n_groups]
-    per chunk [seq_id, start_pos, n_tokens, n_blocks, flags]   (flags: 1 = sample, 2 = all_logits)
+    per chunk [seq_id, start_pos, n_tokens, n_blocks, flags, table_version]   (flags: 1 = sample, 2 = all_logits;
+              table_version -1 for None)
     all chunks' token ids, then all chunks' block tables, group by group (a hybrid model's groups: every table
     of a chunk has its n_blocks entries), then the three (src, dst) pair lists.
 Chunks' prompt-embedding rows follow as a trailer (embeds_codec.py).
@@ -15,7 +16,7 @@ from pagedllm.executor.embeds_codec import append_embeds, attach_embeds, split_e
 from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk
 
 _HEADER = 5
-_META = 5
+_META = 6
 _DTYPES = {0: np.int32, 1: np.int64}
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -29,7 +30,8 @@ def encode_request(req: ExecuteModelRequest) -> np.ndarray:
         if len(extra) != n_groups - 1 or any(len(t) != len(c.block_table) for t in extra):
             raise ValueError("every chunk of a step needs a table of its block_table's length in each KV cache group")
     meta = np.array(
-        [(c.seq_id, c.start_pos, len(c.token_ids), len(c.block_table), int(c.sample) | (2 * int(c.all_logits)))
+        [(c.seq_id, c.start_pos, len(c.token_ids), len(c.block_table), int(c.sample) | (2 * int(c.all_logits)),
+          -1 if c.table_version is None else c.table_version)
          for c in chunks],
         dtype=np.int64,
     ).reshape(-1, _META)
@@ -69,7 +71,7 @@ def decode_request(buf: np.ndarray) -> ExecuteModelRequest:
     blk_pos = pos + sum(m[2] for m in meta)
     all_blocks = sum(m[3] for m in meta)
     chunks = []
-    for seq_id, start_pos, n_tok, n_blk, flags in meta:
+    for seq_id, start_pos, n_tok, n_blk, flags, version in meta:
         extra = [flat[blk_pos + g * all_blocks : blk_pos + g * all_blocks + n_blk] for g in range(1, n_groups)]
         chunks.append(
             SequenceChunk(
@@ -80,6 +82,7 @@ def decode_request(buf: np.ndarray) -> ExecuteModelRequest:
                 sample=bool(flags & 1),
                 all_logits=bool(flags & 2),
                 group_block_tables=extra or None,
+                table_version=None if version < 0 else version,
             )
         )
         tok_pos += n_tok
