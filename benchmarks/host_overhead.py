@@ -4,15 +4,20 @@ timed is the Python that, on a GPU, must hide under the device's step (async sch
 the host's share of a step exceeds the device's, the GPU idles).
 
     python benchmarks/host_overhead.py [--num-prompts 1000] [--dataset uniform|sharegpt-like] [--rounds 3]
+        [--output-kinds final_only cumulative delta]
 
 Prints, per round, the `generate` wall time, the host milliseconds per step of each phase (schedule, the
 forward's input staging and launch, sampling launch, completing a step: appending tokens, stop checks, outputs),
-and the tiny model's own time, which on a GPU is the device's.
+and the tiny model's own time, which on a GPU is the device's. `--output-kinds` runs the same requests with each
+RequestOutputKind in turn (rounds interleaved) and prints each kind's host time per step against the first's:
+``final_only`` is `LLM.generate`; ``cumulative`` and ``delta`` drive `LLMEngine.step()` and read every output, as a
+streaming caller does (a cumulative output copies each completion's tokens so far: O(length) per request per step).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import json
 import tempfile
@@ -22,6 +27,7 @@ from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.throughput import make_sharegpt_like, make_workload
+from pagedllm.sampling_params import RequestOutputKind
 
 TINY_VOCAB = 512
 PHASES = {  # (attribute path from the engine, method) -> label
@@ -60,6 +66,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--output-kinds", nargs="+", choices=["final_only", "cumulative", "delta"], default=["final_only"])
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     wl = (make_sharegpt_like(args.num_prompts, 32000, 0) if args.dataset == "sharegpt-like" else
@@ -79,26 +86,53 @@ def main() -> None:
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
     print(f"workload: {len(prompts)} requests ({args.dataset}), {sum(map(len, wl.prompts))} prompt / "
           f"{sum(wl.output_len)} output tokens; max_num_seqs {args.max_num_seqs}")
-    rounds = []
+    rounds = {kind: [] for kind in args.output_kinds}
     for r in range(args.rounds):
-        totals.clear()
-        counts.clear()
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        steps = counts["schedule"]
-        model = totals["model (staging + tiny forward)"]
-        per_step = {k: 1e3 * v / steps for k, v in totals.items()}
-        host = wall - model
-        rounds.append({"wall_s": wall, "steps": steps, "host_ms_per_step": 1e3 * host / steps,
-                       "phase_ms_per_step": per_step})
-        print(f"round {r}: wall {wall:.3f} s, {steps} steps, host (wall - model) {1e3 * host / steps:.2f} ms/step; "
-              + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()), flush=True)
-    best = min(rounds, key=lambda x: x["wall_s"])
-    print(f"best round: wall {best['wall_s']:.3f} s, host {best['host_ms_per_step']:.2f} ms per step")
+        for kind in args.output_kinds:
+            totals.clear()
+            counts.clear()
+            t0 = time.perf_counter()
+            if kind == "final_only":
+                llm.generate(prompts, params, use_tqdm=False)
+            else:
+                drive_steps(llm.llm_engine, prompts, params, RequestOutputKind[kind.upper()], r)
+            wall = time.perf_counter() - t0
+            steps = counts["schedule"]
+            model = totals["model (staging + tiny forward)"]
+            per_step = {k: 1e3 * v / steps for k, v in totals.items()}
+            host = wall - model
+            rounds[kind].append({"wall_s": wall, "steps": steps, "host_ms_per_step": 1e3 * host / steps,
+                                 "phase_ms_per_step": per_step})
+            print(f"round {r} {kind}: wall {wall:.3f} s, {steps} steps, host (wall - model) "
+                  f"{1e3 * host / steps:.2f} ms/step; " + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()),
+                  flush=True)
+    first = min(rounds[args.output_kinds[0]], key=lambda x: x["wall_s"])
+    for kind, rs in rounds.items():
+        best = min(rs, key=lambda x: x["wall_s"])
+        print(f"{kind}: best round wall {best['wall_s']:.3f} s, host {best['host_ms_per_step']:.2f} ms per step"
+              + (f" ({best['host_ms_per_step'] / first['host_ms_per_step']:.2f}x {args.output_kinds[0]}'s)"
+                 if kind != args.output_kinds[0] else ""))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"args": vars(args), "rounds": rounds}, f, indent=1)
+
+
+def drive_steps(engine, prompts: list[dict], params: list[SamplingParams], kind: RequestOutputKind, r: int) -> int:
+    """Every request added, then `engine.step()` until done, reading each output's new tokens as a streaming
+    caller would; returns the output tokens read (a check that both kinds delivered the same amount)."""
+    for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"{kind.name}-{r}-{i}", prompt, dataclasses.replace(sp, output_kind=kind))
+    seen: dict[str, int] = {}
+    total = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            if kind == RequestOutputKind.DELTA:
+                total += n
+            else:
+                total += n - seen.get(out.request_id, 0)
+                seen[out.request_id] = n
+    return total
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 class probabilities, scores)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -33,6 +34,66 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     lora_request: object = None  # the LoRARequest it ran with (vLLM's field)
+
+
+@dataclass
+class DeltaCursor:
+    """How much of one completion a ``RequestOutputKind.DELTA`` request has handed out: `take` returns what came
+    after it (new token ids, new text, new logprobs) and moves it to the end."""
+
+    num_tokens: int = 0
+    text_len: int = 0
+    num_logprobs: int = 0
+    finish_sent: bool = False
+
+    def take(self, index: int, token_ids: Any, text: str, cumulative_logprob: float | None,
+             logprobs: Any, finish_reason: str | None, stop_reason: int | str | None) -> CompletionOutput | None:
+        """The completion's part since the last call; None when nothing is new (no token, no text, and no
+        finish not yet sent). `token_ids` and `logprobs` are the whole sequences so far (lists or tuples)."""
+        new_ids = token_ids[self.num_tokens:]
+        new_text = text[self.text_len:]
+        new_logprobs = None if logprobs is None else list(logprobs[self.num_logprobs:])
+        finishing = finish_reason is not None and not self.finish_sent
+        if not new_ids and not new_text and not new_logprobs and not finishing:
+            return None
+        self.num_tokens = len(token_ids)
+        self.text_len = len(text)
+        self.num_logprobs = 0 if logprobs is None else len(logprobs)
+        self.finish_sent = finish_reason is not None
+        return CompletionOutput(index=index, text=new_text, token_ids=list(new_ids),
+                                cumulative_logprob=cumulative_logprob, logprobs=new_logprobs,
+                                finish_reason=finish_reason, stop_reason=stop_reason)
+
+
+@dataclass
+class DeltaState:
+    """A DELTA request's cursors, one per completion index, and whether its prompt logprobs went out (they
+    travel in its first output only, as vLLM's)."""
+
+    cursors: dict[int, DeltaCursor] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
+
+    def cursor(self, index: int) -> DeltaCursor:
+        cur = self.cursors.get(index)
+        if cur is None:
+            cur = self.cursors[index] = DeltaCursor()
+        return cur
+
+    def prompt_logprobs(self, value: PromptLogprobs | None) -> PromptLogprobs | None:
+        if self.prompt_logprobs_sent:
+            return None
+        self.prompt_logprobs_sent = True
+        return value
+
+    def delta_of(self, out: RequestOutput) -> RequestOutput | None:
+        """A cumulative output → its delta since the previous call (None when nothing is new and it is not the
+        finished one)."""
+        comps = [c for c in (self.cursor(o.index).take(o.index, o.token_ids, o.text, o.cumulative_logprob,
+                                                        o.logprobs, o.finish_reason, o.stop_reason)
+                             for o in out.outputs) if c is not None]
+        if not comps and not out.finished:
+            return None
+        return dataclasses.replace(out, outputs=comps, prompt_logprobs=self.prompt_logprobs(out.prompt_logprobs))
 
 
 @dataclass

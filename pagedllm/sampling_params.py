@@ -29,9 +29,11 @@ _SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF
 
 class RequestOutputKind(IntEnum):
     """Which outputs a request yields from the engine's steps (vLLM's names): every step's cumulative output
-    (``CUMULATIVE``, the default) or only the finished one (``FINAL_ONLY``: what ``LLM.generate`` asks for; the
-    engine then builds no output object for the request's unfinished steps). vLLM's ``DELTA`` is not offered:
-    cumulative outputs carry the whole text, and the server's streams compute their own deltas."""
+    (``CUMULATIVE``, the default), only what is new since its previous output (``DELTA``: each completion's new
+    token ids, text and logprobs, the prompt logprobs in the first output only; a step that added nothing yields
+    none), or only the finished one (``FINAL_ONLY``: what ``LLM.generate`` asks for; the engine then builds no
+    output object for the request's unfinished steps). ``DELTA`` cannot be combined with beam search or
+    ``best_of > n``, whose completions are chosen only at the end."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -96,12 +98,9 @@ def _check_early_stopping(value: Any) -> bool | str:
 
 
 def _check_output_kind(value: Any) -> RequestOutputKind:
-    allowed = "RequestOutputKind.CUMULATIVE (0) or RequestOutputKind.FINAL_ONLY (2)"
-    if isinstance(value, bool) or not isinstance(value, (int, RequestOutputKind)) or value not in (0, 2):
-        if value == RequestOutputKind.DELTA and not isinstance(value, bool):
-            raise ValueError(f"output_kind DELTA is not supported; use {allowed} (streams from the server carry "
-                             "deltas already).")
-        raise ValueError(f"output_kind must be {allowed}, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, (int, RequestOutputKind)) or value not in (0, 1, 2):
+        raise ValueError("output_kind must be RequestOutputKind.CUMULATIVE (0), RequestOutputKind.DELTA (1) or "
+                         f"RequestOutputKind.FINAL_ONLY (2), got {value!r}.")
     return RequestOutputKind(value)
 
 
@@ -301,6 +300,11 @@ class SamplingParams:
             raise ValueError(
                 f"best_of must be greater than or equal to n, got n={self.n} "
                 f"and best_of={self.best_of}."
+            )
+        if self.output_kind == RequestOutputKind.DELTA and (self.use_beam_search or self._resolved_best_of > self.n):
+            raise ValueError(
+                "output_kind DELTA streams each completion as it grows, but beam search and best_of > n choose the "
+                "returned completions only at the end: use RequestOutputKind.CUMULATIVE or FINAL_ONLY with them."
             )
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(

@@ -291,3 +291,52 @@ def test_final_only_requests_yield_no_partial_outputs(llm):
     mine = SamplingParams(temperature=0, max_tokens=4)
     out = llm.generate(PROMPTS[:1], mine, use_tqdm=False)[0]
     assert mine.output_kind is RequestOutputKind.CUMULATIVE and len(out.outputs[0].token_ids) == 4
+
+
+def _run_to_end(engine, requests: dict) -> dict[str, list]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    seen: dict[str, list] = {rid: [] for rid in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    return seen
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(llm):
+    """RequestOutputKind.DELTA (vLLM's): each output carries only each completion's new token ids, text and
+    logprobs; joined, they are the cumulative output of the same request, for one completion and for n = 2
+    seeded samples, through a stop string (its held-back text) and with logprobs; prompt logprobs come in the
+    first output only; the last output is the finished one."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    common = dict(max_tokens=24, logprobs=2, prompt_logprobs=1, stop=[" the"], seed=7)
+    requests = {}
+    for name, extra in (("greedy", dict(temperature=0.0)), ("n2", dict(temperature=1.0, n=2))):
+        for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+            requests[f"{name}-{kind.name}"] = (PROMPTS[1], SamplingParams(output_kind=kind, **common, **extra))
+    seen = _run_to_end(engine, requests)
+    for name, n in (("greedy", 1), ("n2", 2)):
+        deltas, full = seen[f"{name}-DELTA"], seen[f"{name}-CUMULATIVE"][-1]
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1]) and full.finished
+        assert deltas[0].prompt_logprobs == full.prompt_logprobs and deltas[0].prompt_logprobs is not None
+        assert all(d.prompt_logprobs is None for d in deltas[1:])
+        assert len(deltas) > 3 and all(len(c.token_ids) <= 1 for d in deltas for c in d.outputs)
+        joined: dict[int, dict] = {}
+        for d in deltas:
+            for c in d.outputs:
+                j = joined.setdefault(c.index, {"ids": [], "text": "", "lps": [], "finish": []})
+                j["ids"] += c.token_ids
+                j["text"] += c.text
+                j["lps"] += c.logprobs
+                j["finish"].append(c.finish_reason)
+                j["cum"], j["stop"] = c.cumulative_logprob, c.stop_reason
+        assert sorted(joined) == list(range(n))
+        for c in full.outputs:
+            j = joined[c.index]
+            assert (j["ids"], j["text"], j["lps"]) == (c.token_ids, c.text, c.logprobs)
+            assert (j["cum"], j["stop"]) == (c.cumulative_logprob, c.stop_reason)
+            # the finish reason arrives once, in the completion's last delta
+            assert [f for f in j["finish"] if f is not None] == [c.finish_reason] and j["finish"][-1] == c.finish_reason
+    assert any(c.stop_reason == " the" for out in seen.values() for c in out[-1].outputs), "no stop string hit"

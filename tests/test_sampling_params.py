@@ -189,8 +189,11 @@ def test_output_kind() -> None:
 
     assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
     assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY
-    with pytest.raises(ValueError, match="output_kind DELTA is not supported.*CUMULATIVE.*FINAL_ONLY"):
-        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    assert SamplingParams(output_kind=1, n=2).output_kind is RequestOutputKind.DELTA
+    # DELTA streams completions as they grow; beam search and best_of > n pick theirs only at the end.
+    for kw in ({"n": 2, "best_of": 3}, {"use_beam_search": True, "best_of": 2, "temperature": 0.0}):
+        with pytest.raises(ValueError, match="output_kind DELTA.*beam search and best_of > n.*CUMULATIVE or FINAL_ONLY"):
+            SamplingParams(output_kind=RequestOutputKind.DELTA, **kw)
     for bad in (3, "final", True, None):
         with pytest.raises(ValueError, match=r"output_kind must be RequestOutputKind\.CUMULATIVE"):
             SamplingParams(output_kind=bad)

@@ -61,6 +61,36 @@ def test_concurrent_streams_match_sync_engine(core_engine):
     assert [finals[f"sync{i}"] for i in range(3)] == [r[-1].outputs[0].text for r in results]
 
 
+def test_delta_streams_join_into_the_cumulative_output(core_engine):
+    """A RequestOutputKind.DELTA request through the async front: each output holds only the new tokens and text;
+    a slow reader with coalescing gets the steps it missed merged into one delta. Joined, they equal the
+    cumulative output of the same greedy request."""
+    from pagedllm.sampling_params import RequestOutputKind
+
+    prompt = "The capital of France is"
+    delta = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    cumulative = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def body(engine):
+        fast = [o async for o in engine.generate(prompt, delta, "fast")]
+        slow = []
+        async for o in await engine.add_request("slow", prompt, delta, coalesce=True):
+            slow.append(o)
+            await asyncio.sleep(0.05)  # several steps go by: their cumulative outputs coalesce
+        full = [o async for o in engine.generate(prompt, cumulative, "full")][-1]
+        return fast, slow, full
+
+    fast, slow, full = _run(core_engine, body)
+    assert delta.output_kind is RequestOutputKind.DELTA  # the caller's params are left as they were
+    want = full.outputs[0]
+    for outs in (fast, slow):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert sum((o.outputs[0].token_ids for o in outs), []) == want.token_ids
+        assert "".join(o.outputs[0].text for o in outs) == want.text
+    assert len(fast) == 12 and all(len(o.outputs[0].token_ids) == 1 for o in fast)
+    assert len(slow) < 12 and max(len(o.outputs[0].token_ids) for o in slow) > 1
+
+
 def test_abort_frees_blocks_and_bad_request_raises(core_engine):
     async def body(engine):
         with pytest.raises(ValueError, match="prompt"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import itertools
 import queue
@@ -37,8 +38,8 @@ from pagedllm.engine.request_checker import RequestChecker
 from pagedllm.engine.sleep_mode import EngineSleepingError, check_sleep_args, check_wake_tags, sleep_mode_disabled_error
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.processor import MultiModalProcessor, prepare_multimodal_prompt
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import DeltaState, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 
@@ -89,12 +90,15 @@ class AsyncStream:
 
     Outputs are cumulative, so with `coalesce=True` an output not yet read is replaced by the next
     one: a consumer that falls behind (a slow client, a busy loop) reads only the latest state
-    instead of formatting every step it missed (what vLLM's output collector does).
+    instead of formatting every step it missed (what vLLM's output collector does). With `delta` (a
+    ``RequestOutputKind.DELTA`` request) the consumer reads each output as what is new since the one it read
+    before; the engine still sends cumulative outputs, so coalesced steps merge into one delta.
     """
 
-    def __init__(self, request_id: str, coalesce: bool = False) -> None:
+    def __init__(self, request_id: str, coalesce: bool = False, delta: DeltaState | None = None) -> None:
         self.request_id = request_id
         self.coalesce = coalesce
+        self._delta = delta
         self._items: collections.deque[RequestOutput | BaseException | None] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self.finished = False
@@ -124,19 +128,24 @@ class AsyncStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        item = self._items.popleft()
-        if item is None:
-            self._items.append(None)  # stays ended for any later read
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        while True:
+            while not self._items:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            item = self._items.popleft()
+            if item is None:
+                self._items.append(None)  # stays ended for any later read
+                raise StopAsyncIteration
+            if isinstance(item, BaseException):
+                raise item
+            if self._delta is None:
+                return item
+            delta = self._delta.delta_of(item)
+            if delta is not None:
+                return delta
 
 
 class AsyncEngineFront:
@@ -271,7 +280,12 @@ class AsyncEngineFront:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt = prepare_multimodal_prompt(prompt, self.mm_processor, None)  # pixel values cross, not images
         self.request_checker.check_request(prompt, params, priority)
-        stream = AsyncStream(request_id, coalesce)
+        delta = None
+        if getattr(params, "output_kind", None) == RequestOutputKind.DELTA:  # (PoolingParams: none)
+            # The engine sends cumulative outputs (the metrics observer and the output codec read those); the
+            # stream hands out their deltas.
+            delta, params = DeltaState(), dataclasses.replace(params, output_kind=RequestOutputKind.CUMULATIVE)
+        stream = AsyncStream(request_id, coalesce, delta)
         self._streams[request_id] = stream
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._submit(AddCommand(request_id, prompt, params, arrival, priority, lora_request))

@@ -793,8 +793,9 @@ class LLMEngine:
         for group in self.scheduler.free_finished_seq_groups():
             touched[group.request_id] = group
         make = self.output_processor.make_output
-        return [make(g) for g in touched.values()
-                if g.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY or g.is_finished()]
+        outputs = [make(g) for g in touched.values()
+                   if g.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY or g.is_finished()]
+        return [o for o in outputs if o is not None]  # a DELTA request with nothing new this step has none
 
     def _append_samples(self, owners, samples, full_logprobs, touched: dict[str, SequenceGroup]) -> None:
         now = time.monotonic()

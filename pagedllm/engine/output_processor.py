@@ -10,7 +10,9 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine import beam_search
 from pagedllm.logprobs import Logprob
-from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.outputs import (CompletionOutput, DeltaState, PoolingOutput, PoolingRequestOutput,
+                              RequestOutput)
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.tokenizer import IncrementalDetokenizer
 
 
@@ -151,12 +153,16 @@ class OutputProcessor:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     # -- building outputs -------------------------------------------------------------------
-    def make_output(self, group: SequenceGroup) -> RequestOutput | PoolingRequestOutput:
+    def make_output(self, group: SequenceGroup) -> RequestOutput | PoolingRequestOutput | None:
+        """The group's output now: cumulative, or for a ``RequestOutputKind.DELTA`` request what is new since its
+        last output (None when nothing is and it is not finished)."""
         if "pooling" in group.extra:
             return self._pooling_output(group)
         params = group.sampling_params
-        seqs = list(group.seqs)
         finished = group.is_finished()
+        if params.output_kind == RequestOutputKind.DELTA:
+            return self._delta_output(group, finished)
+        seqs = list(group.seqs)
         n = params.n
         is_beam = "beam" in group.extra
         if is_beam:
@@ -185,6 +191,31 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
+        return self._request_output(group, outputs, finished, group.extra.get("prompt_logprobs"))
+
+    def _delta_output(self, group: SequenceGroup, finished: bool) -> RequestOutput | None:
+        """Each completion's new tokens, text and logprobs since the last output: O(new) per step, where a
+        cumulative output copies every token so far. (DELTA excludes beam search and best_of > n, whose
+        completions are chosen only at the end: SamplingParams refuses them.)"""
+        state = group.extra.get("delta")
+        if state is None:
+            state = group.extra["delta"] = DeltaState()
+        wants_logprobs = group.sampling_params.logprobs is not None
+        outputs = []
+        for i, seq in enumerate(group.seqs):
+            detok = seq.extra.get("detok")
+            comp = state.cursor(i).take(i, seq.output_token_ids, detok.output_text if detok is not None else "",
+                                        seq.cumulative_logprob, seq.output_logprobs if wants_logprobs else None,
+                                        seq.status.finish_reason, seq.stop_reason)
+            if comp is not None:
+                outputs.append(comp)
+        if not outputs and not finished:
+            return None
+        return self._request_output(group, outputs, finished, state.prompt_logprobs(group.extra.get("prompt_logprobs")))
+
+    @staticmethod
+    def _request_output(group: SequenceGroup, outputs: list[CompletionOutput], finished: bool,
+                        prompt_logprobs: Any) -> RequestOutput:
         metrics = {
             "arrival_time": group.arrival_time,
             "first_scheduled_time": group.first_scheduled_time,
@@ -196,7 +227,7 @@ class OutputProcessor:
             prompt_token_ids=group.prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            prompt_logprobs=group.extra.get("prompt_logprobs"),
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=group.num_cached_tokens,
             metrics=metrics,
             lora_request=group.extra.get("lora_request"),
