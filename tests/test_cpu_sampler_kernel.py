@@ -46,6 +46,27 @@ def test_random_rows_match_the_inverse_cdf_reference(kernels: cpu_kernels.CpuKer
     torch.testing.assert_close(lp, x.log_softmax(-1).gather(1, tokens[:, None])[:, 0], rtol=0, atol=2e-5)
 
 
+def test_mostly_masked_rows_with_far_tails(kernels: cpu_kernels.CpuKernels) -> None:
+    """A grammar's bitmask leaves ~2 % of the vocabulary: every other logit is -inf, and the allowed ones spread
+    far below the row's max (at temperature 0.5 down to -400 after scaling: the lanes that the kernel flushes to
+    0 before libmvec's expf, whose vector code goes scalar for them). Draws and logprobs still follow the torch
+    reference, and no masked token is drawn."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(512, 4096, generator=g) * -200.0
+    x[torch.rand(512, 4096, generator=g) > 0.02] = float("-inf")
+    x[:, 7] = 0.0  # every row keeps a token
+    for temperature in (1.0, 0.5):
+        u = torch.rand(512, generator=g, dtype=torch.float64)
+        u[::8] = -1.0  # greedy rows too
+        tokens, lp = kernels.sample_rows(x, torch.full((512,), 1 / temperature), u)
+        greedy = u < 0
+        ref = inverse_cdf_sample((x / temperature).softmax(-1), u.clamp(min=0))
+        assert tokens[greedy].tolist() == x[greedy].argmax(-1).tolist()
+        assert (tokens[~greedy] == ref[~greedy]).float().mean() >= 0.999
+        assert torch.isfinite(x.gather(1, tokens[:, None])).all()
+        torch.testing.assert_close(lp, x.log_softmax(-1).gather(1, tokens[:, None])[:, 0], rtol=0, atol=2e-5)
+
+
 def test_edges_of_the_distribution(kernels: cpu_kernels.CpuKernels) -> None:
     vocab = 700
     x = torch.full((4, vocab), float("-inf"))
