@@ -87,6 +87,9 @@ class CpuKernels:
         self._sample = lib.sample_rows_f32
         self._sample.restype = None
         self._sample.argtypes = [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self._top_k_top_p = lib.top_k_top_p_f32
+        self._top_k_top_p.restype = None
+        self._top_k_top_p.argtypes = [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr]
 
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
@@ -328,6 +331,26 @@ class CpuKernels:
         ids = torch.tensor(rows, dtype=torch.int64)
         self._bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0), ids.data_ptr(),
                       len(rows), vocab)
+
+    def top_k_top_p(self, logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        """A new float32 tensor: ``logits`` [rows, vocab] with -inf outside each row's top-k (``top_k[r]`` <= 0 or
+        >= vocab: off; ties at the k-th value kept) and then outside the top-p nucleus of what top-k kept (``top_p[r]``
+        >= 1: off; at least one token; ties at the last kept value kept), as logits_ops.apply_top_k_top_p's sort
+        does, without sorting the vocabulary."""
+        _check_matrix(logits, "logits")
+        rows, vocab = logits.shape
+        if len(top_k) != rows or len(top_p) != rows:
+            raise ValueError(f"top_k and top_p need one value per row ({rows}), got {len(top_k)} and {len(top_p)}")
+        if any(not 0.0 < q for q in top_p):
+            raise ValueError(f"top_p values must be > 0, got {top_p}")
+        ks = torch.tensor(top_k, dtype=torch.int64)
+        ps = torch.tensor(top_p, dtype=torch.float32)
+        out = torch.empty((rows, vocab), dtype=torch.float32)
+        if rows:
+            ws = torch.empty((rows, 2 * vocab), dtype=torch.float32)
+            self._top_k_top_p(logits.data_ptr(), logits.stride(0), rows, vocab, ks.data_ptr(), ps.data_ptr(),
+                              out.data_ptr(), ws.data_ptr())
+        return out
 
     def sample_rows(self, logits: torch.Tensor, inv_temp: torch.Tensor,
                     u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.logprobs import Logprob, position_logprobs
@@ -312,7 +313,7 @@ class Sampler:
             tok_lp = full[row_of, tokens]
         else:  # cheap path: gathered raw logit minus the row's logsumexp
             if raw_logsumexp is None:
-                raw_logsumexp = raw.logsumexp(dim=-1)
+                raw_logsumexp = _logsumexp(raw)
             tok_lp = raw[row_of, tokens] - raw_logsumexp[row_of]
 
         parts = [tokens.to(torch.float64), tok_lp.to(torch.float64)]
@@ -370,7 +371,7 @@ class Sampler:
             # (no processing, every row random and drawn once), their sum also gives the logprobs'
             # logsumexp, and the row takes one exp pass instead of a softmax and a logsumexp.
             top = xr.amax(dim=-1, keepdim=True)
-            weights = torch.exp(xr - top)
+            weights = _exp_shifted(xr, top)
             sampled = inverse_cdf_sample(weights, draw_uniforms(inverse_spans, n_rand, device))
             if xr is raw:
                 raw_logsumexp = top.squeeze(1) + weights.sum(dim=-1).log()
@@ -383,13 +384,40 @@ class Sampler:
             inverse_idx = async_tensor_h2d(inverse_pos, torch.long, device)
             # The weights of the branch above, so a seeded row samples the same whatever shares its step.
             xi = xr.index_select(0, inverse_idx)
-            sampled[inverse_idx] = inverse_cdf_sample(torch.exp(xi - xi.amax(dim=-1, keepdim=True)),
+            sampled[inverse_idx] = inverse_cdf_sample(_exp_shifted(xi, xi.amax(dim=-1, keepdim=True)),
                                                       draw_uniforms(inverse_spans, len(inverse_pos), device))
         if tokens is None:
             return sampled, raw_logsumexp
         tokens = tokens.clone()
         tokens[async_tensor_h2d(rand_pos, torch.long, device)] = sampled
         return tokens, raw_logsumexp
+
+
+#: Below this, float32 exp is subnormal or 0. On a CPU torch's exp (and logsumexp) runs 4-20x slower on vectors
+#: holding such lanes, and masked or filtered logits (-inf) put one in nearly every vector (BENCHMARKS.md §76.6).
+_EXP_FLOOR = -87.0
+_EXP_FLOOR_WEIGHT = 2.0e-38  # > exp(_EXP_FLOOR) = 1.65e-38, whatever the exp's last bit
+
+
+def _exp_shifted(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """exp(x - top): sampling weights, 0 for -inf logits. On a CPU the exponents are raised to _EXP_FLOOR and the
+    weights at or below _EXP_FLOOR_WEIGHT (a little above exp(_EXP_FLOOR)) set to 0 in one pass: the masked and
+    filtered tokens get exactly 0, every weight above 2e-38 of the top token's keeps its bits."""
+    d = x - top
+    if d.device.type != "cpu":
+        return d.exp_()
+    return F.threshold_(d.clamp_(min=_EXP_FLOOR).exp_(), _EXP_FLOOR_WEIGHT, 0.0)
+
+
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """x.logsumexp(-1). On a CPU, with each row's terms below _EXP_FLOOR raised to it (each then adds ~1e-38 to a
+    sum of at least 1: the same float), where its rows' maxima are finite."""
+    if x.device.type != "cpu":
+        return x.logsumexp(dim=-1)
+    top = x.amax(dim=-1, keepdim=True)
+    if not bool(torch.isfinite(top).all()):
+        return x.logsumexp(dim=-1)
+    return (x - top).clamp_(min=_EXP_FLOOR).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
 
 
 def _process_logits(raw: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
