@@ -291,6 +291,32 @@ def _reference_penalties(
     return out
 
 
+def test_cpu_penalties_on_seen_tokens_equal_the_dense_form() -> None:
+    """The CPU's sparse penalties (only the tokens a row saw) give the dense form's bits: repeated and out-of-range
+    ids, -inf and zero logits, empty rows, mixed per-row settings."""
+    import random
+
+    from pagedllm.model.layers.logits_ops import penalties_dense, penalties_on_seen_tokens
+
+    rng = random.Random(0)
+    rows, vocab = 12, 3000
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    x[3, 100], x[5] = float("-inf"), 0.0
+    prompts = [[rng.randrange(-5, vocab + 5) for _ in range(rng.randint(0, 80))] for _ in range(rows)]
+    outputs = [[rng.randrange(0, 400) for _ in range(rng.randint(0, 120))] for _ in range(rows)]
+    outputs[3] += [100, 100]
+    outputs[7] = []
+    settings = [([0.5] * rows, [0.0] * rows, [1.0] * rows), ([0.0] * rows, [0.7] * rows, [1.3] * rows),
+                ([rng.uniform(-2, 2) for _ in range(rows)], [rng.uniform(-2, 2) for _ in range(rows)],
+                 [rng.choice([1.0, 0.8, 1.5]) for _ in range(rows)])]
+    for presence, frequency, repetition in settings:
+        want = penalties_dense(x, prompts, outputs, presence, frequency, repetition)
+        got = penalties_on_seen_tokens(x, prompts, outputs, presence, frequency, repetition)
+        assert torch.equal(got, want)
+    assert torch.equal(penalties_on_seen_tokens(x, [[]] * rows, [[]] * rows, [0.5] * rows, [0.0] * rows,
+                                                [1.0] * rows), x)
+
+
 def test_penalties_match_reference(device: str) -> None:
     mk = partial(_row, device=device)
     from pagedllm.model.layers.sampler import apply_penalties

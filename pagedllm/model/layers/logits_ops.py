@@ -66,6 +66,14 @@ def apply_penalties(
     Output counts come from one ``scatter_add_`` over the flattened ``[B * V]``
     count tensor.
     """
+    if logits.device.type == "cpu":
+        return penalties_on_seen_tokens(logits, prompt_ids, output_ids, presence, frequency, repetition)
+    return penalties_dense(logits, prompt_ids, output_ids, presence, frequency, repetition)
+
+
+def penalties_dense(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                    presence: list[float], frequency: list[float], repetition: list[float]) -> torch.Tensor:
+    """apply_penalties over the whole [B, V] (a few launches on a GPU, whatever the rows saw)."""
     num_rows, vocab = logits.shape
     device = logits.device
     out_lin = torch.from_numpy(_flat_index(output_ids, vocab)).to(device, non_blocking=True)
@@ -87,6 +95,34 @@ def apply_penalties(
     if any(p != 0.0 for p in presence):
         logits = logits - col(presence, device) * seen_out.to(logits.dtype)
     return logits
+
+
+def penalties_on_seen_tokens(logits: torch.Tensor, prompt_ids: list[list[int]], output_ids: list[list[int]],
+                             presence: list[float], frequency: list[float], repetition: list[float]) -> torch.Tensor:
+    """apply_penalties touching only the tokens each row has seen (its output's, and its prompt's under a
+    repetition penalty): a copy of the logits, one gather and one scatter. The same float operations per token as
+    penalties_dense, which on a CPU made ~6 passes over [B, V] (6-20 ms at 64 × 49 152; BENCHMARKS.md §76.7)."""
+    vocab = logits.shape[1]
+    out_lin, out_counts = np.unique(_flat_index(output_ids, vocab), return_counts=True)
+    use_rep = any(r != 1.0 for r in repetition)
+    lin = np.union1d(out_lin, _flat_index(prompt_ids, vocab)) if use_rep else out_lin
+    out = logits.clone(memory_format=torch.contiguous_format)
+    if not len(lin):
+        return out
+    counts = np.zeros(len(lin), dtype=np.float32)
+    counts[np.searchsorted(lin, out_lin)] = out_counts
+    rows_np = lin // vocab
+    rows, toks, c = torch.from_numpy(rows_np), torch.from_numpy(lin % vocab), torch.from_numpy(counts)
+    v = logits[rows, toks]
+    if use_rep:
+        rep = torch.tensor(repetition, dtype=torch.float32)[rows]
+        v = torch.where(v > 0, v / rep, v * rep)
+    if any(f != 0.0 for f in frequency):
+        v = v - torch.tensor(frequency, dtype=torch.float32)[rows] * c
+    if any(p != 0.0 for p in presence):
+        v = v - torch.tensor(presence, dtype=torch.float32)[rows] * (c > 0).to(torch.float32)
+    out[rows, toks] = v
+    return out
 
 
 def apply_top_k_top_p(
