@@ -59,7 +59,7 @@ def test_same_tokens_kept_as_the_sort(kernels: cpu_kernels.CpuKernels, kind: str
             assert torch.equal(torch.isfinite(got), torch.isfinite(want)), (ks[0], ps[0])
 
 
-def test_the_cpu_sampler_path_uses_it_and_the_gpu_path_does_not_need_it() -> None:
+def test_apply_top_k_top_p_takes_the_kernel_on_cpu_and_bad_arguments_are_refused() -> None:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 500, generator=g) * 3
     got = apply_top_k_top_p(x, [0, 10, 0, 0], [0.9, 1.0, 0.5, 1.0])

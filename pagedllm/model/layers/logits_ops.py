@@ -63,8 +63,8 @@ def apply_penalties(
     repetition: tokens in prompt or output -> ``logit / r`` if ``logit > 0`` else
     ``logit * r``; frequency: ``- f * count_in_output``; presence:
     ``- p * (count_in_output > 0)``.  Token ids outside ``[0, V)`` are ignored.
-    Output counts come from one ``scatter_add_`` over the flattened ``[B * V]``
-    count tensor.
+    On a CPU only the tokens each row saw are touched (penalties_on_seen_tokens);
+    elsewhere the whole ``[B, V]`` is (penalties_dense): the same bits.
     """
     if logits.device.type == "cpu":
         return penalties_on_seen_tokens(logits, prompt_ids, output_ids, presence, frequency, repetition)
