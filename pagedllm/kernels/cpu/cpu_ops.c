@@ -1352,6 +1352,36 @@ static int tkp_desc(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* Top-k alone needs no weights: the keys are the top bits of d = max - x (>= 0), which orders the logits as
+ * the weights do (float subtraction is monotone), so no exponential, no masses and no memcpy. 8 192 buckets cover
+ * every finite d and +inf (a -inf logit); NaN falls in the last. */
+#define TK_BUCKETS 8192
+
+static inline int tk_bucket(float x, float m) {
+    const float d = m - x;
+    uint32_t bits;
+    memcpy(&bits, &d, 4);
+    const uint32_t b = (bits & 0x7FFFFFFFu) >> 18; /* -0.0 (x == m) as 0 */
+    return b >= TK_BUCKETS ? TK_BUCKETS - 1 : (int)b;
+}
+
+/* o = row with -inf below its k-th largest logit (ties kept); c: vocab floats of scratch. */
+static void top_k_only_row(const float *row, int64_t vocab, int64_t k, float *o, float *c) {
+    const float m = row_max(row, (int)vocab);
+    int32_t count[TK_BUCKETS];
+    memset(count, 0, sizeof count);
+    for (int64_t t = 0; t < vocab; ++t) ++count[tk_bucket(row[t], m)];
+    int64_t seen = 0;
+    int b = 0;
+    while (b < TK_BUCKETS - 1 && seen + count[b] < k) seen += count[b++];
+    int64_t n = 0;
+    for (int64_t t = 0; t < vocab; ++t)
+        if (tk_bucket(row[t], m) == b) c[n++] = row[t];
+    qsort(c, (size_t)n, sizeof(float), tkp_desc);
+    const float thr = c[k - seen - 1];
+    for (int64_t t = 0; t < vocab; ++t) o[t] = row[t] >= thr ? row[t] : -INFINITY;
+}
+
 /* out[r] = logits[r] (row stride `stride`, out contiguous) with -inf where top-k (top_k[r] > 0 and < vocab: keep the
  * logits at least the k-th largest, ties included) and then top-p (top_p[r] < 1: of what top-k kept, keep the most
  * likely tokens while the mass of those more likely is below top_p of the kept mass, at least one; tokens whose
@@ -1366,6 +1396,10 @@ void top_k_top_p_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab
         const float p = top_p[r];
         if (k == 0 && !(p < 1.f)) {
             memcpy(o, row, (size_t)vocab * sizeof(float));
+            continue;
+        }
+        if (!(p < 1.f)) {
+            top_k_only_row(row, vocab, k, o, c);
             continue;
         }
         const float m = row_max(row, (int)vocab);
