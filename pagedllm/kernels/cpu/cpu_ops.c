@@ -1365,22 +1365,39 @@ static inline int tk_bucket(float x, float m) {
     return b >= TK_BUCKETS ? TK_BUCKETS - 1 : (int)b;
 }
 
-/* o = row with -inf below its k-th largest logit (ties kept); c: vocab floats of scratch. */
-static void top_k_only_row(const float *row, int64_t vocab, int64_t k, float *o, float *c) {
-    const float m = row_max(row, (int)vocab);
+/* The k-th largest logit of row (its max m given); c: vocab floats of scratch. */
+static float kth_largest(const float *row, int64_t vocab, int64_t k, float m, float *c) {
     int32_t count[TK_BUCKETS];
     memset(count, 0, sizeof count);
     for (int64_t t = 0; t < vocab; ++t) ++count[tk_bucket(row[t], m)];
     int64_t seen = 0;
     int b = 0;
     while (b < TK_BUCKETS - 1 && seen + count[b] < k) seen += count[b++];
+    if (b >= tk_bucket(-INFINITY, m)) return -INFINITY; /* fewer than k finite logits (a masked row): keep all */
     int64_t n = 0;
     for (int64_t t = 0; t < vocab; ++t)
         if (tk_bucket(row[t], m) == b) c[n++] = row[t];
     qsort(c, (size_t)n, sizeof(float), tkp_desc);
-    const float thr = c[k - seen - 1];
-    for (int64_t t = 0; t < vocab; ++t) o[t] = row[t] >= thr ? row[t] : -INFINITY;
+    return c[k - seen - 1];
 }
+
+/* The smallest logit that top-p keeps among `kept` (n values sorted descending, m the row's max): the most likely
+ * while the mass of those more likely is below p of the kept mass, at least one. */
+static float top_p_threshold(const float *kept, int64_t n, float m, float p) {
+    double mass = 0.0;
+    for (int64_t i = 0; i < n; ++i) mass += expf(kept[i] - m);
+    const double target = (double)p * mass;
+    double above = 0.0;
+    float thr = kept[0];
+    for (int64_t i = 0; i < n && (i == 0 || above < target); ++i) {
+        thr = kept[i];
+        above += expf(kept[i] - m);
+    }
+    return thr;
+}
+
+/* Top-k of at most TK_SORT_MAX tokens, then top-p: only the kept tokens are weighed, once sorted. */
+#define TK_SORT_MAX 2048
 
 /* out[r] = logits[r] (row stride `stride`, out contiguous) with -inf where top-k (top_k[r] > 0 and < vocab: keep the
  * logits at least the k-th largest, ties included) and then top-p (top_p[r] < 1: of what top-k kept, keep the most
@@ -1398,8 +1415,17 @@ void top_k_top_p_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab
             memcpy(o, row, (size_t)vocab * sizeof(float));
             continue;
         }
-        if (!(p < 1.f)) {
-            top_k_only_row(row, vocab, k, o, c);
+        if (k > 0 && (!(p < 1.f) || k <= TK_SORT_MAX)) {
+            const float m = row_max(row, (int)vocab);
+            float thr = kth_largest(row, vocab, k, m, c);
+            if (p < 1.f) {
+                int64_t n = 0; /* (-inf logits weigh nothing: a masked row sorts only what it allows) */
+                for (int64_t t = 0; t < vocab; ++t)
+                    if (row[t] >= thr && row[t] > -INFINITY) c[n++] = row[t];
+                qsort(c, (size_t)n, sizeof(float), tkp_desc);
+                if (n > 0) thr = top_p_threshold(c, n, m, p);
+            }
+            for (int64_t t = 0; t < vocab; ++t) o[t] = row[t] >= thr ? row[t] : -INFINITY;
             continue;
         }
         const float m = row_max(row, (int)vocab);
