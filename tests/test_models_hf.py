@@ -43,6 +43,9 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("LlamaConfig", "LlamaForCausalLM", _LLAMA_LIKE, "LlamaForCausalLM"),
+    # attention_bias: q, k, v and o biased (as transformers' Llama; it once biased o alone and failed to load)
+    "llama-biases": Family("LlamaConfig", "LlamaForCausalLM", {**_LLAMA_LIKE, "attention_bias": True, "mlp_bias": True},
+                           "LlamaForCausalLM"),
     "opt": Family("OPTConfig", "OPTForCausalLM", dict(
         hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
     ), "OPTForCausalLM"),
@@ -398,11 +401,10 @@ def test_multi_shard_and_broken_shards(build, tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
-    config = transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, intermediate_size=128)
-    config.architectures = ["GPTNeoXForCausalLM"]
+    config = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, rotary_dim=8)
+    config.architectures = ["GPTJForCausalLM"]
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="GPTNeoXForCausalLM.*not supported.*GPT2LMHeadModel.*OPTForCausalLM"):
+    with pytest.raises(ValueError, match="GPTJForCausalLM.*not supported.*GPT2LMHeadModel.*OPTForCausalLM"):
         LLM(model=str(tmp_path), load_format="dummy", num_gpu_blocks_override=4, **ENGINE_KW)
 
 

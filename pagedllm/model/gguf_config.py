@@ -249,7 +249,9 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
     if spec.biases:
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        # transformers' attention_bias biases q, k, v and o (Qwen2's q/k/v are biased whatever it says)
+        qkv_biased = "blk.0.attn_q.bias" in tensor_names or spec.hf_arch == "Qwen2ForCausalLM"
+        config["attention_bias"] = qkv_biased and "blk.0.attn_output.bias" in tensor_names
         config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     config.update({
         "bos_token_id": None if bos is None else int(bos),

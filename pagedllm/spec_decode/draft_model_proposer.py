@@ -8,7 +8,10 @@ slots that this step's verification chunk owns (allocated by the engine before d
 verification pass then rewrites every layer of those slots with the target's own values. Rejected
 positions are rolled back by the engine like any other. No extra memory, no extra block accounting.
 
-Only single-process executors with a Llama-family model (embed_tokens / layers / norm) are supported.
+The draft is the target's inner model (`model.model`) called with the first n layers' caches: every decoder here
+runs `zip(layers, kv_caches)`, so it stops after n layers and applies its final norm, with the model's own embedding
+scaling (Gemma's normalizer, Granite's multiplier) and layer structure (post-norms, parallel residuals). Only
+single-process executors are supported.
 """
 from __future__ import annotations
 
@@ -26,8 +29,9 @@ class DraftModelProposer:
                              "(tensor_parallel_size=1).")
         self.worker = worker
         inner = getattr(worker.model, "model", None)
-        if not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
-            raise ValueError(f"self-speculation needs a Llama-family model, not {type(worker.model).__name__}.")
+        if not (isinstance(inner, torch.nn.Module) and hasattr(inner, "layers") and hasattr(inner, "norm")):
+            raise ValueError(f"self-speculation needs a decoder with `model.layers` and a final norm, not "
+                             f"{type(worker.model).__name__}.")
         total = len(inner.layers)
         n = num_layers or max(1, total // 4)
         if n >= total:
@@ -52,11 +56,7 @@ class DraftModelProposer:
                 break
             batch = [cur[i] for i in live]
             input_ids, positions, meta, logits_idx = runner.prepare_inputs(batch)
-            hidden = inner.embed_tokens(input_ids)
-            residual = None
-            for layer, cache in zip(inner.layers[: self.num_layers], kv):
-                hidden, residual = layer(positions, hidden, residual, cache, meta)
-            hidden, _ = inner.norm(hidden, residual)
+            hidden = inner(input_ids, positions, kv[: self.num_layers], meta)
             toks = model.compute_logits(hidden[logits_idx]).argmax(dim=-1).tolist()
             for j, i in enumerate(live):
                 out[i].append(int(toks[j]))

@@ -74,31 +74,40 @@ class RotaryAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, -1)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, -1)
         # CUDA: rotated in place in the qkv buffer by one fused kernel; CPU: the torch ops via float32.
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:  # (None: a NoPE layer, SmolLM3's)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaAttention(RotaryAttention):
-    """`qk_norm` (Qwen3): an RMSNorm over each head's q and k (one weight of head_dim per kind), before RoPE.
-    `layer_index` picks the layer's sliding window (layer_sliding_window)."""
+    """`qkv_bias` (Qwen2): biased q/k/v whatever the config; the config's `attention_bias` biases q, k, v and o (as
+    transformers' Llama, Qwen3, Granite, SmolLM3). `qk_norm` (Qwen3): an RMSNorm over each head's q and k (one weight
+    of head_dim per kind), before RoPE. `layer_index` picks the layer's sliding window (layer_sliding_window).
+    `scale`: the softmax scale (default head_dim**-0.5); `use_rope` False: a layer without RoPE (SmolLM3's NoPE)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
-                 qk_norm: bool = False, layer_index: int = 0, rotary_emb: RotaryEmbedding | None = None) -> None:
+                 qk_norm: bool = False, layer_index: int = 0, rotary_emb: RotaryEmbedding | None = None,
+                 scale: float | None = None, use_rope: bool = True) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or hidden // num_heads
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias, tp, dtype)
-        o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, qkv_bias or attention_bias, tp,
+                                          dtype)
+        o_bias = attention_bias
         self.o_proj = RowParallelLinear(
             num_heads * head_dim, hidden, o_bias, tp, dtype, input_shard=self.qkv_proj.output_features
         )
         self.q_size = self.qkv_proj.num_heads * head_dim
         self.kv_size = self.qkv_proj.num_kv_heads * head_dim
         self.head_dim = head_dim
-        self.rotary_emb = rotary_emb if rotary_emb is not None else llama_rotary_embedding(config)
-        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads,
+        if not use_rope:
+            self.rotary_emb = None
+        else:
+            self.rotary_emb = rotary_emb if rotary_emb is not None else llama_rotary_embedding(config)
+        self.attn = Attention(self.qkv_proj.num_heads, head_dim, self.qkv_proj.num_kv_heads, scale=scale,
                               sliding_window=layer_sliding_window(config, layer_index))
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if qk_norm else None
@@ -106,13 +115,15 @@ class LlamaAttention(RotaryAttention):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """`mlp`: the layer's feed-forward block (default: the dense SwiGLU MLP; MoE models pass their experts)."""
+    """`mlp`: the layer's feed-forward block (default: the dense SwiGLU MLP; MoE models pass their experts);
+    `self_attn`: its attention (default: LlamaAttention of the other arguments)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
                  qk_norm: bool = False, mlp: nn.Module | None = None, layer_index: int = 0,
-                 rotary_emb: RotaryEmbedding | None = None) -> None:
+                 rotary_emb: RotaryEmbedding | None = None, self_attn: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, tp, dtype, qkv_bias, qk_norm, layer_index, rotary_emb)
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(config, tp, dtype, qkv_bias, qk_norm,
+                                                                                layer_index, rotary_emb)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp, dtype, bias=bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -129,24 +140,35 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """`make_mlp(layer_index)`: each layer's feed-forward block, or None for the dense MLP."""
+    """`make_mlp(layer_index)`: each layer's feed-forward block, or None for the dense MLP. `make_layer(layer_index)`:
+    each whole decoder layer instead (a family's own layers; then no RoPE table is built here). Every layer returns
+    (output, residual), whose sum is its result. `embedding_multiplier` (Granite's) scales the input embeddings."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, qkv_bias: bool = False,
                  qk_norm: bool = False, make_mlp: Callable[[int], nn.Module | None] | None = None,
-                 partial_rotary: bool = False) -> None:
+                 partial_rotary: bool = False, make_layer: Callable[[int], nn.Module] | None = None,
+                 embedding_multiplier: float = 1.0) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        rotary = llama_rotary_embedding(config, partial_rotary)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None, i, rotary)
-             for i in range(config.num_hidden_layers)]
-        )
+        if make_layer is None:
+            rotary = llama_rotary_embedding(config, partial_rotary)
+
+            def make_layer(i: int) -> nn.Module:
+                return LlamaDecoderLayer(config, tp, dtype, qkv_bias, qk_norm, make_mlp(i) if make_mlp else None, i,
+                                         rotary)
+
+        self.layers = nn.ModuleList([make_layer(i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.embedding_multiplier = embedding_multiplier
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """`inputs_embeds`: embeddings to run instead of `input_ids`' (a multimodal step's, image rows merged in)."""
+        """`inputs_embeds`: embeddings to run instead of `input_ids`' (a multimodal step's, image rows merged in;
+        scaled by `embedding_multiplier` as token embeddings are, as transformers' Granite does). Runs one layer per
+        cache in `kv_caches` (self-speculation passes the first layers' only)."""
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
@@ -173,8 +195,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, tp, dtype, self.qkv_bias, self.qk_norm,
-                                lambda i: self.make_mlp(config, i, tp, dtype), self.partial_rotary)
+        self.model = self.build_model(config, tp, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -184,6 +205,11 @@ class LlamaForCausalLM(nn.Module):
     def sliding_windows(cls, config: Any) -> list[int | None]:
         """Each layer's attention window (None: the whole context), from the config alone."""
         return [layer_sliding_window(config, i) for i in range(int(config.num_hidden_layers))]
+
+    def build_model(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> LlamaModel:
+        """The decoder (families with their own layers override this)."""
+        return LlamaModel(config, tp, dtype, self.qkv_bias, self.qk_norm,
+                          lambda i: self.make_mlp(config, i, tp, dtype), self.partial_rotary)
 
     def make_mlp(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module | None:
         """Layer `layer_index`'s feed-forward block; None: the dense SwiGLU MLP (MoE models override this)."""

@@ -19,6 +19,14 @@ _GEMMA = "pagedllm.model.models.gemma:GemmaForCausalLM"
 _GEMMA2 = "pagedllm.model.models.gemma:Gemma2ForCausalLM"
 _GEMMA3 = "pagedllm.model.models.gemma:Gemma3ForCausalLM"
 _PHI3 = "pagedllm.model.models.phi3:Phi3ForCausalLM"
+_GRANITE = "pagedllm.model.models.granite:GraniteForCausalLM"
+_OLMO2 = "pagedllm.model.models.olmo2:Olmo2ForCausalLM"
+_OLMO3 = "pagedllm.model.models.olmo2:Olmo3ForCausalLM"
+_SMOLLM3 = "pagedllm.model.models.smollm3:SmolLM3ForCausalLM"
+_GPT_NEOX = "pagedllm.model.models.gpt_neox:GPTNeoXForCausalLM"
+_PHI = "pagedllm.model.models.phi:PhiForCausalLM"
+_STABLELM = "pagedllm.model.models.stablelm:StableLmForCausalLM"
+_STARCODER2 = "pagedllm.model.models.starcoder2:Starcoder2ForCausalLM"
 _LLAVA = "pagedllm.model.models.llava:LlavaForConditionalGeneration"
 _BERT = "pagedllm.model.models.bert:"
 
@@ -37,6 +45,14 @@ _MODELS = {
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,  # Gemma 3 text-only checkpoints (gemma-3-1b, model_type gemma3_text)
     "Phi3ForCausalLM": _PHI3,
+    "GraniteForCausalLM": _GRANITE,
+    "Olmo2ForCausalLM": _OLMO2,
+    "Olmo3ForCausalLM": _OLMO3,
+    "SmolLM3ForCausalLM": _SMOLLM3,
+    "GPTNeoXForCausalLM": _GPT_NEOX,
+    "PhiForCausalLM": _PHI,
+    "StableLmForCausalLM": _STABLELM,
+    "Starcoder2ForCausalLM": _STARCODER2,
     # Image inputs (multimodal/): a vision tower and projector in front of the text model of `text_config`.
     "LlavaForConditionalGeneration": _LLAVA,
     # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
@@ -69,6 +85,14 @@ _MODELS = {
     "gemma2": _GEMMA2,
     "gemma3_text": _GEMMA3,
     "phi3": _PHI3,
+    "granite": _GRANITE,
+    "olmo2": _OLMO2,
+    "olmo3": _OLMO3,
+    "smollm3": _SMOLLM3,
+    "gpt_neox": _GPT_NEOX,
+    "phi": _PHI,
+    "stablelm": _STABLELM,
+    "starcoder2": _STARCODER2,
     "llava": _LLAVA,
 }
 
