@@ -77,6 +77,12 @@ def copy_tokenizer(w, source: Path) -> None:
     w.add_chat_template(field("tokenizer.chat_template"))
 
 
+def llama_cpp_permute(arr: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's ``LlamaModel.permute`` (HF's rotate-half rows per head → interleaved pairs), for the
+    q/k weights and biases of the architectures whose RoPE llama.cpp runs interleaved (llama, granite, smollm3)."""
+    return arr.reshape(n_head, 2, arr.shape[0] // n_head // 2, *arr.shape[1:]).swapaxes(1, 2).reshape(arr.shape)
+
+
 def _q8(arr: np.ndarray) -> np.ndarray:
     return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
 
@@ -84,12 +90,13 @@ def _q8(arr: np.ndarray) -> np.ndarray:
 def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable[[object], None], *,
                norm_offset: float = 0.0, q8_linears: bool = False, q8_embedding: bool = False,
                tokenizer: Callable[[object], None] | None = None,
-               extra_tensors: Iterable[tuple[str, np.ndarray]] = ()) -> Path:
+               extra_tensors: Iterable[tuple[str, np.ndarray]] = (), permute_qk: bool = False) -> Path:
     """``model`` as llama.cpp's converter stores it for ``arch``: ``metadata(writer)`` writes the architecture's
     keys; ``norm_offset`` is added to every ``*norm.weight`` (Gemma's converters add 1); a tied ``lm_head`` is not
     stored; ``q8_linears``: the layers' 2-D weights as Q8_0 blocks (``q8_embedding``: the embedding too), the rest
     float32; ``tokenizer(writer)`` writes the tokenizer keys (default: a token list of the vocabulary's size, which
-    transformers reads the vocabulary size from); ``extra_tensors``: more (GGUF name, array) pairs."""
+    transformers reads the vocabulary size from); ``extra_tensors``: more (GGUF name, array) pairs; ``permute_qk``:
+    q_proj / k_proj weights and biases permuted as llama.cpp's Llama converter does (:func:`llama_cpp_permute`)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     metadata(w)
@@ -105,6 +112,10 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
         arr = tensor.float().numpy()
         if norm_offset and name.endswith("norm.weight"):
             arr = arr + np.float32(norm_offset)
+        if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = llama_cpp_permute(arr, cfg.num_attention_heads)
+        elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = llama_cpp_permute(arr, cfg.num_key_value_heads)
         gguf_name = to_gguf(name)
         if arr.ndim == 2 and ((q8_linears and "layers" in name) or (q8_embedding and "embed_tokens" in name)):
             w.add_tensor(gguf_name, _q8(arr), raw_dtype=gguf.GGMLQuantizationType.Q8_0)

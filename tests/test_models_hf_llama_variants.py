@@ -325,3 +325,16 @@ def test_tensor_parallel_tp2_matches_hf(name: str, build) -> None:
         executor.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == built.reference
     _assert_logprobs_match(outs, built)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cuda_greedy_parity(name: str, build) -> None:
+    """The GPU's kernels (Triton attention, fused norms and partial RoPE, CUDA graphs) in float32: transformers'
+    greedy tokens, its log-probs to float32-on-GPU noise."""
+    built = build(name)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=64, **{**ENGINE_KW, "device": "cuda"})
+    outs = _greedy(llm, built.prompts, logprobs=3)
+    assert [list(o.outputs[0].token_ids) for o in outs] == built.reference, name
+    _assert_logprobs_match(outs, built, atol=2e-3)
