@@ -7,7 +7,7 @@ uses), so the layout written does not depend on pagedllm's reverse mapping.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import pytest
@@ -90,13 +90,16 @@ def _q8(arr: np.ndarray) -> np.ndarray:
 def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable[[object], None], *,
                norm_offset: float = 0.0, q8_linears: bool = False, q8_embedding: bool = False,
                tokenizer: Callable[[object], None] | None = None,
-               extra_tensors: Iterable[tuple[str, np.ndarray]] = (), permute_qk: bool = False) -> Path:
+               extra_tensors: Iterable[tuple[str, np.ndarray]] = (), permute_qk: bool = False,
+               state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
     """``model`` as llama.cpp's converter stores it for ``arch``: ``metadata(writer)`` writes the architecture's
     keys; ``norm_offset`` is added to every ``*norm.weight`` (Gemma's converters add 1); a tied ``lm_head`` is not
     stored; ``q8_linears``: the layers' 2-D weights as Q8_0 blocks (``q8_embedding``: the embedding too), the rest
     float32; ``tokenizer(writer)`` writes the tokenizer keys (default: a token list of the vocabulary's size, which
     transformers reads the vocabulary size from); ``extra_tensors``: more (GGUF name, array) pairs; ``permute_qk``:
-    q_proj / k_proj weights and biases permuted as llama.cpp's Llama converter does (:func:`llama_cpp_permute`)."""
+    q_proj / k_proj weights and biases permuted as llama.cpp's Llama converter does (:func:`llama_cpp_permute`);
+    ``state_dict``: the HF-named tensors to write instead of the model's own (a converter's reshaped or stacked ones,
+    named as gguf-py's map knows them)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     metadata(w)
@@ -106,7 +109,7 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
         w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     to_gguf = gguf_tensor_names(arch, cfg.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         if name == "lm_head.weight" and tied:
             continue
         arr = tensor.float().numpy()
@@ -117,7 +120,9 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = llama_cpp_permute(arr, cfg.num_key_value_heads)
         gguf_name = to_gguf(name)
-        if arr.ndim == 2 and ((q8_linears and "layers" in name) or (q8_embedding and "embed_tokens" in name)):
+        is_norm = gguf_name.endswith("_norm.weight")  # the converter keeps norms F32 (StableLM's 2-D per-head ones)
+        if arr.ndim == 2 and not is_norm and ((q8_linears and "layers" in name)
+                                              or (q8_embedding and "embed_tokens" in name)):
             w.add_tensor(gguf_name, _q8(arr), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(gguf_name, arr)

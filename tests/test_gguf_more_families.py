@@ -1,15 +1,18 @@
-"""GGUF files of llama.cpp's `granite`, `olmo2` (OLMo 2, and OLMo 3 where the file names a window) and `smollm3`
-architectures: tiny random-weight transformers models written in llama.cpp's layout (tests/gguf_writing.py: gguf-py's
-tensor names; q/k rows permuted where llama.cpp's converter permutes them, Granite's and SmolLM3's, which subclass its
-Llama converter; the metadata keys each converter writes). pagedllm serving the file must generate what transformers
-generates from the original weights, greedy tokens and log-probs, in float32. transformers 5.25 cannot read these
-architectures' GGUF files itself, so the layout's independent check is gguf-py's own name map and the converter's
-permutation, reproduced here.
+"""GGUF files of llama.cpp's `granite`, `olmo2` (OLMo 2, and OLMo 3 where the file names a window), `smollm3`,
+`gptneox`, `phi2`, `stablelm` and `starcoder2` architectures: tiny random-weight transformers models written in
+llama.cpp's layout (tests/gguf_writing.py: gguf-py's tensor names; q/k rows and biases permuted where llama.cpp's
+converter permutes them, Granite's and SmolLM3's, which subclass its Llama converter; GPT-NeoX's query_key_value
+reordered to q | k | v and StableLM's per-head norms stacked, as their converters do; the metadata keys each
+converter writes). pagedllm serving the file must generate what transformers generates from the original weights,
+greedy tokens and log-probs, in float32. transformers 5.25 reads only the stablelm and starcoder2 files itself (the
+second, independent check of the layout there); elsewhere the check is gguf-py's own name map and the converters'
+tensor transforms, reproduced here.
 
 Every knob bites (test_features_change_the_outputs): Granite's four multipliers far from 1 (and from head_dim**-0.5),
 q/k/v/o and MLP biases (permuted q/k biases too); OLMo 2's randomized post-norms and whole-projection q/k norms;
 OLMo 3's window of 8 under prompts of up to 30 and its two RoPE settings; SmolLM3's NoPE layer (layer 3 of 5, as
-llama.cpp hard-codes every fourth).
+llama.cpp hard-codes every fourth); the LayerNorm families' rotated fractions of each head, GPT-NeoX's parallel and
+sequential residuals, StableLM's per-head q/k norms and parallel blocks, StarCoder2's RoPE base.
 """
 from __future__ import annotations
 
@@ -23,13 +26,13 @@ import pytest
 import torch
 import transformers
 from gguf_writing import ENGINE_KW as _GGUF_ENGINE_KW
-from gguf_writing import add_shape_metadata, gguf, teacher_forced_ranks, write_gguf
+from gguf_writing import add_shape_metadata, gguf, hf_greedy, teacher_forced_ranks, write_gguf
 from gguf_writing import own_cache  # noqa: F401 (autouse fixture: a cache directory per test)
 from test_models_hf import hf_greedy_reference
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_config import build_config
-from pagedllm.model.gguf_loader import map_tensor_name, open_gguf
+from pagedllm.model.gguf_loader import map_tensor_name, open_gguf, transformers_dense_gguf_kwargs
 
 # OLMo 3's hybrid KV cache counts blocks of one group's layers: a pool of more of them.
 ENGINE_KW = {**_GGUF_ENGINE_KW, "num_gpu_blocks_override": 128}
@@ -47,6 +50,10 @@ _SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_
 # head_dim**-0.5 = 0.25) while keeping the top-2 logit margins well above float32 noise.
 _GRANITE_MULTIPLIERS = dict(embedding_multiplier=4.0, residual_multiplier=0.4, attention_multiplier=0.09,
                             logits_scaling=2.5)
+# The LayerNorm families' shape (biases, the tokens in the vocabulary); untied heads where llama.cpp requires one.
+_LN_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager", pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2)
 _OLMO3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
 
@@ -85,6 +92,92 @@ def _olmo2_meta(w, cfg) -> None:
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
 
 
+def _rotary_dims(cfg) -> int:
+    """Each head's rotated dimensions: int(partial_rotary_factor · head_dim), as the converters compute it."""
+    return int(cfg.rope_parameters.get("partial_rotary_factor", 1.0) * (cfg.hidden_size // cfg.num_attention_heads))
+
+
+def _layernorm_shape_meta(w, cfg, ffn: int | None = None) -> None:
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size if ffn is None else ffn)
+    w.add_head_count(cfg.num_attention_heads)
+
+
+def _gptneox_meta(w, cfg) -> None:
+    """GPTNeoXModel.set_gguf_parameters: no KV head count (one per head), no RoPE base (llama.cpp's 10 000)."""
+    _layernorm_shape_meta(w, cfg)
+    w.add_rope_dimension_count(_rotary_dims(cfg))
+    w.add_parallel_residual(cfg.use_parallel_residual)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+
+
+def _phi2_meta(w, cfg) -> None:
+    """Phi2Model.set_gguf_parameters: the MLP width written as 4 · hidden, as many KV heads as heads, no RoPE base."""
+    _layernorm_shape_meta(w, cfg, ffn=4 * cfg.hidden_size)
+    w.add_head_count_kv(cfg.num_attention_heads)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    w.add_rope_dimension_count(_rotary_dims(cfg))
+    w.add_add_bos_token(False)
+
+
+def _stablelm_meta(w, cfg) -> None:
+    """StableLMModel.set_gguf_parameters (no RoPE base; llama.cpp tells the residual from ffn_norm's presence)."""
+    _layernorm_shape_meta(w, cfg)
+    w.add_rope_dimension_count(_rotary_dims(cfg))
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_parallel_residual(cfg.use_parallel_residual)
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+
+
+def _starcoder2_meta(w, cfg) -> None:
+    """TextModel.set_gguf_parameters: the shape keys, the RoPE base, the LayerNorm epsilon (no window key)."""
+    _layernorm_shape_meta(w, cfg)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_eps(cfg.norm_epsilon)
+
+
+def _gptneox_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """GPTNeoXModel.modify_tensors: each query_key_value from HF's per-head (q, k, v) rows to q | k | v."""
+    cfg = model.config
+    n_head, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".query_key_value." in name:
+            t = t.reshape(n_head, 3, head_dim, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        out[name] = t
+    return out
+
+
+def _phi2_fused_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Older Phi-2 files' fused attn_qkv (q | k | v rows; gguf-py maps `self_attn.qkv_proj` to it)."""
+    state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if ".self_attn.q_proj." in name:
+            parts = [state[name.replace("q_proj", proj)] for proj in ("q_proj", "k_proj", "v_proj")]
+            out[name.replace("q_proj", "qkv_proj")] = torch.cat(parts)
+        elif ".self_attn.k_proj." not in name and ".self_attn.v_proj." not in name:
+            out[name] = t
+    return out
+
+
+def _stablelm_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """StableLMModel._stack_qk_norm: each layer's per-head q/k LayerNorm weights stacked into one [heads, head_dim]."""
+    state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if ".norms." not in name:
+            out[name] = t
+        elif name.endswith(".norms.0.weight"):
+            prefix = name[: -len(".norms.0.weight")]
+            heads = sorted(int(k.split(".")[-2]) for k in state if k.startswith(f"{prefix}.norms."))
+            out[f"{prefix}.weight"] = torch.stack([state[f"{prefix}.norms.{h}.weight"] for h in heads])
+    return out
+
+
 @dataclass(frozen=True)
 class Case:
     arch: str  # llama.cpp's architecture name
@@ -93,6 +186,10 @@ class Case:
     kwargs: dict
     metadata: Callable[[Any, Any], None]
     permute_qk: bool = False
+    #: the tensors the converter writes under HF names (None: the model's own)
+    tensors: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None
+    #: config fields transformers' GGUF reader does not take from the file (None: it cannot read the architecture)
+    transformers_overrides: dict | None = None
 
 
 CASES: dict[str, Case] = {
@@ -116,6 +213,39 @@ CASES: dict[str, Case] = {
     "smollm3": Case("smollm3", "SmolLM3Config", "SmolLM3ForCausalLM", {
         **_SHAPE, "num_hidden_layers": 5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
         "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}, _llama_converter_meta, permute_qk=True),
+    # Parallel residual, RoPE on 4 of 16 dims, fused attn_qkv (reordered from HF's per-head interleaving), biases,
+    # llama.cpp's tanh GELU.
+    "gptneox": Case("gptneox", "GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        **_LN_SHAPE, "num_key_value_heads": 4, "rotary_pct": 0.25, "use_parallel_residual": True,
+        "hidden_act": "gelu_new"}, _gptneox_meta, tensors=_gptneox_tensors),
+    # Sequential residual, RoPE on 8 of 16 dims.
+    "gptneox-sequential": Case("gptneox", "GPTNeoXConfig", "GPTNeoXForCausalLM", {
+        **_LN_SHAPE, "num_key_value_heads": 4, "rotary_pct": 0.5, "use_parallel_residual": False,
+        "hidden_act": "gelu_new"}, _gptneox_meta, tensors=_gptneox_tensors),
+    # One LayerNorm feeding attention and MLP, RoPE on 8 of 16 dims, biased q/k/v/dense/fc and LM head; MHA and an
+    # MLP 4 × hidden wide (the converter writes those, whatever the config says), an untied head (llama.cpp's phi2
+    # requires output.weight and output.bias).
+    "phi2": Case("phi2", "PhiConfig", "PhiForCausalLM", {
+        **_LN_SHAPE, "intermediate_size": 256, "num_key_value_heads": 4, "partial_rotary_factor": 0.5},
+        _phi2_meta),
+    # The same with q/k/v fused into one attn_qkv (older Phi-2 files).
+    "phi2-fused-qkv": Case("phi2", "PhiConfig", "PhiForCausalLM", {
+        **_LN_SHAPE, "intermediate_size": 256, "num_key_value_heads": 4, "partial_rotary_factor": 0.5},
+        _phi2_meta, tensors=_phi2_fused_tensors),
+    # Sequential blocks, q/k/v biases, GQA, RoPE on 4 of 16 dims, SwiGLU.
+    "stablelm": Case("stablelm", "StableLmConfig", "StableLmForCausalLM", {
+        **_LN_SHAPE, "partial_rotary_factor": 0.25, "use_qkv_bias": True, "use_parallel_residual": False},
+        _stablelm_meta, transformers_overrides={"partial_rotary_factor": 0.25}),
+    # Parallel blocks (no ffn_norm), one LayerNorm weight per q head and per KV head (StableLM 2 12B). transformers'
+    # GGUF reader leaves those stacked norms unread (its per-head norms.H keep their init): no second check here.
+    "stablelm-parallel-qk-norm": Case("stablelm", "StableLmConfig", "StableLmForCausalLM", {
+        **_LN_SHAPE, "partial_rotary_factor": 0.5, "use_parallel_residual": True, "qk_layernorm": True},
+        _stablelm_meta, tensors=_stablelm_tensors),
+    # Biases everywhere, GQA, whole-head RoPE, tied head (the default), no window (the file names none).
+    "starcoder2": Case("starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", {
+        **_LN_SHAPE, "sliding_window": None, "use_bias": True, "norm_epsilon": 1e-4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}, _starcoder2_meta,
+        transformers_overrides={"sliding_window": None}),
 }
 
 
@@ -134,7 +264,19 @@ def _hf_model(case: Case) -> torch.nn.Module:
 
 def _write(model: torch.nn.Module, case: Case, path: Path, **kw) -> Path:
     return write_gguf(model, case.arch, path, partial(case.metadata, cfg=model.config), permute_qk=case.permute_qk,
-                      **kw)
+                      state_dict=None if case.tensors is None else case.tensors(model), **kw)
+
+
+def _transformers_from_gguf(src: Path, overrides: dict[str, Any]) -> torch.nn.Module:
+    """transformers reading ``src`` itself (float32, eager attention), with ``overrides`` set on the config it reads:
+    the fields its GGUF reader does not take from the file."""
+    config = transformers.AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(src.parent), gguf_file=src.name, config=config, attn_implementation="eager",
+        **transformers_dense_gguf_kwargs())
+    return model.float().eval()
 
 
 def _prompts(lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
@@ -166,10 +308,12 @@ def test_gguf_generates_what_transformers_does(name: str, tmp_path: Path) -> Non
     prompts = _prompts()
     want, logprobs = hf_greedy_reference(model, prompts, MAX_TOKENS)
     src = _write(model, case, tmp_path / f"{name}.gguf")
+    if case.transformers_overrides is not None:  # transformers reads the file itself: the layout is llama.cpp's
+        assert hf_greedy(_transformers_from_gguf(src, case.transformers_overrides), prompts, MAX_TOKENS) == want
     llm = LLM(model=str(src), **ENGINE_KW, quantization="none", block_size=4)
     ours = _model(llm)
     assert type(ours).__name__ == case.model_cls
-    assert type(ours).direct_forward_supported is False
+    assert getattr(type(ours), "direct_forward_supported", False) is False  # (the LayerNorm classes lack the flag)
     assert llm.llm_engine.executor.driver_worker.model_runner.direct_forward is None  # the module path
     _assert_matches(_ours(llm, prompts), want, logprobs)
 
@@ -194,6 +338,26 @@ def test_config_from_metadata(tmp_path: Path) -> None:
     assert configs["smollm3"]["no_rope_layers"] == [1, 1, 1, 0, 1]
     assert configs["smollm3"]["tie_word_embeddings"]
 
+    def rope(name: str) -> dict[str, Any]:
+        return configs[name]["rope_parameters"]
+
+    for name in ("gptneox", "gptneox-sequential", "phi2", "stablelm", "stablelm-parallel-qk-norm", "starcoder2"):
+        assert "rms_norm_eps" not in configs[name] and "rope_theta" not in configs[name]
+    neox, seq = configs["gptneox"], configs["gptneox-sequential"]
+    assert neox["use_parallel_residual"] and not seq["use_parallel_residual"] and neox["attention_bias"]
+    assert rope("gptneox")["partial_rotary_factor"] == 0.25 and rope("gptneox-sequential")["partial_rotary_factor"] == 0.5
+    assert neox["hidden_act"] == "gelu_pytorch_tanh" and neox["layer_norm_eps"] == pytest.approx(1e-5)
+    phi2 = configs["phi2"]
+    assert rope("phi2") == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    assert phi2["hidden_act"] == "gelu_new" and not phi2["qk_layernorm"] and not phi2["tie_word_embeddings"]
+    stablelm, parallel = configs["stablelm"], configs["stablelm-parallel-qk-norm"]
+    assert (stablelm["use_qkv_bias"], stablelm["qk_layernorm"], stablelm["use_parallel_residual"]) == (True, False, False)
+    assert (parallel["use_qkv_bias"], parallel["qk_layernorm"], parallel["use_parallel_residual"]) == (False, True, True)
+    assert rope("stablelm")["partial_rotary_factor"] == 0.25
+    starcoder2 = configs["starcoder2"]
+    assert starcoder2["use_bias"] and starcoder2["tie_word_embeddings"] and starcoder2["sliding_window"] is None
+    assert starcoder2["norm_epsilon"] == pytest.approx(1e-4) and rope("starcoder2")["rope_theta"] == 50000.0
+
 
 def test_features_change_the_outputs() -> None:
     """Each setting the GGUF metadata carries changes transformers' own log-probs on these prompts, so the parity
@@ -202,7 +366,10 @@ def test_features_change_the_outputs() -> None:
     changes += [("granite", {"attention_multiplier": 0.25})]  # head_dim**-0.5, llama.cpp's default
     changes += [("olmo3", {"sliding_window": 4096}),
                 ("olmo3", {"rope_parameters": {**_OLMO3_ROPE, "sliding_attention": _OLMO3_ROPE["full_attention"]}}),
-                ("smollm3", {"no_rope_layers": [1] * 5})]
+                ("smollm3", {"no_rope_layers": [1] * 5}),
+                ("gptneox", {"rotary_pct": 1.0}), ("gptneox", {"use_parallel_residual": False}),
+                ("phi2", {"partial_rotary_factor": 1.0}), ("stablelm", {"partial_rotary_factor": 1.0}),
+                ("starcoder2", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})]
     prompts = _prompts()[-1:]
     for name, off in changes:
         case = CASES[name]
@@ -225,24 +392,31 @@ def test_permutation_is_needed(tmp_path: Path) -> None:
     assert max(abs(lp.logprob - want[0][0, token].item()) for token, lp in first.items()) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["granite", "granite-tied", "olmo3", "smollm3"])
+# Tied heads: their Q8_0 embedding serves the head too.
+_Q8_TIED = ("granite-tied", "starcoder2")
+
+
+@pytest.mark.parametrize("name", ["granite", "granite-tied", "olmo3", "smollm3", "gptneox", "phi2",
+                                  "stablelm-parallel-qk-norm", "starcoder2"])
 def test_q8_linears_run_quantized(name: str, tmp_path: Path) -> None:
-    """Q8_0 projections (and tied Granite's Q8_0 embedding, which its head shares) are served as int8 blocks, q/k rows
-    un-permuted block row by block row. Int8 activations are not bit-exact, so the check is teacher-forced: fed the
-    dequantized path's greedy continuation, the quantized model ranks that path's token first at nearly every
+    """Q8_0 projections (and a tied head's Q8_0 embedding, which the head shares) are served as int8 blocks: q/k rows
+    un-permuted block row by block row (Granite, SmolLM3), GPT-NeoX's fused attn_qkv split by rows into q/k/v, the
+    GELU MLPs' fc1 / fc2, Phi-2's biased head. Int8 activations are not bit-exact, so the check is teacher-forced: fed
+    the dequantized path's greedy continuation, the quantized model ranks that path's token first at nearly every
     position."""
+    from pagedllm.model.layers.linear import PackableGemm
+
     case = CASES[name]
     prompts = _prompts()
-    tied = name == "granite-tied"
+    tied = name in _Q8_TIED
     src = _write(_hf_model(case), case, tmp_path / f"{name}-q8.gguf", q8_linears=True, q8_embedding=tied)
     dense = [list(o.outputs[0].token_ids)
              for o in _ours(LLM(model=str(src), **ENGINE_KW, quantization="none"), prompts)]
     llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf")  # the suite's default is "none" (conftest.py)
     model = _model(llm)
     assert type(model).__name__ == case.model_cls
-    layer = model.model.layers[0]
-    assert layer.self_attn.qkv_proj.gguf_weight is not None and layer.mlp.gate_up_proj.gguf_weight is not None
-    assert layer.self_attn.o_proj.gguf_weight is not None and layer.mlp.down_proj.gguf_weight is not None
+    linears = {n: m for n, m in model.model.layers[0].named_modules() if isinstance(m, PackableGemm)}
+    assert len(linears) == 4 and all(m.gguf_weight is not None for m in linears.values()), sorted(linears)
     if tied:
         assert model.lm_head.gguf_weight is model.model.embed_tokens.gguf_weight is not None
     ranks = teacher_forced_ranks(llm, prompts, dense)
@@ -315,19 +489,68 @@ def test_unsupported_gguf_contents_are_clear_errors(tmp_path: Path) -> None:
           "granite.rope.scaling.finetuned is false")
     fails(_metadata_only(tmp_path / "d.gguf", "smollm3", lambda w: w.add_rope_dimension_count(8)),
           "rotates 8 of each head's 16 dimensions")
+    fails(_metadata_only(tmp_path / "e.gguf", "starcoder2", lambda w: (w.add_layer_norm_eps(1e-5),
+                                                                      w.add_rope_dimension_count(8))),
+          "rotates 8 of each head's 16 dimensions.*architecture 'starcoder2' must rotate whole heads")
+    for arch in ("phi2", "stablelm", "starcoder2", "gptneox"):
+        fails(_metadata_only(tmp_path / f"{arch}.gguf", arch, lambda w: w.add_parallel_residual(True)),
+              f"missing metadata key '{arch}.attention.layer_norm_epsilon'")
+    fails(_metadata_only(tmp_path / "f.gguf", "gptneox", lambda w: w.add_layer_norm_eps(1e-5)),
+          "missing metadata key 'gptneox.use_parallel_residual'")
+    fails(_metadata_only(tmp_path / "g.gguf", "gptneox", lambda w: (
+        w.add_layer_norm_eps(1e-5), w.add_parallel_residual(True), w.add_head_count_kv(2))),
+          "GPT-NeoX has one KV head per query head; gptneox.attention.head_count_kv = 2 of 4")
+    fails(_metadata_only(tmp_path / "h.gguf", "phi2", lambda w: (w.add_layer_norm_eps(1e-5),
+                                                                w.add_rope_dimension_count(5))),
+          "phi2.rope.dimension_count = 5; it must be even")
 
 
 def test_tensor_names_per_architecture() -> None:
-    """OLMo 2's post-norms (llama.cpp's post_attention_norm / post_ffw_norm) and whole-projection q/k norms; tensors
-    an architecture does not have (OLMo 2's pre-norms, a bias on SmolLM3 or OLMo 2, q/k norms on Granite) fail naming
-    the tensor and the ones the architecture has."""
+    """OLMo 2's post-norms (llama.cpp's post_attention_norm / post_ffw_norm) and whole-projection q/k norms; the
+    LayerNorm families under pagedllm's shared layout (fc1 / fc2, o_proj, norm biases, Phi-2's head bias); tensors an
+    architecture does not have (OLMo 2's pre-norms, a bias on SmolLM3 or OLMo 2, q/k norms on Granite, Phi-2's
+    ffn_norm, GPT-NeoX's unfused q, StarCoder2's gate) fail naming the tensor and the ones the architecture has."""
     assert map_tensor_name("blk.2.post_attention_norm.weight", "olmo2") == \
         "model.layers.2.post_attention_layernorm.weight"
     assert map_tensor_name("blk.2.post_ffw_norm.weight", "olmo2") == "model.layers.2.post_feedforward_layernorm.weight"
     assert map_tensor_name("blk.0.attn_k_norm.weight", "olmo2") == "model.layers.0.self_attn.k_norm.weight"
     assert map_tensor_name("blk.1.attn_q.bias", "granite") == "model.layers.1.self_attn.q_proj.bias"
     assert map_tensor_name("blk.1.ffn_norm.weight", "smollm3") == "model.layers.1.post_attention_layernorm.weight"
+    assert map_tensor_name("blk.0.attn_qkv.bias", "gptneox") == "model.layers.0.self_attn.qkv_proj.bias"
+    assert map_tensor_name("blk.0.ffn_up.weight", "gptneox") == "model.layers.0.mlp.fc1.weight"
+    assert map_tensor_name("blk.0.ffn_norm.bias", "starcoder2") == "model.layers.0.post_attention_layernorm.bias"
+    assert map_tensor_name("blk.0.attn_output.bias", "phi2") == "model.layers.0.self_attn.o_proj.bias"
+    assert map_tensor_name("output.bias", "phi2") == "lm_head.bias"
+    assert map_tensor_name("output_norm.bias", "stablelm") == "model.norm.bias"
+    assert map_tensor_name("blk.0.attn_k_norm.weight", "stablelm") == "model.layers.0.self_attn.k_norm.weight"
     for name, arch in [("blk.0.attn_norm.weight", "olmo2"), ("blk.0.attn_q.bias", "smollm3"),
-                       ("blk.0.attn_output.bias", "olmo2"), ("blk.0.attn_q_norm.weight", "granite")]:
+                       ("blk.0.attn_output.bias", "olmo2"), ("blk.0.attn_q_norm.weight", "granite"),
+                       ("blk.0.ffn_norm.weight", "phi2"), ("blk.0.attn_q.weight", "gptneox"),
+                       ("blk.0.ffn_gate.weight", "starcoder2")]:
         with pytest.raises(ValueError, match=f"Unsupported tensor '{name}' .* architecture '{arch}'"):
             map_tensor_name(name, arch)
+
+
+def test_gguf_with_a_tokenizer_serves_text(tmp_path: Path) -> None:
+    """A file's BPE tokenizer (here the bundled model's vocabulary and chat template, in a smollm3 file) is built
+    from its metadata, though transformers cannot read the architecture's config from a GGUF: text prompts and chat
+    run, and text encodes as the bundled tokenizer encodes it."""
+    from gguf_writing import copy_tokenizer
+
+    from pagedllm.model.loader import default_model_path
+
+    name, case = "smollm3", CASES["smollm3"]
+    config = getattr(transformers, case.config_cls)(vocab_size=49152, initializer_range=0.1, **case.kwargs)
+    model = getattr(transformers, case.model_cls)(config).eval()
+    src = _write(model, case, tmp_path / f"{name}-tok.gguf", tokenizer=partial(copy_tokenizer,
+                                                                               source=default_model_path()))
+    llm = LLM(model=str(src), num_gpu_blocks_override=32, max_model_len=128, device="cpu", swap_space=0.01)
+    tok = llm.get_tokenizer()
+    reference = LLM(num_gpu_blocks_override=4, max_model_len=64, device="cpu", swap_space=0.01).get_tokenizer()
+    text = "The capital of France is Paris, and it is lovely in spring."
+    assert tok.encode(text) == reference.encode(text)
+    out = llm.generate([text], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == tok.encode(text) and len(out.outputs[0].token_ids) == 4
+    chat = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    want = reference.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(chat[0].prompt_token_ids) == want and "Hi" in want

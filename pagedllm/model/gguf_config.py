@@ -51,6 +51,32 @@ _PHI3_TENSORS: Mapping[str, str] = MappingProxyType({
     "ffn_down": "mlp.down_proj",
     **_LLAMA_NORMS,
 })
+# OLMo 2 / 3: post-norms after attention and MLP (no pre-norms); q/k norms over whole projections.
+_OLMO2_TENSORS: Mapping[str, str] = MappingProxyType({
+    **_ATTENTION_TENSORS,
+    **_GATED_MLP_TENSORS,
+    **_QK_NORM_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+})
+# The LayerNorm families (GPT-NeoX, Phi-2, StableLM, StarCoder2) under pagedllm's shared layout of them
+# (models/gpt_neox.py: Llama's attention and norm names, fc1 / fc2 for a GELU MLP), which their classes load as named
+# and the quantized path matches module by module. Their norms and most projections carry biases.
+_GELU_MLP_TENSORS: Mapping[str, str] = MappingProxyType({"ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"})
+_GPTNEOX_TENSORS: Mapping[str, str] = MappingProxyType({
+    "attn_qkv": "self_attn.qkv_proj",  # q|k|v (the converter reorders HF's per-head interleaved query_key_value)
+    "attn_output": "self_attn.o_proj",
+    **_GELU_MLP_TENSORS,
+    **_LLAMA_NORMS,
+})
+# Phi-2: one norm feeding attention and MLP; q/k/v separate (HF's) or fused (older files' Wqkv).
+_PHI2_TENSORS: Mapping[str, str] = MappingProxyType({
+    "attn_qkv": "self_attn.qkv_proj",
+    **_ATTENTION_TENSORS,
+    **_GELU_MLP_TENSORS,
+    "attn_norm": "input_layernorm",
+})
+_STARCODER2_TENSORS: Mapping[str, str] = MappingProxyType({**_ATTENTION_TENSORS, **_GELU_MLP_TENSORS, **_LLAMA_NORMS})
 #: Phi-3 LongRoPE's per-dimension frequency factors: read into the config's rope scaling, not weights.
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 #: Fused GGUF/HF tensors → their parts in row order (the quantized path serves the parts: layers/quantized_linear.py).
@@ -75,9 +101,20 @@ class GGUFArchitecture:
     #: whether the HF model has projection biases (a bias tensor elsewhere is refused)
     biases: bool = False
     hidden_act: str = "silu"
+    #: what attn_q_norm / attn_k_norm normalise: each head ("head": one weight of head_dim, Qwen3, Gemma 3), the
+    #: whole projection ("projection": heads · head_dim weights, OLMo 2) or each head with its own weight
+    #: ("per_head": [heads, head_dim], StableLM 2 12B)
+    qk_norm: str = "head"
+    #: LayerNorms (weight and bias; epsilon from attention.layer_norm_epsilon) instead of RMSNorms
+    layer_norm: bool = False
+    #: whether RoPE may rotate part of each head (rope.dimension_count < head_dim)
+    partial_rotary: bool = False
+    #: the model class loads q/k/v separately: the dequantizing path splits a fused attn_qkv into them
+    split_fused: bool = False
 
 
 _LLAMA_BLOCK = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_LLAMA_NORMS, **_QK_NORM_TENSORS})
+_LLAMA_NO_QK_NORM = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_LLAMA_NORMS})
 _GEMMA2_BLOCK = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_SANDWICH_NORMS})
 GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "llama": GGUFArchitecture("LlamaForCausalLM", "llama", _LLAMA_BLOCK, permuted_qk=True, biases=True),
@@ -90,7 +127,24 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "gemma2", _GEMMA2_BLOCK, norm_offset=1.0, hidden_act="gelu_pytorch_tanh"),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "gemma3_text", MappingProxyType({**_GEMMA2_BLOCK, **_QK_NORM_TENSORS}),
                     norm_offset=1.0, hidden_act="gelu_pytorch_tanh"),
-    "phi3": GGUFArchitecture("Phi3ForCausalLM", "phi3", _PHI3_TENSORS),
+    "phi3": GGUFArchitecture("Phi3ForCausalLM", "phi3", _PHI3_TENSORS, partial_rotary=True),
+    # Llama's layout (the converter subclasses Llama's: q/k permuted) with four multipliers (_granite_config).
+    "granite": GGUFArchitecture("GraniteForCausalLM", "granite", _LLAMA_NO_QK_NORM, permuted_qk=True, biases=True),
+    # Olmo2ForCausalLM, or Olmo3ForCausalLM where the file names a sliding window (_olmo2_config).
+    "olmo2": GGUFArchitecture("Olmo2ForCausalLM", "olmo2", _OLMO2_TENSORS, qk_norm="projection"),
+    # Llama's layout (q/k permuted), every fourth layer without RoPE (_smollm3_config).
+    "smollm3": GGUFArchitecture("SmolLM3ForCausalLM", "smollm3", _LLAMA_NO_QK_NORM, permuted_qk=True),
+    # llama.cpp runs these MLPs with its tanh-approximated GELU (LLM_FFN_GELU), GPT-NeoX's too (Pythia's HF configs
+    # say the exact "gelu"); their RoPE is NEOX (q/k stored as HF has them). See _layernorm_config.
+    "gptneox": GGUFArchitecture("GPTNeoXForCausalLM", "gpt_neox", _GPTNEOX_TENSORS, biases=True,
+                                hidden_act="gelu_pytorch_tanh", layer_norm=True, partial_rotary=True,
+                                split_fused=True),
+    "phi2": GGUFArchitecture("PhiForCausalLM", "phi", _PHI2_TENSORS, biases=True, hidden_act="gelu_new",
+                             layer_norm=True, partial_rotary=True, split_fused=True),
+    "stablelm": GGUFArchitecture("StableLmForCausalLM", "stablelm", _LLAMA_BLOCK, biases=True, qk_norm="per_head",
+                                 layer_norm=True, partial_rotary=True),
+    "starcoder2": GGUFArchitecture("Starcoder2ForCausalLM", "starcoder2", _STARCODER2_TENSORS, biases=True,
+                                   hidden_act="gelu_pytorch_tanh", layer_norm=True),
 })
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_ARCHITECTURES)
 
@@ -131,8 +185,10 @@ def gguf_array(reader: Any, key: str) -> list[Any] | None:
 # --------------------------------------------------------------------------------------------
 # Config
 
-#: llama.cpp's period of local/global layers when a file names none (llama_model_gemma2/3::load_arch_hparams).
-_GEMMA_SLIDING_PERIOD: Mapping[str, int] = MappingProxyType({"gemma2": 2, "gemma3": 6})
+#: llama.cpp's period of local/global layers when a file names none (llama_model_gemma2/3/olmo2::load_arch_hparams).
+_SLIDING_PERIOD: Mapping[str, int] = MappingProxyType({"gemma2": 2, "gemma3": 6, "olmo2": 4})
+#: SmolLM3: llama.cpp skips RoPE on layer i where (i + 1) % 4 == 0 (hard-coded n_no_rope_layer_step; no key).
+_SMOLLM3_NO_ROPE_STEP = 4
 #: Gemma 2's window when a file names none (llama.cpp's default; Gemma 2's 4096).
 _GEMMA2_DEFAULT_WINDOW = 4096
 #: Layer counts of Gemma 2 27B and Gemma 3 27B. GGUF has no key for query_pre_attn_scalar: llama.cpp scales queries
@@ -161,7 +217,8 @@ class GGUFModelInfo:
 
 
 def build_config(reader: Any, path: Path) -> GGUFModelInfo:
-    """Build an HF config dict (Llama, Qwen2/3, Gemma 1/2/3 or Phi-3) from GGUF metadata, as llama.cpp reads it."""
+    """Build an HF config dict (Llama, Qwen2/3, Gemma 1/2/3, Phi-3, Granite, OLMo 2/3, SmolLM3, GPT-NeoX, Phi-2,
+    StableLM or StarCoder2) from GGUF metadata, as llama.cpp reads it."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -219,10 +276,12 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         allowed = "linear, yarn" + (", longrope" if arch == "phi3" else "")
         raise ValueError(f"Unsupported RoPE scaling type {scaling_type!r} in {path}; supported: {allowed}")
     n_rot = gguf_field(reader, f"{arch}.rope.dimension_count")
-    if n_rot is not None and int(n_rot) != head_dim and arch != "phi3":
+    if n_rot is not None and int(n_rot) != head_dim and not spec.partial_rotary:
+        partial = [a for a, s in GGUF_ARCHITECTURES.items() if s.partial_rotary and a != "phi3"]
         raise ValueError(
             f"{path} rotates {n_rot} of each head's {head_dim} dimensions ({arch}.rope.dimension_count); partial "
-            f"rotary embeddings are supported for phi3 only, architecture {arch!r} must rotate whole heads"
+            f"rotary embeddings are supported for phi3 only (and the LayerNorm architectures {', '.join(partial)}), "
+            f"architecture {arch!r} must rotate whole heads"
         )
 
     bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
@@ -248,7 +307,7 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
-    if spec.biases:
+    if spec.biases and not spec.layer_norm:  # (the LayerNorm families name theirs: _layernorm_config)
         # transformers' attention_bias biases q, k, v and o (Qwen2's q/k/v are biased whatever it says)
         qkv_biased = "blk.0.attn_q.bias" in tensor_names or spec.hf_arch == "Qwen2ForCausalLM"
         config["attention_bias"] = qkv_biased and "blk.0.attn_output.bias" in tensor_names
@@ -263,6 +322,14 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         config.update(_gemma_config(reader, arch, config, path))
     elif arch == "phi3":
         config.update(_phi3_config(reader, config, None if n_rot is None else int(n_rot), scaling_type, path))
+    elif arch == "granite":
+        config.update(_granite_config(reader, config, path))
+    elif arch == "olmo2":
+        config = _olmo2_config(reader, config, path)
+    elif arch == "smollm3":
+        config.update(_smollm3_config(config))
+    elif spec.layer_norm:
+        config = _layernorm_config(reader, arch, config, tensor_names, None if n_rot is None else int(n_rot), path)
     return GGUFModelInfo(
         config=config,
         n_head=n_head,
@@ -287,7 +354,7 @@ def _sliding_layer_types(reader: Any, arch: str, n_layers: int, path: Path) -> l
             raise ValueError(f"{path}: {key} has {len(flags)} per-layer flags, the model has {n_layers} layers")
         local = [bool(f) for f in flags]
     else:
-        period = int(gguf_field(reader, key, _GEMMA_SLIDING_PERIOD[arch]))
+        period = int(gguf_field(reader, key, _SLIDING_PERIOD[arch]))
         local = [period == 0 or i % period < period - 1 for i in range(n_layers)]
     return [SLIDING if is_local else FULL for is_local in local]
 
@@ -326,6 +393,121 @@ def _gemma_config(reader: Any, arch: str, base: dict[str, Any], path: Path) -> d
                    rope_local_base_freq=float(opt("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)))
     else:
         out.update(sliding_window=None, layer_types=[FULL] * n_layers)
+    return out
+
+
+def _arch_key(key: str, arch: str) -> str:
+    """A gguf-py key template (``gguf.Keys``: ``"{arch}.logit_scale"``) for architecture ``arch``."""
+    return key.format(arch=arch)
+
+
+def _granite_config(reader: Any, base: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Granite's multipliers as llama.cpp reads them (llama_model_granite): an embedding or residual scale that is
+    absent or 0 multiplies by 1, an attention scale that is absent or 0 is head_dim**-0.5, and the logit scale (the
+    logits are divided by it) is required."""
+    from gguf import Keys
+
+    def scale(template: str, default: float) -> float:
+        key = _arch_key(template, "granite")
+        value = gguf_field(reader, key)
+        value = 0.0 if value is None else float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: {key} = {value}; it must be a finite number")
+        return value or default
+
+    finetuned_key = _arch_key(Keys.Rope.SCALING_FINETUNED, "granite")
+    finetuned = gguf_field(reader, finetuned_key)
+    if finetuned is not None and not bool(finetuned):
+        raise ValueError(f"{path}: {finetuned_key} is false, which turns RoPE off on every layer in llama.cpp; "
+                         "GraniteForCausalLM always applies RoPE (only files with RoPE are supported)")
+    logit_key = _arch_key(Keys.LLM.LOGIT_SCALE, "granite")
+    if gguf_field(reader, logit_key) is None:
+        raise ValueError(f"{path} is not a valid GGUF file: missing metadata key {logit_key!r} (Granite's logits "
+                         "are divided by it; llama.cpp requires it)")
+    logits_scaling = scale(Keys.LLM.LOGIT_SCALE, 0.0)
+    if logits_scaling == 0.0:
+        raise ValueError(f"{path}: {logit_key} is 0; Granite divides its logits by it, it must be non-zero")
+    return {
+        "embedding_multiplier": scale(Keys.LLM.EMBEDDING_SCALE, 1.0),
+        "residual_multiplier": scale(Keys.LLM.RESIDUAL_SCALE, 1.0),
+        "attention_multiplier": scale(Keys.Attention.SCALE, base["head_dim"] ** -0.5),
+        "logits_scaling": logits_scaling,
+    }
+
+
+def _olmo2_config(reader: Any, base: dict[str, Any], path: Path) -> dict[str, Any]:
+    """OLMo 2, or OLMo 3 where the file names a positive sliding window (llama.cpp runs both as `olmo2`): OLMo 3's
+    layer types from attention.sliding_window_pattern (default: every fourth layer global), its local layers' RoPE
+    at rope.freq_base_swa (default: the global base) without the global layers' scaling, as llama.cpp does."""
+    from gguf import Keys
+
+    window_key = _arch_key(Keys.Attention.SLIDING_WINDOW, "olmo2")
+    window = int(gguf_field(reader, window_key, 0) or 0)
+    if window <= 0:
+        return base
+    out = {k: v for k, v in base.items() if k not in ("rope_theta", "rope_scaling")}
+    full: dict[str, Any] = {"rope_type": "default", **(base["rope_scaling"] or {}), "rope_theta": base["rope_theta"]}
+    local_base = float(gguf_field(reader, _arch_key(Keys.Rope.FREQ_BASE_SWA, "olmo2"), base["rope_theta"]))
+    out.update(
+        architectures=["Olmo3ForCausalLM"], model_type="olmo3", sliding_window=window,
+        layer_types=_sliding_layer_types(reader, "olmo2", base["num_hidden_layers"], path),
+        rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                                       "rope_theta": local_base}},
+    )
+    return out
+
+
+def _smollm3_config(base: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's layers without RoPE, as llama.cpp hard-codes them (no metadata key), and no window (llama.cpp's
+    smollm3 attends to the whole context)."""
+    n_layers = base["num_hidden_layers"]
+    return {"no_rope_layers": [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0) for i in range(n_layers)],
+            "no_rope_layer_interval": _SMOLLM3_NO_ROPE_STEP, "use_sliding_window": False, "sliding_window": None}
+
+
+def _layernorm_config(reader: Any, arch: str, base: dict[str, Any], tensor_names: set[str], n_rot: int | None,
+                      path: Path) -> dict[str, Any]:
+    """GPT-NeoX, Phi-2, StableLM and StarCoder2 as llama.cpp reads them: the LayerNorm epsilon (required), the rotated
+    part of each head, and what llama.cpp tells from the tensors present (biases; StableLM's per-head q/k norms and,
+    without ffn_norm, its parallel residual). GPT-NeoX's parallel residual is a required key. StarCoder2's files name
+    no window: llama.cpp attends to the whole context (HF's StarCoder2 config has a 4096-token window)."""
+    from gguf import Keys
+
+    eps_key = _arch_key(Keys.Attention.LAYERNORM_EPS, arch)
+    eps = gguf_field(reader, eps_key)
+    if eps is None:
+        raise ValueError(f"{path} is not a valid GGUF file: missing metadata key {eps_key!r}")
+    out = {k: v for k, v in base.items() if k not in ("rms_norm_eps", "rope_theta", "rope_scaling")}
+    head_dim = base["head_dim"]
+    rotary = head_dim if n_rot is None else n_rot
+    if not 0 < rotary <= head_dim or rotary % 2:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count = {rotary}; it must be even and at most head_dim "
+                         f"({head_dim})")
+    # Always named, in rope_parameters: these configs' defaults rotate part of each head (GPT-NeoX ¼, Phi ½,
+    # StableLM ¼) and GPT-NeoX's reads its base from another key (rotary_emb_base).
+    out["rope_parameters"] = {"rope_type": "default", **(base["rope_scaling"] or {}), "rope_theta": base["rope_theta"],
+                              "partial_rotary_factor": rotary / head_dim}
+
+    def has(name: str) -> bool:
+        return f"blk.0.{name}" in tensor_names
+
+    if arch == "gptneox":
+        key = _arch_key(Keys.LLM.USE_PARALLEL_RESIDUAL, arch)
+        parallel = gguf_field(reader, key)
+        if parallel is None:
+            raise ValueError(f"{path} is not a valid GGUF file: missing metadata key {key!r}")
+        if base["num_key_value_heads"] != base["num_attention_heads"]:
+            raise ValueError(f"{path}: GPT-NeoX has one KV head per query head; {arch}.attention.head_count_kv = "
+                             f"{base['num_key_value_heads']} of {base['num_attention_heads']}")
+        out.update(layer_norm_eps=float(eps), use_parallel_residual=bool(parallel),
+                   attention_bias=has("attn_qkv.bias"))
+    elif arch == "phi2":
+        out.update(layer_norm_eps=float(eps), qk_layernorm=False)
+    elif arch == "stablelm":
+        out.update(layer_norm_eps=float(eps), use_qkv_bias=has("attn_q.bias"), qk_layernorm=has("attn_q_norm.weight"),
+                   use_parallel_residual=not has("ffn_norm.weight"))
+    else:  # starcoder2
+        out.update(norm_epsilon=float(eps), use_bias=has("attn_output.bias"), sliding_window=None)
     return out
 
 

@@ -233,17 +233,20 @@ def _fused_rows(module: str, cfg: dict[str, Any]) -> tuple[int, ...]:
     return (q, kv, kv) if module == "qkv_proj" else (ff, ff)
 
 
-def _expected_shape(hf_name: str, cfg: dict[str, Any]) -> tuple[int, ...] | None:
+def _expected_shape(hf_name: str, cfg: dict[str, Any], qk_norm: str = "head") -> tuple[int, ...] | None:
+    """The HF shape of ``hf_name`` the config implies (None: not checked); ``qk_norm``: GGUFArchitecture.qk_norm."""
     h, hd, vocab = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
     q, kv, ff = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
     module, kind = hf_name.split(".")[-2:]
     rows = {"embed_tokens": vocab, "lm_head": vocab, "q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h,
-            "qkv_proj": q + 2 * kv, "gate_proj": ff, "up_proj": ff, "gate_up_proj": 2 * ff, "down_proj": h}
+            "qkv_proj": q + 2 * kv, "gate_proj": ff, "up_proj": ff, "gate_up_proj": 2 * ff, "down_proj": h,
+            "fc1": ff, "fc2": h}
     if module in rows:
-        cols = {"o_proj": q, "down_proj": ff}.get(module, h)
+        cols = {"o_proj": q, "down_proj": ff, "fc2": ff}.get(module, h)
         return (rows[module], cols) if kind == "weight" else (rows[module],)
     if module in ("q_norm", "k_norm"):
-        return (hd,)
+        heads = cfg["num_attention_heads"] if module == "q_norm" else cfg["num_key_value_heads"]
+        return {"projection": (heads * hd,), "per_head": (heads, hd)}.get(qk_norm, (hd,))
     if module == "norm" or module.endswith("layernorm"):
         return (h,)
     return None
@@ -271,12 +274,20 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
             arr = reverse_permute(arr, info.n_head_kv)
         if info.norm_offset and t.name.endswith("norm.weight"):
             arr -= np.float32(info.norm_offset)
-        expected = _expected_shape(hf_name, info.config)
+        spec = GGUF_ARCHITECTURES[info.arch]
+        expected = _expected_shape(hf_name, info.config, spec.qk_norm)
         if expected is not None and tuple(arr.shape) != expected:
             raise ValueError(
                 f"GGUF tensor {t.name!r} in {path} has shape {tuple(arr.shape)}, expected {expected} "
                 "from the model metadata"
             )
+        module, kind = hf_name.split(".")[-2:]
+        if spec.split_fused and module in FUSED_PARTS:  # the class loads the parts (q/k/v_proj), not the fused name
+            prefix, start = hf_name[: -len(f"{module}.{kind}")], 0
+            for part, n in zip(FUSED_PARTS[module], _fused_rows(module, info.config)):
+                yield f"{prefix}{part}.{kind}", np.ascontiguousarray(arr[start:start + n])
+                start += n
+            continue
         yield hf_name, arr
 
 
@@ -411,9 +422,9 @@ class GGUFRawTensor:
 
 
 def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFRawTensor], int]:
-    """Every mapped tensor of ``path`` without dequantizing (q/k rows un-permuted; Phi-3's fused q|k|v and gate|up
-    split by rows into q/k/v_proj and gate/up_proj), and the file's tensor bytes. Gemma's norms, stored with +1, are
-    left out: only the dense path (:func:`convert_gguf`) reads them."""
+    """Every mapped tensor of ``path`` without dequantizing (q/k rows un-permuted; fused q|k|v (Phi-3, Phi-2,
+    GPT-NeoX) and gate|up (Phi-3) split by rows into q/k/v_proj and gate/up_proj), and the file's tensor bytes.
+    Gemma's norms, stored with +1, are left out: only the dense path (:func:`convert_gguf`) reads them."""
     src = Path(path)
     reader = open_gguf(src)
     info = build_config(reader, src)
