@@ -28,9 +28,12 @@ import transformers
 from gguf_writing import ENGINE_KW as _GGUF_ENGINE_KW
 from gguf_writing import add_shape_metadata, gguf, hf_greedy, teacher_forced_ranks, write_gguf
 from gguf_writing import own_cache  # noqa: F401 (autouse fixture: a cache directory per test)
+from test_gguf_gemma_phi3 import _assert_matches, _model, _ours  # same MAX_TOKENS and LOGPROB_ATOL
 from test_models_hf import hf_greedy_reference
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+from pagedllm.model.cpu_direct_forward import direct_forward_enabled
 from pagedllm.model.gguf_config import build_config
 from pagedllm.model.gguf_loader import map_tensor_name, open_gguf, transformers_dense_gguf_kwargs
 
@@ -284,23 +287,6 @@ def _prompts(lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
 
 
-def _ours(llm: LLM, prompts: list[list[int]]) -> list:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def _model(llm: LLM) -> torch.nn.Module:
-    return llm.llm_engine.executor.driver_worker.model
-
-
-def _assert_matches(outs: list, tokens: list[list[int]], logprobs: list[torch.Tensor]) -> None:
-    for out, want, ref in zip(outs, tokens, logprobs):
-        assert list(out.outputs[0].token_ids) == want
-        for step, top in enumerate(out.outputs[0].logprobs):
-            for token, lp in top.items():
-                assert abs(lp.logprob - ref[step, token].item()) < LOGPROB_ATOL, (step, token)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_gguf_generates_what_transformers_does(name: str, tmp_path: Path) -> None:
     case = CASES[name]
@@ -313,8 +299,11 @@ def test_gguf_generates_what_transformers_does(name: str, tmp_path: Path) -> Non
     llm = LLM(model=str(src), **ENGINE_KW, quantization="none", block_size=4)
     ours = _model(llm)
     assert type(ours).__name__ == case.model_cls
-    assert getattr(type(ours), "direct_forward_supported", False) is False  # (the LayerNorm classes lack the flag)
-    assert llm.llm_engine.executor.driver_worker.model_runner.direct_forward is None  # the module path
+    # The CPU direct forward (native kernels loaded) runs Granite and SmolLM3; OLMo and the LayerNorm families run
+    # their modules.
+    direct = case.model_cls in ("GraniteForCausalLM", "SmolLM3ForCausalLM") and load_cpu_kernels() is not None \
+        and direct_forward_enabled()
+    assert (llm.llm_engine.executor.driver_worker.model_runner.direct_forward is not None) == direct
     _assert_matches(_ours(llm, prompts), want, logprobs)
 
 

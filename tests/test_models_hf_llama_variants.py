@@ -5,8 +5,8 @@ Every knob takes a value a wrong implementation would fail on: Granite's four mu
 all four attention projections), OLMo's post-norms and whole-projection q/k norms with randomized weights, OLMo 3's
 windows of 8 tokens under prompts of up to 30 (plus 16 generated) and its two RoPE settings, SmolLM3's NoPE layer and
 window. test_knobs_change_transformers_outputs shows that turning a knob off changes transformers' own outputs.
-These classes opt out of the CPU direct forward (which implements plain Llama layers only): the parity test checks
-that the engine runs them through their modules even where the native kernels would allow the direct path.
+The CPU direct forward (native kernels, no module dispatch) runs Granite (its multipliers) and SmolLM3 (its NoPE
+layers); OLMo opts out (post-norms). The parity test checks which path each family's steps take.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from pagedllm.model.models.registry import get_model_class, layer_sliding_window
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 WINDOW = 8
+DIRECT_FORWARD_FAMILIES = ("granite", "smollm3")  # the CPU direct forward runs them; OLMo's post-norms it does not
 _SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager")
 _IN_VOCAB_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # SmolLM3's 128000s are past this vocab
@@ -97,18 +98,17 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     llm = LLM(model=str(built.path), num_gpu_blocks_override=pool, block_size=4, **ENGINE_KW)
     model = _model(llm)
     assert type(model).__name__ == FAMILIES[name].ours
-    assert type(model).direct_forward_supported is False
     runner = llm.llm_engine.executor.driver_worker.model_runner
     # Where the native kernels are loaded (and PAGEDLLM_CPU_DIRECT_FORWARD is not 0), the Llama family takes the
-    # direct forward; these classes opt out of it (it would ignore Granite's multipliers: wrong tokens).
-    if load_cpu_kernels() is not None and direct_forward_enabled():
-        assert runner.direct_forward is None
+    # direct forward: Granite (multipliers) and SmolLM3 (NoPE layers) with it, OLMo's post-norms never.
+    direct = load_cpu_kernels() is not None and direct_forward_enabled() and name in DIRECT_FORWARD_FAMILIES
+    assert (runner.direct_forward is not None) == direct
     stats = runner.enable_step_stats()
     try:
         outs = _greedy(llm, built.prompts, logprobs=3)
     finally:
         runner.step_stats = None
-    assert {path for _, path, *_ in stats.records} == {"eager"}
+    assert {path for _, path, *_ in stats.records} == {"direct" if direct else "eager"}
     for prompt, ref, out in zip(built.prompts, built.reference, outs):
         assert list(out.outputs[0].token_ids) == ref, f"{name}: prompt of {len(prompt)} tokens diverged"
     _assert_logprobs_match(outs, built)
@@ -207,7 +207,8 @@ def test_registry_by_architecture_and_model_type() -> None:
         assert get_model_class(config).__name__ == ours
         config.architectures = [ours]
         cls = get_model_class(config)
-        assert cls.__name__ == ours and cls.direct_forward_supported is False
+        assert cls.__name__ == ours
+        assert getattr(cls, "direct_forward_supported", True) == (ours in ("GraniteForCausalLM", "SmolLM3ForCausalLM"))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -10,7 +10,8 @@ what depends on the step (the batch's indices, once, not once per layer); then i
 kernels, in the same order, on the same inputs, into buffers reused across layers (and across steps of
 the same token count), so its outputs are bit-identical to the module path's.
 
-Built by the worker for float32 models of the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) and the Gemma
+Built by the worker for float32 models of the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite: its
+embedding and residual multipliers; SmolLM3: its layers without RoPE) and the Gemma
 family (Gemma, Gemma 2, Gemma 3 text) on the CPU when the native kernels are loaded and every linear is of one kind:
 GGUF blocks (``--quantization gguf``, the C GEMMs called by pointer) or dense float32 weights (an HF checkpoint or
 ``--quantization none``: the layer's own ``forward``, i.e. oneDNN's packed GEMM, so the products are the module
@@ -69,9 +70,9 @@ class _Layer:
     down: _Linear
     ln1: tuple[int, float]  # before attention (fused with the residual add after the first layer)
     ln2: tuple[int, float]  # after it: fused with the residual add before the MLP, or with `pre_ff` on its own
-    cos: int  # this layer's rotary caches, [max_position, rotary_dim]
+    cos: int  # this layer's rotary caches, [max_position, rotary_dim] (0: a layer without RoPE, SmolLM3's)
     sin: int
-    rotary_dim: int  # the dims of each head RoPE rotates (head_dim, or fewer under a partial rotary: Phi-4-mini)
+    rotary_dim: int  # the dims of each head RoPE rotates (head_dim, fewer under a partial rotary: Phi-4-mini; 0: none)
     scale: float  # the attention scores' scale (Gemma 2/3: query_pre_attn_scalar**-0.5)
     pre_ff: tuple[int, float] | None = None  # Gemma 2/3: the norm fused with the residual add before the MLP
     post_ff: tuple[int, float] | None = None  # Gemma 2/3: the norm of the MLP's output
@@ -81,6 +82,7 @@ class _Layer:
     window: int = 0  # the attention kernel's sliding window and logit soft cap (0: none)
     soft_cap: float = 0.0
     kv_cache_group: int = 0  # its blocks' KV cache group (core/kv_cache_groups.py): whose slots and tables it uses
+    residual_multiplier: float = 1.0  # Granite: the attention and MLP outputs' factor before each residual add
 
 
 class _Buffers:
@@ -152,12 +154,16 @@ class LlamaDirectForward:
             raise ValueError(f"gated activations {sorted(activations)}: the native kernels take one of "
                              f"{GATED_ACTIVATIONS} for every layer")
         self.activation = activations.pop()
-        normalizer = getattr(inner, "normalizer", None)  # GemmaModel: embeddings * sqrt(hidden)
-        self.embed_scale = None if normalizer is None else float(normalizer)
+        # GemmaModel: embeddings * sqrt(hidden); LlamaModel: * embedding_multiplier (Granite's; 1 for the others)
+        scale = getattr(inner, "normalizer", None)
+        if scale is None and float(getattr(inner, "embedding_multiplier", 1.0)) != 1.0:
+            scale = inner.embedding_multiplier
+        self.embed_scale = None if scale is None else float(scale)
         self.final_norm = _norm(inner.norm, self.hidden)
-        # the positions every layer's rotary tables cover
-        self.max_position = min(min(rope.cos_cache.shape[0], rope.sin_cache.shape[0])
-                                for rope in (layer.self_attn.rotary_emb for layer in inner.layers))
+        # the positions every layer's rotary tables cover (layers without RoPE take any)
+        ropes = [layer.self_attn.rotary_emb for layer in inner.layers if layer.self_attn.rotary_emb is not None]
+        self.max_position = min((min(rope.cos_cache.shape[0], rope.sin_cache.shape[0]) for rope in ropes),
+                                default=int(getattr(model.config, "max_position_embeddings", 1 << 30)))
         self.layers = [self._layer(layer) for layer in inner.layers]
         linears = [lin for lyr in self.layers for lin in (lyr.qkv, lyr.o, lyr.gate_up, lyr.down)]
         if len({lin.dense is None for lin in linears}) != 1:
@@ -258,10 +264,10 @@ class LlamaDirectForward:
         if o.out_features != self.hidden or down.out_features != self.hidden or gate_up.out_features % 2:
             raise ValueError("projection widths do not match the hidden size")
         rope = sa.rotary_emb
-        rotary_dim = rope.rotary_dim
-        if rotary_dim % 2 or not 0 < rotary_dim <= d:
+        rotary_dim = rope.rotary_dim if rope is not None else 0
+        if rope is not None and (rotary_dim % 2 or not 0 < rotary_dim <= d):
             raise ValueError(f"a rotary dim of {rotary_dim}: the C RoPE takes an even one in (0, head_dim = {d}]")
-        for t in (rope.cos_cache, rope.sin_cache):
+        for t in (rope.cos_cache, rope.sin_cache) if rope is not None else ():
             if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" or t.dim() != 2 \
                     or t.shape[-1] != rotary_dim or t.shape[0] < self.max_position:
                 raise ValueError("rotary caches must be contiguous float32 [max_position, rotary_dim] CPU tensors")
@@ -283,11 +289,15 @@ class LlamaDirectForward:
             raise ValueError("norms of different kinds (w and 1 + w) in one model")
         attn = sa.attn
         window, soft_cap = window_and_cap(getattr(attn, "sliding_window", None), getattr(attn, "logits_soft_cap", None))
+        multiplier = float(getattr(layer, "residual_multiplier", 1.0))
+        if multiplier != 1.0 and sandwich:
+            raise ValueError("a residual multiplier on sandwich-normed layers")
         return _Layer(qkv, o, gate_up, down, _norm(layer.input_layernorm, self.hidden),
-                      _norm(layer.post_attention_layernorm, self.hidden), rope.cos_cache.data_ptr(),
-                      rope.sin_cache.data_ptr(), rotary_dim, float(attn.scale),
+                      _norm(layer.post_attention_layernorm, self.hidden),
+                      rope.cos_cache.data_ptr() if rope is not None else 0,
+                      rope.sin_cache.data_ptr() if rope is not None else 0, rotary_dim, float(attn.scale),
                       _norm(pre_ff, self.hidden) if sandwich else None, _norm(post_ff, self.hidden) if sandwich else None,
-                      *qk, window, soft_cap, int(getattr(attn, "kv_cache_group", 0)))
+                      *qk, window, soft_cap, int(getattr(attn, "kv_cache_group", 0)), multiplier)
 
     def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]]:
         """(key, value) pointers per layer, the pool's block count, block size and dtype (one of
@@ -407,7 +417,8 @@ class LlamaDirectForward:
             if layer.q_norm:  # Qwen3, Gemma 3: each head's q and k normalised in place, before RoPE
                 heads_norm(qkv, qkv_w, hq, layer.q_norm, t, d, layer.qk_eps, off)
                 heads_norm(k_ptr, qkv_w, hk, layer.k_norm, t, d, layer.qk_eps, off)
-            rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d, layer.rotary_dim)
+            if layer.rotary_dim:
+                rope(qkv, qkv_w, hq, k_ptr, qkv_w, hk, pos, layer.cos, layer.sin, t, d, layer.rotary_dim)
             k_scale, v_scale = kv_scales[i]
             slots, tables, table_stride = group_ptrs[layer.kv_cache_group]
             if fp8:
@@ -419,6 +430,8 @@ class LlamaDirectForward:
                          layer.soft_cap):
                 raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
             o_out = run_linear(layer.o, b.attn, b.o)  # held: a dense linear's result is a fresh tensor
+            if layer.residual_multiplier != 1.0:  # Granite, as its layer: the output times m, then the add
+                o_out.mul_(layer.residual_multiplier)
             o_ptr = o_out.data_ptr()
             if layer.pre_ff is None:  # residual += attention output; hidden = norm(residual)
                 rms(normed, res, o_ptr, h, res, h, layer.ln2[0], t, h, layer.ln2[1], off)
@@ -428,6 +441,8 @@ class LlamaDirectForward:
             gu_out = run_linear(layer.gate_up, b.normed, b.gate_up)
             gated(act, gu_out.data_ptr(), 2 * inter, t, inter)
             down_out = run_linear(layer.down, b.act, b.down)
+            if layer.residual_multiplier != 1.0:
+                down_out.mul_(layer.residual_multiplier)
             if layer.post_ff is not None:  # Gemma 2/3: the MLP output normed (in place) before the residual add
                 down = down_out.data_ptr()
                 rms(down, 0, down, h, 0, 0, layer.post_ff[0], t, h, layer.post_ff[1], off)

@@ -6,7 +6,8 @@
 - ``logits_scaling``: the logits are divided by it.
 
 ``attention_bias`` puts a bias on all four attention projections (q, k, v and o), as transformers' Granite does.
-The CPU direct forward (model/cpu_direct_forward.py) knows none of the multipliers: this family opts out of it.
+The CPU direct forward (model/cpu_direct_forward.py) runs it with the embedding and residual multipliers (the
+attention's scale is read from each layer; the logits' division is compute_logits').
 """
 from __future__ import annotations
 
@@ -63,7 +64,6 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 class GraniteForCausalLM(LlamaForCausalLM):
     """Llama's loading (merged q/k/v and gate/up), embeddings and head; Granite's layers and logit scaling."""
 
-    direct_forward_supported = False  # the CPU direct forward ignores the multipliers
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__(config, tp, dtype)

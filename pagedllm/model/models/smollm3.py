@@ -5,7 +5,7 @@
 ``use_sliding_window`` is set, apply to the layers ``layer_types`` marks "sliding_attention" (layer_sliding_window).
 ``attention_bias`` puts a bias on all four attention projections, as transformers' SmolLM3 does.
 
-The CPU direct forward (model/cpu_direct_forward.py) rotates every layer: this family opts out of it.
+The CPU direct forward (model/cpu_direct_forward.py) skips RoPE on the layers without it.
 """
 from __future__ import annotations
 
@@ -40,7 +40,6 @@ def rope_layers(config: Any) -> list[bool]:
 class SmolLM3ForCausalLM(LlamaForCausalLM):
     """Llama's loading (merged q/k/v and gate/up), embeddings (tied by default), head and windows; NoPE layers."""
 
-    direct_forward_supported = False  # the CPU direct forward applies RoPE on every layer
 
     def build_model(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> LlamaModel:
         rope = rope_layers(config)
