@@ -38,7 +38,20 @@ CALLS_ONLY = {
                    '"parameters": {}}',
     "pythonic": '[get_weather(city="Paris", days=3), now()]',
     "llama4_pythonic": '<|python_start|>[get_weather(city="Paris", days=3), now()]<|python_end|>',
+    "granite": '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "now", '
+               '"arguments": {}}]',
 }
+
+
+@pytest.mark.parametrize("text", [
+    ' <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "now", "arguments": {}}]',
+    '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "now", "arguments": {}}]\n'])
+def test_granite_3_1_marker_and_a_bare_list(text: str) -> None:
+    result = _parser("granite").extract(text)
+    assert _calls(result) == CALLS and result.content is None
+    # a bare list of objects that are not calls, and a call list after other text, stay content
+    for other in ('[{"name": "Ada"}, {"name": "Alan"}]', 'Sure. <|tool_call|>[{"name": "now", "arguments": {}}]'):
+        assert _parser("granite").extract(other).tool_calls == []
 
 
 def _calls(result) -> list[tuple[str, dict]]:

@@ -5,10 +5,11 @@
 * `tool_choice` "auto": the output is parsed by a format parser, vLLM's names: Hermes/Qwen ``<tool_call>{...}</tool_call>``
   (`hermes.py`), Llama-3 JSON ``{"name": ..., "parameters": {...}}`` (`llama3_json.py`), Mistral ``[TOOL_CALLS]``
   (`mistral.py`), pythonic ``[f(a=1)]`` (Llama 3.2 / 4, `pythonic.py`), Phi-4-mini ``functools[...]``
-  (`phi4_mini_json.py`) and Qwen3-Coder's XML (`qwen3_coder.py`). `--tool-call-parser` picks one; by default
+  (`phi4_mini_json.py`), Qwen3-Coder's XML (`qwen3_coder.py`) and Granite's ``<|tool_call|>[...]`` (`granite.py`). `--tool-call-parser` picks one; by default
   each is tried and the first whose format the output shows is used.
 """
 from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, StreamingToolCalls, ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
@@ -22,7 +23,7 @@ from pagedllm.entrypoints.openai.tool_parsers.schemas import tool_choice_structu
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser,
     "llama3_json": Llama3JsonToolParser, "llama4_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
-    "llama4_pythonic": PythonicToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "mistral": MistralToolParser,
+    "llama4_pythonic": PythonicToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "mistral": MistralToolParser, "granite": GraniteToolParser,
 }
 
 
@@ -45,6 +46,6 @@ def extract_tool_calls(text: str, parsers: list[ToolParser] | None = None) -> Ex
     return ExtractedToolCalls(content=text, tool_calls=[])
 
 
-__all__ = ["ExtractedToolCalls", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
+__all__ = ["ExtractedToolCalls", "GraniteToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
            "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "StreamingToolCalls",
            "TOOL_PARSERS", "ToolParser", "extract_tool_calls", "tool_choice_structured_outputs", "tool_parser_classes"]
