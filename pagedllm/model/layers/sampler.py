@@ -193,6 +193,24 @@ class Sampler:
         packed = torch.cat([tokens.to(torch.float64), logprobs.to(torch.float64)])
         return SamplerOutput(rows, num_samples, -1, vocab, tokens, packed, None)
 
+    def _launch_processed_cpu(self, raw: torch.Tensor, rows: list[SamplingRow], md: SamplingMetadata,
+                              vocab: int) -> SamplerOutput | None:
+        """CPU float32 rows with filters, penalties or other logit processing, one sample each, no top logprobs: the
+        processed logits (temperature, penalties, top-k / top-p / min-p, bans: `_process_logits`) go to the C kernel
+        at temperature 1 (the same inverse-CDF draw as `_sample`'s, one pass instead of ~4 torch passes), and the
+        raw logprob is the raw row's logit minus its logsumexp. None when the kernel is unavailable."""
+        native = _native_cpu_kernels()
+        if native is None:
+            return None  # before any draw: the torch path draws the rows' numbers itself
+        x = _process_logits(raw, md)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        params = self._plain_row_params(rows, md.greedy, [1.0] * len(rows))
+        tokens, _ = native.sample_rows(x, params[:, 1].float().contiguous(), params[:, 0].contiguous())
+        tok_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - _logsumexp(raw)
+        packed = torch.cat([tokens.to(torch.float64), tok_lp.to(torch.float64)])
+        return SamplerOutput(rows, md.num_samples, -1, vocab, tokens, packed, None)
+
     def greedy_rows(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """Argmax (first index of the max) and raw logprob of every row of ``logits`` [rows, vocab], in one
         device→host transfer: speculative verification's greedy rows. The one-pass kernels of plain greedy
@@ -296,6 +314,12 @@ class Sampler:
                 apply_token_bitmask_(logits, *token_bitmask)
         if one_kernel:
             out = self._launch_one_kernel(logits, rows, md.num_samples, md.greedy, md.temps, vocab, folded_mask)
+            if out is not None:
+                return out
+        elif (device.type == "cpu" and self.native_cpu and self.random_sampling != "race" and not self.batch_invariant
+              and md.max_logprobs < 0 and not return_logprobs_tensor and one_row_each
+              and logits.dtype == torch.float32 and logits.stride(1) == 1):
+            out = self._launch_processed_cpu(logits, rows, md, vocab)
             if out is not None:
                 return out
 
