@@ -21,14 +21,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 import transformers
 from gguf_writing import ENGINE_KW as _GGUF_ENGINE_KW
 from gguf_writing import add_shape_metadata, gguf, hf_greedy, teacher_forced_ranks, write_gguf
 from gguf_writing import own_cache  # noqa: F401 (autouse fixture: a cache directory per test)
-from test_gguf_gemma_phi3 import _assert_matches, _model, _ours  # same MAX_TOKENS and LOGPROB_ATOL
+from test_gguf_gemma_phi3 import _assert_matches, _config, _model, _ours  # same MAX_TOKENS and LOGPROB_ATOL
+from test_gguf_gemma_phi3 import _metadata_only as _gemma_phi3_metadata_only
 from test_models_hf import hf_greedy_reference
 
 from pagedllm import LLM, SamplingParams
@@ -415,30 +415,8 @@ def test_q8_linears_run_quantized(name: str, tmp_path: Path) -> None:
 
 # -- metadata llama.cpp hard-codes or reads, and clear errors -------------------------------------------------------
 
-def _metadata_only(path: Path, arch: str, meta: Callable[[Any], None], n_layers: int = 4,
-                   extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """A GGUF with the metadata and the token embedding only (enough for build_config)."""
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(n_layers)
-    w.add_context_length(128)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-6)
-    meta(w)
-    w.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), dtype=np.float32))
-    for name, arr in (extra_tensors or {}).items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _config(path: Path) -> dict[str, Any]:
-    return build_config(open_gguf(path), path).config
+# gemma/phi3's metadata-only writer, without the key/value length (the head size is then hidden / heads)
+_metadata_only = partial(_gemma_phi3_metadata_only, head_dim=None)
 
 
 def test_metadata_defaults_as_llama_cpp(tmp_path: Path) -> None:
