@@ -14,7 +14,9 @@ Pipeline per call (stages are skipped entirely when no row needs them):
    where it falls in its cumulative distribution (``inverse_cdf.py``), so a seeded row's
    samples depend only on the seed and its history, never on the rest of the batch.
    Rows without penalties, filters or top logprobs take one kernel for the whole batch
-   (``CpuKernels.sample_rows`` on a CPU, ``triton_sample`` on a GPU); rows whose generator
+   (``CpuKernels.sample_rows`` on a CPU, ``triton_sample`` on a GPU); on a CPU, float32 rows with
+   them (no top logprobs, one sample each) take that C kernel too, on the processed logits at
+   temperature 1 (``Sampler._launch_processed_cpu``); rows whose generator
    lives on a GPU, and unseeded rows there when filters are on, use the Gumbel-max race
    ``argmax(probs / q)``, ``q ~ Exponential(1)`` from the device's generators.
 
@@ -139,7 +141,8 @@ class Sampler:
     ``inverse_cdf.py``) for every row whose generator draws on the host (the engine's) and every row on a
     CPU, where the race's exponential per vocabulary entry costs ~1 ms per row; on a GPU, a row of a
     generator there and an unseeded row that needs torch ops (filters, penalties) take the Gumbel-max race,
-    whose exponentials are cheap there. Rows without filters take one kernel for the batch either way.
+    whose exponentials are cheap there. Rows without filters take one kernel for the batch either way (on a CPU,
+    float32 rows with filters or penalties too, after their processing).
     "race" / "inverse_cdf" force one (the random-sampling benchmark's peer and ablation); "race" also keeps
     GPU rows off the one-launch kernel.
     ``native_cpu``: float32 CPU rows without penalties, filters or top logprobs go to the C kernel
