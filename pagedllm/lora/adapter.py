@@ -1,22 +1,57 @@
 """Reading a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) into the base model's layout.
 
-PEFT names per-projection tensors (`…self_attn.q_proj.lora_A.weight`); the Llama family here fuses q/k/v into
-`qkv_proj` and gate/up into `gate_up_proj`, so each adapted projection becomes a slice of a fused layer's output.
-The scaling (lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into B.
+PEFT names each adapted module as the checkpoint does (`…self_attn.q_proj.lora_A.weight`, GPT-NeoX's
+`…attention.query_key_value`, StarCoder2's `…mlp.c_fc`). Each model class declares which of those it serves
+(`lora_modules`: PEFT target → our layer, vLLM's target modules); where they land comes from the model's own
+checkpoint mapping, the one that loads its weights: a LoRA B has the rows of its base weight, so the renames and
+splits that place the weight (`checkpoint_tensors` where the model has one: GPT-NeoX's per-head interleaved
+query_key_value split into q, k and v) and the fused-layer slices (`stacked_params`: q/k/v in `qkv_proj`, gate/up in
+`gate_up_proj`) place B the same way; A, over the unchanged input, goes with every piece of its B. The scaling
+(lora_alpha / r, or / sqrt(r) with rsLoRA) is folded into B.
 """
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
-#: PEFT target name → (our fused module's last name, slice index in its output).
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-          "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0)}
+
+@dataclass(frozen=True)
+class LoRATargets:
+    """A model's LoRA targets: `modules` (PEFT target module name → our layer's name) and `place` (a PEFT module's
+    path and its B → (our layer's path, output slice, B's rows for that slice) for each piece)."""
+
+    model_name: str
+    modules: dict[str, str]
+    place: Callable[[str, torch.Tensor], Iterable[tuple[str, int, torch.Tensor]]]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LoRATargets:
+        """The model class's `lora_modules` (Llama's names where it declares none) through its checkpoint mapping."""
+        from pagedllm.model.models.llama import LlamaForCausalLM
+
+        modules = dict(getattr(model, "lora_modules", LlamaForCausalLM.lora_modules))
+        stacked = getattr(model, "stacked_params", {})
+        convert = getattr(model, "checkpoint_tensors", None)  # renames and splits (the LayerNorm families)
+
+        def place(hf_module: str, b: torch.Tensor) -> Iterator[tuple[str, int, torch.Tensor]]:
+            pieces = [(f"{hf_module}.weight", b)]
+            for name, rows in (convert(pieces) if convert is not None else pieces):
+                prefix, _, leaf = name.removesuffix(".weight").rpartition(".")
+                ours, slice_idx = stacked.get(leaf, (leaf, 0))
+                yield f"{prefix}.{ours}" if prefix else ours, slice_idx, rows
+
+        return cls(type(model).__name__, modules, place)
+
+    @property
+    def layer_names(self) -> set[str]:
+        """Our layers' last names that adapters may adapt (each gets the slots' forward hook)."""
+        return set(self.modules.values())
 
 
 @dataclass
@@ -74,9 +109,10 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter {str(path)!r} has no adapter_model.safetensors (or .bin).")
 
 
-def load_adapter(lora_int_id: int, name: str, path: str, modules: dict, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> LoRAAdapter:
-    """The adapter at `path`, checked against the base model's `modules` (our name → linear module)."""
+def load_adapter(lora_int_id: int, name: str, path: str, modules: dict, targets: LoRATargets, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
+    """The adapter at `path`, placed by `targets` and checked against the base model's `modules` (our name →
+    linear module)."""
     root = Path(path)
     cfg = _read_config(root)
     rank = int(cfg["r"])
@@ -97,16 +133,24 @@ def load_adapter(lora_int_id: int, name: str, path: str, modules: dict, max_rank
             raise ValueError(f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A/lora_B weight (embedding and "
                              f"other trained modules are not served).")
     by_layer: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    allowed = ", ".join(targets.modules)
     for hf_name, ab in pairs.items():
-        prefix, _, proj = hf_name.rpartition(".")
-        if proj not in _FUSED or set(ab) != {"lora_A", "lora_B"}:
-            raise ValueError(f"LoRA adapter {name!r} adapts {hf_name!r}; pagedllm serves LoRA on q/k/v/o_proj and "
-                             f"gate/up/down_proj only.")
-        ours, slice_idx = _FUSED[proj]
-        target = f"{prefix}.{ours}"
-        if target not in modules:
-            raise ValueError(f"LoRA adapter {name!r} adapts {hf_name!r}, which this model does not have.")
-        by_layer.setdefault(target, []).append((slice_idx, ab["lora_A"], ab["lora_B"]))
+        proj = hf_name.rpartition(".")[2]
+        if proj not in targets.modules:
+            raise ValueError(f"LoRA adapter {name!r} adapts {hf_name!r}: {targets.model_name} has no LoRA target "
+                             f"module {proj!r}; it serves LoRA on {allowed} only.")
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"LoRA adapter {name!r}: {hf_name!r} has {sorted(ab)} but not both lora_A and lora_B.")
+        for target, slice_idx, b in targets.place(hf_name, ab["lora_B"]):
+            if target not in modules:
+                raise ValueError(f"LoRA adapter {name!r} adapts {hf_name!r} (our {target!r}), which this "
+                                 f"{targets.model_name} does not have.")
+            if target.rpartition(".")[2] != targets.modules[proj]:  # a family whose table and renames disagree
+                raise ValueError(f"LoRA adapter {name!r}: {hf_name!r} lands on {target!r}, not on a "
+                                 f"{targets.modules[proj]!r} as {targets.model_name}.lora_modules says.")
+            if any(s == slice_idx for s, *_ in by_layer.get(target, ())):
+                raise ValueError(f"LoRA adapter {name!r} adapts slice {slice_idx} of {target!r} twice.")
+            by_layer.setdefault(target, []).append((slice_idx, ab["lora_A"], b))
     layers = {}
     for target, parts in by_layer.items():
         module = modules[target]

@@ -1,13 +1,13 @@
 """The worker side of multi-LoRA: adapters resident on the device, their slots, and each step's token → slot map.
 
-Every linear an adapter may touch gets a forward hook and, per output slice (q/k/v of `qkv_proj`, gate/up of
-`gate_up_proj`), static buffers for `max_loras` slots of rank `max_lora_rank` (vLLM's layout, as Punica's): A
-[slices × slots × rank, in] and B [rows, slots × rank]. A step's adapters are copied into slots (only when one is not
-already there), the step's token → slot map becomes a mask over the rank columns, and the hook adds
-((x Aᵀ) ⊙ mask) Bᵀ to each slice's outputs: a fixed number of GEMMs whatever the adapters, and nothing that depends
-on the step's contents. So CUDA graphs capture the LoRA steps like any other; tokens without an adapter get zeros
-added. The scheduler keeps at most `max_loras` distinct adapters in the running set (core/scheduler.py), so every
-step fits the slots.
+Every linear an adapter may touch (the model class's `lora_modules`) gets a forward hook and, per output slice
+(q/k/v of `qkv_proj`, gate/up of `gate_up_proj`), static buffers for `max_loras` slots of rank `max_lora_rank`
+(vLLM's layout, as Punica's): A [slices × slots × rank, in] and B [rows, slots × rank]. A step's adapters are
+copied into slots (only when one is not already there), the step's token → slot map becomes a mask over the rank
+columns, and the hook adds ((x Aᵀ) ⊙ mask) Bᵀ to each slice's outputs: a fixed number of GEMMs whatever the
+adapters, and nothing that depends on the step's contents. So CUDA graphs capture the LoRA steps like any other;
+tokens without an adapter get zeros added. The scheduler keeps at most `max_loras` distinct adapters in the running
+set (core/scheduler.py), so every step fits the slots.
 """
 from __future__ import annotations
 
@@ -20,13 +20,10 @@ import torch
 from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
-from pagedllm.lora.adapter import LoRAAdapter, load_adapter
+from pagedllm.lora.adapter import LoRAAdapter, LoRATargets, load_adapter
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
-
-#: Our module names an adapter may target (the fused projections of the Llama family).
-_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass
@@ -51,10 +48,13 @@ class LoRAModelManager:
                  dtype: torch.dtype, device: torch.device, max_num_tokens: int) -> None:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype, self.device = dtype, device
-        self.modules = {name: m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in _TARGETS}
+        # The layers adapters may target: the model class's `lora_modules` (lora/adapter.py: LoRATargets).
+        self.targets = LoRATargets.of(model)
+        layer_names = self.targets.layer_names
+        self.modules = {name: m for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in layer_names}
         if not self.modules:
-            raise ValueError(f"{type(model).__name__} has no layer LoRA adapters can target ({list(_TARGETS)}); "
-                             f"LoRA is served for the Llama family (Llama, Mistral, Qwen2, Qwen3).")
+            raise ValueError(f"{type(model).__name__} serves no LoRA adapters: it has no layer they can target "
+                             f"({sorted(layer_names) or 'it declares none'}).")
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
         self.slot_ids = [0] * max_loras  # the adapter id in each slot (0: empty)
         width = max_loras * max_lora_rank
@@ -92,7 +92,7 @@ class LoRAModelManager:
             self.adapters.move_to_end(request.lora_int_id)
             return False
         adapter = load_adapter(request.lora_int_id, request.lora_name, request.lora_path, self.modules,
-                               self.max_lora_rank, self.dtype, self.device)
+                               self.targets, self.max_lora_rank, self.dtype, self.device)
         while len(self.adapters) >= self.max_cpu_loras:
             victim = next((i for i in self.adapters if i not in in_use), None)
             if victim is None:

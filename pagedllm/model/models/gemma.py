@@ -175,6 +175,7 @@ class GemmaForCausalLM(nn.Module):
     """Gemma (1). Subclasses set the Gemma 2 / 3 differences as class attributes and the hooks below."""
 
     stacked_params = LlamaForCausalLM.stacked_params
+    lora_modules = LlamaForCausalLM.lora_modules  # Llama's module names
     loads_fp8_checkpoints = True  # [out, in] linears, as Llama's
     qk_norm = False
     sandwich_norms = False  # Gemma 2/3: post-attention and pre/post-feed-forward norms

@@ -151,6 +151,10 @@ class LayerNormCausalLM(nn.Module):
     }
     prefix_renames: tuple[tuple[str, str], ...] = ()
     renames: dict[str, str] = {}
+    #: LoRA (lora/adapter.py): each PEFT target module (the checkpoint's name) → our layer it adapts; the module's
+    #: path and its B's rows go through the checkpoint mapping above (renames, `checkpoint_tensors`' splits,
+    #: `stacked_params`), so a delta lands where its base weight did. Empty: the family serves no adapters.
+    lora_modules: dict[str, str] = {}
     #: Checkpoint tensors that are not parameters (old checkpoints' RoPE buffers).
     skip_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
     eps_key = "layer_norm_eps"
@@ -246,6 +250,9 @@ class GPTNeoXForCausalLM(LayerNormCausalLM):
     prefix_renames = (("gpt_neox.", "model."), ("embed_out.", "lm_head."))
     renames = {"embed_in": "embed_tokens", "final_layer_norm": "norm", "attention": "self_attn", "dense": "o_proj",
                "dense_h_to_4h": "fc1", "dense_4h_to_h": "fc2"}
+    # query_key_value's B rows are per-head interleaved as its weight's: split into qkv_proj's q, k and v slices,
+    # each with the same A.
+    lora_modules = {"query_key_value": "qkv_proj", "dense": "o_proj", "dense_h_to_4h": "fc1", "dense_4h_to_h": "fc2"}
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         kv_heads = getattr(config, "num_key_value_heads", None)

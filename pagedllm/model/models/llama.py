@@ -187,6 +187,11 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    #: LoRA (lora/adapter.py): each PEFT target module (the checkpoint's name) → our layer it adapts. Which rows of a
+    #: fused layer an adapter's B feeds comes from the weights' own mapping (`stacked_params`), so a delta lands
+    #: where its base weight did.
+    lora_modules = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
     qkv_bias = False
     qk_norm = False  # Qwen3: per-head RMSNorms on q and k
     partial_rotary = False  # Phi-3: honour the config's partial_rotary_factor (llama_rotary_embedding)

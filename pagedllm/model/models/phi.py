@@ -29,6 +29,8 @@ class PhiForCausalLM(LayerNormCausalLM):
 
     renames = {"dense": "o_proj", "final_layernorm": "norm", "q_layernorm": "q_norm", "k_layernorm": "k_norm"}
     lm_head_bias = True
+    lora_modules = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "dense": "o_proj",
+                    "fc1": "fc1", "fc2": "fc2"}
 
     def make_layer(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype,
                    rotary: RotaryEmbedding) -> LayerNormDecoderLayer:

@@ -24,7 +24,7 @@ from pagedllm.model.models.gpt_neox import (
     PartialRotaryAttention,
     attention_head_dim,
 )
-from pagedllm.model.models.llama import LlamaMLP
+from pagedllm.model.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class PerHeadLayerNorm(nn.Module):
@@ -57,6 +57,7 @@ class StableLmForCausalLM(LayerNormCausalLM):
     """HF StableLM checkpoints (Llama's names, LayerNorms with biases, `self_attn.q_layernorm.norms.H.weight`)."""
 
     renames = {"q_layernorm": "q_norm", "k_layernorm": "k_norm"}
+    lora_modules = LlamaForCausalLM.lora_modules  # Llama's module names
 
     def make_layer(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype,
                    rotary: RotaryEmbedding) -> LayerNormDecoderLayer:

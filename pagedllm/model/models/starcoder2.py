@@ -25,6 +25,8 @@ class Starcoder2ForCausalLM(LayerNormCausalLM):
     """HF StarCoder2 checkpoints (Llama's attention names, `mlp.c_fc` / `mlp.c_proj`)."""
 
     renames = {"c_fc": "fc1", "c_proj": "fc2"}
+    lora_modules = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+                    "c_fc": "fc1", "c_proj": "fc2"}
     eps_key = "norm_epsilon"
     tie_default = True
     partial_rotary = False  # transformers' StarCoder2 rotates whole heads, whatever partial_rotary_factor says
