@@ -5,8 +5,9 @@ Every knob takes a value a wrong implementation would fail on: Granite's four mu
 all four attention projections), OLMo's post-norms and whole-projection q/k norms with randomized weights, OLMo 3's
 windows of 8 tokens under prompts of up to 30 (plus 16 generated) and its two RoPE settings, SmolLM3's NoPE layer and
 window. test_knobs_change_transformers_outputs shows that turning a knob off changes transformers' own outputs.
-The CPU direct forward (native kernels, no module dispatch) runs Granite (its multipliers) and SmolLM3 (its NoPE
-layers); OLMo opts out (post-norms). The parity test checks which path each family's steps take.
+The CPU direct forward (native kernels, no module dispatch) runs all four: Granite's multipliers, OLMo's post-norms and
+whole-projection q/k norms, SmolLM3's NoPE layers. The parity test checks which path each family's steps take, and
+test_direct_forward_matches_the_module_path compares the two paths' logits bit for bit.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from pagedllm.model.models.registry import get_model_class, layer_sliding_window
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 WINDOW = 8
-DIRECT_FORWARD_FAMILIES = ("granite", "smollm3")  # the CPU direct forward runs them; OLMo's post-norms it does not
+DIRECT_FORWARD_FAMILIES = ("granite", "olmo2", "olmo3", "smollm3")  # the CPU direct forward runs each of them
 _SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager")
 _IN_VOCAB_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # SmolLM3's 128000s are past this vocab
@@ -100,7 +101,7 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     assert type(model).__name__ == FAMILIES[name].ours
     runner = llm.llm_engine.executor.driver_worker.model_runner
     # Where the native kernels are loaded (and PAGEDLLM_CPU_DIRECT_FORWARD is not 0), the Llama family takes the
-    # direct forward: Granite (multipliers) and SmolLM3 (NoPE layers) with it, OLMo's post-norms never.
+    # direct forward (every family here).
     direct = load_cpu_kernels() is not None and direct_forward_enabled() and name in DIRECT_FORWARD_FAMILIES
     assert (runner.direct_forward is not None) == direct
     stats = runner.enable_step_stats()
@@ -116,6 +117,21 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     if name in ("granite", "olmo2"):  # the windowed families free blocks as sequences grow
         assert stats["num_preemptions"] > 0, "the small pool should have forced preemption"
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == pool
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler: the CPU path runs torch")
+@pytest.mark.parametrize("name", DIRECT_FORWARD_FAMILIES)
+def test_direct_forward_matches_the_module_path(name: str, build) -> None:
+    """Prefills, mixed steps and decodes: every step of the family runs the direct forward, and its sampled tokens,
+    their log-probs and the prompt log-probs equal the module path's exactly (OLMo: post-norms, whole q/k norms)."""
+    from test_cpu_direct_forward import _assert_direct_equals_module_path
+
+    built = build(name)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=_same_bytes(built, 48), block_size=4, max_num_seqs=4,
+              **ENGINE_KW)
+    direct = _assert_direct_equals_module_path(llm, [{"prompt_token_ids": p} for p in built.prompts])
+    assert all((lyr.ln1 is None) == name.startswith("olmo") for lyr in direct.layers)
+    assert all(lyr.qk_whole == name.startswith("olmo") for lyr in direct.layers)
 
 
 def test_weights_loaded_exactly(build) -> None:
@@ -208,7 +224,7 @@ def test_registry_by_architecture_and_model_type() -> None:
         config.architectures = [ours]
         cls = get_model_class(config)
         assert cls.__name__ == ours
-        assert getattr(cls, "direct_forward_supported", True) == (ours in ("GraniteForCausalLM", "SmolLM3ForCausalLM"))
+        assert getattr(cls, "direct_forward_supported", True)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

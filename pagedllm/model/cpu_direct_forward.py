@@ -11,7 +11,9 @@ kernels, in the same order, on the same inputs, into buffers reused across layer
 the same token count), so its outputs are bit-identical to the module path's.
 
 Built by the worker for float32 models of the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite: its
-embedding and residual multipliers; SmolLM3: its layers without RoPE) and the Gemma
+embedding and residual multipliers; SmolLM3: its layers without RoPE; OLMo 2 / 3: post-norm layers, without an input
+norm, whose attention and MLP outputs are normed before their residual adds, and q/k norms over whole projections) and
+the Gemma
 family (Gemma, Gemma 2, Gemma 3 text) on the CPU when the native kernels are loaded and every linear is of one kind:
 GGUF blocks (``--quantization gguf``, the C GEMMs called by pointer) or dense float32 weights (an HF checkpoint or
 ``--quantization none``: the layer's own ``forward``, i.e. oneDNN's packed GEMM, so the products are the module
@@ -68,8 +70,10 @@ class _Layer:
     o: _Linear
     gate_up: _Linear
     down: _Linear
-    ln1: tuple[int, float]  # before attention (fused with the residual add after the first layer)
-    ln2: tuple[int, float]  # after it: fused with the residual add before the MLP, or with `pre_ff` on its own
+    ln1: tuple[int, float] | None  # before attention (fused with the residual add after the first layer); None: OLMo 2's
+    #                                 post-norm layer, whose attention and MLP read the residual stream itself
+    ln2: tuple[int, float]  # after it: fused with the residual add before the MLP, or with `pre_ff` on its own (or, in
+    #                         a post-norm layer, the attention output's own norm before its residual add)
     cos: int  # this layer's rotary caches, [max_position, rotary_dim] (0: a layer without RoPE, SmolLM3's)
     sin: int
     rotary_dim: int  # the dims of each head RoPE rotates (head_dim, fewer under a partial rotary: Phi-4-mini; 0: none)
@@ -83,6 +87,7 @@ class _Layer:
     soft_cap: float = 0.0
     kv_cache_group: int = 0  # its blocks' KV cache group (core/kv_cache_groups.py): whose slots and tables it uses
     residual_multiplier: float = 1.0  # Granite: the attention and MLP outputs' factor before each residual add
+    qk_whole: bool = False  # OLMo 2/3: the q / k norms span the whole projections (every head at once)
 
 
 class _Buffers:
@@ -275,29 +280,39 @@ class LlamaDirectForward:
         # feed-forward norms (GemmaDecoderLayer); a Llama layer has neither attribute, a Gemma 1 layer has them None.
         pre_ff = getattr(layer, "pre_feedforward_layernorm", None)
         post_ff = getattr(layer, "post_feedforward_layernorm", None)
-        if (pre_ff is None) != (post_ff is None):
+        # OLMo 2/3's post-norm layer (Olmo2DecoderLayer): no input norm, the attention output normed before its
+        # residual add (post_attention_layernorm) and the MLP output too (post_feedforward_layernorm).
+        input_norm = getattr(layer, "input_layernorm", None)
+        post_norm = input_norm is None
+        if post_norm and (post_ff is None or pre_ff is not None):
+            raise ValueError("a layer without an input norm that is not OLMo 2's post-norm layout")
+        if not post_norm and (pre_ff is None) != (post_ff is None):
             raise ValueError("a layer with one of the pre- and post-feed-forward norms but not the other")
         sandwich = pre_ff is not None
-        norms = [layer.input_layernorm, layer.post_attention_layernorm] + ([pre_ff, post_ff] if sandwich else [])
-        qk = (0, 0, 0.0)
+        norms = [n for n in (input_norm, layer.post_attention_layernorm, pre_ff, post_ff) if n is not None]
+        qk = (0, 0, 0.0, False)
         if sa.q_norm is not None:
             norms += [sa.q_norm, sa.k_norm]
             if float(sa.q_norm.eps) != float(sa.k_norm.eps):
                 raise ValueError("q/k norms with different eps")
-            qk = (_norm(sa.q_norm, d)[0], _norm(sa.k_norm, d)[0], float(sa.q_norm.eps))
+            whole = sa.q_norm.weight.shape[0] != d  # OLMo 2: one norm over all of q's heads (and one over k's)
+            qk = (_norm(sa.q_norm, sa.q_size if whole else d)[0], _norm(sa.k_norm, sa.kv_size if whole else d)[0],
+                  float(sa.q_norm.eps), whole)
         if any(_norm_offset(n) != self.unit_offset for n in norms):
             raise ValueError("norms of different kinds (w and 1 + w) in one model")
         attn = sa.attn
         window, soft_cap = window_and_cap(getattr(attn, "sliding_window", None), getattr(attn, "logits_soft_cap", None))
         multiplier = float(getattr(layer, "residual_multiplier", 1.0))
-        if multiplier != 1.0 and sandwich:
-            raise ValueError("a residual multiplier on sandwich-normed layers")
-        return _Layer(qkv, o, gate_up, down, _norm(layer.input_layernorm, self.hidden),
+        if multiplier != 1.0 and (sandwich or post_norm):
+            raise ValueError("a residual multiplier on sandwich- or post-normed layers")
+        *qk_norms, qk_whole = qk
+        return _Layer(qkv, o, gate_up, down, None if post_norm else _norm(input_norm, self.hidden),
                       _norm(layer.post_attention_layernorm, self.hidden),
                       rope.cos_cache.data_ptr() if rope is not None else 0,
                       rope.sin_cache.data_ptr() if rope is not None else 0, rotary_dim, float(attn.scale),
-                      _norm(pre_ff, self.hidden) if sandwich else None, _norm(post_ff, self.hidden) if sandwich else None,
-                      *qk, window, soft_cap, int(getattr(attn, "kv_cache_group", 0)), multiplier)
+                      _norm(pre_ff, self.hidden) if sandwich else None,
+                      _norm(post_ff, self.hidden) if post_ff is not None else None,
+                      *qk_norms, window, soft_cap, int(getattr(attn, "kv_cache_group", 0)), multiplier, qk_whole)
 
     def _kv_pointers(self, kv_caches) -> tuple[list[tuple[int, int]], int, int, torch.dtype, list[tuple[float, float]]]:
         """(key, value) pointers per layer, the pool's block count, block size and dtype (one of
@@ -407,14 +422,23 @@ class LlamaDirectForward:
 
         down_out = None  # the previous layer's MLP output (a tensor: it must outlive the next norm)
         for i, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv)):
-            if down_out is None:  # as the module path: residual = embedding; hidden = norm(embedding)
+            if layer.ln1 is None:  # OLMo 2/3: the layer reads the residual stream (+= the previous MLP output) as is
+                if down_out is not None:
+                    residual.add_(down_out)
+                layer_in = residual
+            elif down_out is None:  # as the module path: residual = embedding; hidden = norm(embedding)
                 rms(normed, 0, res, h, 0, 0, layer.ln1[0], t, h, layer.ln1[1], off)
+                layer_in = b.normed
             else:  # residual += previous MLP output; hidden = norm(residual)
                 rms(normed, res, down_out.data_ptr(), h, res, h, layer.ln1[0], t, h, layer.ln1[1], off)
-            qkv_out = run_linear(layer.qkv, b.normed, b.qkv)
+                layer_in = b.normed
+            qkv_out = run_linear(layer.qkv, layer_in, b.qkv)
             qkv = qkv_out.data_ptr()
             k_ptr, v_ptr = qkv + 4 * q, qkv + 4 * (q + kvs)
-            if layer.q_norm:  # Qwen3, Gemma 3: each head's q and k normalised in place, before RoPE
+            if layer.qk_whole:  # OLMo 2/3: q's and k's rows normalised whole (one "head" each), in place, before RoPE
+                heads_norm(qkv, qkv_w, 1, layer.q_norm, t, q, layer.qk_eps, off)
+                heads_norm(k_ptr, qkv_w, 1, layer.k_norm, t, kvs, layer.qk_eps, off)
+            elif layer.q_norm:  # Qwen3, Gemma 3: each head's q and k normalised in place, before RoPE
                 heads_norm(qkv, qkv_w, hq, layer.q_norm, t, d, layer.qk_eps, off)
                 heads_norm(k_ptr, qkv_w, hk, layer.k_norm, t, d, layer.qk_eps, off)
             if layer.rotary_dim:
@@ -433,17 +457,22 @@ class LlamaDirectForward:
             if layer.residual_multiplier != 1.0:  # Granite, as its layer: the output times m, then the add
                 o_out.mul_(layer.residual_multiplier)
             o_ptr = o_out.data_ptr()
-            if layer.pre_ff is None:  # residual += attention output; hidden = norm(residual)
+            mlp_in = b.normed
+            if layer.ln1 is None:  # OLMo 2/3: the output normed alone (in place), then residual += it: the MLP's input
+                rms(o_ptr, 0, o_ptr, h, 0, 0, layer.ln2[0], t, h, layer.ln2[1], off)
+                residual.add_(o_out)
+                mlp_in = residual
+            elif layer.pre_ff is None:  # residual += attention output; hidden = norm(residual)
                 rms(normed, res, o_ptr, h, res, h, layer.ln2[0], t, h, layer.ln2[1], off)
             else:  # Gemma 2/3: the output normed alone (in place), then residual += it; hidden = norm(residual)
                 rms(o_ptr, 0, o_ptr, h, 0, 0, layer.ln2[0], t, h, layer.ln2[1], off)
                 rms(normed, res, o_ptr, h, res, h, layer.pre_ff[0], t, h, layer.pre_ff[1], off)
-            gu_out = run_linear(layer.gate_up, b.normed, b.gate_up)
+            gu_out = run_linear(layer.gate_up, mlp_in, b.gate_up)
             gated(act, gu_out.data_ptr(), 2 * inter, t, inter)
             down_out = run_linear(layer.down, b.act, b.down)
             if layer.residual_multiplier != 1.0:
                 down_out.mul_(layer.residual_multiplier)
-            if layer.post_ff is not None:  # Gemma 2/3: the MLP output normed (in place) before the residual add
+            if layer.post_ff is not None:  # Gemma 2/3, OLMo 2/3: the MLP output normed (in place) before the residual add
                 down = down_out.data_ptr()
                 rms(down, 0, down, h, 0, 0, layer.post_ff[0], t, h, layer.post_ff[1], off)
         rms(normed, res, down_out.data_ptr(), h, res, h, self.final_norm[0], t, h, self.final_norm[1], off)

@@ -13,8 +13,8 @@ with its slice of the weight. KV heads replicated across ranks (more ranks than 
 in both the sum and the element count, so the mean is exact.
 
 Rounding: norms use the engine's RMSNorm (w · round(x̂), Llama's order; OLMo 2 rounds w · x̂ once), identical in float32
-and one rounding apart in bfloat16, as vLLM. The CPU direct forward (model/cpu_direct_forward.py) has no post-norm
-layout: this family opts out of it.
+and one rounding apart in bfloat16, as vLLM. The CPU direct forward (model/cpu_direct_forward.py) runs these layers
+too (its post-norm layout: no input norm, the attention's and the MLP's outputs normed before their residual adds).
 """
 from __future__ import annotations
 
@@ -127,7 +127,6 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2ForCausalLM(LlamaForCausalLM):
     """Llama's loading (merged q/k/v and gate/up), embeddings, head and per-layer windows; OLMo 2's layers."""
 
-    direct_forward_supported = False  # the CPU direct forward has Llama's pre-norm layout only
 
     def build_model(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> LlamaModel:
         types = olmo_layer_types(config)
