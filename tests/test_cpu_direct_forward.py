@@ -8,6 +8,7 @@ import torch
 from pagedllm import SamplingParams
 from pagedllm.model.cpu_direct_forward import (
     DIRECT_FORWARD_ENV,
+    DirectForward,
     LlamaDirectForward,
     direct_forward_enabled,
 )
@@ -32,11 +33,12 @@ def _generate(llm, prompts):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
 
 
-def _assert_direct_equals_module_path(llm, prompts) -> LlamaDirectForward:
-    """Every step of `prompts` runs the direct forward, and the module path gives exactly the same outputs."""
+def _assert_direct_equals_module_path(llm, prompts) -> DirectForward:
+    """Every step of `prompts` runs the direct forward (of any family), and the module path gives exactly the same
+    outputs."""
     runner = _runner(llm)
     direct = runner.direct_forward
-    assert isinstance(direct, LlamaDirectForward)
+    assert isinstance(direct, DirectForward)
     stats = runner.enable_step_stats()
     try:
         got = _generate(llm, prompts)  # prefill, mixed and decode steps of up to 4 sequences, prompt logprobs
@@ -49,6 +51,28 @@ def _assert_direct_equals_module_path(llm, prompts) -> LlamaDirectForward:
     assert paths == {"direct"}
     assert got == ref  # token ids, sampled and prompt log-probs: exactly equal
     return direct
+
+
+def attach_q8_0_linears(model) -> int:
+    """Every decoder linear served as Q8_0 GGUF blocks, as ``--quantization gguf`` leaves a model (quantized here from
+    the float32 weights: no GGUF file needed; biases kept, added after the C GEMM); gated (gate_up/down) or plain
+    (fc1/fc2) MLPs → how many."""
+    import gguf
+
+    from pagedllm.kernels.cpu_quant import GGUFWeight
+
+    n = 0
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj)
+                    if hasattr(mlp, "gate_up_proj") else (mlp.fc1, mlp.fc2))):
+            lin.restore_dense_weight()
+            w = lin.weight.detach().float().contiguous()
+            blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+            lin.gguf_weight = GGUFWeight.from_gguf_blocks(torch.from_numpy(blocks), int(gguf.GGMLQuantizationType.Q8_0),
+                                                          *w.shape)
+            n += 1
+    return n
 
 
 def test_direct_forward_is_bit_identical_to_the_module_path(llm, tokenizer):

@@ -14,9 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_cpu_direct_forward import _assert_direct_equals_module_path, _runner
-from test_models_hf_gemma import FAMILIES, WINDOW
+from test_cpu_direct_forward import (
+    _assert_direct_equals_module_path,
+    _runner,
+    attach_q8_0_linears,
+)
 from test_models_hf import ENGINE_KW, VOCAB, random_checkpoints
+from test_models_hf_gemma import FAMILIES, WINDOW
 
 from pagedllm import LLM
 from pagedllm.kernels import cpu_isa, cpu_kernels
@@ -114,31 +118,12 @@ def test_norm_weights_are_read_live(checkpoint) -> None:
     assert torch.equal(after, runner.model(ids, pos, kv, meta))
 
 
-def _attach_q8_0_linears(model: torch.nn.Module) -> int:
-    """Every decoder linear served as Q8_0 GGUF blocks, as ``--quantization gguf`` leaves a model (its blocks
-    quantized here from the float32 weights: no GGUF file needed)."""
-    import gguf
-
-    from pagedllm.kernels.cpu_quant import GGUFWeight
-
-    n = 0
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            lin.restore_dense_weight()
-            w = lin.weight.detach().float().contiguous()
-            blocks = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
-            lin.gguf_weight = GGUFWeight.from_gguf_blocks(torch.from_numpy(blocks), int(gguf.GGMLQuantizationType.Q8_0),
-                                                          *w.shape)
-            n += 1
-    return n
-
-
 def test_gguf_linears_run_direct_and_bit_identical(checkpoint) -> None:
     """The linears' handling is generic: Gemma 3 with Q8_0 GGUF linears (the C GEMMs called by pointer) gives the
     module path's bits."""
     llm = _llm(checkpoint("gemma3"))
     runner = _runner(llm)
-    assert _attach_q8_0_linears(runner.model) == 12
+    assert attach_q8_0_linears(runner.model) == 12
     runner.direct_forward = LlamaDirectForward.build(runner.model, runner.attn_backend)
     assert runner.direct_forward.gemm_method != "dense"
     _assert_direct_equals_module_path(llm, _prompts())

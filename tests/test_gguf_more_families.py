@@ -299,10 +299,9 @@ def test_gguf_generates_what_transformers_does(name: str, tmp_path: Path) -> Non
     llm = LLM(model=str(src), **ENGINE_KW, quantization="none", block_size=4)
     ours = _model(llm)
     assert type(ours).__name__ == case.model_cls
-    # The CPU direct forward (native kernels loaded) runs Granite and SmolLM3; OLMo and the LayerNorm families run
-    # their modules.
-    direct = case.model_cls in ("GraniteForCausalLM", "SmolLM3ForCausalLM") and load_cpu_kernels() is not None \
-        and direct_forward_enabled()
+    # The CPU direct forward (native kernels loaded) runs every family here: Granite, OLMo, SmolLM3 and the LayerNorm
+    # ones.
+    direct = load_cpu_kernels() is not None and direct_forward_enabled()
     assert (llm.llm_engine.executor.driver_worker.model_runner.direct_forward is not None) == direct
     _assert_matches(_ours(llm, prompts), want, logprobs)
 

@@ -1,5 +1,5 @@
 """LoRA adapters (vLLM's --enable-lora) on the families beyond Llama: the LayerNorm ones (GPT-NeoX, Phi, StableLM,
-StarCoder2: models/gpt_neox.py) and the Llama variants (Granite, OLMo 2, SmolLM3).
+StarCoder2: models/gpt_neox.py) and the Llama variants (Granite, OLMo 2, SmolLM3, Phi-3's fused modules).
 
 Each family is a tiny random-weight transformers model; its PEFT adapters (random, nonzero lora_B) target the
 family's own module names: GPT-NeoX's fused, per-head interleaved `query_key_value` (split over our q, k and v
@@ -58,13 +58,16 @@ FAMILIES: dict[str, tuple[Family, list[str], list[str]]] = {
     # Post-norms and whole-projection q/k norms (after qkv_proj: the adapter's q and k deltas are normalised too).
     "olmo2": (Family("Olmo2Config", "Olmo2ForCausalLM", {**_SHAPE, "attention_bias": True}, "Olmo2ForCausalLM"),
               LLAMA_NAMES, ["k_proj", "gate_proj"]),
+    # Phi-3's fused checkpoint modules (PEFT names them): an adapter's B on qkv_proj / gate_up_proj is split as the weight.
+    "phi3": (Family("Phi3Config", "Phi3ForCausalLM", {**_SHAPE, **_IDS}, "Phi3ForCausalLM"),
+             ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj", "down_proj"]),
     # Layer 1 without RoPE, windowed; biases; tied head.
     "smollm3": (Family("SmolLM3Config", "SmolLM3ForCausalLM", {
         **_SHAPE, "no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 8, "attention_bias": True,
         "mlp_bias": True, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, **_IDS},
         "SmolLM3ForCausalLM"), LLAMA_NAMES, ["o_proj", "up_proj"]),
 }
-DIRECT_FORWARD_FAMILIES = ("granite", "smollm3")  # the CPU direct forward runs these (the others: the module path)
+DIRECT_FORWARD_FAMILIES = tuple(FAMILIES)  # the CPU direct forward runs every one (each also on the module path)
 
 MAX_TOKENS = 10
 PROMPT_LENS = (3, 9, 17)

@@ -174,6 +174,20 @@ def _greedy(llm: LLM, prompts: list[list[int]], ignore_eos: bool = True, logprob
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def greedy_on_cpu_path(llm: LLM, prompts: list[list[int]], direct: bool) -> list:
+    """`_greedy` with 3 logprobs, checking the step path: every step took the CPU direct forward where `direct`, else
+    the eager module path (the engine was built with it, or without it, accordingly)."""
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert (runner.direct_forward is not None) == direct
+    stats = runner.enable_step_stats()
+    try:
+        outs = _greedy(llm, prompts, logprobs=3)
+    finally:
+        runner.step_stats = None
+    assert {path for _, path, *_ in stats.records} == {"direct" if direct else "eager"}
+    return outs
+
+
 def _assert_logprobs_match(outs: list, built: Built, atol: float = 2e-5) -> None:
     """Every returned top-k logprob equals transformers' log-softmax at that step (float32 noise ≈ 1e-6)."""
     for out, ref in zip(outs, built.logprobs):

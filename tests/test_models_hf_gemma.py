@@ -22,22 +22,28 @@ from test_models_hf import (
     VOCAB,
     Built,
     Family,
-    build_from_model,
     _assert_logprobs_match,
     _greedy,
     _model,
     _random_model,
+    build_from_model,
+    greedy_on_cpu_path,
 )
 
 from pagedllm import LLM
 from pagedllm.benchmarks.lower_bound import ModelShape
+from pagedllm.core.kv_cache_groups import plan_kv_cache_groups
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.kernels.cpu_kernels import load_cpu_kernels
 from pagedllm.model.cpu_direct_forward import direct_forward_enabled
 from pagedllm.model.layers.linear import restore_dense_weights
 from pagedllm.model.layers.norm import GemmaRMSNorm
-from pagedllm.model.layers.rotary import RotaryEmbedding, _inv_freq, attention_factor, rope_parameters
-from pagedllm.core.kv_cache_groups import plan_kv_cache_groups
+from pagedllm.model.layers.rotary import (
+    RotaryEmbedding,
+    _inv_freq,
+    attention_factor,
+    rope_parameters,
+)
 from pagedllm.model.models.registry import get_model_class, layer_sliding_windows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -124,16 +130,9 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     pool = _same_bytes(built, SMALL_POOL)
     llm = LLM(model=str(built.path), num_gpu_blocks_override=pool, block_size=4, **ENGINE_KW)
     assert type(_model(llm)).__name__ == FAMILIES[name].ours
-    runner = llm.llm_engine.executor.driver_worker.model_runner
+    # every family here runs the CPU direct forward (model/cpu_direct_forward.py), Gemma's too
     direct = load_cpu_kernels() is not None and direct_forward_enabled()
-    if direct:  # every family here runs the CPU direct forward (model/cpu_direct_forward.py), Gemma's too
-        assert runner.direct_forward is not None
-    stats = runner.enable_step_stats()
-    try:
-        outs = _greedy(llm, built.prompts, logprobs=3)
-    finally:
-        runner.step_stats = None
-    assert {path for _, path, *_ in stats.records} == {"direct" if direct else "eager"}
+    outs = greedy_on_cpu_path(llm, built.prompts, direct)
     _check_parity(name, built, outs)
     stats = llm.stats()
     if len(built.prompts) == len(PROMPT_LENS) and name != "phi3":  # phi3's window frees blocks as sequences grow

@@ -6,6 +6,10 @@ blocks (GPT-NeoX with two norms, Phi and StableLM with one), biases on (and off)
 Phi's shared and StableLM's per-head q/k LayerNorms, GQA, and StarCoder2's window of 8 tokens under prompts of up to
 30 (plus 16 generated). test_knobs_change_transformers_outputs checks that each knob moves transformers' own
 log-probs, so parity is not by accident.
+
+Where the native CPU kernels load, every family runs the CPU direct forward (model/cpu_direct_forward_layernorm.py):
+the parity tests run on it, and test_direct_forward_matches_the_module_path checks it against the module path bit for
+bit (dense float32 linears, and Q8_0 GGUF ones).
 """
 from __future__ import annotations
 
@@ -28,10 +32,13 @@ from test_models_hf import (
     _model,
     _random_model,
     build_from_model,
+    greedy_on_cpu_path,
 )
 
 from pagedllm import LLM
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+from pagedllm.model.cpu_direct_forward import direct_forward_enabled
 from pagedllm.model.layers.linear import restore_dense_weights
 from pagedllm.model.models.registry import get_model_class, layer_sliding_windows
 
@@ -98,8 +105,10 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     built = build(name)
     llm = LLM(model=str(built.path), num_gpu_blocks_override=SMALL_POOL, block_size=4, **ENGINE_KW)
     assert type(_model(llm)).__name__ == FAMILIES[name].ours
-    assert llm.llm_engine.executor.driver_worker.model_runner.direct_forward is None  # the module path
-    _check_parity(name, built, _greedy(llm, built.prompts, logprobs=3))
+    # The CPU direct forward where the native kernels are loaded (and PAGEDLLM_CPU_DIRECT_FORWARD is not 0).
+    direct = load_cpu_kernels() is not None and direct_forward_enabled()
+    outs = greedy_on_cpu_path(llm, built.prompts, direct)
+    _check_parity(name, built, outs)
     stats = llm.stats()
     if name != "starcoder2":  # its window frees blocks as sequences grow
         assert stats["num_preemptions"] > 0, "the small pool should have forced preemption"
@@ -117,6 +126,77 @@ def test_parity_with_swap_preemption_and_block_size_8(name: str, build) -> None:
     assert stats["num_cpu_blocks_free"] == stats["num_cpu_blocks_total"]
     if name == "gpt-neox":
         assert stats["num_swap_preemptions"] > 0 and stats["num_swap_ins"] > 0
+
+
+# name → (parallel residual, a second norm, the MLP's activation: None for StableLM's SwiGLU, q/k norms)
+_LAYOUTS = {
+    "gpt-neox": (True, True, "gelu", False),
+    "gpt-neox-sequential": (False, True, "gelu_new", False),
+    "phi": (True, False, "gelu_new", False),
+    "phi-qk-layernorm": (True, False, "gelu_new", True),
+    "stablelm": (False, True, None, False),
+    "stablelm-parallel-qk-norm": (True, False, None, True),
+    "starcoder2": (False, True, "gelu_pytorch_tanh", False),
+    "starcoder2-no-bias": (False, True, "gelu_pytorch_tanh", False),
+}
+
+
+@pytest.mark.skipif(load_cpu_kernels() is None, reason="no C compiler: the CPU path runs torch")
+@pytest.mark.parametrize("weights", ["float32", "q8_0"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_direct_forward_matches_the_module_path(name: str, weights: str, build) -> None:
+    """Prefills, mixed steps and decodes of up to 4 sequences (StarCoder2's past its window): every step runs the
+    direct forward, and its sampled tokens, their log-probs and the prompt log-probs equal the module path's exactly,
+    with dense float32 linears and with Q8_0 GGUF ones (their biases added after the C GEMM)."""
+    from test_cpu_direct_forward import (
+        _assert_direct_equals_module_path,
+        attach_q8_0_linears,
+    )
+
+    from pagedllm.model.cpu_direct_forward import DirectForward
+    from pagedllm.model.cpu_direct_forward_layernorm import LayerNormDirectForward
+
+    built = build(name)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=48, block_size=4, max_num_seqs=4, **ENGINE_KW)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    if weights == "q8_0":
+        assert attach_q8_0_linears(runner.model) == 8
+        runner.direct_forward = DirectForward.build(runner.model, runner.attn_backend)
+        assert runner.direct_forward.gemm_method != "dense"
+    direct = _assert_direct_equals_module_path(llm, [{"prompt_token_ids": p} for p in built.prompts])
+    assert isinstance(direct, LayerNormDirectForward)
+    parallel, two_norms, act, qk_norms = _LAYOUTS[name]
+    assert direct.gated == (act is None)
+    for lyr, mod in zip(direct.layers, runner.model.model.layers):
+        assert (lyr.parallel, lyr.ln2 is not None, lyr.q_norm is not None) == (parallel, two_norms, qk_norms)
+        assert lyr.act is (None if act is None else mod.mlp.act)
+        assert lyr.window == (WINDOW if name == "starcoder2" else 0)
+        assert lyr.rotary_dim == mod.self_attn.rotary_emb.rotary_dim
+
+
+def test_direct_forward_left_to_the_module_path_where_it_does_not_apply(build, monkeypatch) -> None:
+    """A layer whose forward is not LayerNormDecoderLayer's, and `direct_forward_supported = False`, keep the
+    module path."""
+    from pagedllm.model.cpu_direct_forward import DirectForward
+    from pagedllm.model.layers.attention import NativeCpuAttentionBackend
+
+    llm = LLM(model=str(build("phi").path), num_gpu_blocks_override=8, **ENGINE_KW)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    model, backend = runner.model, runner.attn_backend
+    if not isinstance(backend, NativeCpuAttentionBackend):
+        pytest.skip("no native CPU kernels")
+    assert DirectForward.build(model, backend) is not None
+    layer = model.model.layers[1]
+
+    class OwnForward(type(layer)):  # a family's layer with a forward of its own
+        def forward(self, *args):
+            return super().forward(*args)
+
+    monkeypatch.setattr(layer, "__class__", OwnForward)
+    assert DirectForward.build(model, backend) is None
+    monkeypatch.undo()
+    monkeypatch.setattr(model, "direct_forward_supported", False, raising=False)
+    assert DirectForward.build(model, backend) is None
 
 
 def _hf_logprobs(family: Family, built: Built, **change) -> torch.Tensor:

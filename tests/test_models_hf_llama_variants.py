@@ -30,6 +30,7 @@ from test_models_hf import (
     _model,
     _random_model,
     build_from_model,
+    greedy_on_cpu_path,
 )
 
 from pagedllm import LLM, SamplingParams
@@ -99,17 +100,10 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     llm = LLM(model=str(built.path), num_gpu_blocks_override=pool, block_size=4, **ENGINE_KW)
     model = _model(llm)
     assert type(model).__name__ == FAMILIES[name].ours
-    runner = llm.llm_engine.executor.driver_worker.model_runner
     # Where the native kernels are loaded (and PAGEDLLM_CPU_DIRECT_FORWARD is not 0), the Llama family takes the
     # direct forward (every family here).
     direct = load_cpu_kernels() is not None and direct_forward_enabled() and name in DIRECT_FORWARD_FAMILIES
-    assert (runner.direct_forward is not None) == direct
-    stats = runner.enable_step_stats()
-    try:
-        outs = _greedy(llm, built.prompts, logprobs=3)
-    finally:
-        runner.step_stats = None
-    assert {path for _, path, *_ in stats.records} == {"direct" if direct else "eager"}
+    outs = greedy_on_cpu_path(llm, built.prompts, direct)
     for prompt, ref, out in zip(built.prompts, built.reference, outs):
         assert list(out.outputs[0].token_ids) == ref, f"{name}: prompt of {len(prompt)} tokens diverged"
     _assert_logprobs_match(outs, built)

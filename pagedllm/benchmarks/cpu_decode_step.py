@@ -148,7 +148,7 @@ def kernel_times(llm) -> dict[str, float]:
     fwd = runner.direct_forward
     if fwd is None:
         return {}
-    lins = [lin for layer in fwd.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    lins = [lin for layer in fwd.layers for lin in layer.linears]
     if fwd.gemm_method == "dense":
         rows = {lin.in_features: torch.randn(1, lin.in_features) for lin in lins}
 
@@ -185,7 +185,7 @@ def _lm_head_time(head, fwd) -> dict[str, float]:
                                                           x.data_ptr(), 1, out.data_ptr(), _INT8))}
 
 
-#: The direct forward's C entry points other than the linears and attention (LlamaDirectForward's attributes):
+#: The direct forward's C entry points other than the linears and attention (DirectForward's attributes):
 #: norms (Gemma 3's and Qwen3's per-head q/k norms too), RoPE, the cache writes, the gated activations.
 _OTHER_KERNELS = ("_rms", "_heads_norm", "_rope", "_cache", "_cache_bf16", "_cache_fp8", "_silu", "_gelu_tanh")
 
@@ -220,7 +220,7 @@ def _forward_without_kernels(llm, fwd, context: int = 64) -> dict[str, float]:
     ids, pos, meta, _ = runner.prepare_inputs([SequenceChunk(-1, [7], context, table, sample=True)])
     names = ("_linear", "_attention", *_OTHER_KERNELS)
     saved = {n: getattr(fwd, n) for n in names}
-    lins = [lin for layer in fwd.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    lins = [lin for layer in fwd.layers for lin in layer.linears]
     out = {"direct forward, 1 token": _best_ms(lambda: fwd(ids, pos, kv, meta))}
     try:
         with _SkippedDenseLinears(lins, 1):

@@ -43,7 +43,8 @@ class ModelRunner:
         # Every sequence's tables as rows kept across steps (block_table_rows.py): a step copies new entries only.
         self.table_rows = PersistentBlockTables(self.num_kv_cache_groups)
         self.step_stats: StepStats | None = None
-        # CPU, float32 Llama family on GGUF linears: the stack's kernels called directly (model/cpu_direct_forward.py)
+        # CPU, float32 or GGUF linears (Llama, Gemma, LayerNorm families): the stack's kernels called directly
+        # (model/cpu_direct_forward.py)
         self.direct_forward = None
         # The pooling runner (embeddings): steps return the final hidden states of the rows asked for, in float32,
         # where a generating runner returns their logits.

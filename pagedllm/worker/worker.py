@@ -376,11 +376,11 @@ class Worker:
             self.model_runner.lora_manager = self.lora_manager
             self.lora_manager.always_apply = self.use_cuda_graphs()  # captured graphs hold the adapters' GEMMs
         if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
-            from pagedllm.model.cpu_direct_forward import LlamaDirectForward
+            from pagedllm.model.cpu_direct_forward import DirectForward
 
             # (a multimodal model's language model: its text-only steps)
-            self.model_runner.direct_forward = LlamaDirectForward.build(getattr(self.model, "language_model",
-                                                                                self.model), backend)
+            self.model_runner.direct_forward = DirectForward.build(getattr(self.model, "language_model", self.model),
+                                                                   backend)
             if self.model_runner.direct_forward is not None:
                 self.model_runner.direct_forward.lora_manager = self.lora_manager
             if self.config.model_config.batch_invariant and self.model_runner.direct_forward is None:

@@ -18,11 +18,14 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     # An FP8 checkpoint's scales of the fused tensors are not split here: such checkpoints are refused.
     loads_fp8_checkpoints = False
     partial_rotary = True
+    #: LoRA: PEFT names Phi-3's own fused modules; an adapter's B on qkv_proj / gate_up_proj is split by
+    #: `checkpoint_tensors` as the weight is (lora/adapter.py), each piece with the same A.
+    lora_modules = {"qkv_proj": "qkv_proj", "o_proj": "o_proj", "gate_up_proj": "gate_up_proj", "down_proj": "down_proj"}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._split_fused(weights))
+        super().load_weights(self.checkpoint_tensors(weights))
 
-    def _split_fused(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """``qkv_proj`` → q/k/v_proj and ``gate_up_proj`` → gate/up_proj tensors (Llama's stacked names)."""
         config = self.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
