@@ -169,6 +169,20 @@ def test_adapters_match_peft_and_base_requests_match_the_base_model(name: str, d
         assert built.refs[lid] != built.refs[0], f"{name}: adapter {lid} does not change transformers' tokens"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cuda_adapters_match_peft(name: str, build) -> None:
+    """The same batch on the GPU (float32, CUDA graphs): the families' adapter placement under the graph-captured
+    LoRA GEMMs."""
+    built = build(name)
+    llm = LLM(str(built.base), **{**ENGINE, "device": "cuda", "block_size": 16})
+    prompts = [p for p in built.prompts for _ in built.loras]
+    loras = [lora for _ in built.prompts for lora in built.loras]
+    for i, (lora, out) in enumerate(zip(loras, _generate(llm, prompts, loras))):
+        lid = 0 if lora is None else lora.lora_int_id
+        assert list(out.outputs[0].token_ids) == built.refs[lid][i // len(built.loras)], (name, lid, len(prompts[i]))
+
+
 def test_gpt_neox_query_key_value_is_split_over_q_k_v(build) -> None:
     """The interleaved [head, (q, k, v), head_dim] rows of query_key_value's B land on our q, k and v slices, each
     with the same A (the scaling, lora_alpha / r = 2, folded into B)."""
