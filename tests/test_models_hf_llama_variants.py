@@ -44,7 +44,7 @@ from pagedllm.model.models.registry import get_model_class, layer_sliding_window
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 WINDOW = 8
-DIRECT_FORWARD_FAMILIES = ("granite", "olmo2", "olmo3", "smollm3")  # the CPU direct forward runs each of them
+DIRECT_FORWARD_FAMILIES = ("granite", "olmo2", "olmo3", "smollm3")  # the CPU direct forward (dense MLPs) runs these
 _SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, attn_implementation="eager")
 _IN_VOCAB_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # SmolLM3's 128000s are past this vocab
@@ -58,6 +58,10 @@ FAMILIES: dict[str, Family] = {
     "granite": Family("GraniteConfig", "GraniteForCausalLM", {
         **_SHAPE, **_GRANITE_MULTIPLIERS, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
         "GraniteForCausalLM"),
+    # Granite's multipliers over a routed MLP: 4 experts, top 2 (softmax over the top-k logits), fused in the checkpoint.
+    "granitemoe": Family("GraniteMoeConfig", "GraniteMoeForCausalLM", {
+        **_SHAPE, **_GRANITE_MULTIPLIERS, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "tie_word_embeddings": True}, "GraniteMoeForCausalLM"),
     # Post-norms, q/k norms over whole projections, biased q/k/v/o.
     "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", {**_SHAPE, "attention_bias": True}, "Olmo2ForCausalLM"),
     # OLMo 2's layers; local (window 8) / global / local, RoPE base 10 000 locally, 10⁶ linearly scaled ×2 globally.
@@ -101,14 +105,14 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     model = _model(llm)
     assert type(model).__name__ == FAMILIES[name].ours
     # Where the native kernels are loaded (and PAGEDLLM_CPU_DIRECT_FORWARD is not 0), the Llama family takes the
-    # direct forward (every family here).
+    # direct forward (every family here with dense MLPs: not Granite MoE's experts).
     direct = load_cpu_kernels() is not None and direct_forward_enabled() and name in DIRECT_FORWARD_FAMILIES
     outs = greedy_on_cpu_path(llm, built.prompts, direct)
     for prompt, ref, out in zip(built.prompts, built.reference, outs):
         assert list(out.outputs[0].token_ids) == ref, f"{name}: prompt of {len(prompt)} tokens diverged"
     _assert_logprobs_match(outs, built)
     stats = llm.stats()
-    if name in ("granite", "olmo2"):  # the windowed families free blocks as sequences grow
+    if name in ("granite", "granitemoe", "olmo2"):  # the windowed families free blocks as sequences grow
         assert stats["num_preemptions"] > 0, "the small pool should have forced preemption"
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == pool
 
@@ -212,7 +216,8 @@ def test_granite_prompt_embeds_are_scaled_as_transformers_inputs_embeds(build) -
 
 def test_registry_by_architecture_and_model_type() -> None:
     for cfg_cls, ours in [("GraniteConfig", "GraniteForCausalLM"), ("Olmo2Config", "Olmo2ForCausalLM"),
-                          ("Olmo3Config", "Olmo3ForCausalLM"), ("SmolLM3Config", "SmolLM3ForCausalLM")]:
+                          ("Olmo3Config", "Olmo3ForCausalLM"), ("SmolLM3Config", "SmolLM3ForCausalLM"),
+                          ("GraniteMoeConfig", "GraniteMoeForCausalLM")]:
         config = getattr(transformers, cfg_cls)()  # no `architectures`: model_type decides
         assert get_model_class(config).__name__ == ours
         config.architectures = [ours]
@@ -229,6 +234,19 @@ def test_model_construction_draws_no_random_numbers(name: str) -> None:
     model = get_model_class(config)(config, TensorParallelGroup(), torch.float32)
     assert torch.equal(torch.get_rng_state(), state)
     assert type(model).__name__ == family.ours
+
+
+def test_granitemoe_checkpoint_experts_are_checked() -> None:
+    """A Granite MoE checkpoint's fused expert tensors of a shape the config does not imply, or a block tensor it
+    does not have, are clear errors (the parity test loads the right ones)."""
+    family = FAMILIES["granitemoe"]
+    config = getattr(transformers, family.config_cls)(vocab_size=VOCAB, **family.kwargs)
+    model = get_model_class(config)(config, TensorParallelGroup(), torch.float32)
+    block = "model.layers.0.block_sparse_moe."
+    with pytest.raises(ValueError, match=r"input_linear.*\[experts, 96, 64\]"):
+        list(model._per_expert([(block + "input_linear.weight", torch.zeros(4, 48, 64))]))
+    with pytest.raises(ValueError, match="router.layer, input_linear and output_linear only"):
+        list(model._per_expert([(block + "experts.0.w1.weight", torch.zeros(48, 64))]))
 
 
 def test_unsupported_configs_are_clear_errors() -> None:
@@ -321,7 +339,7 @@ def test_olmo2_qk_norm_under_tensor_parallelism(tp_size: int) -> None:
         torch.testing.assert_close(got_k, want_k[:, k_rows], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["olmo2", "granite"])
+@pytest.mark.parametrize("name", ["olmo2", "granite", "granitemoe"])
 def test_tensor_parallel_tp2_matches_hf(name: str, build) -> None:
     """End to end at tp=2 (real processes, gloo): each rank holds one KV head, and (OLMo 2) half of each q/k norm's
     weight, (Granite) its shards of the q/k/v biases, o_proj's bias added once after the reduction."""

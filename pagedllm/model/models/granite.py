@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import torch
+from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.kernels.metadata import AttentionMetadata
@@ -44,10 +45,10 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     (which the next norm fuses, as Llama's: the layer returns (scaled MLP output, residual))."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, layer_index: int,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None) -> None:
         attention = LlamaAttention(config, tp, dtype, layer_index=layer_index, rotary_emb=rotary_emb,
                                    scale=_multiplier(config, "attention_multiplier"))
-        super().__init__(config, tp, dtype, layer_index=layer_index, self_attn=attention)
+        super().__init__(config, tp, dtype, mlp=mlp, layer_index=layer_index, self_attn=attention)
         self.residual_multiplier = _multiplier(config, "residual_multiplier")
 
     def forward(self, positions, hidden, residual, kv_cache: KVCache, meta: AttentionMetadata):
@@ -71,7 +72,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def build_model(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> LlamaModel:
         rotary = llama_rotary_embedding(config)
-        return LlamaModel(config, tp, dtype, make_layer=lambda i: GraniteDecoderLayer(config, tp, dtype, i, rotary),
+        return LlamaModel(config, tp, dtype,
+                          make_layer=lambda i: GraniteDecoderLayer(config, tp, dtype, i, rotary,
+                                                                   self.make_mlp(config, i, tp, dtype)),
                           embedding_multiplier=_multiplier(config, "embedding_multiplier"))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE (Granite 3.0 / 3.1's
+1B-A400M and 3B-A800M: Granite's layers and multipliers with a routed MLP whose experts a checkpoint stores fused).
 
 Their attention is Llama's (Qwen2-MoE with q/k/v biases, Qwen3-MoE with per-head q/k norms); their feed-forward
 blocks route each token to its top-k experts (layers/fused_moe.py), and Qwen2-MoE adds a shared expert scaled by a
@@ -15,6 +16,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.fused_moe import EXPERT_PROJECTIONS, FusedMoE
 from pagedllm.model.layers.linear import ReplicatedLinear
+from pagedllm.model.models.granite import GraniteForCausalLM
 from pagedllm.model.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -115,3 +117,41 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
     qk_norm = False
     qkv_bias = True
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM, _MoeForCausalLM):
+    """Granite MoE: Granite's attention, multipliers and logit scaling; every layer's MLP a sparse MoE block
+    (``block_sparse_moe``: softmax over the top-k router logits, i.e. top-k renormalized). Checkpoints store the
+    router as ``router.layer`` and each layer's experts fused: ``input_linear`` [experts, 2 × inter, hidden] (gate
+    rows, then up rows) and ``output_linear`` [experts, hidden, inter]; they are split into per-expert projections
+    here and stacked as Mixtral's."""
+
+    def make_mlp(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module:
+        return SparseMoeBlock(config, _num_experts(config), config.intermediate_size, True, tp, dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._per_expert(weights))
+
+    def _per_expert(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        inter = int(self.config.intermediate_size)
+        for name, tensor in weights:
+            prefix, sep, rest = name.partition(".block_sparse_moe.")
+            if not sep:
+                yield name, tensor
+            elif rest == "router.layer.weight":
+                yield f"{prefix}.mlp.gate.weight", tensor
+            elif rest in ("input_linear.weight", "output_linear.weight"):
+                want = (2 * inter, self.config.hidden_size) if rest.startswith("input") else \
+                    (self.config.hidden_size, inter)
+                if tensor.dim() != 3 or tuple(tensor.shape[1:]) != want:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; the config implies "
+                                     f"[experts, {want[0]}, {want[1]}]")
+                for e in range(tensor.shape[0]):
+                    if rest.startswith("input"):
+                        yield f"{prefix}.mlp.experts.{e}.gate_proj.weight", tensor[e, :inter]
+                        yield f"{prefix}.mlp.experts.{e}.up_proj.weight", tensor[e, inter:]
+                    else:
+                        yield f"{prefix}.mlp.experts.{e}.down_proj.weight", tensor[e]
+            else:
+                raise ValueError(f"checkpoint tensor {name!r}: a Granite MoE block holds router.layer, input_linear "
+                                 f"and output_linear only")

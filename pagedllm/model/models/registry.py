@@ -20,6 +20,7 @@ _GEMMA2 = "pagedllm.model.models.gemma:Gemma2ForCausalLM"
 _GEMMA3 = "pagedllm.model.models.gemma:Gemma3ForCausalLM"
 _PHI3 = "pagedllm.model.models.phi3:Phi3ForCausalLM"
 _GRANITE = "pagedllm.model.models.granite:GraniteForCausalLM"
+_GRANITE_MOE = "pagedllm.model.models.moe:GraniteMoeForCausalLM"
 _OLMO2 = "pagedllm.model.models.olmo2:Olmo2ForCausalLM"
 _OLMO3 = "pagedllm.model.models.olmo2:Olmo3ForCausalLM"
 _SMOLLM3 = "pagedllm.model.models.smollm3:SmolLM3ForCausalLM"
@@ -46,6 +47,7 @@ _MODELS = {
     "Gemma3ForCausalLM": _GEMMA3,  # Gemma 3 text-only checkpoints (gemma-3-1b, model_type gemma3_text)
     "Phi3ForCausalLM": _PHI3,
     "GraniteForCausalLM": _GRANITE,
+    "GraniteMoeForCausalLM": _GRANITE_MOE,
     "Olmo2ForCausalLM": _OLMO2,
     "Olmo3ForCausalLM": _OLMO3,
     "SmolLM3ForCausalLM": _SMOLLM3,
@@ -86,6 +88,7 @@ _MODELS = {
     "gemma3_text": _GEMMA3,
     "phi3": _PHI3,
     "granite": _GRANITE,
+    "granitemoe": _GRANITE_MOE,
     "olmo2": _OLMO2,
     "olmo3": _OLMO3,
     "smollm3": _SMOLLM3,
