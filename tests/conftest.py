@@ -14,6 +14,10 @@ os.environ.setdefault("PAGEDLLM_GGUF_QUANTIZATION", "none")
 # Every step checks the worker's persistent block-table rows against the block manager's tables
 # (worker/block_table_rows.py): a table change that did not bump its version fails the test that made it.
 os.environ.setdefault("PAGEDLLM_CHECK_BLOCK_TABLE_ROWS", "1")
+# Without CUDA the Triton kernel tests run Triton's interpreter, whose mode is read when triton is imported, and
+# `import transformers` imports triton: set it (triton_setup) before any test module can import either, so the
+# kernel tests pass in any order (tests/test_fused_moe.py after tests/test_lora.py failed before).
+import triton_setup  # noqa: E402,F401
 
 from pagedllm.benchmarks.gguf_quant import FIXED_TEXT as _TEXT  # noqa: E402 (the same fixed prose)
 
