@@ -66,7 +66,8 @@ def test_mixed_batch_matches_merged_references_under_preemption(tiny, direct_for
     loras = [None, adapters[1][0], adapters[2][0]]
     prompts = [p for p in PROMPTS for _ in loras]
     per_prompt = [r for _ in PROMPTS for r in loras]
-    llm = LLM(base, **ENGINE, num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=32)
+    # device="cpu": the step paths asserted here are the CPU's (the CUDA test below covers the GPU).
+    llm = LLM(base, **ENGINE, device="cpu", num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=32)
     runner = llm.llm_engine.executor.driver_worker.model_runner
     assert (runner.direct_forward is not None) == direct_forward
     step_stats = runner.enable_step_stats()
