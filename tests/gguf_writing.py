@@ -91,7 +91,7 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
                norm_offset: float = 0.0, q8_linears: bool = False, q8_embedding: bool = False,
                tokenizer: Callable[[object], None] | None = None,
                extra_tensors: Iterable[tuple[str, np.ndarray]] = (), permute_qk: bool = False,
-               state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
+               state_dict: Mapping[str, torch.Tensor] | None = None, q8_experts: bool = False) -> Path:
     """``model`` as llama.cpp's converter stores it for ``arch``: ``metadata(writer)`` writes the architecture's
     keys; ``norm_offset`` is added to every ``*norm.weight`` (Gemma's converters add 1); a tied ``lm_head`` is not
     stored; ``q8_linears``: the layers' 2-D weights as Q8_0 blocks (``q8_embedding``: the embedding too), the rest
@@ -99,7 +99,7 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
     transformers reads the vocabulary size from); ``extra_tensors``: more (GGUF name, array) pairs; ``permute_qk``:
     q_proj / k_proj weights and biases permuted as llama.cpp's Llama converter does (:func:`llama_cpp_permute`);
     ``state_dict``: the HF-named tensors to write instead of the model's own (a converter's reshaped or stacked ones,
-    named as gguf-py's map knows them)."""
+    named as gguf-py's map knows them); ``q8_experts``: 3-D (merged expert) tensors as Q8_0 blocks."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     metadata(w)
@@ -120,9 +120,11 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             arr = llama_cpp_permute(arr, cfg.num_key_value_heads)
         gguf_name = to_gguf(name)
-        is_norm = gguf_name.endswith("_norm.weight")  # the converter keeps norms F32 (StableLM's 2-D per-head ones)
-        if arr.ndim == 2 and not is_norm and ((q8_linears and "layers" in name)
-                                              or (q8_embedding and "embed_tokens" in name)):
+        # the converter keeps norms F32 (StableLM's 2-D per-head ones), and MoE routers
+        keep_f32 = gguf_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
+        if (arr.ndim == 2 and not keep_f32 and ((q8_linears and "layers" in name)
+                                               or (q8_embedding and "embed_tokens" in name))) \
+                or (arr.ndim == 3 and q8_experts):
             w.add_tensor(gguf_name, _q8(arr), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(gguf_name, arr)

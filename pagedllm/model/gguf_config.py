@@ -12,6 +12,13 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pagedllm.model.gguf_moe import (
+    MOE_MODELS,
+    MOE_TENSORS,
+    SHARED_EXPERT_TENSORS,
+    moe_config,
+)
+
 logger = logging.getLogger("pagedllm")
 
 GLOBAL_TENSORS: Mapping[str, str] = MappingProxyType(
@@ -116,8 +123,12 @@ class GGUFArchitecture:
 _LLAMA_BLOCK = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_LLAMA_NORMS, **_QK_NORM_TENSORS})
 _LLAMA_NO_QK_NORM = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_LLAMA_NORMS})
 _GEMMA2_BLOCK = MappingProxyType({**_ATTENTION_TENSORS, **_GATED_MLP_TENSORS, **_SANDWICH_NORMS})
+# Mixture-of-experts blocks (gguf_moe.py): Llama's attention and norms, a router and merged experts.
+_MOE_ATTENTION = MappingProxyType({**_ATTENTION_TENSORS, **_LLAMA_NORMS})
 GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
-    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", _LLAMA_BLOCK, permuted_qk=True, biases=True),
+    # Mixtral's files are `llama` ones with experts (llama.expert_count > 0): MixtralForCausalLM (gguf_moe.moe_config).
+    "llama": GGUFArchitecture("LlamaForCausalLM", "llama", MappingProxyType({**_LLAMA_BLOCK, **MOE_TENSORS}),
+                              permuted_qk=True, biases=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "qwen2", _LLAMA_BLOCK, biases=True),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "qwen3", _LLAMA_BLOCK, biases=True),
     # llama.cpp runs Gemma's MLP with its tanh-approximated GELU (LLM_FFN_GELU).
@@ -130,6 +141,14 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "phi3": GGUFArchitecture("Phi3ForCausalLM", "phi3", _PHI3_TENSORS, partial_rotary=True),
     # Llama's layout (the converter subclasses Llama's: q/k permuted) with four multipliers (_granite_config).
     "granite": GGUFArchitecture("GraniteForCausalLM", "granite", _LLAMA_NO_QK_NORM, permuted_qk=True, biases=True),
+    # Granite's layout and multipliers with routed experts (split from HF's input_linear by the converter).
+    "granitemoe": GGUFArchitecture(*MOE_MODELS["granitemoe"], MappingProxyType({**_MOE_ATTENTION, **MOE_TENSORS}),
+                                   permuted_qk=True, biases=True),
+    # Qwen2's biased q/k/v with routed experts and a sigmoid-gated shared expert; Qwen3's q/k norms with routed ones.
+    "qwen2moe": GGUFArchitecture(*MOE_MODELS["qwen2moe"], MappingProxyType({
+        **_MOE_ATTENTION, **MOE_TENSORS, **SHARED_EXPERT_TENSORS}), biases=True),
+    "qwen3moe": GGUFArchitecture(*MOE_MODELS["qwen3moe"], MappingProxyType({
+        **_MOE_ATTENTION, **_QK_NORM_TENSORS, **MOE_TENSORS}), biases=True),
     # Olmo2ForCausalLM, or Olmo3ForCausalLM where the file names a sliding window (_olmo2_config).
     "olmo2": GGUFArchitecture("Olmo2ForCausalLM", "olmo2", _OLMO2_TENSORS, qk_norm="projection"),
     # Llama's layout (q/k permuted), every fourth layer without RoPE (_smollm3_config).
@@ -218,7 +237,8 @@ class GGUFModelInfo:
 
 def build_config(reader: Any, path: Path) -> GGUFModelInfo:
     """Build an HF config dict (Llama, Qwen2/3, Gemma 1/2/3, Phi-3, Granite, OLMo 2/3, SmolLM3, GPT-NeoX, Phi-2,
-    StableLM or StarCoder2) from GGUF metadata, as llama.cpp reads it."""
+    StableLM, StarCoder2, or the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE) from GGUF metadata,
+    as llama.cpp reads it."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -322,14 +342,17 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         config.update(_gemma_config(reader, arch, config, path))
     elif arch == "phi3":
         config.update(_phi3_config(reader, config, None if n_rot is None else int(n_rot), scaling_type, path))
-    elif arch == "granite":
-        config.update(_granite_config(reader, config, path))
+    elif arch in ("granite", "granitemoe"):
+        config.update(_granite_config(reader, config, path, arch))
     elif arch == "olmo2":
         config = _olmo2_config(reader, config, path)
     elif arch == "smollm3":
         config.update(_smollm3_config(config))
     elif spec.layer_norm:
         config = _layernorm_config(reader, arch, config, tensor_names, None if n_rot is None else int(n_rot), path)
+    if arch in MOE_MODELS:
+        config.update(moe_config(lambda key, default: gguf_field(reader, key, default), arch, config, tensor_names,
+                                 path))
     return GGUFModelInfo(
         config=config,
         n_head=n_head,
@@ -401,26 +424,26 @@ def _arch_key(key: str, arch: str) -> str:
     return key.format(arch=arch)
 
 
-def _granite_config(reader: Any, base: dict[str, Any], path: Path) -> dict[str, Any]:
-    """Granite's multipliers as llama.cpp reads them (llama_model_granite): an embedding or residual scale that is
-    absent or 0 multiplies by 1, an attention scale that is absent or 0 is head_dim**-0.5, and the logit scale (the
-    logits are divided by it) is required."""
+def _granite_config(reader: Any, base: dict[str, Any], path: Path, arch: str = "granite") -> dict[str, Any]:
+    """Granite's (and Granite MoE's) multipliers as llama.cpp reads them (llama_model_granite): an embedding or
+    residual scale that is absent or 0 multiplies by 1, an attention scale that is absent or 0 is head_dim**-0.5, and
+    the logit scale (the logits are divided by it) is required."""
     from gguf import Keys
 
     def scale(template: str, default: float) -> float:
-        key = _arch_key(template, "granite")
+        key = _arch_key(template, arch)
         value = gguf_field(reader, key)
         value = 0.0 if value is None else float(value)
         if not math.isfinite(value):
             raise ValueError(f"{path}: {key} = {value}; it must be a finite number")
         return value or default
 
-    finetuned_key = _arch_key(Keys.Rope.SCALING_FINETUNED, "granite")
+    finetuned_key = _arch_key(Keys.Rope.SCALING_FINETUNED, arch)
     finetuned = gguf_field(reader, finetuned_key)
     if finetuned is not None and not bool(finetuned):
         raise ValueError(f"{path}: {finetuned_key} is false, which turns RoPE off on every layer in llama.cpp; "
                          "GraniteForCausalLM always applies RoPE (only files with RoPE are supported)")
-    logit_key = _arch_key(Keys.LLM.LOGIT_SCALE, "granite")
+    logit_key = _arch_key(Keys.LLM.LOGIT_SCALE, arch)
     if gguf_field(reader, logit_key) is None:
         raise ValueError(f"{path} is not a valid GGUF file: missing metadata key {logit_key!r} (Granite's logits "
                          "are divided by it; llama.cpp requires it)")

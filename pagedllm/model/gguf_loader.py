@@ -32,6 +32,15 @@ from pagedllm.model.gguf_config import (
     GGUFModelInfo,
     build_config,
 )
+from pagedllm.model.gguf_moe import (
+    is_expert_tensor,
+    is_float_type,
+    is_stacked_experts,
+    legacy_expert_name,
+    log_dequantized_experts,
+    moe_expected_shape,
+    split_experts,
+)
 
 logger = logging.getLogger("pagedllm")
 
@@ -213,6 +222,8 @@ def map_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in GLOBAL_TENSORS and (spec.biases or m.group(2) == "weight"):
         return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    if arch == "llama" and (legacy := legacy_expert_name(gguf_name)) is not None:
+        return legacy  # a pre-April-2024 Mixtral file: one tensor per expert
     if gguf_name == "rope_freqs.weight":
         raise ValueError(
             "GGUF tensor 'rope_freqs.weight' (Llama-3.1 style RoPE frequency scaling) is not supported yet"
@@ -235,6 +246,8 @@ def _fused_rows(module: str, cfg: dict[str, Any]) -> tuple[int, ...]:
 
 def _expected_shape(hf_name: str, cfg: dict[str, Any], qk_norm: str = "head") -> tuple[int, ...] | None:
     """The HF shape of ``hf_name`` the config implies (None: not checked); ``qk_norm``: GGUFArchitecture.qk_norm."""
+    if (moe := moe_expected_shape(hf_name, cfg)) is not None:
+        return moe
     h, hd, vocab = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
     q, kv, ff = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
     module, kind = hf_name.split(".")[-2:]
@@ -257,6 +270,7 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
+    quantized_experts: list[str] = []  # types of the expert tensors dequantized (one log line at the end)
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
         hf_name = map_tensor_name(t.name, info.arch)
         if hf_name is None:
@@ -274,6 +288,13 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
             arr = reverse_permute(arr, info.n_head_kv)
         if info.norm_offset and t.name.endswith("norm.weight"):
             arr -= np.float32(info.norm_offset)
+        if is_expert_tensor(hf_name) and not is_float_type(t.tensor_type.name):
+            quantized_experts.append(t.tensor_type.name)
+        if is_stacked_experts(hf_name):
+            yield from split_experts(hf_name, arr, info.config, t.name, path)
+            continue
+        if hf_name.endswith(".mlp.shared_expert_gate.weight") and arr.ndim == 1:  # llama.cpp's {n_embd}
+            arr = arr.reshape(1, -1)
         spec = GGUF_ARCHITECTURES[info.arch]
         expected = _expected_shape(hf_name, info.config, spec.qk_norm)
         if expected is not None and tuple(arr.shape) != expected:
@@ -289,6 +310,7 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
                 start += n
             continue
         yield hf_name, arr
+    log_dequantized_experts(path, quantized_experts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,16 +446,22 @@ class GGUFRawTensor:
 def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFRawTensor], int]:
     """Every mapped tensor of ``path`` without dequantizing (q/k rows un-permuted; fused q|k|v (Phi-3, Phi-2,
     GPT-NeoX) and gate|up (Phi-3) split by rows into q/k/v_proj and gate/up_proj), and the file's tensor bytes.
-    Gemma's norms, stored with +1, are left out: only the dense path (:func:`convert_gguf`) reads them."""
+    Gemma's norms, stored with +1, are left out: only the dense path (:func:`convert_gguf`) reads them; so are merged
+    expert tensors (MoE files): the routed experts are served from the converted float copy."""
     src = Path(path)
     reader = open_gguf(src)
     info = build_config(reader, src)
     out: dict[str, GGUFRawTensor] = {}
     total = 0
+    quantized_experts: list[str] = []
     for t in reader.tensors:
         total += int(t.n_bytes)
         hf_name = map_tensor_name(t.name, info.arch)
         if hf_name is None or (info.norm_offset and t.name.endswith("norm.weight")):
+            continue
+        if is_expert_tensor(hf_name):
+            if not is_float_type(t.tensor_type.name):
+                quantized_experts.append(t.tensor_type.name)
             continue
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 (innermost) first
         raw = np.asarray(t.data)
@@ -457,4 +485,5 @@ def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFR
             out[name] = GGUFRawTensor(name, t.tensor_type.name, int(t.tensor_type), (n, *shape[1:]),
                                       raw[start:start + n])
             start += n
+    log_dequantized_experts(src, quantized_experts, blocks_kept=True)
     return out, total
