@@ -415,10 +415,10 @@ def test_multi_shard_and_broken_shards(build, tmp_path: Path) -> None:
 
 
 def test_unsupported_architecture_lists_supported(tmp_path: Path) -> None:
-    config = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, rotary_dim=8)
-    config.architectures = ["GPTJForCausalLM"]
+    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=1, n_head=4)
+    config.architectures = ["BloomForCausalLM"]
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="GPTJForCausalLM.*not supported.*GPT2LMHeadModel.*OPTForCausalLM"):
+    with pytest.raises(ValueError, match="BloomForCausalLM.*not supported.*GPT2LMHeadModel.*OPTForCausalLM"):
         LLM(model=str(tmp_path), load_format="dummy", num_gpu_blocks_override=4, **ENGINE_KW)
 
 

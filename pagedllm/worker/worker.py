@@ -45,8 +45,8 @@ from pagedllm.model.layers.quantized_linear import (
     num_parameters,
     resolve_quantization,
 )
-from pagedllm.model.models.registry import (get_model_class, is_base_model, is_encoder_only, kv_cache_layout,
-                                             text_config)
+from pagedllm.model.models.registry import (get_model_class, is_base_model, is_encoder_only, kv_cache_head_size,
+                                             kv_cache_layout, text_config)
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.worker.cache_engine import CacheEngine
@@ -96,9 +96,8 @@ def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
     hf_config = text_config(hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     shard = shard_attention_heads(heads, kv_heads, tp_size, rank)
-    return hf_config.num_hidden_layers, shard.num_kv_heads, head_dim
+    return hf_config.num_hidden_layers, shard.num_kv_heads, kv_cache_head_size(hf_config)
 
 
 class Worker:

@@ -10,6 +10,8 @@ also the kernel's reference in tests).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -55,11 +57,18 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one MoE layer: forward(x [T, H], router_logits [T, E]) → [T, H]."""
+    """The routed experts of one MoE layer: forward(x [T, H], router_logits [T, E]) → [T, H].
+
+    `custom_routing_function` (vLLM's name): router_logits → (weights [T, k] float32, expert ids [T, k] int64), in
+    place of ``select_experts`` (DeepSeek's grouped and bias-corrected routers); `top_k` / `renormalize` then only
+    describe the layer."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 tp: TensorParallelGroup, dtype: torch.dtype, reduce_results: bool = True) -> None:
+                 tp: TensorParallelGroup, dtype: torch.dtype, reduce_results: bool = True,
+                 custom_routing_function: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> None:
         super().__init__()
+        self.custom_routing_function = custom_routing_function
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must lie in [1, {num_experts}] (the number of experts), got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
@@ -90,7 +99,10 @@ class FusedMoE(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if self.custom_routing_function is None:
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        else:
+            topk_weights, topk_ids = self.custom_routing_function(router_logits)
         if x.is_cuda:
             from pagedllm.kernels.triton_fused_moe import fused_experts  # needs triton: imported on use
 

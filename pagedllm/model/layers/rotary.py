@@ -227,3 +227,16 @@ class RotaryEmbedding(nn.Module):
         t, dtype = q.shape[0], q.dtype
         q, k = self._rotate(positions, q.reshape(t, -1, self.head_dim).float(), k.reshape(t, -1, self.head_dim).float())
         return q.to(dtype).reshape(t, -1), k.to(dtype).reshape(t, -1)
+
+
+def interleaved_to_half_rows(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A q or k projection's rows ([heads · head_dim, ...]: a weight, a bias, a LoRA B) for a model whose RoPE rotates
+    interleaved pairs (dims 2i, 2i + 1 of each head: GPT-J's rotate_every_two, Cohere, GLM), reordered so that this
+    module's rotate-half RoPE (pairs i, i + rotary_dim / 2) rotates the same pairs at the same frequencies. Scores are
+    unchanged: q and k are permuted alike within each head, v is not; dims past rotary_dim keep their places."""
+    if rows.shape[0] % head_dim or not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"cannot reorder {rows.shape[0]} rows as heads of {head_dim} with {rotary_dim} rotated dims")
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                       torch.arange(rotary_dim, head_dim)])
+    heads = rows.reshape(rows.shape[0] // head_dim, head_dim, *rows.shape[1:])
+    return heads[:, order].reshape(rows.shape)

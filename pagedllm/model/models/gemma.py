@@ -87,18 +87,19 @@ class GemmaAttention(RotaryAttention):
 
 class GemmaDecoderLayer(nn.Module):
     """Gemma: pre-norms before attention and MLP. `sandwich` (Gemma 2/3): norms after the attention and around the
-    MLP too; the residual is added after the post-norms (the fused add of the next pre-norm)."""
+    MLP too; the residual is added after the post-norms (the fused add of the next pre-norm). `norm`: the norms'
+    class (GLM-4's sandwich layers use RMSNorm's w rather than Gemma's 1 + w)."""
 
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, attention: GemmaAttention,
-                 mlp: GemmaMLP, sandwich: bool) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, attention: nn.Module,
+                 mlp: nn.Module, sandwich: bool, norm: type[nn.Module] = GemmaRMSNorm) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = attention
         self.mlp = mlp
-        self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
-        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype) if sandwich else None
-        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype) if sandwich else None
+        self.input_layernorm = norm(hidden, eps, dtype)
+        self.post_attention_layernorm = norm(hidden, eps, dtype)
+        self.pre_feedforward_layernorm = norm(hidden, eps, dtype) if sandwich else None
+        self.post_feedforward_layernorm = norm(hidden, eps, dtype) if sandwich else None
 
     def forward(self, positions, hidden, residual, kv_cache, meta):
         if residual is None:

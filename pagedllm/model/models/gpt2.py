@@ -34,15 +34,18 @@ class GPT2Attention(nn.Module):
         if hidden % heads:
             raise ValueError(f"n_embd ({hidden}) must be divisible by n_head ({heads})")
         head_dim = hidden // heads
-        self.c_attn = QKVParallelLinear(hidden, head_dim, heads, heads, True, tp, dtype)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads  # GPTBigCode's multi_query: 1
+        self.c_attn = QKVParallelLinear(hidden, head_dim, heads, kv_heads, True, tp, dtype)
         self.c_proj = RowParallelLinear(hidden, hidden, True, tp, dtype, input_shard=self.c_attn.output_features)
+        self.q_size = self.c_attn.num_heads * head_dim
+        self.kv_size = self.c_attn.num_kv_heads * head_dim
         scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
         self.attn = Attention(self.c_attn.num_heads, head_dim, self.c_attn.num_kv_heads, scale=scale)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        q, k, v = self.c_attn(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         return self.c_proj(self.attn(q, k, v, kv_cache, meta))
 
 

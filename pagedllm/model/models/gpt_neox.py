@@ -81,12 +81,15 @@ class PartialRotaryAttention(RotaryAttention):
 class GeluMLP(nn.Module):
     """fc2(act(fc1(x))): GPT-NeoX's dense_h_to_4h / dense_4h_to_h, Phi's fc1 / fc2, StarCoder2's c_fc / c_proj."""
 
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, bias: bool) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, bias: bool,
+                 intermediate_size: int | None = None, act: str | None = None) -> None:
+        """`intermediate_size` / `act`: for configs naming them otherwise (default: the config's intermediate_size
+        and hidden_act)."""
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         self.fc1 = ColumnParallelLinear(hidden, [inter], bias, tp, dtype)
         self.fc2 = RowParallelLinear(inter, hidden, bias, tp, dtype)
-        self.act = get_act_fn(getattr(config, "hidden_act", "gelu"))
+        self.act = get_act_fn(act or getattr(config, "hidden_act", "gelu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
@@ -168,13 +171,18 @@ class LayerNormCausalLM(nn.Module):
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        rotary = llama_rotary_embedding(config, self.partial_rotary)
+        rotary = self.rotary_embedding(config)
         layers = [self.make_layer(config, i, tp, dtype, rotary) for i in range(config.num_hidden_layers)]
         self.model = LayerNormDecoderModel(config, tp, dtype, layers, self.layer_norm(config, dtype))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, bias=self.lm_head_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_default))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rotary_embedding(self, config: Any) -> RotaryEmbedding:
+        """The RoPE table every layer shares (default: the config's theta, scaling and, with `partial_rotary`,
+        partial_rotary_factor)."""
+        return llama_rotary_embedding(config, self.partial_rotary)
 
     def layer_norm(self, config: Any, dtype: torch.dtype) -> LayerNorm:
         """A LayerNorm (weight and bias) over hidden_size with the config's epsilon."""

@@ -1,5 +1,7 @@
-"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE (Granite 3.0 / 3.1's
-1B-A400M and 3B-A800M: Granite's layers and multipliers with a routed MLP whose experts a checkpoint stores fused).
+"""Mixture-of-experts members of the Llama family: Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE (Granite 3.0 / 3.1's
+1B-A400M and 3B-A800M: Granite's layers and multipliers with a routed MLP whose experts a checkpoint stores fused) and
+OLMoE (AI2's OLMoE-1B-7B: Llama's pre-norm layers with OLMo 2's whole-projection q/k norms and optional q/k/v
+clipping, top-k of a softmax over every expert).
 
 Their attention is Llama's (Qwen2-MoE with q/k/v biases, Qwen3-MoE with per-head q/k norms); their feed-forward
 blocks route each token to its top-k experts (layers/fused_moe.py), and Qwen2-MoE adds a shared expert scaled by a
@@ -14,10 +16,19 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.model.layers.fused_moe import EXPERT_PROJECTIONS, FusedMoE
 from pagedllm.model.layers.linear import ReplicatedLinear
+from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.models.granite import GraniteForCausalLM
-from pagedllm.model.models.llama import LlamaForCausalLM, LlamaMLP
+from pagedllm.model.models.llama import (
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+    llama_rotary_embedding,
+)
+from pagedllm.model.models.olmo2 import Olmo2Attention
 
 
 class SparseMoeBlock(nn.Module):
@@ -155,3 +166,43 @@ class GraniteMoeForCausalLM(GraniteForCausalLM, _MoeForCausalLM):
             else:
                 raise ValueError(f"checkpoint tensor {name!r}: a Granite MoE block holds router.layer, input_linear "
                                  f"and output_linear only")
+
+
+class OlmoeAttention(Olmo2Attention):
+    """OLMo 2's attention (whole-projection q/k norms before RoPE, biases under ``attention_bias``) with OLMoE's
+    ``clip_qkv``: q and k (after their norms) and v clamped to [-clip_qkv, clip_qkv], before RoPE (as transformers)."""
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, layer_index: int,
+                 rotary_emb: RotaryEmbedding, clip_qkv: float) -> None:
+        super().__init__(config, tp, dtype, layer_index, rotary_emb)
+        self.clip_qkv = clip_qkv
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: Any, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_norm(q, k)
+        c = self.clip_qkv
+        q, k = self.rotary_emb(positions, q.clamp(-c, c), k.clamp(-c, c))
+        v = v.clamp(-c, c)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class OlmoeForCausalLM(_MoeForCausalLM):
+    """OLMoE: Llama's pre-norm layers; OLMo 2's attention (q_norm over all q heads, k_norm over all KV heads); every
+    MLP a sparse MoE block routing to the top `num_experts_per_tok` of a softmax over all experts, renormalized under
+    ``norm_topk_prob``."""
+
+    def build_model(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> LlamaModel:
+        rotary = llama_rotary_embedding(config)
+        clip = getattr(config, "clip_qkv", None)
+
+        def make_layer(i: int) -> nn.Module:
+            attn = Olmo2Attention(config, tp, dtype, i, rotary) if clip is None else \
+                OlmoeAttention(config, tp, dtype, i, rotary, float(clip))
+            return LlamaDecoderLayer(config, tp, dtype, mlp=self.make_mlp(config, i, tp, dtype), layer_index=i,
+                                     self_attn=attn)
+
+        return LlamaModel(config, tp, dtype, make_layer=make_layer)
+
+    def make_mlp(self, config: Any, layer_index: int, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module:
+        return SparseMoeBlock(config, _num_experts(config), config.intermediate_size,
+                              bool(getattr(config, "norm_topk_prob", False)), tp, dtype)

@@ -28,6 +28,15 @@ _GPT_NEOX = "pagedllm.model.models.gpt_neox:GPTNeoXForCausalLM"
 _PHI = "pagedllm.model.models.phi:PhiForCausalLM"
 _STABLELM = "pagedllm.model.models.stablelm:StableLmForCausalLM"
 _STARCODER2 = "pagedllm.model.models.starcoder2:Starcoder2ForCausalLM"
+_OLMOE = "pagedllm.model.models.moe:OlmoeForCausalLM"
+_COHERE = "pagedllm.model.models.cohere:CohereForCausalLM"
+_GPT_BIGCODE = "pagedllm.model.models.gpt_bigcode:GPTBigCodeForCausalLM"
+_GPT_J = "pagedllm.model.models.gpt_j:GPTJForCausalLM"
+_GLM = "pagedllm.model.models.glm4:GlmForCausalLM"
+_GLM4 = "pagedllm.model.models.glm4:Glm4ForCausalLM"
+_FALCON = "pagedllm.model.models.falcon:FalconForCausalLM"
+_DEEPSEEK_V2 = "pagedllm.model.models.deepseek_v2:DeepseekV2ForCausalLM"
+_DEEPSEEK_V3 = "pagedllm.model.models.deepseek_v2:DeepseekV3ForCausalLM"
 _LLAVA = "pagedllm.model.models.llava:LlavaForConditionalGeneration"
 _BERT = "pagedllm.model.models.bert:"
 
@@ -55,6 +64,15 @@ _MODELS = {
     "PhiForCausalLM": _PHI,
     "StableLmForCausalLM": _STABLELM,
     "Starcoder2ForCausalLM": _STARCODER2,
+    "OlmoeForCausalLM": _OLMOE,
+    "CohereForCausalLM": _COHERE,
+    "GPTBigCodeForCausalLM": _GPT_BIGCODE,
+    "GPTJForCausalLM": _GPT_J,
+    "GlmForCausalLM": _GLM,
+    "Glm4ForCausalLM": _GLM4,
+    "FalconForCausalLM": _FALCON,
+    "DeepseekV2ForCausalLM": _DEEPSEEK_V2,
+    "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
     # Image inputs (multimodal/): a vision tower and projector in front of the text model of `text_config`.
     "LlavaForConditionalGeneration": _LLAVA,
     # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
@@ -96,6 +114,15 @@ _MODELS = {
     "phi": _PHI,
     "stablelm": _STABLELM,
     "starcoder2": _STARCODER2,
+    "olmoe": _OLMOE,
+    "cohere": _COHERE,
+    "gpt_bigcode": _GPT_BIGCODE,
+    "gptj": _GPT_J,
+    "glm": _GLM,
+    "glm4": _GLM4,
+    "falcon": _FALCON,
+    "deepseek_v2": _DEEPSEEK_V2,
+    "deepseek_v3": _DEEPSEEK_V3,
     "llava": _LLAVA,
 }
 
@@ -151,6 +178,16 @@ def get_model_class(config: Any) -> type:
             module, cls = _MODELS[name].split(":")
             return getattr(importlib.import_module(module), cls)
     raise ValueError(f"model architecture {names} is not supported; supported: {supported_architectures()}")
+
+
+def kv_cache_head_size(config: Any) -> int:
+    """The per-head width of the KV cache: the model class's ``kv_cache_head_size(config)`` where it caches something
+    other than ``head_dim`` (DeepSeek's MLA: K's nope + rope width), else ``head_dim`` or hidden / heads."""
+    config = text_config(config)
+    hook = getattr(get_model_class(config), "kv_cache_head_size", None)
+    if hook is not None:
+        return int(hook(config))
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def get_sliding_window(config: Any) -> int | None:
