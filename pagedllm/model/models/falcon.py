@@ -78,7 +78,11 @@ class FalconForCausalLM(LayerNormCausalLM):
             raise ValueError("Falcon's new_decoder_architecture runs attention and MLP in parallel; the config sets "
                              "parallel_attn=False, which transformers' modeling does not run either")
         kv_heads = getattr(config, "num_key_value_heads", None)
-        if kv_heads != falcon_kv_heads(config):  # the KV cache (worker.kv_geometry) reads num_key_value_heads
+        if kv_heads is None:
+            # FalconConfig has no num_key_value_heads before transformers 5.2x; the shared attention and the KV cache
+            # (worker.kv_geometry, after the model is built) read it.
+            config.num_key_value_heads = kv_heads = falcon_kv_heads(config)
+        if kv_heads != falcon_kv_heads(config):
             raise ValueError(f"this Falcon config's attention has {falcon_kv_heads(config)} K/V heads, its "
                              f"num_key_value_heads says {kv_heads}")
         super().__init__(config, tp, dtype)
