@@ -6,6 +6,7 @@ uses), so the layout written does not depend on pagedllm's reverse mapping.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -83,15 +84,65 @@ def llama_cpp_permute(arr: np.ndarray, n_head: int) -> np.ndarray:
     return arr.reshape(n_head, 2, arr.shape[0] // n_head // 2, *arr.shape[1:]).swapaxes(1, 2).reshape(arr.shape)
 
 
-def _q8(arr: np.ndarray) -> np.ndarray:
-    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
+#: Routed-expert tensor names (group 1: the projection): merged or fused (``ffn_<proj>_exps``), or one per expert.
+_EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate_up|gate|up|down)(_exps|\.\d+)\.weight$")
+
+
+def _expert_type(gguf_name: str, experts_type: str | Mapping[str, str] | None) -> str | None:
+    """The GGUF type write_gguf stores a routed-expert tensor in (None: not one, or left float)."""
+    m = _EXPERT_TENSOR.match(gguf_name)
+    if m is None or experts_type is None or isinstance(experts_type, str):
+        return experts_type if m is not None else None
+    return experts_type.get(m[1])
+
+
+def _nonzero(v: np.ndarray) -> np.ndarray:
+    """float32 column [n, 1] of ``v`` with zeros replaced by 1 (a divisor for all-zero blocks)."""
+    return np.where(v == 0, 1, v).astype(np.float32)[:, None]
+
+
+def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
+    """Q4_K blocks (uint8 [..., row_bytes]) of float rows whose length is a multiple of 256, which gguf-py cannot
+    write: per super-block an fp16 scale d and minimum dmin, per 32 values 6-bit multiples of them (ggml's
+    get_scale_min_k4 packing) and 4-bit quants, w = d·sc·q − dmin·m. A plain min / max fit (llama.cpp searches the
+    scales); the tests only need valid blocks near the weights."""
+    x = arr.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, sub-blocks, values]
+    lo = np.minimum(x.min(axis=2), 0)
+    scale, mins = (x.max(axis=2) - lo) / 15, -lo
+    d = (scale.max(axis=1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(scale / _nonzero(d)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(mins / _nonzero(dmin)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
+    q = np.clip(np.rint((x + offset) / np.where(step == 0, 1, step)[:, :, None]), 0, 15).astype(np.uint8)
+    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # each 64 values: low nibbles, then high
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 144)
+
+
+def quantize_to(arr: np.ndarray, type_name: str) -> np.ndarray:
+    """The GGUF blocks of ``arr`` in type ``type_name`` (gguf-py's quantizers: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; Q4_K:
+    :func:`quantize_q4_k`)."""
+    if type_name == "Q4_K":
+        return quantize_q4_k(arr)
+    return gguf.quants.quantize(arr, gguf.GGMLQuantizationType[type_name])
+
+
+def round_to(arr: np.ndarray, type_name: str) -> np.ndarray:
+    """``arr`` as a file of GGUF type ``type_name`` stores it: quantized (:func:`quantize_to`), then dequantized."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return gguf.quants.dequantize(quantize_to(arr, type_name), qtype).reshape(arr.shape)
 
 
 def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable[[object], None], *,
                norm_offset: float = 0.0, q8_linears: bool = False, q8_embedding: bool = False,
                tokenizer: Callable[[object], None] | None = None,
                extra_tensors: Iterable[tuple[str, np.ndarray]] = (), permute_qk: bool = False,
-               state_dict: Mapping[str, torch.Tensor] | None = None, q8_experts: bool = False) -> Path:
+               state_dict: Mapping[str, torch.Tensor] | None = None,
+               experts_type: str | Mapping[str, str] | None = None) -> Path:
     """``model`` as llama.cpp's converter stores it for ``arch``: ``metadata(writer)`` writes the architecture's
     keys; ``norm_offset`` is added to every ``*norm.weight`` (Gemma's converters add 1); a tied ``lm_head`` is not
     stored; ``q8_linears``: the layers' 2-D weights as Q8_0 blocks (``q8_embedding``: the embedding too), the rest
@@ -99,7 +150,9 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
     transformers reads the vocabulary size from); ``extra_tensors``: more (GGUF name, array) pairs; ``permute_qk``:
     q_proj / k_proj weights and biases permuted as llama.cpp's Llama converter does (:func:`llama_cpp_permute`);
     ``state_dict``: the HF-named tensors to write instead of the model's own (a converter's reshaped or stacked ones,
-    named as gguf-py's map knows them); ``q8_experts``: 3-D (merged expert) tensors as Q8_0 blocks."""
+    named as gguf-py's map knows them); ``experts_type``: routed-expert tensors (ffn_<proj>_exps, also fused
+    ffn_gate_up_exps and Mixtral's old blk.N.ffn_<proj>.E among ``extra_tensors``) as blocks of this type
+    (:func:`quantize_to`), or of the type named per projection ({"gate": ..., "up": ..., "down": ...})."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     metadata(w)
@@ -122,19 +175,24 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
         gguf_name = to_gguf(name)
         # the converter keeps norms F32 (StableLM's 2-D per-head ones), and MoE routers
         keep_f32 = gguf_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
-        if (arr.ndim == 2 and not keep_f32 and ((q8_linears and "layers" in name)
-                                               or (q8_embedding and "embed_tokens" in name))) \
-                or (arr.ndim == 3 and q8_experts):
-            w.add_tensor(gguf_name, _q8(arr), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(gguf_name, arr)
+        q8 = arr.ndim == 2 and not keep_f32 and ((q8_linears and "layers" in name)
+                                                 or (q8_embedding and "embed_tokens" in name))
+        _add_tensor(w, gguf_name, arr, "Q8_0" if q8 else _expert_type(gguf_name, experts_type))
     for gguf_name, arr in extra_tensors:
-        w.add_tensor(gguf_name, arr)
+        _add_tensor(w, gguf_name, arr, _expert_type(gguf_name, experts_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_tensor(w, gguf_name: str, arr: np.ndarray, type_name: str | None) -> None:
+    """``arr`` as float (``type_name`` None) or as blocks of GGUF type ``type_name``."""
+    if type_name is None:
+        w.add_tensor(gguf_name, arr)
+    else:
+        w.add_tensor(gguf_name, quantize_to(arr, type_name), raw_dtype=gguf.GGMLQuantizationType[type_name])
 
 
 def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

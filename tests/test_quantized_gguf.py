@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.benchmarks.gguf_quant import random_gguf_blocks as random_blocks
 from pagedllm.kernels import cpu_isa, cpu_quant, reference
 from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGML_TYPES, GGUFWeight
 
@@ -13,17 +14,6 @@ from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGML_TYPES, GGUFWeight
 _DETECTED = cpu_isa.detect_cpu_isa().detected
 # Every ISA level this CPU can run (the top one with its VNNI extension, the lower ones without).
 _LEVELS = [pytest.param(lv, id=lv) for lv in cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(_DETECTED) + 1]]
-
-
-def random_blocks(qtype: int, rows: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random GGUF blocks of ``qtype`` (random quants, small positive fp16 scales/minimums)."""
-    rng = np.random.default_rng(seed)
-    elems, nbytes = BLOCK_LAYOUT[qtype]
-    blocks = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
-    for i in range(2 if qtype in (GGML_TYPES["Q4_1"], GGML_TYPES["Q4_K"]) else 1):
-        scale = rng.uniform(0.001, 0.02, size=(rows, k // elems)).astype(np.float16)
-        blocks[:, :, 2 * i:2 * i + 2] = scale.view(np.uint8).reshape(rows, k // elems, 2)
-    return blocks.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("level", _LEVELS)

@@ -16,6 +16,8 @@ import json
 import math
 import time
 
+import numpy as np
+
 FIXED_TEXT = (
     "The history of computing is a story of abstractions built on top of one another. Early machines were "
     "programmed by rewiring panels; later, stored programs let the same hardware run many tasks. Operating "
@@ -36,6 +38,20 @@ PROMPT_TEXTS = (
     "The Pacific Ocean is", "Roses are red,", "The GDP of a country measures", "How do airplanes fly?",
     "The first step in solving a quadratic equation is", "Summarize the plot of Hamlet:",
 )
+
+
+def random_gguf_blocks(qtype: int, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks of ``qtype`` (uint8 [rows, row_bytes]: random quants, small positive fp16 scales/minimums),
+    for kernel tests and timings."""
+    from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGML_TYPES
+
+    rng = np.random.default_rng(seed)
+    elems, nbytes = BLOCK_LAYOUT[qtype]
+    blocks = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
+    for i in range(2 if qtype in (GGML_TYPES["Q4_1"], GGML_TYPES["Q4_K"]) else 1):
+        scale = rng.uniform(0.001, 0.02, size=(rows, k // elems)).astype(np.float16)
+        blocks[:, :, 2 * i:2 * i + 2] = scale.view(np.uint8).reshape(rows, k // elems, 2)
+    return blocks.reshape(rows, -1)
 
 
 def perplexity(llm, token_ids: list[int]) -> float:

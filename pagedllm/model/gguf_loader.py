@@ -446,22 +446,17 @@ class GGUFRawTensor:
 def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFRawTensor], int]:
     """Every mapped tensor of ``path`` without dequantizing (q/k rows un-permuted; fused q|k|v (Phi-3, Phi-2,
     GPT-NeoX) and gate|up (Phi-3) split by rows into q/k/v_proj and gate/up_proj), and the file's tensor bytes.
-    Gemma's norms, stored with +1, are left out: only the dense path (:func:`convert_gguf`) reads them; so are merged
-    expert tensors (MoE files): the routed experts are served from the converted float copy."""
+    Gemma's norms, stored with +1, are left out: only the dense path (:func:`convert_gguf`) reads them. Merged expert
+    tensors (MoE files) stay merged: ``blocks`` [experts, rows, row_bytes] under ``...mlp.experts.<proj>.weight``."""
     src = Path(path)
     reader = open_gguf(src)
     info = build_config(reader, src)
     out: dict[str, GGUFRawTensor] = {}
     total = 0
-    quantized_experts: list[str] = []
     for t in reader.tensors:
         total += int(t.n_bytes)
         hf_name = map_tensor_name(t.name, info.arch)
         if hf_name is None or (info.norm_offset and t.name.endswith("norm.weight")):
-            continue
-        if is_expert_tensor(hf_name):
-            if not is_float_type(t.tensor_type.name):
-                quantized_experts.append(t.tensor_type.name)
             continue
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 (innermost) first
         raw = np.asarray(t.data)
@@ -472,7 +467,9 @@ def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFR
                 raw = reverse_permute(raw, info.n_head)
             elif info.permuted_qk and ".attn_k." in t.name:
                 raw = reverse_permute(raw, info.n_head_kv)
-        if module not in FUSED_PARTS:
+        elif len(shape) == 3:
+            raw = raw.reshape(shape[0], shape[1], -1)
+        if module not in FUSED_PARTS or is_stacked_experts(hf_name):
             out[hf_name] = GGUFRawTensor(hf_name, t.tensor_type.name, int(t.tensor_type), shape, raw)
             continue
         rows = _fused_rows(module, info.config)
@@ -485,5 +482,4 @@ def read_gguf_raw_tensors(path: str | os.PathLike[str]) -> tuple[dict[str, GGUFR
             out[name] = GGUFRawTensor(name, t.tensor_type.name, int(t.tensor_type), (n, *shape[1:]),
                                       raw[start:start + n])
             start += n
-    log_dequantized_experts(src, quantized_experts, blocks_kept=True)
     return out, total

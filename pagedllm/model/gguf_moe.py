@@ -7,7 +7,8 @@ llama.cpp stores each layer's experts merged: ``ffn_gate_exps`` / ``ffn_up_exps`
 shared expert ``ffn_{gate,up,down}_shexp`` with its sigmoid gate ``ffn_gate_inp_shexp`` [n_embd]. The conversion splits
 the merged tensors into per-expert matrices (``mlp.experts.{e}.gate_proj`` …), which the MoE model classes
 (models/moe.py) stack into their FusedMoE weights. Mixtral files from before April 2024 store one matrix per expert
-(``blk.N.ffn_gate.E.weight``): those map to the per-expert names directly.
+(``blk.N.ffn_gate.E.weight``): those map to the per-expert names directly. With quantization='gguf' on the CPU,
+experts in a type the quantized linears run keep their blocks instead (layers/quantized_linear.attach_gguf_experts).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def legacy_expert_name(gguf_name: str) -> str | None:
 
 
 def is_expert_tensor(hf_name: str) -> bool:
-    """True for routed-expert weights, merged or one per expert (served dequantized: FusedMoE runs float)."""
+    """True for routed-expert weights, merged or one per expert."""
     return is_stacked_experts(hf_name) or _PER_EXPERT_RE.search(hf_name) is not None
 
 
@@ -131,20 +132,20 @@ def split_experts(hf_name: str, arr: np.ndarray, cfg: Mapping[str, Any], gguf_na
             yield f"{prefix}.{e}.{proj}.weight", np.array(arr[e])
 
 
-def log_dequantized_experts(path: Path, types: list[str], blocks_kept: bool = False) -> None:
+def log_dequantized_experts(path: Path, types: list[str], why: str = "") -> None:
     """The one line saying a file's quantized expert tensors (of GGUF ``types``, one entry per tensor) run as float:
-    FusedMoE has no quantized kernel yet. ``blocks_kept``: said where quantization='gguf' keeps the other linears'
-    blocks, else where the conversion dequantizes them."""
+    by default, the conversion's float copy (what quantization='none' and GPUs serve); with ``why``, under
+    quantization='gguf' on the CPU, the ones not served from their blocks and the reason."""
     if not types:
         return
     kinds = ", ".join(sorted(set(types)))
-    if blocks_kept:
-        logger.info("GGUF %s: the dense linears keep their quantized blocks; the %d quantized expert tensors (%s) are "
-                    "served from their dequantized float copy (no quantized MoE kernel yet)", path.name, len(types),
-                    kinds)
+    if why:
+        logger.info("GGUF %s: %d quantized expert tensors (%s) are served from their dequantized float copy: %s",
+                    path.name, len(types), kinds, why)
     else:
-        logger.info("GGUF %s: %d quantized expert tensors (%s) are dequantized to float at load (no quantized MoE "
-                    "kernel yet)", path.name, len(types), kinds)
+        logger.info("GGUF %s: %d quantized expert tensors (%s) are dequantized to float at load (quantization='gguf' "
+                    "on the CPU serves Q4_0 / Q4_1 / Q8_0 / Q4_K experts from their blocks)", path.name, len(types),
+                    kinds)
 
 
 def moe_config(field: Callable[[str, Any], Any], arch: str, base: Mapping[str, Any], tensor_names: set[str],

@@ -40,13 +40,14 @@ from pagedllm.model.layers.linear import (
 )
 from pagedllm.model.layers.int_weight_blocks import IntCheckpointLoad, resolve_int_weight_quantization
 from pagedllm.model.layers.quantized_linear import (
+    attach_gguf_experts,
     attach_gguf_weights,
     log_attach_report,
     num_parameters,
     resolve_quantization,
 )
 from pagedllm.model.models.registry import (get_model_class, is_base_model, is_encoder_only, kv_cache_head_size,
-                                             kv_cache_layout, text_config)
+                                             kv_cache_layout, kv_cache_uses_mla, text_config)
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.worker.cache_engine import CacheEngine
@@ -92,8 +93,11 @@ def set_kv_cache_groups(model: torch.nn.Module, layer_groups: list[int]) -> None
 
 
 def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
-    """(num_layers, KV heads this rank holds, head_dim) from a HF config (a multimodal one's text_config)."""
+    """(num_layers, KV heads this rank holds, head_dim) from a HF config (a multimodal one's text_config). An MLA
+    model caches one latent "head" per token, whole on every rank."""
     hf_config = text_config(hf_config)
+    if kv_cache_uses_mla(hf_config):
+        return hf_config.num_hidden_layers, 1, kv_cache_head_size(hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     shard = shard_attention_heads(heads, kv_heads, tp_size, rank)
@@ -113,6 +117,12 @@ class Worker:
         # init_cache calibrates them (--calculate-kv-scales, worker/kv_scale_calibration.py).
         self.kv_spec = kv_quant.KVCacheSpec(kv_quant.resolve_cache_dtype(config.cache_config.cache_dtype,
                                                                          self.dtype, device))
+        self.use_mla = kv_cache_uses_mla(hf_config)
+        if self.use_mla and self.kv_spec.is_fp8:
+            raise ValueError(f"kv_cache_dtype={config.cache_config.cache_dtype!r} is not supported with MLA: its one "
+                             f"latent pool is read as keys and as values, which FP8 stores with separate scales "
+                             f"(k_scale, v_scale), so the value write would overwrite the key's quantization; use "
+                             f"kv_cache_dtype='auto' or 'bfloat16'.")
         if config.model_config.quantization == "fp8" and device != "cuda":
             raise ValueError(f"quantization='fp8' needs a CUDA device (torch._scaled_mm on Hopper); this engine "
                              f"runs on {device!r}: leave quantization unset.")
@@ -177,6 +187,8 @@ class Worker:
             if self.int_format is not None:
                 self.int_checkpoint = IntCheckpointLoad(self.int_format, keep_blocks=self.quantization == "gguf")
                 weights = self.int_checkpoint.weights(weights)
+            elif self.quantization == "gguf":  # before loading: experts kept as GGUF blocks get no float copy
+                attach_gguf_experts(model, self.gguf_path)
             model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
@@ -304,7 +316,8 @@ class Worker:
         """One block id's bytes: a page of each pool tensor (one per layer, or per slot of a hybrid model's groups)."""
         _, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
         return CacheEngine.get_cache_block_size(self.kv_layout.num_slots, kv_heads, head_dim,
-                                              self.config.cache_config.block_size, self.kv_spec.dtype)
+                                              self.config.cache_config.block_size, self.kv_spec.dtype,
+                                              use_mla=self.use_mla)
 
     @property
     def kv_layout(self) -> KVCacheLayout:
@@ -354,7 +367,7 @@ class Worker:
         self.cache_engine = CacheEngine(
             layers, kv_heads, head_dim, self.config.cache_config.block_size,
             num_gpu_blocks, num_cpu_blocks, self.kv_spec.dtype, self.device,
-            layer_slots=[slot for _, slot in placement],
+            layer_slots=[slot for _, slot in placement], use_mla=self.use_mla,
         )
         if self.encoder_only:
             logger.info("Encoder-only model: no KV pool tensors (%d blocks are admission accounting only)",

@@ -6,17 +6,25 @@ intermediate dimension (vLLM's tensor-parallel MoE) and the output is all-reduce
 
 The experts run on CUDA as one Triton grouped GEMM per projection (kernels/triton_fused_moe.py: static shapes, so
 CUDA graphs capture it); elsewhere as a torch loop over the experts that received rows (``fused_experts_torch``,
-also the kernel's reference in tests).
+also the kernel's reference in tests). With ``--quantization gguf`` on the CPU a projection's experts may instead be
+held as GGUF blocks, one GGUFWeight per expert (``w13_gguf`` / ``w2_gguf``, set by
+layers/quantized_linear.attach_gguf_experts), its float parameter then empty: the same loop runs each expert's rows
+through the quantized linears' GEMM (activations quantized per row, as llama.cpp's ggml_mul_mat_id does).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup, divide
 from pagedllm.model.layers.activation import silu_and_mul
+from pagedllm.model.layers.quantized_linear import gguf_matmul
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.cpu_quant import GGUFWeight
 
 # Checkpoint names of one expert's projections → (w13 half, or w2). Mixtral calls them w1 / w3 / w2.
 EXPERT_PROJECTIONS = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
@@ -33,14 +41,23 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight], expert: int) -> torch.Tensor:
+    """x @ w[expert]ᵀ, w a stacked float projection or one GGUF weight per expert."""
+    if isinstance(w, torch.Tensor):
+        return torch.nn.functional.linear(x, w[expert])
+    return gguf_matmul(w[expert], x, None)
+
+
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight],
+                        w2: torch.Tensor | Sequence[GGUFWeight], topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor) -> torch.Tensor:
     """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x), expert by expert over the rows routed
-    to it (Hugging Face's loop; the product by the weight in x's dtype)."""
+    to it (Hugging Face's loop; the product by the weight in x's dtype). Either projection may be one GGUF weight per
+    expert (``expert_linear``)."""
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()
     k = topk_ids.shape[1]
     start = 0
     for expert, n in enumerate(counts):
@@ -49,8 +66,8 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        h = silu_and_mul(torch.nn.functional.linear(x[rows], w13[expert]))
-        y = torch.nn.functional.linear(h, w2[expert])
+        h = silu_and_mul(expert_linear(x[rows], w13, expert))
+        y = expert_linear(h, w2, expert)
         y = y * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
         out.index_add_(0, rows, y)
     return out
@@ -73,17 +90,22 @@ class FusedMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok must lie in [1, {num_experts}] (the number of experts), got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp, self.reduce_results = tp, reduce_results
-        self.intermediate_size = intermediate_size
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.shard = divide(intermediate_size, tp.size, "moe_intermediate_size")
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size, dtype=dtype),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard, dtype=dtype),
                                       requires_grad=False)
+        # --quantization gguf (CPU): a projection's experts as GGUF blocks, its float parameter then empty
+        self.w13_gguf: list[GGUFWeight] | None = None
+        self.w2_gguf: list[GGUFWeight] | None = None
 
     def load_expert_weight(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
         """Copy one expert's checkpoint matrix ([I, H] for gate / up, [H, I] for down) into this rank's slice."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint has expert {expert}, the model has {self.num_experts} experts")
+        if (self.w2_gguf if projection == "down" else self.w13_gguf) is not None:
+            return  # served from the GGUF file's blocks: the float copy is not kept
         lo, n = self.tp.rank * self.shard, self.shard
         if projection == "down":
             want = (self.w2_weight.shape[1], self.intermediate_size)
@@ -108,5 +130,6 @@ class FusedMoE(nn.Module):
 
             out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
         else:
-            out = fused_experts_torch(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = fused_experts_torch(x, self.w13_gguf or self.w13_weight, self.w2_gguf or self.w2_weight,
+                                      topk_weights, topk_ids)
         return self.tp.all_reduce(out) if self.reduce_results else out

@@ -5,13 +5,18 @@ GGUF tensors are Q4_0 / Q4_1 / Q8_0 / Q4_K gets a :class:`~pagedllm.kernels.cpu_
 q/k/v and gate/up rows concatenated, rows in HF order) and its float32 weight is dropped. The embedding
 (and a tied LM head) keeps its blocks too: lookups dequantize only the rows asked for. Tensors of other
 types (F32 norms, Q6_K, ...) stay dense; each is named once in the log.
+
+A MoE file's routed experts (FusedMoE) get theirs before the weights load (:func:`attach_gguf_experts`): one
+GGUFWeight per expert and projection (w13: gate rows, then up rows; w2: down), so their float copy is never made.
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,6 +24,9 @@ from torch import nn
 
 from pagedllm.kernels import cpu_quant
 from pagedllm.kernels.cpu_quant import GGML_TYPES, GGUFWeight
+
+if TYPE_CHECKING:
+    from pagedllm.model.gguf_loader import GGUFRawTensor
 
 logger = logging.getLogger("pagedllm")
 
@@ -36,20 +44,22 @@ class GGUFAttachReport:
 
     quantized_layers: int = 0
     quantized_types: dict[str, int] = field(default_factory=dict)
+    expert_projections: int = 0  # FusedMoE projections (w13 or w2 of one layer) held as per-expert GGUF blocks
     dense_tensors: dict[str, str] = field(default_factory=dict)  # HF name -> why it stayed dense
     file_tensor_bytes: int = 0
     weight_bytes: int = 0  # resident: quantized blocks + remaining dense params + packed copies
 
 
 def gguf_has_quantized_linears(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a GGUF file with at least one matrix in a type served quantized."""
+    """True when ``path`` is a GGUF file with at least one matrix (or merged expert tensor) in a type served
+    quantized."""
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(Path(path))
     except Exception:  # noqa: BLE001 (the reader raises many kinds; the loader reports them)
         return False
-    return any(t.tensor_type.name in GGML_TYPES and len(t.shape) == 2 for t in reader.tensors)
+    return any(t.tensor_type.name in GGML_TYPES and len(t.shape) in (2, 3) for t in reader.tensors)
 
 
 def resolve_quantization(requested: str | None, gguf_path: str | None, device: str, dtype: torch.dtype) -> str | None:
@@ -175,8 +185,76 @@ def attach_quantized_blocks(model: nn.Module, raw: dict, source_bytes: int,
         report.quantized_types[w.type_name] = report.quantized_types.get(w.type_name, 0) + 1
     for p in to_drop:
         p.data = torch.empty(0, dtype=p.dtype)
+    for module in modules.values():  # attached before the weights loaded (attach_gguf_experts)
+        for stack in (getattr(module, "w13_gguf", None), getattr(module, "w2_gguf", None)):
+            if stack:
+                report.expert_projections += 1
+                report.quantized_types[stack[0].type_name] = report.quantized_types.get(stack[0].type_name, 0) + 1
     report.weight_bytes = resident_weight_bytes(model)
     return report
+
+
+def attach_gguf_experts(model: nn.Module, gguf_path: str | os.PathLike[str]) -> None:
+    """Before the weights load: each FusedMoE projection (w13, w2) whose experts the file stores in a type served
+    quantized gets one GGUFWeight per expert, and its float parameter is released unfilled (load_expert_weight then
+    skips the converted copy); the rest load as float, and one log line says why. Tensor parallelism is refused."""
+    from pagedllm.model.gguf_loader import read_gguf_raw_tensors
+    from pagedllm.model.gguf_moe import is_float_type, log_dequantized_experts
+    from pagedllm.model.layers.fused_moe import FusedMoE
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+    if not layers:
+        return
+    if any(moe.tp.size != 1 for moe in layers.values()):
+        raise ValueError("quantization='gguf' serves GGUF experts on one rank only (tensor_parallel_size=1); use "
+                         "quantization='none' (dequantized experts) with tensor parallelism.")
+    raw, _ = read_gguf_raw_tensors(gguf_path)
+    left: dict[str, list[str]] = {}  # why -> GGUF types of the expert tensors left float
+    for name, moe in layers.items():
+        for attr, projections, shape in (("w13", ("gate_proj", "up_proj"), (2 * moe.shard, moe.hidden_size)),
+                                         ("w2", ("down_proj",), (moe.hidden_size, moe.shard))):
+            stacks = [_expert_parts(raw, f"{name}.{p}", moe.num_experts) for p in projections]
+            if any(s is None or is_float_type(s[0].type_name) for s in stacks):
+                continue  # float in the file (or absent: the load reports it)
+            weights, why = _expert_weights(stacks, *shape)
+            if weights is None:
+                left.setdefault(why, []).extend(s[0].type_name for s in stacks)
+                continue
+            setattr(moe, f"{attr}_gguf", weights)
+            param = getattr(moe, f"{attr}_weight")
+            param.data = torch.empty(0, dtype=param.dtype)
+    for why, types in left.items():
+        log_dequantized_experts(Path(gguf_path), types, why)
+
+
+def _expert_parts(raw: Mapping[str, GGUFRawTensor], name: str, num_experts: int) -> list[GGUFRawTensor] | None:
+    """One projection of every expert, ``name`` = ``<FusedMoE>.<gate_proj|up_proj|down_proj>``, as 2-D raw tensors:
+    sliced from the file's merged tensor (or its fused gate_up_proj: gate rows, then up), or the file's one tensor per
+    expert (old Mixtral files); None where the file has neither."""
+    prefix, _, projection = name.rpartition(".")
+    merged, rows = raw.get(f"{name}.weight"), slice(None)
+    fused = raw.get(f"{prefix}.gate_up_proj.weight") if projection != "down_proj" else None
+    if merged is None and fused is not None:
+        width = fused.shape[1] // 2
+        merged, rows = fused, slice(0, width) if projection == "gate_proj" else slice(width, None)
+    if merged is not None:
+        if merged.shape[0] != num_experts:
+            return None  # the conversion's shape check names the tensor
+        blocks = [merged.blocks[e, rows] for e in range(num_experts)]
+        return [replace(merged, blocks=b, shape=(b.shape[0], merged.shape[2])) for b in blocks]
+    parts = [raw.get(f"{prefix}.{e}.{projection}.weight") for e in range(num_experts)]
+    return None if any(p is None for p in parts) else parts
+
+
+def _expert_weights(stacks: list[list[GGUFRawTensor]], rows: int, cols: int) -> tuple[list[GGUFWeight] | None, str]:
+    """One GGUFWeight per expert of its parts' rows concatenated (gate | up for w13), or None and why not."""
+    weights = []
+    for parts in zip(*stacks):
+        w, why = _gguf_weight(list(parts), rows, cols)
+        if w is None:
+            return None, why
+        weights.append(w)
+    return weights, ""
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
@@ -199,11 +277,18 @@ def resident_weight_bytes(model: nn.Module) -> int:
     for p in model.parameters():
         add(p.data)
     for m in model.modules():
-        w = getattr(m, "gguf_weight", None)
-        add(w.data if w is not None else None)
+        for w in held_gguf_weights(m):
+            add(w.data)
         add(getattr(m, "packed_weight", None))
         add(getattr(m, "f32_panels", None))
     return total
+
+
+def held_gguf_weights(module: nn.Module) -> list[GGUFWeight]:
+    """The GGUF weights ``module`` holds: a linear's or embedding's one, a FusedMoE's one per expert."""
+    one = getattr(module, "gguf_weight", None)
+    experts = (getattr(module, "w13_gguf", None) or []) + (getattr(module, "w2_gguf", None) or [])
+    return ([one] if one is not None else []) + experts
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -211,10 +296,10 @@ def num_parameters(model: nn.Module) -> int:
     seen: set[int] = set()
     total = sum(p.numel() for p in model.parameters())
     for m in model.modules():
-        w = getattr(m, "gguf_weight", None)
-        if w is not None and id(w) not in seen:
-            seen.add(id(w))
-            total += w.out_features * w.in_features
+        for w in held_gguf_weights(m):
+            if id(w) not in seen:
+                seen.add(id(w))
+                total += w.out_features * w.in_features
         shape = getattr(m, "dense_shape", None)  # a float32 weight held as panels (layers/linear.py)
         if shape is not None:
             total += shape[0] * shape[1]
@@ -223,8 +308,9 @@ def num_parameters(model: nn.Module) -> int:
 
 def log_attach_report(report: GGUFAttachReport) -> None:
     types = ", ".join(f"{n} {t}" for t, n in sorted(report.quantized_types.items()))
-    logger.info("GGUF weights served quantized: %d layers (%s); weight bytes in memory %.1f MB vs %.1f MB of "
-                "tensors in the file (%.2fx)", report.quantized_layers, types, report.weight_bytes / 1e6,
+    experts = f" and {report.expert_projections} routed-expert projections" if report.expert_projections else ""
+    logger.info("GGUF weights served quantized: %d layers%s (%s); weight bytes in memory %.1f MB vs %.1f MB of "
+                "tensors in the file (%.2fx)", report.quantized_layers, experts, types, report.weight_bytes / 1e6,
                 report.file_tensor_bytes / 1e6, report.weight_bytes / max(report.file_tensor_bytes, 1))
     for name, why in sorted(report.dense_tensors.items()):
         if "no GGUF tensor" not in why:
