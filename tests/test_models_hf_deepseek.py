@@ -5,12 +5,14 @@ Three tiny random models: V2-Lite's shape (q_proj, greedy softmax routing), V2's
 mscale_all_dim, group-limited routing, routed_scaling_factor 2, attention biases) and V3's (sigmoid routing with a
 randomized e_score_correction_bias and grouped top-k, norm_topk_prob, routed_scaling_factor 2.5, YaRN with
 mscale ≠ mscale_all_dim).
-Every layer after the first is an MoE block; v_head_dim (16) is narrower than q·k's 24, so V is zero-padded in the
-cache. test_knobs_change_transformers_outputs shows each knob changes transformers' own outputs, so parity is no
+Every layer after the first is an MoE block. The KV cache holds MLA's latent, one row [c_kv; k_pe] of
+kv_lora_rank + qk_rope_head_dim (32 + 8) per token and layer, with kv_b_proj absorbed into q and the output.
+test_knobs_change_transformers_outputs shows each knob changes transformers' own outputs, so parity is no
 accident; test_routers_match_transformers compares the routers' choices directly.
 """
 from __future__ import annotations
 
+import random
 from typing import Callable
 
 import pytest
@@ -31,14 +33,16 @@ from test_models_hf import (
     _random_model,
     build_from_model,
     greedy_on_cpu_path,
+    hf_greedy_reference,
 )
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.fused_moe import FusedMoE
 from pagedllm.model.models.deepseek_v2 import DeepseekV2MoE, DeepseekV2TopkRouter, yarn_mscale
 from pagedllm.model.models.llama import LlamaMLP
 from pagedllm.model.models.registry import get_model_class
+from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.worker.worker import kv_geometry
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -47,7 +51,8 @@ _MLA = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
             first_k_dense_replace=1, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             max_position_embeddings=128, attn_implementation="eager")
-QK_HEAD_DIM = 24  # qk_nope + qk_rope: the cache's head width (v_head_dim 16 is padded to it)
+QK_HEAD_DIM = 24  # qk_nope + qk_rope: the softmax scale's head dim
+LATENT_DIM = 40  # kv_lora_rank + qk_rope_head_dim: the one cached row per token and layer
 # Sequences of up to 30 + 16 tokens pass the original 32 positions.
 _YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32)
 
@@ -123,7 +128,7 @@ def test_greedy_parity_with_preemption(name: str, build) -> None:
     assert stats["num_preemptions"] > 0, "the small pool should have forced preemption"
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] == SMALL_POOL
     cache = llm.llm_engine.executor.driver_worker.cache_engine.gpu_cache[0][0]
-    assert tuple(cache.shape[2:]) == (4, QK_HEAD_DIM)  # every head's K (and padded V)
+    assert tuple(cache.shape[2:]) == (1, LATENT_DIM)  # the latent row, one "head" for all query heads
 
 
 def test_weights_loaded_exactly(build) -> None:
@@ -159,6 +164,24 @@ def test_mtp_layers_are_skipped_and_unknown_tensors_rejected(build) -> None:
         model.load_weights(list(saved.items()) + [("model.layers.1.self_attn.k_proj.weight", torch.zeros(4, 4))])
 
 
+def test_fp8_checkpoint_kv_b_proj_is_dequantized(build) -> None:
+    """kv_b_proj is absorbed, not run as a linear: an FP8 checkpoint's per-row-scaled e4m3 kv_b_proj (as
+    model/fp8_checkpoint.py hands it over: the weight, then its weight_scale) loads dequantized."""
+    built = build("deepseek-v2-lite")
+    saved = load_file(str(built.path / "model.safetensors"))
+    name = "model.layers.1.self_attn.kv_b_proj"
+    weight = saved.pop(f"{name}.weight")
+    scale = weight.abs().amax(dim=1) / 448.0
+    e4m3 = (weight / scale[:, None]).to(torch.float8_e4m3fn)
+    model = _construct(transformers.AutoConfig.from_pretrained(built.path))
+    model.load_weights(list(saved.items()) + [(f"{name}.weight", e4m3), (f"{name}.weight_scale", scale)])
+    loaded = model.model.layers[1].self_attn.kv_b_proj.weight
+    torch.testing.assert_close(loaded, e4m3.float() * scale[:, None], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="without their weight_scale"):
+        _construct(transformers.AutoConfig.from_pretrained(built.path)).load_weights(
+            list(saved.items()) + [(f"{name}.weight", e4m3)])
+
+
 def test_structure_follows_the_config() -> None:
     """Dense then MoE layers, q_proj or the q LoRA, the cache head width and softmax scale, no random draws."""
     config = _config("deepseek-v2-lite")
@@ -171,8 +194,10 @@ def test_structure_follows_the_config() -> None:
     assert layers[1].mlp.gate.e_score_correction_bias is None
     attn = layers[0].self_attn
     assert attn.q_proj is not None and attn.q_a_proj is None and attn.rope_interleave
-    assert attn.attn.head_dim == QK_HEAD_DIM and attn.attn.scale == QK_HEAD_DIM**-0.5
-    assert kv_geometry(config, 1) == (3, 4, QK_HEAD_DIM) and kv_geometry(config, 2) == (3, 2, QK_HEAD_DIM)
+    assert (attn.attn.num_heads, attn.attn.num_kv_heads, attn.attn.head_dim) == (4, 1, LATENT_DIM)
+    assert attn.attn.scale == QK_HEAD_DIM**-0.5  # the original q·k head dim's, not the latent's
+    assert attn.kv_b_proj.W_UK_T.shape == (4, 16, 32) and attn.kv_b_proj.W_UV.shape == (4, 32, 16)
+    assert kv_geometry(config, 1) == (3, 1, LATENT_DIM) and kv_geometry(config, 2) == (3, 1, LATENT_DIM)
 
     config = _config("deepseek-v3")
     layers = _construct(config).model.layers
@@ -266,7 +291,8 @@ def test_tensor_parallel_tp2_matches_hf(build) -> None:
     executor = llm.llm_engine.executor
     try:
         worker = executor.driver.worker
-        assert tuple(worker.cache_engine.gpu_cache[0][0].shape[2:]) == (2, QK_HEAD_DIM)
+        assert tuple(worker.cache_engine.gpu_cache[0][0].shape[2:]) == (1, LATENT_DIM)  # the whole latent
+        assert worker.model.model.layers[0].self_attn.kv_b_proj.W_UK_T.shape == (2, 16, 32)
         moe = next(m for m in worker.model.modules() if isinstance(m, FusedMoE))
         assert moe.w2_weight.shape == (8, 64, 16)
         outs = _greedy(llm, built.prompts, logprobs=3)
@@ -276,14 +302,174 @@ def test_tensor_parallel_tp2_matches_hf(build) -> None:
     _assert_logprobs_match(outs, built)
 
 
+def _distinct_pools(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    return list({t.data_ptr(): t for pair in pairs for t in pair}.values())
+
+
+def test_kv_pool_holds_the_latent_once(build) -> None:
+    """Per layer one pool tensor, its key tensor also its value tensor (device and swap pools): a token costs
+    num_layers × (kv_lora_rank + qk_rope_head_dim) × 4 bytes, and a fixed budget holds 4.8× the blocks of the
+    expanded layout (K and padded V of every head: 2 × 4 × 24 per layer); sleep's release and reallocation keep it."""
+    built = build("deepseek-v2-lite")
+    budget, block_size, layers = 1 << 20, 4, 3
+    llm = LLM(model=str(built.path), kv_cache_memory_bytes=budget, block_size=block_size, **ENGINE_KW)
+    worker = llm.llm_engine.executor.driver_worker
+    block_bytes = block_size * layers * LATENT_DIM * 4
+    assert worker.cache_block_size_bytes() == block_bytes
+    blocks = llm.stats()["kv_blocks_total"]
+    assert blocks == budget // block_bytes
+    expanded = CacheEngine.get_cache_block_size(layers, 4, QK_HEAD_DIM, block_size, torch.float32)
+    assert expanded == block_bytes * 4.8 and blocks >= 4 * (budget // expanded)
+    ce = worker.cache_engine
+    for pools, num in ((ce.gpu_cache, blocks), (ce.cpu_cache, ce.num_blocks[1])):
+        assert all(k is v for k, v in pools)
+        distinct = _distinct_pools(pools)
+        assert len(distinct) == layers
+        assert sum(t.numel() * t.element_size() for t in distinct) == num * block_bytes
+    assert ce.release() == (blocks + ce.num_blocks[1]) * block_bytes
+    ce.reallocate()
+    assert all(k is v for k, v in ce.gpu_cache + ce.cpu_cache)
+
+
+_REAL_MLA = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+REAL_SHAPES = {  # (config class, layers, heads) of the released models
+    "DeepSeek-V2-Lite": ("DeepseekV2Config", 27, 16),
+    "DeepSeek-V3": ("DeepseekV3Config", 61, 128),
+}
+
+
+@pytest.mark.parametrize("name", list(REAL_SHAPES))
+def test_bytes_per_token_at_real_shapes(name: str) -> None:
+    """kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token and layer (bfloat16: 1152 bytes), on every
+    tensor-parallel rank, against 2 × heads × 192 for the expanded K / V (10.7× on V2-Lite, 85.3× on V3)."""
+    config_cls, layers, heads = REAL_SHAPES[name]
+    config = getattr(transformers, config_cls)(num_hidden_layers=layers, num_attention_heads=heads,
+                                               num_key_value_heads=heads, **_REAL_MLA)
+    for tp in (1, 8):
+        assert kv_geometry(config, tp) == (layers, 1, 576)
+    per_token = CacheEngine.get_cache_block_size(*kv_geometry(config, 1), 1, torch.bfloat16, use_mla=True)
+    assert per_token == layers * 576 * 2
+    expanded = CacheEngine.get_cache_block_size(layers, heads, 192, 1, torch.bfloat16)
+    assert expanded / per_token == pytest.approx(2 * heads * 192 / 576)
+
+
+def test_fp8_kv_cache_is_refused(build) -> None:
+    with pytest.raises(ValueError, match="not supported with MLA"):
+        LLM(model=str(build("deepseek-v2").path), num_gpu_blocks_override=8, kv_cache_dtype="fp8", **ENGINE_KW)
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_swap_preemption_and_copy_on_write_match_hf(build, kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small pool preempting by swapping (latent blocks out to the CPU pool and back), then n=2 on a 17-token
+    prompt (its blocks shared, the partly filled last one copied on write; top_k=1: greedy rejects n > 1), on the
+    native C kernel and on the torch fallback: transformers' tokens."""
+    from pagedllm.kernels import cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.KERNELS_ENV, kernels)
+    cpu_kernels.load_cpu_kernels.cache_clear()  # (cached per process: read the variable now, and after the test)
+    try:
+        _swap_and_fork(build("deepseek-v3"), "cpu-native" if kernels == "native" else "torch")
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.load_cpu_kernels.cache_clear()
+
+
+def _swap_and_fork(built: Built, backend: str) -> None:
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=SMALL_POOL, block_size=4, preemption_mode="swap",
+              **ENGINE_KW)
+    assert llm.llm_engine.executor.driver_worker.model_runner.attn_backend.name == backend
+    outs = _greedy(llm, built.prompts, logprobs=3)
+    assert [list(o.outputs[0].token_ids) for o in outs] == built.reference
+    _assert_logprobs_match(outs, built)
+    pair = SamplingParams(n=2, temperature=1.0, top_k=1, seed=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    forked = llm.generate([{"prompt_token_ids": built.prompts[5]}], pair, use_tqdm=False)[0]
+    assert [list(c.token_ids) for c in forked.outputs] == [built.reference[5]] * 2
+    stats = llm.stats()
+    assert stats["num_swap_preemptions"] > 0 and stats["num_swap_ins"] > 0, stats
+    assert stats["num_cow_copies"] > 0, stats
+
+
+def test_prefix_caching_matches_hf(build) -> None:
+    """Prompts sharing a 20-token prefix, the first run alone: the later ones attend over its cached latent
+    blocks and still give transformers' tokens."""
+    built = build("deepseek-v2")
+    shared = built.prompts[-1][:20]
+    prompts = [shared + p[:3 + i] for i, p in enumerate(built.prompts[-4:])]
+    hf = getattr(transformers, FAMILIES["deepseek-v2"].model_cls).from_pretrained(built.path).eval()
+    reference, _ = hf_greedy_reference(hf, prompts)
+    llm = LLM(model=str(built.path), num_gpu_blocks_override=64, block_size=4, enable_prefix_caching=True,
+              **ENGINE_KW)
+    outs = _greedy(llm, prompts[:1]) + _greedy(llm, prompts[1:])
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] >= 3 * (20 // 4), stats
+
+
+@pytest.mark.parametrize("group", [16, 128])  # V2-Lite's heads; V3's (past the kernel's 16-row score vectors)
+def test_cpu_kernel_reads_one_latent_pool_at_real_width(group: int) -> None:
+    """The native C kernel at the real latent width (576) with one KV head, the pool passed as key and value
+    cache: two decodes and a chunk with context (tile path) match the naive reference."""
+    from pagedllm.kernels import cpu_kernels, reference
+
+    kernels = cpu_kernels.load_cpu_kernels()
+    if kernels is None:
+        pytest.skip("no native CPU kernels here")
+    gen = torch.Generator().manual_seed(group)
+    cache = torch.randn(12, 16, 1, 576, generator=gen)
+    tables, seq_lens, query_lens = [[3, 7], [0], [5, 1, 9, 2]], [20, 9, 60], [1, 1, 24]
+    query = torch.randn(sum(query_lens), group, 576, generator=gen)
+    bt = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.int32)
+    qsl = torch.tensor([0, 1, 2, 26], dtype=torch.int32)
+    out = torch.empty_like(query)
+    kernels.paged_attention(out, query, cache, cache, bt, torch.tensor(seq_lens, dtype=torch.int32), qsl, 0.05,
+                            min_tile_query_len=16)
+    want = reference.paged_attention_naive(query, cache, cache, tables, seq_lens, query_lens, 0.05)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim, group, dtype", [
+    (LATENT_DIM, 4, torch.float32), (576, 16, torch.float32),  # the tests' latent; V2-Lite's
+    pytest.param(576, 16, torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="bf16 tiles: on CUDA (a served model's)"))])
+def test_triton_kernels_read_one_latent_pool_as_keys_and_values(head_dim: int, group: int, dtype) -> None:
+    """The CUDA path's kernels (compiled there; Triton's interpreter here) over MLA's cache: one KV head of the
+    latent's width for `group` query heads, one tensor passed as key and value cache. The cache write (each row
+    written as key and as value: the same bytes) equals the reference's, and the split-KV decode, prefill and
+    unified kernels match the torch reference."""
+    pytest.importorskip("triton")
+    from test_triton_kernels import DEVICE, _make_batch, _ragged_step, _reference, _rel_err
+
+    from pagedllm.kernels import reference, triton_attention, triton_cache_ops
+    from pagedllm.kernels.triton_unified_attention import unified_attention
+
+    rng = random.Random(head_dim + group)
+    seq_lens, query_lens = _ragged_step(rng, 16, last_chunk=(1, 20))
+    query, cache, _, meta = _make_batch(rng, dtype, 16, head_dim, 1, group, seq_lens, query_lens)
+    rows = torch.randn(5, 1, head_dim, device=DEVICE, dtype=dtype)
+    slots = torch.tensor([3, 17, -1, 40, 41], dtype=torch.int64, device=DEVICE)
+    want = cache.clone()
+    reference.reshape_and_cache(rows, rows, want, want, slots)
+    triton_cache_ops.reshape_and_cache(rows, rows, cache, cache, slots)
+    assert torch.equal(cache, want)
+    ref = _reference(query, cache, cache, meta, head_dim**-0.5)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    out = triton_attention.paged_attention(query, cache, cache, meta, head_dim**-0.5, out=torch.empty_like(query))
+    assert _rel_err(out, ref) < tol
+    out = unified_attention(query, cache, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                            head_dim**-0.5, torch.empty_like(query))
+    assert _rel_err(out, ref) < tol
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_cuda_greedy_parity(name: str, build) -> None:
-    """The GPU's kernels (Triton attention at a head width of 24, fused RoPE and norms, the Triton grouped-GEMM
-    experts, CUDA graphs) in float32: transformers' greedy tokens, its log-probs to float32-on-GPU noise."""
+    """The GPU's kernels (Triton attention over the latent: one KV head of 40 for 4 query heads, fused RoPE and
+    norms, the Triton grouped-GEMM experts, CUDA graphs) in float32: transformers' greedy tokens, its log-probs to
+    float32-on-GPU noise; the pool one tensor per layer."""
     built = build(name)
     llm = LLM(model=str(built.path), num_gpu_blocks_override=64, **{**ENGINE_KW, "device": "cuda"})
+    assert all(k is v for k, v in llm.llm_engine.executor.driver_worker.cache_engine.gpu_cache)
     outs = _greedy(llm, built.prompts, logprobs=3)
     assert [list(o.outputs[0].token_ids) for o in outs] == built.reference, name
     _assert_logprobs_match(outs, built, atol=2e-3)

@@ -417,6 +417,9 @@ _REDUCE_MODES = ("fused", "separate")
 # 12.9 µs against 14.8 µs in steps of 4 (BENCHMARKS.md §6). Many splits only occur at small batches,
 # where the merge's extra registers cost no occupancy.
 _MAX_MERGE_CHUNK = 32
+#: Padded head widths from here on (MLA's 576-wide latent) run one pipeline stage of small tiles: the shared memory
+#: of deeper pipelines of Q, K and V tiles this wide exceeds an H100's.
+WIDE_DIM_PAD = 512
 # Widest block-table row a decode program loads whole at its start (1 KiB of int32).
 _MAX_TABLE_ROW = 256
 
@@ -586,7 +589,7 @@ def paged_decode_attention(
     table_width = block_tables.shape[1]
     table_row = preloaded_table_row(table_width, preload_table)
     if num_stages is None:
-        num_stages = 3 if fp8_wide or not table_row else 2
+        num_stages = 1 if dim_pad >= WIDE_DIM_PAD else 3 if fp8_wide or not table_row else 2
     group_p2 = triton.next_power_of_2(group)
     if merge_chunk is None:
         merge_chunk = min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_splits))
@@ -676,7 +679,10 @@ def prefill_launch(dim_pad: int, block_size: int, query_bytes: int = 2) -> tuple
     sweep of 54 launches over four step shapes on an H200 (2.0-2.4x the former 32 x 32, 2 stages;
     BENCHMARKS.md §29.4; 128 x 32 tiles on 8 warps for 1024+-token chunks, the best for one such chunk alone,
     made the long workload's mixed steps slower); wider heads keep 2 stages (shared memory); float32 keeps the
-    former small tiles."""
+    former small tiles. MLA's latent (576 wide, padded to 1 024) takes 16 × 16 tiles in one stage on 8 warps:
+    two stages of 64 × 32 need 384 KiB of shared memory, where an H100 has 227."""
+    if dim_pad >= WIDE_DIM_PAD:
+        return 16, 16, 8, 1
     if query_bytes <= 2:
         return (64, 64, 4, 3) if dim_pad <= 128 else (64, 32, 4, 2)
     block_m = 64 if dim_pad <= 64 else 32

@@ -1,5 +1,6 @@
 """The KV pools of one worker: per layer a (key, value) pair of [num_blocks, block_size, kv_heads, head_dim],
-stored head-major on CUDA and slot-major on the CPU (``kernels/kv_layout.py``)."""
+stored head-major on CUDA and slot-major on the CPU (``kernels/kv_layout.py``). Under MLA (``use_mla``) the pair is
+one tensor twice: each layer caches one latent row per token, read as keys and as values."""
 from __future__ import annotations
 
 import logging
@@ -28,11 +29,14 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         layer_slots: list[int] | None = None,
+        use_mla: bool = False,
     ) -> None:
         """`layer_slots[i]`: the pool tensor layer i's KV lives in (core/kv_cache_groups.py: a hybrid model's
-        groups share tensors, each block id owned by one group); None: one tensor per layer."""
+        groups share tensors, each block id owned by one group); None: one tensor per layer. `use_mla`: each
+        slot's key and value tensor are one tensor (MLA caches the latent [c_kv; k_pe] once, read as both)."""
         self.block_size = block_size
         self.device = device
+        self.use_mla = use_mla
         self.layout = kv_layout.default_layout(device)
         if layer_slots is None:
             layer_slots = list(range(num_layers))
@@ -42,19 +46,22 @@ class CacheEngine:
         self.num_slots = max(layer_slots, default=-1) + 1
         shape = (num_gpu_blocks, block_size, num_kv_heads, head_dim)
         # Every distinct pool tensor once (swaps and copy-on-write copy each once); gpu_cache: per layer.
-        self.slot_gpu_cache = [(self._pool(shape, dtype, device), self._pool(shape, dtype, device))
-                               for _ in range(self.num_slots)]
+        self.slot_gpu_cache = [self._pools(shape, dtype, device) for _ in range(self.num_slots)]
         self.gpu_cache = [self.slot_gpu_cache[s] for s in self.layer_slots]
         # The swap pool is stored like the device pool, so a block swaps as one contiguous copy.
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
         host, pin = torch.device("cpu"), device.type == "cuda"  # pinned: async swaps on a side stream
-        self.slot_cpu_cache = [
-            (self._pool(cpu_shape, dtype, host, pin), self._pool(cpu_shape, dtype, host, pin))
-            for _ in range(self.num_slots)
-        ] if num_cpu_blocks else []
+        self.slot_cpu_cache = [self._pools(cpu_shape, dtype, host, pin)
+                               for _ in range(self.num_slots)] if num_cpu_blocks else []
         self.cpu_cache = [self.slot_cpu_cache[s] for s in self.layer_slots] if num_cpu_blocks else []
         # CUDA: swaps run on a side stream (pinned host pool, no host sync); compute waits on it on the device.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _pools(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
+               pin_memory: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One slot's (key, value) pools: one tensor twice under MLA."""
+        key = self._pool(shape, dtype, device, pin_memory)
+        return (key, key) if self.use_mla else (key, self._pool(shape, dtype, device, pin_memory))
 
     def _pool(self, shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
               pin_memory: bool = False) -> torch.Tensor:
@@ -87,7 +94,7 @@ class CacheEngine:
         self._released_spec = ([tuple(k.shape) for k, _ in self.slot_gpu_cache],
                                [tuple(k.shape) for k, _ in self.slot_cpu_cache],
                                self.slot_gpu_cache[0][0].dtype if self.slot_gpu_cache else None)
-        nbytes = sum(2 * k.numel() * k.element_size() for k, _ in pools)
+        nbytes = sum(t.numel() * t.element_size() for pair in pools for t in _distinct(pair))
         self.slot_gpu_cache, self.gpu_cache, self.slot_cpu_cache, self.cpu_cache = [], [], [], []
         return nbytes
 
@@ -97,18 +104,18 @@ class CacheEngine:
             return
         gpu_shapes, cpu_shapes, dtype = self._released_spec
         host, pin = torch.device("cpu"), self.device.type == "cuda"
-        self.slot_gpu_cache = [(self._pool(s, dtype, self.device), self._pool(s, dtype, self.device))
-                               for s in gpu_shapes]
+        self.slot_gpu_cache = [self._pools(s, dtype, self.device) for s in gpu_shapes]
         self.gpu_cache = [self.slot_gpu_cache[s] for s in self.layer_slots]
-        self.slot_cpu_cache = [(self._pool(s, dtype, host, pin), self._pool(s, dtype, host, pin)) for s in cpu_shapes]
+        self.slot_cpu_cache = [self._pools(s, dtype, host, pin) for s in cpu_shapes]
         self.cpu_cache = [self.slot_cpu_cache[s] for s in self.layer_slots] if cpu_shapes else []
         self._released_spec = None
 
     @staticmethod
-    def get_cache_block_size(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers (keys and values)."""
+    def get_cache_block_size(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                             use_mla: bool = False) -> int:
+        """Bytes one block takes across all layers (keys and values; under MLA one tensor serves as both)."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        return (1 if use_mla else 2) * num_layers * block_size * num_kv_heads * head_dim * elem
 
     def swap_out(self, mapping: list[tuple[int, int]]) -> None:
         self._swap(self.slot_gpu_cache, self.slot_cpu_cache, mapping)
@@ -125,9 +132,9 @@ class CacheEngine:
             self._swap_async(src_cache, dst_cache, mapping)
             return
         m = torch.tensor(mapping, dtype=torch.int64)
-        for (sk, sv), (dk, dv) in zip(src_cache, dst_cache):
-            reference.swap_blocks(sk, dk, m)
-            reference.swap_blocks(sv, dv, m)
+        for src_pair, dst_pair in zip(src_cache, dst_cache):
+            for src, dst in zip(_distinct(src_pair), _distinct(dst_pair)):
+                reference.swap_blocks(src, dst, m)
 
     def _swap_async(self, src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
         """Block-by-block async copies between the GPU pool and the pinned CPU pool on the swap stream,
@@ -136,7 +143,7 @@ class CacheEngine:
         self.swap_stream.wait_stream(compute)
         with torch.cuda.stream(self.swap_stream):
             for pair in zip(src_cache, dst_cache):
-                for (src, dst) in zip(*pair):  # (keys, keys), (values, values)
+                for (src, dst) in zip(*map(_distinct, pair)):  # (keys, keys), (values, values) unless MLA
                     src, dst = kv_layout.storage_of(src), kv_layout.storage_of(dst)
                     for s, d in mapping:
                         dst[d].copy_(src[s], non_blocking=True)
@@ -146,12 +153,18 @@ class CacheEngine:
         if not mapping:
             return
         m = async_tensor_h2d(mapping, torch.int64, self.device)
+        # (under MLA a layer's value tensor is its key tensor: each block is copied twice, the same bytes)
         if self.device.type == "cuda":
             from pagedllm.kernels import triton_cache_ops  # needs triton: imported on use
 
             triton_cache_ops.copy_blocks([k for k, _ in self.slot_gpu_cache], [v for _, v in self.slot_gpu_cache], m)
             return
         reference.copy_blocks([k for k, _ in self.slot_gpu_cache], [v for _, v in self.slot_gpu_cache], m)
+
+
+def _distinct(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A slot's (key, value) tensors, the key alone where it is also the value (MLA)."""
+    return pair[:1] if pair[0] is pair[1] else pair
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, pin_memory: bool = False) -> torch.Tensor:

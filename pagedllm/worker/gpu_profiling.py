@@ -92,8 +92,9 @@ def _one_block_cache(worker) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
     layers, kv_heads, head_dim = kv_geometry(worker.hf_config, worker.tp.size, worker.tp.rank)
     shape = (1, worker.config.cache_config.block_size, kv_heads, head_dim)
-    return [
-        (torch.empty(shape, dtype=worker.kv_spec.dtype, device=worker.device),
-         torch.empty(shape, dtype=worker.kv_spec.dtype, device=worker.device))
-        for _ in range(layers)
-    ]
+
+    def pair() -> tuple[torch.Tensor, torch.Tensor]:
+        key = torch.empty(shape, dtype=worker.kv_spec.dtype, device=worker.device)
+        return (key, key) if worker.use_mla else (key, torch.empty_like(key))
+
+    return [pair() for _ in range(layers)]

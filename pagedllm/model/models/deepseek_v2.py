@@ -1,12 +1,16 @@
 """DeepSeek-V2 and DeepSeek-V3 (HF ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``): multi-head latent attention
 (MLA) and DeepSeek's MoE (shared experts beside routed ones; grouped, bias-corrected routing on V3).
 
-MLA projects each token to a compressed KV latent (``kv_lora_rank``) and one rotary key shared by every head
-(``qk_rope_head_dim``); ``kv_b_proj`` expands the latent into each head's k_nope and v. Here the expanded per-head K and
-V go through the engine's paged ``Attention`` layer (num_kv_heads = num_heads): K = [k_nope; k_rope], one cache head
-width for K and V, max(qk_nope + qk_rope, v_head_dim), so V (128 on V2/V3, beside 192 for K) is zero-padded to it and
-the attention output sliced back. The cost is memory: V3 caches 2 · 128 · 192 values per token and layer where the
-latent is 576 (vLLM's MLA backends cache the latent and absorb kv_b_proj into q and o; not done here).
+MLA projects each token to a compressed KV latent c_kv (``kv_lora_rank``) and one rotary key k_pe shared by every
+head (``qk_rope_head_dim``); ``kv_b_proj`` expands the latent into each head's k_nope and v. As vLLM's MLA backends,
+the paged cache holds only the latent: per token and layer one KV "head" [c_kv; k_pe] (576 wide on V2/V3), read by
+every query head (MQA). kv_b_proj is absorbed instead of run: its k_nope rows W_UK turn each head's q_nope into
+q_latent = q_nope · W_UK, so q_latent · c_kv = q_nope · k_nope and the query [q_latent; q_pe] attends over
+[c_kv; k_pe] at the original softmax scale; the values are the same cached rows, the output's c_kv part
+(Σ p · c_kv) goes through the v rows W_UV into each head's v_head_dim, and its k_pe part is dropped. The cache
+stores one tensor per layer, read as keys and as values (``use_mla``: worker/cache_engine.py), so a token costs
+kv_lora_rank + qk_rope_head_dim values per layer, whatever the head count. Prompts attend the same way (more FLOPs
+than expanding K/V for them, one path for every step).
 
 RoPE rotates interleaved pairs on DeepSeek (V2 always, V3 under ``rope_interleave``); the rotary parts of q and k are
 de-interleaved before the engine's rotate-half RoPE, which rotates the same pairs at the same frequencies (q·k is
@@ -36,8 +40,9 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' (and Dee
 
 
 def mla_cache_head_dim(config: Any) -> int:
-    """The per-head width of the KV cache: K's qk_nope + qk_rope, or v_head_dim if wider (V is zero-padded to it)."""
-    return max(int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim), int(config.v_head_dim))
+    """The width of the one cached row per token and layer: the latent c_kv and the rotary key, kv_lora_rank +
+    qk_rope_head_dim."""
+    return int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -56,22 +61,46 @@ def mla_softmax_scale(config: Any) -> float:
     return scale
 
 
-def _concat_heads(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    """[T, H, ·] parts (a [T, 1, ·] part broadcast over the heads) side by side, zero-padded to `width`:
-    [T, H·width]."""
-    t, h = parts[0].shape[:2]
-    out = parts[0].new_zeros(t, h, width)
-    col = 0
-    for part in parts:
-        out[..., col:col + part.shape[-1]] = part
-        col += part.shape[-1]
-    return out.view(t, h * width)
+class MLAKVBProj(nn.Module):
+    """``kv_b_proj`` absorbed, never run as a linear: this rank's heads' rows [H · (qk_nope + v), kv_lora_rank], read
+    per head as W_UK_T [H, qk_nope, kv_lora_rank] and W_UV [H, kv_lora_rank, v_head_dim] (vLLM's names). Not a
+    PackableGemm, so it stays dense (no CPU packing, no FP8 quantization) for the batched matmuls that use it."""
+
+    def __init__(self, kv_lora_rank: int, num_heads: int, qk_nope_head_dim: int, v_head_dim: int,
+                 tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_heads, self.qk_nope_head_dim = num_heads, qk_nope_head_dim
+        rows = num_heads * (qk_nope_head_dim + v_head_dim)
+        self.weight = nn.Parameter(torch.empty(rows, kv_lora_rank, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        """This rank's heads' rows of the checkpoint's kv_b_proj [all heads · (qk_nope + v), kv_lora_rank]."""
+        rows, cols = param.shape
+        if tuple(loaded.shape) != (rows * self.tp.size, cols):
+            raise ValueError(f"kv_b_proj: expected {(rows * self.tp.size, cols)}, checkpoint has "
+                             f"{tuple(loaded.shape)}")
+        param.data.copy_(loaded[self.tp.rank * rows:(self.tp.rank + 1) * rows])
+
+    def _per_head(self) -> torch.Tensor:
+        return self.weight.view(self.num_heads, -1, self.weight.shape[1])
+
+    @property
+    def W_UK_T(self) -> torch.Tensor:
+        """[H, qk_nope, kv_lora_rank]: q_nope [H, T, qk_nope] @ W_UK_T → q_latent."""
+        return self._per_head()[:, :self.qk_nope_head_dim]
+
+    @property
+    def W_UV(self) -> torch.Tensor:
+        """[H, kv_lora_rank, v_head_dim]: the attention output's latent [H, T, kv_lora_rank] @ W_UV → v."""
+        return self._per_head()[:, self.qk_nope_head_dim:].transpose(1, 2)
 
 
 class DeepseekV2MLAAttention(nn.Module):
-    """MLA with the expanded per-head K / V cached (module doc). Under tensor parallelism each rank holds
+    """MLA over the cached latent with kv_b_proj absorbed (module doc). Under tensor parallelism each rank holds
     num_heads / tp heads of q_proj (or q_b_proj), kv_b_proj and o_proj; q_a_proj and kv_a_proj_with_mqa (the
-    latents) are replicated."""
+    latents) are replicated, and so is the latent cache."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, rotary_emb: RotaryEmbedding,
                  rope_interleave: bool) -> None:
@@ -94,13 +123,13 @@ class DeepseekV2MLAAttention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(int(q_lora_rank), [heads * qk_head_dim], False, tp, dtype)
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype)
-        self.kv_b_proj = ColumnParallelLinear(
-            self.kv_lora_rank, [heads * (self.qk_nope_head_dim + self.v_head_dim)], False, tp, dtype)
+        self.kv_b_proj = MLAKVBProj(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim, self.v_head_dim, tp,
+                                    dtype)
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, hidden, bias, tp, dtype)
         self.rotary_emb = rotary_emb
         self.rope_interleave = rope_interleave
         self.head_dim = mla_cache_head_dim(config)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_heads, scale=mla_softmax_scale(config))
+        self.attn = Attention(self.num_heads, self.head_dim, 1, scale=mla_softmax_scale(config))
 
     def _rope_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[T, n, rope] (a strided view) → contiguous [T, n·rope], each head's interleaved pairs de-interleaved into
@@ -118,14 +147,15 @@ class DeepseekV2MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(t, h, -1).split([self.qk_nope_head_dim, rope], dim=-1)
-        kv_latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(kv_latent.contiguous())).view(t, h, -1)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, rope], dim=-1)
+        kv_c_normed = self.kv_a_layernorm(kv_c.contiguous())
         q_pe, k_pe = self.rotary_emb(positions, self._rope_rows(q_pe), self._rope_rows(k_pe.unsqueeze(1)))
-        q = _concat_heads([q_nope, q_pe.view(t, h, rope)], self.head_dim)
-        k = _concat_heads([k_nope, k_pe.view(t, 1, rope)], self.head_dim)
-        out = self.attn(q, k, _concat_heads([v], self.head_dim), kv_cache, meta)
-        return self.o_proj(out.view(t, h, self.head_dim)[..., :self.v_head_dim].reshape(t, h * self.v_head_dim))
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.kv_b_proj.W_UK_T).transpose(0, 1)
+        q = torch.cat([q_latent, q_pe.view(t, h, rope)], dim=-1).view(t, h * self.head_dim)
+        kv_c_pe = torch.cat([kv_c_normed, k_pe.view(t, rope)], dim=-1)  # the cached row, keys and values alike
+        out = self.attn(q, kv_c_pe, kv_c_pe, kv_cache, meta).view(t, h, self.head_dim)[..., :self.kv_lora_rank]
+        out = torch.bmm(out.transpose(0, 1), self.kv_b_proj.W_UV).transpose(0, 1)
+        return self.o_proj(out.reshape(t, h * self.v_head_dim))
 
 
 def _group_mask(scores: torch.Tensor, num_groups: int, topk_group: int, group_score: str) -> torch.Tensor:
@@ -246,7 +276,7 @@ def check_deepseek_config(config: Any, tp: TensorParallelGroup, v3: bool) -> Non
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if kv_heads != heads:
-        raise ValueError(f"MLA expands the latent into every attention head: num_key_value_heads must equal "
+        raise ValueError(f"MLA gives every attention head its own k_nope and v: num_key_value_heads must equal "
                          f"num_attention_heads ({heads}), got {kv_heads}")
     if heads % tp.size:
         raise ValueError(f"tensor_parallel_size ({tp.size}) must divide num_attention_heads ({heads})")
@@ -265,11 +295,12 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
     lora_modules: dict[str, str] = {}  # LoRA not supported: MLA's projections are not Llama's
     direct_forward_supported = False  # the CPU direct forward is written for Llama's attention
     v3 = False
+    use_mla = True  # the KV pool: one latent row per token and layer, the key tensor read as values too
 
     @staticmethod
     def kv_cache_head_size(config: Any) -> int:
-        """The worker's KV pool width per head (registry.kv_cache_head_size): transformers' ``head_dim`` is
-        qk_rope_head_dim here, not what is cached."""
+        """The worker's KV pool width (registry.kv_cache_head_size): the latent row, kv_lora_rank +
+        qk_rope_head_dim (transformers' ``head_dim`` is qk_rope_head_dim here)."""
         return mla_cache_head_dim(config)
 
     def build_model(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> LlamaModel:
@@ -303,7 +334,28 @@ class DeepseekV2ForCausalLM(_MoeForCausalLM):
                     continue  # a multi-token-prediction layer (num_nextn_predict_layers)
                 yield name, tensor
 
-        super().load_weights(decoder_weights())
+        super().load_weights(_dequantize_kv_b_proj(decoder_weights()))
+
+
+def _dequantize_kv_b_proj(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's kv_b_proj kept e4m3 with per-row scales (its weight, then its weight_scale:
+    model/fp8_checkpoint.py) dequantized to one float32 weight: it is absorbed, never run as a linear (MLAKVBProj)."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith(".kv_b_proj"):
+            yield name, tensor
+        elif leaf == "weight" and tensor.dtype == torch.float8_e4m3fn:
+            pending[prefix] = tensor
+        elif leaf == "weight_scale":
+            weight = pending.pop(prefix, None)
+            if weight is None:
+                raise ValueError(f"{name} comes without an e4m3 {prefix}.weight before it")
+            yield f"{prefix}.weight", weight.float() * tensor.float().reshape(-1, 1)
+        else:
+            yield name, tensor
+    if pending:
+        raise ValueError(f"e4m3 weights without their weight_scale: {sorted(pending)}")
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -182,12 +182,19 @@ def get_model_class(config: Any) -> type:
 
 def kv_cache_head_size(config: Any) -> int:
     """The per-head width of the KV cache: the model class's ``kv_cache_head_size(config)`` where it caches something
-    other than ``head_dim`` (DeepSeek's MLA: K's nope + rope width), else ``head_dim`` or hidden / heads."""
+    other than ``head_dim`` (DeepSeek's MLA: its latent, kv_lora_rank + qk_rope_head_dim), else ``head_dim`` or
+    hidden / heads."""
     config = text_config(config)
     hook = getattr(get_model_class(config), "kv_cache_head_size", None)
     if hook is not None:
         return int(hook(config))
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_cache_uses_mla(config: Any) -> bool:
+    """Whether the model class caches an MLA latent (its ``use_mla``): one KV head, the key tensor also read as the
+    value tensor (worker/cache_engine.py)."""
+    return bool(getattr(get_model_class(text_config(config)), "use_mla", False))
 
 
 def get_sliding_window(config: Any) -> int | None:
