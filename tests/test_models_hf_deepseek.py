@@ -473,3 +473,127 @@ def test_cuda_greedy_parity(name: str, build) -> None:
     outs = _greedy(llm, built.prompts, logprobs=3)
     assert [list(o.outputs[0].token_ids) for o in outs] == built.reference, name
     _assert_logprobs_match(outs, built, atol=2e-3)
+
+
+def _mla_decode_case(seed: int, dtype, latent: int, rope: int, heads: int, seq_lens: list[int], block_size: int = 4):
+    """A decode batch over one latent pool (shuffled block tables) → (query, pool, meta, the torch reference)."""
+    from test_triton_kernels import _make_batch, _reference
+
+    query, pool, _, meta = _make_batch(random.Random(seed), dtype, block_size, latent + rope, 1, heads, seq_lens,
+                                       [1] * len(seq_lens))
+    return query, pool, meta, _reference(query, pool, pool, meta, (latent + rope) ** -0.5)
+
+
+_MLA_DECODE_CASES = [  # (latent, rope, query heads, context lengths, forced split count: None = the default)
+    (32, 8, 4, [1, 7, 40, 23], 3),  # the tests' latent, several splits (more than some contexts' tiles)
+    (32, 8, 4, [5, 33, 12], 1),
+    (32, 8, 20, [17, 9], 2),  # two head blocks, the second partial (20 = 16 + 4)
+    (512, 64, 16, [21], 2),  # DeepSeek-V2/V3's row: 512 + 64
+]
+
+
+@pytest.mark.parametrize("latent, rope, heads, seq_lens, splits", _MLA_DECODE_CASES)
+@pytest.mark.parametrize("dtype", [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16: on CUDA"))])
+def test_mla_decode_kernel_matches_reference(latent: int, rope: int, heads: int, seq_lens: list[int],
+                                             splits: int | None, dtype) -> None:
+    """The MLA decode kernel (two dots per key tile, the values the keys' c_kv part, BLOCK_H heads per program,
+    split-KV merged by a second kernel) equals the torch reference over the latent pool in each head's first
+    `latent` output values, whatever the split count, and writes none of the last `rope`."""
+    pytest.importorskip("triton")
+    from test_triton_kernels import _rel_err
+
+    from pagedllm.kernels import triton_attention
+    from pagedllm.kernels.triton_mla_decode import mla_decode_attention
+
+    query, pool, meta, ref = _mla_decode_case(latent + heads, dtype, latent, rope, heads, seq_lens)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    ws = triton_attention.DecodeWorkspace.allocate(query.device)
+    for n, preload in ((splits, False), (None, None)):  # the block-table row loaded per tile, then preloaded
+        out = torch.full_like(query, 7.0)
+        mla_decode_attention(query, pool, meta.block_tables, meta.seq_lens, (latent + rope) ** -0.5, max(seq_lens),
+                             latent, out=out, num_splits=n, workspace=ws, preload_table=preload)
+        assert _rel_err(out[..., :latent], ref[..., :latent]) < tol
+        assert bool((out[..., latent:] == 7.0).all())
+    # Through paged_attention (the Triton backend's call): the decodes take the MLA kernel.
+    out = triton_attention.paged_attention(query, pool, pool, meta, (latent + rope) ** -0.5, workspace=ws,
+                                           latent_dim=latent)
+    assert _rel_err(out[..., :latent], ref[..., :latent]) < tol
+
+
+def test_mla_decode_refuses_what_it_lacks() -> None:
+    """FP8 pools, sliding windows, soft caps, separate K/V caches and a latent_dim outside the row: ValueErrors."""
+    pytest.importorskip("triton")
+    from pagedllm.kernels import triton_attention
+    from pagedllm.kernels.triton_mla_decode import mla_decode_attention
+    from pagedllm.model.layers.attention import Attention
+
+    query, pool, meta, _ = _mla_decode_case(0, torch.float32, 32, 8, 4, [5, 9])
+    with pytest.raises(ValueError, match="FP8"):
+        mla_decode_attention(query, pool.to(torch.float8_e4m3fn), meta.block_tables, meta.seq_lens, 0.1, 9, 32)
+    with pytest.raises(ValueError, match="latent_dim"):
+        mla_decode_attention(query, pool, meta.block_tables, meta.seq_lens, 0.1, 9, 40)
+    with pytest.raises(ValueError, match="sliding window"):
+        triton_attention.paged_attention(query, pool, pool, meta, 0.1, latent_dim=32, sliding_window=4)
+    with pytest.raises(ValueError, match="one tensor"):
+        triton_attention.paged_attention(query, pool, pool.clone(), meta, 0.1, latent_dim=32)
+    with pytest.raises(ValueError, match="one KV head"):
+        Attention(4, 40, 2, latent_dim=32)
+
+
+def test_mla_layers_hand_latent_dim_to_the_backend() -> None:
+    """DeepSeek's attention layers carry kv_lora_rank as latent_dim (what the Triton backend's decode reads), and the
+    warm start compiles the MLA decode for it (attention_variants)."""
+    from pagedllm.kernels.triton_warmup import attention_variants
+    from pagedllm.model.layers.attention import Attention
+
+    model = _construct(_config("deepseek-v2-lite"))
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    assert layers and all(m.latent_dim == _MLA["kv_lora_rank"] for m in layers)
+    assert attention_variants(model) == [(None, None, _MLA["kv_lora_rank"])]
+
+
+def test_warm_up_compiles_the_mla_decode() -> None:
+    """An MLA model's warm start runs the MLA decode (one split and several) instead of the generic decode variants
+    (every decode of an MLA layer takes it, piecewise replays too), and its mixed steps through the backend with
+    latent_dim (the MLA decode then prefill chunks)."""
+    pytest.importorskip("triton")
+    from triton_setup import DEVICE
+
+    from pagedllm.kernels.triton_warmup import (
+        MLA_WARMUP_SPLITS,
+        WARMUP_NUM_DECODES,
+        warm_up_attention,
+    )
+    from pagedllm.model.layers.attention import TritonAttentionBackend
+
+    rows, heads, latent, rope = 16, 4, 32, 8
+    qkv = torch.zeros(rows, (heads + 2) * (latent + rope), device=DEVICE)
+    q, k, v = (t.view(rows, -1, latent + rope) for t in qkv.split([heads * (latent + rope)] + [latent + rope] * 2, -1))
+    pool = torch.zeros(4, 8, 1, latent + rope, device=DEVICE)
+    done = warm_up_attention(TritonAttentionBackend(), (pool, pool), q, k, v, torch.zeros_like(q), 2, 0.125,
+                             variants=[(None, None, latent)])
+    assert len(done) == len(MLA_WARMUP_SPLITS) + len(WARMUP_NUM_DECODES)
+    assert sum(d.startswith("mla decode") for d in done) == len(MLA_WARMUP_SPLITS)
+
+
+def test_piecewise_capture_hands_latent_dim_to_the_replayed_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piecewise-graph capture records an MLA layer's latent_dim with its attention call (the recorder takes it),
+    so the replay's decodes take the MLA decode kernel, not the generic one."""
+    from types import SimpleNamespace
+
+    from pagedllm.worker import piecewise_graph
+    from pagedllm.worker.piecewise_graph import _SplitRecorder
+
+    monkeypatch.setattr(piecewise_graph, "non_owning_view", lambda t: t)  # a CUDA array view; CPU tensors here
+
+    pool = torch.zeros(4, 8, 1, 40)
+    cache = (pool, pool)
+    runner = SimpleNamespace(kv_caches=[cache], static_out=torch.zeros(3, 4 * 40))
+    recorder = _SplitRecorder(runner, 3, capturing=False)
+    assert recorder.takes_latent_dim
+    q = torch.zeros(3, 4, 40)
+    recorder.forward(q, q[:, :1], q[:, :1], cache, SimpleNamespace(kv_cache_group=0), 0.1, latent_dim=32)
+    recorder.forward(q, q[:, :1], q[:, :1], cache, SimpleNamespace(kv_cache_group=0), 0.1)
+    assert [site.latent_dim for site in recorder.sites] == [32, None]

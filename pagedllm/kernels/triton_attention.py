@@ -540,8 +540,9 @@ def paged_decode_attention(
     ``tl.gather``, 3.2+). `num_stages`: software-pipeline depth; by default 2 with a preloaded row and
     3 without (the faster pair at every benchmarked point on an H200, BENCHMARKS.md §7); an FP8 pool with at
     least one (sequence, KV head) per SM: 3. `tile` (keys per loop iteration, default 16 KiB of 16-bit K) and
-    `num_warps` (default 4; an FP8 pool with a program per SM: 64 keys on 2 warps, the fastest of a sweep of
-    tiles, warps, stages and splits, §29.2; below that, 128 keys on 4 warps).
+    `num_warps` (default 4; 8 for padded head dims of WIDE_DIM_PAD or more; an FP8 pool with a program per SM: 64
+    keys on 2 warps, the fastest of a sweep of tiles, warps, stages and splits, §29.2; below that, 128 keys on 4
+    warps).
     `fp8_dot_dtype`: with an FP8 cache, the dtype of the tile's dots, "fp16" (default for 16-bit queries)
     or "bf16"; fp32 accumulation either way (``resolve_fp8_dot``). `fp8_upcast`: convert each FP8 V tile to the
     dots' dtype right after its load (``_kv_tile``); off by default, slower here on an H200 (BENCHMARKS.md §57.1).
@@ -570,8 +571,8 @@ def paged_decode_attention(
     fp8_wide = key_cache.element_size() == 1 and num_seqs * hk >= num_sms(query.device.index or 0)
     if tile is None:  # 16 KiB of 16-bit K per tile (an FP8 pool at small batch: twice the keys for those bytes)
         tile = max(16, min(64, 8192 // dim_pad)) * (2 if key_cache.element_size() == 1 and not fp8_wide else 1)
-    if num_warps is None:
-        num_warps = 2 if fp8_wide else 4
+    if num_warps is None:  # wide heads (MLA's padded latent): a [16, 1 024] accumulator spills less on 8 warps
+        num_warps = 2 if fp8_wide else 8 if dim_pad >= WIDE_DIM_PAD else 4
     tile = max(tile, triton.next_power_of_2(block_size))
     if num_splits is None:
         span = max_seq_len if not window else min(max_seq_len, window + block_size - 1)  # from its first block
@@ -703,15 +704,28 @@ def paged_attention(
     fp8_dot_dtype: str | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    latent_dim: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention`` (K/V already cached): decodes, then prefill chunks.
     `workspace`: the decode's scratch, reused across calls (see ``paged_decode_attention``).
     FP8 caches are read as fp8 · k_scale / v_scale (``kv_quant.dequantize``), their dots in `fp8_dot_dtype`
-    (``resolve_fp8_dot``). `sliding_window`, `logits_soft_cap`: the layer's, as in ``paged_decode_attention``."""
+    (``resolve_fp8_dot``). `sliding_window`, `logits_soft_cap`: the layer's, as in ``paged_decode_attention``.
+    `latent_dim` (MLA: key_cache is value_cache, one row [c_kv ; k_pe] per token): the decodes take
+    ``triton_mla_decode.mla_decode_attention``, which writes only each head's first `latent_dim` output values
+    (the rest is left as `out` held it); prefill chunks stay on the generic kernel."""
     if out is None:
         out = torch.empty_like(query)
     nd = meta.num_decodes
-    if nd:
+    if nd and latent_dim is not None:
+        from pagedllm.kernels import triton_mla_decode  # imports this module
+
+        triton_mla_decode.check_mla_supported(key_cache, sliding_window, logits_soft_cap)
+        if key_cache is not value_cache:
+            raise ValueError("latent_dim (MLA): the key and value caches must be one tensor, the latent pool.")
+        triton_mla_decode.mla_decode_attention(query[:nd], key_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                               scale, max(meta.seq_lens_cpu[:nd]), latent_dim, out=out[:nd],
+                                               workspace=workspace)
+    elif nd:
         max_len = max(meta.seq_lens_cpu[:nd])
         paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                                scale, max_len, out=out[:nd], workspace=workspace,

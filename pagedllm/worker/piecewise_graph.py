@@ -148,6 +148,7 @@ class _Site:
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
     kv_cache_group: int = 0  # whose slot mapping and tables the layer reads (AttentionMetadata.group_metadata)
+    latent_dim: int | None = None  # MLA (Attention.latent_dim): decodes take the MLA decode kernel at replay
 
 
 class _SplitRecorder:
@@ -155,6 +156,7 @@ class _SplitRecorder:
     remembers the call, starts the next piece, and hands back the static output buffer."""
 
     name = "piecewise-capture"
+    takes_latent_dim = True  # recorded with the call, handed to the real backend at replay
 
     def __init__(self, runner: "PiecewiseGraphRunner", num_tokens: int, capturing: bool) -> None:
         self.runner = runner
@@ -175,7 +177,8 @@ class _SplitRecorder:
             self.graphs.append(self.graph)
             self.graph = None
 
-    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None,
+                latent_dim=None):
         r, t = self.runner, self.t
         if query.shape[0] != t:
             raise ValueError(f"piecewise capture: attention saw {query.shape[0]} tokens, the bucket has {t}.")
@@ -184,7 +187,8 @@ class _SplitRecorder:
         # Released to the pool when the model drops them; later pieces may reuse that memory, which is safe:
         # they replay after this attention has read it.
         views = (non_owning_view(query), non_owning_view(key), non_owning_view(value))
-        self.sites.append(_Site(kv_index, scale, *views, sliding_window, logits_soft_cap, meta.kv_cache_group))
+        self.sites.append(_Site(kv_index, scale, *views, sliding_window, logits_soft_cap, meta.kv_cache_group,
+                                latent_dim))
         self.begin()
         return r.static_out[:t]
 
@@ -371,8 +375,9 @@ class PiecewiseGraphRunner:
             if i < len(sites):
                 site = sites[i]
                 step = meta.group_metadata[site.kv_cache_group] if site.kv_cache_group else meta
+                latent = {"latent_dim": site.latent_dim} if site.latent_dim is not None else {}
                 self.attn_backend.forward(site.query[:t], site.key[:t], site.value[:t],
                                           self.kv_caches[site.kv_index], step, site.scale, out=self.static_out[:t],
                                           sliding_window=site.sliding_window,
-                                          logits_soft_cap=site.logits_soft_cap)
+                                          logits_soft_cap=site.logits_soft_cap, **latent)
         return self.outputs[b][:t], "piecewise"

@@ -26,9 +26,13 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        latent_dim: int | None = None,
     ) -> torch.Tensor:
         """`sliding_window` W: a query at position p attends to keys p - W < j <= p only (None: all earlier keys).
-        `logits_soft_cap` c: each score s = q·k·scale becomes c·tanh(s / c) before the softmax (None: off)."""
+        `logits_soft_cap` c: each score s = q·k·scale becomes c·tanh(s / c) before the softmax (None: off).
+        `latent_dim` (MLA; passed only to backends whose ``takes_latent_dim`` is True): the cache is one latent pool
+        [c_kv ; k_pe] passed as keys and values, of which only the output's first `latent_dim` values per head are
+        used; a backend may use a specialised kernel for it and leave the rest of each head's output unwritten."""
         ...
 
 
@@ -36,8 +40,10 @@ class TorchAttentionBackend:
     """Plain-torch paged attention (kernels/reference.py): the CPU path."""
 
     name = "torch"
+    takes_latent_dim = True  # and ignores it
 
-    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None,
+                latent_dim=None):
         key_cache, value_cache = kv_cache
         reference.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale,
@@ -72,6 +78,7 @@ class NativeCpuAttentionBackend(KVScales):
     sends every chunk to the kernel, which reads fp8 · scale (KVScales) as it reads bf16."""
 
     name = "cpu-native"
+    takes_latent_dim = True  # and ignores it
     max_native_query_len = 512
     #: Model dtypes served: a bfloat16 model's q/k/v are widened to float32 (exactly) for the kernels, which
     #: read its bf16 pool as they read a float32 model's bf16 pool; the output is rounded back to bf16.
@@ -96,7 +103,8 @@ class NativeCpuAttentionBackend(KVScales):
         self.fp8_pool = fp8_pool
         self._checked_meta: AttentionMetadata | None = None  # the step whose indices passed the check
 
-    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None,
+                latent_dim=None):
         key_cache, value_cache = kv_cache
         k_scale, v_scale = self.scales_for(key_cache)
         widen = query.dtype != torch.float32  # a bfloat16 model (model_dtypes)
@@ -147,6 +155,7 @@ class TritonAttentionBackend(KVScales):
     (None: the kernels' default, ``triton_attention.resolve_fp8_dot``). Plain pools ignore the three."""
 
     name = "triton"
+    takes_latent_dim = True
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0,
                  layer_scales: dict[int, tuple[float, float]] | None = None,
@@ -159,8 +168,10 @@ class TritonAttentionBackend(KVScales):
         self.fp8_dot_dtype = fp8_dot_dtype
         self.batch_invariant = batch_invariant
 
-    def forward(self, query, key, value, kv_cache, meta, scale, out=None, sliding_window=None, logits_soft_cap=None):
-        """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor."""
+    def forward(self, query, key, value, kv_cache, meta, scale, out=None, sliding_window=None, logits_soft_cap=None,
+                latent_dim=None):
+        """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor.
+        `latent_dim` (MLA): decodes take the MLA decode kernel (``triton_mla_decode``); the unified path ignores it."""
         from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
 
         key_cache, value_cache = kv_cache
@@ -179,7 +190,8 @@ class TritonAttentionBackend(KVScales):
                                      logits_soft_cap=logits_soft_cap)
         return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace,
                                                 k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot,
-                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                                latent_dim=latent_dim)
 
 
 class Attention(nn.Module):
@@ -187,10 +199,14 @@ class Attention(nn.Module):
 
     `sliding_window` (Mistral, Gemma 2/3's local layers, Phi-3): each query sees only its last W keys, itself
     included; `logits_soft_cap` (Gemma 2): scores pass through c·tanh(s / c). Both are per layer and
-    handed to the backend with every call (AttentionBackend.forward)."""
+    handed to the backend with every call (AttentionBackend.forward). `latent_dim` (MLA, DeepSeek-V2/V3): the
+    cache rows are [c_kv (latent_dim) ; k_pe], one KV head, and the caller reads only each head's first
+    `latent_dim` output values; handed to backends that take it (``takes_latent_dim``), others (e.g. the
+    piecewise-graph recorder) run the generic kernels, which compute the whole row."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 latent_dim: int | None = None) -> None:
         super().__init__()
         window_and_cap(sliding_window, logits_soft_cap)  # a clear error at construction, not at the first step
         self.num_heads = num_heads
@@ -199,6 +215,10 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        if latent_dim is not None and (num_kv_heads != 1 or not 0 < latent_dim < head_dim):
+            raise ValueError(f"latent_dim {latent_dim} needs one KV head (got {num_kv_heads}) and must lie in "
+                             f"(0, head_dim {head_dim}).")
+        self.latent_dim = latent_dim
         # The KV cache group this layer's blocks are in (core/kv_cache_groups.py), set by the worker; 0 with one.
         self.kv_cache_group = 0
 
@@ -217,7 +237,10 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.sliding_window is None and self.logits_soft_cap is None:
+        if self.latent_dim is not None and getattr(meta.backend, "takes_latent_dim", False):
+            out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                       logits_soft_cap=self.logits_soft_cap, latent_dim=self.latent_dim)
+        elif self.sliding_window is None and self.logits_soft_cap is None:
             out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
         else:
             out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,

@@ -129,7 +129,8 @@ class DeepseekV2MLAAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.rope_interleave = rope_interleave
         self.head_dim = mla_cache_head_dim(config)
-        self.attn = Attention(self.num_heads, self.head_dim, 1, scale=mla_softmax_scale(config))
+        self.attn = Attention(self.num_heads, self.head_dim, 1, scale=mla_softmax_scale(config),
+                              latent_dim=self.kv_lora_rank)
 
     def _rope_rows(self, x: torch.Tensor) -> torch.Tensor:
         """[T, n, rope] (a strided view) → contiguous [T, n·rope], each head's interleaved pairs de-interleaved into
