@@ -13,11 +13,14 @@ quantization="none" they are dequantized at load and match transformers on the d
 quantization="gguf" they keep their blocks (merged, fused gate_up or one tensor per expert), one GGUFWeight per expert
 and projection run by the quantized linears' GEMM (int8 activations), held to the dequantized path teacher-forced, to
 an int8-activation reference per row, and within 1.2x of the file's bytes. Other types (Q5_0) stay float, logged, a
-projection at a time (gate / up quantized beside a float down); tensor parallelism is refused.
+projection at a time (gate / up quantized beside a float down); tensor parallelism is refused. The converted cache holds
+no float copy of experts in a type served quantized (they stay in the GGUF: quantization="gguf" reads none, "none"
+dequantizes them from the file); a cache written before that (float experts, no experts_in_gguf) still loads.
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -323,6 +326,7 @@ def test_quantized_experts_served_from_blocks(experts_type: str, q8_linears: boo
     _assert_matches(_ours(dense, prompts), [w[:MAX_TOKENS] for w in want], logprobs)
     gate_up = model.model.layers[0].mlp.experts.gate_up_proj.detach()
     assert torch.equal(_moe_layers(dense)[0].w13_weight.data, gate_up)  # the dequantized values, gate rows first
+    _assert_cache_holds_no_experts(src)  # the float path above dequantized them from the GGUF
 
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="pagedllm"):
@@ -345,6 +349,145 @@ def test_quantized_experts_served_from_blocks(experts_type: str, q8_linears: boo
     assert resident_weight_bytes(_model(llm)) <= 1.2 * file_bytes
     ranks = teacher_forced_ranks(llm, prompts, want)
     assert sum(r == 1 for r in ranks) >= 0.95 * len(ranks), ranks
+
+
+def _cache_tensor_names(src: Path) -> list[str]:
+    """The tensors the converted cache of ``src`` stores."""
+    from safetensors import safe_open
+
+    files = get_or_convert_gguf(src).glob("*.safetensors")
+    return [n for f in files for n in safe_open(str(f), "pt").keys()]  # noqa: SIM118 (a safe_open is not iterable)
+
+
+def _cache_bytes(src: Path) -> int:
+    return sum(f.stat().st_size for f in get_or_convert_gguf(src).glob("*.safetensors"))
+
+
+def _assert_cache_holds_no_experts(src: Path) -> None:
+    """The cache of ``src`` (its experts all of a type served quantized) stores none of them: its safetensors take
+    the non-expert tensors' float32 bytes (and a header)."""
+    assert not [n for n in _cache_tensor_names(src) if ".experts." in n]
+    float_bytes = sum(4 * int(np.prod(t.shape)) for t in gguf.GGUFReader(src).tensors
+                      if not re.match(r"blk\.\d+\.ffn_(\w+_exps|(gate|up|down)\.\d+)\.", t.name))
+    assert float_bytes <= _cache_bytes(src) <= float_bytes + 64 * 1024, (_cache_bytes(src), float_bytes)
+
+
+def _recording_loads(monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], list[str]]:
+    """(the names the weight loads yield, the expert matrices dequantized) from now on."""
+    from pagedllm.model import gguf_moe, loader
+
+    names: list[str] = []
+    dequantized: list[str] = []
+    iterate, to_float = loader.iterate_weights, gguf_moe._float32
+
+    def recording_iterate(*args: Any, **kw: Any):
+        for name, tensor in iterate(*args, **kw):
+            names.append(name)
+            yield name, tensor
+
+    def recording_float32(data: np.ndarray, tensor_type: Any, gguf_name: str, path: Path) -> np.ndarray:
+        dequantized.append(gguf_name)
+        return to_float(data, tensor_type, gguf_name, path)
+
+    monkeypatch.setattr(loader, "iterate_weights", recording_iterate)
+    monkeypatch.setattr(gguf_moe, "_float32", recording_float32)
+    return names, dequantized
+
+
+@pytest.mark.parametrize("layout", ["merged", *_LAYOUTS])
+def test_quantized_load_reads_no_expert_tensor(layout: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q8_0 experts (merged, one tensor per expert, fused gate | up): the cache leaves them in the GGUF; the
+    quantization="gguf" load neither reads nor dequantizes one (its experts are the GGUF's blocks); the
+    quantization="none" load on the same cache dequantizes each expert matrix once, from the GGUF."""
+    case = CASES["qwen3moe" if layout == "merged" else _LAYOUTS[layout][0]]
+    model = _hf_model(case)
+    path = tmp_path / f"{layout}.gguf"
+    src = _write(model, case, path, experts_type="Q8_0") if layout == "merged" else \
+        _write_layout(model, layout, path, experts_type="Q8_0")
+    _assert_cache_holds_no_experts(src)
+    names, dequantized = _recording_loads(monkeypatch)
+    llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf", block_size=4)
+    assert all(moe.w13_gguf and moe.w2_gguf for moe in _moe_layers(llm))
+    assert names and not [n for n in names if ".experts." in n] and not dequantized
+    names.clear()
+    LLM(model=str(src), **ENGINE_KW, quantization="none", block_size=4)
+    n_layers, n_experts = model.config.num_hidden_layers, model.config.num_local_experts \
+        if case.arch == "llama" else model.config.num_experts
+    assert len([n for n in names if ".experts." in n]) == 3 * n_layers * n_experts
+    per_matrix = {"merged": 3, "one_tensor_per_expert": 3, "fused_gate_up": 2}[layout]  # fused: gate | up at once
+    assert len(dequantized) == per_matrix * n_layers * n_experts
+
+
+def test_experts_not_served_quantized_come_from_the_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Gate experts Q8_0 beside up experts Q4_0 (both types served, but w13 needs one type): the cache holds none of
+    them, and quantization="gguf" serves w2 from its blocks and dequantizes each gate and up matrix from the GGUF
+    (logged), reading no expert tensor from the cache."""
+    case = CASES["qwen3moe"]
+    src = _write(_hf_model(case), case, tmp_path / "mixed.gguf", experts_type={"gate": "Q8_0", "up": "Q4_0",
+                                                                               "down": "Q8_0"})
+    _assert_cache_holds_no_experts(src)
+    names, dequantized = _recording_loads(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf", block_size=4)
+    assert "served from their dequantized float copy: parts in different types ['Q4_0', 'Q8_0']" in caplog.text
+    assert "4 quantized expert tensors (Q4_0, Q8_0) are dequantized to float at load" in caplog.text
+    for moe in _moe_layers(llm):
+        assert moe.w13_gguf is None and moe.w13_weight.shape == (8, 64, 64) and len(moe.w2_gguf) == 8
+    assert sorted({n.split(".")[-2] for n in names if ".experts." in n}) == ["gate_proj", "up_proj"]
+    assert len(dequantized) == 2 * 8 * 2
+
+
+def _as_old_cache(src: Path) -> None:
+    """Rewrite the cache of ``src`` as pagedllm before this change wrote it: every expert dequantized into the
+    safetensors, one float32 matrix per expert, and no experts_in_gguf in the marker."""
+    import json
+
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.model.gguf_loader import EXPERTS_IN_GGUF, MARKER_FILE
+
+    cache = get_or_convert_gguf(src)
+    (shard,) = cache.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    for t in gguf.GGUFReader(src).tensors:
+        if "_exps." in t.name:
+            layer, proj = t.name.split(".")[1], t.name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
+            for e, matrix in enumerate(np.asarray(t.data).reshape(int(t.shape[2]), int(t.shape[1]), -1)):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+                tensors[name] = torch.from_numpy(np.array(dequantize(matrix, t.tensor_type), dtype=np.float32))
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    marker = json.loads((cache / MARKER_FILE).read_text())
+    del marker[EXPERTS_IN_GGUF]
+    (cache / MARKER_FILE).write_text(json.dumps(marker))
+
+
+def test_cache_of_older_version_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A cache converted before the experts stayed in the GGUF (float copies of the Q4_0 experts in the safetensors,
+    no experts_in_gguf in the marker) is used as it is: quantization="none" loads the cache's experts, the same
+    weights the GGUF's blocks dequantize to (same tokens and log-probs as the new cache), and quantization="gguf"
+    does not read them (logged, with the hint to delete the cache) and serves what it served from the new cache."""
+    case = CASES["qwen3moe"]
+    src = _write(_hf_model(case), case, tmp_path / "old.gguf", experts_type="Q4_0")
+    prompts = _prompts()[-2:]
+    runs = {}
+    for cache in ("new", "old"):
+        if cache == "old":
+            _as_old_cache(src)
+            assert len([n for n in _cache_tensor_names(src) if ".experts." in n]) == 2 * 8 * 3
+        for quantization in ("none", "gguf"):
+            names, dequantized = _recording_loads(monkeypatch)
+            with caplog.at_level(logging.INFO, logger="pagedllm"):
+                llm = LLM(model=str(src), **ENGINE_KW, quantization=quantization, block_size=4)
+            runs[cache, quantization] = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs)
+                                         for o in _ours(llm, prompts)]
+            experts_read = [n for n in names if ".experts." in n]
+            assert len(experts_read) == (48 if quantization == "none" else 0)
+            assert bool(dequantized) == ((cache, quantization) == ("new", "none"))
+    assert runs["old", "none"] == runs["new", "none"] and runs["old", "gguf"] == runs["new", "gguf"]
+    assert "Not read: 48 tensors (0.00 GiB)" in caplog.text and "delete it to reconvert" in caplog.text
 
 
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
@@ -395,6 +538,7 @@ def test_unsupported_expert_type_stays_float(tmp_path: Path, caplog: pytest.LogC
             "served quantized") in caplog.text
     moe = _moe_layers(llm)[0]
     assert moe.w13_gguf is moe.w2_gguf is None and moe.w13_weight.shape == (8, 64, 64)
+    assert len([n for n in _cache_tensor_names(src) if ".experts." in n]) == 2 * 8 * 3  # no kernel: float in cache
     _assert_matches(_ours(llm, prompts), want, logprobs)
 
 

@@ -2,7 +2,9 @@
 
 A GGUF file (llama.cpp format) is converted once into a cache directory holding ``config.json``,
 ``model.safetensors`` (float32), the tokenizer files and ``generation_config.json``; later calls
-return the cached directory without opening the GGUF again.
+return the cached directory without opening the GGUF again. A MoE file's routed experts in a type that
+quantization='gguf' serves from its blocks (Q4_0 / Q4_1 / Q8_0 / Q4_K) are not copied: they stay in the GGUF,
+listed in the cache's marker file, and a float load dequantizes them from there (loader.iterate_weights).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -33,13 +35,14 @@ from pagedllm.model.gguf_config import (
     build_config,
 )
 from pagedllm.model.gguf_moe import (
+    dequantized_experts,
     is_expert_tensor,
     is_float_type,
     is_stacked_experts,
+    keeps_blocks,
     legacy_expert_name,
     log_dequantized_experts,
     moe_expected_shape,
-    split_experts,
 )
 
 logger = logging.getLogger("pagedllm")
@@ -48,6 +51,9 @@ GGUF_MAGIC = b"GGUF"
 # Bump when the converter output changes so that stale caches are not reused.
 CONVERTER_VERSION = "2"
 MARKER_FILE = "pagedllm_gguf_source.json"
+# The marker's list of GGUF expert tensors the cache leaves in the source file (absent in caches of older versions,
+# which hold every expert as float).
+EXPERTS_IN_GGUF = "experts_in_gguf"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -266,7 +272,8 @@ def _expected_shape(hf_name: str, cfg: dict[str, Any], qk_norm: str = "head") ->
 
 
 def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield (HF name, float32 C-contiguous array in HF layout) for every tensor of the GGUF."""
+    """Yield (HF name, float32 C-contiguous array in HF layout) for every tensor of the GGUF but the routed experts
+    served from their blocks (:func:`experts_left_in_gguf`), merged experts split one matrix per expert."""
     from gguf.quants import dequantize
     from tqdm.auto import tqdm
 
@@ -274,6 +281,12 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
         hf_name = map_tensor_name(t.name, info.arch)
         if hf_name is None:
+            continue
+        if is_expert_tensor(hf_name):  # shapes checked; those served from their blocks left in the GGUF
+            written = not keeps_blocks(hf_name, t.tensor_type.name)
+            if written and not is_float_type(t.tensor_type.name):
+                quantized_experts.append(t.tensor_type.name)
+            yield from dequantized_experts(t, hf_name, info.config, path, wanted=lambda name, keep=written: keep)
             continue
         try:
             arr = dequantize(t.data, t.tensor_type)
@@ -288,11 +301,6 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
             arr = reverse_permute(arr, info.n_head_kv)
         if info.norm_offset and t.name.endswith("norm.weight"):
             arr -= np.float32(info.norm_offset)
-        if is_expert_tensor(hf_name) and not is_float_type(t.tensor_type.name):
-            quantized_experts.append(t.tensor_type.name)
-        if is_stacked_experts(hf_name):
-            yield from split_experts(hf_name, arr, info.config, t.name, path)
-            continue
         if hf_name.endswith(".mlp.shared_expert_gate.weight") and arr.ndim == 1:  # llama.cpp's {n_embd}
             arr = arr.reshape(1, -1)
         spec = GGUF_ARCHITECTURES[info.arch]
@@ -414,6 +422,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     reader = open_gguf(src)
     info = build_config(reader, src)
     _write_weights(iter_gguf_tensors(reader, info, src), out, max_shard_bytes)
+    left = experts_left_in_gguf(reader, info)
     del reader
 
     AutoConfig.for_model(**info.config).save_pretrained(str(out))
@@ -425,7 +434,48 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     st = src.stat()
     (out / MARKER_FILE).write_text(json.dumps(
         {"source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-         "converter_version": CONVERTER_VERSION}, indent=2))
+         "converter_version": CONVERTER_VERSION, EXPERTS_IN_GGUF: left}, indent=2))
+
+
+def experts_left_in_gguf(reader: Any, info: GGUFModelInfo) -> list[str]:
+    """Names of the routed-expert tensors the cache does not hold: those in a type quantization='gguf' serves from
+    its blocks (a float load dequantizes them from the GGUF: :func:`iter_experts_left_in_gguf`)."""
+    return [t.name for t in reader.tensors if (hf_name := map_tensor_name(t.name, info.arch)) is not None
+            and keeps_blocks(hf_name, t.tensor_type.name)]
+
+
+def iter_experts_left_in_gguf(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, np.ndarray]]:
+    """The ``wanted`` per-expert matrices of the expert tensors a converted cache left in its source GGUF (its
+    marker's ``experts_in_gguf``), float32, dequantized from the file one expert matrix at a time; nothing for other
+    directories and for caches of older versions (which hold every expert as float)."""
+    marker = model_dir / MARKER_FILE
+    if not marker.is_file():
+        return
+    meta = json.loads(marker.read_text())
+    names = meta.get(EXPERTS_IN_GGUF) or []
+    if not names:
+        return
+    src = Path(meta["source"])
+    st = src.stat() if src.is_file() else None
+    if st is None or (st.st_size, st.st_mtime_ns) != (meta.get("size"), meta.get("mtime_ns")):
+        why = "is missing" if st is None else "has changed since the conversion"
+        raise ValueError(f"{model_dir} leaves {len(names)} quantized expert tensors in its source GGUF {src}, which "
+                         f"{why}; load the .gguf file itself (pagedllm converts it again)")
+    reader = open_gguf(src)
+    info = build_config(reader, src)
+    tensors = {t.name: t for t in reader.tensors}
+    types: list[str] = []  # of the tensors dequantized (one log line at the end)
+    for name in names:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{src} has no tensor {name!r}, which {marker} lists; delete {model_dir} to reconvert")
+        found = False
+        for pair in dequantized_experts(t, map_tensor_name(name, info.arch), info.config, src, wanted):
+            found = True
+            yield pair
+        if found:
+            types.append(t.tensor_type.name)
+    log_dequantized_experts(src, types)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ shared expert ``ffn_{gate,up,down}_shexp`` with its sigmoid gate ``ffn_gate_inp_
 the merged tensors into per-expert matrices (``mlp.experts.{e}.gate_proj`` …), which the MoE model classes
 (models/moe.py) stack into their FusedMoE weights. Mixtral files from before April 2024 store one matrix per expert
 (``blk.N.ffn_gate.E.weight``): those map to the per-expert names directly. With quantization='gguf' on the CPU,
-experts in a type the quantized linears run keep their blocks instead (layers/quantized_linear.attach_gguf_experts).
+experts in a type the quantized linears run keep their blocks instead (layers/quantized_linear.attach_gguf_experts);
+the converted cache holds no float copy of those (:func:`keeps_blocks`): a float load (quantization='none', GPUs)
+dequantizes them from the GGUF, one expert matrix at a time (:func:`dequantized_experts`).
 """
 from __future__ import annotations
 
@@ -106,10 +108,19 @@ def moe_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] 
             "gate_up_proj": (n, 2 * ff, h)}[m.group(1)]
 
 
-def split_experts(hf_name: str, arr: np.ndarray, cfg: Mapping[str, Any], gguf_name: str,
-                  path: Path) -> Iterator[tuple[str, np.ndarray]]:
-    """One merged expert tensor (float32, HF layout) as per-expert matrices ``...mlp.experts.{e}.<proj>.weight``
-    (a fused gate | up split into gate_proj and up_proj); a wrong shape or an expert bias is a ValueError."""
+def keeps_blocks(hf_name: str, type_name: str) -> bool:
+    """True for a routed-expert tensor in a type quantization='gguf' serves from its blocks: the conversion leaves it
+    in the GGUF (no float copy in the cache) and a float load dequantizes it from there
+    (:func:`dequantized_experts`)."""
+    from pagedllm.kernels.cpu_quant import GGML_TYPES
+
+    return is_expert_tensor(hf_name) and type_name in GGML_TYPES
+
+
+def check_merged_experts(hf_name: str, shape: tuple[int, ...], cfg: Mapping[str, Any], gguf_name: str,
+                         path: Path) -> None:
+    """A ValueError naming ``gguf_name`` if the merged expert tensor ``hf_name`` of HF-order ``shape`` is an expert
+    bias or disagrees with the metadata."""
     m = _STACKED_RE.search(hf_name)
     if m is None:
         raise ValueError(f"{hf_name!r} is not a merged expert tensor")
@@ -117,19 +128,72 @@ def split_experts(hf_name: str, arr: np.ndarray, cfg: Mapping[str, Any], gguf_na
         raise ValueError(f"{path}: GGUF tensor {gguf_name!r} is an expert bias; the supported MoE architectures "
                          "(Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE) have no expert biases")
     want = moe_expected_shape(hf_name, cfg)
-    if tuple(arr.shape) != want:
-        raise ValueError(f"{path}: GGUF tensor {gguf_name!r} has shape {list(arr.shape)} (numpy order), expected "
+    if tuple(shape) != want:
+        raise ValueError(f"{path}: GGUF tensor {gguf_name!r} has shape {list(shape)} (numpy order), expected "
                          f"{list(want)} = [experts, rows, columns] from the metadata (expert_count = "
                          f"{_num_experts(cfg)}, expert width {_expert_width(cfg)}, hidden size {cfg['hidden_size']})")
-    prefix = hf_name[: m.start()] + ".mlp.experts"
-    proj = m.group(1)
-    width = _expert_width(cfg)
-    for e in range(arr.shape[0]):
-        if proj == "gate_up_proj":
-            yield f"{prefix}.{e}.gate_proj.weight", np.array(arr[e, :width])
-            yield f"{prefix}.{e}.up_proj.weight", np.array(arr[e, width:])
-        else:
-            yield f"{prefix}.{e}.{proj}.weight", np.array(arr[e])
+
+
+def _float32(data: np.ndarray, tensor_type: Any, gguf_name: str, path: Path) -> np.ndarray:
+    """``data`` (one matrix's rows as stored) dequantized to a float32 array of its own: by the quantized linears'
+    kernels where they serve the type (bit-exact with gguf-py, a few times faster), else by gguf-py."""
+    from gguf.quants import dequantize
+
+    from pagedllm.kernels.cpu_quant import GGML_TYPES
+
+    if tensor_type.name in GGML_TYPES and data.ndim == 2 and (native := _dequantize_natively(data, int(tensor_type))) \
+            is not None:
+        return native
+    try:
+        return np.array(dequantize(data, tensor_type), dtype=np.float32)
+    except NotImplementedError as e:
+        raise ValueError(f"GGUF tensor {gguf_name!r} in {path} uses an unsupported type: {e}") from e
+
+
+def _dequantize_natively(blocks: np.ndarray, qtype: int) -> np.ndarray | None:
+    """uint8 [rows, row_bytes] blocks of ``qtype`` as float32 [rows, columns] by kernels/cpu_quant (None where those
+    cannot be built: not x86-64, no compiler)."""
+    import torch
+
+    from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGUFWeight, load_quant_kernels
+
+    try:
+        kernels = load_quant_kernels()
+    except (RuntimeError, OSError):
+        return None
+    elems, nbytes = BLOCK_LAYOUT[qtype]
+    rows, cols = blocks.shape[0], blocks.shape[1] // nbytes * elems
+    weight = GGUFWeight.from_gguf_blocks(torch.from_numpy(np.array(blocks)), qtype, rows, cols)
+    return kernels.dequantize_rows(weight, torch.arange(rows)).numpy()
+
+
+def dequantized_experts(tensor: Any, hf_name: str, cfg: Mapping[str, Any], path: Path,
+                        wanted: Callable[[str], bool] = lambda name: True) -> Iterator[tuple[str, np.ndarray]]:
+    """One GGUF expert ``tensor`` (a gguf ReaderTensor mapped to ``hf_name``: merged [experts, rows, columns], fused
+    gate | up, or one expert's matrix of an old Mixtral file) as float32 per-expert matrices
+    ``...mlp.experts.{e}.<proj>.weight``, dequantized one expert at a time; names not ``wanted`` are not dequantized."""
+    shape = tuple(int(s) for s in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (innermost) first
+    if not is_stacked_experts(hf_name):  # one expert's matrix
+        if tuple(shape) != moe_expected_shape(hf_name, cfg):
+            raise ValueError(f"{path}: GGUF tensor {tensor.name!r} has shape {list(shape)}, expected "
+                             f"{list(moe_expected_shape(hf_name, cfg) or ())} from the model metadata")
+        if wanted(hf_name):
+            yield hf_name, _float32(np.asarray(tensor.data).reshape(shape[0], -1), tensor.tensor_type, tensor.name,
+                                    path)
+        return
+    check_merged_experts(hf_name, shape, cfg, tensor.name, path)
+    m = _STACKED_RE.search(hf_name)
+    prefix, proj, width = hf_name[: m.start()] + ".mlp.experts", m.group(1), _expert_width(cfg)
+    stored = np.asarray(tensor.data).reshape(shape[0], shape[1], -1)
+    for e in range(shape[0]):
+        parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
+        names = [f"{prefix}.{e}.{part}.weight" for part in parts]
+        if not any(wanted(n) for n in names):
+            continue
+        arr = _float32(stored[e], tensor.tensor_type, tensor.name, path)
+        for i, name in enumerate(names):
+            if wanted(name):
+                yield name, np.ascontiguousarray(arr[i * width:(i + 1) * width] if len(names) > 1 else arr)
 
 
 def log_dequantized_experts(path: Path, types: list[str], why: str = "") -> None:

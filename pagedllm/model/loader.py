@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pagedllm.model.gguf_loader import get_or_convert_gguf, is_gguf_file
+from pagedllm.model.gguf_loader import get_or_convert_gguf, is_gguf_file, iter_experts_left_in_gguf
 
 logger = logging.getLogger("pagedllm")
 
@@ -195,12 +195,13 @@ def _weight_files(model_dir: Path, load_format: str) -> tuple[list[Path], str]:
 
 
 def iterate_weights(
-    model_dir: str | os.PathLike[str], load_format: str = "auto", *, use_tqdm: bool = True
+    model_dir: str | os.PathLike[str], load_format: str = "auto", *, use_tqdm: bool = True,
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, Any]]:
-    """Stream ``(HF parameter name, torch.Tensor)`` pairs shard by shard."""
+    """Stream ``(HF parameter name, torch.Tensor)`` pairs shard by shard; a converted GGUF's routed experts left in
+    the GGUF come last, dequantized from it one expert matrix at a time. Names ``skip`` accepts (weights the model
+    already holds: quantized experts kept as GGUF blocks) are neither read nor dequantized."""
     import torch
-    from safetensors import safe_open
-    from tqdm.auto import tqdm
 
     _check_load_format(load_format)
     if load_format == "dummy":
@@ -208,7 +209,21 @@ def iterate_weights(
     path = Path(model_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"Model directory {path} does not exist; call prepare_model_dir() first")
+    skip = skip or (lambda name: False)
+    yield from _iterate_weight_files(path, load_format, use_tqdm, skip)
+    for name, arr in iter_experts_left_in_gguf(path, wanted=lambda name: not skip(name)):
+        yield name, torch.from_numpy(arr)
+
+
+def _iterate_weight_files(path: Path, load_format: str, use_tqdm: bool,
+                          skip: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
+    """:func:`iterate_weights` over the directory's weight files."""
+    import torch
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+
     files, kind = _weight_files(path, load_format)
+    skipped, skipped_bytes = 0, 0
     bar = tqdm(total=len(files), desc="Loading weight shards", unit="shard", disable=not use_tqdm or len(files) < 2)
     try:
         for f in files:
@@ -219,6 +234,10 @@ def iterate_weights(
                 except Exception as e:
                     raise ValueError(f"Corrupt or unreadable safetensors file {f}: {e}") from e
                 for name in names:
+                    if skip(name):
+                        skipped += 1
+                        skipped_bytes += _stored_bytes(handle, name)
+                        continue
                     try:
                         tensor = handle.get_tensor(name)
                     except Exception as e:
@@ -230,8 +249,22 @@ def iterate_weights(
                     state = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
                 except Exception as e:
                     raise ValueError(f"Corrupt or unreadable PyTorch weight file {f}: {e}") from e
-                yield from state.items()
+                yield from ((name, t) for name, t in state.items() if not skip(name))
                 del state
             bar.update(1)
     finally:
         bar.close()
+    if skipped:  # a GGUF cache of an older pagedllm, which stored quantized experts as float too
+        logger.info("Not read: %d tensors (%.2f GiB) of %s that the model holds as GGUF blocks; a cache converted by "
+                    "an older pagedllm keeps these float copies: delete it to reconvert without them",
+                    skipped, skipped_bytes / 2**30, path)
+
+
+def _stored_bytes(handle: Any, name: str) -> int:
+    """Bytes of tensor ``name`` in an open safetensors file, without reading it."""
+    import math
+
+    piece = handle.get_slice(name)
+    dtype = piece.get_dtype()  # safetensors' names: F32, BF16, I8, ...
+    itemsize = 1 if dtype in ("BOOL", "U8", "I8") or dtype.startswith("F8") else int(dtype.lstrip("FIUB")) // 8
+    return math.prod(piece.get_shape()) * itemsize

@@ -181,14 +181,15 @@ class Worker:
         elif self.fp8_format is not None:
             self._load_fp8_checkpoint(model, keep_fp8)
         else:
-            weights = loader.iterate_weights(self.model_dir, mc.load_format)
+            held: frozenset[str] = frozenset()
+            if self.int_format is None and self.quantization == "gguf":  # experts kept as GGUF blocks: not read
+                held = attach_gguf_experts(model, self.gguf_path)
+            weights = loader.iterate_weights(self.model_dir, mc.load_format, skip=held.__contains__)
             if is_base_model(self.hf_config) and not self.encoder_only:  # (encoders load their own names)
                 weights = base_model_weights(weights)
             if self.int_format is not None:
                 self.int_checkpoint = IntCheckpointLoad(self.int_format, keep_blocks=self.quantization == "gguf")
                 weights = self.int_checkpoint.weights(weights)
-            elif self.quantization == "gguf":  # before loading: experts kept as GGUF blocks get no float copy
-                attach_gguf_experts(model, self.gguf_path)
             model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()

@@ -100,6 +100,11 @@ class FusedMoE(nn.Module):
         self.w13_gguf: list[GGUFWeight] | None = None
         self.w2_gguf: list[GGUFWeight] | None = None
 
+    def projections_held_as_gguf(self) -> set[tuple[int, str]]:
+        """(expert, "gate" / "up" / "down") of every projection served from GGUF blocks."""
+        held = [("gate", "up")] * (self.w13_gguf is not None) + [("down",)] * (self.w2_gguf is not None)
+        return {(e, p) for projections in held for p in projections for e in range(self.num_experts)}
+
     def load_expert_weight(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
         """Copy one expert's checkpoint matrix ([I, H] for gate / up, [H, I] for down) into this rank's slice."""
         if not 0 <= expert < self.num_experts:

@@ -7,7 +7,8 @@ q/k/v and gate/up rows concatenated, rows in HF order) and its float32 weight is
 types (F32 norms, Q6_K, ...) stay dense; each is named once in the log.
 
 A MoE file's routed experts (FusedMoE) get theirs before the weights load (:func:`attach_gguf_experts`): one
-GGUFWeight per expert and projection (w13: gate rows, then up rows; w2: down), so their float copy is never made.
+GGUFWeight per expert and projection (w13: gate rows, then up rows; w2: down), so their float copy is never made
+(nor read: the converted cache leaves them in the GGUF, and the load skips the names attach_gguf_experts returns).
 """
 from __future__ import annotations
 
@@ -194,22 +195,24 @@ def attach_quantized_blocks(model: nn.Module, raw: dict, source_bytes: int,
     return report
 
 
-def attach_gguf_experts(model: nn.Module, gguf_path: str | os.PathLike[str]) -> None:
+def attach_gguf_experts(model: nn.Module, gguf_path: str | os.PathLike[str]) -> frozenset[str]:
     """Before the weights load: each FusedMoE projection (w13, w2) whose experts the file stores in a type served
-    quantized gets one GGUFWeight per expert, and its float parameter is released unfilled (load_expert_weight then
-    skips the converted copy); the rest load as float, and one log line says why. Tensor parallelism is refused."""
+    quantized gets one GGUFWeight per expert, and its float parameter is released unfilled; the rest load as float,
+    and one log line says why. Returns the per-expert checkpoint names now held (``<FusedMoE>.{e}.gate_proj.weight``
+    …), which the load then neither reads nor dequantizes. Tensor parallelism is refused."""
     from pagedllm.model.gguf_loader import read_gguf_raw_tensors
     from pagedllm.model.gguf_moe import is_float_type, log_dequantized_experts
     from pagedllm.model.layers.fused_moe import FusedMoE
 
     layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
     if not layers:
-        return
+        return frozenset()
     if any(moe.tp.size != 1 for moe in layers.values()):
         raise ValueError("quantization='gguf' serves GGUF experts on one rank only (tensor_parallel_size=1); use "
                          "quantization='none' (dequantized experts) with tensor parallelism.")
     raw, _ = read_gguf_raw_tensors(gguf_path)
     left: dict[str, list[str]] = {}  # why -> GGUF types of the expert tensors left float
+    held: set[str] = set()
     for name, moe in layers.items():
         for attr, projections, shape in (("w13", ("gate_proj", "up_proj"), (2 * moe.shard, moe.hidden_size)),
                                          ("w2", ("down_proj",), (moe.hidden_size, moe.shard))):
@@ -221,10 +224,12 @@ def attach_gguf_experts(model: nn.Module, gguf_path: str | os.PathLike[str]) -> 
                 left.setdefault(why, []).extend(s[0].type_name for s in stacks)
                 continue
             setattr(moe, f"{attr}_gguf", weights)
+            held.update(f"{name}.{e}.{p}.weight" for e in range(moe.num_experts) for p in projections)
             param = getattr(moe, f"{attr}_weight")
             param.data = torch.empty(0, dtype=param.dtype)
     for why, types in left.items():
         log_dequantized_experts(Path(gguf_path), types, why)
+    return frozenset(held)
 
 
 def _expert_parts(raw: Mapping[str, GGUFRawTensor], name: str, num_experts: int) -> list[GGUFRawTensor] | None:

@@ -91,8 +91,9 @@ class _MoeForCausalLM(LlamaForCausalLM):
                     continue
                 yield name, tensor
 
-        for moe in layers.values():  # filled expert by expert above, checked below
+        for name, moe in layers.items():  # filled expert by expert above, checked below
             moe.w13_weight.optional = moe.w2_weight.optional = True
+            seen[name].update(moe.projections_held_as_gguf())  # the checkpoint's copies are not read
         super().load_weights(dense_weights())
         for name, moe in layers.items():
             if len(seen[name]) != 3 * moe.num_experts:
