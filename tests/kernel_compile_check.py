@@ -2,8 +2,8 @@
 machine without a GPU: the kernels' own Python wrappers run on CPU tensors (so each launch has the constexprs,
 specialisations and dtypes a GPU step would give it) inside ``triton_compile_only.compile_only``, which launches
 nothing, and Triton's NVIDIA backend builds each launch with its bundled ptxas. Run by tests/test_kernel_compile.py
-in a process without TRITON_INTERPRET; prints one line per compiled kernel variant ("sm_NN name bytes"), and fails
-on the first kernel that does not build."""
+in a process without TRITON_INTERPRET; prints one line per compiled kernel variant ("sm_NN name cubin_bytes
+shared_memory_bytes"), and fails on the first kernel that does not build."""
 from __future__ import annotations
 
 import sys
@@ -46,6 +46,26 @@ def _attention(cache_dtype: torch.dtype) -> None:
         triton_attention.paged_prefill_attention(q, kc, vc, tables, lens, starts, 0.1, 1, 2, 12, torch.zeros_like(q),
                                                  **kw)
         unified_attention(q, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(q), **kw)
+
+
+def _mla() -> None:
+    """DeepSeek's MLA: the latent decode kernel (one split; several, with its merge) over one 576-wide latent pool of
+    one KV head for 16 query heads, and the generic prefill and unified kernels at that width (their wide-head launch)."""
+    from pagedllm.kernels import triton_attention
+    from pagedllm.kernels.triton_mla_decode import mla_decode_attention
+    from pagedllm.kernels.triton_unified_attention import unified_attention
+
+    bf16 = torch.bfloat16
+    pool = torch.zeros(12, 16, 1, 576, dtype=bf16)
+    tables = torch.zeros(3, 4, dtype=torch.int32)
+    lens = torch.tensor([10, 40, 60], dtype=torch.int32)
+    dec_q = torch.zeros(3, 16, 576, dtype=bf16)
+    for splits in (1, 3):
+        mla_decode_attention(dec_q, pool, tables, lens, 0.1, 60, 512, out=torch.zeros_like(dec_q), num_splits=splits)
+    q = torch.zeros(20, 16, 576, dtype=bf16)
+    starts = torch.tensor([0, 1, 8, 20], dtype=torch.int32)
+    triton_attention.paged_prefill_attention(q, pool, pool, tables, lens, starts, 0.1, 1, 2, 12, torch.zeros_like(q))
+    unified_attention(q, pool, pool, tables, lens, starts, 0.1, torch.zeros_like(q))
 
 
 def _sampling_and_layers(fp8: bool) -> None:
@@ -152,11 +172,12 @@ def main() -> None:
         with compile_only(arch) as compiled:
             for cache in caches:
                 _attention(cache)
+            _mla()
             _sampling_and_layers(fp8=arch >= 89)
             _ngram()
             _moe()
         for launch in compiled:
-            print(f"sm_{launch.arch}", launch.name, len(launch.kernel.asm["cubin"]))
+            print(f"sm_{launch.arch}", launch.name, len(launch.kernel.asm["cubin"]), launch.kernel.metadata.shared)
 
 
 if __name__ == "__main__":
