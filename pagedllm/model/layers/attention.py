@@ -201,8 +201,8 @@ class Attention(nn.Module):
     included; `logits_soft_cap` (Gemma 2): scores pass through c·tanh(s / c). Both are per layer and
     handed to the backend with every call (AttentionBackend.forward). `latent_dim` (MLA, DeepSeek-V2/V3): the
     cache rows are [c_kv (latent_dim) ; k_pe], one KV head, and the caller reads only each head's first
-    `latent_dim` output values; handed to backends that take it (``takes_latent_dim``), others (e.g. the
-    piecewise-graph recorder) run the generic kernels, which compute the whole row."""
+    `latent_dim` output values; handed to backends that take it (``takes_latent_dim``: the CPU ones ignore it, the
+    piecewise-graph recorder hands it on at replay), others run the generic kernels, which compute the whole row."""
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
