@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pagedllm.model.gguf_deepseek import DEEPSEEK2_TENSORS, deepseek2_config
 from pagedllm.model.gguf_moe import (
     MOE_MODELS,
     MOE_TENSORS,
@@ -164,6 +165,9 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
                                  layer_norm=True, partial_rotary=True),
     "starcoder2": GGUFArchitecture("Starcoder2ForCausalLM", "starcoder2", _STARCODER2_TENSORS, biases=True,
                                    hidden_act="gelu_pytorch_tanh", layer_norm=True),
+    # DeepSeek-V2 / V3 (MLA, shared + routed experts): DeepseekV3ForCausalLM where routing is sigmoid
+    # (gguf_deepseek.deepseek2_config); q/k stored as HF has them; no biases (llama.cpp loads none).
+    "deepseek2": GGUFArchitecture("DeepseekV2ForCausalLM", "deepseek_v2", DEEPSEEK2_TENSORS),
 })
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_ARCHITECTURES)
 
@@ -237,8 +241,8 @@ class GGUFModelInfo:
 
 def build_config(reader: Any, path: Path) -> GGUFModelInfo:
     """Build an HF config dict (Llama, Qwen2/3, Gemma 1/2/3, Phi-3, Granite, OLMo 2/3, SmolLM3, GPT-NeoX, Phi-2,
-    StableLM, StarCoder2, or the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE and Granite MoE) from GGUF metadata,
-    as llama.cpp reads it."""
+    StableLM, StarCoder2, or the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and DeepSeek-V2 / V3)
+    from GGUF metadata, as llama.cpp reads it."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
@@ -264,7 +268,7 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
     key_length = int(gguf_field(reader, f"{arch}.attention.key_length", 0) or 0)
     head_dim = key_length or hidden // n_head
     value_length = int(gguf_field(reader, f"{arch}.attention.value_length", 0) or 0)
-    if value_length and value_length != head_dim:
+    if value_length and value_length != head_dim and arch != "deepseek2":  # (MLA: gguf_deepseek)
         keys = (f"{arch}.attention.key_length = {key_length}" if key_length
                 else f"a key length of embedding_length / head_count = {head_dim} ({arch}.attention.key_length unset)")
         raise ValueError(
@@ -296,7 +300,7 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         allowed = "linear, yarn" + (", longrope" if arch == "phi3" else "")
         raise ValueError(f"Unsupported RoPE scaling type {scaling_type!r} in {path}; supported: {allowed}")
     n_rot = gguf_field(reader, f"{arch}.rope.dimension_count")
-    if n_rot is not None and int(n_rot) != head_dim and not spec.partial_rotary:
+    if n_rot is not None and int(n_rot) != head_dim and not spec.partial_rotary and arch != "deepseek2":
         partial = [a for a, s in GGUF_ARCHITECTURES.items() if s.partial_rotary and a != "phi3"]
         raise ValueError(
             f"{path} rotates {n_rot} of each head's {head_dim} dimensions ({arch}.rope.dimension_count); partial "
@@ -350,6 +354,8 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         config.update(_smollm3_config(config))
     elif spec.layer_norm:
         config = _layernorm_config(reader, arch, config, tensor_names, None if n_rot is None else int(n_rot), path)
+    elif arch == "deepseek2":
+        config = deepseek2_config(lambda key, default: gguf_field(reader, key, default), config, tensor_names, path)
     if arch in MOE_MODELS:
         config.update(moe_config(lambda key, default: gguf_field(reader, key, default), arch, config, tensor_names,
                                  path))

@@ -3,7 +3,7 @@
 A GGUF file (llama.cpp format) is converted once into a cache directory holding ``config.json``,
 ``model.safetensors`` (float32), the tokenizer files and ``generation_config.json``; later calls
 return the cached directory without opening the GGUF again. A MoE file's routed experts in a type that
-quantization='gguf' serves from its blocks (Q4_0 / Q4_1 / Q8_0 / Q4_K) are not copied: they stay in the GGUF,
+quantization='gguf' serves from its blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K) are not copied: they stay in the GGUF,
 listed in the cache's marker file, and a float load dequantizes them from there (loader.iterate_weights).
 """
 
@@ -34,6 +34,7 @@ from pagedllm.model.gguf_config import (
     GGUFModelInfo,
     build_config,
 )
+from pagedllm.model.gguf_deepseek import CORRECTION_BIAS, K_B, V_B, join_kv_b, mla_expected_shape
 from pagedllm.model.gguf_moe import (
     dequantized_experts,
     is_expert_tensor,
@@ -223,6 +224,8 @@ def map_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if arch == "phi3" and gguf_name in ROPE_FACTOR_TENSORS:
         return None
     m = _BLOCK_RE.match(gguf_name)
+    if arch == "deepseek2" and m and (m.group(2), m.group(3)) == (CORRECTION_BIAS[0], "bias"):
+        return f"model.layers.{m.group(1)}.{CORRECTION_BIAS[1]}"
     if m and m.group(2) in spec.block_tensors and (spec.biases or m.group(3) == "weight"):
         return f"model.layers.{m.group(1)}.{spec.block_tensors[m.group(2)]}.{m.group(3)}"
     m = _GLOBAL_RE.match(gguf_name)
@@ -254,6 +257,8 @@ def _expected_shape(hf_name: str, cfg: dict[str, Any], qk_norm: str = "head") ->
     """The HF shape of ``hf_name`` the config implies (None: not checked); ``qk_norm``: GGUFArchitecture.qk_norm."""
     if (moe := moe_expected_shape(hf_name, cfg)) is not None:
         return moe
+    if (mla := mla_expected_shape(hf_name, cfg)) is not None:
+        return mla
     h, hd, vocab = cfg["hidden_size"], cfg["head_dim"], cfg["vocab_size"]
     q, kv, ff = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
     module, kind = hf_name.split(".")[-2:]
@@ -278,10 +283,14 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
     from tqdm.auto import tqdm
 
     quantized_experts: list[str] = []  # types of the expert tensors dequantized (one log line at the end)
+    names = {t.name for t in reader.tensors}
+    split_kv_b: dict[str, dict[str, np.ndarray]] = {}  # deepseek2's attn_k_b / attn_v_b by layer, until both are read
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
         hf_name = map_tensor_name(t.name, info.arch)
         if hf_name is None:
             continue
+        if hf_name.endswith((K_B, V_B)) and t.name.rsplit(".", 2)[0] + ".attn_kv_b.weight" in names:
+            continue  # a file with both forms: its attn_kv_b is kv_b_proj
         if is_expert_tensor(hf_name):  # shapes checked; those served from their blocks left in the GGUF
             written = not keeps_blocks(hf_name, t.tensor_type.name)
             if written and not is_float_type(t.tensor_type.name):
@@ -310,6 +319,14 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
                 f"GGUF tensor {t.name!r} in {path} has shape {tuple(arr.shape)}, expected {expected} "
                 "from the model metadata"
             )
+        if hf_name.endswith((K_B, V_B)):  # MLA's kv_b_proj split per head (newer converters): joined back
+            prefix = hf_name[: -len(K_B)]
+            pair = split_kv_b.setdefault(prefix, {})
+            pair[hf_name[len(prefix):]] = arr
+            if len(pair) == 2:
+                del split_kv_b[prefix]
+                yield f"{prefix}.self_attn.kv_b_proj.weight", join_kv_b(pair[K_B], pair[V_B])
+            continue
         module, kind = hf_name.split(".")[-2:]
         if spec.split_fused and module in FUSED_PARTS:  # the class loads the parts (q/k/v_proj), not the fused name
             prefix, start = hf_name[: -len(f"{module}.{kind}")], 0
@@ -318,6 +335,11 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
                 start += n
             continue
         yield hf_name, arr
+    if split_kv_b:
+        prefix, pair = next(iter(split_kv_b.items()))
+        have, missing = ("attn_k_b", "attn_v_b") if K_B in pair else ("attn_v_b", "attn_k_b")
+        raise ValueError(f"{path}: layer {prefix.rsplit('.', 1)[-1]} has {have} but no {missing}: the two halves of "
+                         "MLA's kv_b_proj come together (or attn_kv_b alone)")
     log_dequantized_experts(path, quantized_experts)
 
 
