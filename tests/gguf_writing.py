@@ -123,11 +123,57 @@ def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
     return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 144)
 
 
+def quantize_q5_k(arr: np.ndarray) -> np.ndarray:
+    """Q5_K blocks of float rows whose length is a multiple of 256 (gguf-py cannot write them): :func:`quantize_q4_k`'s
+    plain fit with 5-bit quants, w = d·sc·q − dmin·m, the fifth bits of each 32 values in qh (bit j: sub-block j)."""
+    x = arr.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(x.min(axis=2), 0)
+    scale, mins = (x.max(axis=2) - lo) / 31, -lo
+    d = (scale.max(axis=1) / 63).astype(np.float16)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(scale / _nonzero(d)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(mins / _nonzero(dmin)), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
+    q = np.clip(np.rint((x + offset) / np.where(step == 0, 1, step)[:, :, None]), 0, 31).astype(np.uint8)
+    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    low = q & 15
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    qh = np.bitwise_or.reduce(((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1).astype(np.uint8)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh, qs],
+                            axis=1)
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 176)
+
+
+def quantize_q6_k(arr: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of float rows whose length is a multiple of 256 (gguf-py cannot write them): per 16 values an int8
+    multiple sc of the super-block's fp16 d, 6-bit quants q, w = d·sc·(q − 32); value 128h + 64s + l keeps its low
+    nibble in ql[64h + l] (shifted 4s) and its high 2 bits in qh[32h + l % 32] (shifted 2·((64s + l) // 32))."""
+    x = arr.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(axis=2) / 31
+    d = (scale.max(axis=1) / 127).astype(np.float16)
+    sc = np.clip(np.rint(scale / _nonzero(d)), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * sc
+    q = (np.clip(np.rint(x / np.where(step == 0, 1, step)[:, :, None]), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(-1, 2, 128)  # [super-blocks, h, r]
+    low, high = q & 15, q >> 4
+    ql = (low[:, :, :64] | (low[:, :, 64:] << 4)).reshape(-1, 128)
+    qh = np.bitwise_or.reduce(high.reshape(-1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None],
+                              axis=2).astype(np.uint8).reshape(-1, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1)
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 210)
+
+
 def quantize_to(arr: np.ndarray, type_name: str) -> np.ndarray:
-    """The GGUF blocks of ``arr`` in type ``type_name`` (gguf-py's quantizers: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; Q4_K:
-    :func:`quantize_q4_k`)."""
+    """The GGUF blocks of ``arr`` in type ``type_name`` (gguf-py's quantizers: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; Q4_K,
+    Q5_K, Q6_K: :func:`quantize_q4_k`, :func:`quantize_q5_k`, :func:`quantize_q6_k`)."""
     if type_name == "Q4_K":
         return quantize_q4_k(arr)
+    if type_name == "Q5_K":
+        return quantize_q5_k(arr)
+    if type_name == "Q6_K":
+        return quantize_q6_k(arr)
     return gguf.quants.quantize(arr, gguf.GGMLQuantizationType[type_name])
 
 
@@ -142,7 +188,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
                tokenizer: Callable[[object], None] | None = None,
                extra_tensors: Iterable[tuple[str, np.ndarray]] = (), permute_qk: bool = False,
                state_dict: Mapping[str, torch.Tensor] | None = None,
-               experts_type: str | Mapping[str, str] | None = None) -> Path:
+               experts_type: str | Mapping[str, str] | None = None,
+               tensor_type: Callable[[str], str | None] | None = None) -> Path:
     """``model`` as llama.cpp's converter stores it for ``arch``: ``metadata(writer)`` writes the architecture's
     keys; ``norm_offset`` is added to every ``*norm.weight`` (Gemma's converters add 1); a tied ``lm_head`` is not
     stored; ``q8_linears``: the layers' 2-D weights as Q8_0 blocks (``q8_embedding``: the embedding too), the rest
@@ -152,7 +199,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
     ``state_dict``: the HF-named tensors to write instead of the model's own (a converter's reshaped or stacked ones,
     named as gguf-py's map knows them); ``experts_type``: routed-expert tensors (ffn_<proj>_exps, also fused
     ffn_gate_up_exps and Mixtral's old blk.N.ffn_<proj>.E among ``extra_tensors``) as blocks of this type
-    (:func:`quantize_to`), or of the type named per projection ({"gate": ..., "up": ..., "down": ...})."""
+    (:func:`quantize_to`), or of the type named per projection ({"gate": ..., "up": ..., "down": ...});
+    ``tensor_type(gguf_name)``: the type of each other 2-D tensor (None: as the flags say), e.g. a Q4_K_M-like mix."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     metadata(w)
@@ -177,7 +225,8 @@ def write_gguf(model: torch.nn.Module, arch: str, path: Path, metadata: Callable
         keep_f32 = gguf_name.endswith(("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight"))
         q8 = arr.ndim == 2 and not keep_f32 and ((q8_linears and "layers" in name)
                                                  or (q8_embedding and "embed_tokens" in name))
-        _add_tensor(w, gguf_name, arr, "Q8_0" if q8 else _expert_type(gguf_name, experts_type))
+        chosen = tensor_type(gguf_name) if tensor_type is not None and arr.ndim == 2 and not keep_f32 else None
+        _add_tensor(w, gguf_name, arr, chosen or ("Q8_0" if q8 else _expert_type(gguf_name, experts_type)))
     for gguf_name, arr in extra_tensors:
         _add_tensor(w, gguf_name, arr, _expert_type(gguf_name, experts_type))
     w.write_header_to_file()

@@ -12,7 +12,7 @@ Quantized experts (Q8_0, Q4_0, Q4_1, and Q4_K from tests/gguf_writing.quantize_q
 quantization="none" they are dequantized at load and match transformers on the dequantized weights; with
 quantization="gguf" they keep their blocks (merged, fused gate_up or one tensor per expert), one GGUFWeight per expert
 and projection run by the quantized linears' GEMM (int8 activations), held to the dequantized path teacher-forced, to
-an int8-activation reference per row, and within 1.2x of the file's bytes. Other types (Q5_0) stay float, logged, a
+an int8-activation reference per row, and within 1.2x of the file's bytes. Other types (MXFP4) stay float, logged, a
 projection at a time (gate / up quantized beside a float down); tensor parallelism is refused. The converted cache holds
 no float copy of experts in a type served quantized (they stay in the GGUF: quantization="gguf" reads none, "none"
 dequantizes them from the file); a cache written before that (float experts, no experts_in_gguf) still loads.
@@ -418,24 +418,33 @@ def test_quantized_load_reads_no_expert_tensor(layout: str, tmp_path: Path, monk
     assert len(dequantized) == per_matrix * n_layers * n_experts
 
 
-def test_experts_not_served_quantized_come_from_the_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """Gate experts Q8_0 beside up experts Q4_0 (both types served, but w13 needs one type): the cache holds none of
-    them, and quantization="gguf" serves w2 from its blocks and dequantizes each gate and up matrix from the GGUF
-    (logged), reading no expert tensor from the cache."""
+def test_experts_of_two_served_types_are_row_segments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Gate experts Q8_0 beside up experts Q4_0 (both types served, w13 = gate | up in two types): each expert's w13
+    is one GGUFWeight of two row segments (Q8_0 rows, then Q4_0 rows), no expert tensor is read from the cache or
+    dequantized, and the greedy path holds teacher-forced at >= 95 % of the dequantized path's tokens."""
+    from pagedllm.kernels.cpu_quant import SEGMENTS
+
     case = CASES["qwen3moe"]
     src = _write(_hf_model(case), case, tmp_path / "mixed.gguf", experts_type={"gate": "Q8_0", "up": "Q4_0",
                                                                                "down": "Q8_0"})
     _assert_cache_holds_no_experts(src)
+    prompts = _prompts((3, 7, 11, 15))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    dense = LLM(model=str(src), **ENGINE_KW, quantization="none", block_size=4)
+    want = [list(o.outputs[0].token_ids) for o in dense.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                 use_tqdm=False)]
     names, dequantized = _recording_loads(monkeypatch)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf", block_size=4)
-    assert "served from their dequantized float copy: parts in different types ['Q4_0', 'Q8_0']" in caplog.text
-    assert "4 quantized expert tensors (Q4_0, Q8_0) are dequantized to float at load" in caplog.text
+    assert "dequantized float copy" not in caplog.text
     for moe in _moe_layers(llm):
-        assert moe.w13_gguf is None and moe.w13_weight.shape == (8, 64, 64) and len(moe.w2_gguf) == 8
-    assert sorted({n.split(".")[-2] for n in names if ".experts." in n}) == ["gate_proj", "up_proj"]
-    assert len(dequantized) == 2 * 8 * 2
+        assert len(moe.w13_gguf) == len(moe.w2_gguf) == 8 and moe.w13_weight.numel() == 0
+        assert {(w.qtype, w.type_name, w.segments) for w in moe.w13_gguf} == {(SEGMENTS, "Q8_0+Q4_0",
+                                                                               ((8, 32), (2, 32)))}
+    assert not [n for n in names if ".experts." in n] and not dequantized
+    ranks = teacher_forced_ranks(llm, prompts, want)
+    assert sum(r == 1 for r in ranks) >= 0.95 * len(ranks), ranks
 
 
 def _as_old_cache(src: Path) -> None:
@@ -525,16 +534,16 @@ def test_quantized_expert_gemm_matches_int8_reference(type_name: str, rows: int)
 
 
 def test_unsupported_expert_type_stays_float(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Q5_0 experts (no quantized kernel) under quantization="gguf": served from the converted float copy, and the
+    """MXFP4 experts (no quantized kernel) under quantization="gguf": served from the converted float copy, and the
     log says which and why; the outputs are transformers' on the dequantized weights."""
     case = CASES["qwen3moe"]
     model = _hf_model(case)
     prompts = _prompts()[-2:]
-    src = _write(model, case, tmp_path / "qwen3moe-q5.gguf", experts_type="Q5_0")
-    want, logprobs = hf_greedy_reference(_rounded(model, "Q5_0", q8_linears=False), prompts, MAX_TOKENS)
+    src = _write(model, case, tmp_path / "qwen3moe-q5.gguf", experts_type="MXFP4")
+    want, logprobs = hf_greedy_reference(_rounded(model, "MXFP4", q8_linears=False), prompts, MAX_TOKENS)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf", block_size=4)
-    assert ("6 quantized expert tensors (Q5_0) are served from their dequantized float copy: type Q5_0 is not "
+    assert ("6 quantized expert tensors (MXFP4) are served from their dequantized float copy: type MXFP4 is not "
             "served quantized") in caplog.text
     moe = _moe_layers(llm)[0]
     assert moe.w13_gguf is moe.w2_gguf is None and moe.w13_weight.shape == (8, 64, 64)
@@ -543,12 +552,12 @@ def test_unsupported_expert_type_stays_float(tmp_path: Path, caplog: pytest.LogC
 
 
 def test_quantized_gate_up_beside_float_down(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Gate / up experts Q8_0 and down experts Q5_0 (as Q4_K_M files keep some ffn_down_exps in Q6_K): w13 is served
+    """Gate / up experts Q8_0 and down experts MXFP4 (a type without a quantized kernel): w13 is served
     quantized, w2 from the float copy (logged), and the greedy path holds teacher-forced at >= 95 % of the
     dequantized path's 8 x 16 tokens."""
     case = CASES["qwen3moe"]
     src = _write(_hf_model(case), case, tmp_path / "qwen3moe-mixed.gguf",
-                 experts_type={"gate": "Q8_0", "up": "Q8_0", "down": "Q5_0"})
+                 experts_type={"gate": "Q8_0", "up": "Q8_0", "down": "MXFP4"})
     prompts = _prompts((3, 7, 11, 15, 19, 23, 27, 30))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     dense = LLM(model=str(src), **ENGINE_KW, quantization="none", block_size=4)
@@ -556,7 +565,7 @@ def test_quantized_gate_up_beside_float_down(tmp_path: Path, caplog: pytest.LogC
                                                                  use_tqdm=False)]
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf", block_size=4)
-    assert "2 quantized expert tensors (Q5_0) are served from their dequantized float copy" in caplog.text
+    assert "2 quantized expert tensors (MXFP4) are served from their dequantized float copy" in caplog.text
     for moe in _moe_layers(llm):
         assert len(moe.w13_gguf) == 8 and moe.w13_weight.numel() == 0
         assert moe.w2_gguf is None and moe.w2_weight.shape == (8, 64, 32)

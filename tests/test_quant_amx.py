@@ -22,7 +22,7 @@ ROWS = (1, 3, 16, 17, 40, 64)  # vectors only, one tile set, one plus a vector r
 def _weight(type_name: str, n: int = 72, seed: int = 0) -> tuple[GGUFWeight, int]:
     """Random weights: 72 rows (a partial group of 16), 17 blocks of 32 (two batches of 8 blocks and one)."""
     qtype = GGML_TYPES[type_name]
-    k = 768 if type_name == "Q4_K" else 544  # Q4_K: 3 super-blocks = 24 blocks
+    k = 768 if cpu_quant.BLOCK_LAYOUT[qtype][0] == 256 else 544  # K-quants: 3 super-blocks = 24 blocks
     raw = torch.from_numpy(random_blocks(qtype, n, k, seed=seed + qtype))
     return GGUFWeight.from_gguf_blocks(raw, qtype, n, k), k
 

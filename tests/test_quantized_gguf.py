@@ -24,11 +24,13 @@ def test_kernels_match_gguf_quants_and_torch(level, type_name):
 
     kern = cpu_quant.load_quant_kernels(level)
     qtype, n = GGML_TYPES[type_name], 72
-    k = 512 if type_name == "Q4_K" else 544  # 17 blocks of 32: an odd count
+    k = 512 if BLOCK_LAYOUT[qtype][0] == 256 else 544  # 17 blocks of 32: an odd count
     raw = random_blocks(qtype, n, k, seed=qtype)
     w = GGUFWeight.from_gguf_blocks(torch.from_numpy(raw), qtype, n, k)
-    # R16: the file's bytes rearranged (Q4_K: 1.03x), rows padded to a multiple of 16 (72 -> 80)
-    assert w.nbytes == cpu_quant.r16_bytes(qtype, n, k) <= 1.03 * raw.nbytes * 80 / 72
+    # R16: the file's bytes rearranged (Q4_K: 1.03x; the 5- and 6-bit types a byte per quant: at most 1.57x), rows
+    # padded to a multiple of 16 (72 -> 80)
+    widened = 1.03 if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K") else 1.57
+    assert w.nbytes == cpu_quant.r16_bytes(qtype, n, k) <= widened * raw.nbytes * 80 / 72
     dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k).astype(np.float32))
     # dequantization: bit-exact with gguf.quants (rows in any order)
     ids = torch.tensor([5, 0, 71, 5, 33])
@@ -54,7 +56,7 @@ def test_each_design_gives_a_row_the_same_result_in_any_batch(level, type_name):
     one): speculative verification (k+1 rows per sequence) then reproduces plain decoding exactly."""
     kern = cpu_quant.load_quant_kernels(level)
     qtype, n = GGML_TYPES[type_name], 40
-    k = 512 if type_name == "Q4_K" else 544
+    k = 512 if BLOCK_LAYOUT[qtype][0] == 256 else 544
     w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 1)), qtype, n, k)
     torch.manual_seed(qtype + 1)
     x = torch.randn(17, k) * 3
@@ -70,7 +72,7 @@ def test_weight_and_input_validation():
     with pytest.raises(ValueError, match="multiple of 256"):
         cpu_quant.row_bytes(GGML_TYPES["Q4_K"], 320)
     with pytest.raises(ValueError, match="not supported"):
-        cpu_quant.row_bytes(14, 256)  # Q6_K
+        cpu_quant.row_bytes(10, 256)  # Q2_K
     with pytest.raises(ValueError, match=r"must be uint8 \(4, 20\)"):
         GGUFWeight.from_gguf_blocks(torch.zeros(4, 19, dtype=torch.uint8), q41, 4, 32)
     with pytest.raises(ValueError, match=r"R16 weight data must be contiguous uint8 \(320,\)"):
@@ -93,7 +95,7 @@ def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
     second half (the AVX2 tile stores a group's two halves of 8 rows apart); 9 activation rows are two whole
     tiles of 4 and one row."""
     qtype = GGML_TYPES[type_name]
-    k = 512 if type_name == "Q4_K" else 544
+    k = 512 if BLOCK_LAYOUT[qtype][0] == 256 else 544
     for n in (36, 40, 44):
         w = GGUFWeight.from_gguf_blocks(torch.from_numpy(random_blocks(qtype, n, k, seed=qtype + 2)), qtype, n, k)
         torch.manual_seed(qtype + 2)
@@ -106,14 +108,21 @@ def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
 
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
 def test_int8_sums_of_extreme_blocks_are_exact_on_every_isa_level(type_name):
-    """Every nibble at 15 (Q8_0: every byte at 127, or at -128 in every other weight row) and every activation
-    quantized to ±127: the largest integer sums a block can give, where the AVX2 path's 16-bit partial sums come
-    closest to wrapping. Every level gives the portable build's bits, and the result matches the reference."""
+    """Every nibble at 15 (Q8_0: every byte at 127, or at -128 in every other weight row; the 5- and 6-bit types:
+    every quant at its largest, Q6_K's also at 0 (-32 after the offset) in every other row, its scales -128) and
+    every activation quantized to ±127: the largest integer sums a block can give, where the AVX2 path's 16-bit
+    partial sums come closest to wrapping. Every level gives the portable build's bits, and the result matches the
+    reference."""
     qtype, n, k = GGML_TYPES[type_name], 24, 512
-    header = 4 if type_name in ("Q4_1", "Q4_K") else 2  # the fp16 scale (and minimum) of each block
+    header = 4 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 2  # the fp16 scale (and minimum) of each block
     elems, nbytes = BLOCK_LAYOUT[qtype]
     raw = random_blocks(qtype, n, k, seed=qtype + 4).reshape(n, k // elems, nbytes)
-    raw[:, :, header:] = 0x7F if type_name == "Q8_0" else 0xFF
+    if type_name == "Q6_K":  # ql, qh, then the 16 int8 scales and d
+        raw[:, :, :192] = 0xFF
+        raw[1::2, :, :192] = 0
+        raw[:, :, 192:208] = 0x80
+    else:
+        raw[:, :, header:] = 0x7F if type_name == "Q8_0" else 0xFF
     if type_name == "Q8_0":
         raw[1::2, :, header:] = 0x80  # -128: the AVX2 path's |q| · sign(x, q) pairs reach 2·128·127
     raw = raw.reshape(n, -1)

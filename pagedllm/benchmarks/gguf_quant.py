@@ -48,9 +48,11 @@ def random_gguf_blocks(qtype: int, rows: int, k: int, seed: int = 0) -> np.ndarr
     rng = np.random.default_rng(seed)
     elems, nbytes = BLOCK_LAYOUT[qtype]
     blocks = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
-    for i in range(2 if qtype in (GGML_TYPES["Q4_1"], GGML_TYPES["Q4_K"]) else 1):
+    two = qtype in tuple(GGML_TYPES[t] for t in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))  # d and a minimum
+    for i in range(2 if two else 1):
         scale = rng.uniform(0.001, 0.02, size=(rows, k // elems)).astype(np.float16)
-        blocks[:, :, 2 * i:2 * i + 2] = scale.view(np.uint8).reshape(rows, k // elems, 2)
+        at = nbytes - 2 if qtype == GGML_TYPES["Q6_K"] else 2 * i  # Q6_K's d ends its super-block
+        blocks[:, :, at:at + 2] = scale.view(np.uint8).reshape(rows, k // elems, 2)
     return blocks.reshape(rows, -1)
 
 

@@ -1,7 +1,8 @@
 """GGUF-quantized linear kernels for the CPU (kernels/cpu/quant_ops.c), built on first use, called via ctypes.
 
-Weights stay in memory as their GGUF quants (Q4_0, Q4_1, Q8_0, Q4_K), repacked once at load into groups of
-16 interleaved rows ("R16", quant_ops.c describes it; the same bytes, rearranged). Two GEMM designs are built:
+Weights stay in memory as their GGUF quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), repacked once at load
+into groups of 16 interleaved rows ("R16", quant_ops.c describes it; the 4- and 8-bit types' bytes rearranged, the 5-
+and 6-bit types' quants widened to one byte each: 1.3-1.6x the file's bytes). Two GEMM designs are built:
 ``int8`` quantizes the activations per row into blocks of 32 int8 and multiplies them with integer dot
 products, one vector lane per weight row (AVX-512 VNNI / AVX-VNNI / AVX2), and ``dequant`` dequantizes a group
 of rows into fp32 and uses FMAs (activations not rounded). ``int8`` is the default at every batch size
@@ -47,9 +48,16 @@ AMX_STATUS = {1: "on", 0: "off", -1: "not in this build (needs the AVX-512 build
               -2: "the CPU or its OS lacks AMX-INT8", -3: "Linux refused tile data permission (arch_prctl)"}
 
 # ggml_type codes and (elements, bytes) per block
-GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12}
-BLOCK_LAYOUT: dict[int, tuple[int, int]] = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
+GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
+                              "Q6_K": 14}
+BLOCK_LAYOUT: dict[int, tuple[int, int]] = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+                                            12: (256, 144), 13: (256, 176), 14: (256, 210)}
 TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPES.items()}
+# The qtype of a weight made of row segments, each in its own type (quant_ops.c's T_SEGMENTS: a fused layer whose
+# parts the file stores in different types, e.g. Q4_K_M's q | k | v = Q4_K, Q4_K, Q6_K); its data starts with a
+# SEGMENT_HEADER-byte table (count, then type, rows and byte offset of each segment), each segment's R16 weight after.
+SEGMENTS = 1000
+SEGMENT_HEADER, MAX_SEGMENTS = 256, 10
 
 _i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
@@ -65,12 +73,19 @@ class GGUFWeight:
     in_features: int
     # "auto" picks the GEMM design (choose_method); "int8" / "dequant" pin one design.
     gemm_method: str = "auto"
+    # qtype SEGMENTS: (qtype, rows) of each row segment, in row order (from_segments); () otherwise
+    segments: tuple[tuple[int, int], ...] = ()
     data_ptr: int = field(init=False, repr=False)  # the quants' address, handed to the kernels
 
     def __post_init__(self) -> None:
-        if self.qtype not in BLOCK_LAYOUT:
+        if self.qtype == SEGMENTS:
+            if sum(rows for _, rows in self.segments) != self.out_features:
+                raise ValueError(f"segments {self.segments} do not add up to {self.out_features} rows")
+            expected = segmented_bytes(self.segments, self.in_features)
+        elif self.qtype not in BLOCK_LAYOUT:
             raise ValueError(f"GGUF type {self.qtype} is not served quantized; supported: {sorted(GGML_TYPES)}")
-        expected = r16_bytes(self.qtype, self.out_features, self.in_features)
+        else:
+            expected = r16_bytes(self.qtype, self.out_features, self.in_features)
         if self.data.dtype != torch.uint8 or self.data.shape != (expected,) or not self.data.is_contiguous():
             raise ValueError(f"R16 weight data must be contiguous uint8 ({expected},), got "
                              f"{self.data.dtype} {tuple(self.data.shape)}")
@@ -88,13 +103,53 @@ class GGUFWeight:
         packed = load_quant_kernels().repack(blocks.contiguous(), qtype, out_features, in_features)
         return cls(packed, qtype, out_features, in_features, gemm_method)
 
+    @classmethod
+    def from_segments(cls, parts: list[tuple[torch.Tensor, int]], in_features: int,
+                      gemm_method: str = "auto") -> GGUFWeight:
+        """One weight of row segments: ``parts`` are (blocks uint8 [rows, row_bytes], qtype) in row order (a fused
+        layer's q, k, v or gate, up). Neighbours of one type are joined; a single type gives a plain weight."""
+        merged: list[tuple[list[torch.Tensor], int]] = []
+        for blocks, qtype in parts:
+            if merged and merged[-1][1] == qtype:
+                merged[-1][0].append(blocks)
+            else:
+                merged.append(([blocks], qtype))
+        joined = [(torch.cat(b) if len(b) > 1 else b[0], t) for b, t in merged]
+        rows = sum(b.shape[0] for b, _ in joined)
+        if len(joined) == 1:
+            return cls.from_gguf_blocks(joined[0][0], joined[0][1], rows, in_features, gemm_method)
+        if len(joined) > MAX_SEGMENTS:
+            raise ValueError(f"at most {MAX_SEGMENTS} segments of different types, got {len(joined)}")
+        segments = tuple((t, int(b.shape[0])) for b, t in joined)
+        data = torch.zeros(segmented_bytes(segments, in_features), dtype=torch.uint8)
+        table, offset = [len(segments)], SEGMENT_HEADER
+        for blocks, qtype in joined:
+            w = cls.from_gguf_blocks(blocks, qtype, blocks.shape[0], in_features)
+            data[offset:offset + w.nbytes] = w.data
+            table += [qtype, blocks.shape[0], offset]
+            offset += _aligned(w.nbytes)
+        data[:8 * len(table)] = torch.tensor(table, dtype=torch.int64).view(torch.uint8)
+        return cls(data, SEGMENTS, rows, in_features, gemm_method, segments)
+
     @property
     def type_name(self) -> str:
+        """The GGUF type's name; a segmented weight's types in row order joined by "+" (e.g. ``Q4_K+Q6_K``)."""
+        if self.qtype == SEGMENTS:
+            return "+".join(TYPE_NAMES[t] for t, _ in self.segments)
         return TYPE_NAMES[self.qtype]
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 63) // 64 * 64
+
+
+def segmented_bytes(segments: tuple[tuple[int, int], ...], k: int) -> int:
+    """Bytes of a SEGMENTS weight: the table, then each (qtype, rows) segment's R16 bytes, 64-byte aligned."""
+    return SEGMENT_HEADER + sum(_aligned(r16_bytes(t, rows, k)) for t, rows in segments)
 
 
 def r16_bytes(qtype: int, n: int, k: int) -> int:
@@ -125,6 +180,10 @@ class QuantKernels:
         self._dequant = lib.dequantize_rows
         self._dequant.restype = _int
         self._dequant.argtypes = [_int, _ptr, _i64, _ptr, _i64, _ptr]
+        self._dequant_segments = getattr(lib, "dequantize_rows_segments", None)  # absent from older variants
+        if self._dequant_segments is not None:
+            self._dequant_segments.restype = _int
+            self._dequant_segments.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr]
         self._repack = lib.repack_r16
         self._repack.restype = _int
         self._repack.argtypes = [_int, _ptr, _i64, _i64, _ptr]
@@ -206,8 +265,12 @@ class QuantKernels:
             raise ValueError(f"row ids must lie in [0, {w.out_features}), got [{int(flat.min())}, {int(flat.max())}]")
         out = torch.empty(flat.numel(), w.in_features, dtype=torch.float32)
         if flat.numel():
-            rc = self._dequant(w.qtype, w.data_ptr, w.in_features, flat.data_ptr(), flat.numel(),
-                               out.data_ptr())
+            if w.qtype == SEGMENTS:
+                rc = self._dequant_segments(w.data_ptr, w.out_features, w.in_features, flat.data_ptr(),
+                                            flat.numel(), out.data_ptr())
+            else:
+                rc = self._dequant(w.qtype, w.data_ptr, w.in_features, flat.data_ptr(), flat.numel(),
+                                   out.data_ptr())
             if rc:
                 raise RuntimeError(f"dequantize_rows failed with status {rc}")
         return out.view(*ids.shape, w.in_features)

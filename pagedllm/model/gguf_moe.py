@@ -1,5 +1,5 @@
 """Mixture-of-experts GGUF files (llama.cpp's layout): Mixtral (architecture ``llama`` with ``llama.expert_count``),
-``qwen2moe``, ``qwen3moe`` and ``granitemoe``.
+``qwen2moe``, ``qwen3moe`` and ``granitemoe``; ``deepseek2``'s experts too (its config: gguf_deepseek.py).
 
 llama.cpp stores each layer's experts merged: ``ffn_gate_exps`` / ``ffn_up_exps`` [n_expert, n_ff_exp, n_embd] and
 ``ffn_down_exps`` [n_expert, n_embd, n_ff_exp] (numpy order; newer converters may fuse gate | up into one
@@ -81,7 +81,7 @@ def is_expert_tensor(hf_name: str) -> bool:
 
 
 def _num_experts(cfg: Mapping[str, Any]) -> int:
-    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
 
 
 def _expert_width(cfg: Mapping[str, Any]) -> int:
@@ -126,7 +126,8 @@ def check_merged_experts(hf_name: str, shape: tuple[int, ...], cfg: Mapping[str,
         raise ValueError(f"{hf_name!r} is not a merged expert tensor")
     if m.group(2) == "bias":
         raise ValueError(f"{path}: GGUF tensor {gguf_name!r} is an expert bias; the supported MoE architectures "
-                         "(Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE) have no expert biases")
+                         "(Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, DeepSeek-V2 / V3) have no expert "
+                         "biases")
     want = moe_expected_shape(hf_name, cfg)
     if tuple(shape) != want:
         raise ValueError(f"{path}: GGUF tensor {gguf_name!r} has shape {list(shape)} (numpy order), expected "
@@ -208,8 +209,8 @@ def log_dequantized_experts(path: Path, types: list[str], why: str = "") -> None
                     path.name, len(types), kinds, why)
     else:
         logger.info("GGUF %s: %d quantized expert tensors (%s) are dequantized to float at load (quantization='gguf' "
-                    "on the CPU serves Q4_0 / Q4_1 / Q8_0 / Q4_K experts from their blocks)", path.name, len(types),
-                    kinds)
+                    "on the CPU serves Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K experts from their "
+                    "blocks)", path.name, len(types), kinds)
 
 
 def moe_config(field: Callable[[str, Any], Any], arch: str, base: Mapping[str, Any], tensor_names: set[str],

@@ -1,4 +1,5 @@
-/* GGUF-quantized linear layers on the CPU (Q4_0, Q4_1, Q8_0, Q4_K), on weights repacked once at load.
+/* GGUF-quantized linear layers on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), on weights repacked once
+ * at load.
  *
  * R16 layout (repack_r16): a weight [N, K] is cut into groups of 16 output rows; per group, per block of 32
  * inputs, the 16 rows' quants are interleaved so that one 64-byte chunk holds 4 consecutive quants of each row
@@ -7,9 +8,18 @@
  * the quants come the block's 16 fp16 scales (and the 16 Q4_1 minimums); a Q4_K super-block of 8 blocks
  * starts with its 16 fp16 d and 16 dmin, and each block carries 16 six-bit scales and minimums as bytes. The
  * bytes are those of the GGUF file, rearranged: Q4_0, Q4_1 and Q8_0 take exactly the file's size, Q4_K 1.03×.
+ * The 5- and 6-bit types (Q5_0, Q5_1, Q5_K, Q6_K) keep one unsigned byte per weight in Q8_0's chunk order (their
+ * values ≤ 63, so AVX2's vpmaddubsw pairs cannot saturate and need no sign trick): Q5_0 / Q5_1 blocks are Q8_0's
+ * record with bytes q (and Q5_1's 16 minimums after the scales), 1.55× / 1.5× the file; Q5_K is Q4_K's super-block
+ * (16 d, 16 dmin, per block 16 six-bit scales and 16 minimums as bytes) with byte quants, 1.57×; a Q6_K super-block
+ * holds its 16 fp16 d (and 32 bytes of padding), then per block of 32 the bytes q (0..63) and the 16 rows' int8
+ * scales of each half block of 16 (one scale per 16 weights), 1.30×.
  *
- * Every row's contribution of a block is y += d·Σ(q·x) + m·Σx (m: −8d for Q4_0, the minimum for Q4_1, −128d for
- * the offset Q8_0 bytes, −dmin·mn for Q4_K), which two designs compute (both OpenMP over groups of rows):
+ * Every row's contribution of a block is y += d·Σ(q·x) + m·Σx (m: −8d for Q4_0, −16d for Q5_0, the minimum for
+ * Q4_1 / Q5_1, −128d for the offset Q8_0 bytes, −dmin·mn for Q4_K / Q5_K), which two designs compute (both OpenMP over
+ * groups of rows). Q6_K (value d·sc·(q − 32), a scale per 16) instead takes one integer per block and row,
+ * sc₀·(Σ₀ q·x − 32·Σ₀ x) + sc₁·(Σ₁ q·x − 32·Σ₁ x) over its two halves (the activation's half-block sums Σ x are
+ * computed once per call), and y += d·dx·that (no correction term):
  *  (a) "int8": x is quantized per row into blocks of 32 int8 with one fp32 scale dx and s = dx·Σq (llama.cpp's
  *      Q8_1). One vector lane per weight row: a chunk of the group times the broadcast 4 activation bytes is
  *      one u8 × s8 dot-product instruction (AVX-512 VNNI vpdpbusd, AVX-VNNI, or AVX2/AVX-512BW vpmaddubsw +
@@ -32,7 +42,14 @@
 #include <immintrin.h>
 #endif
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12 };
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+/* A weight of row segments, each in its own type (a fused layer whose parts the file stores in different types, as
+ * Q4_K_M's q | k | v: Q4_K, Q4_K, Q6_K): SEG_HDR bytes (int64 count, then type, rows and byte offset of each
+ * segment, at most SEG_MAX), then each segment's R16 weight. Each segment is its own GEMM into a scratch matrix whose
+ * rows are copied into its columns of y: a row gets the bits it gets from the segment's type alone. */
+#define T_SEGMENTS 1000
+#define SEG_HDR 256
+#define SEG_MAX 10
 #define QK 32
 #define QK_K 256
 #define GR 16 /* output rows per group */
@@ -63,6 +80,14 @@ static inline float h2f(uint16_t h) {
 #endif
 }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+/* Types whose R16 quants are one unsigned byte per weight, in Q8_0's chunk order. */
+static inline int byte_quants(int type) {
+    return type == T_Q8_0 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K || type == T_Q6_K;
+}
+/* ... of at most 6 bits: AVX2's u8 × s8 pairs (2·63·127) cannot saturate, and two of them fit int16. */
+static inline int small_bytes(int type) {
+    return type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K || type == T_Q6_K;
+}
 
 static inline void q4k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *mn) {
     if (j < 4) {
@@ -79,7 +104,11 @@ int64_t quant_row_bytes(int type, int64_t K) {
         case T_Q4_0: return K % QK ? 0 : K / QK * 18;
         case T_Q4_1: return K % QK ? 0 : K / QK * 20;
         case T_Q8_0: return K % QK ? 0 : K / QK * 34;
+        case T_Q5_0: return K % QK ? 0 : K / QK * 22;
+        case T_Q5_1: return K % QK ? 0 : K / QK * 24;
         case T_Q4_K: return K % QK_K ? 0 : K / QK_K * 144;
+        case T_Q5_K: return K % QK_K ? 0 : K / QK_K * 176;
+        case T_Q6_K: return K % QK_K ? 0 : K / QK_K * 210;
         default: return 0;
     }
 }
@@ -88,22 +117,67 @@ int64_t quant_row_bytes(int type, int64_t K) {
 #define Q4K_HDR 64
 #define Q4K_SUB 288
 #define Q4K_SUPER (Q4K_HDR + 8 * Q4K_SUB)
+/* Q5_K / Q6_K: the header of Q4_K, blocks of 512 quant bytes and 32 bytes of scales */
+#define KB_SUB 544
+#define KB_SUPER (Q4K_HDR + 8 * KB_SUB)
 
 static inline int64_t r16_block_bytes(int type) {
-    return type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q8_0 ? 544 : 0;
+    return type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q8_0 || type == T_Q5_0 ? 544
+         : type == T_Q5_1 ? 576 : 0;
 }
 
 /* Bytes of one group of 16 rows; 0 for an unsupported type or K. */
 int64_t r16_group_bytes(int type, int64_t K) {
     if (quant_row_bytes(type, K) == 0) return 0;
-    return type == T_Q4_K ? K / QK_K * Q4K_SUPER : K / QK * r16_block_bytes(type);
+    return type == T_Q4_K ? K / QK_K * Q4K_SUPER
+         : type == T_Q5_K || type == T_Q6_K ? K / QK_K * KB_SUPER : K / QK * r16_block_bytes(type);
 }
 
 int64_t r16_bytes(int type, int64_t N, int64_t K) { return (N + GR - 1) / GR * r16_group_bytes(type, K); }
 
-/* The 32 quants of block b of one GGUF row as unsigned integers, plus the block's raw parameters. */
+/* The 32 quants of block b of one GGUF row as unsigned integers, plus the block's raw parameters (Q6_K: sc and mn
+ * are the int8 scales of the block's two halves, as bytes). */
 static void gguf_block(int type, const uint8_t *row, int64_t b, uint8_t q[32], uint16_t *d, uint16_t *m,
                        uint8_t *sc, uint8_t *mn) {
+    if (type == T_Q6_K) { /* ql[128], qh[64], scales[16], d: values 128h + 64s + l: ql[64h + l] >> 4s, qh 2 bits */
+        const uint8_t *sb = row + (b / 8) * 210;
+        const int j = (int)(b % 8);
+        *d = rd16(sb + 208);
+        *sc = sb[192 + 2 * j];
+        *mn = sb[192 + 2 * j + 1];
+        for (int l = 0; l < 32; ++l) {
+            const int e = 32 * j + l, h = e / 128, r = e % 128;
+            const int lo = (sb[64 * h + r % 64] >> (4 * (r / 64))) & 0xF;
+            const int hi = (sb[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
+            q[l] = (uint8_t)(lo | hi << 4);
+        }
+        return;
+    }
+    if (type == T_Q5_K) { /* d, dmin, scales[12], qh[32], qs[128] */
+        const uint8_t *sb = row + (b / 8) * 176;
+        const int j = (int)(b % 8), pair = j / 2, hi = j % 2;
+        *d = rd16(sb);
+        *m = rd16(sb + 2);
+        q4k_scale_min(j, sb + 4, sc, mn);
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t v = sb[48 + 32 * pair + l];
+            q[l] = (uint8_t)((hi ? v >> 4 : v & 0xF) | ((sb[16 + l] >> j) & 1) << 4);
+        }
+        return;
+    }
+    if (type == T_Q5_0 || type == T_Q5_1) { /* d, (m), qh[4] (bit l: value l's fifth bit), qs[16] */
+        const int q51 = type == T_Q5_1;
+        const uint8_t *blk = row + b * (q51 ? 24 : 22), *qh = blk + (q51 ? 4 : 2), *qs = qh + 4;
+        *d = rd16(blk);
+        if (q51) *m = rd16(blk + 2);
+        uint32_t h;
+        memcpy(&h, qh, 4);
+        for (int l = 0; l < 16; ++l) {
+            q[l] = (uint8_t)((qs[l] & 0xF) | ((h >> l) & 1) << 4);
+            q[l + 16] = (uint8_t)((qs[l] >> 4) | ((h >> (l + 16)) & 1) << 4);
+        }
+        return;
+    }
     if (type == T_Q4_K) {
         const uint8_t *sb = row + (b / 8) * 144;
         const int j = (int)(b % 8), pair = j / 2, hi = j % 2;
@@ -156,21 +230,22 @@ int repack_r16(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst)
                 uint16_t d = 0, m = 0;
                 gguf_block(type, row, b, q, &d, &m, &sc, &mn);
                 uint8_t *blk;
-                if (type == T_Q4_K) {
-                    uint8_t *base = gp + (b / 8) * Q4K_SUPER;
+                const int qb = byte_quants(type) ? 512 : 256; /* the quants' bytes per block record */
+                if (type == T_Q4_K || type == T_Q5_K || type == T_Q6_K) {
+                    const int q4k = type == T_Q4_K;
+                    uint8_t *base = gp + (b / 8) * (q4k ? Q4K_SUPER : KB_SUPER);
                     memcpy(base + 2 * r, &d, 2);
-                    memcpy(base + 32 + 2 * r, &m, 2);
-                    blk = base + Q4K_HDR + (b % 8) * Q4K_SUB;
-                    blk[256 + r] = sc;
-                    blk[272 + r] = mn;
+                    if (type != T_Q6_K) memcpy(base + 32 + 2 * r, &m, 2);
+                    blk = base + Q4K_HDR + (b % 8) * (q4k ? Q4K_SUB : KB_SUB);
+                    blk[qb + r] = sc;
+                    blk[qb + 16 + r] = mn;
                 } else {
                     blk = gp + b * r16_block_bytes(type);
-                    const int qb = type == T_Q8_0 ? 512 : 256;
                     memcpy(blk + qb + 2 * r, &d, 2);
-                    if (type == T_Q4_1) memcpy(blk + qb + 32 + 2 * r, &m, 2);
+                    if (type == T_Q4_1 || type == T_Q5_1) memcpy(blk + qb + 32 + 2 * r, &m, 2);
                 }
                 for (int e = 0; e < 32; ++e) {
-                    if (type == T_Q8_0) {
+                    if (byte_quants(type)) {
                         blk[r16_q8_pos(r, e)] = q[e];
                     } else {
                         int hi;
@@ -184,27 +259,77 @@ int repack_r16(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst)
     return 0;
 }
 
-/* Scalar per-block parameters of group row r: y = d·Σq·x + m·Σx over the block. */
+/* Scalar per-block parameters of group row r: y = d·Σq·x + m·Σx over the block (Q6_K: d is the super-block's,
+ * m = 0; its scales are q6k_scale's). */
 static inline void r16_params(int type, const uint8_t *gp, int64_t b, int r, const uint8_t **qs, float *d, float *m) {
-    if (type == T_Q4_K) {
-        const uint8_t *base = gp + (b / 8) * Q4K_SUPER, *blk = base + Q4K_HDR + (b % 8) * Q4K_SUB;
+    if (type == T_Q4_K || type == T_Q5_K) {
+        const int q4k = type == T_Q4_K, qb = q4k ? 256 : 512;
+        const uint8_t *base = gp + (b / 8) * (q4k ? Q4K_SUPER : KB_SUPER);
+        const uint8_t *blk = base + Q4K_HDR + (b % 8) * (q4k ? Q4K_SUB : KB_SUB);
         *qs = blk;
-        *d = h2f(rd16(base + 2 * r)) * (float)blk[256 + r];
-        *m = -(h2f(rd16(base + 32 + 2 * r)) * (float)blk[272 + r]);
+        *d = h2f(rd16(base + 2 * r)) * (float)blk[qb + r];
+        *m = -(h2f(rd16(base + 32 + 2 * r)) * (float)blk[qb + 16 + r]);
+        return;
+    }
+    if (type == T_Q6_K) {
+        const uint8_t *base = gp + (b / 8) * KB_SUPER;
+        *qs = base + Q4K_HDR + (b % 8) * KB_SUB;
+        *d = h2f(rd16(base + 2 * r));
+        *m = 0.0f;
         return;
     }
     const uint8_t *blk = gp + b * r16_block_bytes(type);
-    const int qb = type == T_Q8_0 ? 512 : 256;
+    const int qb = byte_quants(type) ? 512 : 256;
     *qs = blk;
     *d = h2f(rd16(blk + qb + 2 * r));
-    *m = type == T_Q4_1 ? h2f(rd16(blk + qb + 32 + 2 * r)) : *d * (type == T_Q8_0 ? -128.0f : -8.0f);
+    *m = type == T_Q4_1 || type == T_Q5_1 ? h2f(rd16(blk + qb + 32 + 2 * r))
+       : *d * (type == T_Q8_0 ? -128.0f : type == T_Q5_0 ? -16.0f : -8.0f);
 }
 
+/* Q6_K: the int8 scale of half h (values 16h..16h+15) of group row r in a block record qs. */
+static inline int q6k_scale(const uint8_t *qs, int r, int h) { return (int8_t)qs[512 + 16 * h + r]; }
+
 static inline int r16_quant(int type, const uint8_t *qs, int r, int e) {
-    if (type == T_Q8_0) return qs[r16_q8_pos(r, e)];
+    if (byte_quants(type)) return qs[r16_q8_pos(r, e)];
     int hi;
     const uint8_t v = qs[r16_q4_pos(r, e, &hi)];
     return hi ? v >> 4 : v & 0xF;
+}
+
+typedef struct {
+    int64_t type, rows, offset;
+} seg_t;
+
+/* The segments of a T_SEGMENTS weight of N rows of K inputs: their count, or 0 when the header is not valid. */
+static int seg_read(const uint8_t *w, int64_t N, int64_t K, seg_t *seg) {
+    int64_t n, rows = 0;
+    memcpy(&n, w, 8);
+    if (n < 1 || n > SEG_MAX) return 0;
+    memcpy(seg, w + 8, (size_t)n * sizeof(seg_t));
+    for (int i = 0; i < n; ++i) {
+        if (seg[i].type == T_SEGMENTS || r16_group_bytes((int)seg[i].type, K) == 0 || seg[i].rows < 1 ||
+            seg[i].offset < SEG_HDR)
+            return 0;
+        rows += seg[i].rows;
+    }
+    return rows == N ? (int)n : 0;
+}
+
+int dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, int64_t n, float *out);
+
+/* dequantize_rows of a T_SEGMENTS weight (N: its rows), a row at a time from its segment. */
+int dequantize_rows_segments(const uint8_t *w, int64_t N, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    seg_t seg[SEG_MAX];
+    const int ns = seg_read(w, N, K, seg);
+    if (!ns) return -1;
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t id = ids[i];
+        int j = 0;
+        while (j < ns - 1 && id >= seg[j].rows) id -= seg[j++].rows;
+        if (id >= seg[j].rows || dequantize_rows((int)seg[j].type, w + seg[j].offset, K, &id, 1, out + i * K))
+            return -1;
+    }
+    return 0;
 }
 
 /* out[i, :] = row ids[i] dequantized, bit-exact with gguf.quants (same float operations). */
@@ -224,8 +349,9 @@ int dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, i
                 const int q = r16_quant(type, qs, r, e);
                 if (type == T_Q8_0) y[e] = (float)(q - 128) * d;
                 else if (type == T_Q4_0) y[e] = d * (float)(q - 8);
-                else if (type == T_Q4_1) y[e] = d * (float)q + m;
-                else y[e] = d * (float)q + m; /* Q4_K: d1·q − dm1 */
+                else if (type == T_Q5_0) y[e] = d * (float)(q - 16);
+                else if (type == T_Q6_K) y[e] = d * (float)q6k_scale(qs, r, e >= 16) * (float)(q - 32);
+                else y[e] = d * (float)q + m; /* Q4_1, Q5_1: d·q + m; Q4_K, Q5_K: d1·q − dm1 */
             }
         }
     }
@@ -257,6 +383,17 @@ void quantize_rows_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
     }
 }
 
+/* Q6_K: xh[i·2nb + 2b + h] = 32 · Σ of the 16 int8 activations of half h of block b of row i (shared by every weight
+ * row: its −32 offset is 32·Σx per half block, taken out of the integer sums). */
+void half_sums_q8(const int8_t *q, int64_t M, int64_t K, int32_t *xh) {
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
+    for (int64_t i = 0; i < M * K / 16; ++i) {
+        int sum = 0;
+        for (int l = 0; l < 16; ++l) sum += q[16 * i + l];
+        xh[i] = 32 * sum;
+    }
+}
+
 /* ---- int8 GEMM on R16 --------------------------------------------------------------------------------- */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LANES 16
@@ -275,6 +412,9 @@ typedef __m512 vf;
 #define VI_MADDUBS _mm512_maddubs_epi16
 #define VI_MADD16 _mm512_madd_epi16
 #define VI_SLL32_4(a) _mm512_slli_epi32((a), 4)
+#define VI_SUB32 _mm512_sub_epi32
+#define VI_MULLO32 _mm512_mullo_epi32
+#define VI_LOAD_I8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define VF_CVT _mm512_cvtepi32_ps
 #define VF_SET1 _mm512_set1_ps
 #define VF_MUL _mm512_mul_ps
@@ -306,6 +446,9 @@ typedef __m256 vf;
 #define VI_MADDUBS _mm256_maddubs_epi16
 #define VI_MADD16 _mm256_madd_epi16
 #define VI_SLL32_4(a) _mm256_slli_epi32((a), 4)
+#define VI_SUB32 _mm256_sub_epi32
+#define VI_MULLO32 _mm256_mullo_epi32
+#define VI_LOAD_I8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define VF_CVT _mm256_cvtepi32_ps
 #define VF_SET1 _mm256_set1_ps
 #define VF_MUL _mm256_mul_ps
@@ -342,23 +485,48 @@ static inline __attribute__((always_inline)) vi nibble_block_dot(const vi u[8], 
     }
     return VI_MADD16(VI_ADD16(a0, a1), VI_SET16(1));
 }
+
+/* Σ over 16 inputs (4 chunks u of bytes ≤ 63) of u·x as 32-bit lanes: two vpmaddubsw summed in int16
+ * (2·2·63·127 = 32 004 < 2^15) are widened, twice. */
+static inline __attribute__((always_inline)) vi small_half_dot(const vi u[4], const int8_t *xb) {
+    const vi ones = VI_SET16(1);
+    const vi a = VI_ADD16(VI_MADDUBS(u[0], VI_SET32(ld32(xb))), VI_MADDUBS(u[1], VI_SET32(ld32(xb + 4))));
+    const vi c = VI_ADD16(VI_MADDUBS(u[2], VI_SET32(ld32(xb + 8))), VI_MADDUBS(u[3], VI_SET32(ld32(xb + 12))));
+    return VI_ADD32(VI_MADD16(a, ones), VI_MADD16(c, ones));
+}
 #endif
+
+/* Q6_K: a block's integer per lane, sc₀·(s₀ − 32Σ₀x) + sc₁·(s₁ − 32Σ₁x) (xh: the two 32·Σx; exact in int32:
+ * |each half| ≤ 16·32·127, |sc| ≤ 128). */
+static inline __attribute__((always_inline)) vi q6k_combine(const vi s0, const vi s1, const vi sc0, const vi sc1,
+                                                            const int32_t *xh) {
+    return VI_ADD32(VI_MULLO32(sc0, VI_SUB32(s0, VI_SET32(xh[0]))), VI_MULLO32(sc1, VI_SUB32(s1, VI_SET32(xh[1]))));
+}
 
 /* Block b of a group: its quants, and the scale vectors of lanes sr.. (y += dv·dx·Σq·x + mv·s). */
 static inline __attribute__((always_inline)) const uint8_t *r16_block_scales(const int type, const uint8_t *gp,
                                                                              const int64_t b, const int sr, vf *dv,
                                                                              vf *mv) {
-    if (type == T_Q4_K) {
-        const uint8_t *base = gp + (b >> 3) * Q4K_SUPER, *blk = base + Q4K_HDR + (b & 7) * Q4K_SUB;
-        *dv = VF_MUL(VF_LOAD_PH(base + 2 * sr), VF_LOAD_U8(blk + 256 + sr));
-        *mv = VF_SUB(VF_ZERO(), VF_MUL(VF_LOAD_PH(base + 32 + 2 * sr), VF_LOAD_U8(blk + 272 + sr)));
+    if (type == T_Q4_K || type == T_Q5_K) {
+        const int q4k = type == T_Q4_K, qb = q4k ? 256 : 512;
+        const uint8_t *base = gp + (b >> 3) * (q4k ? Q4K_SUPER : KB_SUPER);
+        const uint8_t *blk = base + Q4K_HDR + (b & 7) * (q4k ? Q4K_SUB : KB_SUB);
+        *dv = VF_MUL(VF_LOAD_PH(base + 2 * sr), VF_LOAD_U8(blk + qb + sr));
+        *mv = VF_SUB(VF_ZERO(), VF_MUL(VF_LOAD_PH(base + 32 + 2 * sr), VF_LOAD_U8(blk + qb + 16 + sr)));
         return blk;
     }
-    const int64_t rec = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : 544;
-    const int qb = type == T_Q8_0 ? 512 : 256;
+    if (type == T_Q6_K) { /* the super-block's d; the scales are integers (q6k_combine) */
+        const uint8_t *base = gp + (b >> 3) * KB_SUPER;
+        *dv = VF_LOAD_PH(base + 2 * sr);
+        *mv = VF_ZERO();
+        return base + Q4K_HDR + (b & 7) * KB_SUB;
+    }
+    const int64_t rec = r16_block_bytes(type);
+    const int qb = byte_quants(type) ? 512 : 256;
     const uint8_t *qs = gp + b * rec;
     *dv = VF_LOAD_PH(qs + qb + 2 * sr);
-    *mv = type == T_Q4_1 ? VF_LOAD_PH(qs + qb + 32 + 2 * sr) : VF_MUL(*dv, VF_SET1(type == T_Q8_0 ? -128.0f : -8.0f));
+    *mv = type == T_Q4_1 || type == T_Q5_1 ? VF_LOAD_PH(qs + qb + 32 + 2 * sr)
+        : VF_MUL(*dv, VF_SET1(type == T_Q8_0 ? -128.0f : type == T_Q5_0 ? -16.0f : -8.0f));
     return qs;
 }
 
@@ -370,7 +538,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const int type,
     _mm_prefetch(pf + 128, _MM_HINT_T0);
     _mm_prefetch(pf + 192, _MM_HINT_T0);
     _mm_prefetch(pf + 256, _MM_HINT_T0);
-    if (type == T_Q8_0) {
+    if (byte_quants(type)) {
         _mm_prefetch(pf + 320, _MM_HINT_T0);
         _mm_prefetch(pf + 384, _MM_HINT_T0);
         _mm_prefetch(pf + 448, _MM_HINT_T0);
@@ -378,10 +546,12 @@ static inline __attribute__((always_inline)) void prefetch_block(const int type,
     }
 }
 
-/* y[m, row0 + 0..LANES) for rows m < mc of one subgroup (LANES rows of a group). */
+/* y[m, row0 + 0..LANES) for rows m < mc of one subgroup (LANES rows of a group); xh: Q6_K's half-block sums
+ * (half_sums_q8), unused by the other types. */
 static inline __attribute__((always_inline)) void r16_tile(
     const int type, const uint8_t *gp, const int sub, const int64_t nb, const int64_t K, const int8_t *xq,
-    const float *xd, const float *xs, const int mc, float *y, const int64_t ldy, const int nvalid) {
+    const float *xd, const float *xs, const int32_t *xh, const int mc, float *y, const int64_t ldy,
+    const int nvalid) {
     vf acc[MR], corr[MR];
     for (int m = 0; m < MR; ++m) { acc[m] = VF_ZERO(); corr[m] = VF_ZERO(); }
     const int so = sub * LANES * 4, sr = sub * LANES;
@@ -390,8 +560,12 @@ static inline __attribute__((always_inline)) void r16_tile(
         vf dv, mv;
         const uint8_t *qs = r16_block_scales(type, gp, b, sr, &dv, &mv);
         prefetch_block(type, qs, mc);
-        vi w[8];
-        if (type == T_Q8_0) {
+        vi w[8], sc0 = VI_ZERO(), sc1 = VI_ZERO();
+        if (type == T_Q6_K) {
+            sc0 = VI_LOAD_I8(qs + 512 + sr);
+            sc1 = VI_LOAD_I8(qs + 528 + sr);
+        }
+        if (byte_quants(type)) {
             for (int p = 0; p < 8; ++p) w[p] = VI_LOAD(qs + 64 * p + so);
         } else {
             for (int p = 0; p < 4; ++p) {
@@ -411,20 +585,32 @@ static inline __attribute__((always_inline)) void r16_tile(
                     hi[p] = VI_AND(VI_SRL4(w[p]), lo4);
                 }
                 sum = VI_ADD32(nibble_block_dot(lo, xb), VI_SLL32_4(nibble_block_dot(hi, xb)));
+            } else if (small_bytes(type)) {
+                const vi h0 = small_half_dot(w, xb), h1 = small_half_dot(w + 4, xb + 16);
+                sum = type == T_Q6_K ? q6k_combine(h0, h1, sc0, sc1, xh + m * 2 * nb + 2 * b) : VI_ADD32(h0, h1);
             } else {
                 sum = nibble_block_dot(w, xb);
             }
             const vf isum = VF_CVT(sum);
 #else
             vi s0 = VI_ZERO(), s1 = VI_ZERO();
-            for (int p = 0; p < 8; p += 2) {
-                s0 = VDOT(s0, w[p], VI_SET32(ld32(xb + 4 * p)));
-                s1 = VDOT(s1, w[p + 1], VI_SET32(ld32(xb + 4 * p + 4)));
+            if (type == T_Q6_K) { /* the two halves apart: chunks 0-3 are inputs 0-15 */
+                for (int p = 0; p < 4; ++p) {
+                    s0 = VDOT(s0, w[p], VI_SET32(ld32(xb + 4 * p)));
+                    s1 = VDOT(s1, w[p + 4], VI_SET32(ld32(xb + 16 + 4 * p)));
+                }
+                s0 = q6k_combine(s0, s1, sc0, sc1, xh + m * 2 * nb + 2 * b);
+                s1 = VI_ZERO();
+            } else {
+                for (int p = 0; p < 8; p += 2) {
+                    s0 = VDOT(s0, w[p], VI_SET32(ld32(xb + 4 * p)));
+                    s1 = VDOT(s1, w[p + 1], VI_SET32(ld32(xb + 4 * p + 4)));
+                }
             }
             const vf isum = VF_CVT(VI_ADD32(s0, s1));
 #endif
             acc[m] = VF_FMA(isum, VF_MUL(dv, VF_SET1(xd[m * nb + b])), acc[m]);
-            corr[m] = VF_FMA(mv, VF_SET1(xs[m * nb + b]), corr[m]);
+            if (type != T_Q6_K) corr[m] = VF_FMA(mv, VF_SET1(xs[m * nb + b]), corr[m]);
         }
     }
     for (int m = 0; m < mc; ++m) {
@@ -456,7 +642,8 @@ static inline __attribute__((always_inline)) void r16_tile(
  * order, are those of r16_tile: the same bits (BENCHMARKS.md §59.1). */
 static inline __attribute__((always_inline)) void r16_pair_tile(
     const int type, const uint8_t *gp, const int64_t nb, const int64_t K, const int8_t *xq, const float *xd,
-    const float *xs, const int32_t *xsum, const int mc, float *y, const int64_t ldy, const int nvalid) {
+    const float *xs, const int32_t *xsum, const int32_t *xh, const int mc, float *y, const int64_t ldy,
+    const int nvalid) {
     vf acc[PAIR_ROWS][2];
     for (int m = 0; m < mc; ++m) acc[m][0] = acc[m][1] = VF_ZERO();
     const vi lo4 = VI_SET8(0x0F), ones = VI_SET16(1);
@@ -486,6 +673,34 @@ static inline __attribute__((always_inline)) void r16_pair_tile(
                     PIN(lo[m][1]);
                 }
             }
+        } else if (small_bytes(type)) {
+            /* Bytes ≤ 63: two chunks' vpmaddubsw summed in int16 (2·2·63·127 < 2^15), widened once per pair. Per half
+             * block (chunks 4h..4h+3) the sums are widened into hs; Q6_K combines each half with its scales. */
+            for (int h = 0; h < 2; ++h) {
+                vi hs[PAIR_ROWS][2];
+                for (int pp = 0; pp < 2; ++pp) {
+                    const int p = 4 * h + 2 * pp;
+                    const vi c00 = VI_LOAD(qs + 64 * p), c01 = VI_LOAD(qs + 64 * p + 32);
+                    const vi c10 = VI_LOAD(qs + 64 * p + 64), c11 = VI_LOAD(qs + 64 * p + 96);
+                    for (int m = 0; m < mc; ++m) {
+                        const vi x0 = VI_SET32(ld32(xb + m * K + 4 * p)), x1 = VI_SET32(ld32(xb + m * K + 4 * p + 4));
+                        const vi a0 = VI_MADD16(VI_ADD16(VI_MADDUBS(c00, x0), VI_MADDUBS(c10, x1)), ones);
+                        const vi a1 = VI_MADD16(VI_ADD16(VI_MADDUBS(c01, x0), VI_MADDUBS(c11, x1)), ones);
+                        hs[m][0] = pp ? VI_ADD32(hs[m][0], a0) : a0;
+                        hs[m][1] = pp ? VI_ADD32(hs[m][1], a1) : a1;
+                        PIN(hs[m][0]);
+                        PIN(hs[m][1]);
+                    }
+                }
+                for (int m = 0; m < mc; ++m)
+                    for (int g = 0; g < 2; ++g) {
+                        vi v = hs[m][g];
+                        if (type == T_Q6_K)
+                            v = VI_MULLO32(VI_LOAD_I8(qs + 512 + 16 * h + LANES * g),
+                                           VI_SUB32(v, VI_SET32(xh[m * 2 * nb + 2 * b + h])));
+                        lo[m][g] = h ? VI_ADD32(lo[m][g], v) : v;
+                    }
+            }
         } else { /* chunk p: low nibbles are inputs 4p.., high nibbles 16 + 4p.. */
             for (int p = 0; p < 4; ++p) {
                 const vi c0 = VI_LOAD(qs + 64 * p), c1 = VI_LOAD(qs + 64 * p + 32);
@@ -511,14 +726,14 @@ static inline __attribute__((always_inline)) void r16_pair_tile(
         for (int m = 0; m < mc; ++m) {
             const vf xdm = VF_SET1(xd[m * nb + b]);
             for (int h = 0; h < 2; ++h) {
-                const vi sum = type == T_Q8_0 ? lo[m][h] : VI_MADD16(lo[m][h], ones);
+                const vi sum = byte_quants(type) ? lo[m][h] : VI_MADD16(lo[m][h], ones);
                 acc[m][h] = VF_FMA(VF_CVT(sum), VF_MUL(dv[h], xdm), acc[m][h]);
             }
         }
     }
     vf corr[PAIR_ROWS][2];
     for (int m = 0; m < mc; ++m) corr[m][0] = corr[m][1] = VF_ZERO();
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < (type == T_Q6_K ? 0 : nb); ++b) { /* Q6_K: no correction term */
         vf dv[2], mv[2];
         r16_block_scales(type, gp, b, 0, &dv[0], &mv[0]);
         r16_block_scales(type, gp, b, LANES, &dv[1], &mv[1]);
@@ -547,7 +762,7 @@ static inline __attribute__((always_inline)) void r16_pair_tile(
 #if !defined(LANES)
 /* The portable build: the vector tile's float operations per lane, in scalar code (the same bits). */
 static void r16_rows_scalar(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq, const float *xd,
-                            const float *xs, int64_t M, float *y, int64_t ldy, int nvalid) {
+                            const float *xs, const int32_t *xh, int64_t M, float *y, int64_t ldy, int nvalid) {
     for (int64_t m = 0; m < M; ++m)
         for (int r = 0; r < nvalid; ++r) {
             float acc = 0.0f, corr = 0.0f;
@@ -557,9 +772,16 @@ static void r16_rows_scalar(int type, const uint8_t *gp, int64_t nb, int64_t K, 
                 r16_params(type, gp, b, r, &qs, &d, &mm);
                 const int8_t *xb = xq + m * K + b * QK;
                 int32_t isum = 0;
-                for (int e = 0; e < QK; ++e) isum += r16_quant(type, qs, r, e) * xb[e];
+                if (type == T_Q6_K) {
+                    int32_t s[2] = {0, 0};
+                    for (int e = 0; e < QK; ++e) s[e >= 16] += r16_quant(type, qs, r, e) * xb[e];
+                    const int32_t *xhb = xh + m * 2 * nb + 2 * b;
+                    isum = q6k_scale(qs, r, 0) * (s[0] - xhb[0]) + q6k_scale(qs, r, 1) * (s[1] - xhb[1]);
+                } else {
+                    for (int e = 0; e < QK; ++e) isum += r16_quant(type, qs, r, e) * xb[e];
+                }
                 acc = fmaf((float)isum, d * xd[m * nb + b], acc);
-                corr = fmaf(mm, xs[m * nb + b], corr);
+                if (type != T_Q6_K) corr = fmaf(mm, xs[m * nb + b], corr);
             }
             y[m * ldy + r] = acc + corr;
         }
@@ -568,8 +790,8 @@ static void r16_rows_scalar(int type, const uint8_t *gp, int64_t nb, int64_t K, 
 
 static inline __attribute__((always_inline)) void r16_group(const int type, const uint8_t *gp, int64_t nb, int64_t K,
                                                             const int8_t *xq, const float *xd, const float *xs,
-                                                            const int32_t *xsum, int64_t M, float *y, int64_t N,
-                                                            int64_t row0) {
+                                                            const int32_t *xsum, const int32_t *xh, int64_t M,
+                                                            float *y, int64_t N, int64_t row0) {
     const int nvalid = (int)(N - row0 < GR ? N - row0 : GR);
 #if defined(PAIR_TILE)
     for (int64_t m0 = 0; m0 < M; m0 += PAIR_ROWS) {
@@ -577,12 +799,12 @@ static inline __attribute__((always_inline)) void r16_group(const int type, cons
         const int8_t *xm = xq + m0 * K;
         float *ym = y + m0 * N + row0;
         const float *xdm = xd + m0 * nb, *xsm = xs + m0 * nb;
-        const int32_t *xum = xsum + m0 * nb;
+        const int32_t *xum = xsum + m0 * nb, *xhm = xh ? xh + m0 * 2 * nb : xh;
         switch (mc) { /* constant row counts: the compiler unrolls the rows and keeps the sums in registers */
-            case 4: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 4, ym, N, nvalid); break;
-            case 3: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 3, ym, N, nvalid); break;
-            case 2: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 2, ym, N, nvalid); break;
-            default: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, 1, ym, N, nvalid); break;
+            case 4: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, xhm, 4, ym, N, nvalid); break;
+            case 3: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, xhm, 3, ym, N, nvalid); break;
+            case 2: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, xhm, 2, ym, N, nvalid); break;
+            default: r16_pair_tile(type, gp, nb, K, xm, xdm, xsm, xum, xhm, 1, ym, N, nvalid); break;
         }
     }
 #elif defined(LANES)
@@ -591,26 +813,28 @@ static inline __attribute__((always_inline)) void r16_group(const int type, cons
         if (nv <= 0) break;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mc = (int)(M - m0 < MR ? M - m0 : MR);
+            const int32_t *xhm = xh ? xh + m0 * 2 * nb : xh;
             if (mc == MR) /* a constant row count: the compiler unrolls the rows and keeps acc in registers */
-                r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, MR,
+                r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, xhm, MR,
                          y + m0 * N + row0 + sub * LANES, N, nv);
             else
-                r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, mc,
+                r16_tile(type, gp, sub, nb, K, xq + m0 * K, xd + m0 * nb, xs + m0 * nb, xhm, mc,
                          y + m0 * N + row0 + sub * LANES, N, nv);
         }
     }
 #else
-    r16_rows_scalar(type, gp, nb, K, xq, xd, xs, M, y + row0, N, nvalid);
+    r16_rows_scalar(type, gp, nb, K, xq, xd, xs, xh, M, y + row0, N, nvalid);
 #endif
 }
 
 /* ---- AMX-INT8 tiles for the int8 design --------------------------------------------------------------------
  * An R16 block of 32 inputs is an AMX B tile as it stands (8 rows of 64 bytes; row k: inputs 4k..4k+3 of the 16
- * weight rows, unsigned): Q8_0 tiles load straight from the weights, Q4 types unpack their nibbles into 512
- * bytes first. One TDPBSUD per block and per 16 activation rows (A: the rows' 32 int8 of the block; K = 32 keeps
- * each block's int32 sums apart for the block's own scales) gives exactly the integers Σ(q·x) of the vector
- * path; the C tile is stored, and amx_epilogue applies r16_tile's float operations per row and block in the same
- * order: the same bits as every other build, whichever rows take tiles.
+ * weight rows, unsigned): Q8_0, Q5_0, Q5_1 and Q5_K tiles load straight from the weights, Q4 types unpack their
+ * nibbles into 512 bytes first; Q6_K (two scales per block, which K = 32 would mix) stays on the vector path.
+ * One TDPBSUD per block and per 16 activation rows (A: the rows' 32 int8 of the block; K = 32 keeps each block's
+ * int32 sums apart for the block's own scales) gives exactly the integers Σ(q·x) of the vector path; the C tile
+ * is stored, and amx_epilogue applies r16_tile's float operations per row and block in the same order: the same
+ * bits as every other build, whichever rows take tiles.
  * Measured on a Sapphire Rapids-class Xeon (all linears of the bundled model), the per-block C tile store (the
  * per-block scales need every block's sums) makes a tile pass (load A and B, TDPBSUD, store C) cost about what
  * the vector path spends on 6-8 rows, and it does not overlap the float epilogue, which alone costs a quarter
@@ -632,13 +856,17 @@ static int amx_on = 0, amx_min_rows = AMX_MIN_ROWS;
 
 /* One group on the vector path, activation rows [0, M) (the type dispatched to constants for r16_group). */
 static inline void int8_group_vec(int type, const uint8_t *gp, int64_t nb, int64_t K, const int8_t *xq,
-                                  const float *xd, const float *xs, const int32_t *xsum, int64_t M, float *y,
-                                  int64_t N, int64_t row0) {
+                                  const float *xd, const float *xs, const int32_t *xsum, const int32_t *xh, int64_t M,
+                                  float *y, int64_t N, int64_t row0) {
     switch (type) {
-        case T_Q4_0: r16_group(T_Q4_0, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
-        case T_Q4_1: r16_group(T_Q4_1, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
-        case T_Q8_0: r16_group(T_Q8_0, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
-        default: r16_group(T_Q4_K, gp, nb, K, xq, xd, xs, xsum, M, y, N, row0); break;
+        case T_Q4_0: r16_group(T_Q4_0, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        case T_Q4_1: r16_group(T_Q4_1, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        case T_Q5_0: r16_group(T_Q5_0, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        case T_Q5_1: r16_group(T_Q5_1, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        case T_Q8_0: r16_group(T_Q8_0, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        case T_Q5_K: r16_group(T_Q5_K, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        case T_Q6_K: r16_group(T_Q6_K, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        default: r16_group(T_Q4_K, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
     }
 }
 
@@ -694,9 +922,9 @@ AMX_TARGET static void amx_thread_end(void) { _tile_release(); }
  * block one batch ahead (tile loads that miss the cache stall the tile unit). */
 static inline const uint8_t *amx_block(int type, const uint8_t *gp, int64_t b, uint8_t *ub, vf *dv, vf *mv) {
     const uint8_t *qs = r16_block_scales(type, gp, b, 0, dv, mv);
-    const int rec = type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q8_0 ? 544 : Q4K_SUB;
+    const int rec = type == T_Q4_K ? Q4K_SUB : type == T_Q5_K ? KB_SUB : (int)r16_block_bytes(type);
     for (int l = 0; l < rec; l += 64) _mm_prefetch((const char *)qs + AMX_NB * rec + l, _MM_HINT_T0);
-    if (type == T_Q8_0) return qs;
+    if (byte_quants(type)) return qs; /* Q8_0, Q5_0, Q5_1, Q5_K: the bytes are the tile (Q6_K takes no tiles) */
     const vi lo4 = VI_SET8(0x0F);
     for (int p = 0; p < 4; ++p) {
         const vi c = VI_LOAD(qs + 64 * p);
@@ -813,7 +1041,7 @@ static int linear_amx(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t
             amx_group(type, w + g * gb, nb, K, xq, xd, xs, mt, y, N, g * GR, acc);
             if (mt < M)
                 int8_group_vec(type, w + g * gb, nb, K, xq + mt * K, xd + mt * nb, xs + mt * nb, xsum + mt * nb,
-                               M - mt, y + mt * N, N, g * GR);
+                               NULL, M - mt, y + mt * N, N, g * GR);
         }
         if (acc) amx_thread_end();
         free(acc);
@@ -844,10 +1072,11 @@ int quant_amx_min_rows(void) { return amx_min_rows; }
 
 /* The vector int8 GEMM, x already quantized: OpenMP over groups of 16 rows. */
 static void linear_int8_vec(int type, const uint8_t *w, int64_t gb, int64_t N, int64_t K, const int8_t *xq,
-                            const float *xd, const float *xs, const int32_t *xsum, int64_t M, float *y) {
+                            const float *xd, const float *xs, const int32_t *xsum, const int32_t *xh, int64_t M,
+                            float *y) {
     const int64_t G = (N + GR - 1) / GR, nb = K / QK;
 #pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < G; ++g) int8_group_vec(type, w + g * gb, nb, K, xq, xd, xs, xsum, M, y, N, g * GR);
+    for (int64_t g = 0; g < G; ++g) int8_group_vec(type, w + g * gb, nb, K, xq, xd, xs, xsum, xh, M, y, N, g * GR);
 }
 
 static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y) {
@@ -856,18 +1085,22 @@ static int linear_int8(int type, const uint8_t *w, int64_t N, int64_t K, const f
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc((size_t)(M * nb) * sizeof(float)), *xs = malloc((size_t)(M * nb) * sizeof(float));
     int32_t *xsum = malloc((size_t)(M * nb) * sizeof(int32_t));
+    int32_t *xh = type == T_Q6_K ? malloc((size_t)(M * 2 * nb) * sizeof(int32_t)) : NULL;
     int status = 0;
-    if (!xq || !xd || !xs || !xsum) {
+    if (!xq || !xd || !xs || !xsum || (type == T_Q6_K && !xh)) {
         status = -2;
     } else {
         quantize_rows_q8(x, M, K, xq, xd, xs, xsum);
+        if (xh) half_sums_q8(xq, M, K, xh);
 #if defined(HAVE_AMX)
-        if (amx_on && M >= amx_min_rows)
+        /* Q6_K's two scales per block would need tiles of 16 inputs: it stays on the vector path (same bits) */
+        if (amx_on && M >= amx_min_rows && type != T_Q6_K)
             status = linear_amx(type, w, gb, N, K, xq, xd, xs, xsum, M, y);
         else
 #endif
-            linear_int8_vec(type, w, gb, N, K, xq, xd, xs, xsum, M, y);
+            linear_int8_vec(type, w, gb, N, K, xq, xd, xs, xsum, xh, M, y);
     }
+    free(xh);
     free(xq);
     free(xd);
     free(xs);
@@ -930,7 +1163,11 @@ static void dequant_group(int type, const uint8_t *gp, int64_t K, int nvalid, fl
             float d, m;
             r16_params(type, gp, b, r, &qs, &d, &m);
             float *y = tile + r * K + b * QK;
-            if (type == T_Q8_0) {
+            if (type == T_Q6_K) { /* per half: (d·sc)·q − 32·d·sc */
+                const float d0 = d * (float)q6k_scale(qs, r, 0), d1 = d * (float)q6k_scale(qs, r, 1);
+                store16(y, row_bytes16(qs, 0, r), d0, -32.0f * d0);
+                store16(y + 16, row_bytes16(qs, 4, r), d1, -32.0f * d1);
+            } else if (byte_quants(type)) {
                 store16(y, row_bytes16(qs, 0, r), d, m);
                 store16(y + 16, row_bytes16(qs, 4, r), d, m);
             } else {
@@ -948,7 +1185,14 @@ static void dequant_group(int type, const uint8_t *gp, int64_t K, int nvalid, fl
             const uint8_t *qs;
             float d, m;
             r16_params(type, gp, b, r, &qs, &d, &m);
-            for (int e = 0; e < QK; ++e) tile[r * K + b * QK + e] = d * (float)r16_quant(type, qs, r, e) + m;
+            for (int e = 0; e < QK; ++e) {
+                float de = d, me = m;
+                if (type == T_Q6_K) { /* per half: (d·sc)·q − 32·d·sc */
+                    de = d * (float)q6k_scale(qs, r, e >= 16);
+                    me = -32.0f * de;
+                }
+                tile[r * K + b * QK + e] = de * (float)r16_quant(type, qs, r, e) + me;
+            }
         }
 }
 #endif
@@ -1034,7 +1278,32 @@ const char *quant_isa(void) {
 #endif
 }
 
+/* quant_linear of a T_SEGMENTS weight: each segment into scratch, copied into its columns of y. */
+static int linear_segments(const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int method) {
+    seg_t seg[SEG_MAX];
+    const int ns = seg_read(w, N, K, seg);
+    if (!ns) return -1;
+    if (M == 0) return 0;
+    int64_t widest = 0, r0 = 0;
+    for (int i = 0; i < ns; ++i) widest = seg[i].rows > widest ? seg[i].rows : widest;
+    float *tmp = malloc((size_t)(M * widest) * sizeof(float));
+    if (!tmp) return -2;
+    int status = 0;
+    for (int i = 0; i < ns && !status; ++i) {
+        const int t = (int)seg[i].type;
+        const int64_t rows = seg[i].rows;
+        status = method == 0 ? linear_int8(t, w + seg[i].offset, rows, K, x, M, tmp)
+                             : linear_dequant(t, w + seg[i].offset, rows, K, x, M, tmp);
+        for (int64_t m = 0; m < M && !status; ++m)
+            memcpy(y + m * N + r0, tmp + m * rows, (size_t)rows * sizeof(float));
+        r0 += rows;
+    }
+    free(tmp);
+    return status;
+}
+
 int quant_linear(int type, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t M, float *y, int method) {
+    if (type == T_SEGMENTS) return linear_segments(w, N, K, x, M, y, method);
     if (r16_group_bytes(type, K) == 0) return -1;
     if (M == 0) return 0;
     return method == 0 ? linear_int8(type, w, N, K, x, M, y) : linear_dequant(type, w, N, K, x, M, y);

@@ -1,10 +1,11 @@
 """``--quantization gguf``: linear layers and the embedding keep a GGUF file's quantized blocks on the CPU.
 
 The model is first loaded as usual (float32, from the converted cache); then every linear layer whose
-GGUF tensors are Q4_0 / Q4_1 / Q8_0 / Q4_K gets a :class:`~pagedllm.kernels.cpu_quant.GGUFWeight` (fused
-q/k/v and gate/up rows concatenated, rows in HF order) and its float32 weight is dropped. The embedding
-(and a tied LM head) keeps its blocks too: lookups dequantize only the rows asked for. Tensors of other
-types (F32 norms, Q6_K, ...) stay dense; each is named once in the log.
+GGUF tensors are Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K gets a
+:class:`~pagedllm.kernels.cpu_quant.GGUFWeight` (fused q/k/v and gate/up rows concatenated, rows in HF order; parts
+in different types, as Q4_K_M's Q4_K q / k beside a Q6_K v, a weight of row segments, one per type) and its float32
+weight is dropped. The embedding (and a tied LM head) keeps its blocks too: lookups dequantize only the rows asked
+for. Tensors of other types (F32 norms, Q2_K, Q3_K, IQ*, ...) stay dense; each is named once in the log.
 
 A MoE file's routed experts (FusedMoE) get theirs before the weights load (:func:`attach_gguf_experts`): one
 GGUFWeight per expert and projection (w13: gate rows, then up rows; w2: down), so their float copy is never made
@@ -110,17 +111,22 @@ def _source_names(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _gguf_weight(parts: list, rows: int, cols: int) -> tuple[GGUFWeight | None, str]:
+    """One GGUFWeight of ``parts`` (a fused layer's in row order); parts in different types served quantized make a
+    weight of row segments, one per type (GGUFWeight.from_segments)."""
     types = {p.type_name for p in parts}
-    if len(types) != 1:
-        return None, f"parts in different types {sorted(types)}"
-    t = parts[0]
-    if t.type_name not in GGML_TYPES:
-        return None, f"type {t.type_name} is not served quantized"
-    data = np.ascontiguousarray(np.concatenate([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks)
-    if data.shape[0] != rows:
-        return None, f"{data.shape[0]} rows, the layer has {rows}"
+    unserved = sorted(types - set(GGML_TYPES))
+    if unserved:
+        return None, f"type {'/'.join(unserved)} is not served quantized"
+    found = sum(p.blocks.shape[0] for p in parts)
+    if found != rows:
+        return None, f"{found} rows, the layer has {rows}"
     try:
-        return GGUFWeight.from_gguf_blocks(torch.from_numpy(data.copy()), t.type_code, rows, cols), ""
+        if len(types) > 1:
+            return GGUFWeight.from_segments([(torch.from_numpy(np.array(p.blocks)), p.type_code) for p in parts],
+                                            cols), ""
+        data = np.concatenate([p.blocks for p in parts]) if len(parts) > 1 else np.array(parts[0].blocks)
+        return GGUFWeight.from_gguf_blocks(torch.from_numpy(np.ascontiguousarray(data)), parts[0].type_code, rows,
+                                           cols), ""
     except ValueError as e:
         return None, str(e)
 
