@@ -7,6 +7,10 @@ Workloads:
   to X_v2 and output the whole code" over a window that defines a function, (3) "summarize this text
   quoting its key sentences verbatim" over a README.md / ARCHITECTURE.md passage. Run closed-loop at each
   --concurrency (1 and 4 by default): that many requests in flight, a new one joins when one finishes.
+- JSON extraction (`--json-prompts`, off by default): contacts to extract as JSON under a schema, each prompt
+  with one worked example (structured_output/sample_schemas.py `extraction_requests`), greedy, grammar-
+  constrained: speculation under a grammar (its drafts cut to what the grammar accepts, rows masked), at each
+  --concurrency as the copy workload.
 - ShareGPT-like (random token ids with the paper's Fig. 11 length fits, ignore_eos) at
   --sharegpt-concurrency (64) in flight: speculation must cost nothing here (it turns itself off).
 
@@ -29,6 +33,8 @@ from pagedllm.benchmarks.throughput import make_sharegpt_like
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.sample_schemas import CONTACT_SCHEMA, extraction_requests
 
 logger = logging.getLogger("pagedllm.bench")
 
@@ -75,6 +81,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-prompts", choices=("frozen", "draw"), default="frozen",
                    help="frozen: the 100 prompts of data/copy_prompts.json; draw: drawn from this tree with --seed")
     p.add_argument("--max-tokens", type=int, default=128, help="input-copying: output cap (stops at EOS)")
+    p.add_argument("--json-prompts", type=int, default=0,
+                   help="JSON-extraction prompts under a JSON schema (0: skip that workload)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--sharegpt-prompts", type=int, default=128, help="0: skip the ShareGPT-like part")
     p.add_argument("--sharegpt-concurrency", type=int, default=64)
@@ -156,7 +164,8 @@ def print_batching_reference(copy_results: dict, outputs: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    results: dict = {"speculative_config": json.loads(args.speculative_config), "copy": {}, "sharegpt": {}}
+    results: dict = {"speculative_config": json.loads(args.speculative_config), "copy": {}, "json": {},
+                     "sharegpt": {}}
     outputs: dict[str, dict] = {}
     engines = {}
     for label, spec in (("off", None), ("on", args.speculative_config)):
@@ -176,6 +185,13 @@ def run(args: argparse.Namespace) -> int:
     for c in args.concurrency if args.num_prompts else []:
         _measure(engines, f"copy{c}", prompts, greedy, c, args.rounds, results["copy"].setdefault(str(c), {}),
                  outputs.setdefault(f"copy{c}", {}))
+    if args.json_prompts:
+        json_prompts = [engine.tokenizer.encode(t) for t in extraction_requests(args.json_prompts, args.seed)]
+        constrained = [SamplingParams(temperature=0, max_tokens=args.max_tokens,
+                                      structured_outputs=StructuredOutputsParams(json=CONTACT_SCHEMA))] * len(json_prompts)
+        for c in args.concurrency:
+            _measure(engines, f"json{c}", json_prompts, constrained, c, args.rounds,
+                     results["json"].setdefault(str(c), {}), outputs.setdefault(f"json{c}", {}))
     if args.sharegpt_prompts:
         wl = make_sharegpt_like(args.sharegpt_prompts, int(engine.hf_config.vocab_size), args.seed,
                                 max_prompt=args.max_model_len // 2, max_total=args.max_model_len)
@@ -184,13 +200,14 @@ def run(args: argparse.Namespace) -> int:
         _measure(engines, "sharegpt", wl.prompts, params, args.sharegpt_concurrency, 1, results["sharegpt"], {},
                  repeats=args.sharegpt_repeats)
     print(f"\n{'workload':<22}{'off tok/s':>11}{'on tok/s':>11}{'ratio':>8}{'accept':>8}{'acc.len':>8}{'identical':>11}")
-    for c, e in results["copy"].items():
-        same = sum(a == b for a, b in zip(outputs[f"copy{c}"]["off"], outputs[f"copy{c}"]["on"]))
-        e["ratio"] = e["on"]["output_tok_s"] / e["off"]["output_tok_s"]
-        e["identical"] = f"{same}/{len(outputs[f'copy{c}']['off'])}"
-        print(f"{'copy, ' + c + ' concurrent':<22}{e['off']['output_tok_s']:>11.1f}{e['on']['output_tok_s']:>11.1f}"
-              f"{e['ratio']:>7.2f}x{e['on']['acceptance_rate']:>8.2f}{e['on']['mean_acceptance_length']:>8.2f}"
-              f"{e['identical']:>11}")
+    for kind in ("copy", "json"):
+        for c, e in results[kind].items():
+            same = sum(a == b for a, b in zip(outputs[f"{kind}{c}"]["off"], outputs[f"{kind}{c}"]["on"]))
+            e["ratio"] = e["on"]["output_tok_s"] / e["off"]["output_tok_s"]
+            e["identical"] = f"{same}/{len(outputs[f'{kind}{c}']['off'])}"
+            print(f"{kind + ', ' + c + ' concurrent':<22}{e['off']['output_tok_s']:>11.1f}"
+                  f"{e['on']['output_tok_s']:>11.1f}{e['ratio']:>7.2f}x{e['on']['acceptance_rate']:>8.2f}"
+                  f"{e['on']['mean_acceptance_length']:>8.2f}{e['identical']:>11}")
     print_batching_reference(results["copy"], outputs)
     if results["sharegpt"]:
         e = results["sharegpt"]
@@ -198,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{'sharegpt-like, ' + str(args.sharegpt_concurrency):<22}{e['off']['output_tok_s']:>11.1f}"
               f"{e['on']['output_tok_s']:>11.1f}{e['ratio']:>7.2f}x{e['on']['acceptance_rate']:>8.2f}"
               f"{e['on']['mean_acceptance_length']:>8.2f}{'':>11}")
-    for label, e in [*((f"copy, {c} concurrent", e) for c, e in results["copy"].items()),
+    for label, e in [*((f"{kind}, {c} concurrent", e) for kind in ("copy", "json") for c, e in results[kind].items()),
                      *([("sharegpt-like", results["sharegpt"])] if results["sharegpt"] else [])]:
         e["round_ratios"] = round_ratios(e)
         print(f"{label}: on/off per round {_spread(e['round_ratios'])}")

@@ -6,9 +6,14 @@ so verifying k+1 tokens per sequence costs real compute), and off for a sequence
 is low (it retries after `cooldown_steps`). Among the rest, the `goodput` policy (draft_length.py) verifies
 the draft tokens that raise the step's expected tokens per second, from the measured time of decode steps
 by their number of query rows and each sequence's recent acceptance. A sequence speculates only when it
-is decoding one token whose input is on the host (not pending on the device), is not beam search or
-grammar-constrained, and its k draft slots fit in the pool (leaving the watermark free: speculation never
-preempts anyone) and in the step's token budget.
+is decoding one token whose input is on the host (not pending on the device), is not beam search and has
+no logit_bias / allowed_token_ids / bad_words, and its k draft slots fit in the pool (leaving the watermark
+free: speculation never preempts anyone) and in the step's token budget.
+
+A grammar-constrained sequence speculates too (vLLM's structured outputs with speculative decoding): its
+drafts are cut to the prefix its grammar accepts, and each verification row is masked with the grammar's
+bitmask at that point (the matcher advanced over the drafts before it, then rolled back), so verification
+sees exactly the distributions plain constrained decoding samples from.
 
 Rollback: the scheduler already counted the sequence's one decode token; verification sets
 `num_computed_tokens` to the tokens whose KV is now valid (the old ones plus the accepted drafts),
@@ -26,12 +31,14 @@ from pagedllm.config import SpeculativeConfig
 from pagedllm.core.block_manager import cdiv
 from pagedllm.core.scheduler import ScheduledSequence, Scheduler, SchedulerOutputs
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.model.layers.logits_ops import apply_token_bitmask_
 from pagedllm.model.layers.sampler import SamplingRow
 from pagedllm.spec_decode.draft_length import StepCostModel, choose_draft_lengths
 from pagedllm.spec_decode.metrics import SpecDecodeStats
 from pagedllm.spec_decode.mode import SpecModeChooser
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.rejection_sampler import VerifyResult, is_greedy, verify
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.worker.model_input import SequenceChunk
 
 logger = logging.getLogger("pagedllm")
@@ -47,10 +54,14 @@ _EXPLORE_EVERY = 16
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, executor, max_seq_len: int,
-                 async_steps: bool = False) -> None:
+                 async_steps: bool = False, structured_output: StructuredOutputManager | None = None) -> None:
         """`async_steps`: the engine schedules asynchronously, so not speculating also means overlapping the
-        host with the device; the engine then measures both modes and runs the faster (spec_decode/mode.py)."""
+        host with the device; the engine then measures both modes and runs the faster (spec_decode/mode.py).
+        `structured_output`: the engine's grammar manager; constrained sequences speculate through it."""
         self.config = config
+        self.structured_output = structured_output
+        # seq_id → the grammar masks of this step's verification rows (constrained sequences that speculate)
+        self._grammar_masks: dict[int, torch.Tensor] = {}
         self.scheduler = scheduler
         self.max_seq_len = max_seq_len
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
@@ -104,8 +115,9 @@ class SpecDecoder:
         return False
 
     def _may_speculate(self, seq: Sequence, group: SequenceGroup) -> bool:
-        """The sequence decodes, is neither beam search nor constrained (a grammar, logit_bias or allowed_token_ids),
-        and is not in an acceptance cooldown.
+        """The sequence decodes, is not beam search, has no logit_bias, allowed_token_ids or bad_words (a grammar
+        is fine: its drafts are checked and its verification rows masked, see `plan`), and is not in an
+        acceptance cooldown.
 
         The cooldown holds only where steps are asynchronous, or drafts are verified whatever they cost (the
         "fixed" policy). A synchronous engine with the goodput rule already weighs each sequence's recent
@@ -113,8 +125,9 @@ class SpecDecoder:
         lost the spans it would have copied (float32 CPU, up to 4 concurrent: 1.39× → 1.56× of plain decoding
         without it, BENCHMARKS.md §42.4); on an asynchronous engine not speculating also keeps the steps
         overlapped."""
-        if (not seq.output_token_ids or "beam" in group.extra or "structured_output" in group.extra
-                or group.sampling_params.has_logit_adjustments):
+        if not seq.output_token_ids or "beam" in group.extra or group.sampling_params.has_logit_adjustments:
+            return False
+        if "structured_output" in group.extra and (self.structured_output is None or not group.may_sample):
             return False
         if self.mode is None and self.config.draft_length_policy == "goodput":
             return True
@@ -142,6 +155,7 @@ class SpecDecoder:
         bm = self.scheduler.block_manager
         token_room = self.scheduler.max_num_batched_tokens - sched.num_batched_tokens
         start = time.perf_counter()
+        self._grammar_masks = {}
         candidates: list[tuple[ScheduledSequence, int, list[int]]] = []
         for item in sched.scheduled:
             if not self._eligible(item):
@@ -150,6 +164,8 @@ class SpecDecoder:
             if k <= 0:
                 continue
             drafts = self.ngram.propose(item.seq.token_ids, k) if self.ngram is not None else []
+            if self.ngram is not None and "structured_output" in item.group.extra:
+                drafts = self._grammar_drafts(item, drafts, k)
             if self.ngram is not None and not drafts:
                 continue
             candidates.append((item, len(drafts) if drafts else k, drafts))
@@ -175,10 +191,45 @@ class SpecDecoder:
                 # The draft reads the cache before the step's block moves would run: do them first.
                 self.scheduler_moves(sched)
             proposals = self.draft.propose(chunks, [k for _, k, _ in chosen])
-            chosen = [(it, k, p) for (it, k, _), p in zip(chosen, proposals)]
+            chosen = [(it, k, self._grammar_prefix(it, p, keep_one=True) if "structured_output" in it.group.extra
+                       else p) for (it, k, _), p in zip(chosen, proposals)]
         if chosen:
             self.stats.num_spec_steps += 1
         return {it.seq.seq_id: drafts for it, _, drafts in chosen}
+
+    def _grammar_drafts(self, item: ScheduledSequence, proposed: list[int], k: int) -> list[int]:
+        """A constrained sequence's n-gram drafts: the longer of two candidates' prefixes that its grammar accepts,
+        the n-gram proposal and the continuation the grammar forces (JSON keys and punctuation, xgrammar's
+        jump-forward tokens) followed by the n-gram proposal from its end."""
+        seq, compiled = item.seq, item.group.extra["structured_output"]
+        forced = self.structured_output.forced_tokens(seq, compiled)[:k]
+        if forced and len(forced) < k:
+            forced += self.ngram.propose(seq.token_ids + forced, k - len(forced))
+        best: list[int] = []
+        for candidate in (proposed, forced):
+            if len(candidate) > len(best):
+                drafts = self._grammar_prefix(item, candidate)
+                if len(drafts) > len(best):
+                    best, masks = drafts, self._grammar_masks[seq.seq_id]
+        if best:
+            self._grammar_masks[seq.seq_id] = masks
+        else:
+            self._grammar_masks.pop(seq.seq_id, None)
+        return best
+
+    def _grammar_prefix(self, item: ScheduledSequence, drafts: list[int], keep_one: bool = False) -> list[int]:
+        """A constrained sequence's drafts cut to what its grammar accepts, and the masks of their verification
+        rows kept for `verify_seq`. `keep_one` (the draft model's tokens, whose slots are already allocated): a
+        first draft the grammar rejects stays, and the masked target rejects it."""
+        res = self.structured_output.draft_masks(item.seq, item.group.extra["structured_output"], drafts)
+        if res is None:  # its grammar ended or broke: it stops with this step's token
+            return drafts if keep_one else []
+        n, masks = res
+        if n == 0 and keep_one:
+            n = 1  # its row (after a rejected draft) is never reached: any mask will do
+            masks = torch.cat([masks, torch.full_like(masks, -1)])
+        self._grammar_masks[item.seq.seq_id] = masks
+        return drafts[:n]
 
     def _draft_lengths(self, sched: SchedulerOutputs,
                        candidates: list[tuple[ScheduledSequence, int, list[int]]]) -> list[int]:
@@ -224,7 +275,7 @@ class SpecDecoder:
     def plain_greedy(item: ScheduledSequence) -> bool:
         """Greedy with raw logits (no penalty, no min_tokens ban, no top logprobs): verified in one batch."""
         p = item.group.sampling_params
-        return (is_greedy(p) and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+        return ("structured_output" not in item.group.extra and is_greedy(p) and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                 and len(item.seq.output_token_ids) >= p.min_tokens and p.logprobs is None)
 
     def verify_seq(self, item: ScheduledSequence, drafts: list[int], logits: torch.Tensor,
@@ -232,6 +283,9 @@ class SpecDecoder:
         """Accept a prefix of `drafts` for one sequence from its k+1 target rows (`greedy`: their argmax,
         already on the host, for plain greedy sequences)."""
         seq, params = item.seq, item.group.sampling_params
+        masks = self._grammar_masks.pop(seq.seq_id, None)
+        if masks is not None:  # row i: the grammar's mask after drafts[:i], as plain decoding would apply it
+            apply_token_bitmask_(logits, masks, list(range(len(drafts) + 1)))
         if greedy is not None:
             n = 0
             while n < len(drafts) and drafts[n] == greedy[n]:

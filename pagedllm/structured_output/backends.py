@@ -97,6 +97,24 @@ class XgrammarBackend:
             return -1
         return 1 if token_id in self._stop_ids and matcher.is_terminated() else 0
 
+    def try_advance(self, matcher: Any, token_id: int) -> int:
+        """`advance`, except that a rejected token leaves the matcher as it was (xgrammar's accept does)."""
+        return self.advance(matcher, token_id)
+
+    @staticmethod
+    def rollback(matcher: Any, num_tokens: int) -> None:
+        if num_tokens:
+            matcher.rollback(num_tokens)
+
+    @staticmethod
+    def fill_row(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+    @staticmethod
+    def forced_tokens(matcher: Any) -> list[int]:
+        """The continuation the grammar forces, tokenized greedily (xgrammar's jump-forward tokens)."""
+        return matcher.find_jump_forward_tokens()
+
     @staticmethod
     def fork(matcher: Any) -> Any:
         return matcher.fork()
@@ -119,6 +137,7 @@ class GuidanceBackend:
 
         self._llg = llguidance
         self._fill = llguidance.torch.fill_next_token_bitmask_par
+        self._fill_one = llguidance.torch.fill_next_token_bitmask
         self.vocab_size = vocab_size
         self._tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocab_size, eos_token_ids)),
                                            n_vocab=vocab_size)
@@ -177,6 +196,26 @@ class GuidanceBackend:
         if not self.accept(matcher, token_id):
             return -1
         return 1 if matcher.is_stopped() else 0
+
+    def try_advance(self, matcher: Any, token_id: int) -> int:
+        """`advance`, except that a rejected token leaves the matcher as it was (a consumed one would put it in
+        its error state)."""
+        if matcher.validate_tokens([token_id]) < 1:
+            return -1
+        return self.advance(matcher, token_id)
+
+    @staticmethod
+    def rollback(matcher: Any, num_tokens: int) -> None:
+        if num_tokens:
+            matcher.rollback(num_tokens)
+
+    def fill_row(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+        self._fill_one(matcher, bitmask, row)
+
+    @staticmethod
+    def forced_tokens(matcher: Any) -> list[int]:
+        """The continuation the grammar forces, as tokens (llguidance's fast-forward tokens)."""
+        return matcher.compute_ff_tokens()
 
     @staticmethod
     def fork(matcher: Any) -> Any:

@@ -193,6 +193,43 @@ class StructuredOutputManager:
             state.terminated = advanced > 0
         return state.failed or state.terminated
 
+    def draft_masks(self, seq: Any, compiled: Any, drafts: list[int]) -> tuple[int, torch.Tensor] | None:
+        """Speculative decoding: the masks a verification of ``drafts`` needs → (n, masks): the grammar accepts
+        ``drafts[:n]`` (a stop token that ends it is the last), and row i of ``masks`` ([n + 1, words] int32) is
+        the bitmask after ``drafts[:i]``, the one plain decoding would apply there. The matcher is rolled back,
+        so it still describes the sequence's own tokens. A sequence still thinking takes the drafts before the
+        reasoning's end token, unmasked. None when its grammar ended or broke (the sequence stops)."""
+        state = self.sync(seq, compiled)
+        if state.failed or state.terminated:
+            return None
+        words = (self.vocab_size + 31) // 32
+        if state.thinking:  # the grammar starts after </think>; the row after it would need its first mask
+            end = self.reasoning_tokens[1]
+            n = drafts.index(end) if end in drafts else len(drafts)
+            return n, torch.full((n + 1, words), -1, dtype=torch.int32)
+        be = self.backend
+        masks = torch.empty((len(drafts) + 1, words), dtype=torch.int32)
+        be.fill_row(state.matcher, masks, 0)
+        n = 0
+        for tok in drafts:
+            advanced = be.try_advance(state.matcher, tok)
+            if advanced < 0:
+                break
+            n += 1
+            if advanced > 0:  # the grammar ended: nothing may follow
+                break
+            be.fill_row(state.matcher, masks, n)
+        be.rollback(state.matcher, n)
+        return n, masks[:n + 1]
+
+    def forced_tokens(self, seq: Any, compiled: Any) -> list[int]:
+        """Speculative decoding's grammar drafts: the tokens of the continuation the grammar forces next (JSON
+        keys, punctuation), or [] (none forced, or the grammar does not constrain the next token)."""
+        state = self.sync(seq, compiled)
+        if state.failed or state.terminated or state.thinking:
+            return []
+        return self.backend.forced_tokens(state.matcher)
+
     def fork(self, parent: Any, child: Any) -> None:
         state: SeqGrammar | None = parent.extra.get("grammar")
         if state is not None:

@@ -1,6 +1,7 @@
 """20 varied JSON schemas (nested objects, arrays, enums, bounded numbers, required/optional fields) for
 tests and `pagedllm bench structured`. Strings and arrays are bounded so a sample always fits in
-`max_tokens`; `max_tokens_for` gives a budget that does."""
+`max_tokens`; `max_tokens_for` gives a budget that does. Also a contact-extraction workload whose answers
+copy their prompt (`extraction_requests`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -65,3 +66,40 @@ def max_tokens_for(schema: dict[str, Any]) -> int:
     import json
 
     return 40 + 3 * len(json.dumps(schema))
+
+
+#: Contact extraction (`extraction_requests`): the answer copies strings from its prompt, as document-to-JSON
+#: extraction does; the workload of speculative decoding under a grammar.
+CONTACT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "address": {"type": "string"}, "email": {"type": "string"},
+                   "phone": {"type": "string"}},
+    "required": ["name", "address", "email", "phone"], "additionalProperties": False}
+_FIRST = ["John", "Aiko", "Omar", "Maria", "Lena", "Ravi", "Chen", "Fatima", "Pedro", "Olga", "Kwame", "Ines",
+          "Tomas", "Yuki", "Amara", "Noah", "Sofia", "Arjun", "Elif", "Mateo"]
+_LAST = ["Smith", "Tanaka", "Haddad", "Gonzalez", "Novak", "Patel", "Wei", "Rahman", "Silva", "Petrova", "Mensah",
+         "Moreau", "Berg", "Sato", "Okafor", "Keller", "Rossi", "Iyer", "Demir", "Castro"]
+_STREETS = ["Oak Avenue", "Cherry Lane", "Mill Road", "Harbor Street", "Elm Court", "Station Road", "Maple Drive",
+            "River Walk", "Hill Crescent", "Market Square"]
+_CITIES = ["Riverton", "Westfield", "Eastbrook", "Springfield", "Lakeside", "Northgate", "Brookhaven", "Fairview"]
+_DOMAINS = ["example.com", "example.org", "example.net", "mail.example.com"]
+_EXAMPLE = ('Text: Maria Gonzalez lives at 42 Harbor Street, Springfield. Her email is maria.gonzalez@example.com '
+            'and her phone is 555-0142.\nJSON: {"name": "Maria Gonzalez", "address": "42 Harbor Street, Springfield", '
+            '"email": "maria.gonzalez@example.com", "phone": "555-0142"}\n')
+
+
+def extraction_requests(n: int, seed: int = 0) -> list[str]:
+    """``n`` prompts (deterministic for a seed), each one worked example and a new contact to extract as JSON
+    matching CONTACT_SCHEMA; the answers are ~35-45 tokens with the bundled tokenizer."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        first, last = rng.choice(_FIRST), rng.choice(_LAST)
+        address = f"{rng.randint(1, 250)} {rng.choice(_STREETS)}, {rng.choice(_CITIES)}"
+        email = f"{first.lower()}.{last.lower()}@{rng.choice(_DOMAINS)}"
+        phone = f"555-{rng.randint(100, 9999):04d}"
+        prompts.append(_EXAMPLE + f"Text: {first} {last} lives at {address}. The email is {email} and the phone "
+                       f"is {phone}.\nJSON:")
+    return prompts
