@@ -17,11 +17,13 @@ BATCHING_MODES = ("iteration", "request")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV pool element type: "auto" = the model dtype; "bfloat16" (e.g. a float32 model on the CPU with half the KV
 # bytes); "fp8" = fp8_e4m3 (vLLM's names).
+KV_OFFLOADING_BACKENDS = ("native",)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Weight quantization: "fp8" = e4m3 weights, per-channel scales, torch._scaled_mm (CUDA); "gguf" = a GGUF file's
-# Q4_0/Q4_1/Q8_0/Q4_K blocks kept quantized (CPU; the default for such a file on the CPU); "gptq", "awq",
-# "compressed-tensors" = the checkpoint's own method, as vLLM (must match its quantization_config; integer weights
-# run as GGUF blocks on the CPU, dequantized elsewhere: model/int_weight_checkpoint.py); "none" = dequantized.
+# Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks kept quantized (CPU; the default for such a file on the CPU);
+# "gptq", "awq", "compressed-tensors" = the checkpoint's own method, as vLLM (must match its quantization_config;
+# integer weights run as GGUF blocks on the CPU, dequantized elsewhere: model/int_weight_checkpoint.py); "none" =
+# dequantized.
 QUANTIZATION_METHODS = ("fp8", "gguf", "gptq", "awq", "compressed-tensors", "none")
 # vLLM's --runner: "generate" (sample tokens) or "pooling" (return one vector per prompt: embeddings); "auto" picks
 # pooling for base-model checkpoints (architectures like LlamaModel, which have no LM head), else generate.
@@ -140,6 +142,10 @@ class CacheConfig:
     # On CPU, the fraction of *available* RAM given to the KV pool when nothing else says.
     cpu_kv_cache_fraction: float = 0.25
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    # GiB of CPU memory for a tier under the prefix cache (vLLM's --kv-offloading-size; core/kv_offload.py): cached
+    # blocks the device pool evicts are kept there and copied back on a prefix hit. None: no tier.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None  # vLLM's --kv-offloading-backend: "native" (the only one here)
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
     kv_cache_manager: str = "paged"
@@ -154,6 +160,7 @@ class CacheConfig:
     # Filled in once the pools are sized.
     num_gpu_blocks: int | None = field(default=None, init=False)
     num_cpu_blocks: int | None = field(default=None, init=False)
+    num_offload_blocks: int = field(default=0, init=False)  # the KV offloading tier's, after the swap pool's
     # Filled in from the model: the window every attention layer shares (Mistral-7B-v0.1, Phi-3), behind which the
     # block manager frees blocks; None when any layer attends to the whole context.
     sliding_window: int | None = field(default=None, init=False)
@@ -170,6 +177,7 @@ class CacheConfig:
             )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}.")
+        self._check_kv_offloading()
         _check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         _check_choice("kv_cache_manager", self.kv_cache_manager, KV_CACHE_MANAGERS)
         _check_choice("kv_cache_dtype", self.cache_dtype, KV_CACHE_DTYPES)
@@ -186,6 +194,21 @@ class CacheConfig:
                     f"preemption_mode='swap' needs kv_cache_manager='paged': {self.kv_cache_manager!r} "
                     "reserves memory up front and never preempts; use 'auto' or 'recompute'."
                 )
+
+    def _check_kv_offloading(self) -> None:
+        size, backend = self.kv_offloading_size, self.kv_offloading_backend
+        if backend is not None and backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend={backend!r}: supported: {', '.join(KV_OFFLOADING_BACKENDS)} "
+                             "(pagedllm's own CPU tier; LMCache is not integrated)")
+        if size is None:
+            if backend is not None:
+                raise ValueError(f"kv_offloading_backend={backend!r} needs kv_offloading_size (GiB of CPU memory)")
+            return
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size keeps prefix-cache blocks that the KV pool evicts: it needs "
+                             "enable_prefix_caching=True (--enable-prefix-caching)")
 
 
 @dataclass

@@ -23,6 +23,7 @@ def _attention(cache_dtype: torch.dtype) -> None:
     k_new = torch.zeros(5, 2, 128, dtype=bf16)
     triton_cache_ops.reshape_and_cache(k_new, k_new, kc, vc, torch.arange(5), 0.5, 0.5)
     triton_cache_ops.copy_blocks([kc], [vc], torch.tensor([[0, 1]]))
+    triton_cache_ops.swap_blocks([kc, vc], [vc, kc], torch.tensor([[0, 1]]))
     tables = torch.zeros(3, 4, dtype=torch.int32)
     lens = torch.tensor([10, 40, 60], dtype=torch.int32)
     dec_q = torch.zeros(3, 8, 128, dtype=bf16)

@@ -338,6 +338,36 @@ def test_copy_blocks_all_layers_in_one_launch():
     assert all(torch.equal(a, b) for a, b in zip(keys + values, ref_k + ref_v))
 
 
+@pytest.mark.parametrize("head_major", [False, True])
+def test_swap_blocks_between_the_device_pool_and_a_pinned_host_pool(head_major):
+    """Swaps and the KV offloading tier's copies: every layer's K and V, device → pinned host and back, one launch
+    each way, the host pool read and written in place (under the interpreter both pools are host tensors)."""
+    g = torch.Generator().manual_seed(6)
+    layout = kv_layout.HEAD_MAJOR if head_major else kv_layout.SLOT_MAJOR
+
+    def pool(blocks: int, device: str, pin: bool = False) -> torch.Tensor:
+        storage = torch.randn(kv_layout.physical_shape((blocks, 16, 2, 64), layout), generator=g)
+        storage = storage.pin_memory() if pin else storage.to(device)
+        return kv_layout.logical_view(storage, layout)
+
+    dev = [pool(9, DEVICE) for _ in range(4)]  # K, V of two layers
+    host = [pool(5, "cpu", pin=ON_CUDA) for _ in range(4)]
+    ref_dev, ref_host = [d.clone() for d in dev], [h.clone() for h in host]
+    out = torch.tensor([[0, 4], [8, 1], [3, 0]], device=DEVICE)  # (device block, host block)
+    for src, dst in zip(ref_dev, ref_host):
+        reference.swap_blocks(src, dst, out.cpu())
+    triton_cache_ops.swap_blocks(dev, host, out)
+    back = torch.tensor([[4, 2], [1, 7]], device=DEVICE)  # (host block, device block)
+    for src, dst in zip(ref_host, ref_dev):
+        reference.swap_blocks(src, dst, back.cpu())
+    triton_cache_ops.swap_blocks(host, dev, back)
+    if ON_CUDA:
+        torch.cuda.synchronize()
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(dev + host, ref_dev + ref_host))
+    with pytest.raises(ValueError, match="one destination cache per source"):
+        triton_cache_ops.swap_blocks(dev, host[:1], out)
+
+
 def _head_major(cache: torch.Tensor) -> torch.Tensor:
     """The same values in a head-major pool (what CUDA pools are, ``kv_layout``)."""
     pool = kv_layout.to_layout(cache, kv_layout.HEAD_MAJOR)

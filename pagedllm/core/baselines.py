@@ -298,6 +298,9 @@ class ContiguousBlockManager:
     def reset_prefix_cache(self) -> bool:
         return True  # nothing is cached
 
+    def take_offload_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return [], []  # no KV offloading tier
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         return None
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.core.block_pool import BlockPool, hash_block_tokens, hash_cache_salt
 from pagedllm.core.interfaces import AllocStatus
+from pagedllm.core.kv_offload import OffloadTier
 from pagedllm.core.sequence import Sequence, SequenceGroup
 
 
@@ -62,6 +63,9 @@ class BlockManager:
     # group has a table per sequence over the one shared pool; a sliding group frees its blocks behind its window.
     # None: one group with `sliding_window`.
     group_windows: tuple[int | None, ...] | None = None
+    # Blocks of the CPU tier under the prefix cache (core/kv_offload.py; vLLM's kv_offloading_size): evicted cached
+    # blocks are kept there and copied back on a prefix hit. 0: no tier.
+    num_offload_blocks: int = 0
     gpu_pool: BlockPool = field(init=False)
     cpu_pool: BlockPool = field(init=False)
     # tables[g][seq_id]: group g's table; block_tables / cpu_block_tables are group 0's (the full-attention
@@ -101,6 +105,16 @@ class BlockManager:
         self.watermark_blocks = int(self.watermark * self.num_gpu_blocks)
         self.tables = [{} for _ in self.group_windows]
         self.cpu_tables = [{} for _ in self.group_windows]
+        self.offload: OffloadTier | None = None
+        if self.num_offload_blocks:
+            if not self.enable_caching:
+                raise ValueError("KV offloading keeps evicted prefix-cache blocks on the CPU: it needs "
+                                 "enable_prefix_caching=True")
+            if self.group_windows != (None,):
+                raise ValueError("KV offloading serves models whose layers all attend to the whole context; this "
+                                 f"one has sliding windows {self.group_windows}")
+            self.offload = OffloadTier(self.num_offload_blocks, base=self.num_cpu_blocks)
+            self.gpu_pool.on_evict = self.offload.store
 
     @property
     def block_tables(self) -> dict[int, list[int]]:
@@ -298,8 +312,42 @@ class BlockManager:
                 self.gpu_pool.incref(block)
                 table.append(block)
             tables[seq.seq_id] = table
+        if self.offload is not None:
+            n = self._load_offloaded_prefix(seq, self.tables[0][seq.seq_id], n)
         self._new_table_version(seq.seq_id)
         return n * self.block_size
+
+    def _load_offloaded_prefix(self, seq: Sequence, table: list[int], n: int) -> int:
+        """Extend a prefix of `n` device-cached blocks with the blocks that follow it in the CPU tier, each copied
+        into a new device block (cached under its hash at once, so later lookups share it), while blocks are free
+        beyond the watermark → the new prefix length in blocks."""
+        max_blocks = (seq.get_len() - 1) // self.block_size
+        if n >= max_blocks:
+            return n
+        hashes = self._block_hashes_upto(seq, max_blocks)
+        bs, tier = self.block_size, self.offload
+        start = n
+        while n < max_blocks and self.can_allocate(1, for_new_request=True):
+            tokens = tuple(seq.tokens_slice(n * bs, (n + 1) * bs))
+            source = tier.lookup(hashes[n], tokens)
+            if source is None:
+                break
+            tier.pool.incref(source)  # held while the device block is taken: that may store an evicted block
+            block = self.gpu_pool.allocate()
+            tier.load(source, block)
+            tier.pool.decref(source)
+            self.gpu_pool.cache_block(block, hashes[n], tokens)
+            table.append(block)
+            n += 1
+        tier.stats.num_hit_tokens += (n - start) * bs
+        return n
+
+    def take_offload_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The CPU tier's pending copies (swap-outs, swap-ins; CPU ids in the worker's CPU cache) for the next step
+        to run before its forward pass; ([], []) without a tier."""
+        if self.offload is None or not self.offload.has_moves():
+            return [], []
+        return self.offload.take_moves()
 
     def _first_seen_block(self, position: int, window: int) -> int:
         """The first block a query at `position` reads under a `window`-token window."""
@@ -351,6 +399,8 @@ class BlockManager:
         if self.get_num_free_gpu_blocks() != self.num_gpu_blocks:
             return False
         self.gpu_pool.reset_prefix_cache()
+        if self.offload is not None:
+            self.offload.reset()
         return True
 
     def record_prefix_lookup(self, seq: Sequence, hit_tokens: int) -> None:
@@ -464,7 +514,12 @@ class BlockManager:
         return sum(c - 1 for c in self.gpu_pool.ref_counts if c > 1)
 
     def check_invariants(self) -> None:
-        """Refcounts equal the number of tables pointing at each block, on both pools."""
+        """Refcounts equal the number of tables pointing at each block, on both pools (the CPU tier's: no block
+        referenced once its copies were handed to a step)."""
+        if self.offload is not None:
+            self.offload.pool.check_invariants()
+            if not self.offload.has_moves() and any(self.offload.pool.ref_counts):
+                raise RuntimeError("a KV offloading tier block is still pinned with no copy pending")
         for pool, group_tables in ((self.gpu_pool, self.tables), (self.cpu_pool, self.cpu_tables)):
             pool.check_invariants()
             counts = [0] * pool.num_blocks

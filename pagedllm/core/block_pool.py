@@ -7,6 +7,7 @@ first, only when the pool has no never-cached free block left.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import xxhash
 
@@ -49,6 +50,9 @@ class BlockPool:
         self._block_tokens: dict[int, tuple[int, ...]] = {}
         self.num_evictions = 0
         self.num_increfs = 0  # ever: a block gaining a reference may need copying before a write
+        # Called as on_evict(block, hash, token ids) when a cached block is taken for reuse, before its KV bytes
+        # are overwritten (the block manager's CPU offloading tier keeps a copy).
+        self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
 
     # -- allocation -------------------------------------------------------------------------
     def get_num_free_blocks(self) -> int:
@@ -60,6 +64,8 @@ class BlockPool:
             block = self._free_uncached.pop()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block, self._block_hash[block], self._block_tokens[block])
             self._uncache(block)
             self.num_evictions += 1
         else:
@@ -105,6 +111,11 @@ class BlockPool:
 
     def block_hash(self, block: int) -> int | None:
         return self._block_hash.get(block)
+
+    def touch(self, block: int) -> None:
+        """A free cached block was used again: it becomes the last to be evicted."""
+        if block in self._evictable:
+            self._evictable.move_to_end(block)
 
     def _uncache(self, block: int) -> None:
         block_hash = self._block_hash.pop(block, None)

@@ -414,6 +414,7 @@ def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: Cache
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
             num_cpu_blocks=cache_config.num_cpu_blocks or 0,
+            num_offload_blocks=cache_config.num_offload_blocks,
             enable_caching=cache_config.enable_prefix_caching,
             watermark=scheduler_config.watermark,
             sliding_window=cache_config.sliding_window,

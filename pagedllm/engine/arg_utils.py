@@ -15,6 +15,7 @@ from pagedllm.config import (
     PoolerConfig,
     SCHEDULING_POLICIES,
     KV_CACHE_DTYPES,
+    KV_OFFLOADING_BACKENDS,
     QUANTIZATION_METHODS,
     KV_CACHE_MANAGERS,
     CacheConfig,
@@ -66,6 +67,10 @@ _HELP = {
     "kv_cache_memory_bytes": "KV pool size in bytes (when no block override is given).",
     "gpu_memory_utilization": "Fraction of GPU memory the engine may use (weights + activations + KV pool).",
     "swap_space": "GiB of CPU memory for swapped-out KV blocks.",
+    "kv_offloading_size": "GiB of CPU memory for a tier under the prefix cache (vLLM's native KV offloading): "
+                          "cached blocks the KV pool evicts are copied there and copied back on a prefix hit "
+                          "instead of recomputed. Needs --enable-prefix-caching.",
+    "kv_offloading_backend": "The KV offloading tier's implementation: native (the only one).",
     "enable_chunked_prefill": "Split long prompts into chunks that share steps with decodes.",
     "enable_prefix_caching": "Reuse KV blocks of identical prompt prefixes across requests.",
     "preemption_mode": "What to do with a preempted group: recompute, swap, or auto.",
@@ -108,8 +113,8 @@ _HELP = {
                            "1.0 (measured better on the bundled model, BENCHMARKS.md). Ignored for plain pools.",
     "quantization": "Weight quantization: fp8 (bf16 linear weights → e4m3 per output channel at load, "
                     "per-token activation scales, torch._scaled_mm; CUDA only); gguf (a .gguf file's Q4_0/Q4_1/"
-                    "Q8_0/Q4_K weights stay quantized, int8 dot-product kernels; CPU, float32; the default for "
-                    "such a file on the CPU); none (dequantize every tensor at load). An FP8 checkpoint "
+                    "Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay quantized, int8 dot-product kernels; CPU, float32; "
+                    "the default for such a file on the CPU); none (dequantize every tensor at load). An FP8 checkpoint "
                     "(compressed-tensors or quant_method fp8 in config.json) loads in FP8 on CUDA without this flag "
                     "(none: dequantized), dequantized on the CPU. gptq, awq, compressed-tensors: the checkpoint's own "
                     "method (detected without the flag; a flag that does not match it is an error): 4/8-bit "
@@ -187,6 +192,7 @@ TOKENIZER_MODES = ("auto", "hf", "slow")
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES,
             "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS,
+            "kv_offloading_backend": KV_OFFLOADING_BACKENDS,
             "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS, "runner": RUNNER_TYPES,
             "convert": CONVERT_TYPES, "reasoning_parser": REASONING_PARSERS}
 
@@ -208,6 +214,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
@@ -319,6 +327,7 @@ class EngineArgs:
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
+            kv_offloading_size=self.kv_offloading_size, kv_offloading_backend=self.kv_offloading_backend,
             enable_prefix_caching=(self.enable_prefix_caching and not encoder
                                    and (pooler is None or pooler.pooling_type == "LAST")),
             preemption_mode=self.preemption_mode,
@@ -326,6 +335,7 @@ class EngineArgs:
             calculate_kv_scales=self.calculate_kv_scales, disable_sliding_window=self.disable_sliding_window,
             disable_hybrid_kv_cache_manager=(self.disable_hybrid_kv_cache_manager or self.kv_cache_manager != "paged"
                                              or self.speculative_config is not None
+                                             or self.kv_offloading_size is not None
                                              or self.kv_cache_dtype.startswith("fp8")
                                              or (DeviceConfig(self.device).resolve() == "cuda"
                                                  and os.environ.get(CUDA_HYBRID_KV_CACHE_ENV) == "0")),

@@ -99,20 +99,23 @@ class LLMEngine:
         torch.manual_seed(mc.seed)
         self._check_async_scheduling()
         self.executor = self._make_executor()
-        num_gpu, num_cpu = self.executor.determine_num_available_blocks()
+        num_gpu, num_cpu, num_offload = self.executor.determine_num_available_blocks()
         if num_gpu < 1:
             raise ValueError(
                 "the KV cache budget holds no block at all; raise kv_cache_memory_bytes / "
                 "gpu_memory_utilization or set num_gpu_blocks_override."
             )
-        cc.num_gpu_blocks, cc.num_cpu_blocks = num_gpu, num_cpu
-        self.executor.initialize_cache(num_gpu, num_cpu)
+        cc.num_gpu_blocks, cc.num_cpu_blocks, cc.num_offload_blocks = num_gpu, num_cpu, num_offload
+        self.executor.initialize_cache(num_gpu, num_cpu + num_offload)  # the tier's CPU blocks after the swap pool's
         logger.info(
             "KV cache: %d blocks × %d tokens = %d token slots on %s (%d CPU swap blocks, kv_cache_dtype=%s); "
             "max_model_len=%d",
             num_gpu, cc.block_size, num_gpu * cc.block_size, self.executor.device, num_cpu, cc.cache_dtype,
             sc.max_model_len,
         )
+        if num_offload:
+            logger.info("KV offloading: %d CPU blocks (%.1f GiB) under the prefix cache: blocks the pool evicts are "
+                        "kept there and copied back on a prefix hit", num_offload, cc.kv_offloading_size)
         layout = kv_cache_layout(self.hf_config, cc)
         cc.kv_cache_group_windows = layout.group_windows
         cc.sliding_window = layout.groups[0].sliding_window if not layout.is_hybrid else None
@@ -181,7 +184,8 @@ class LLMEngine:
             from pagedllm.spec_decode.spec_decoder import SpecDecoder
 
             self.spec_decoder = SpecDecoder(self.config.speculative_config, self.scheduler, self.executor,
-                                            self.max_seq_len, async_steps=self.async_scheduling)
+                                            self.max_seq_len, async_steps=self.async_scheduling,
+                                            structured_output=self.structured_output)
         self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
         self._sleep = SleepState()  # sleep mode (engine/sleep_mode.py)
         self.device_spec = None
@@ -644,6 +648,10 @@ class LLMEngine:
             if start < n_prompt:
                 num_prompt_tokens += min(start + item.num_new_tokens, n_prompt) - start
         self.num_prompt_tokens_total += num_prompt_tokens
+        stores, loads = self.scheduler.block_manager.take_offload_moves()
+        if stores or loads:  # the KV offloading tier's copies; the worker runs swap-outs, then swap-ins
+            sched.blocks_to_swap_out.extend(stores)
+            sched.blocks_to_swap_in.extend(loads)
         req = ExecuteModelRequest(chunks, sched.blocks_to_swap_in, sched.blocks_to_swap_out, sched.blocks_to_copy)
         if pending:
             req.pending_inputs = pending
@@ -1022,6 +1030,7 @@ class LLMEngine:
             "num_swapped_out_blocks": st.num_swapped_out_blocks,
             "prefix_cache_queries": st.prefix_cache_queries,
             "prefix_cache_hits": st.prefix_cache_hits,
+            **self._offload_stats(bm),
             "prompt_tokens_total": self.num_prompt_tokens_total,
             "generation_tokens_total": self.num_generation_tokens_total,
             **(self.spec_decoder.stats.as_dict() if self.spec_decoder is not None else {}),
@@ -1030,6 +1039,17 @@ class LLMEngine:
                if self.device_spec is not None else {}),
             **{f"kv_frac_{k}": v for k, v in self.kv_memory_breakdown().fractions().items()},
         }
+
+    @staticmethod
+    def _offload_stats(bm) -> dict[str, int]:
+        """The KV offloading tier's figures (none without a tier)."""
+        tier = getattr(bm, "offload", None)
+        if tier is None:
+            return {}
+        return {"kv_offload_blocks_total": tier.num_blocks, "kv_offload_blocks_cached": tier.pool.num_cached_blocks(),
+                "kv_offload_stored_blocks": tier.stats.num_stored_blocks,
+                "kv_offload_loaded_blocks": tier.stats.num_loaded_blocks,
+                "kv_offload_hit_tokens": tier.stats.num_hit_tokens}
 
 
 def _num_new_tokens(item: ScheduledSequence) -> int:

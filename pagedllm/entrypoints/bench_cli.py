@@ -17,6 +17,7 @@ BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("cpu-decode-step", "pagedllm.benchmarks.cpu_decode_step", "Single-sequence CPU decode step by phase, direct forward on/off."),
     ("embed", "pagedllm.benchmarks.embed", "Embedding throughput (pooling runner) vs transformers, same prompts."),
     ("lora", "pagedllm.benchmarks.lora", "Multi-LoRA throughput: no adapter, one, several mixed; transformers+peft peer."),
+    ("kv-offload", "pagedllm.benchmarks.kv_offload", "KV offloading (a CPU tier under the prefix cache) vs the prefix cache alone."),
 )
 
 

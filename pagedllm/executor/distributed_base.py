@@ -171,11 +171,11 @@ class DistributedExecutorBase(ABC):
         return unpack_results(self._run_workers("collective_rpc", pack_method(method), tuple(args), kwargs,
                                                 timeout_s=timeout))
 
-    def determine_num_available_blocks(self) -> tuple[int, int]:
+    def determine_num_available_blocks(self) -> tuple[int, int, int]:
         """Every rank sizes its own pools; the scheduler must fit the smallest."""
         results = self._run_workers("determine_num_available_blocks")
-        logger.info("KV blocks per rank (device, cpu): %s", results)
-        return min(r[0] for r in results), min(r[1] for r in results)
+        logger.info("KV blocks per rank (device, cpu swap, cpu offloading): %s", results)
+        return tuple(min(r[i] for r in results) for i in range(3))
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._run_workers("init_cache", num_gpu_blocks, num_cpu_blocks)

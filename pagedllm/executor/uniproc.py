@@ -19,7 +19,7 @@ class UniProcExecutor:
         self.driver_worker = Worker(config, model_dir, hf_config)
         self.driver_worker.load_model()
 
-    def determine_num_available_blocks(self) -> tuple[int, int]:
+    def determine_num_available_blocks(self) -> tuple[int, int, int]:
         return self.driver_worker.determine_num_available_blocks()
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:

@@ -1,4 +1,5 @@
-"""KV cache operations in Triton: ``reshape_and_cache`` and ``copy_blocks`` (oracles in ``reference.py``)."""
+"""KV cache operations in Triton: ``reshape_and_cache``, ``copy_blocks`` and ``swap_blocks`` (oracles in
+``reference.py``)."""
 from __future__ import annotations
 
 import torch
@@ -111,4 +112,52 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     numel = first[0].numel()
     _copy_blocks_kernel[(mapping.shape[0], len(caches))](
         first, offsets, mapping, NUMEL=numel, CHUNK=min(4096, triton.next_power_of_2(numel)), num_warps=4,
+    )
+
+
+@triton.jit
+def _swap_blocks_kernel(
+    src_base_ptr, dst_base_ptr, src_offsets_ptr, dst_offsets_ptr, mapping_ptr,
+    NUMEL: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    cache = tl.program_id(1)
+    src = tl.load(mapping_ptr + pair * 2).to(tl.int64)
+    dst = tl.load(mapping_ptr + pair * 2 + 1).to(tl.int64)
+    src_base = src_base_ptr + tl.load(src_offsets_ptr + cache)  # this layer's K or V pool on each side
+    dst_base = dst_base_ptr + tl.load(dst_offsets_ptr + cache)
+    for start in range(0, NUMEL, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < NUMEL
+        x = tl.load(src_base + src * NUMEL + offs, mask=mask)
+        tl.store(dst_base + dst * NUMEL + offs, x, mask=mask)
+
+
+def swap_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Swaps (and the KV offloading tier's copies) between the device pool and the pinned host pool: for each (src,
+    dst) row of `block_mapping` [N, 2] (on the device), block src of every cache in `src_caches` → block dst of the
+    matching cache in `dst_caches`, all layers and all pairs in one launch. One side lives in pinned host memory,
+    which the kernel reads or writes in place (mapped into the device's address space under unified addressing),
+    instead of one copy per block and layer. Each side's caches are addressed by their element offset from its
+    first; ValueError if the caches differ in shape, layout or dtype, or Triton cannot address a side."""
+    if block_mapping.numel() == 0:
+        return
+    if len(src_caches) != len(dst_caches) or not src_caches:
+        raise ValueError("swap_blocks needs one destination cache per source cache")
+    first_src, first_dst = src_caches[0], dst_caches[0]
+    for c in (*src_caches, *dst_caches):
+        if c.dtype != first_src.dtype or c.shape[1:] != first_src.shape[1:] or c.stride() != first_src.stride():
+            raise ValueError("swap_blocks needs caches of one block shape, layout and dtype")
+    kv_layout.layout_of(first_src)  # either layout stores a block as one dense run: copied as NUMEL elements
+    elem = first_src.element_size()
+    offsets = []
+    for caches, first in ((src_caches, first_src), (dst_caches, first_dst)):
+        deltas = [c.data_ptr() - first.data_ptr() for c in caches]
+        if any(x % elem for x in deltas):
+            raise ValueError("cache tensors are not aligned to their element size.")
+        offsets.append(async_tensor_h2d([x // elem for x in deltas], torch.int64, block_mapping.device))
+    numel = first_src[0].numel()
+    _swap_blocks_kernel[(block_mapping.shape[0], len(src_caches))](
+        first_src, first_dst, offsets[0], offsets[1], block_mapping,
+        NUMEL=numel, CHUNK=min(4096, triton.next_power_of_2(numel)), num_warps=4,
     )

@@ -137,13 +137,21 @@ class CacheEngine:
                 reference.swap_blocks(src, dst, m)
 
     def _swap_async(self, src_cache, dst_cache, mapping: list[tuple[int, int]]) -> None:
-        """Block-by-block async copies between the GPU pool and the pinned CPU pool on the swap stream,
-        ordered after the work already queued on the compute stream and before the work queued after it."""
+        """Async copies between the GPU pool and the pinned CPU pool on the swap stream, ordered after the work
+        already queued on the compute stream and before the work queued after it: one Triton launch for every layer
+        and block, reading or writing the pinned pool in place (triton_cache_ops.swap_blocks), else block by block
+        (a host pool Triton cannot address)."""
         compute = torch.cuda.current_stream(self.device)
         self.swap_stream.wait_stream(compute)
+        pairs = [p for pair in zip(src_cache, dst_cache) for p in zip(*map(_distinct, pair))]  # K with K, V with V
         with torch.cuda.stream(self.swap_stream):
-            for pair in zip(src_cache, dst_cache):
-                for (src, dst) in zip(*map(_distinct, pair)):  # (keys, keys), (values, values) unless MLA
+            try:
+                from pagedllm.kernels import triton_cache_ops  # needs triton: imported on use
+
+                m = async_tensor_h2d(mapping, torch.int64, self.device)
+                triton_cache_ops.swap_blocks([s for s, _ in pairs], [d for _, d in pairs], m)
+            except ValueError:
+                for src, dst in pairs:
                     src, dst = kv_layout.storage_of(src), kv_layout.storage_of(dst)
                     for s, d in mapping:
                         dst[d].copy_(src[s], non_blocking=True)

@@ -337,28 +337,32 @@ class Worker:
         logger.info("LoRA: %d adapter slot(s) of rank %d on every projection (%.1f MiB)", lc.max_loras,
                     lc.max_lora_rank, self.lora_manager.num_buffer_bytes / 2**20)
 
-    def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) this worker can hold under the cache config."""
+    def determine_num_available_blocks(self) -> tuple[int, int, int]:
+        """(device blocks, CPU swap blocks, KV offloading tier blocks) this worker can hold under the cache config."""
         cc = self.config.cache_config
         sc = self.config.scheduler_config
         if self.encoder_only:  # blocks of no memory: enough for every sequence at full length, no swap pool
             if cc.num_gpu_blocks_override is not None:
-                return cc.num_gpu_blocks_override, 0
-            return sc.max_num_seqs * -(-sc.max_model_len // cc.block_size), 0
+                return cc.num_gpu_blocks_override, 0, 0
+            return sc.max_num_seqs * -(-sc.max_model_len // cc.block_size), 0, 0
         block_bytes = self.cache_block_size_bytes()
         num_cpu = int(cc.swap_space * (1 << 30)) // block_bytes
+        num_offload = int((cc.kv_offloading_size or 0) * (1 << 30)) // block_bytes
+        if cc.kv_offloading_size and num_offload < 1:
+            raise ValueError(f"kv_offloading_size={cc.kv_offloading_size} GiB holds no KV block of {block_bytes} "
+                             "bytes; give more")
         if cc.num_gpu_blocks_override is not None:
-            return cc.num_gpu_blocks_override, num_cpu
+            return cc.num_gpu_blocks_override, num_cpu, num_offload
         if cc.kv_cache_memory_bytes is not None:
-            return cc.kv_cache_memory_bytes // block_bytes, num_cpu
+            return cc.kv_cache_memory_bytes // block_bytes, num_cpu, num_offload
         if self.device.type == "cuda":
             from pagedllm.worker.gpu_profiling import profile_num_gpu_blocks  # GPU-only path
 
-            return profile_num_gpu_blocks(self, block_bytes), num_cpu
+            return profile_num_gpu_blocks(self, block_bytes), num_cpu, num_offload
         budget = int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
         # No need for more than every sequence at full length (in every KV cache group).
         max_useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) * self.kv_layout.num_groups
-        return min(budget // block_bytes, max_useful), num_cpu
+        return min(budget // block_bytes, max_useful), num_cpu, num_offload
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
