@@ -101,43 +101,39 @@ def _nonzero(v: np.ndarray) -> np.ndarray:
     return np.where(v == 0, 1, v).astype(np.float32)[:, None]
 
 
-def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
-    """Q4_K blocks (uint8 [..., row_bytes]) of float rows whose length is a multiple of 256, which gguf-py cannot
-    write: per super-block an fp16 scale d and minimum dmin, per 32 values 6-bit multiples of them (ggml's
-    get_scale_min_k4 packing) and 4-bit quants, w = d·sc·q − dmin·m. A plain min / max fit (llama.cpp searches the
-    scales); the tests only need valid blocks near the weights."""
+def _k_quant_fit(arr: np.ndarray, qmax: int) -> tuple[np.ndarray, ...]:
+    """The scale / minimum fit Q4_K and Q5_K share: per super-block of 256 an fp16 scale d and minimum dmin, per 32
+    values 6-bit multiples sc, m of them (packed as ggml's get_scale_min_k4 reads them) and quants q in [0, qmax],
+    w = d·sc·q − dmin·m → (d, dmin, packed scales, q [super-blocks, 8, 32]). A plain min / max fit (llama.cpp
+    searches the scales); the tests only need valid blocks near the weights."""
     x = arr.astype(np.float32).reshape(-1, 8, 32)  # [super-blocks, sub-blocks, values]
     lo = np.minimum(x.min(axis=2), 0)
-    scale, mins = (x.max(axis=2) - lo) / 15, -lo
+    scale, mins = (x.max(axis=2) - lo) / qmax, -lo
     d = (scale.max(axis=1) / 63).astype(np.float16)
     dmin = (mins.max(axis=1) / 63).astype(np.float16)
     sc = np.clip(np.rint(scale / _nonzero(d)), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(mins / _nonzero(dmin)), 0, 63).astype(np.uint8)
     step = d.astype(np.float32)[:, None] * sc
     offset = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
-    q = np.clip(np.rint((x + offset) / np.where(step == 0, 1, step)[:, :, None]), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((x + offset) / np.where(step == 0, 1, step)[:, :, None]), 0, qmax).astype(np.uint8)
     scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
                              (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    return d, dmin, scales, q
+
+
+def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
+    """Q4_K blocks (uint8 [..., row_bytes]) of float rows whose length is a multiple of 256, which gguf-py cannot
+    write: :func:`_k_quant_fit` with 4-bit quants."""
+    d, dmin, scales, q = _k_quant_fit(arr, 15)
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # each 64 values: low nibbles, then high
     blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=1)
     return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 144)
 
 
 def quantize_q5_k(arr: np.ndarray) -> np.ndarray:
-    """Q5_K blocks of float rows whose length is a multiple of 256 (gguf-py cannot write them): :func:`quantize_q4_k`'s
-    plain fit with 5-bit quants, w = d·sc·q − dmin·m, the fifth bits of each 32 values in qh (bit j: sub-block j)."""
-    x = arr.astype(np.float32).reshape(-1, 8, 32)
-    lo = np.minimum(x.min(axis=2), 0)
-    scale, mins = (x.max(axis=2) - lo) / 31, -lo
-    d = (scale.max(axis=1) / 63).astype(np.float16)
-    dmin = (mins.max(axis=1) / 63).astype(np.float16)
-    sc = np.clip(np.rint(scale / _nonzero(d)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(mins / _nonzero(dmin)), 0, 63).astype(np.uint8)
-    step = d.astype(np.float32)[:, None] * sc
-    offset = (dmin.astype(np.float32)[:, None] * m)[:, :, None]
-    q = np.clip(np.rint((x + offset) / np.where(step == 0, 1, step)[:, :, None]), 0, 31).astype(np.uint8)
-    scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
-                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    """Q5_K blocks of float rows whose length is a multiple of 256 (gguf-py cannot write them): :func:`_k_quant_fit`
+    with 5-bit quants, the fifth bits of each 32 values in qh (bit j: sub-block j)."""
+    d, dmin, scales, q = _k_quant_fit(arr, 31)
     low = q & 15
     qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
     qh = np.bitwise_or.reduce(((q >> 4) & 1) << np.arange(8, dtype=np.uint8)[None, :, None], axis=1).astype(np.uint8)

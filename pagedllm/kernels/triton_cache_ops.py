@@ -75,26 +75,9 @@ def reshape_and_cache(
     )
 
 
-@triton.jit
-def _copy_blocks_kernel(
-    base_ptr, cache_offsets_ptr, mapping_ptr,
-    NUMEL: tl.constexpr, CHUNK: tl.constexpr,
-):
-    pair = tl.program_id(0)
-    cache = tl.program_id(1)
-    src = tl.load(mapping_ptr + pair * 2).to(tl.int64)
-    dst = tl.load(mapping_ptr + pair * 2 + 1).to(tl.int64)
-    base = base_ptr + tl.load(cache_offsets_ptr + cache)  # this layer's K or V cache
-    for start in range(0, NUMEL, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < NUMEL
-        x = tl.load(base + src * NUMEL + offs, mask=mask)
-        tl.store(base + dst * NUMEL + offs, x, mask=mask)
-
-
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """Copy-on-write: for each (src, dst) row of `block_mapping` [N, 2], copy block src → dst in every layer,
-    all layers and all pairs in one launch (each cache is addressed by its element offset from the first)."""
+    all layers and all pairs in one launch (swap_blocks' kernel with each cache its own destination)."""
     if block_mapping.numel() == 0:
         return
     caches = [c for pair in zip(key_caches, value_caches) for c in pair]
@@ -102,17 +85,7 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     for c in caches:
         if c.dtype != first.dtype or c.shape != first.shape or c.stride() != first.stride() or c.device != first.device:
             raise ValueError("copy_blocks needs caches of one shape, layout, dtype and device.")
-    kv_layout.layout_of(first)  # either layout stores a block as one dense run: copied as NUMEL elements
-    elem = first.element_size()
-    deltas = [c.data_ptr() - first.data_ptr() for c in caches]
-    if any(x % elem for x in deltas):
-        raise ValueError("cache tensors are not aligned to their element size.")
-    offsets = async_tensor_h2d([x // elem for x in deltas], torch.int64, first.device)
-    mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
-    numel = first[0].numel()
-    _copy_blocks_kernel[(mapping.shape[0], len(caches))](
-        first, offsets, mapping, NUMEL=numel, CHUNK=min(4096, triton.next_power_of_2(numel)), num_warps=4,
-    )
+    swap_blocks(caches, caches, block_mapping.to(device=first.device, dtype=torch.int64).contiguous())
 
 
 @triton.jit
