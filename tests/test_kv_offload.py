@@ -135,6 +135,11 @@ def test_engine_tier_hits_give_the_device_cache_outputs(device_cached):
     _, plain = _serve_twice(40, swap_space=0.01)
     assert plain["prefix_cache_hits"] < st["prefix_cache_hits"]
     assert "kv_offload_stored_blocks" not in plain
+    from pagedllm.engine.metrics import EngineMetrics
+
+    text = EngineMetrics("m", lambda: st).render().decode()
+    assert f'pagedllm:kv_offload_loaded_blocks_total{{model_name="m"}} {float(st["kv_offload_loaded_blocks"])}' in text
+    assert "pagedllm:kv_offload" not in EngineMetrics("m", lambda: plain).render().decode()
 
 
 def test_engine_tier_beside_swap_preemption():

@@ -68,6 +68,13 @@ _COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("pagedllm:engine_step_faults", "Engine steps that raised.", "num_step_faults"),
 )
 
+_OFFLOAD_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("pagedllm:kv_offload_stored_blocks", "Evicted device blocks copied to the CPU tier.", "kv_offload_stored_blocks"),
+    ("pagedllm:kv_offload_loaded_blocks", "CPU tier blocks copied back for a prefix hit.", "kv_offload_loaded_blocks"),
+    ("pagedllm:kv_offload_hit_tokens", "Prompt tokens found in the CPU tier (also prefix cache hits).",
+     "kv_offload_hit_tokens"),
+)
+
 
 class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], dict[str, Any]], labels: dict[str, str]) -> None:
@@ -101,6 +108,15 @@ class _SnapshotCollector(Collector):
             yield c
         if "spec_decode_num_draft_tokens" in stats:  # speculative decoding is configured
             yield from _spec_decode_metrics(stats, names, values)
+        if "kv_offload_blocks_total" in stats:  # the KV offloading tier is configured
+            yield gauge("pagedllm:kv_offload_blocks_total", "Blocks of the CPU tier under the prefix cache.",
+                        stats["kv_offload_blocks_total"])
+            yield gauge("pagedllm:kv_offload_blocks_cached", "CPU tier blocks holding a cached block.",
+                        stats.get("kv_offload_blocks_cached", 0))
+            for name, doc, key in _OFFLOAD_COUNTERS:
+                c = CounterMetricFamily(name, doc, labels=names)
+                c.add_metric(values, float(stats.get(key, 0)))
+                yield c
 
 
 _SPEC_COUNTERS: tuple[tuple[str, str, str], ...] = (
