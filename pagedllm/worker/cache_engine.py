@@ -157,6 +157,18 @@ class CacheEngine:
                         dst[d].copy_(src[s], non_blocking=True)
         compute.wait_stream(self.swap_stream)
 
+    def warm_up(self) -> None:
+        """CUDA: compile the block-copy kernel (copy-on-write, swaps, the KV offloading tier) now, not in the first
+        step that moves a block. Copies block 0 onto itself, and through CPU block 0 when there is a CPU pool: no
+        request owns either yet."""
+        if self.device.type != "cuda" or not self.slot_gpu_cache:
+            return
+        self.copy([(0, 0)])
+        if self.slot_cpu_cache:
+            self.swap_out([(0, 0)])
+            self.swap_in([(0, 0)])
+        torch.cuda.synchronize(self.device)
+
     def copy(self, mapping: list[tuple[int, int]]) -> None:
         if not mapping:
             return

@@ -374,6 +374,8 @@ class Worker:
             num_gpu_blocks, num_cpu_blocks, self.kv_spec.dtype, self.device,
             layer_slots=[slot for _, slot in placement], use_mla=self.use_mla,
         )
+        if not self.encoder_only:
+            self.cache_engine.warm_up()  # CUDA: the block-copy kernel compiled before any request moves a block
         if self.encoder_only:
             logger.info("Encoder-only model: no KV pool tensors (%d blocks are admission accounting only)",
                         num_gpu_blocks)
