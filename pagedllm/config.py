@@ -166,6 +166,9 @@ class CacheConfig:
     sliding_window: int | None = field(default=None, init=False)
     # Filled in from the model: each KV cache group's window (core/kv_cache_groups.py); one entry unless hybrid.
     kv_cache_group_windows: tuple[int | None, ...] | None = field(default=None, init=False)
+    # Filled in from the model: it has state-space (Mamba) layers, whose per-sequence state lives in slots beside the
+    # KV pool (core/block_manager.py num_state_slots; model/layers/mamba_state.py).
+    has_recurrent_state: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)

@@ -301,6 +301,12 @@ class ContiguousBlockManager:
     def take_offload_moves(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         return [], []  # no KV offloading tier
 
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        return []  # no recurrent-state slots (state-space models need the paged manager)
+
+    def state_slot(self, seq: Sequence) -> int | None:
+        return None
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         return None
 

@@ -66,6 +66,10 @@ class BlockManager:
     # Blocks of the CPU tier under the prefix cache (core/kv_offload.py; vLLM's kv_offloading_size): evicted cached
     # blocks are kept there and copied back on a prefix hit. 0: no tier.
     num_offload_blocks: int = 0
+    # Models with state-space (Mamba) layers: one recurrent-state slot per running sequence, taken when the sequence
+    # first gets slots and given back when it is freed (a fork starts from a copy of its parent's state: see
+    # `take_state_copies`). 0: the model keeps no such state.
+    num_state_slots: int = 0
     gpu_pool: BlockPool = field(init=False)
     cpu_pool: BlockPool = field(init=False)
     # tables[g][seq_id]: group g's table; block_tables / cpu_block_tables are group 0's (the full-attention
@@ -105,6 +109,9 @@ class BlockManager:
         self.watermark_blocks = int(self.watermark * self.num_gpu_blocks)
         self.tables = [{} for _ in self.group_windows]
         self.cpu_tables = [{} for _ in self.group_windows]
+        self._free_state_slots = list(range(self.num_state_slots - 1, -1, -1))
+        self.state_slots: dict[int, int] = {}
+        self._state_copies: list[tuple[int, int]] = []
         self.offload: OffloadTier | None = None
         if self.num_offload_blocks:
             if not self.enable_caching:
@@ -215,6 +222,8 @@ class BlockManager:
         pool = self.gpu_pool
         refs = pool.ref_counts
         sid = seq.seq_id
+        if self.num_state_slots and sid not in self.state_slots:
+            self.state_slots[sid] = self._take_state_slot()
         seen = self._unchanged.pop(sid, None)
         version = self.table_versions.get(sid)
         if seen is not None and seen == (computed, num_new_tokens, version, len(self.tables[0].get(sid, ())),
@@ -271,6 +280,10 @@ class BlockManager:
                     self.gpu_pool.incref(block)
             tables[child.seq_id] = list(table)
         self._new_table_version(child.seq_id)
+        parent_slot = self.state_slots.get(parent.seq_id)
+        if parent_slot is not None:
+            self.state_slots[child.seq_id] = child_slot = self._take_state_slot()
+            self._state_copies.append((parent_slot, child_slot))
         if parent.seq_id in self._seq_block_hashes:
             self._seq_block_hashes[child.seq_id] = list(self._seq_block_hashes[parent.seq_id])
 
@@ -289,10 +302,32 @@ class BlockManager:
                 for block in cpu_table:
                     if block != NULL_BLOCK:
                         self.cpu_pool.decref(block)
+        slot = self.state_slots.pop(seq.seq_id, None)
+        if slot is not None:
+            self._free_state_slots.append(slot)
         self._seq_block_hashes.pop(seq.seq_id, None)
         self.table_versions.pop(seq.seq_id, None)
         self._cached_upto.pop(seq.seq_id, None)
         self._unchanged.pop(seq.seq_id, None)
+
+    # -- recurrent state slots (state-space layers) -----------------------------------------
+    def _take_state_slot(self) -> int:
+        if not self._free_state_slots:
+            # The scheduler runs at most max_num_seqs sequences and preempts by recompute (which frees the slot),
+            # so the pool of max_num_seqs slots cannot run dry unless that invariant broke.
+            raise RuntimeError(f"all {self.num_state_slots} recurrent-state slots are taken: more sequences are "
+                               "running than max_num_seqs allows")
+        return self._free_state_slots.pop()
+
+    def state_slot(self, seq: Sequence) -> int | None:
+        """The recurrent-state slot the sequence owns (None: the model has no state-space layers, or none yet)."""
+        return self.state_slots.get(seq.seq_id)
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """(parent slot, child slot) of every fork since the last call: the worker copies these states before the
+        next step runs, so a child continues from its parent's state."""
+        copies, self._state_copies = self._state_copies, []
+        return copies
 
     # -- prefix caching ---------------------------------------------------------------------
     def allocate_cached_prefix(self, seq: Sequence) -> int:
@@ -530,3 +565,7 @@ class BlockManager:
             if counts != pool.ref_counts:
                 bad = [b for b in range(pool.num_blocks) if counts[b] != pool.ref_counts[b]]
                 raise RuntimeError(f"refcount mismatch on blocks {bad[:10]}")
+        slots = list(self.state_slots.values())
+        if len(set(slots)) != len(slots) or len(slots) + len(self._free_state_slots) != self.num_state_slots:
+            raise RuntimeError(f"recurrent-state slots leaked or shared: {len(slots)} owned, "
+                               f"{len(self._free_state_slots)} free of {self.num_state_slots}")

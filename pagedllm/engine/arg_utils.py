@@ -29,7 +29,7 @@ from pagedllm.config import (
     SpeculativeConfig,
 )
 from pagedllm.device_utils import is_large_gpu
-from pagedllm.model.models.registry import is_encoder_only
+from pagedllm.model.models.registry import has_recurrent_state, is_encoder_only
 from pagedllm.reasoning import REASONING_PARSERS, check_reasoning_parser
 from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 
@@ -271,6 +271,30 @@ class EngineArgs:
             raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
 
+    def _check_recurrent_state_support(self) -> None:
+        """What a model with state-space (Mamba) layers cannot run here, as clear errors; what it runs differently, as
+        one log line. A sequence's recurrent state cannot be rewound, shared or moved block by block: no speculative
+        decoding, prefix caching, swapping, KV offloading or LoRA; preemption recomputes; CUDA runs eagerly."""
+        refused = {
+            "speculative_config": self.speculative_config is not None,
+            "preemption_mode='swap'": self.preemption_mode == "swap",
+            "kv_offloading_size": self.kv_offloading_size is not None,
+            "enable_lora": bool(self.enable_lora),
+            f"kv_cache_manager={self.kv_cache_manager!r}": self.kv_cache_manager != "paged",
+        }
+        bad = [name for name, on in refused.items() if on]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: not supported for models with state-space (Mamba) layers, whose "
+                             "per-sequence recurrent state cannot be rewound, shared or moved block by block. Allowed: "
+                             "the paged KV cache manager with recompute preemption, without speculative decoding, "
+                             "KV offloading or LoRA.")
+        notes = ["preemption recomputes"]
+        if self.enable_prefix_caching:
+            notes.append("prefix caching is off")
+        if DeviceConfig(self.device).resolve() == "cuda" and not self.enforce_eager:
+            notes.append("CUDA graphs are not captured (steps run eagerly)")
+        logger.info("State-space (Mamba) layers: %s", "; ".join(notes))
+
     def create_engine_config(self, model_max_len: int, usage_context: str = "engine",
                              hf_config: Any = None, model_dir: str | os.PathLike[str] | None = None) -> EngineConfig:
         """Validated configs; `model_max_len` is the model's own context length. `usage_context` is vLLM's:
@@ -283,6 +307,9 @@ class EngineArgs:
             logger.warning("vLLM options without effect here: %s", "; ".join(notes))
         runner, pooler, pooling_task = self._resolve_runner(hf_config, model_dir)
         encoder = hf_config is not None and is_encoder_only(hf_config)
+        recurrent = hf_config is not None and has_recurrent_state(hf_config)
+        if recurrent:
+            self._check_recurrent_state_support()
         resolve_backend(self.structured_outputs_backend)
         check_reasoning_parser(self.reasoning_parser)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
@@ -319,7 +346,7 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             max_model_len=max_model_len, load_format=self.load_format,
-            skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager or encoder,
+            skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager or encoder or recurrent,
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
             pooler_config=pooler, pooling_task=pooling_task, enable_prompt_embeds=self.enable_prompt_embeds,
         )
@@ -328,9 +355,9 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             kv_offloading_size=self.kv_offloading_size, kv_offloading_backend=self.kv_offloading_backend,
-            enable_prefix_caching=(self.enable_prefix_caching and not encoder
+            enable_prefix_caching=(self.enable_prefix_caching and not encoder and not recurrent
                                    and (pooler is None or pooler.pooling_type == "LAST")),
-            preemption_mode=self.preemption_mode,
+            preemption_mode="recompute" if recurrent else self.preemption_mode,
             kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,
             calculate_kv_scales=self.calculate_kv_scales, disable_sliding_window=self.disable_sliding_window,
             disable_hybrid_kv_cache_manager=(self.disable_hybrid_kv_cache_manager or self.kv_cache_manager != "paged"
@@ -340,6 +367,7 @@ class EngineArgs:
                                              or (DeviceConfig(self.device).resolve() == "cuda"
                                                  and os.environ.get(CUDA_HYBRID_KV_CACHE_ENV) == "0")),
         )
+        cache.has_recurrent_state = recurrent
         if self.data_parallel_size > 1:  # the ranks share one host's memory: each takes its part of the budget
             cache.cpu_kv_cache_fraction /= self.data_parallel_size
         sched = SchedulerConfig(

@@ -653,6 +653,7 @@ class LLMEngine:
             sched.blocks_to_swap_out.extend(stores)
             sched.blocks_to_swap_in.extend(loads)
         req = ExecuteModelRequest(chunks, sched.blocks_to_swap_in, sched.blocks_to_swap_out, sched.blocks_to_copy)
+        req.state_copies = self.scheduler.block_manager.take_state_copies()
         if pending:
             req.pending_inputs = pending
             req.prev_sampled_token_ids = prev.sampler_output.sampled_token_ids
@@ -728,6 +729,7 @@ class LLMEngine:
             token_type_start=item.group.extra.get("token_type_start"),
             group_block_tables=group_tables,
             table_version=version,
+            state_slot=bm.state_slot(seq),
         )
 
     def _launch_sampling(self, step: LaunchedStep) -> None:

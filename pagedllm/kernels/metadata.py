@@ -39,6 +39,8 @@ class AttentionMetadata:
     # and block tables; entry 0 is this one). An attention layer of group g reads entry g. None: one group.
     group_metadata: list[AttentionMetadata] | None = None
     kv_cache_group: int = 0  # which group's metadata this is
+    # A model with Mamba (state-space) layers: the step's state slots (model/layers/mamba_state.py). None otherwise.
+    mamba: Any = None
 
     def with_groups(self, slots_and_tables: list[tuple[torch.Tensor, torch.Tensor]]) -> AttentionMetadata:
         """This metadata as group 0's, with groups 1.. reading (slot_mapping, block_tables) from `slots_and_tables`

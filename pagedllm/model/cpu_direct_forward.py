@@ -232,6 +232,9 @@ class DirectForward:
             return None
         if not isinstance(attn_backend, NativeCpuAttentionBackend):
             return None
+        if hasattr(model, "mamba_state_shape"):  # state-space layers: written for attention stacks only
+            logger.info("CPU direct forward not used: %s has state-space (Mamba) layers", type(model).__name__)
+            return None
         family = _family_of(model)
         if family is None:  # the layer layouts written here
             logger.info("CPU direct forward not used: written for the Llama, Gemma and LayerNorm (GPT-NeoX, Phi, "

@@ -35,6 +35,8 @@ class SequenceChunk:
     # The block manager's version of the sequence's tables (BlockManager.table_versions): while it holds, the worker
     # copies only entries past those it already has (worker/block_table_rows.py). None: rebuild the rows.
     table_version: int | None = None
+    # A model with state-space (Mamba) layers: the recurrent-state slot the sequence owns (core's block manager).
+    state_slot: int | None = None
 
 
 @dataclass
@@ -47,6 +49,8 @@ class ExecuteModelRequest:
     # step's sampled token ids, still on the device, for each (i, r).
     pending_inputs: list[tuple[int, int]] = field(default_factory=list)
     prev_sampled_token_ids: Any = None  # torch.Tensor [num_samples] int64 on the device
+    # State-space layers: (src, dst) recurrent-state slots to copy before the step (a fork's parent → child).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def logits_row_layout(chunks: list[SequenceChunk]) -> list[tuple[int, int]]:

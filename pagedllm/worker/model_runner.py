@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.model.layers.mamba_state import MambaStateMetadata
 from pagedllm.worker.block_table_rows import PersistentBlockTables
 from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.prompt_embeds import write_prompt_embeds
@@ -58,6 +59,9 @@ class ModelRunner:
         self.takes_token_types = getattr(model, "supports_token_types", False)
         # --enable-prompt-embeds (the worker sets it): chunks may carry prompt-embedding rows (their prompt_embeds)
         self.prompt_embeds = False
+        # A model with state-space (Mamba) layers: every layer's state slots (model/layers/mamba_state.py; the
+        # worker sets them). The last slot is scratch space for chunks that own none (warm-up steps).
+        self.mamba_caches: list | None = None
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -167,8 +171,16 @@ class ModelRunner:
             backend=self.attn_backend,
         )
         meta.with_groups([(to(g_slots, torch.int64), to(g_tables, torch.int32)) for g_tables, g_slots in group_parts])
+        if self.mamba_caches is not None:
+            meta.mamba = self._mamba_metadata(chunks)
         logits_indices = async_tensor_h2d(logits_idx, torch.int64, dev)
         return to(token_ids, torch.int64), to(positions, torch.int64), meta, logits_indices
+
+    def _mamba_metadata(self, chunks: list[SequenceChunk]) -> MambaStateMetadata:
+        scratch = self.mamba_caches[0].ssm_state.shape[0] - 1 if self.mamba_caches else 0
+        slots = [scratch if c.state_slot is None else c.state_slot for c in chunks]
+        return MambaStateMetadata(async_tensor_h2d(slots, torch.int64, self.device), slots,
+                                  [c.start_pos > 0 for c in chunks], self.mamba_caches)
 
     def _group_tables_and_slots(self, chunks: list[SequenceChunk], rows: np.ndarray | None, group: int, width: int,
                                 seq_of_token: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

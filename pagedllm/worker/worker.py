@@ -47,9 +47,11 @@ from pagedllm.model.layers.quantized_linear import (
     resolve_quantization,
 )
 from pagedllm.model.models.registry import (get_model_class, is_base_model, is_encoder_only, kv_cache_head_size,
-                                             kv_cache_layout, kv_cache_uses_mla, text_config)
+                                             kv_cache_layout, kv_cache_uses_mla, layer_sliding_windows,
+                                             text_config)
 from pagedllm.model.models.weights import init_dummy_weights
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
+from pagedllm.model.layers.mamba_state import allocate_layer_caches, copy_state_slots
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.engine.sleep_mode import SLEEP_TAGS, check_sleep_args, check_wake_tags
 from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
@@ -98,10 +100,14 @@ def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
     hf_config = text_config(hf_config)
     if kv_cache_uses_mla(hf_config):
         return hf_config.num_hidden_layers, 1, kv_cache_head_size(hf_config)
+    # (a hybrid state-space model caches K/V for its attention layers only: one window each; a pure one, none)
+    num_layers = len(layer_sliding_windows(hf_config))
+    if not num_layers:
+        return 0, 0, 0
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     shard = shard_attention_heads(heads, kv_heads, tp_size, rank)
-    return hf_config.num_hidden_layers, shard.num_kv_heads, kv_cache_head_size(hf_config)
+    return num_layers, shard.num_kv_heads, kv_cache_head_size(hf_config)
 
 
 class Worker:
@@ -147,6 +153,7 @@ class Worker:
         self.model_memory_bytes = 0
         self.model_load_peak_bytes = 0
         self.cache_engine: CacheEngine | None = None
+        self.mamba_caches: list | None = None  # state-space layers' state slots (_init_mamba_state)
         self.model_runner: ModelRunner | None = None
         self.lora_manager = None  # a LoRAModelManager with --enable-lora
         # BERT-family encoders (model/models/bert.py) keep no KV cache: the pool has no tensors, its blocks only
@@ -341,7 +348,8 @@ class Worker:
         """(device blocks, CPU swap blocks, KV offloading tier blocks) this worker can hold under the cache config."""
         cc = self.config.cache_config
         sc = self.config.scheduler_config
-        if self.encoder_only:  # blocks of no memory: enough for every sequence at full length, no swap pool
+        self._init_mamba_state()
+        if self.no_kv_pool:  # blocks of no memory: enough for every sequence at full length, no swap pool
             if cc.num_gpu_blocks_override is not None:
                 return cc.num_gpu_blocks_override, 0, 0
             return sc.max_num_seqs * -(-sc.max_model_len // cc.block_size), 0, 0
@@ -364,8 +372,26 @@ class Worker:
         max_useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) * self.kv_layout.num_groups
         return min(budget // block_bytes, max_useful), num_cpu, num_offload
 
+    @property
+    def no_kv_pool(self) -> bool:
+        """An encoder (it attends within each step's prompts) or a pure state-space model: no KV pool tensors."""
+        return self.encoder_only or not kv_geometry(self.hf_config, self.tp.size, self.tp.rank)[0]
+
+    def _init_mamba_state(self) -> None:
+        """State-space (Mamba) layers: every layer's recurrent state for max_num_seqs slots (+1 scratch), allocated
+        before the KV pool is sized so that the pool leaves its memory free."""
+        shape_of = getattr(self.model, "mamba_state_shape", None)
+        if shape_of is None or self.mamba_caches is not None:
+            return
+        shape = shape_of(text_config(self.hf_config))
+        slots = self.config.scheduler_config.max_num_seqs + 1
+        self.mamba_caches = allocate_layer_caches(shape, slots, self.dtype, self.device)
+        logger.info("Recurrent state of %d Mamba layers: %d slots of %.2f MiB (%.1f MiB)", shape.num_layers, slots,
+                    shape.bytes_per_slot(self.dtype) / 2**20, slots * shape.bytes_per_slot(self.dtype) / 2**20)
+
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
+        self._init_mamba_state()
         if self.encoder_only:
             layers = 0  # no pool tensors (the encoder attends within each step's prompts)
         placement = self.kv_layout.layer_placement(layers) if layers else []
@@ -374,11 +400,11 @@ class Worker:
             num_gpu_blocks, num_cpu_blocks, self.kv_spec.dtype, self.device,
             layer_slots=[slot for _, slot in placement], use_mla=self.use_mla,
         )
-        if not self.encoder_only:
+        if not self.no_kv_pool:
             self.cache_engine.warm_up()  # CUDA: the block-copy kernel compiled before any request moves a block
-        if self.encoder_only:
-            logger.info("Encoder-only model: no KV pool tensors (%d blocks are admission accounting only)",
-                        num_gpu_blocks)
+        if self.no_kv_pool:
+            logger.info("%s: no KV pool tensors (%d blocks are admission accounting only)",
+                        "Encoder-only model" if self.encoder_only else "No attention layers", num_gpu_blocks)
         else:
             set_kv_cache_groups(self.model, [group for group, _ in placement])
             logger.info("KV pool dtype %s (%d bytes per block)", self.kv_spec.dtype, self.cache_block_size_bytes())
@@ -389,6 +415,7 @@ class Worker:
         self.model_runner = ModelRunner(self.model, self.device, self.config.cache_config.block_size, backend)
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
         self.model_runner.prompt_embeds = self.config.model_config.enable_prompt_embeds
+        self.model_runner.mamba_caches = self.mamba_caches
         if self.config.model_config.pooling_task == "classify":
             self.model_runner.classifier = self.model.classify
         if self.lora_manager is not None:
@@ -518,6 +545,8 @@ class Worker:
         ce.swap_out(req.blocks_to_swap_out)
         ce.swap_in(req.blocks_to_swap_in)
         ce.copy(req.blocks_to_copy)
+        if req.state_copies:
+            copy_state_slots(self.mamba_caches, req.state_copies)
         return self.model_runner.execute_model(req.chunks, ce.gpu_cache, req.pending_inputs,
                                                req.prev_sampled_token_ids)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pagedllm.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_groups
+from pagedllm.core.kv_cache_groups import KVCacheLayout, plan_kv_cache_groups, single_group_layout
 
 _LLAMA = "pagedllm.model.models.llama:LlamaForCausalLM"
 _QWEN2 = "pagedllm.model.models.qwen2:Qwen2ForCausalLM"
@@ -39,6 +39,10 @@ _DEEPSEEK_V2 = "pagedllm.model.models.deepseek_v2:DeepseekV2ForCausalLM"
 _DEEPSEEK_V3 = "pagedllm.model.models.deepseek_v2:DeepseekV3ForCausalLM"
 _LLAVA = "pagedllm.model.models.llava:LlavaForConditionalGeneration"
 _BERT = "pagedllm.model.models.bert:"
+_MAMBA2 = "pagedllm.model.models.mamba2:Mamba2ForCausalLM"
+_BAMBA = "pagedllm.model.models.bamba:BambaForCausalLM"
+_GRANITE_HYBRID = "pagedllm.model.models.granite_hybrid:GraniteMoeHybridForCausalLM"
+_NEMOTRON_H = "pagedllm.model.models.nemotron_h:NemotronHForCausalLM"
 
 # Architecture (HF `architectures[0]`) or `model_type` → "module:Class".
 _MODELS = {
@@ -73,6 +77,12 @@ _MODELS = {
     "FalconForCausalLM": _FALCON,
     "DeepseekV2ForCausalLM": _DEEPSEEK_V2,
     "DeepseekV3ForCausalLM": _DEEPSEEK_V3,
+    # State-space models (Mamba-2 layers keep per-sequence state slots: model/layers/mamba_state.py), pure or
+    # hybrid with attention layers.
+    "Mamba2ForCausalLM": _MAMBA2,
+    "BambaForCausalLM": _BAMBA,
+    "GraniteMoeHybridForCausalLM": _GRANITE_HYBRID,
+    "NemotronHForCausalLM": _NEMOTRON_H,
     # Image inputs (multimodal/): a vision tower and projector in front of the text model of `text_config`.
     "LlavaForConditionalGeneration": _LLAVA,
     # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
@@ -124,6 +134,10 @@ _MODELS = {
     "deepseek_v2": _DEEPSEEK_V2,
     "deepseek_v3": _DEEPSEEK_V3,
     "llava": _LLAVA,
+    "mamba2": _MAMBA2,
+    "bamba": _BAMBA,
+    "granitemoehybrid": _GRANITE_HYBRID,
+    "nemotron_h": _NEMOTRON_H,
 }
 
 _DEFAULT_MAX_LEN = 2048
@@ -158,6 +172,15 @@ def is_encoder_only(config: Any) -> bool:
     no KV cache, no chunked prefill, no prefix caching."""
     archs = list(getattr(config, "architectures", None) or [])
     return bool(archs) and archs[0] in _ENCODER_BASE_MODELS + _ENCODER_CLASSIFICATION_MODELS
+
+
+def has_recurrent_state(config: Any) -> bool:
+    """A model with state-space (Mamba) layers: each sequence keeps a recurrent state (model/layers/mamba_state.py)
+    besides, or instead of, the KV cache of its attention layers."""
+    try:
+        return hasattr(get_model_class(config), "mamba_state_shape")
+    except ValueError:
+        return False
 
 
 def text_config(config: Any) -> Any:
@@ -224,6 +247,8 @@ def kv_cache_layout(config: Any, cache_config: Any) -> KVCacheLayout:
     """The model's KV cache groups under `cache_config` (its disable_sliding_window and
     disable_hybrid_kv_cache_manager): core/kv_cache_groups.py."""
     windows = layer_sliding_windows(config)
+    if not windows:  # a pure state-space model (Mamba2): no attention layer, no KV pool
+        return single_group_layout(0)
     if cache_config.disable_sliding_window:
         windows = [None] * len(windows)
     return plan_kv_cache_groups(windows, enable_hybrid=not cache_config.disable_hybrid_kv_cache_manager)

@@ -1,0 +1,71 @@
+"""What a Mamba (state-space) layer reads and writes each step: its recurrent state slots, and which slot each
+sequence of the step owns.
+
+A state-space layer keeps no per-token KV. Each running sequence owns one *state slot* (core's block manager hands it
+out when the sequence starts and takes it back when it finishes or is preempted), and each Mamba layer holds, per
+slot, the last ``d_conv - 1`` inputs of its causal convolution and its SSM state. A step reads the state of every
+sequence it runs, advances it over that sequence's query tokens and writes it back in place, so chunked prefill and
+decode continue where the previous step stopped. A sequence whose chunk starts at position 0 starts from zeros.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MambaLayerCache:
+    """One Mamba layer's state for every slot."""
+
+    conv_state: torch.Tensor  # [num_slots, conv_dim, d_conv - 1], the model's dtype: the last inputs of the conv
+    ssm_state: torch.Tensor  # [num_slots, num_heads, head_dim, d_state] float32
+
+
+@dataclass
+class MambaStateMetadata:
+    """The step's state slots, in the batch order of its AttentionMetadata (decodes first, then prefill chunks)."""
+
+    state_indices: torch.Tensor  # [num_seqs] int64 on the model's device: each sequence's slot
+    state_indices_cpu: list[int]
+    has_initial_state: list[bool]  # per sequence: False where its chunk starts at position 0 (its state is zeros)
+    layer_caches: list[MambaLayerCache]  # one per Mamba layer, in layer order
+
+
+@dataclass(frozen=True)
+class MambaStateShape:
+    """Per slot and per Mamba layer: the conv state's [conv_dim, d_conv - 1] and the SSM state's
+    [num_heads, head_dim, d_state]."""
+
+    num_layers: int
+    conv_dim: int
+    conv_width: int  # d_conv - 1
+    num_heads: int
+    head_dim: int
+    state_size: int
+
+    def bytes_per_slot(self, dtype: torch.dtype) -> int:
+        conv = self.conv_dim * self.conv_width * torch.empty((), dtype=dtype).element_size()
+        ssm = self.num_heads * self.head_dim * self.state_size * 4
+        return self.num_layers * (conv + ssm)
+
+
+def allocate_layer_caches(shape: MambaStateShape, num_slots: int, dtype: torch.dtype,
+                          device: torch.device) -> list[MambaLayerCache]:
+    """Zeroed state for `num_slots` slots of every Mamba layer."""
+    return [MambaLayerCache(
+        torch.zeros(num_slots, shape.conv_dim, shape.conv_width, dtype=dtype, device=device),
+        torch.zeros(num_slots, shape.num_heads, shape.head_dim, shape.state_size, dtype=torch.float32, device=device))
+        for _ in range(shape.num_layers)]
+
+
+def copy_state_slots(caches: list[MambaLayerCache], pairs: list[tuple[int, int]]) -> None:
+    """Copy slot src's state to slot dst in every layer (a forked sequence starts from its parent's state)."""
+    if not pairs or not caches:
+        return
+    device = caches[0].ssm_state.device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+    for cache in caches:
+        cache.conv_state.index_copy_(0, dst, cache.conv_state.index_select(0, src))
+        cache.ssm_state.index_copy_(0, dst, cache.ssm_state.index_select(0, src))

@@ -1,0 +1,143 @@
+"""Mamba-2 and hybrid Mamba-2 / attention models through the whole engine: greedy tokens equal transformers' (float32)
+with many sequences in one batch, chunked prefill, a pool small enough to preempt (recompute: the state slot is freed
+and the prompt re-run from zeros), n > 1 (each child starts from a copy of its parent's state), and nothing leaks. The
+layer math itself is checked in test_mamba2_layers.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from test_mamba2_layers import HYBRIDS, _mamba2_config
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+PROMPT_LENS = (1, 4, 9, 15, 22, 30)
+MAX_TOKENS = 10
+ENGINE_KW = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, max_model_len=64)
+
+
+def _random_hf(name: str) -> torch.nn.Module:
+    if name == "mamba2":
+        config = _mamba2_config(num_hidden_layers=3)
+        model_cls = transformers.Mamba2ForCausalLM
+    else:
+        config_cls, model_name, kwargs, _ = HYBRIDS[name]
+        config = getattr(transformers, config_cls)(**kwargs)
+        model_cls = getattr(transformers, model_name)
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # wider than the default init, so greedy margins are not ties
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.1 if p.dim() == 1 else 0.05))
+    return model
+
+
+def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    model.generation_config.eos_token_id = None
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, pad_token_id=0)
+            out.append(seq[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "granite-moe-nope", "granite-dense-rope", "nemotron-h"])
+def built(request, tmp_path_factory) -> tuple[str, Path, list[list[int]], list[list[int]]]:
+    name = request.param
+    model = _random_hf(name)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path, safe_serialization=True)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    return name, path, prompts, _hf_greedy(model, prompts)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], n: int = 1) -> list:
+    # n > 1: a temperature so low that every draw is the argmax (random-weight margins are >= 1e-4 here, x 5e4)
+    params = SamplingParams(temperature=0.0 if n == 1 else 2e-5, max_tokens=MAX_TOKENS, ignore_eos=True, n=n, seed=0)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _no_leaks(llm: LLM) -> None:
+    bm = llm.llm_engine.scheduler.block_manager
+    bm.check_invariants()
+    assert not bm.state_slots and bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+
+
+def test_greedy_matches_transformers_batched_and_chunked(built) -> None:
+    name, path, prompts, want = built
+    # 8-token steps: the longer prompts prefill over several steps beside other sequences' decodes
+    llm = LLM(str(path), max_num_batched_tokens=8, max_num_seqs=8, **ENGINE_KW)
+    outs = _greedy(llm, prompts)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want, name
+    assert llm.llm_engine.config.cache_config.has_recurrent_state
+    _no_leaks(llm)
+
+
+def test_preemption_and_forks_keep_transformers_tokens(built) -> None:
+    """A pool of 36 blocks for 6 groups of 3 sequences needing ~77 at once: sequences are preempted and recomputed;
+    n=3 (near-greedy) children each continue from a copy of their parent's state, so all three equal transformers'."""
+    name, path, prompts, want = built
+    llm = LLM(str(path), num_gpu_blocks_override=36, max_num_seqs=18, **ENGINE_KW)
+    outs = _greedy(llm, prompts, n=3)
+    for out, ref in zip(outs, want):
+        assert [list(c.token_ids) for c in out.outputs] == [ref] * 3, name
+    assert llm.llm_engine.scheduler.num_recompute_preemptions > 0
+    _no_leaks(llm)
+
+
+def test_unsupported_features_are_clear_errors(built) -> None:
+    _, path, _, _ = built
+    with pytest.raises(ValueError, match="state-space"):
+        LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE_KW)
+    with pytest.raises(ValueError, match="state-space"):
+        LLM(str(path), preemption_mode="swap", **ENGINE_KW)
+    llm = LLM(str(path), enable_prefix_caching=True, **ENGINE_KW)  # turned off, with a log line
+    assert not llm.llm_engine.config.cache_config.enable_prefix_caching
+
+
+def test_beam_search_matches_transformers(built) -> None:
+    """Beam search forks and drops sequences every step: each kept beam continues from its parent's copied state."""
+    name, path, prompts, _ = built
+    from pagedllm.sampling_params import BeamSearchParams
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    chosen = prompts[1:4]
+    want = []
+    with torch.inference_mode():
+        for p in chosen:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3, num_return_sequences=3,
+                                 do_sample=False, max_new_tokens=6, min_new_tokens=6, pad_token_id=0,
+                                 early_stopping=True)
+            want.append([o[len(p):].tolist() for o in out])
+    llm = LLM(str(path), **ENGINE_KW)
+    got = llm.beam_search([{"prompt_token_ids": p} for p in chosen],
+                          BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    assert [[s.tokens[-6:] for s in r.sequences] for r in got] == want, name
+    _no_leaks(llm)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_greedy_matches_transformers(built) -> None:
+    """On the GPU (Triton attention, the mixer's torch ops, asynchronous scheduling), float32: transformers' tokens,
+    batched and chunked, and with forks under preemption."""
+    name, path, prompts, want = built
+    kw = {**ENGINE_KW, "device": "cuda"}
+    llm = LLM(str(path), max_num_batched_tokens=8, max_num_seqs=8, **kw)
+    assert [list(o.outputs[0].token_ids) for o in _greedy(llm, prompts)] == want, name
+    _no_leaks(llm)
+    llm = LLM(str(path), num_gpu_blocks_override=36, max_num_seqs=18, **kw)
+    for out, ref in zip(_greedy(llm, prompts, n=3), want):
+        assert [list(c.token_ids) for c in out.outputs] == [ref] * 3, name
+    _no_leaks(llm)
