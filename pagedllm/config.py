@@ -18,6 +18,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # KV pool element type: "auto" = the model dtype; "bfloat16" (e.g. a float32 model on the CPU with half the KV
 # bytes); "fp8" = fp8_e4m3 (vLLM's names).
 KV_OFFLOADING_BACKENDS = ("native",)
+#: vLLM's --mamba-ssm-cache-dtype: the SSM state's dtype ("auto": the model's).
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # Weight quantization: "fp8" = e4m3 weights, per-channel scales, torch._scaled_mm (CUDA); "gguf" = a GGUF file's
 # Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks kept quantized (CPU; the default for such a file on the CPU);
@@ -166,12 +168,17 @@ class CacheConfig:
     sliding_window: int | None = field(default=None, init=False)
     # Filled in from the model: each KV cache group's window (core/kv_cache_groups.py); one entry unless hybrid.
     kv_cache_group_windows: tuple[int | None, ...] | None = field(default=None, init=False)
+    # vLLM's --mamba-ssm-cache-dtype: state-space layers keep their SSM state in this dtype ("auto": the model's).
+    mamba_ssm_cache_dtype: str = "auto"
     # Filled in from the model: it has state-space (Mamba) layers, whose per-sequence state lives in slots beside the
     # KV pool (core/block_manager.py num_state_slots; model/layers/mamba_state.py).
     has_recurrent_state: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)
+        if self.mamba_ssm_cache_dtype not in MAMBA_SSM_CACHE_DTYPES:
+            raise ValueError(f"mamba_ssm_cache_dtype={self.mamba_ssm_cache_dtype!r}: choose one of "
+                             f"{', '.join(MAMBA_SSM_CACHE_DTYPES)}")
         _check_positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
         _check_positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -134,6 +134,22 @@ def _moe() -> None:
                 moe.fused_experts(x, w13, w2, weights, ids, block_m, (cfg, cfg))
 
 
+def _mamba() -> None:
+    """Mamba-2 decode: the conv and selective-state updates in place (bf16 conv state, float32 SSM state)."""
+    from pagedllm.kernels.triton_mamba import conv_state_update, ssm_state_update
+
+    heads, head_dim, groups, d_state = 8, 64, 2, 128
+    conv_dim = heads * head_dim + 2 * groups * d_state
+    proj = torch.zeros(4, 2 * heads * head_dim + 2 * groups * d_state + heads, dtype=torch.bfloat16)
+    xbc, dt = proj[:, heads * head_dim: heads * head_dim + conv_dim], proj[:, -heads:]
+    slots = torch.arange(4)
+    for bias in (torch.zeros(conv_dim, dtype=torch.bfloat16), None):
+        conv = conv_state_update(xbc, torch.zeros(6, conv_dim, 3, dtype=torch.bfloat16),
+                                 torch.zeros(conv_dim, 1, 4, dtype=torch.bfloat16), bias, slots)
+    params = torch.zeros(heads, dtype=torch.bfloat16)
+    ssm_state_update(conv, dt, params, params, params, torch.zeros(6, heads, head_dim, d_state), slots, groups)
+
+
 # Exit status when this Triton lacks the runtime hooks the check stands on (a driver that can be swapped, launches
 # that can be compile-only): the test skips, naming the version, rather than failing on Triton's internals.
 UNSUPPORTED_TRITON = 3
@@ -177,6 +193,7 @@ def main() -> None:
             _sampling_and_layers(fp8=arch >= 89)
             _ngram()
             _moe()
+            _mamba()
         for launch in compiled:
             print(f"sm_{launch.arch}", launch.name, len(launch.kernel.asm["cubin"]), launch.kernel.metadata.shared)
 

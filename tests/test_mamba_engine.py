@@ -37,14 +37,16 @@ def _random_hf(name: str) -> torch.nn.Module:
 
 
 def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
-    model.generation_config.eos_token_id = None
+    """transformers' greedy tokens, each from a whole forward pass over the prompt and the tokens so far (no cache:
+    the reference does not rest on transformers' own recurrent-state cache, which older releases got wrong here)."""
     out = []
     with torch.inference_mode():
         for p in prompts:
-            ids = torch.tensor([p])
-            seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, pad_token_id=0)
-            out.append(seq[0, len(p):].tolist())
+            ids = list(p)
+            for _ in range(MAX_TOKENS):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            out.append(ids[len(p):])
     return out
 
 
@@ -140,4 +142,28 @@ def test_cuda_greedy_matches_transformers(built) -> None:
     llm = LLM(str(path), num_gpu_blocks_override=36, max_num_seqs=18, **kw)
     for out, ref in zip(_greedy(llm, prompts, n=3), want):
         assert [list(c.token_ids) for c in out.outputs] == [ref] * 3, name
+    _no_leaks(llm)
+
+
+def test_state_memory_caps_max_num_seqs_and_ssm_dtype(built, monkeypatch) -> None:
+    """Where max_num_seqs slots of state would take more than half the memory left for state and KV, max_num_seqs is
+    lowered to what fits (the block manager's slots with it); --mamba-ssm-cache-dtype sets the SSM state's dtype."""
+    name, path, prompts, want = built
+    from pagedllm.model.models.registry import get_model_class
+    from pagedllm.model.loader import load_config
+    from pagedllm.worker.worker import Worker
+
+    shape = get_model_class(load_config(path)).mamba_state_shape(load_config(path))
+    per_slot = shape.bytes_per_slot(torch.float32, torch.bfloat16)
+    monkeypatch.setattr(Worker, "_memory_for_kv_and_state", lambda self: 2 * 5 * per_slot)
+    llm = LLM(str(path), max_num_seqs=64, mamba_ssm_cache_dtype="bfloat16", skip_tokenizer_init=True,
+              dtype="float32", device="cpu", block_size=4, max_model_len=64)
+    engine = llm.llm_engine
+    assert engine.config.scheduler_config.max_num_seqs == 4  # 5 slots: 4 sequences and the scratch slot
+    assert engine.scheduler.block_manager.num_state_slots == 4
+    caches = engine.executor.driver_worker.mamba_caches
+    assert len(caches) == shape.num_layers and caches[0].ssm_state.dtype == torch.bfloat16
+    assert caches[0].ssm_state.shape[0] == 5 and caches[0].conv_state.dtype == torch.float32
+    outs = _greedy(llm, prompts)  # 6 requests through 4 slots
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
     _no_leaks(llm)

@@ -15,6 +15,7 @@ from pagedllm.config import (
     PoolerConfig,
     SCHEDULING_POLICIES,
     KV_CACHE_DTYPES,
+    MAMBA_SSM_CACHE_DTYPES,
     KV_OFFLOADING_BACKENDS,
     QUANTIZATION_METHODS,
     KV_CACHE_MANAGERS,
@@ -29,7 +30,7 @@ from pagedllm.config import (
     SpeculativeConfig,
 )
 from pagedllm.device_utils import is_large_gpu
-from pagedllm.model.models.registry import has_recurrent_state, is_encoder_only
+from pagedllm.model.models.registry import has_recurrent_state, is_encoder_only, layer_sliding_windows
 from pagedllm.reasoning import REASONING_PARSERS, check_reasoning_parser
 from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS, resolve_backend
 
@@ -71,6 +72,8 @@ _HELP = {
                           "cached blocks the KV pool evicts are copied there and copied back on a prefix hit "
                           "instead of recomputed. Needs --enable-prefix-caching.",
     "kv_offloading_backend": "The KV offloading tier's implementation: native (the only one).",
+    "mamba_ssm_cache_dtype": "State-space (Mamba) layers: the dtype of each sequence's SSM state (auto: the model's; "
+                             "float32 keeps long generations closest to a float32 run at twice the memory).",
     "enable_chunked_prefill": "Split long prompts into chunks that share steps with decodes.",
     "enable_prefix_caching": "Reuse KV blocks of identical prompt prefixes across requests.",
     "preemption_mode": "What to do with a preempted group: recompute, swap, or auto.",
@@ -192,7 +195,7 @@ TOKENIZER_MODES = ("auto", "hf", "slow")
 
 _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "scheduling_policy": SCHEDULING_POLICIES,
             "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS,
-            "kv_offloading_backend": KV_OFFLOADING_BACKENDS,
+            "kv_offloading_backend": KV_OFFLOADING_BACKENDS, "mamba_ssm_cache_dtype": MAMBA_SSM_CACHE_DTYPES,
             "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS, "runner": RUNNER_TYPES,
             "convert": CONVERT_TYPES, "reasoning_parser": REASONING_PARSERS}
 
@@ -216,6 +219,7 @@ class EngineArgs:
     swap_space: float = 4.0
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
+    mamba_ssm_cache_dtype: str = "auto"
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
@@ -274,7 +278,7 @@ class EngineArgs:
     def _check_recurrent_state_support(self) -> None:
         """What a model with state-space (Mamba) layers cannot run here, as clear errors; what it runs differently, as
         one log line. A sequence's recurrent state cannot be rewound, shared or moved block by block: no speculative
-        decoding, prefix caching, swapping, KV offloading or LoRA; preemption recomputes; CUDA runs eagerly."""
+        decoding, prefix caching, swapping, KV offloading or LoRA; preemption recomputes; CUDA captures decode steps only."""
         refused = {
             "speculative_config": self.speculative_config is not None,
             "preemption_mode='swap'": self.preemption_mode == "swap",
@@ -292,7 +296,7 @@ class EngineArgs:
         if self.enable_prefix_caching:
             notes.append("prefix caching is off")
         if DeviceConfig(self.device).resolve() == "cuda" and not self.enforce_eager:
-            notes.append("CUDA graphs are not captured (steps run eagerly)")
+            notes.append("CUDA graphs for decode steps only (none without an attention layer)")
         logger.info("State-space (Mamba) layers: %s", "; ".join(notes))
 
     def create_engine_config(self, model_max_len: int, usage_context: str = "engine",
@@ -346,7 +350,8 @@ class EngineArgs:
         model = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype, seed=self.seed,
             max_model_len=max_model_len, load_format=self.load_format,
-            skip_tokenizer_init=self.skip_tokenizer_init, enforce_eager=self.enforce_eager or encoder or recurrent,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            enforce_eager=self.enforce_eager or encoder or (recurrent and not layer_sliding_windows(hf_config)),
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
             pooler_config=pooler, pooling_task=pooling_task, enable_prompt_embeds=self.enable_prompt_embeds,
         )
@@ -355,6 +360,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             kv_offloading_size=self.kv_offloading_size, kv_offloading_backend=self.kv_offloading_backend,
+            mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
             enable_prefix_caching=(self.enable_prefix_caching and not encoder and not recurrent
                                    and (pooler is None or pooler.pooling_type == "LAST")),
             preemption_mode="recompute" if recurrent else self.preemption_mode,

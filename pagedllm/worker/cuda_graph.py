@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.model.layers.mamba_state import MambaStateMetadata, clear_state_slots
 from pagedllm.worker.block_table_rows import PersistentBlockTables
 from pagedllm.worker.model_runner import fill_pending_tokens
 from pagedllm.worker.model_input import SequenceChunk, fill_block_table_row
@@ -95,6 +96,7 @@ class CUDAGraphRunner:
         max_num_seqs: int,
         max_model_len: int,
         num_kv_cache_groups: int = 1,
+        mamba_caches: list | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -123,6 +125,13 @@ class CUDAGraphRunner:
         self.slot_mapping, self.block_tables = self.group_slot_mapping[0], self.group_block_tables[0]
         self.seq_lens = self._dev32[:mb]
         self.query_start_loc = torch.arange(mb + 1, dtype=torch.int32, device=device)
+        # State-space (Mamba) layers: each row's recurrent-state slot, on the device (the kernels update the slots in
+        # place); padding rows use the scratch slot (the last). model/layers/mamba_state.py.
+        self.mamba_caches = mamba_caches
+        if mamba_caches:
+            self.scratch_slot = mamba_caches[0].ssm_state.shape[0] - 1
+            self._host_slots = torch.full((mb,), self.scratch_slot, dtype=torch.int64, pin_memory=True)
+            self.state_slots = torch.full((mb,), self.scratch_slot, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replay_ms: dict[int, float] = {}  # the routable buckets' replay times (time_buckets)
@@ -131,6 +140,13 @@ class CUDAGraphRunner:
         self._copied = torch.cuda.Event()  # host staging may be rewritten once the last copies are done
 
     def _meta(self, batch: int) -> AttentionMetadata:
+        meta = self._attention_meta(batch)
+        if self.mamba_caches:  # every captured row continues its slot's state (run() clears fresh rows' slots)
+            meta.mamba = MambaStateMetadata(self.state_slots[:batch], [self.scratch_slot] * batch, [True] * batch,
+                                            self.mamba_caches)
+        return meta
+
+    def _attention_meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
             block_tables=self.block_tables[:batch],
@@ -144,6 +160,18 @@ class CUDAGraphRunner:
             backend=self.attn_backend,
         ).with_groups([(self.group_slot_mapping[i][:batch], self.group_block_tables[i][:batch])
                        for i in range(1, self.num_groups)])
+
+    def _stage_state_slots(self, chunks: list[SequenceChunk], batch: int) -> None:
+        """The rows' state slots to the device (padding rows: the scratch slot), and zeroed state for rows that start
+        at position 0 (a one-token prompt)."""
+        n = len(chunks)
+        host = self._host_slots.numpy()
+        host[:n] = [self.scratch_slot if c.state_slot is None else c.state_slot for c in chunks]
+        host[n:batch] = self.scratch_slot
+        self.state_slots[:batch].copy_(self._host_slots[:batch], non_blocking=True)
+        fresh = [int(host[i]) for i, c in enumerate(chunks) if c.start_pos == 0]
+        if fresh:
+            clear_state_slots(self.mamba_caches, fresh)
 
     def _reset_padding(self) -> None:
         """Every row a harmless padding row: token 0 at position 0, slot -1, one token of context in block 0."""
@@ -249,6 +277,8 @@ class CUDAGraphRunner:
         for g in range(self.num_groups):
             lo = mb + g * mb * nb
             self._dev32[lo: lo + b * nb].copy_(self._host32[lo: lo + b * nb], non_blocking=True)
+        if self.mamba_caches:
+            self._stage_state_slots(chunks, b)
         self._copied.record()
         if pending is not None:
             fill_pending_tokens(self.input_ids, *pending)
@@ -258,7 +288,7 @@ class CUDAGraphRunner:
 
 def measure_capture_memory(
     model: nn.Module, kv_caches, attn_backend, block_size: int, max_num_seqs: int, max_model_len: int,
-    max_num_batched_tokens: int | None = None, max_capture_tokens: int = 0,
+    max_num_batched_tokens: int | None = None, max_capture_tokens: int = 0, mamba_caches: list | None = None,
 ) -> int:
     """Device bytes that capturing every bucket keeps (graph pool + static buffers; with
     `max_capture_tokens` > 0 the piecewise graphs too), measured by a throw-away capture on `kv_caches`
@@ -270,6 +300,7 @@ def measure_capture_memory(
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(device)
     runner = ModelRunner(model, device, block_size, attn_backend)
+    runner.mamba_caches = mamba_caches
     runner.capture_cuda_graphs(kv_caches, max_num_seqs, max_model_len, max_num_batched_tokens,
                                piecewise=max_capture_tokens > 0, max_capture_tokens=max_capture_tokens or None,
                                time_buckets=False)

@@ -49,6 +49,7 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
 
     tmp_cache = _one_block_cache(worker)
     runner = ModelRunner(worker.model, device, cc.block_size, worker.attn_backend())
+    runner.mamba_caches = worker.mamba_caches  # (state-space layers: the dummy chunks share the scratch slot)
     chunks = dummy_chunks(max_tokens, sc.max_num_seqs, sc.max_model_len, cc.block_size)
     runner.execute_model(chunks, tmp_cache)
     torch.cuda.synchronize(device)
@@ -58,10 +59,10 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     if worker.use_cuda_graphs():
         from pagedllm.worker.cuda_graph import measure_capture_memory
 
-        mct = cfg.model_config.max_capture_tokens
+        mct = 0 if worker.mamba_caches is not None else cfg.model_config.max_capture_tokens  # decode graphs only
         graph_bytes = measure_capture_memory(worker.model, tmp_cache, worker.attn_backend(), cc.block_size,
                                              sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
-                                             max_capture_tokens=mct)
+                                             max_capture_tokens=mct, mamba_caches=worker.mamba_caches)
     del tmp_cache
     torch.cuda.empty_cache()
 

@@ -91,13 +91,17 @@ class ModelRunner:
 
         verify_rows = min(verify_max_num_seqs, max_num_seqs) * verify_query_len if verify_query_len >= 2 else 0
         runner = CUDAGraphRunner(self.model, kv_caches, self.attn_backend, self.block_size,
-                                 max(max_num_seqs, verify_rows), max_model_len, self.num_kv_cache_groups)
+                                 max(max_num_seqs, verify_rows), max_model_len, self.num_kv_cache_groups,
+                                 self.mamba_caches)
         runner.capture(time_buckets)
         self.graph_runner = runner
         self.table_width = runner.max_blocks
         if verify_rows:
             self.verify_query_len = verify_query_len
         if not piecewise:
+            if self.mamba_caches is not None:  # state-space layers: decode graphs only; prefill and mixed steps eager
+                t0 = time.perf_counter()
+                log_warm_up(self.warm_up_steps(kv_caches), time.perf_counter() - t0)
             return
         attn = attention_geometry(self.model)
         pw = PiecewiseGraphRunner(self.model, kv_caches, self.attn_backend, *attn[:3],

@@ -379,15 +379,40 @@ class Worker:
 
     def _init_mamba_state(self) -> None:
         """State-space (Mamba) layers: every layer's recurrent state for max_num_seqs slots (+1 scratch), allocated
-        before the KV pool is sized so that the pool leaves its memory free."""
+        before the KV pool is sized so that the pool leaves its memory free. Where that state would take more than
+        half of the memory the pool could otherwise have, max_num_seqs is lowered to fit (logged)."""
         shape_of = getattr(self.model, "mamba_state_shape", None)
         if shape_of is None or self.mamba_caches is not None:
             return
         shape = shape_of(text_config(self.hf_config))
-        slots = self.config.scheduler_config.max_num_seqs + 1
-        self.mamba_caches = allocate_layer_caches(shape, slots, self.dtype, self.device)
-        logger.info("Recurrent state of %d Mamba layers: %d slots of %.2f MiB (%.1f MiB)", shape.num_layers, slots,
-                    shape.bytes_per_slot(self.dtype) / 2**20, slots * shape.bytes_per_slot(self.dtype) / 2**20)
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        ssm_dtype = self.dtype if cc.mamba_ssm_cache_dtype == "auto" else getattr(torch, cc.mamba_ssm_cache_dtype)
+        per_slot = shape.bytes_per_slot(self.dtype, ssm_dtype)
+        room = self._memory_for_kv_and_state()
+        if room is not None and (sc.max_num_seqs + 1) * per_slot > room // 2:
+            fit = max(1, room // 2 // per_slot - 1)
+            if fit < sc.max_num_seqs:
+                logger.warning("max_num_seqs lowered from %d to %d: the recurrent state of %d sequences (%.2f MiB "
+                               "each) would take more than half of the %.1f GiB left for it and the KV cache "
+                               "(--max-num-seqs, --mamba-ssm-cache-dtype choose otherwise)", sc.max_num_seqs, fit,
+                               sc.max_num_seqs, per_slot / 2**20, room / 2**30)
+                sc.max_num_seqs = fit
+        slots = sc.max_num_seqs + 1
+        self.mamba_caches = allocate_layer_caches(shape, slots, self.dtype, self.device, ssm_dtype)
+        logger.info("Recurrent state of %d Mamba layers (SSM state %s): %d slots of %.2f MiB (%.1f MiB)",
+                    shape.num_layers, str(ssm_dtype).removeprefix("torch."), slots, per_slot / 2**20,
+                    slots * per_slot / 2**20)
+
+    def _memory_for_kv_and_state(self) -> int | None:
+        """Bytes the KV pool and the recurrent state may share: on CUDA the utilization share of the device less what
+        is in use now (weights), on CPU the KV budget; None where the user sized the pool themselves."""
+        cc = self.config.cache_config
+        if cc.num_gpu_blocks_override is not None or cc.kv_cache_memory_bytes is not None:
+            return None
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            return max(0, int(total * cc.gpu_memory_utilization) - (total - free))
+        return int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
@@ -441,10 +466,12 @@ class Worker:
         sc, mc, cc = self.config.scheduler_config, self.config.model_config, self.config.compilation_config
         t0 = time.perf_counter()
         spec = self.config.speculative_config
+        # State-space layers: their prefill loops over sequences on the host, so only decode steps are captured.
+        stateless = self.mamba_caches is None
         self.model_runner.capture_cuda_graphs(
             self.cache_engine.gpu_cache, sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
-            piecewise=mc.max_capture_tokens > 0 and cc.piecewise_graphs,
-            whole_steps=cc.whole_step_graphs, max_capture_tokens=mc.max_capture_tokens or None,
+            piecewise=mc.max_capture_tokens > 0 and cc.piecewise_graphs and stateless,
+            whole_steps=cc.whole_step_graphs and stateless, max_capture_tokens=mc.max_capture_tokens or None,
             verify_query_len=1 + spec.num_speculative_tokens if spec is not None else 0,
             verify_max_num_seqs=spec.disable_by_batch_size if spec is not None else 0,
             time_buckets=self.routes_graph_buckets())

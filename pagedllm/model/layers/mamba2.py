@@ -13,16 +13,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.linear import ReplicatedLinear
 from pagedllm.model.layers.mamba_state import (
     MambaLayerCache,
     MambaStateMetadata,
     MambaStateShape,
+    clear_state_slots,
 )
 
 DEFAULT_CHUNK_SIZE = 128
@@ -97,42 +100,60 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~keep, -math.inf)
 
 
-def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                   initial_state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's selective scan in the chunked SSD form (float32 throughout).
+def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    initial_states: torch.Tensor, lens: list[int],
+                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan of several sequences packed one after another, in the chunked SSD form (the Mamba-2 paper's
+    ``ssd_minimal_discrete`` with initial states; float32 throughout).
 
-    x [L, h, p], dt [L, h] (already softplus'd and clamped), a [h] (negative), b / c [L, h, n] (groups repeated to
-    heads), initial_state [h, p, n]. Returns (y [L, h, p] without the D skip, final state [h, p, n])."""
-    length = x.shape[0]
-    pad = (-length) % chunk_size
-    xd = x * dt[..., None]
-    ad = a * dt  # [L, h]
-    if pad:
-        # zero dt on the padding: decay 1 and no input, so the final state is the last real token's
-        xd, ad, b, c = (F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (xd, ad, b, c))
-    n_chunks = (length + pad) // chunk_size
-    xd = xd.view(n_chunks, chunk_size, *xd.shape[1:])  # [c, l, h, p]
-    b = b.reshape(n_chunks, chunk_size, *b.shape[1:])  # [c, l, h, n]
-    c = c.reshape(n_chunks, chunk_size, *c.shape[1:])
-    ad = ad.view(n_chunks, chunk_size, -1).permute(2, 0, 1)  # [h, c, l]
+    x [T, h, p], dt [T, h] (already softplus'd and clamped), a [h] (negative), b / c [T, h, n] (groups repeated to
+    heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T). Returns (y [T, h, p]
+    without the D skip, final states [S, h, p, n])."""
+    dev = x.device
+    num_seqs = len(lens)
+    blocks = [-(-n // chunk_size) for n in lens]
+    # every block's token rows in the packed input (padding rows: index T, a zero row appended below)
+    total = x.shape[0]
+    nb = sum(blocks)
+    rows = np.full(nb * chunk_size, total, dtype=np.int64)
+    at = offset = 0
+    for n, k in zip(lens, blocks):
+        rows[at: at + n] = np.arange(offset, offset + n)
+        at += k * chunk_size
+        offset += n
+    index = async_tensor_h2d(rows, torch.long, dev)
+    pad = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # noqa: E731
+    xd = pad(x * dt[..., None])[index].view(nb, chunk_size, *x.shape[1:])  # [c, l, h, p]
+    bb = pad(b)[index].view(nb, chunk_size, *b.shape[1:])  # [c, l, h, n]
+    cc = pad(c)[index].view(nb, chunk_size, *c.shape[1:])
+    ad = pad(a * dt)[index].view(nb, chunk_size, -1).permute(2, 0, 1)  # [h, c, l]; padding: 0
     a_cum = torch.cumsum(ad, dim=-1)
 
-    # within each chunk: a causal, decay-weighted "attention" of C over B
     decay = torch.exp(_segsum(ad))  # [h, c, l, s]
-    scores = torch.einsum("clhn,cshn->hcls", c, b) * decay
+    scores = torch.einsum("clhn,cshn->hcls", cc, bb) * decay
     y = torch.einsum("hcls,cshp->clhp", scores, xd)
-
-    # each chunk's contribution to the state at its end, then the recurrence across chunk boundaries
     to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [h, c, l]
-    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", b, to_end, xd)
-    states = torch.cat([initial_state[None], chunk_states], dim=0)  # [c+1, h, p, n]
-    across = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0))))  # [h, c+1, c+1]
-    states = torch.einsum("hzy,yhpn->zhpn", across, states)
-    starts, final = states[:-1], states[-1]
+    block_states = torch.einsum("clhn,hcl,clhp->chpn", bb, to_end, xd)
+    block_decay = torch.exp(a_cum[..., -1]).transpose(0, 1)  # [c, h]
 
-    # the state each chunk starts from, read out by C with the decay since the chunk began
-    y = y + torch.einsum("clhn,chpn,hcl->clhp", c, starts, torch.exp(a_cum))
-    return y.reshape(n_chunks * chunk_size, *y.shape[2:])[:length], final
+    # carry each sequence's state across its blocks: iteration j handles every sequence's j-th block
+    first_block = [0]
+    for k in blocks[:-1]:
+        first_block.append(first_block[-1] + k)
+    states = initial_states.clone()
+    starts = torch.zeros_like(block_states)  # the state each block starts from
+    for j in range(max(blocks, default=0)):
+        seqs = [i for i in range(num_seqs) if blocks[i] > j]
+        live = async_tensor_h2d(seqs, torch.long, dev)
+        ids = async_tensor_h2d([first_block[i] + j for i in seqs], torch.long, dev)
+        cur = states[live]
+        starts[ids] = cur
+        states[live] = cur * block_decay[ids][:, :, None, None] + block_states[ids]
+    y = y + torch.einsum("clhn,chpn,hcl->clhp", cc, starts, torch.exp(a_cum))
+    valid = index < total
+    out = x.new_empty(total, *y.shape[2:])
+    out[index[valid]] = y.reshape(nb * chunk_size, *y.shape[2:])[valid]
+    return out, states
 
 
 class Mamba2Mixer(nn.Module):
@@ -174,13 +195,11 @@ class Mamba2Mixer(nn.Module):
             y[:nd] = self._decode(xbc[:nd], dt[:nd], a, cache, state_meta, nd)
         query_lens = meta.query_lens_cpu
         offset = sum(query_lens[:nd])
-        for i in range(nd, len(query_lens)):
-            end = offset + query_lens[i]
-            if end > offset:
-                y[offset:end] = self._prefill(xbc[offset:end], dt[offset:end], a, cache, state_meta, i)
-            offset = end
-        if offset != hidden.shape[0]:
-            raise ValueError(f"the step's query lengths sum to {offset}, but hidden has {hidden.shape[0]} rows")
+        if offset + sum(query_lens[nd:]) != hidden.shape[0]:
+            raise ValueError(f"the step's query lengths sum to {sum(query_lens)}, but hidden has {hidden.shape[0]} "
+                             "rows")
+        if offset < hidden.shape[0]:
+            y[offset:] = self._prefill_batch(xbc[offset:], dt[offset:], a, cache, state_meta, nd, query_lens[nd:])
         return self.out_proj(self.norm(y, z).to(hidden.dtype))
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -194,37 +213,70 @@ class Mamba2Mixer(nn.Module):
         x, b, c = xbc.split([d.intermediate, d.n_groups * d.d_state, d.n_groups * d.d_state], dim=-1)
         return x.reshape(x.shape[0], d.num_heads, d.head_dim), self._heads(b), self._heads(c)
 
-    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
-                 state_meta: MambaStateMetadata, seq: int) -> torch.Tensor:
-        """Sequence `seq`'s chunk [L] → y [L, intermediate] float32; its slot ends at the chunk's last token."""
+    def _prefill_batch(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
+                       state_meta: MambaStateMetadata, first: int, lens: list[int]) -> torch.Tensor:
+        """Every prefill chunk of the step at once (sequences `first`.. of the batch, `lens` tokens each, packed in
+        `xbc` / `dt`) → y [sum(lens), intermediate] float32; each slot ends at its chunk's last token.
+
+        The conv reads each chunk after its sequence's saved inputs; the scan splits every chunk into blocks of
+        `chunk_size` tokens (the last padded with dt = 0: decay 1, no input), runs the within-block terms of all
+        blocks of all sequences together, and carries the state across each sequence's blocks in a loop over block
+        positions (as many iterations as the longest chunk has blocks)."""
         d = self.dims
-        slot = state_meta.state_indices_cpu[seq]
-        width = d.d_conv - 1
-        if state_meta.has_initial_state[seq]:
-            conv_prev = cache.conv_state[slot].float()
-            ssm_prev = cache.ssm_state[slot].float()
-        else:
-            conv_prev = xbc.new_zeros(d.conv_dim, width, dtype=torch.float32)
-            ssm_prev = torch.zeros(d.num_heads, d.head_dim, d.d_state, dtype=torch.float32, device=xbc.device)
-        window = torch.cat([conv_prev, xbc.float().t()], dim=1)  # [conv_dim, width + L]
-        cache.conv_state[slot] = window[:, -width:].to(cache.conv_state.dtype)
-        conv = F.conv1d(window[None], self.conv1d.weight.float(), self._conv_bias(), groups=d.conv_dim)[0]
-        x, b, c = self._split_xbc(F.silu(conv).t())
-        x = x.float()
+        dev = xbc.device
+        seqs = list(range(first, first + len(lens)))
+        slots = [state_meta.state_indices_cpu[i] for i in seqs]
+        fresh = [slot for i, slot in zip(seqs, slots) if not state_meta.has_initial_state[i]]
+        if fresh:
+            clear_state_slots([cache], fresh)
+        slot_t = async_tensor_h2d(slots, torch.long, dev)
+        x, b, c = self._split_xbc(self._conv_batch(xbc, cache, slot_t, lens))
         step = self._time_step(dt)
         low, high = d.time_step_limit
         if low > 0 or high < math.inf:
             step = step.clamp(low, high)
-        y, final = ssd_chunk_scan(x, step, a, b, c, ssm_prev, self.chunk_size)
-        cache.ssm_state[slot] = final.to(cache.ssm_state.dtype)
-        y = y + x * self.D.float()[:, None]
+        y, final = ssd_varlen_scan(x.float(), step, a, b, c, cache.ssm_state.index_select(0, slot_t).float(), lens,
+                                   self.chunk_size)
+        cache.ssm_state.index_copy_(0, slot_t, final.to(cache.ssm_state.dtype))
+        y = y + x.float() * self.D.float()[:, None]
         return y.reshape(y.shape[0], d.intermediate)
+
+    def _conv_batch(self, xbc: torch.Tensor, cache: MambaLayerCache, slot_t: torch.Tensor,
+                    lens: list[int]) -> torch.Tensor:
+        """SiLU(causal depthwise conv) of every chunk [T, conv_dim] float32, each after its slot's saved inputs;
+        the slots then hold each chunk's last d_conv - 1 inputs."""
+        d = self.dims
+        width = d.d_conv - 1
+        dev = xbc.device
+        n = len(lens)
+        # ext: each sequence's saved inputs, then its chunk's inputs; token_row: where each token sits in ext
+        prev = cache.conv_state.index_select(0, slot_t).float().transpose(1, 2)  # [n, width, conv_dim]
+        ext_start = np.cumsum([0] + [width + m for m in lens[:-1]])
+        token_row = np.concatenate([np.arange(m) + e + width for e, m in zip(ext_start, lens)])
+        prev_rows = (ext_start[:, None] + np.arange(width)).reshape(-1)
+        last_rows = (ext_start + np.asarray(lens))[:, None] + np.arange(width)  # each sequence's last width rows
+        token_row, prev_rows, last_rows = (async_tensor_h2d(r, torch.long, dev) for r in (token_row, prev_rows,
+                                                                                           last_rows))
+        ext = xbc.new_zeros(xbc.shape[0] + n * width, d.conv_dim, dtype=torch.float32)
+        ext[token_row] = xbc.float()
+        ext[prev_rows] = prev.reshape(-1, d.conv_dim)
+        weight = self.conv1d.weight.float()[:, 0]  # [conv_dim, d_conv]
+        out = ext[token_row - width] * weight[:, 0]
+        for k in range(1, width + 1):
+            out += ext[token_row - width + k] * weight[:, k]
+        bias = self._conv_bias()
+        if bias is not None:
+            out += bias
+        cache.conv_state.index_copy_(0, slot_t, ext[last_rows].transpose(1, 2).to(cache.conv_state.dtype))
+        return F.silu(out)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
                 state_meta: MambaStateMetadata, nd: int) -> torch.Tensor:
         """One token for each of the first `nd` sequences, all at once → y [nd, intermediate] float32."""
         d = self.dims
         slots = state_meta.state_indices[:nd]
+        if xbc.is_cuda:
+            return self._decode_in_place(xbc, dt, cache, state_meta, nd)
         conv_prev = cache.conv_state.index_select(0, slots).float()  # [nd, conv_dim, width]
         ssm_prev = cache.ssm_state.index_select(0, slots).float()  # [nd, h, p, n]
         fresh = [i for i in range(nd) if not state_meta.has_initial_state[i]]
@@ -247,6 +299,21 @@ class Mamba2Mixer(nn.Module):
         cache.ssm_state.index_copy_(0, slots, state.to(cache.ssm_state.dtype))
         y = torch.einsum("bhpn,bhn->bhp", state, c) + x * self.D.float()[:, None]
         return y.reshape(nd, d.intermediate)
+
+    def _decode_in_place(self, xbc: torch.Tensor, dt: torch.Tensor, cache: MambaLayerCache,
+                         state_meta: MambaStateMetadata, nd: int) -> torch.Tensor:
+        """`_decode` on the GPU: the Triton kernels update each slot in place (kernels/triton_mamba.py). A row that
+        starts from zeros has its slot cleared first (a captured graph's rows all continue: the graph runner clears
+        the slots of fresh ones before it replays)."""
+        from pagedllm.kernels.triton_mamba import conv_state_update, ssm_state_update
+
+        slots = state_meta.state_indices[:nd]
+        fresh = [state_meta.state_indices_cpu[i] for i in range(nd) if not state_meta.has_initial_state[i]]
+        if fresh:
+            clear_state_slots([cache], fresh)
+        conv = conv_state_update(xbc, cache.conv_state, self.conv1d.weight, self.conv1d.bias, slots)
+        return ssm_state_update(conv, dt, self.dt_bias, self.A_log, self.D, cache.ssm_state, slots,
+                                self.dims.n_groups)
 
     def _time_step(self, dt: torch.Tensor) -> torch.Tensor:
         return F.softplus(dt.float() + self.dt_bias.float())

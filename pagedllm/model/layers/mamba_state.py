@@ -19,7 +19,7 @@ class MambaLayerCache:
     """One Mamba layer's state for every slot."""
 
     conv_state: torch.Tensor  # [num_slots, conv_dim, d_conv - 1], the model's dtype: the last inputs of the conv
-    ssm_state: torch.Tensor  # [num_slots, num_heads, head_dim, d_state] float32
+    ssm_state: torch.Tensor  # [num_slots, num_heads, head_dim, d_state] (--mamba-ssm-cache-dtype; updates in float32)
 
 
 @dataclass
@@ -44,18 +44,19 @@ class MambaStateShape:
     head_dim: int
     state_size: int
 
-    def bytes_per_slot(self, dtype: torch.dtype) -> int:
-        conv = self.conv_dim * self.conv_width * torch.empty((), dtype=dtype).element_size()
-        ssm = self.num_heads * self.head_dim * self.state_size * 4
+    def bytes_per_slot(self, dtype: torch.dtype, ssm_dtype: torch.dtype = torch.float32) -> int:
+        conv = self.conv_dim * self.conv_width * dtype.itemsize
+        ssm = self.num_heads * self.head_dim * self.state_size * ssm_dtype.itemsize
         return self.num_layers * (conv + ssm)
 
 
-def allocate_layer_caches(shape: MambaStateShape, num_slots: int, dtype: torch.dtype,
-                          device: torch.device) -> list[MambaLayerCache]:
-    """Zeroed state for `num_slots` slots of every Mamba layer."""
+def allocate_layer_caches(shape: MambaStateShape, num_slots: int, dtype: torch.dtype, device: torch.device,
+                          ssm_dtype: torch.dtype = torch.float32) -> list[MambaLayerCache]:
+    """Zeroed state for `num_slots` slots of every Mamba layer (the conv's inputs in `dtype`, the SSM state in
+    `ssm_dtype`)."""
     return [MambaLayerCache(
         torch.zeros(num_slots, shape.conv_dim, shape.conv_width, dtype=dtype, device=device),
-        torch.zeros(num_slots, shape.num_heads, shape.head_dim, shape.state_size, dtype=torch.float32, device=device))
+        torch.zeros(num_slots, shape.num_heads, shape.head_dim, shape.state_size, dtype=ssm_dtype, device=device))
         for _ in range(shape.num_layers)]
 
 
@@ -69,3 +70,13 @@ def copy_state_slots(caches: list[MambaLayerCache], pairs: list[tuple[int, int]]
     for cache in caches:
         cache.conv_state.index_copy_(0, dst, cache.conv_state.index_select(0, src))
         cache.ssm_state.index_copy_(0, dst, cache.ssm_state.index_select(0, src))
+
+
+def clear_state_slots(caches: list[MambaLayerCache], slots: list[int]) -> None:
+    """Zero the state of `slots` in every layer (sequences that start from position 0)."""
+    if not slots or not caches:
+        return
+    index = torch.tensor(slots, dtype=torch.long, device=caches[0].ssm_state.device)
+    for cache in caches:
+        cache.conv_state.index_fill_(0, index, 0)
+        cache.ssm_state.index_fill_(0, index, 0)

@@ -1,0 +1,109 @@
+"""Mamba-2 decode on the GPU: one token per sequence, the state read and written in place in its slot.
+
+Two kernels per layer and step: the causal depthwise conv's update (its last ``d_conv - 1`` inputs shift by one, the
+new input joins them, SiLU) and the selective-state update (``h = exp(dt·A)·h + dt·x ⊗ B``, ``y = h·C + D·x``, with
+dt = softplus(dt + dt_bias)). Each reads a sequence's state once and writes it back once, where gathering the slots
+into a batch and scattering them back (the torch path, ``model/layers/mamba2.py``) moves the state three times; and the
+slots come from a device tensor, so a captured CUDA graph replays them for any slots.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_state_update_kernel(x_ptr, state_ptr, weight_ptr, bias_ptr, slots_ptr, out_ptr, channels,
+                              stride_xb, stride_ss, stride_sc, stride_sk, stride_wc, stride_ob,
+                              WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = c < channels
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    x = tl.load(x_ptr + row * stride_xb + c, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(weight_ptr + c * stride_wc + WIDTH, mask=mask, other=0.0).to(tl.float32) * x
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    base = state_ptr + slot * stride_ss + c * stride_sc
+    prev = tl.load(base, mask=mask, other=0.0)
+    for k in tl.static_range(WIDTH):
+        acc += tl.load(weight_ptr + c * stride_wc + k, mask=mask, other=0.0).to(tl.float32) * prev.to(tl.float32)
+        if k + 1 < WIDTH:
+            nxt = tl.load(base + (k + 1) * stride_sk, mask=mask, other=0.0)
+            tl.store(base + k * stride_sk, nxt, mask=mask)
+            prev = nxt
+    tl.store(base + (WIDTH - 1) * stride_sk, x.to(state_ptr.dtype.element_ty), mask=mask)
+    out = acc / (1.0 + tl.exp(-acc))  # SiLU
+    tl.store(out_ptr + row * stride_ob + c, out, mask=mask)
+
+
+def conv_state_update(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """One conv step for each row: xbc [B, C] (this token's conv input), conv_state [slots, C, W] updated in place at
+    `slots` [B], weight [C, 1, W + 1] → SiLU(conv) [B, C] float32."""
+    batch, channels = xbc.shape
+    width = conv_state.shape[2]
+    if weight.shape[-1] != width + 1:
+        raise ValueError(f"conv weight width {weight.shape[-1]} does not match the state's {width} + 1")
+    out = torch.empty(batch, channels, dtype=torch.float32, device=xbc.device)
+    if batch == 0:
+        return out
+    w = weight.reshape(channels, width + 1)
+    block = 256
+    _conv_state_update_kernel[(batch, triton.cdiv(channels, block))](
+        xbc, conv_state, w, bias if bias is not None else w, slots, out, channels,
+        xbc.stride(0), conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), w.stride(0), out.stride(0),
+        WIDTH=width, HAS_BIAS=bias is not None, BLOCK_C=block)
+    return out
+
+
+@triton.jit
+def _ssm_state_update_kernel(xbc_ptr, dt_ptr, dt_bias_ptr, a_log_ptr, d_ptr, state_ptr, slots_ptr, y_ptr,
+                             intermediate, head_dim, d_state, heads_per_group, n_groups,
+                             stride_xb, stride_db, stride_ss, stride_sh, stride_sp, stride_yb,
+                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    p_mask = p < head_dim
+    n_mask = n < d_state
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    dt = tl.load(dt_ptr + row * stride_db + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus, as torch's (threshold 20)
+    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * dt)
+    group = head // heads_per_group
+    xrow = xbc_ptr + row * stride_xb
+    x = tl.load(xrow + head * head_dim + p, mask=p_mask, other=0.0)
+    b = tl.load(xrow + intermediate + group * d_state + n, mask=n_mask, other=0.0)
+    c = tl.load(xrow + intermediate + (n_groups + group) * d_state + n, mask=n_mask, other=0.0)
+    s_ptr = state_ptr + slot * stride_ss + head * stride_sh + p[:, None] * stride_sp + n[None, :]
+    s_mask = p_mask[:, None] & n_mask[None, :]
+    state = tl.load(s_ptr, mask=s_mask, other=0.0).to(tl.float32)
+    state = state * decay + (dt * x)[:, None] * b[None, :]
+    tl.store(s_ptr, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+    y = tl.sum(state * c[None, :], axis=1) + tl.load(d_ptr + head).to(tl.float32) * x
+    tl.store(y_ptr + row * stride_yb + head * head_dim + p, y, mask=p_mask)
+
+
+def ssm_state_update(xbc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                     d: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """One selective-scan step for each row. xbc [B, intermediate + 2·n_groups·d_state] float32 (the conv's output:
+    x, then B, then C), dt [B, heads] (before softplus), ssm_state [slots, heads, head_dim, d_state] updated in place at
+    `slots` [B] → y [B, intermediate] float32 (with the D skip, before the gated norm)."""
+    batch = xbc.shape[0]
+    _, heads, head_dim, d_state = ssm_state.shape
+    intermediate = heads * head_dim
+    if xbc.shape[1] != intermediate + 2 * n_groups * d_state or xbc.stride(1) != 1 or ssm_state.stride(3) != 1:
+        raise ValueError(f"xbc {tuple(xbc.shape)} does not hold x, B and C for {heads} heads of {head_dim} and "
+                         f"{n_groups} groups of state {d_state} (contiguous rows and state needed)")
+    y = torch.empty(batch, intermediate, dtype=torch.float32, device=xbc.device)
+    if batch == 0:
+        return y
+    block_p = min(triton.next_power_of_2(head_dim), 16)
+    _ssm_state_update_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
+        xbc, dt, dt_bias, a_log, d, ssm_state, slots, y, intermediate, head_dim, d_state, heads // n_groups,
+        n_groups, xbc.stride(0), dt.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        y.stride(0), BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
+    return y

@@ -1,0 +1,58 @@
+"""The Mamba-2 decode kernels (kernels/triton_mamba.py) against the mixer's torch path (model/layers/mamba2.py, itself
+checked against transformers in test_mamba2_layers.py): outputs and the states left in the slots, other slots
+untouched. Triton's interpreter on CPU, compiled on CUDA."""
+from __future__ import annotations
+
+import triton_setup  # noqa: F401  (before the kernel module: TRITON_INTERPRET on CPU)
+
+import pytest
+import torch
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.kernels.triton_mamba import conv_state_update, ssm_state_update
+from pagedllm.model.layers.mamba2 import Mamba2Dims, Mamba2Mixer
+from pagedllm.model.layers.mamba_state import MambaLayerCache, MambaStateMetadata
+
+triton_setup.interpreter_numpy_shim()
+DEVICE = triton_setup.DEVICE
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernels_match_torch_path(bias: bool, state_dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    dims = Mamba2Dims(hidden_size=32, num_heads=6, head_dim=12, n_groups=2, d_state=20, d_conv=4, conv_bias=bias)
+    mixer = Mamba2Mixer(dims, TensorParallelGroup(), torch.float32)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.5)
+    mixer = mixer.to(DEVICE)
+    cache = MambaLayerCache(torch.randn(7, dims.conv_dim, dims.d_conv - 1, device=DEVICE).to(state_dtype),
+                            torch.randn(7, dims.num_heads, dims.head_dim, dims.d_state, device=DEVICE).to(state_dtype))
+    slots = torch.tensor([5, 0, 3, 6], device=DEVICE)
+    proj = torch.randn(4, dims.intermediate + dims.conv_dim + dims.num_heads, device=DEVICE)
+    xbc = proj[:, dims.intermediate: dims.intermediate + dims.conv_dim]
+    dt = proj[:, -dims.num_heads:]
+    before = (cache.conv_state.clone(), cache.ssm_state.clone())
+
+    # the torch path (what CPU runs) on CPU copies of everything
+    a = -torch.exp(mixer.A_log.float().cpu())
+    cpu_mixer = mixer.to("cpu")
+    ref_cache = _cpu(cache)
+    want = cpu_mixer._decode(xbc.cpu(), dt.cpu(), a, ref_cache,
+                             MambaStateMetadata(slots.cpu(), slots.tolist(), [True] * 4, [ref_cache]), 4)
+    mixer = cpu_mixer.to(DEVICE)
+
+    conv = conv_state_update(xbc, cache.conv_state, mixer.conv1d.weight, mixer.conv1d.bias, slots)
+    got = ssm_state_update(conv, dt, mixer.dt_bias, mixer.A_log, mixer.D, cache.ssm_state, slots, dims.n_groups)
+    tol = dict(atol=2e-2, rtol=2e-2) if state_dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.cpu(), want, **tol)
+    torch.testing.assert_close(cache.conv_state.cpu().float(), ref_cache.conv_state.float(), **tol)
+    torch.testing.assert_close(cache.ssm_state.cpu().float(), ref_cache.ssm_state.float(), **tol)
+    untouched = [1, 2, 4]
+    assert torch.equal(cache.conv_state[untouched].cpu(), before[0][untouched].cpu())
+    assert torch.equal(cache.ssm_state[untouched].cpu(), before[1][untouched].cpu())
+
+
+def _cpu(cache: MambaLayerCache) -> MambaLayerCache:
+    return MambaLayerCache(cache.conv_state.cpu().clone(), cache.ssm_state.cpu().clone())
