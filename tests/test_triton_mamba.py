@@ -1,6 +1,7 @@
-"""The Mamba-2 decode kernels (kernels/triton_mamba.py) against the mixer's torch path (model/layers/mamba2.py, itself
-checked against transformers in test_mamba2_layers.py): outputs and the states left in the slots, other slots
-untouched. Triton's interpreter on CPU, compiled on CUDA."""
+"""The Mamba-2 decode kernels against the mixer's torch path (model/layers/mamba2.py, itself checked against
+transformers in test_mamba2_layers.py): the Triton ones (kernels/triton_mamba.py; Triton's interpreter on CPU, compiled
+on CUDA) and the CPU's C ones (kernels/cpu/cpu_ops.c). Outputs and the states left in the slots; other slots
+untouched."""
 from __future__ import annotations
 
 import triton_setup  # noqa: F401  (before the kernel module: TRITON_INTERPRET on CPU)
@@ -19,7 +20,7 @@ DEVICE = triton_setup.DEVICE
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernels_match_torch_path(bias: bool, state_dtype: torch.dtype) -> None:
+def test_decode_kernels_match_torch_path(bias: bool, state_dtype: torch.dtype, monkeypatch) -> None:
     torch.manual_seed(0)
     dims = Mamba2Dims(hidden_size=32, num_heads=6, head_dim=12, n_groups=2, d_state=20, d_conv=4, conv_bias=bias)
     mixer = Mamba2Mixer(dims, TensorParallelGroup(), torch.float32)
@@ -35,7 +36,8 @@ def test_decode_kernels_match_torch_path(bias: bool, state_dtype: torch.dtype) -
     dt = proj[:, -dims.num_heads:]
     before = (cache.conv_state.clone(), cache.ssm_state.clone())
 
-    # the torch path (what CPU runs) on CPU copies of everything
+    # the torch path on CPU copies of everything
+    monkeypatch.setattr(Mamba2Mixer, "_native_cpu", staticmethod(lambda xbc, cache: None))
     a = -torch.exp(mixer.A_log.float().cpu())
     cpu_mixer = mixer.to("cpu")
     ref_cache = _cpu(cache)
@@ -56,3 +58,34 @@ def test_decode_kernels_match_torch_path(bias: bool, state_dtype: torch.dtype) -
 
 def _cpu(cache: MambaLayerCache) -> MambaLayerCache:
     return MambaLayerCache(cache.conv_state.cpu().clone(), cache.ssm_state.cpu().clone())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_native_cpu_decode_matches_torch_path(bias: bool, monkeypatch) -> None:
+    from pagedllm.kernels.cpu_kernels import load_cpu_kernels
+
+    if load_cpu_kernels() is None:
+        pytest.skip("no native CPU kernels here (no C compiler)")
+    torch.manual_seed(1)
+    dims = Mamba2Dims(hidden_size=32, num_heads=6, head_dim=12, n_groups=3, d_state=20, d_conv=4, conv_bias=bias)
+    mixer = Mamba2Mixer(dims, TensorParallelGroup(), torch.float32)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.5)
+    proj = torch.randn(5, dims.intermediate + dims.conv_dim + dims.num_heads)
+    xbc, dt = proj[:, dims.intermediate: dims.intermediate + dims.conv_dim], proj[:, -dims.num_heads:]
+    slots = torch.tensor([4, 0, 6, 2, 3])
+    states = MambaLayerCache(torch.randn(8, dims.conv_dim, dims.d_conv - 1),
+                             torch.randn(8, dims.num_heads, dims.head_dim, dims.d_state))
+    ref, before = _cpu(states), _cpu(states)
+    meta = MambaStateMetadata(slots, slots.tolist(), [True, False, True, True, False], [states])
+    a = -torch.exp(mixer.A_log.float())
+    got = mixer._decode(xbc, dt, a, states, meta, 5)  # the C kernels
+    monkeypatch.setattr(Mamba2Mixer, "_native_cpu", staticmethod(lambda xbc, cache: None))
+    want = mixer._decode(xbc, dt, a, ref, MambaStateMetadata(slots, slots.tolist(), meta.has_initial_state, [ref]), 5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states.conv_state, ref.conv_state, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(states.ssm_state, ref.ssm_state, atol=1e-5, rtol=1e-5)
+    untouched = [1, 5, 7]
+    assert torch.equal(states.ssm_state[untouched], before.ssm_state[untouched])
+    assert torch.equal(states.conv_state[untouched], before.conv_state[untouched])

@@ -90,6 +90,14 @@ class CpuKernels:
         self._top_k_top_p = lib.top_k_top_p_f32
         self._top_k_top_p.restype = None
         self._top_k_top_p.argtypes = [_ptr, _c_int64, _c_int64, _c_int64, _ptr, _ptr, _ptr, _ptr]
+        self._mamba_conv = lib.mamba_conv_decode_f32
+        self._mamba_conv.restype = None
+        self._mamba_conv.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64, _c_int64,
+                                     _c_int64]
+        self._mamba_ssm = lib.mamba_ssm_decode_f32
+        self._mamba_ssm.restype = None
+        self._mamba_ssm.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int64,
+                                    _c_int64, _c_int64, _c_int64, _c_int64, _c_int64]
 
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
@@ -331,6 +339,44 @@ class CpuKernels:
         ids = torch.tensor(rows, dtype=torch.int64)
         self._bitmask(logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0), ids.data_ptr(),
                       len(rows), vocab)
+
+    def mamba_decode(self, xbc: torch.Tensor, dt: torch.Tensor, conv_weight: torch.Tensor,
+                     conv_bias: torch.Tensor | None, dt_bias: torch.Tensor, a_log: torch.Tensor, d: torch.Tensor,
+                     conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                     n_groups: int) -> torch.Tensor:
+        """A Mamba-2 layer's decode step for every row (kernels/triton_mamba.py's two kernels, on the CPU): the conv
+        state [slots, conv_dim, width] and the SSM state [slots, heads, head_dim, d_state] updated in place at `slots`
+        (int64 [B]); xbc [B, conv_dim] and dt [B, heads] are this token's rows (row strides free) → y [B, heads ·
+        head_dim] (the D skip in, before the gated norm). Everything float32."""
+        batch, channels = xbc.shape
+        width = conv_state.shape[2]
+        _, heads, head_dim, d_state = ssm_state.shape
+        params = (conv_weight, dt_bias, a_log, d) + ((conv_bias,) if conv_bias is not None else ())
+        tensors = (xbc, dt, conv_state, ssm_state) + params
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+            raise ValueError("mamba_decode takes float32 CPU tensors")
+        if not (conv_state.is_contiguous() and ssm_state.is_contiguous() and conv_weight.is_contiguous()
+                and all(t.is_contiguous() for t in params) and xbc.stride(1) == 1 and dt.stride(1) == 1):
+            raise ValueError("mamba_decode needs contiguous states and parameters and unit-stride rows")
+        if (conv_state.shape[1] != channels or conv_weight.numel() != channels * (width + 1) or dt.shape != (batch, heads)
+                or channels != heads * head_dim + 2 * n_groups * d_state or heads % n_groups):
+            raise ValueError(f"mamba_decode: inconsistent shapes xbc {tuple(xbc.shape)}, dt {tuple(dt.shape)}, conv "
+                             f"state {tuple(conv_state.shape)}, ssm state {tuple(ssm_state.shape)}, {n_groups} groups")
+        slots = slots.to(torch.int64).contiguous()
+        if slots.numel() != batch or (batch and (int(slots.min()) < 0 or int(slots.max()) >= ssm_state.shape[0]
+                                                 or ssm_state.shape[0] != conv_state.shape[0])):
+            raise ValueError(f"slots must be {batch} indices below {ssm_state.shape[0]}")
+        conv = torch.empty(batch, channels, dtype=torch.float32)
+        y = torch.empty(batch, heads * head_dim, dtype=torch.float32)
+        if batch == 0:
+            return y
+        self._mamba_conv(conv_state.data_ptr(), slots.data_ptr(), xbc.data_ptr(), xbc.stride(0),
+                         conv_weight.data_ptr(), conv_bias.data_ptr() if conv_bias is not None else None,
+                         conv.data_ptr(), conv.stride(0), batch, channels, width)
+        self._mamba_ssm(ssm_state.data_ptr(), slots.data_ptr(), conv.data_ptr(), conv.stride(0), dt.data_ptr(),
+                        dt.stride(0), dt_bias.data_ptr(), a_log.data_ptr(), d.data_ptr(), y.data_ptr(), y.stride(0),
+                        batch, heads, head_dim, d_state, n_groups)
+        return y
 
     def top_k_top_p(self, logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         """A new float32 tensor: ``logits`` [rows, vocab] with -inf outside each row's top-k (``top_k[r]`` <= 0 or

@@ -1476,3 +1476,64 @@ void top_k_top_p_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab
         for (int64_t t = 0; t < vocab; ++t) o[t] = row[t] >= thr ? row[t] : -INFINITY;
     }
 }
+
+/* ---- Mamba-2 decode (model/layers/mamba2.py): one token per row, the state updated in place at its slot -------- */
+
+/* The causal depthwise conv's step: out[r, c] = SiLU(bias[c] + sum_k w[c, k] * window[k]) over the slot's saved
+   `width` inputs and this token's, after which the saved inputs shift by one and take this token's.
+   state [slots, channels, width] contiguous; w [channels, width + 1] contiguous. */
+void mamba_conv_decode_f32(float *state, const int64_t *slots, const float *x, int64_t x_stride, const float *w,
+                           const float *bias, float *out, int64_t out_stride, int64_t batch, int64_t channels,
+                           int64_t width) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < batch; r++) {
+        float *st = state + slots[r] * channels * width;
+        const float *xr = x + r * x_stride;
+        float *o = out + r * out_stride;
+        for (int64_t c = 0; c < channels; c++) {
+            float *s = st + c * width;
+            const float *wc = w + c * (width + 1);
+            float acc = (bias ? bias[c] : 0.f) + wc[width] * xr[c];
+            for (int64_t k = 0; k < width; k++) acc += wc[k] * s[k];
+            for (int64_t k = 0; k + 1 < width; k++) s[k] = s[k + 1];
+            s[width - 1] = xr[c];
+            o[c] = acc / (1.f + expf(-acc));
+        }
+    }
+}
+
+/* The selective-state step: with dt = softplus(dt_raw + dt_bias) (torch's threshold 20), h = exp(-exp(a_log)·dt)·h +
+   dt·x ⊗ B and y = h·C + D·x, per head; B and C are shared by the heads of a group. xbc rows hold x (heads ×
+   head_dim), then B, then C (n_groups × d_state each). state [slots, heads, head_dim, d_state] contiguous. */
+void mamba_ssm_decode_f32(float *state, const int64_t *slots, const float *xbc, int64_t xbc_stride, const float *dt,
+                          int64_t dt_stride, const float *dt_bias, const float *a_log, const float *d, float *y,
+                          int64_t y_stride, int64_t batch, int64_t heads, int64_t head_dim, int64_t d_state,
+                          int64_t n_groups) {
+    const int64_t inter = heads * head_dim, per_group = heads / n_groups;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t r = 0; r < batch; r++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const float v = dt[r * dt_stride + h] + dt_bias[h];
+            const float step = v > 20.f ? v : log1pf(expf(v));
+            const float decay = expf(-expf(a_log[h]) * step);
+            const int64_t g = h / per_group;
+            const float *row = xbc + r * xbc_stride;
+            const float *x = row + h * head_dim, *B = row + inter + g * d_state;
+            const float *C = row + inter + (n_groups + g) * d_state;
+            float *s = state + (slots[r] * heads + h) * head_dim * d_state;
+            float *out = y + r * y_stride + h * head_dim;
+            for (int64_t p = 0; p < head_dim; p++) {
+                float *sp = s + p * d_state;
+                const float dx = step * x[p];
+                float acc = 0.f;
+                #pragma omp simd reduction(+:acc)
+                for (int64_t n = 0; n < d_state; n++) {
+                    const float nv = sp[n] * decay + dx * B[n];
+                    sp[n] = nv;
+                    acc += nv * C[n];
+                }
+                out[p] = acc + d[h] * x[p];
+            }
+        }
+    }
+}
