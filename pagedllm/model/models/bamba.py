@@ -12,10 +12,10 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.mamba2 import Mamba2Mixer
-from pagedllm.model.layers.mamba_state import MambaStateShape
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.models.hybrid import (
+    HybridStateLayout,
     ATTENTION,
     MAMBA,
     HybridDecoderLayer,
@@ -50,7 +50,7 @@ class BambaDecoderLayer(HybridDecoderLayer):
         return self.feed_forward(hidden)
 
 
-class BambaForCausalLM(LlamaForCausalLM):
+class BambaForCausalLM(HybridStateLayout, LlamaForCausalLM):
     """Bamba: Llama's embeddings, head and weight loading (merged q/k/v and gate/up); hybrid layers."""
 
     loads_fp8_checkpoints = False
@@ -60,13 +60,3 @@ class BambaForCausalLM(LlamaForCausalLM):
         rotary = llama_rotary_embedding(config, partial_rotary=True) if ATTENTION in kinds else None
         return HybridModel(config, tp, dtype, lambda i, kind: BambaDecoderLayer(config, tp, dtype, i, kind, rotary),
                            final_norm_name="final_layernorm")
-
-    @classmethod
-    def sliding_windows(cls, config: Any) -> list[int | None]:
-        """One entry (None: full attention) per attention layer; Mamba layers have none."""
-        return [None] * hybrid_layer_kinds(config).count(ATTENTION)
-
-    @classmethod
-    def mamba_state_shape(cls, config: Any) -> MambaStateShape:
-        """Each state slot's per-layer conv and SSM state, for every Mamba layer."""
-        return hybrid_mamba_dims(config).state_shape(hybrid_layer_kinds(config).count(MAMBA))

@@ -15,11 +15,11 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.activation import silu_and_mul
 from pagedllm.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.model.layers.mamba2 import Mamba2Mixer
-from pagedllm.model.layers.mamba_state import MambaStateShape
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.models.granite import _multiplier
 from pagedllm.model.models.hybrid import (
+    HybridStateLayout,
     ATTENTION,
     MAMBA,
     HybridDecoderLayer,
@@ -74,7 +74,7 @@ class GraniteHybridDecoderLayer(HybridDecoderLayer):
         return shared if self.mlp is None else self.mlp(hidden) + shared
 
 
-class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
+class GraniteMoeHybridForCausalLM(HybridStateLayout, GraniteMoeForCausalLM):
     """Granite MoE's loading (per-expert split of the fused experts), embeddings, head and logit scaling."""
 
     def build_model(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> nn.Module:
@@ -93,13 +93,3 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM):
         if experts == 0:
             return None
         return SparseMoeBlock(config, experts, config.intermediate_size, True, tp, dtype)
-
-    @classmethod
-    def sliding_windows(cls, config: Any) -> list[int | None]:
-        """One entry (None: full attention) per attention layer; Mamba layers have none."""
-        return [None] * hybrid_layer_kinds(config).count(ATTENTION)
-
-    @classmethod
-    def mamba_state_shape(cls, config: Any) -> MambaStateShape:
-        """Each state slot's per-layer conv and SSM state, for every Mamba layer."""
-        return hybrid_mamba_dims(config).state_shape(hybrid_layer_kinds(config).count(MAMBA))

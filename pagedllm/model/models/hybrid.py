@@ -15,7 +15,7 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.model.layers.embedding import VocabParallelEmbedding
 from pagedllm.model.layers.mamba2 import Mamba2Dims, time_step_limit
-from pagedllm.model.layers.mamba_state import MambaLayerCache
+from pagedllm.model.layers.mamba_state import MambaLayerCache, MambaStateShape
 from pagedllm.model.layers.norm import RMSNorm
 
 MAMBA = "mamba"
@@ -58,6 +58,21 @@ def hybrid_mamba_dims(config: Any) -> Mamba2Dims:
                       eps=float(config.rms_norm_eps),
                       time_step_limit=time_step_limit(getattr(config, "time_step_limit", None)),
                       activation=getattr(config, "hidden_act", "silu"))
+
+
+class HybridStateLayout:
+    """For a hybrid model class: its KV-cache layers (the attention ones) and its Mamba layers' state, from the config's
+    layer kinds (``hybrid_layer_kinds``)."""
+
+    @classmethod
+    def sliding_windows(cls, config: Any) -> list[int | None]:
+        """One entry (None: full attention) per attention layer; Mamba layers have none."""
+        return [None] * hybrid_layer_kinds(config).count(ATTENTION)
+
+    @classmethod
+    def mamba_state_shape(cls, config: Any) -> MambaStateShape:
+        """Each state slot's per-layer conv and SSM state, for every Mamba layer."""
+        return hybrid_mamba_dims(config).state_shape(hybrid_layer_kinds(config).count(MAMBA))
 
 
 class HybridDecoderLayer(nn.Module):
