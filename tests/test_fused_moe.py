@@ -113,3 +113,23 @@ def test_triton_experts_bf16_and_cuda_graph(t: int) -> None:
     static_logits.copy_(logits2)
     graph.replay()
     torch.testing.assert_close(static_out, moe(x2, logits2), rtol=0, atol=0)
+
+
+def test_relu2_experts_match_dense_reference_on_both_paths() -> None:
+    """Non-gated ReLU² experts (Nemotron-H): w13 holds up only; the torch path against a per-token float64 reference,
+    and the Triton grouped GEMM against the torch path."""
+    x, w13, w2, logits = _problem(11, 32, 24, 6, 2, torch.float32, "cpu", seed=3)
+    up = w13[:, :24].contiguous()
+    weights, ids = select_experts(logits, 2, True)
+    want = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(2):
+            e = int(ids[t, j])
+            want[t] += float(weights[t, j]) * (w2[e].double() @ torch.relu(up[e].double() @ x[t].double()).square())
+    got = fused_experts_torch(x, up, w2, weights, ids, activation="relu2")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    kernel = triton_fused_moe.fused_experts(x.to(DEVICE), up.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE),
+                                            ids.to(DEVICE), activation="relu2")
+    torch.testing.assert_close(kernel.cpu(), got, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="activation"):
+        FusedMoE(4, 2, 32, 24, True, TensorParallelGroup(), torch.float32, activation="gelu")

@@ -285,6 +285,17 @@ HYBRIDS = {
         eos_token_id=2, attn_implementation="eager",
         layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba"]),
         ["mamba", "mlp", "attention", "mlp", "mamba"]),
+    # Nemotron 3: ReLU² experts routed as DeepSeek-V3 routes (sigmoid, correction bias, 2 groups, top-1 group,
+    # renormalised, scaled), a shared expert, and latent projections around the routed experts.
+    "nemotron-h-moe": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=48, mamba_num_heads=8, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4,
+        chunk_size=16, layer_norm_epsilon=1e-5, initializer_range=0.1, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_implementation="eager", n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, moe_shared_expert_intermediate_size=32, n_group=2, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=1.5, moe_latent_size=48,
+        layers_block_type=["mamba", "moe", "attention", "moe"]),
+        ["mamba", "moe", "attention", "moe"]),
 }
 
 
@@ -322,7 +333,7 @@ def test_hybrid_loads_every_tensor(name: str, tmp_path: Path) -> None:
     shape = cls.mamba_state_shape(config)
     assert (shape.num_layers, shape.conv_dim, shape.conv_width, shape.num_heads, shape.head_dim,
             shape.state_size) == (kinds.count("mamba"), 128 + 2 * 2 * 16, 3, 8, 16, 16)
-    state = {k.replace("model.", "backbone.", 1) if name == "nemotron-h" else k: v
+    state = {k.replace("model.", "backbone.", 1) if name.startswith("nemotron-h") else k: v
              for k, v in hf.state_dict().items()}
     mixer, prefix = _our_mixer(ours, kinds.index("mamba"))
     for suffix in ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",

@@ -28,7 +28,7 @@ def _random_hf(name: str, n_groups: int | None = None) -> torch.nn.Module:
     else:
         config_cls, model_name, kwargs, _ = HYBRIDS[name]
         if n_groups:
-            kwargs = {**kwargs, "n_groups" if name == "nemotron-h" else "mamba_n_groups": n_groups}
+            kwargs = {**kwargs, "n_groups" if name.startswith("nemotron") else "mamba_n_groups": n_groups}
         config = getattr(transformers, config_cls)(**kwargs)
         model_cls = getattr(transformers, model_name)
     torch.manual_seed(0)
@@ -53,7 +53,8 @@ def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[in
     return out
 
 
-@pytest.fixture(scope="module", params=["mamba2", "bamba", "granite-moe-nope", "granite-dense-rope", "nemotron-h"])
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "granite-moe-nope", "granite-dense-rope", "nemotron-h",
+                                        "nemotron-h-moe"])
 def built(request, tmp_path_factory) -> tuple[str, Path, list[list[int]], list[list[int]]]:
     name = request.param
     model = _random_hf(name)
@@ -134,7 +135,8 @@ def test_beam_search_matches_transformers(built) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["mamba2", "bamba", "granite-moe-nope", "granite-dense-rope", "nemotron-h"])
+@pytest.mark.parametrize("name", ["mamba2", "bamba", "granite-moe-nope", "granite-dense-rope", "nemotron-h",
+                                  "nemotron-h-moe"])
 def test_cuda_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
     """On the GPU (the Triton decode kernels, decode CUDA graphs for the hybrids, asynchronous scheduling), float32:
     transformers' tokens, batched and chunked, and with forks under preemption. One group of B/C per layer here:

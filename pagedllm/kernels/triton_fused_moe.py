@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.model.layers.activation import silu_and_mul
+from pagedllm.model.layers.fused_moe import expert_activation
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -191,9 +191,11 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_id
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, block_m: int | None = None,
-                  configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
+                  configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None,
+                  activation: str = "silu") -> torch.Tensor:
     """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x): x [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights / topk_ids [T, k] → [T, H] in x's dtype (accumulated in float32)."""
+    topk_weights / topk_ids [T, k] → [T, H] in x's dtype (accumulated in float32). `activation` "relu2": non-gated
+    experts, w2_e(relu(up_e x)²) with w13 [E, I, H] (Nemotron-H's)."""
     t, h = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -206,7 +208,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, sorted_ids, tile_expert, weights, top_k, False, False, block_m, cfg13)
-    act = silu_and_mul(gate_up)
+    act = expert_activation(gate_up, activation)
     down = torch.empty((num_pairs, h), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, sorted_ids, tile_expert, weights, top_k, True, True, block_m, cfg2)
     return down.view(t, top_k, h).sum(dim=1)

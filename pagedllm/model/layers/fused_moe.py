@@ -41,6 +41,20 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+#: Expert activations: "silu" (gated: silu(gate) · up, w13 holds [gate; up]) and "relu2" (non-gated: relu(up)²,
+#: w13 holds up only; Nemotron-H's experts).
+EXPERT_ACTIVATIONS = ("silu", "relu2")
+
+
+def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """The experts' activation on w13's output rows (see EXPERT_ACTIVATIONS)."""
+    if activation == "silu":
+        return silu_and_mul(h)
+    if activation == "relu2":
+        return torch.relu(h).square()
+    raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
+
+
 def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight], expert: int) -> torch.Tensor:
     """x @ w[expert]ᵀ, w a stacked float projection or one GGUF weight per expert."""
     if isinstance(w, torch.Tensor):
@@ -50,7 +64,7 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight], exper
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight],
                         w2: torch.Tensor | Sequence[GGUFWeight], topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
+                        topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x), expert by expert over the rows routed
     to it (Hugging Face's loop; the product by the weight in x's dtype). Either projection may be one GGUF weight per
     expert (``expert_linear``)."""
@@ -66,7 +80,7 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        h = silu_and_mul(expert_linear(x[rows], w13, expert))
+        h = expert_activation(expert_linear(x[rows], w13, expert), activation)
         y = expert_linear(h, w2, expert)
         y = y * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
         out.index_add_(0, rows, y)
@@ -82,17 +96,23 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp: TensorParallelGroup, dtype: torch.dtype, reduce_results: bool = True,
-                 custom_routing_function: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-                 ) -> None:
+                 custom_routing_function: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 activation: str = "silu") -> None:
         super().__init__()
         self.custom_routing_function = custom_routing_function
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
+        self.activation = activation
+        self.gated = activation == "silu"
+        self.projections = ("gate", "up", "down") if self.gated else ("up", "down")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must lie in [1, {num_experts}] (the number of experts), got {top_k}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp, self.reduce_results = tp, reduce_results
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.shard = divide(intermediate_size, tp.size, "moe_intermediate_size")
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size, dtype=dtype),
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, (2 if self.gated else 1) * self.shard, hidden_size,
+                                                   dtype=dtype),
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard, dtype=dtype),
                                       requires_grad=False)
@@ -109,6 +129,8 @@ class FusedMoE(nn.Module):
         """Copy one expert's checkpoint matrix ([I, H] for gate / up, [H, I] for down) into this rank's slice."""
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"checkpoint has expert {expert}, the model has {self.num_experts} experts")
+        if projection not in self.projections:
+            raise ValueError(f"expert {expert}'s {projection} projection: these experts have {self.projections}")
         if (self.w2_gguf if projection == "down" else self.w13_gguf) is not None:
             return  # served from the GGUF file's blocks: the float copy is not kept
         lo, n = self.tp.rank * self.shard, self.shard
@@ -117,7 +139,7 @@ class FusedMoE(nn.Module):
             dst, src = self.w2_weight.data[expert], loaded[:, lo:lo + n] if loaded.shape == want else None
         else:
             want = (self.intermediate_size, self.w13_weight.shape[2])
-            half = 0 if projection == "gate" else self.shard
+            half = self.shard if projection == "up" and self.gated else 0
             dst = self.w13_weight.data[expert, half:half + n]
             src = loaded[lo:lo + n] if loaded.shape == want else None
         if src is None:
@@ -133,8 +155,8 @@ class FusedMoE(nn.Module):
         if x.is_cuda:
             from pagedllm.kernels.triton_fused_moe import fused_experts  # needs triton: imported on use
 
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, activation=self.activation)
         else:
             out = fused_experts_torch(x, self.w13_gguf or self.w13_weight, self.w2_gguf or self.w2_weight,
-                                      topk_weights, topk_ids)
+                                      topk_weights, topk_ids, self.activation)
         return self.tp.all_reduce(out) if self.reduce_results else out

@@ -70,35 +70,48 @@ class _MoeForCausalLM(LlamaForCausalLM):
     renamed_blocks: dict[str, str] = {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        layers = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
-        seen: dict[str, set[tuple[int, str]]] = {name: set() for name in layers}
+        experts = ExpertWeightRouter(self, self.renamed_blocks)
+        super().load_weights(experts.dense_weights(weights))
+        experts.check_complete()
 
-        def dense_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for old, new in self.renamed_blocks.items():
-                    name = name.replace(old, new)
-                parts = name.split(".")
-                if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() \
-                        and parts[-2] in EXPERT_PROJECTIONS and parts[-1] == "weight":
-                    owner = ".".join(parts[:-2])[: -len(parts[-3]) - 1]
-                    moe = layers.get(owner)
-                    if moe is None:
-                        raise ValueError(f"checkpoint tensor {name!r} names experts that {type(self).__name__} "
-                                         f"does not have at {owner!r}")
-                    projection = EXPERT_PROJECTIONS[parts[-2]]
-                    moe.load_expert_weight(int(parts[-3]), projection, tensor.to(moe.w13_weight.dtype))
-                    seen[owner].add((int(parts[-3]), projection))
-                    continue
-                yield name, tensor
 
-        for name, moe in layers.items():  # filled expert by expert above, checked below
+class ExpertWeightRouter:
+    """Loading a model with FusedMoE layers: each checkpoint expert matrix (``...experts.E.{gate,up,down}_proj.weight``,
+    or Mixtral's w1 / w3 / w2) goes to its layer's stacked parameters; `dense_weights` yields every other tensor for
+    the model's own loader; `check_complete` then raises if an expert's projection never came."""
+
+    def __init__(self, model: nn.Module, renamed_blocks: dict[str, str] | None = None) -> None:
+        self.renamed_blocks = renamed_blocks or {}
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, FusedMoE)}
+        self.seen: dict[str, set[tuple[int, str]]] = {name: set() for name in self.layers}
+        for name, moe in self.layers.items():  # filled expert by expert, checked by check_complete
             moe.w13_weight.optional = moe.w2_weight.optional = True
-            seen[name].update(moe.projections_held_as_gguf())  # the checkpoint's copies are not read
-        super().load_weights(dense_weights())
-        for name, moe in layers.items():
-            if len(seen[name]) != 3 * moe.num_experts:
-                raise ValueError(f"checkpoint is missing expert projections of {name}: {len(seen[name])} of "
-                                 f"{3 * moe.num_experts} (gate, up and down of every expert)")
+            self.seen[name].update(moe.projections_held_as_gguf())  # the checkpoint's copies are not read
+
+    def dense_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            for old, new in self.renamed_blocks.items():
+                name = name.replace(old, new)
+            parts = name.split(".")
+            if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit() \
+                    and parts[-2] in EXPERT_PROJECTIONS and parts[-1] == "weight":
+                owner = ".".join(parts[:-2])[: -len(parts[-3]) - 1]
+                moe = self.layers.get(owner)
+                if moe is None:
+                    raise ValueError(f"checkpoint tensor {name!r} names experts that the model does not have at "
+                                     f"{owner!r}")
+                projection = EXPERT_PROJECTIONS[parts[-2]]
+                moe.load_expert_weight(int(parts[-3]), projection, tensor.to(moe.w13_weight.dtype))
+                self.seen[owner].add((int(parts[-3]), projection))
+                continue
+            yield name, tensor
+
+    def check_complete(self) -> None:
+        for name, moe in self.layers.items():
+            want = len(moe.projections) * moe.num_experts
+            if len(self.seen[name]) != want:
+                raise ValueError(f"checkpoint is missing expert projections of {name}: {len(self.seen[name])} of "
+                                 f"{want} ({', '.join(moe.projections)} of every expert)")
 
 
 class MixtralForCausalLM(_MoeForCausalLM):
