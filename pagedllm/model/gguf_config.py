@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pagedllm.model.gguf_deepseek import DEEPSEEK2_TENSORS, deepseek2_config
+from pagedllm.model.gguf_mamba import SSM_ARCHITECTURES, SSM_MODELS, ssm_config
 from pagedllm.model.gguf_moe import (
     MOE_MODELS,
     MOE_TENSORS,
@@ -168,6 +169,10 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     # DeepSeek-V2 / V3 (MLA, shared + routed experts): DeepseekV3ForCausalLM where routing is sigmoid
     # (gguf_deepseek.deepseek2_config); q/k stored as HF has them; no biases (llama.cpp loads none).
     "deepseek2": GGUFArchitecture("DeepseekV2ForCausalLM", "deepseek_v2", DEEPSEEK2_TENSORS),
+    # State-space models (gguf_mamba.py maps their tensors and builds their configs); granitehybrid's q/k are
+    # permuted as Llama's (nemotron_h's too, without RoPE).
+    **{arch: GGUFArchitecture(*SSM_MODELS[arch], MappingProxyType({}), permuted_qk=arch != "mamba2")
+       for arch in SSM_ARCHITECTURES},
 })
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_ARCHITECTURES)
 
@@ -256,6 +261,9 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
             "(llama-gguf-split --merge) and pass the merged file"
         )
 
+    if arch in SSM_ARCHITECTURES:
+        return _ssm_info(reader, arch, spec, path)
+
     def req(key: str) -> Any:
         v = gguf_field(reader, f"{arch}.{key}")
         if v is None:
@@ -308,12 +316,7 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
             f"architecture {arch!r} must rotate whole heads"
         )
 
-    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    pad = gguf_field(reader, "tokenizer.ggml.padding_token_id")
-    eos_ids = [int(x) for x in (eos, gguf_field(reader, "tokenizer.ggml.eot_token_id"),
-                                gguf_field(reader, "tokenizer.ggml.eom_token_id")) if x is not None]
-    eos_ids = list(dict.fromkeys(eos_ids))
+    bos, eos_ids, pad = _special_tokens(reader)
     config: dict[str, Any] = {
         "architectures": [spec.hf_arch],
         "model_type": spec.model_type,
@@ -370,6 +373,31 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         arch=arch,
         norm_offset=spec.norm_offset,
     )
+
+
+def _special_tokens(reader: Any) -> tuple[int | None, list[int], int | None]:
+    """The file's BOS id, its end-of-generation ids (EOS, EOT, EOM; deduplicated) and its padding id."""
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    pad = gguf_field(reader, "tokenizer.ggml.padding_token_id")
+    eos_ids = [int(x) for x in (gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+                                gguf_field(reader, "tokenizer.ggml.eot_token_id"),
+                                gguf_field(reader, "tokenizer.ggml.eom_token_id")) if x is not None]
+    return None if bos is None else int(bos), list(dict.fromkeys(eos_ids)), None if pad is None else int(pad)
+
+
+def _ssm_info(reader: Any, arch: str, spec: GGUFArchitecture, path: Path) -> GGUFModelInfo:
+    """A state-space file's model info (its config: gguf_mamba.ssm_config)."""
+    shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
+    config = ssm_config(lambda key, default: gguf_field(reader, key, default), lambda key: gguf_array(reader, key),
+                        arch, shapes, path)
+    bos, eos_ids, pad = _special_tokens(reader)
+    config.update(bos_token_id=bos, eos_token_id=eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+                  pad_token_id=pad)
+    n_head = int(config.get("num_attention_heads", 0))
+    return GGUFModelInfo(config=config, n_head=n_head, n_head_kv=int(config.get("num_key_value_heads", 0)),
+                         eos_token_ids=eos_ids, has_tokenizer=gguf_field(reader, "tokenizer.ggml.model") is not None,
+                         chat_template=gguf_field(reader, "tokenizer.chat_template"), permuted_qk=spec.permuted_qk,
+                         arch=arch)
 
 
 def _sliding_layer_types(reader: Any, arch: str, n_layers: int, path: Path) -> list[str]:

@@ -35,6 +35,13 @@ from pagedllm.model.gguf_config import (
     build_config,
 )
 from pagedllm.model.gguf_deepseek import CORRECTION_BIAS, K_B, V_B, join_kv_b, mla_expected_shape
+from pagedllm.model.gguf_mamba import (
+    SSM_ARCHITECTURES,
+    SharedMlpJoiner,
+    map_ssm_tensor_name,
+    ssm_expected_shape,
+    ssm_tensor,
+)
 from pagedllm.model.gguf_moe import (
     dequantized_experts,
     is_expert_tensor,
@@ -223,6 +230,8 @@ def map_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return None
     if arch == "phi3" and gguf_name in ROPE_FACTOR_TENSORS:
         return None
+    if arch in SSM_ARCHITECTURES:
+        return map_ssm_tensor_name(gguf_name, arch)
     m = _BLOCK_RE.match(gguf_name)
     if arch == "deepseek2" and m and (m.group(2), m.group(3)) == (CORRECTION_BIAS[0], "bias"):
         return f"model.layers.{m.group(1)}.{CORRECTION_BIAS[1]}"
@@ -285,6 +294,7 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
     quantized_experts: list[str] = []  # types of the expert tensors dequantized (one log line at the end)
     names = {t.name for t in reader.tensors}
     split_kv_b: dict[str, dict[str, np.ndarray]] = {}  # deepseek2's attn_k_b / attn_v_b by layer, until both are read
+    shared_mlp = SharedMlpJoiner()  # granitehybrid's shared MLP halves by layer, until both are read
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
         hf_name = map_tensor_name(t.name, info.arch)
         if hf_name is None:
@@ -310,6 +320,18 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
             arr = reverse_permute(arr, info.n_head_kv)
         if info.norm_offset and t.name.endswith("norm.weight"):
             arr -= np.float32(info.norm_offset)
+        if info.arch in SSM_ARCHITECTURES:  # A = -exp(A_log), squeezed / grouped shapes undone (gguf_mamba.py)
+            arr = ssm_tensor(hf_name, arr)
+            expected = ssm_expected_shape(hf_name, info.config)
+            if expected is not None and tuple(arr.shape) != expected:
+                raise ValueError(f"GGUF tensor {t.name!r} in {path} has shape {tuple(arr.shape)} (HF layout), "
+                                 f"expected {expected} from the model metadata")
+            if SharedMlpJoiner.is_half(hf_name):
+                if (joined := shared_mlp.add(hf_name, arr)) is not None:
+                    yield joined
+            else:
+                yield hf_name, arr
+            continue
         if hf_name.endswith(".mlp.shared_expert_gate.weight") and arr.ndim == 1:  # llama.cpp's {n_embd}
             arr = arr.reshape(1, -1)
         spec = GGUF_ARCHITECTURES[info.arch]
@@ -335,6 +357,7 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
                 start += n
             continue
         yield hf_name, arr
+    shared_mlp.check_complete(path)
     if split_kv_b:
         prefix, pair = next(iter(split_kv_b.items()))
         have, missing = ("attn_k_b", "attn_v_b") if K_B in pair else ("attn_v_b", "attn_k_b")

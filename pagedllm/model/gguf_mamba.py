@@ -1,0 +1,319 @@
+"""llama.cpp's state-space GGUF files: ``mamba2`` (Mamba2ForCausalLM), ``granitehybrid`` (IBM Granite 4.0 "H":
+GraniteMoeHybridForCausalLM) and ``nemotron_h`` (NemotronHForCausalLM), as convert_hf_to_gguf.py's Mamba2Model,
+GraniteHybridModel and NemotronHModel write them. The conversion dequantizes every tensor to float32 (with
+quantization='gguf' on the CPU the quantized matrices then run from their blocks, as for the other architectures).
+
+What the converter writes: the mixer's geometry as ``{arch}.ssm.conv_kernel``, ``.ssm.inner_size`` (d_inner = heads ·
+head_dim), ``.ssm.state_size``, ``.ssm.time_step_rank`` (the number of SSM heads) and ``.ssm.group_count``; each
+layer's kind in the hybrids through per-layer arrays: ``attention.head_count_kv`` is 0 on a Mamba layer (and, for
+nemotron_h, ``feed_forward_length`` is non-zero on an MLP layer). Tensors: ``ssm_in`` (in_proj), ``ssm_conv1d``
+[conv_dim, d_conv] (HF's [conv_dim, 1, d_conv] squeezed) with its bias, ``ssm_dt.bias`` (dt_bias), ``ssm_a`` =
+−exp(A_log) as [heads, 1], ``ssm_d`` [heads, 1], ``ssm_norm`` [groups, d_inner / groups] (the gated norm's weight)
+and ``ssm_out`` (out_proj). The conversion undoes each: A_log = log(−A), the squeezed axes restored, the norm
+flattened.
+
+granitehybrid: attention q/k rows permuted as Llama's (un-permuted here); the shared MLP split into ``ffn_gate`` /
+``ffn_up`` / ``ffn_down`` (dense models) or ``ffn_{gate,up,down}_shexp`` (beside routed experts ``ffn_*_exps``),
+joined back into ``shared_mlp.input_linear`` (gate rows, then up); ``rope.scaling.finetuned`` switches RoPE on
+(absent: on, as llama.cpp; Granite 4.0 H files say false); Granite's four multipliers as for ``granite`` files, each
+optional (absent or 0: 1; attention: head_dim**-0.5). Bamba files (also ``granitehybrid``) load where RoPE covers
+whole heads; partial rotary (Bamba-9B's rope.dimension_count 64 of 128) is refused. nemotron_h (dense Nemotron-H;
+not ``nemotron_h_moe``): attention without RoPE (its q/k are permuted by the converter too, which changes no score;
+un-permuted here), ReLU² MLPs (``ffn_up`` / ``ffn_down``), one norm per block (``attn_norm``).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+SSM_ARCHITECTURES: tuple[str, ...] = ("mamba2", "granitehybrid", "nemotron_h")
+#: llama.cpp's architectures → (HF class, model_type)
+SSM_MODELS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "mamba2": ("Mamba2ForCausalLM", "mamba2"),
+    "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
+    "nemotron_h": ("NemotronHForCausalLM", "nemotron_h"),
+})
+#: The Mamba-2 mixer's tensors (GGUF name, kind) → the mixer's parameter names.
+_MIXER: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("ssm_in", "weight"): "in_proj.weight",
+    ("ssm_conv1d", "weight"): "conv1d.weight",
+    ("ssm_conv1d", "bias"): "conv1d.bias",
+    ("ssm_dt", "bias"): "dt_bias",
+    ("ssm_a", "weight"): "A_log",
+    ("ssm_d", "weight"): "D",
+    ("ssm_norm", "weight"): "norm.weight",
+    ("ssm_out", "weight"): "out_proj.weight",
+})
+_ATTENTION: Mapping[str, str] = MappingProxyType({
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+})
+#: granitehybrid: the shared MLP's halves (joined into input_linear by :class:`SharedMlpJoiner`), routed experts.
+_GATE, _UP = "shared_mlp.gate_half", "shared_mlp.up_half"
+_GRANITE: Mapping[str, str] = MappingProxyType({
+    **_ATTENTION,
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": _GATE, "ffn_up": _UP, "ffn_down": "shared_mlp.output_linear",
+    "ffn_gate_shexp": _GATE, "ffn_up_shexp": _UP, "ffn_down_shexp": "shared_mlp.output_linear",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+})
+_NEMOTRON: Mapping[str, str] = MappingProxyType({
+    **{k: "mixer." + v.split(".", 1)[1] for k, v in _ATTENTION.items()},
+    "attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
+})
+#: Per architecture: the HF prefix of layer N, of the mixer inside it, and the global tensors' names.
+_LAYOUT: Mapping[str, tuple[str, str, Mapping[str, str]]] = MappingProxyType({
+    "mamba2": ("backbone.layers", "mixer", MappingProxyType(
+        {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
+    "granitehybrid": ("model.layers", "mamba", MappingProxyType(
+        {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"})),
+    "nemotron_h": ("backbone.layers", "mixer", MappingProxyType(
+        {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
+})
+_BLOCK_TENSORS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "mamba2": MappingProxyType({"attn_norm": "norm"}), "granitehybrid": _GRANITE, "nemotron_h": _NEMOTRON,
+})
+
+
+def map_ssm_tensor_name(gguf_name: str, arch: str) -> str:
+    """The HF name of GGUF tensor ``gguf_name`` in a file of SSM architecture ``arch`` (ValueError if it has none)."""
+    layers, mixer, globals_ = _LAYOUT[arch]
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in globals_ and parts[1] == "weight":
+        return f"{globals_[parts[0]]}.weight"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        _, layer, base, kind = parts
+        if (base, kind) in _MIXER:
+            return f"{layers}.{layer}.{mixer}.{_MIXER[base, kind]}"
+        if kind == "weight" and base in _BLOCK_TENSORS[arch]:
+            return f"{layers}.{layer}.{_BLOCK_TENSORS[arch][base]}.weight"
+    known = sorted({b for b, _ in _MIXER} | set(_BLOCK_TENSORS[arch]))
+    raise ValueError(f"Unsupported tensor {gguf_name!r} in a GGUF file of architecture {arch!r}; expected "
+                     f"{', '.join(f'{g}.weight' for g in globals_)} and blk.N.{{{', '.join(known)}}}.weight (biases: "
+                     "ssm_conv1d.bias, ssm_dt.bias)")
+
+
+def ssm_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any] | None], arch: str,
+               tensor_shapes: Mapping[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
+    """The HF config of an SSM file (``field(key, default)``: scalar metadata, ``array(key)``: array metadata or None;
+    ``tensor_shapes``: each tensor's shape in numpy order), as llama.cpp reads it."""
+
+    def req(key: str) -> Any:
+        v = field(f"{arch}.{key}", None)
+        if v is None:
+            raise ValueError(f"{path} is not a valid GGUF file: missing metadata key '{arch}.{key}'")
+        return v
+
+    hidden, n_layers = int(req("embedding_length")), int(req("block_count"))
+    inner, heads = int(req("ssm.inner_size")), int(req("ssm.time_step_rank"))
+    groups, d_state, d_conv = int(req("ssm.group_count")), int(req("ssm.state_size")), int(req("ssm.conv_kernel"))
+    if heads <= 0 or inner % heads:
+        raise ValueError(f"{path}: {arch}.ssm.inner_size = {inner} is not a multiple of {arch}.ssm.time_step_rank = "
+                         f"{heads} (the number of SSM heads)")
+    if groups <= 0 or heads % groups:
+        raise ValueError(f"{path}: {arch}.ssm.group_count = {groups}; it must divide the {heads} SSM heads")
+    eps = float(req("attention.layer_norm_rms_epsilon"))
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError(f"{path} is not a valid GGUF file: no 'token_embd.weight' tensor")
+    vocab = tensor_shapes["token_embd.weight"][0]
+    tied = "output.weight" not in tensor_shapes
+    hf_arch, model_type = SSM_MODELS[arch]
+    base: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type, "vocab_size": vocab,
+                            "hidden_size": hidden, "num_hidden_layers": n_layers, "tie_word_embeddings": tied,
+                            "torch_dtype": "float32",
+                            "max_position_embeddings": int(field(f"{arch}.context_length", 2048) or 2048)}
+    conv_bias = any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes)
+    if inner % hidden:
+        raise ValueError(f"{path}: {arch}.ssm.inner_size = {inner} is not a multiple of {arch}.embedding_length = "
+                         f"{hidden} (the configs' expand factor is an integer)")
+    if arch == "mamba2":
+        base.update(num_heads=heads, head_dim=inner // heads, n_groups=groups, state_size=d_state, conv_kernel=d_conv,
+                    expand=inner // hidden, use_conv_bias=conv_bias, use_bias=False, layer_norm_epsilon=eps,
+                    residual_in_fp32=True)
+        return base
+
+    kv = _per_layer(field, array, f"{arch}.attention.head_count_kv", n_layers, path)
+    n_head = int(req("attention.head_count"))
+    n_kv = max(kv)
+    if n_kv <= 0 or n_head <= 0 or n_head % n_kv:
+        raise ValueError(f"{path}: {arch}.attention.head_count = {n_head}, head_count_kv = {kv}; a hybrid needs an "
+                         "attention layer (head_count_kv > 0) and head_count a multiple of head_count_kv")
+    if any(k not in (0, n_kv) for k in kv):
+        raise ValueError(f"{path}: {arch}.attention.head_count_kv = {kv}; every attention layer must have the same "
+                         "number of KV heads")
+    head_dim = int(field(f"{arch}.attention.key_length", 0) or 0) or hidden // n_head
+    base.update(num_attention_heads=n_head, num_key_value_heads=n_kv, head_dim=head_dim, attention_bias=False)
+    if arch == "granitehybrid":
+        return _granite_hybrid(field, base, kv, tensor_shapes, dict(heads=heads, inner=inner, groups=groups,
+                                                                     d_state=d_state, d_conv=d_conv, eps=eps,
+                                                                     conv_bias=conv_bias), path)
+    ff = _per_layer(field, array, f"{arch}.feed_forward_length", n_layers, path)
+    kinds = ["attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ff)]
+    widths = {f for f in ff if f}
+    if len(widths) > 1:
+        raise ValueError(f"{path}: {arch}.feed_forward_length = {ff}; every MLP layer must have the same width")
+    base.update(layers_block_type=kinds, intermediate_size=widths.pop() if widths else 4 * hidden,
+                mamba_num_heads=heads, mamba_head_dim=inner // heads, n_groups=groups, ssm_state_size=d_state,
+                conv_kernel=d_conv, expand=inner // hidden, use_conv_bias=conv_bias, use_bias=False,
+                mamba_proj_bias=False, mlp_bias=False, mlp_hidden_act="relu2", layer_norm_epsilon=eps)
+    return base
+
+
+def _per_layer(field: Callable[[str, Any], Any], array: Callable[[str], list[Any] | None], key: str, n_layers: int,
+               path: Path) -> list[int]:
+    """A per-layer metadata value, one entry per layer (a scalar applies to every layer, as llama.cpp's
+    get_key_or_arr)."""
+    values = array(key)
+    if values is None:
+        scalar = field(key, None)
+        if scalar is None:
+            raise ValueError(f"{path} is not a valid GGUF file: missing metadata key '{key}' (a hybrid's per-layer "
+                             "array: 0 marks a Mamba layer)")
+        return [int(scalar)] * n_layers
+    if len(values) != n_layers:
+        raise ValueError(f"{path}: {key} has {len(values)} entries for {n_layers} layers")
+    return [int(v) for v in values]
+
+
+def _granite_hybrid(field: Callable[[str, Any], Any], base: dict[str, Any], kv: list[int],
+                    tensor_shapes: Mapping[str, tuple[int, ...]], ssm: dict[str, Any], path: Path) -> dict[str, Any]:
+    """GraniteMoeHybridConfig's own fields: layer kinds, the shared MLP, experts, multipliers and RoPE."""
+    arch = "granitehybrid"
+
+    def scale(key: str, default: float) -> float:
+        value = float(field(f"{arch}.{key}", 0.0) or 0.0)
+        if not math.isfinite(value):
+            raise ValueError(f"{path}: {arch}.{key} = {value}; it must be a finite number")
+        return value or default
+
+    hidden = base["hidden_size"]
+    n_expert = int(field(f"{arch}.expert_count", 0) or 0)
+    shexp = "ffn_down_shexp" if n_expert else "ffn_down"
+    down = next((s for n, s in tensor_shapes.items() if n.endswith(f".{shexp}.weight")), None)
+    if down is None:
+        raise ValueError(f"{path}: no blk.N.{shexp}.weight tensor (Granite's shared MLP"
+                         f"{' beside the routed experts' if n_expert else ''})")
+    shared = int(field(f"{arch}.expert_shared_feed_forward_length", 0) or 0) or down[1]
+    out = dict(base)
+    if n_expert:
+        used = int(field(f"{arch}.expert_used_count", 0) or 0)
+        if not 0 < used <= n_expert:
+            raise ValueError(f"{path}: {arch}.expert_used_count = {used or 'missing'}; it must lie in [1, "
+                             f"{arch}.expert_count = {n_expert}]")
+        exps = next((s for n, s in tensor_shapes.items() if n.endswith(".ffn_down_exps.weight")), None)
+        if exps is None or len(exps) != 3:
+            raise ValueError(f"{path}: {arch}.expert_count = {n_expert} but no merged expert tensor "
+                             "blk.N.ffn_down_exps.weight [experts, hidden, expert width]")
+        out.update(num_local_experts=n_expert, num_experts_per_tok=used, intermediate_size=exps[2])
+    else:
+        out.update(num_local_experts=0, num_experts_per_tok=1, intermediate_size=shared)
+    rope = field(f"{arch}.rope.scaling.finetuned", None)
+    use_rope = True if rope is None else bool(rope)
+    n_rot = field(f"{arch}.rope.dimension_count", None)
+    if use_rope and n_rot is not None and int(n_rot) != base["head_dim"]:
+        raise ValueError(f"{path}: {arch}.rope.dimension_count = {n_rot} rotates part of each {base['head_dim']}-wide "
+                         "head; only whole-head RoPE is supported for granitehybrid")
+    out.update(
+        layer_types=["attention" if k else "mamba" for k in kv], shared_intermediate_size=shared,
+        rms_norm_eps=ssm["eps"], hidden_act="silu", position_embedding_type="rope" if use_rope else "nope",
+        rope_parameters={"rope_type": "default", "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0))},
+        embedding_multiplier=scale("embedding_scale", 1.0), residual_multiplier=scale("residual_scale", 1.0),
+        attention_multiplier=scale("attention.scale", base["head_dim"] ** -0.5),
+        logits_scaling=scale("logit_scale", 1.0),
+        mamba_n_heads=ssm["heads"], mamba_d_head=ssm["inner"] // ssm["heads"], mamba_n_groups=ssm["groups"],
+        mamba_d_state=ssm["d_state"], mamba_d_conv=ssm["d_conv"], mamba_expand=ssm["inner"] // hidden,
+        mamba_conv_bias=ssm["conv_bias"], mamba_proj_bias=False,
+    )
+    return out
+
+
+def ssm_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The shape (HF layout, after :func:`ssm_tensor`) a non-expert tensor must have under ``cfg`` (None: not
+    checked)."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    if "num_heads" in cfg:  # Mamba2Config
+        heads, head_dim, groups, d_state, d_conv = (cfg["num_heads"], cfg["head_dim"], cfg["n_groups"],
+                                                    cfg["state_size"], cfg["conv_kernel"])
+    elif "mamba_n_heads" in cfg:  # GraniteMoeHybridConfig
+        heads, head_dim, groups, d_state, d_conv = (cfg["mamba_n_heads"], cfg["mamba_d_head"], cfg["mamba_n_groups"],
+                                                    cfg["mamba_d_state"], cfg["mamba_d_conv"])
+    else:  # NemotronHConfig
+        heads, head_dim, groups, d_state, d_conv = (cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["n_groups"],
+                                                    cfg["ssm_state_size"], cfg["conv_kernel"])
+    inner = heads * head_dim
+    conv_dim = inner + 2 * groups * d_state
+    q = cfg.get("num_attention_heads", 0) * cfg.get("head_dim", 0)
+    kv = cfg.get("num_key_value_heads", 0) * cfg.get("head_dim", 0)
+    ff = cfg.get("shared_intermediate_size") or cfg.get("intermediate_size", 0)
+    if hf_name.endswith((".dt_bias", ".A_log", ".D")):
+        return (heads,)
+    if hf_name.endswith((".mixer.norm.weight", ".mamba.norm.weight")):  # the gated norm over d_inner
+        return (inner,)
+    if hf_name.endswith("norm.weight") or hf_name.endswith("norm_f.weight"):  # a block's or the final norm
+        return (h,)
+    shapes = {
+        "in_proj": (2 * inner + 2 * groups * d_state + heads, h), "out_proj": (h, inner),
+        "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+        "embed_tokens": (vocab, h), "embeddings": (vocab, h), "lm_head": (vocab, h),
+        "input_linear": (2 * ff, h), "output_linear": (h, ff), "gate_half": (ff, h), "up_half": (ff, h),
+        "up_proj": (ff, h), "down_proj": (h, ff), "gate": (cfg.get("num_local_experts", 0), h),
+    }
+    if hf_name.endswith(".conv1d.weight"):
+        return (conv_dim, 1, d_conv)
+    if hf_name.endswith(".conv1d.bias"):
+        return (conv_dim,)
+    return shapes.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
+
+
+def ssm_tensor(hf_name: str, arr: np.ndarray) -> np.ndarray:
+    """A GGUF SSM tensor (float32, numpy order) in HF's layout: A_log = log(−A) from ssm_a [heads, 1], D from
+    [heads, 1], the conv weight [conv_dim, d_conv] → [conv_dim, 1, d_conv], the gated norm [groups, d_inner / groups]
+    flattened."""
+    if hf_name.endswith(".A_log"):
+        a = arr.astype(np.float64).reshape(-1)
+        if not np.all(a < 0):
+            raise ValueError(f"{hf_name}: ssm_a holds A = -exp(A_log), which is negative; found values >= 0")
+        return np.log(-a).astype(np.float32)
+    if hf_name.endswith((".D", ".dt_bias")) or (hf_name.endswith(".norm.weight") and arr.ndim == 2):
+        return np.ascontiguousarray(arr.reshape(-1))
+    if hf_name.endswith(".conv1d.weight") and arr.ndim == 2:
+        return np.ascontiguousarray(arr[:, None, :])
+    return arr
+
+
+class SharedMlpJoiner:
+    """granitehybrid's shared MLP: the converter's gate and up halves (``ffn_gate`` / ``ffn_up`` or their _shexp
+    twins) joined back into ``shared_mlp.input_linear`` (gate rows, then up), per layer."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, dict[str, np.ndarray]] = {}
+
+    @staticmethod
+    def is_half(hf_name: str) -> bool:
+        return hf_name.endswith((f"{_GATE}.weight", f"{_UP}.weight"))
+
+    def add(self, hf_name: str, arr: np.ndarray) -> tuple[str, np.ndarray] | None:
+        """The joined tensor once both halves of a layer are in, else None."""
+        prefix = hf_name[: -len(".weight")]
+        prefix, half = prefix[: prefix.rindex(".shared_mlp.")], prefix[prefix.rindex(".shared_mlp.") + 1:]
+        pair = self.pending.setdefault(prefix, {})
+        pair[half] = arr
+        if len(pair) < 2:
+            return None
+        del self.pending[prefix]
+        joined = np.concatenate([pair[_GATE], pair[_UP]])
+        return f"{prefix}.shared_mlp.input_linear.weight", np.ascontiguousarray(joined)
+
+    def check_complete(self, path: Path) -> None:
+        if self.pending:
+            prefix, pair = next(iter(self.pending.items()))
+            have = "gate" if _GATE in pair else "up"
+            missing = "up" if have == "gate" else "gate"
+            raise ValueError(f"{path}: layer {prefix.rsplit('.', 1)[-1]} has the shared MLP's ffn_{have}(_shexp) "
+                             f"but no ffn_{missing}(_shexp); Granite's shared MLP needs both")
