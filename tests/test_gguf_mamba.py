@@ -6,7 +6,10 @@ The writer applies the converter's conversions: A_log stored as A = -exp(A_log) 
 conv weight squeezed to [conv_dim, d_conv], dt_bias as ssm_dt.bias, the gated norm reshaped to [groups, d_inner /
 groups]; Granite's shared MLP split into ffn_gate / ffn_up (or their _shexp twins beside experts), experts split from
 gate_up_proj into ffn_gate_exps / ffn_up_exps, q/k permuted as Llama's; per-layer head_count_kv (0: Mamba) and, for
-nemotron_h, per-layer feed_forward_length (non-zero: MLP). The reference's A_log is the value the file round-trips to
+nemotron_h, per-layer feed_forward_length (non-zero: MLP). nemotron_h_moe (NemotronHModel with is_moe): experts stacked
+as ffn_up_exps / ffn_down_exps, router ffn_gate_inp, exp_probs_b.bias, ffn_{up,down}_shexp, ffn_latent_{down,up},
+feed_forward_length = the expert width on MoE layers and the converter's expert_* keys (no expert_group_used_count:
+its case lets every group be chosen, topk_group = n_group). The reference's A_log is the value the file round-trips to
 (log(-A) of the float32 A).
 """
 from __future__ import annotations
@@ -45,6 +48,10 @@ def _hf_model(name: str) -> torch.nn.Module:
     A_log set to what the GGUF file round-trips it to."""
     if name == "mamba2":
         config, model_cls = _mamba2_config(num_hidden_layers=3), transformers.Mamba2ForCausalLM
+    elif name == "nemotron-h-moe":  # llama.cpp's converter records no topk_group: every group may be chosen
+        config_cls, model_name, kwargs, _ = HYBRIDS[name]
+        kwargs = {**kwargs, "topk_group": kwargs["n_group"]}
+        config, model_cls = getattr(transformers, config_cls)(**kwargs), getattr(transformers, model_name)
     else:
         config_cls, model_name, kwargs, _ = HYBRIDS[name]
         config, model_cls = getattr(transformers, config_cls)(**kwargs), getattr(transformers, model_name)
@@ -101,7 +108,8 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
     embedding = "embed_tokens" if arch == "granitehybrid" else "embeddings"
     out: dict[str, np.ndarray] = {_name(T.TOKEN_EMBD): np_(f"{root}.{embedding}.weight")}
     out[_name(T.OUTPUT_NORM)] = np_({"mamba2": "backbone.norm_f.weight", "granitehybrid": "model.norm.weight",
-                                           "nemotron_h": "model.norm_f.weight"}[arch])
+                                           "nemotron_h": "model.norm_f.weight",
+                                     "nemotron_h_moe": "model.norm_f.weight"}[arch])
     if not cfg.tie_word_embeddings:
         out[_name(T.OUTPUT)] = np_("lm_head.weight")
     for i in range(cfg.num_hidden_layers):
@@ -109,11 +117,22 @@ def _tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
         if arch == "mamba2":
             out[_name(T.ATTN_NORM, i)] = np_(f"{layer}.norm.weight")
             out.update(_mixer_tensors(f"{layer}.mixer", i, sd, cfg.n_groups))
-        elif arch == "nemotron_h":
+        elif arch in ("nemotron_h", "nemotron_h_moe"):
             out[_name(T.ATTN_NORM, i)] = np_(f"{layer}.norm.weight")
             kind = nemotron_layer_kinds(cfg)[i]
             if kind == "mamba":
                 out.update(_mixer_tensors(f"{layer}.mixer", i, sd, cfg.n_groups))
+            elif kind == "moe":
+                m = f"{layer}.mixer"
+                out[_name(T.FFN_GATE_INP, i)] = np_(f"{m}.gate.weight")
+                out[_name(T.FFN_EXP_PROBS_B, i, ".bias")] = np_(f"{m}.gate.e_score_correction_bias")
+                out[_name(T.FFN_UP_EXP, i)] = np_(f"{m}.experts.up_proj")
+                out[_name(T.FFN_DOWN_EXP, i)] = np_(f"{m}.experts.down_proj")
+                out[_name(T.FFN_UP_SHEXP, i)] = np_(f"{m}.shared_experts.up_proj.weight")
+                out[_name(T.FFN_DOWN_SHEXP, i)] = np_(f"{m}.shared_experts.down_proj.weight")
+                if cfg.moe_latent_size:
+                    out[_name(T.MOE_LATENT_DOWN, i)] = np_(f"{m}.fc1_latent_proj.weight")
+                    out[_name(T.MOE_LATENT_UP, i)] = np_(f"{m}.fc2_latent_proj.weight")
             elif kind == "mlp":
                 out[_name(T.FFN_UP, i)] = np_(f"{layer}.mixer.up_proj.weight")
                 out[_name(T.FFN_DOWN, i)] = np_(f"{layer}.mixer.down_proj.weight")
@@ -203,7 +222,21 @@ def _metadata(w: Any, model: torch.nn.Module, arch: str, rope: bool) -> None:
         w.add_rope_scaling_finetuned(False)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-        w.add_feed_forward_length([cfg.intermediate_size if t == "mlp" else 0 for t in nemotron_layer_kinds(cfg)])
+        if arch == "nemotron_h":
+            w.add_feed_forward_length([cfg.intermediate_size if t == "mlp" else 0 for t in nemotron_layer_kinds(cfg)])
+        else:  # NemotronHModel.set_gguf_parameters with is_moe
+            w.add_feed_forward_length([cfg.moe_intermediate_size if t == "moe" else 0
+                                       for t in nemotron_layer_kinds(cfg)])
+            w.add_expert_used_count(cfg.num_experts_per_tok)
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            w.add_expert_shared_feed_forward_length(cfg.moe_shared_expert_intermediate_size)
+            w.add_expert_count(cfg.n_routed_experts)
+            w.add_expert_shared_count(cfg.n_shared_experts)
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
+            w.add_expert_weights_scale(cfg.routed_scaling_factor)
+            w.add_expert_group_count(cfg.n_group)
+            if cfg.moe_latent_size is not None:
+                w.add_moe_latent_size(cfg.moe_latent_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv([cfg.num_key_value_heads if i in attn else 0 for i in range(n)])
 
@@ -259,7 +292,8 @@ def _ours(path: Path, prompts: list[list[int]]) -> tuple[LLM, list[list[int]]]:
 
 # (case, llama.cpp architecture, rope.scaling.finetuned)
 CASES = [("mamba2", "mamba2", False), ("granite-moe-nope", "granitehybrid", False),
-         ("granite-dense-rope", "granitehybrid", True), ("nemotron-h", "nemotron_h", False)]
+         ("granite-dense-rope", "granitehybrid", True), ("nemotron-h", "nemotron_h", False),
+         ("nemotron-h-moe", "nemotron_h_moe", False)]
 
 
 @pytest.mark.parametrize("name,arch,rope", CASES, ids=[c[0] for c in CASES])
@@ -283,7 +317,7 @@ def test_conversion_restores_transformers_weights(name: str, arch: str, rope: bo
     reader = open_gguf(src)
     ours = dict(iter_gguf_tensors(reader, build_config(reader, src), src))
     # transformers' in-memory names: Nemotron-H's `model.` is the checkpoints' `backbone.`; experts are stacked
-    theirs = {k.replace("model.", "backbone.", 1) if arch == "nemotron_h" else k: v.numpy()
+    theirs = {k.replace("model.", "backbone.", 1) if arch.startswith("nemotron_h") else k: v.numpy()
               for k, v in model.state_dict().items() if ".experts." not in k and "router" not in k}
     if model.config.tie_word_embeddings:
         theirs.pop("lm_head.weight")
@@ -293,6 +327,12 @@ def test_conversion_restores_transformers_weights(name: str, arch: str, rope: bo
             np.testing.assert_allclose(ours[key], want, rtol=0, atol=1e-6, err_msg=key)
         else:
             assert np.array_equal(ours[key], want), key
+    if arch == "nemotron_h_moe":  # the stacked experts, split one matrix per expert
+        for key, stacked in model.state_dict().items():
+            if key.endswith((".mixer.experts.up_proj", ".mixer.experts.down_proj")):
+                prefix, proj = key.replace("model.", "backbone.", 1).rsplit(".", 1)
+                for e in range(stacked.shape[0]):
+                    assert np.array_equal(ours[f"{prefix}.{e}.{proj}.weight"], stacked[e].numpy()), (key, e)
 
 
 def _q8_0_rounded(model: torch.nn.Module) -> torch.nn.Module:
@@ -305,7 +345,10 @@ def _q8_0_rounded(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("name,arch", [c[:2] for c in CASES if not c[2]], ids=[c[0] for c in CASES if not c[2]])
+Q8_CASES = [c for c in CASES if not c[2] and c[1] != "nemotron_h_moe"]
+
+
+@pytest.mark.parametrize("name,arch", [c[:2] for c in Q8_CASES], ids=[c[0] for c in Q8_CASES])
 def test_q8_0_file(name: str, arch: str, tmp_path: Path) -> None:
     """A file with Q8_0 matrices: quantization="none" dequantizes them (transformers' tokens on the dequantized
     weights); quantization="gguf" (the CPU's default outside the tests) serves them from their blocks, holding the
@@ -345,6 +388,23 @@ def test_missing_pieces_are_clear_errors(tmp_path: Path) -> None:
     bad = _write(mamba, "mamba2", tmp_path / "m.gguf", skip_keys=("mamba2.ssm.group_count",))
     with pytest.raises(ValueError, match="missing metadata key 'mamba2.ssm.group_count'"):
         LLM(model=str(bad), **{**ENGINE_KW, "quantization": "none"})
+
+
+def test_nemotron_h_moe_missing_pieces_are_clear_errors(tmp_path: Path) -> None:
+    model = _hf_model("nemotron-h-moe")
+
+    def error(**kw: Any) -> str:
+        bad = _write(model, "nemotron_h_moe", tmp_path / "bad.gguf", **kw)
+        with pytest.raises(ValueError) as e:
+            LLM(model=str(bad), **{**ENGINE_KW, "quantization": "none"})
+        bad.unlink()
+        return str(e.value)
+
+    assert "nemotron_h_moe.expert_count = missing" in error(skip_keys=("nemotron_h_moe.expert_count",))
+    assert "has no blk.1.ffn_down_shexp.weight tensor" in error(edit=lambda t: t.pop("blk.1.ffn_down_shexp.weight"))
+    assert "a latent MoE needs both" in error(edit=lambda t: t.pop("blk.1.ffn_latent_down.weight"))
+    assert "'blk.3.ffn_up_exps.weight'" in error(
+        edit=lambda t: t.update({"blk.3.ffn_up_exps.weight": t["blk.3.ffn_up_exps.weight"][:, :8]}))
 
 
 def _byte_level_bpe(w: Any) -> None:

@@ -40,6 +40,7 @@ from pagedllm.model.gguf_mamba import (
     SharedMlpJoiner,
     map_ssm_tensor_name,
     ssm_expected_shape,
+    ssm_outputs,
     ssm_tensor,
 )
 from pagedllm.model.gguf_moe import (
@@ -330,7 +331,7 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
                 if (joined := shared_mlp.add(hf_name, arr)) is not None:
                     yield joined
             else:
-                yield hf_name, arr
+                yield from ssm_outputs(hf_name, arr)  # nemotron_h_moe's stacked experts split per expert
             continue
         if hf_name.endswith(".mlp.shared_expert_gate.weight") and arr.ndim == 1:  # llama.cpp's {n_embd}
             arr = arr.reshape(1, -1)

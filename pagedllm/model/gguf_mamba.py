@@ -20,6 +20,19 @@ optional (absent or 0: 1; attention: head_dim**-0.5). Bamba files (also ``granit
 whole heads; partial rotary (Bamba-9B's rope.dimension_count 64 of 128) is refused. nemotron_h (dense Nemotron-H;
 not ``nemotron_h_moe``): attention without RoPE (its q/k are permuted by the converter too, which changes no score;
 un-permuted here), ReLU² MLPs (``ffn_up`` / ``ffn_down``), one norm per block (``attn_norm``).
+
+nemotron_h_moe (Nemotron 3, e.g. Nemotron-3-Nano-30B-A3B; NemotronHModel with is_moe): as nemotron_h, with MoE blocks
+in place of the MLPs (per-layer ``feed_forward_length`` non-zero: the expert width). Tensors: the router
+``ffn_gate_inp``, its correction bias ``exp_probs_b.bias`` (e_score_correction_bias), routed ReLU² experts stacked as
+``ffn_up_exps`` [E, expert width, d] / ``ffn_down_exps`` [E, d, expert width] (d: moe_latent_size where the file has
+one, else the hidden size; split here into ``mixer.experts.E.{up,down}_proj``), the shared expert ``ffn_{up,down}_shexp``
+and the latent projections ``ffn_latent_down`` (fc1_latent_proj) / ``ffn_latent_up`` (fc2_latent_proj). Metadata:
+``expert_count``, ``expert_used_count`` (required), ``expert_feed_forward_length`` / ``expert_shared_feed_forward_length``
+(absent: the tensors' widths), ``expert_group_count`` (absent: 1), ``expert_group_used_count`` (the converter writes
+none: every group may be chosen), ``expert_weights_norm`` (absent: false, as llama.cpp), ``expert_weights_scale``
+(absent or 0: 1) and ``moe_latent_size``. Routing is sigmoid with the correction bias (DeepSeek-V3's, as HF's class).
+The experts are always converted to float (quantization='gguf' does not serve this architecture's experts from their
+blocks).
 """
 from __future__ import annotations
 
@@ -30,12 +43,13 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-SSM_ARCHITECTURES: tuple[str, ...] = ("mamba2", "granitehybrid", "nemotron_h")
+SSM_ARCHITECTURES: tuple[str, ...] = ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
 #: llama.cpp's architectures → (HF class, model_type)
 SSM_MODELS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "mamba2": ("Mamba2ForCausalLM", "mamba2"),
     "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h"),
+    "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h"),
 })
 #: The Mamba-2 mixer's tensors (GGUF name, kind) → the mixer's parameter names.
 _MIXER: Mapping[tuple[str, str], str] = MappingProxyType({
@@ -67,6 +81,14 @@ _NEMOTRON: Mapping[str, str] = MappingProxyType({
     **{k: "mixer." + v.split(".", 1)[1] for k, v in _ATTENTION.items()},
     "attn_norm": "norm", "ffn_up": "mixer.up_proj", "ffn_down": "mixer.down_proj",
 })
+#: nemotron_h_moe: the MoE block's tensors (``mixer.experts.<proj>`` stacked: split per expert by :func:`ssm_outputs`).
+_NEMOTRON_MOE: Mapping[str, str] = MappingProxyType({
+    **_NEMOTRON,
+    "ffn_gate_inp": "mixer.gate", "ffn_up_exps": "mixer.experts.up_proj", "ffn_down_exps": "mixer.experts.down_proj",
+    "ffn_up_shexp": "mixer.shared_experts.up_proj", "ffn_down_shexp": "mixer.shared_experts.down_proj",
+    "ffn_latent_down": "mixer.fc1_latent_proj", "ffn_latent_up": "mixer.fc2_latent_proj",
+})
+_STACKED_NEMOTRON_EXPERTS = (".mixer.experts.up_proj.weight", ".mixer.experts.down_proj.weight")
 #: Per architecture: the HF prefix of layer N, of the mixer inside it, and the global tensors' names.
 _LAYOUT: Mapping[str, tuple[str, str, Mapping[str, str]]] = MappingProxyType({
     "mamba2": ("backbone.layers", "mixer", MappingProxyType(
@@ -75,9 +97,12 @@ _LAYOUT: Mapping[str, tuple[str, str, Mapping[str, str]]] = MappingProxyType({
         {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"})),
     "nemotron_h": ("backbone.layers", "mixer", MappingProxyType(
         {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
+    "nemotron_h_moe": ("backbone.layers", "mixer", MappingProxyType(
+        {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
 })
 _BLOCK_TENSORS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "mamba2": MappingProxyType({"attn_norm": "norm"}), "granitehybrid": _GRANITE, "nemotron_h": _NEMOTRON,
+    "nemotron_h_moe": _NEMOTRON_MOE,
 })
 
 
@@ -91,12 +116,14 @@ def map_ssm_tensor_name(gguf_name: str, arch: str) -> str:
         _, layer, base, kind = parts
         if (base, kind) in _MIXER:
             return f"{layers}.{layer}.{mixer}.{_MIXER[base, kind]}"
+        if arch == "nemotron_h_moe" and (base, kind) == ("exp_probs_b", "bias"):
+            return f"{layers}.{layer}.mixer.gate.e_score_correction_bias"
         if kind == "weight" and base in _BLOCK_TENSORS[arch]:
             return f"{layers}.{layer}.{_BLOCK_TENSORS[arch][base]}.weight"
     known = sorted({b for b, _ in _MIXER} | set(_BLOCK_TENSORS[arch]))
     raise ValueError(f"Unsupported tensor {gguf_name!r} in a GGUF file of architecture {arch!r}; expected "
                      f"{', '.join(f'{g}.weight' for g in globals_)} and blk.N.{{{', '.join(known)}}}.weight (biases: "
-                     "ssm_conv1d.bias, ssm_dt.bias)")
+                     f"ssm_conv1d.bias, ssm_dt.bias{', exp_probs_b.bias' if arch == 'nemotron_h_moe' else ''})")
 
 
 def ssm_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any] | None], arch: str,
@@ -156,6 +183,10 @@ def ssm_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any
     ff = _per_layer(field, array, f"{arch}.feed_forward_length", n_layers, path)
     kinds = ["attention" if k else "mlp" if f else "mamba" for k, f in zip(kv, ff)]
     widths = {f for f in ff if f}
+    if arch == "nemotron_h_moe":
+        kinds = ["moe" if kind == "mlp" else kind for kind in kinds]
+        base.update(_nemotron_moe(field, arch, kinds, tensor_shapes, hidden, path))
+        widths = set()
     if len(widths) > 1:
         raise ValueError(f"{path}: {arch}.feed_forward_length = {ff}; every MLP layer must have the same width")
     base.update(layers_block_type=kinds, intermediate_size=widths.pop() if widths else 4 * hidden,
@@ -163,6 +194,55 @@ def ssm_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any
                 conv_kernel=d_conv, expand=inner // hidden, use_conv_bias=conv_bias, use_bias=False,
                 mamba_proj_bias=False, mlp_bias=False, mlp_hidden_act="relu2", layer_norm_epsilon=eps)
     return base
+
+
+def _nemotron_moe(field: Callable[[str, Any], Any], arch: str, kinds: list[str],
+                  tensor_shapes: Mapping[str, tuple[int, ...]], hidden: int, path: Path) -> dict[str, Any]:
+    """NemotronHConfig's MoE fields of a nemotron_h_moe file (``kinds``: each layer's block, "moe" where
+    feed_forward_length is non-zero)."""
+    moe_layers = [i for i, kind in enumerate(kinds) if kind == "moe"]
+    if not moe_layers:
+        raise ValueError(f"{path}: {arch}.feed_forward_length is 0 on every non-attention layer; a nemotron_h_moe file "
+                         "marks its MoE layers with their expert width there")
+    n_expert = int(field(f"{arch}.expert_count", 0) or 0)
+    used = int(field(f"{arch}.expert_used_count", 0) or 0)
+    if n_expert <= 0 or not 0 < used <= n_expert:
+        raise ValueError(f"{path}: {arch}.expert_count = {n_expert or 'missing'}, {arch}.expert_used_count = "
+                         f"{used or 'missing'}; a nemotron_h_moe file needs 1 <= expert_used_count <= expert_count")
+    first = moe_layers[0]
+
+    def shape(base: str, required: bool = True) -> tuple[int, ...] | None:
+        s = tensor_shapes.get(f"blk.{first}.{base}.weight")
+        if s is None and required:
+            raise ValueError(f"{path}: layer {first} is an MoE layer (feed_forward_length > 0) but has no "
+                             f"blk.{first}.{base}.weight tensor")
+        return s
+
+    down, shared, router = shape("ffn_down_exps"), shape("ffn_down_shexp"), shape("ffn_gate_inp")
+    latent_down = shape("ffn_latent_down", required=False)
+    if len(down) != 3 or down[0] != n_expert or router != (n_expert, hidden):
+        raise ValueError(f"{path}: blk.{first}.ffn_down_exps has shape {list(down)} and ffn_gate_inp {list(router)} "
+                         f"(numpy order); {arch}.expert_count = {n_expert} with hidden size {hidden} needs "
+                         f"[{n_expert}, d, expert width] and [{n_expert}, {hidden}]")
+    latent = int(field(f"{arch}.moe_latent_size", 0) or 0) or (latent_down[0] if latent_down else 0)
+    if (latent_down is not None) != bool(latent) or (latent_down is not None and latent_down != (latent, hidden)):
+        raise ValueError(f"{path}: {arch}.moe_latent_size = {latent or 'missing'} but blk.{first}.ffn_latent_down is "
+                         f"{list(latent_down) if latent_down else 'missing'}; a latent MoE needs both")
+    width = int(field(f"{arch}.expert_feed_forward_length", 0) or 0) or down[2]
+    groups = int(field(f"{arch}.expert_group_count", 0) or 0) or 1
+    groups_used = int(field(f"{arch}.expert_group_used_count", 0) or 0) or groups
+    if n_expert % groups or not 1 <= groups_used <= groups:
+        raise ValueError(f"{path}: {arch}.expert_group_count = {groups}, expert_group_used_count = {groups_used}; the "
+                         f"groups must divide the {n_expert} experts and at most all of them be used")
+    scale = float(field(f"{arch}.expert_weights_scale", 0.0) or 0.0)
+    if not math.isfinite(scale):
+        raise ValueError(f"{path}: {arch}.expert_weights_scale = {scale}; it must be a finite number")
+    shared_width = int(field(f"{arch}.expert_shared_feed_forward_length", 0) or 0) or shared[1]
+    return {"n_routed_experts": n_expert, "num_experts_per_tok": used, "moe_intermediate_size": width,
+            "moe_shared_expert_intermediate_size": shared_width,
+            "n_shared_experts": int(field(f"{arch}.expert_shared_count", 1) or 1), "n_group": groups,
+            "topk_group": groups_used, "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", False)),
+            "routed_scaling_factor": scale or 1.0, "moe_latent_size": latent or None}
 
 
 def _per_layer(field: Callable[[str, Any], Any], array: Callable[[str], list[Any] | None], key: str, n_layers: int,
@@ -264,6 +344,16 @@ def ssm_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] 
         "input_linear": (2 * ff, h), "output_linear": (h, ff), "gate_half": (ff, h), "up_half": (ff, h),
         "up_proj": (ff, h), "down_proj": (h, ff), "gate": (cfg.get("num_local_experts", 0), h),
     }
+    if cfg.get("n_routed_experts") and ".mixer." in hf_name:  # nemotron_h_moe's MoE block
+        n, width, latent = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg.get("moe_latent_size") or h
+        shared = cfg["moe_shared_expert_intermediate_size"]
+        moe = {"mixer.gate.weight": (n, h), "mixer.gate.e_score_correction_bias": (n,),
+               "mixer.experts.up_proj.weight": (n, width, latent), "mixer.experts.down_proj.weight": (n, latent, width),
+               "mixer.shared_experts.up_proj.weight": (shared, h), "mixer.shared_experts.down_proj.weight": (h, shared),
+               "mixer.fc1_latent_proj.weight": (latent, h), "mixer.fc2_latent_proj.weight": (h, latent)}
+        for suffix, want in moe.items():
+            if hf_name.endswith("." + suffix):
+                return want
     if hf_name.endswith(".conv1d.weight"):
         return (conv_dim, 1, d_conv)
     if hf_name.endswith(".conv1d.bias"):
@@ -285,6 +375,16 @@ def ssm_tensor(hf_name: str, arr: np.ndarray) -> np.ndarray:
     if hf_name.endswith(".conv1d.weight") and arr.ndim == 2:
         return np.ascontiguousarray(arr[:, None, :])
     return arr
+
+
+def ssm_outputs(hf_name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """What the checkpoint holds for a converted SSM tensor: nemotron_h_moe's stacked experts (``mixer.experts.<proj>``
+    [E, rows, columns], shape already checked) split into ``mixer.experts.E.<proj>.weight``; any other as is."""
+    if not hf_name.endswith(_STACKED_NEMOTRON_EXPERTS):
+        return [(hf_name, arr)]
+    proj = hf_name.split(".")[-2]
+    prefix = hf_name[: -len(f".{proj}.weight")]
+    return [(f"{prefix}.{e}.{proj}.weight", np.ascontiguousarray(arr[e])) for e in range(arr.shape[0])]
 
 
 class SharedMlpJoiner:
