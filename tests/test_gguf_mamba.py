@@ -369,15 +369,20 @@ def test_q8_0_file(name: str, arch: str, tmp_path: Path) -> None:
     assert sum(r == 1 for r in ranks) >= 0.9 * len(ranks), ranks
 
 
+def _load_error(model: Any, arch: str, path: Path, **kw: Any) -> str:
+    """The ValueError's message from loading `model` written as `arch` with `_write`'s edits `kw`."""
+    bad = _write(model, arch, path, **kw)
+    with pytest.raises(ValueError) as e:
+        LLM(model=str(bad), **{**ENGINE_KW, "quantization": "none"})
+    bad.unlink()
+    return str(e.value)
+
+
 def test_missing_pieces_are_clear_errors(tmp_path: Path) -> None:
     model = _hf_model("granite-moe-nope")
 
     def error(**kw: Any) -> str:
-        bad = _write(model, "granitehybrid", tmp_path / "bad.gguf", **kw)
-        with pytest.raises(ValueError) as e:
-            LLM(model=str(bad), **{**ENGINE_KW, "quantization": "none"})
-        bad.unlink()
-        return str(e.value)
+        return _load_error(model, "granitehybrid", tmp_path / "bad.gguf", **kw)
 
     assert "missing metadata key 'granitehybrid.ssm.state_size'" in error(skip_keys=("granitehybrid.ssm.state_size",))
     assert "granitehybrid.attention.head_count_kv" in error(skip_keys=("granitehybrid.attention.head_count_kv",))
@@ -394,11 +399,7 @@ def test_nemotron_h_moe_missing_pieces_are_clear_errors(tmp_path: Path) -> None:
     model = _hf_model("nemotron-h-moe")
 
     def error(**kw: Any) -> str:
-        bad = _write(model, "nemotron_h_moe", tmp_path / "bad.gguf", **kw)
-        with pytest.raises(ValueError) as e:
-            LLM(model=str(bad), **{**ENGINE_KW, "quantization": "none"})
-        bad.unlink()
-        return str(e.value)
+        return _load_error(model, "nemotron_h_moe", tmp_path / "bad.gguf", **kw)
 
     assert "nemotron_h_moe.expert_count = missing" in error(skip_keys=("nemotron_h_moe.expert_count",))
     assert "has no blk.1.ffn_down_shexp.weight tensor" in error(edit=lambda t: t.pop("blk.1.ffn_down_shexp.weight"))

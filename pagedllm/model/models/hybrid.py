@@ -62,17 +62,20 @@ def hybrid_mamba_dims(config: Any) -> Mamba2Dims:
 
 class HybridStateLayout:
     """For a hybrid model class: its KV-cache layers (the attention ones) and its Mamba layers' state, from the config's
-    layer kinds (``hybrid_layer_kinds``)."""
+    layer kinds (`layer_kinds`) and Mamba geometry (`mamba_dims`); a family with its own config names overrides both."""
+
+    layer_kinds = staticmethod(hybrid_layer_kinds)
+    mamba_dims = staticmethod(hybrid_mamba_dims)
 
     @classmethod
     def sliding_windows(cls, config: Any) -> list[int | None]:
-        """One entry (None: full attention) per attention layer; Mamba layers have none."""
-        return [None] * hybrid_layer_kinds(config).count(ATTENTION)
+        """One entry (None: full attention) per attention layer; the other layers have none."""
+        return [None] * cls.layer_kinds(config).count(ATTENTION)
 
     @classmethod
     def mamba_state_shape(cls, config: Any) -> MambaStateShape:
         """Each state slot's per-layer conv and SSM state, for every Mamba layer."""
-        return hybrid_mamba_dims(config).state_shape(hybrid_layer_kinds(config).count(MAMBA))
+        return cls.mamba_dims(config).state_shape(cls.layer_kinds(config).count(MAMBA))
 
 
 class HybridDecoderLayer(nn.Module):

@@ -23,8 +23,7 @@ from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pagedllm.model.layers.fused_moe import FusedMoE
 from pagedllm.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.model.layers.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from pagedllm.model.layers.mamba_state import MambaStateShape
-from pagedllm.model.models.hybrid import ATTENTION, MAMBA
+from pagedllm.model.models.hybrid import ATTENTION, MAMBA, HybridStateLayout
 from pagedllm.model.models.deepseek_v2 import DeepseekV2TopkRouter
 from pagedllm.model.models.llama import LlamaAttention
 from pagedllm.model.models.moe import ExpertWeightRouter
@@ -197,26 +196,18 @@ class NemotronHBackbone(nn.Module):
         return hidden
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(HybridStateLayout, nn.Module):
     """Nemotron-H and Nemotron 3: Mamba-2, attention (no RoPE), ReLU² MLP and MoE blocks in the config's order."""
 
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+    layer_kinds = staticmethod(nemotron_layer_kinds)
+    mamba_dims = staticmethod(nemotron_mamba_dims)
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
         self.backbone = NemotronHBackbone(config, tp, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
-
-    @classmethod
-    def sliding_windows(cls, config: Any) -> list[int | None]:
-        """One entry (None: full attention) per attention block; the other blocks have none."""
-        return [None] * nemotron_layer_kinds(config).count(ATTENTION)
-
-    @classmethod
-    def mamba_state_shape(cls, config: Any) -> MambaStateShape:
-        """Each state slot's per-layer conv and SSM state, for every Mamba block."""
-        return nemotron_mamba_dims(config).state_shape(nemotron_layer_kinds(config).count(MAMBA))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(input_ids)
