@@ -460,6 +460,11 @@ class Worker:
                                "kernel and the GEMMs", batch_invariance.BATCH_INVARIANT_ENV)
         if self.use_cuda_graphs():
             self.capture_cuda_graphs()
+        elif self.device.type == "cuda" and self.mamba_caches is not None:
+            # A pure state-space model runs eagerly: its Triton decode kernels compile here, not in a first request.
+            t0 = time.perf_counter()
+            self.model_runner.warm_up_steps(self.cache_engine.gpu_cache)
+            logger.info("Warm start (eager steps, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
 
     def capture_cuda_graphs(self) -> None:
         """Capture the runner's CUDA graphs over the current KV pools and weights (init_cache; wake_up after sleep)."""

@@ -239,7 +239,7 @@ class Mamba2Mixer(nn.Module):
         dev = xbc.device
         seqs = list(range(first, first + len(lens)))
         slots = [state_meta.state_indices_cpu[i] for i in seqs]
-        fresh = [slot for i, slot in zip(seqs, slots) if not state_meta.has_initial_state[i]]
+        fresh = state_meta.fresh_slots(first, first + len(lens))
         if fresh:
             clear_state_slots([cache], fresh)
         slot_t = async_tensor_h2d(slots, torch.long, dev)
@@ -292,14 +292,12 @@ class Mamba2Mixer(nn.Module):
             return self._decode_in_place(xbc, dt, cache, state_meta, nd)
         native = self._native_cpu(xbc, cache)
         if native is not None:  # the C kernels update the slots in place (a third of the gather/scatter's traffic)
-            fresh = [state_meta.state_indices_cpu[i] for i in range(nd) if not state_meta.has_initial_state[i]]
-            if fresh:
-                clear_state_slots([cache], fresh)
+            clear_state_slots([cache], state_meta.fresh_slots(0, nd))
             return native.mamba_decode(xbc, dt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log,
                                        self.D, cache.conv_state, cache.ssm_state, slots, d.n_groups)
         conv_prev = cache.conv_state.index_select(0, slots).float()  # [nd, conv_dim, width]
         ssm_prev = cache.ssm_state.index_select(0, slots).float()  # [nd, h, p, n]
-        fresh = [i for i in range(nd) if not state_meta.has_initial_state[i]]
+        fresh = [i for i in state_meta.fresh_rows if i < nd]
         if fresh:
             keep = torch.ones(nd, dtype=torch.float32, device=xbc.device)
             keep[fresh] = 0.0
@@ -328,9 +326,7 @@ class Mamba2Mixer(nn.Module):
         from pagedllm.kernels.triton_mamba import conv_state_update, ssm_state_update
 
         slots = state_meta.state_indices[:nd]
-        fresh = [state_meta.state_indices_cpu[i] for i in range(nd) if not state_meta.has_initial_state[i]]
-        if fresh:
-            clear_state_slots([cache], fresh)
+        clear_state_slots([cache], state_meta.fresh_slots(0, nd))
         conv = conv_state_update(xbc, cache.conv_state, self.conv1d.weight, self.conv1d.bias, slots)
         return ssm_state_update(conv, dt, self.dt_bias, self.A_log, self.D, cache.ssm_state, slots,
                                 self.dims.n_groups)

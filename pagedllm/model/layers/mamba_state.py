@@ -9,9 +9,11 @@ decode continue where the previous step stopped. A sequence whose chunk starts a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pagedllm.device_utils import async_tensor_h2d
 
 
 @dataclass
@@ -30,6 +32,15 @@ class MambaStateMetadata:
     state_indices_cpu: list[int]
     has_initial_state: list[bool]  # per sequence: False where its chunk starts at position 0 (its state is zeros)
     layer_caches: list[MambaLayerCache]  # one per Mamba layer, in layer order
+    # Derived once per step (every layer reads it): the batch rows whose state starts from zeros, usually none.
+    fresh_rows: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fresh_rows = [i for i, has in enumerate(self.has_initial_state) if not has]
+
+    def fresh_slots(self, lo: int, hi: int) -> list[int]:
+        """The slots of rows lo..hi-1 that start from zeros."""
+        return [self.state_indices_cpu[i] for i in self.fresh_rows if lo <= i < hi]
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,8 @@ def copy_state_slots(caches: list[MambaLayerCache], pairs: list[tuple[int, int]]
     if not pairs or not caches:
         return
     device = caches[0].ssm_state.device
-    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
-    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+    src = async_tensor_h2d([s for s, _ in pairs], torch.long, device)
+    dst = async_tensor_h2d([d for _, d in pairs], torch.long, device)
     for cache in caches:
         cache.conv_state.index_copy_(0, dst, cache.conv_state.index_select(0, src))
         cache.ssm_state.index_copy_(0, dst, cache.ssm_state.index_select(0, src))
@@ -76,7 +87,7 @@ def clear_state_slots(caches: list[MambaLayerCache], slots: list[int]) -> None:
     """Zero the state of `slots` in every layer (sequences that start from position 0)."""
     if not slots or not caches:
         return
-    index = torch.tensor(slots, dtype=torch.long, device=caches[0].ssm_state.device)
+    index = async_tensor_h2d(slots, torch.long, caches[0].ssm_state.device)
     for cache in caches:
         cache.conv_state.index_fill_(0, index, 0)
         cache.ssm_state.index_fill_(0, index, 0)

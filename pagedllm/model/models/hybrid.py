@@ -32,13 +32,19 @@ def hybrid_layer_kinds(config: Any) -> list[str]:
     if types is None:
         attn = set(getattr(config, "attn_layer_indices", None) or [])
         return [ATTENTION if i in attn else MAMBA for i in range(num_layers)]
+    return kinds_from_names(types, num_layers, _KINDS, "a hybrid Mamba-2 model")
+
+
+def kinds_from_names(types: Any, num_layers: int, kinds: dict[str, str], family: str) -> list[str]:
+    """Each layer's kind from a config's per-layer names (a list, or a pattern string of one letter per layer), checked
+    against `kinds` (config name → kind) and the layer count."""
     types = list(types)
     if len(types) != num_layers:
         raise ValueError(f"the config lists {len(types)} layer types for {num_layers} layers")
-    unknown = sorted({t for t in types if t not in _KINDS})
+    unknown = sorted({t for t in types if t not in kinds})
     if unknown:
-        raise ValueError(f"unsupported layer types {unknown}; a hybrid Mamba-2 model allows {sorted(_KINDS)}")
-    return [_KINDS[t] for t in types]
+        raise ValueError(f"unsupported layer types {unknown}; {family} allows {sorted(kinds)}")
+    return [kinds[t] for t in types]
 
 
 def hybrid_mamba_dims(config: Any) -> Mamba2Dims:

@@ -23,7 +23,7 @@ from pagedllm.model.layers.embedding import ParallelLMHead, VocabParallelEmbeddi
 from pagedllm.model.layers.fused_moe import FusedMoE
 from pagedllm.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.model.layers.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from pagedllm.model.models.hybrid import ATTENTION, MAMBA, HybridStateLayout
+from pagedllm.model.models.hybrid import ATTENTION, MAMBA, HybridStateLayout, kinds_from_names
 from pagedllm.model.models.deepseek_v2 import DeepseekV2TopkRouter
 from pagedllm.model.models.llama import LlamaAttention
 from pagedllm.model.models.moe import ExpertWeightRouter
@@ -41,13 +41,7 @@ def nemotron_layer_kinds(config: Any) -> list[str]:
     types = getattr(config, "layers_block_type", None) or getattr(config, "hybrid_override_pattern", None)
     if types is None:
         raise ValueError("a Nemotron-H config needs layers_block_type (or hybrid_override_pattern)")
-    types = list(types)
-    if len(types) != int(config.num_hidden_layers):
-        raise ValueError(f"the config lists {len(types)} block types for {config.num_hidden_layers} layers")
-    unknown = sorted({t for t in types if t not in _KINDS})
-    if unknown:
-        raise ValueError(f"unsupported Nemotron-H block types {unknown}; allowed: {sorted(_KINDS)}")
-    return [_KINDS[t] for t in types]
+    return kinds_from_names(types, int(config.num_hidden_layers), _KINDS, "Nemotron-H")
 
 
 def check_nemotron_moe(config: Any) -> None:
