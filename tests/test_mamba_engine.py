@@ -148,7 +148,8 @@ def test_cuda_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     want = _hf_greedy(model, prompts)
     kw = {**ENGINE_KW, "device": "cuda"}
-    llm = LLM(str(tmp_path), max_num_batched_tokens=8, max_num_seqs=8, **kw)
+    # a fixed small pool: the default would size it to most of the GPU for a model this small
+    llm = LLM(str(tmp_path), max_num_batched_tokens=8, max_num_seqs=8, num_gpu_blocks_override=256, **kw)
     assert [list(o.outputs[0].token_ids) for o in _greedy(llm, prompts)] == want, name
     _no_leaks(llm)
     llm = LLM(str(tmp_path), num_gpu_blocks_override=36, max_num_seqs=18, **kw)

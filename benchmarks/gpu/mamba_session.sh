@@ -29,6 +29,6 @@ m.save_pretrained("/tmp/bamba")
 PY
 timeout ${T_BENCH:-330} python3 benchmarks/throughput.py --model /tmp/bamba --skip-tokenizer-init --dtype bfloat16 \
   --device cuda --num-prompts ${NUM:-128} --input-len-min 64 --input-len-max 512 --output-len 128 --max-model-len 2048 \
-  --compare hf --hf-batch-size 64 --gpu-memory-utilization 0.55 ${EXTRA:-} --output-json "$OUT/bamba_${SHAPE:-1b}.json" > "$OUT/bamba_${SHAPE:-1b}.log" 2>&1
+  --compare hf --hf-batch-size ${HF_BS:-64} --gpu-memory-utilization 0.55 ${EXTRA:-} --output-json "$OUT/bamba_${SHAPE:-1b}.json" > "$OUT/bamba_${SHAPE:-1b}.log" 2>&1
 echo "bench rc=$?"
 grep -v "it/s\]\|s/it\]\|Warn\|falling back" "$OUT/bamba_${SHAPE:-1b}.log" | tail -30

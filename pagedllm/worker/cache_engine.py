@@ -170,7 +170,7 @@ class CacheEngine:
         torch.cuda.synchronize(self.device)
 
     def copy(self, mapping: list[tuple[int, int]]) -> None:
-        if not mapping:
+        if not mapping or not self.slot_gpu_cache:  # a pure state-space model's blocks hold no KV
             return
         m = async_tensor_h2d(mapping, torch.int64, self.device)
         # (under MLA a layer's value tensor is its key tensor: each block is copied twice, the same bytes)
