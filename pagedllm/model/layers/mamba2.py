@@ -94,70 +94,82 @@ def validate_dims(dims: Mamba2Dims, tp: TensorParallelGroup) -> None:
         raise ValueError(f"Mamba-2 conv activation must be 'silu', got {dims.activation!r}")
 
 
-def _segsum(x: torch.Tensor) -> torch.Tensor:
-    """[..., l] → [..., l, l]: out[..., i, j] = x[j+1] + … + x[i] for j <= i, -inf above the diagonal."""
-    length = x.shape[-1]
-    x = x[..., None].expand(*x.shape, length)
-    below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=x.device), diagonal=-1)
-    out = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
-    keep = torch.tril(torch.ones(length, length, dtype=torch.bool, device=x.device), diagonal=0)
-    return out.masked_fill(~keep, -math.inf)
-
-
 def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                     initial_states: torch.Tensor, lens: list[int],
                     chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The selective scan of several sequences packed one after another, in the chunked SSD form (the Mamba-2 paper's
     ``ssd_minimal_discrete`` with initial states; float32 throughout).
 
-    x [T, h, p], dt [T, h] (already softplus'd and clamped), a [h] (negative), b / c [T, h, n] (groups repeated to
-    heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T). Returns (y [T, h, p]
+    x [T, h, p], dt [T, h] (already softplus'd and clamped), a [h] (negative), b / c [T, g, n] (one per group of
+    h / g heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T). Returns (y [T, h, p]
     without the D skip, final states [S, h, p, n])."""
     dev = x.device
-    num_seqs = len(lens)
-    blocks = [-(-n // chunk_size) for n in lens]
-    # every block's token rows in the packed input (padding rows: index T, a zero row appended below)
-    total = x.shape[0]
+    total, heads, head_dim = x.shape
+    groups, d_state = b.shape[1], b.shape[2]
+    per_group = heads // groups
+    length = chunk_size
+    blocks = [-(-n // length) for n in lens]
     nb = sum(blocks)
-    rows = np.full(nb * chunk_size, total, dtype=np.int64)
+    # every block's token rows in the packed input (padding rows: index T, a zero row appended below)
+    rows = np.full(nb * length, total, dtype=np.int64)
     at = offset = 0
     for n, k in zip(lens, blocks):
         rows[at: at + n] = np.arange(offset, offset + n)
-        at += k * chunk_size
+        at += k * length
         offset += n
     index = async_tensor_h2d(rows, torch.long, dev)
     pad = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # noqa: E731
-    xd = pad(x * dt[..., None])[index].view(nb, chunk_size, *x.shape[1:])  # [c, l, h, p]
-    bb = pad(b)[index].view(nb, chunk_size, *b.shape[1:])  # [c, l, h, n]
-    cc = pad(c)[index].view(nb, chunk_size, *c.shape[1:])
-    ad = pad(a * dt)[index].view(nb, chunk_size, -1).permute(2, 0, 1)  # [h, c, l]; padding: 0
-    a_cum = torch.cumsum(ad, dim=-1)
+    xd = pad(x * dt[..., None])[index].view(nb, length, groups, per_group, head_dim)  # [c, l, g, k, p]
+    bb = pad(b)[index].view(nb, length, groups, d_state)  # [c, l, g, n]
+    cc = pad(c)[index].view(nb, length, groups, d_state)
+    a_cum = torch.cumsum(pad(a * dt)[index].view(nb, length, heads).permute(2, 0, 1), dim=-1)  # [h, c, l]; padding: 0
 
-    decay = torch.exp(_segsum(ad))  # [h, c, l, s]
-    scores = torch.einsum("clhn,cshn->hcls", cc, bb) * decay
-    y = torch.einsum("hcls,cshp->clhp", scores, xd)
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [h, c, l]
-    block_states = torch.einsum("clhn,hcl,clhp->chpn", bb, to_end, xd)
+    # within each block: y[l] = sum over s <= l of (C[l]·B[s]) exp(a_cum[l] - a_cum[s]) xd[s]; C·B once per group
+    causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()
+    decay = (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(~causal, -math.inf).exp_()  # [h, c, l, s]
+    scores = decay.view(groups, per_group, nb, length, length).mul_(
+        torch.einsum("clgn,csgn->gcls", cc, bb)[:, None])
+    y = torch.einsum("gkcls,csgkp->clgkp", scores, xd)
+    to_end = torch.exp(a_cum[..., -1:] - a_cum).permute(1, 2, 0).reshape(nb, length, groups, per_group, 1)
+    block_states = torch.einsum("clgn,clgkp->cgkpn", bb, xd * to_end).reshape(nb, heads, head_dim, d_state)
     block_decay = torch.exp(a_cum[..., -1]).transpose(0, 1)  # [c, h]
+    starts, states = _carry_states(initial_states, block_states, block_decay, blocks)
+    from_start = torch.exp(a_cum).permute(1, 2, 0).reshape(nb, length, groups, per_group, 1)
+    y += torch.einsum("clgn,cgkpn->clgkp", cc, starts.view(nb, groups, per_group, head_dim, d_state)) * from_start
+    y = y.reshape(nb * length, heads, head_dim)
+    valid = index < total
+    out = x.new_empty(total, heads, head_dim)
+    out[index[valid]] = y[valid]
+    return out, states
 
-    # carry each sequence's state across its blocks: iteration j handles every sequence's j-th block
-    first_block = [0]
-    for k in blocks[:-1]:
-        first_block.append(first_block[-1] + k)
+
+def _carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, block_decay: torch.Tensor,
+                  blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state each block starts from [c, h, p, n], and each sequence's state after its last block [S, h, p, n]:
+    state ← state · block_decay + block_state along each sequence's blocks (sequence i has `blocks[i]` of them, one
+    after another)."""
+    dev = block_states.device
+    first_block = np.cumsum([0] + blocks[:-1]).tolist()
     states = initial_states.clone()
-    starts = torch.zeros_like(block_states)  # the state each block starts from
+    starts = torch.empty_like(block_states)  # every block's start is written below
+    if dev.type == "cpu":  # each sequence's blocks in turn, on views: no gathers
+        for i, (first, count) in enumerate(zip(first_block, blocks)):
+            state = states[i]
+            for j in range(first, first + count):
+                starts[j] = state
+                state = torch.addcmul(block_states[j], state, block_decay[j][:, None, None])
+            states[i] = state
+        return starts, states
+    # on a GPU, launches count: iteration j advances every sequence's j-th block at once
     for j in range(max(blocks, default=0)):
-        seqs = [i for i in range(num_seqs) if blocks[i] > j]
+        seqs = [i for i in range(len(blocks)) if blocks[i] > j]
         live = async_tensor_h2d(seqs, torch.long, dev)
         ids = async_tensor_h2d([first_block[i] + j for i in seqs], torch.long, dev)
-        cur = states[live]
-        starts[ids] = cur
-        states[live] = cur * block_decay[ids][:, :, None, None] + block_states[ids]
-    y = y + torch.einsum("clhn,chpn,hcl->clhp", cc, starts, torch.exp(a_cum))
-    valid = index < total
-    out = x.new_empty(total, *y.shape[2:])
-    out[index[valid]] = y.reshape(nb * chunk_size, *y.shape[2:])[valid]
-    return out, states
+        cur = states.index_select(0, live)
+        starts.index_copy_(0, ids, cur)
+        states.index_copy_(0, live, torch.addcmul(block_states.index_select(0, ids), cur,
+                                                  block_decay.index_select(0, ids)[:, :, None, None]))
+    return starts, states
 
 
 def _block_size(lens: list[int], device: torch.device) -> int:
@@ -216,15 +228,16 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(self.norm(y, z).to(hidden.dtype))
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        """[T, n_groups·d_state] → [T, heads, d_state] (each group's B or C shared by its heads), float32."""
+        """[T, n_groups, d_state] → [T, heads, d_state] (each group's B or C shared by its heads)."""
         d = self.dims
-        t = t.float().reshape(t.shape[0], d.n_groups, 1, d.d_state)
-        return t.expand(-1, -1, d.num_heads // d.n_groups, -1).reshape(t.shape[0], d.num_heads, d.d_state)
+        return t[:, :, None].expand(-1, -1, d.num_heads // d.n_groups, -1).reshape(t.shape[0], d.num_heads, d.d_state)
 
     def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, conv_dim] → x [T, heads, head_dim], B and C [T, n_groups, d_state] float32."""
         d = self.dims
         x, b, c = xbc.split([d.intermediate, d.n_groups * d.d_state, d.n_groups * d.d_state], dim=-1)
-        return x.reshape(x.shape[0], d.num_heads, d.head_dim), self._heads(b), self._heads(c)
+        return (x.reshape(x.shape[0], d.num_heads, d.head_dim), b.float().reshape(b.shape[0], d.n_groups, d.d_state),
+                c.float().reshape(c.shape[0], d.n_groups, d.d_state))
 
     def _prefill_batch(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
                        state_meta: MambaStateMetadata, first: int, lens: list[int]) -> torch.Tensor:
@@ -310,7 +323,7 @@ class Mamba2Mixer(nn.Module):
         if bias is not None:
             conv = conv + bias
         x, b, c = self._split_xbc(F.silu(conv))
-        x = x.float()
+        x, b, c = x.float(), self._heads(b), self._heads(c)
         step = self._time_step(dt)  # [nd, h]
         decay = torch.exp(step * a)  # [nd, h]
         state = ssm_prev * decay[:, :, None, None] + (step[:, :, None] * x)[..., None] * b[:, :, None, :]
