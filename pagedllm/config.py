@@ -173,6 +173,10 @@ class CacheConfig:
     # Filled in from the model: it has state-space (Mamba) layers, whose per-sequence state lives in slots beside the
     # KV pool (core/block_manager.py num_state_slots; model/layers/mamba_state.py).
     has_recurrent_state: bool = field(default=False, init=False)
+    # Prefix caching of such a model (core/state_snapshots.py): a state snapshot every `mamba_block_size` tokens
+    # (vLLM's name), in `num_state_snapshots` slots after the sequences' (the worker sizes them). None / 0: none.
+    mamba_block_size: int | None = None
+    num_state_snapshots: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         _check_positive_int("block_size", self.block_size)

@@ -154,6 +154,43 @@ def test_mixed_batch_matches_sequences_alone(mixers) -> None:
         torch.testing.assert_close(caches[0].ssm_state[slot], alone_caches[i].ssm_state[slot], atol=ATOL, rtol=0)
 
 
+def test_state_snapshots_inside_chunks(mixers) -> None:
+    """Prefix caching's cuts: a chunk's state after its first q tokens lands in the cut's slot, as running those q
+    tokens alone leaves it; the outputs and the end states do not change. Cuts inside the conv window, across scan
+    blocks, two in one chunk, one in a continuing chunk, none in a decode row."""
+    config, _, ours = mixers
+    gen = torch.Generator().manual_seed(9)
+    hidden = config.hidden_size
+    first = torch.randn(5, hidden, generator=gen)  # the second sequence's earlier step
+    chunks = [torch.randn(n, hidden, generator=gen) for n in (1, 21, 13)]
+    before, slots = [3, 5, 0], [0, 1, 2]
+    decode_prev = torch.randn(3, hidden, generator=gen)
+    cuts = [(1, 2, 3), (1, 17, 4), (2, 9, 5)]  # (batch row, offset, slot)
+
+    def prime(caches):
+        _run(ours, caches, [decode_prev, first], [0, 0], slots[:2], 0)
+
+    plain = _caches(config)
+    prime(plain)
+    want = _run(ours, plain, chunks, before, slots, 1)
+    caches = _caches(config)
+    prime(caches)
+    meta = _meta([c.shape[0] for c in chunks], before, slots, caches, 1)
+    meta.mamba.cuts = cuts
+    with torch.inference_mode():
+        got = ours(torch.cat(chunks), caches[0], meta)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    for slot in slots:
+        torch.testing.assert_close(caches[0].ssm_state[slot], plain[0].ssm_state[slot], atol=ATOL, rtol=0)
+    for row, offset, slot in cuts:
+        alone = _caches(config)
+        if row == 1:
+            _run(ours, alone, [first], [0], [slots[row]], 0)
+        _run(ours, alone, [chunks[row][:offset]], [before[row]], [slots[row]], 0)
+        torch.testing.assert_close(caches[0].conv_state[slot], alone[0].conv_state[slots[row]], atol=ATOL, rtol=0)
+        torch.testing.assert_close(caches[0].ssm_state[slot], alone[0].ssm_state[slots[row]], atol=ATOL, rtol=0)
+
+
 def test_fresh_decode_row_ignores_stale_slot(mixers) -> None:
     """A one-token prompt scheduled as a decode row starts from zeros, whatever its slot holds."""
     config, hf, ours = mixers

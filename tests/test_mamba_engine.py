@@ -106,8 +106,43 @@ def test_unsupported_features_are_clear_errors(built) -> None:
         LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **ENGINE_KW)
     with pytest.raises(ValueError, match="state-space"):
         LLM(str(path), preemption_mode="swap", **ENGINE_KW)
-    llm = LLM(str(path), enable_prefix_caching=True, **ENGINE_KW)  # turned off, with a log line
-    assert not llm.llm_engine.config.cache_config.enable_prefix_caching
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        LLM(str(path), mamba_block_size=8, **ENGINE_KW)
+    with pytest.raises(ValueError, match="multiple of block_size 4"):
+        LLM(str(path), enable_prefix_caching=True, mamba_block_size=6, **ENGINE_KW)
+
+
+@pytest.mark.parametrize("batched", [8, 64])
+def test_prefix_caching_resumes_from_state_snapshots(built, batched: int) -> None:
+    """With prefix caching, a state snapshot every 8 tokens: prompts that share 17-21 tokens with an earlier one
+    resume from its snapshot at 16 (in 8-token steps the snapshots fall at chunk ends; in 64-token steps inside the
+    chunk) and keep transformers' tokens; snapshots are published only once written, and nothing leaks."""
+    name, path, _, _ = built
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randint(3, 90, (21,), generator=gen).tolist()
+    first = base + [5, 6, 7]
+    later = [base[:17] + [8, 9, 10, 11], base + [12], base[:9]]  # the last shares only up to the snapshot at 8
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = _hf_greedy(model, [first, *later])
+    llm = LLM(str(path), enable_prefix_caching=True, mamba_block_size=8, max_num_batched_tokens=batched,
+              max_num_seqs=8, **ENGINE_KW)
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.snapshots is not None and bm.snapshots.num_slots == 8
+    assert [list(o.outputs[0].token_ids) for o in _greedy(llm, [first])] == want[:1], name
+    assert bm.snapshots.stats.num_planned == 4  # at 8, 16, 24 (the prompt) and 32 (a generated token)
+    hits_before = bm.stats.prefix_cache_hits
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in later]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want[1:], name
+    assert bm.stats.prefix_cache_hits - hits_before == 16 + 16 + 8
+    assert bm.snapshots.stats.num_hits == 3
+    _no_leaks(llm)
+    # the logprobs too (greedy tokens of a random hybrid barely depend on its Mamba layers' state)
+    plain = LLM(str(path), max_num_batched_tokens=batched, max_num_seqs=8, **ENGINE_KW)
+    for got, ref in zip(outs, plain.generate(prompts, params, use_tqdm=False)):
+        lp = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in (got, ref)]
+        torch.testing.assert_close(torch.tensor(lp[0]), torch.tensor(lp[1]), atol=1e-4, rtol=0)
 
 
 def test_beam_search_matches_transformers(built) -> None:
@@ -155,6 +190,14 @@ def test_cuda_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), num_gpu_blocks_override=36, max_num_seqs=18, **kw)
     for out, ref in zip(_greedy(llm, prompts, n=3), want):
         assert [list(c.token_ids) for c in out.outputs] == [ref] * 3, name
+    _no_leaks(llm)
+    # prefix caching: the second pass resumes every prompt of 8+ tokens from a state snapshot (16 snapshot slots:
+    # the first pass writes 16 snapshots, generated tokens' included)
+    llm = LLM(str(tmp_path), enable_prefix_caching=True, mamba_block_size=8, num_gpu_blocks_override=256,
+              max_num_seqs=16, **kw)
+    for _ in range(2):
+        assert [list(o.outputs[0].token_ids) for o in _greedy(llm, prompts)] == want, name
+    assert llm.llm_engine.scheduler.block_manager.snapshots.stats.num_hits >= 4
     _no_leaks(llm)
 
 

@@ -135,13 +135,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="sharing_results.json")
     p.add_argument("--plot", default=None, help="write a PNG of the Fig. 15 reproduction here")
+    p.add_argument("--model", default=None, help="Fig. 16's model (default: the bundled one); any HF dir or GGUF")
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="Fig. 16 with a model that has no tokenizer")
+    p.add_argument("--max-num-seqs", type=int, default=512)
+    p.add_argument("--mamba-block-size", type=int, default=None,
+                   help="a state-space model's tokens between prefix-cache state snapshots (Fig. 16 with caching)")
 
 
-def _llm(block_size: int, num_blocks: int, caching: bool = False):
+def _llm(block_size: int, num_blocks: int, caching: bool = False, args: argparse.Namespace | None = None):
     from pagedllm import LLM
 
+    extra = {}
+    if args is not None:  # Fig. 16's model and options
+        extra = dict(model=args.model, skip_tokenizer_init=args.skip_tokenizer_init, max_num_seqs=args.max_num_seqs)
+        if caching and args.mamba_block_size is not None:
+            extra["mamba_block_size"] = args.mamba_block_size
     return LLM(block_size=block_size, num_gpu_blocks_override=num_blocks, max_model_len=2048,
-               max_num_seqs=512, enable_prefix_caching=caching, swap_space=0.1)
+               **{"max_num_seqs": 512, **extra}, enable_prefix_caching=caching, swap_space=0.1)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     fig16: list[PrefixResult] = []
     if not args.skip_fig16:
         for caching in (False, True):
-            llm = _llm(16, 2048, caching)
+            llm = _llm(16, 2048, caching, args)
             for shots, prefix_len in ((1, 80), (5, 341)):
                 r = run_prefix_point(llm, shots, prefix_len, args.prefix_requests, args.prefix_output_len, args.seed)
                 fig16.append(r)

@@ -307,6 +307,9 @@ class ContiguousBlockManager:
     def state_slot(self, seq: Sequence) -> int | None:
         return None
 
+    def plan_state_snapshots(self, seq: Sequence, num_new_tokens: int, num_known: int) -> list[tuple[int, int]]:
+        return []  # no prefix caching
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         return None
 

@@ -14,6 +14,7 @@ from pagedllm.core.block_pool import BlockPool, hash_block_tokens, hash_cache_sa
 from pagedllm.core.interfaces import AllocStatus
 from pagedllm.core.kv_offload import OffloadTier
 from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.core.state_snapshots import StateSnapshotStore
 
 
 #: A table entry whose block was freed because no query can see it any more (sliding-window attention): the
@@ -70,6 +71,10 @@ class BlockManager:
     # first gets slots and given back when it is freed (a fork starts from a copy of its parent's state: see
     # `take_state_copies`). 0: the model keeps no such state.
     num_state_slots: int = 0
+    # Prefix caching for such models (core/state_snapshots.py): snapshot slots after the sequences' slots, one
+    # snapshot every `state_snapshot_interval` tokens (a multiple of block_size). 0: prefix hits need no state.
+    num_state_snapshots: int = 0
+    state_snapshot_interval: int = 0
     gpu_pool: BlockPool = field(init=False)
     cpu_pool: BlockPool = field(init=False)
     # tables[g][seq_id]: group g's table; block_tables / cpu_block_tables are group 0's (the full-attention
@@ -112,6 +117,17 @@ class BlockManager:
         self._free_state_slots = list(range(self.num_state_slots - 1, -1, -1))
         self.state_slots: dict[int, int] = {}
         self._state_copies: list[tuple[int, int]] = []
+        self.snapshots: StateSnapshotStore | None = None
+        self._snapshot_source: dict[int, int] = {}  # seq_id → the snapshot its slot starts from (a prefix hit)
+        if self.num_state_snapshots:
+            if not (self.enable_caching and self.num_state_slots):
+                raise ValueError("state snapshots serve prefix caching of a model with recurrent-state slots: they "
+                                 "need enable_caching and num_state_slots")
+            if self.state_snapshot_interval < 1 or self.state_snapshot_interval % self.block_size:
+                raise ValueError(f"state_snapshot_interval must be a positive multiple of block_size "
+                                 f"{self.block_size}, got {self.state_snapshot_interval}")
+            self.snapshots = StateSnapshotStore(self.num_state_slots, self.num_state_snapshots,
+                                                self.state_snapshot_interval)
         self.offload: OffloadTier | None = None
         if self.num_offload_blocks:
             if not self.enable_caching:
@@ -223,7 +239,10 @@ class BlockManager:
         refs = pool.ref_counts
         sid = seq.seq_id
         if self.num_state_slots and sid not in self.state_slots:
-            self.state_slots[sid] = self._take_state_slot()
+            self.state_slots[sid] = slot = self._take_state_slot()
+            source = self._snapshot_source.pop(sid, None)
+            if source is not None:
+                self._state_copies.append((source, slot))
         seen = self._unchanged.pop(sid, None)
         version = self.table_versions.get(sid)
         if seen is not None and seen == (computed, num_new_tokens, version, len(self.tables[0].get(sid, ())),
@@ -305,6 +324,9 @@ class BlockManager:
         slot = self.state_slots.pop(seq.seq_id, None)
         if slot is not None:
             self._free_state_slots.append(slot)
+        if self.snapshots is not None:
+            self.snapshots.drop(seq.seq_id)
+            self._snapshot_source.pop(seq.seq_id, None)
         self._seq_block_hashes.pop(seq.seq_id, None)
         self.table_versions.pop(seq.seq_id, None)
         self._cached_upto.pop(seq.seq_id, None)
@@ -329,6 +351,21 @@ class BlockManager:
         copies, self._state_copies = self._state_copies, []
         return copies
 
+    def plan_state_snapshots(self, seq: Sequence, num_new_tokens: int, num_known: int) -> list[tuple[int, int]]:
+        """The state snapshots the step scheduling `num_new_tokens` of `seq` must write: (offset in the step's chunk,
+        snapshot slot) for each snapshot point it crosses, where the tokens before the point are known on the host
+        (`num_known` of the chunk's; a token still on the device cannot be hashed). [] without snapshots."""
+        if self.snapshots is None:
+            return []
+        computed, step = seq.num_computed_tokens, self.state_snapshot_interval
+        last = computed + min(num_new_tokens, num_known)
+        points = range((computed // step + 1) * step, last + 1, step)
+        if not points:
+            return []
+        hashes = self._block_hashes_upto(seq, points[-1] // self.block_size)
+        planned = self.snapshots.plan(seq.seq_id, [(p, hashes[p // self.block_size - 1]) for p in points])
+        return [(position - computed, slot) for position, slot in planned]
+
     # -- prefix caching ---------------------------------------------------------------------
     def allocate_cached_prefix(self, seq: Sequence) -> int:
         """Point a fresh sequence's tables at its longest cached prefix; returns tokens reused.
@@ -339,6 +376,8 @@ class BlockManager:
         if not self.enable_caching or seq.seq_id in self.block_tables:
             return 0
         n, hits = self._find_cached_prefix(seq)
+        if self.snapshots is not None and n:
+            self._snapshot_source[seq.seq_id] = self.snapshots.take(self._seq_block_hashes[seq.seq_id][n - 1])
         for window, tables, found in zip(self.group_windows, self.tables, hits):
             first = 0 if window is None else self._first_seen_block(n * self.block_size, window)
             table = [NULL_BLOCK] * first
@@ -422,6 +461,9 @@ class BlockManager:
                 if j is not None:
                     n, settled = j, False
                     break
+        if self.snapshots is not None:  # a state-space model resumes only where a snapshot holds its state
+            per = self.state_snapshot_interval // bs
+            n = next((k for k in range(n - n % per, 0, -per) if self.snapshots.has(hashes[k - 1])), 0)
         return n, found
 
     def _group_hash(self, group: int, block_hash: int) -> int:
@@ -436,6 +478,8 @@ class BlockManager:
         self.gpu_pool.reset_prefix_cache()
         if self.offload is not None:
             self.offload.reset()
+        if self.snapshots is not None:
+            self.snapshots.reset()
         return True
 
     def record_prefix_lookup(self, seq: Sequence, hit_tokens: int) -> None:
@@ -476,6 +520,8 @@ class BlockManager:
         if version is not None:
             lengths = [len(t.get(seq.seq_id, ())) for t in self.tables]
             self._cached_upto[seq.seq_id] = (version, min(n_full, *lengths))
+        if self.snapshots is not None:
+            self.snapshots.publish(seq.seq_id, seq.num_computed_tokens)
 
     def _block_hashes_upto(self, seq: Sequence, n_blocks: int) -> list[int]:
         """The sequence's block hashes, at least its first `n_blocks` (the list itself: read, do not change it)."""
@@ -569,3 +615,5 @@ class BlockManager:
         if len(set(slots)) != len(slots) or len(slots) + len(self._free_state_slots) != self.num_state_slots:
             raise RuntimeError(f"recurrent-state slots leaked or shared: {len(slots)} owned, "
                                f"{len(self._free_state_slots)} free of {self.num_state_slots}")
+        if self.snapshots is not None:
+            self.snapshots.check_invariants()

@@ -420,6 +420,8 @@ def make_kv_cache_manager(scheduler_config: SchedulerConfig, cache_config: Cache
             sliding_window=cache_config.sliding_window,
             group_windows=groups if groups is not None and len(groups) > 1 else None,
             num_state_slots=scheduler_config.max_num_seqs if cache_config.has_recurrent_state else 0,
+            num_state_snapshots=cache_config.num_state_snapshots,
+            state_snapshot_interval=cache_config.mamba_block_size or 0,
         )
     return ContiguousBlockManager(
         block_size=cache_config.block_size,

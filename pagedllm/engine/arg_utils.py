@@ -74,6 +74,9 @@ _HELP = {
     "kv_offloading_backend": "The KV offloading tier's implementation: native (the only one).",
     "mamba_ssm_cache_dtype": "State-space (Mamba) layers: the dtype of each sequence's SSM state (auto: the model's; "
                              "float32 keeps long generations closest to a float32 run at twice the memory).",
+    "mamba_block_size": "State-space (Mamba) layers with --enable-prefix-caching: tokens between the recurrent-state "
+                        "snapshots a prefix hit can resume from (a multiple of --block-size; default: 256 rounded "
+                        "up to one).",
     "enable_chunked_prefill": "Split long prompts into chunks that share steps with decodes.",
     "enable_prefix_caching": "Reuse KV blocks of identical prompt prefixes across requests.",
     "preemption_mode": "What to do with a preempted group: recompute, swap, or auto.",
@@ -220,6 +223,7 @@ class EngineArgs:
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
     mamba_ssm_cache_dtype: str = "auto"
+    mamba_block_size: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
@@ -275,6 +279,16 @@ class EngineArgs:
             raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
 
+    def _mamba_block_size(self) -> int:
+        """Tokens between prefix caching's recurrent-state snapshots: --mamba-block-size, else 256 rounded up to a
+        multiple of the KV block size."""
+        if self.mamba_block_size is None:
+            return -(-256 // self.block_size) * self.block_size
+        if self.mamba_block_size < 1 or self.mamba_block_size % self.block_size:
+            raise ValueError(f"mamba_block_size must be a positive multiple of block_size {self.block_size}, got "
+                             f"{self.mamba_block_size}")
+        return self.mamba_block_size
+
     def _check_recurrent_state_support(self) -> None:
         """What a model with state-space (Mamba) layers cannot run here, as clear errors; what it runs differently, as
         one log line. A sequence's recurrent state cannot be rewound, shared or moved block by block: no speculative
@@ -294,7 +308,10 @@ class EngineArgs:
                              "KV offloading or LoRA.")
         notes = ["preemption recomputes"]
         if self.enable_prefix_caching:
-            notes.append("prefix caching is off")
+            notes.append(f"prefix caching resumes from state snapshots every {self._mamba_block_size()} tokens")
+        elif self.mamba_block_size is not None:
+            raise ValueError(f"mamba_block_size={self.mamba_block_size} spaces prefix caching's state snapshots: "
+                             "it needs enable_prefix_caching=True")
         if DeviceConfig(self.device).resolve() == "cuda" and not self.enforce_eager:
             notes.append("CUDA graphs for decode steps only (none without an attention layer)")
         logger.info("State-space (Mamba) layers: %s", "; ".join(notes))
@@ -361,7 +378,8 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             kv_offloading_size=self.kv_offloading_size, kv_offloading_backend=self.kv_offloading_backend,
             mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
-            enable_prefix_caching=(self.enable_prefix_caching and not encoder and not recurrent
+            mamba_block_size=self._mamba_block_size() if recurrent and self.enable_prefix_caching else None,
+            enable_prefix_caching=(self.enable_prefix_caching and not encoder
                                    and (pooler is None or pooler.pooling_type == "LAST")),
             preemption_mode="recompute" if recurrent else self.preemption_mode,
             kv_cache_manager=self.kv_cache_manager, cache_dtype=self.kv_cache_dtype,

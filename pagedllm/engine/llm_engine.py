@@ -691,7 +691,8 @@ class LLMEngine:
         seq = item.seq
         start = seq.num_computed_tokens
         token_ids = seq.tokens_slice(start, start + item.num_new_tokens)
-        if len(token_ids) < item.num_new_tokens:  # ends with a token still on the device
+        num_known = len(token_ids)
+        if num_known < item.num_new_tokens:  # ends with a token still on the device
             token_ids.append(0)
         bm = self.scheduler.block_manager
         # The block manager's own lists, not copies: the worker reads them when the step launches, before anything
@@ -730,6 +731,7 @@ class LLMEngine:
             group_block_tables=group_tables,
             table_version=version,
             state_slot=bm.state_slot(seq),
+            state_snapshots=bm.plan_state_snapshots(seq, item.num_new_tokens, num_known),
         )
 
     def _launch_sampling(self, step: LaunchedStep) -> None:

@@ -37,6 +37,9 @@ class SequenceChunk:
     table_version: int | None = None
     # A model with state-space (Mamba) layers: the recurrent-state slot the sequence owns (core's block manager).
     state_slot: int | None = None
+    # Prefix caching of such a model: (offset, snapshot slot): the state after the chunk's first `offset` tokens goes
+    # to that slot too (core/state_snapshots.py).
+    state_snapshots: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -183,8 +183,10 @@ class ModelRunner:
     def _mamba_metadata(self, chunks: list[SequenceChunk]) -> MambaStateMetadata:
         scratch = self.mamba_caches[0].ssm_state.shape[0] - 1 if self.mamba_caches else 0
         slots = [scratch if c.state_slot is None else c.state_slot for c in chunks]
+        cuts = [(i, offset, slot) for i, c in enumerate(chunks) for offset, slot in c.state_snapshots
+                if offset < len(c.token_ids)]  # (a chunk's end state is copied from its slot after the step)
         return MambaStateMetadata(async_tensor_h2d(slots, torch.int64, self.device), slots,
-                                  [c.start_pos > 0 for c in chunks], self.mamba_caches)
+                                  [c.start_pos > 0 for c in chunks], self.mamba_caches, cuts)
 
     def _group_tables_and_slots(self, chunks: list[SequenceChunk], rows: np.ndarray | None, group: int, width: int,
                                 seq_of_token: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -388,20 +388,26 @@ class Worker:
         cc, sc = self.config.cache_config, self.config.scheduler_config
         ssm_dtype = self.dtype if cc.mamba_ssm_cache_dtype == "auto" else getattr(torch, cc.mamba_ssm_cache_dtype)
         per_slot = shape.bytes_per_slot(self.dtype, ssm_dtype)
+        # prefix caching keeps as many state snapshots as sequences run (core/state_snapshots.py)
+        per_seq = 2 if cc.enable_prefix_caching and cc.mamba_block_size else 1
         room = self._memory_for_kv_and_state()
-        if room is not None and (sc.max_num_seqs + 1) * per_slot > room // 2:
-            fit = max(1, room // 2 // per_slot - 1)
+        if room is not None and (per_seq * sc.max_num_seqs + 1) * per_slot > room // 2:
+            fit = max(1, (room // 2 // per_slot - 1) // per_seq)
             if fit < sc.max_num_seqs:
                 logger.warning("max_num_seqs lowered from %d to %d: the recurrent state of %d sequences (%.2f MiB "
-                               "each) would take more than half of the %.1f GiB left for it and the KV cache "
+                               "each%s) would take more than half of the %.1f GiB left for it and the KV cache "
                                "(--max-num-seqs, --mamba-ssm-cache-dtype choose otherwise)", sc.max_num_seqs, fit,
-                               sc.max_num_seqs, per_slot / 2**20, room / 2**30)
+                               sc.max_num_seqs, per_slot / 2**20,
+                               ", and as many prefix-cache snapshots" if per_seq == 2 else "", room / 2**30)
                 sc.max_num_seqs = fit
-        slots = sc.max_num_seqs + 1
+        cc.num_state_snapshots = sc.max_num_seqs if per_seq == 2 else 0
+        # slots: the sequences', then the snapshots', then one scratch slot (padding rows of captured graphs)
+        slots = sc.max_num_seqs + cc.num_state_snapshots + 1
         self.mamba_caches = allocate_layer_caches(shape, slots, self.dtype, self.device, ssm_dtype)
-        logger.info("Recurrent state of %d Mamba layers (SSM state %s): %d slots of %.2f MiB (%.1f MiB)",
+        logger.info("Recurrent state of %d Mamba layers (SSM state %s): %d slots of %.2f MiB (%.1f MiB)%s",
                     shape.num_layers, str(ssm_dtype).removeprefix("torch."), slots, per_slot / 2**20,
-                    slots * per_slot / 2**20)
+                    slots * per_slot / 2**20, f", {cc.num_state_snapshots} of them prefix-cache snapshots every "
+                    f"{cc.mamba_block_size} tokens" if cc.num_state_snapshots else "")
 
     def _memory_for_kv_and_state(self) -> int | None:
         """Bytes the KV pool and the recurrent state may share: on CUDA the utilization share of the device less what
@@ -579,8 +585,13 @@ class Worker:
         ce.copy(req.blocks_to_copy)
         if req.state_copies:
             copy_state_slots(self.mamba_caches, req.state_copies)
-        return self.model_runner.execute_model(req.chunks, ce.gpu_cache, req.pending_inputs,
-                                               req.prev_sampled_token_ids)
+        out = self.model_runner.execute_model(req.chunks, ce.gpu_cache, req.pending_inputs,
+                                              req.prev_sampled_token_ids)
+        if self.mamba_caches is not None:  # prefix-cache snapshots at chunk ends: the slot's state after the step
+            ends = [(c.state_slot, slot) for c in req.chunks for offset, slot in c.state_snapshots
+                    if offset == len(c.token_ids)]
+            copy_state_slots(self.mamba_caches, ends)
+        return out
 
     def release_free_memory(self) -> float | None:
         """CPU path, engine idle: return freed heap pages to the OS; MiB released (None: nothing to do)."""

@@ -95,28 +95,37 @@ def validate_dims(dims: Mamba2Dims, tp: TensorParallelGroup) -> None:
 
 
 def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                    initial_states: torch.Tensor, lens: list[int],
-                    chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    initial_states: torch.Tensor, lens: list[int], chunk_size: int,
+                    cuts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The selective scan of several sequences packed one after another, in the chunked SSD form (the Mamba-2 paper's
     ``ssd_minimal_discrete`` with initial states; float32 throughout).
 
     x [T, h, p], dt [T, h] (already softplus'd and clamped), a [h] (negative), b / c [T, g, n] (one per group of
-    h / g heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T). Returns (y [T, h, p]
-    without the D skip, final states [S, h, p, n])."""
+    h / g heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T); `cuts` (optional):
+    per sequence, ascending offsets 0 < q < its length after whose first q tokens the state is wanted as well.
+    Returns (y [T, h, p] without the D skip, final states [S, h, p, n], the states at the cuts [K, h, p, n] in
+    sequence then offset order, or None without cuts)."""
     dev = x.device
     total, heads, head_dim = x.shape
     groups, d_state = b.shape[1], b.shape[2]
     per_group = heads // groups
     length = chunk_size
-    blocks = [-(-n // length) for n in lens]
+    # Each cut starts a new block (the block before it padded: a padding row has dt = 0, so it leaves the state as
+    # it is), so the state a cut wants is the one its block starts from.
+    segments = [np.diff([0, *(cuts[i] if cuts else ()), n]) for i, n in enumerate(lens)]
+    blocks = [int(sum(-(-m // length) for m in seg)) for seg in segments]
     nb = sum(blocks)
     # every block's token rows in the packed input (padding rows: index T, a zero row appended below)
     rows = np.full(nb * length, total, dtype=np.int64)
+    cut_blocks: list[int] = []
     at = offset = 0
-    for n, k in zip(lens, blocks):
-        rows[at: at + n] = np.arange(offset, offset + n)
-        at += k * length
-        offset += n
+    for seg in segments:
+        for j, m in enumerate(seg):
+            if j:
+                cut_blocks.append(at // length)
+            rows[at: at + m] = np.arange(offset, offset + m)
+            at += -(-m // length) * length
+            offset += m
     index = async_tensor_h2d(rows, torch.long, dev)
     pad = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # noqa: E731
     xd = pad(x * dt[..., None])[index].view(nb, length, groups, per_group, head_dim)  # [c, l, g, k, p]
@@ -140,7 +149,8 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch
     valid = index < total
     out = x.new_empty(total, heads, head_dim)
     out[index[valid]] = y[valid]
-    return out, states
+    cut_states = starts[async_tensor_h2d(cut_blocks, torch.long, dev)] if cut_blocks else None
+    return out, states, cut_states
 
 
 def _carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, block_decay: torch.Tensor,
@@ -256,21 +266,30 @@ class Mamba2Mixer(nn.Module):
         if fresh:
             clear_state_slots([cache], fresh)
         slot_t = async_tensor_h2d(slots, torch.long, dev)
-        x, b, c = self._split_xbc(self._conv_batch(xbc, cache, slot_t, lens))
+        # state snapshots inside the chunks (prefix caching): per sequence its offsets, and the slots, in order
+        wanted = sorted((row - first, offset, slot) for row, offset, slot in state_meta.cuts
+                        if first <= row < first + len(lens))
+        cuts = [[q for i, q, _ in wanted if i == seq] for seq in range(len(lens))] if wanted else None
+        cut_slots = async_tensor_h2d([slot for _, _, slot in wanted], torch.long, dev) if wanted else None
+        conv_cuts = [(i, q) for i, q, _ in wanted]
+        x, b, c = self._split_xbc(self._conv_batch(xbc, cache, slot_t, lens, conv_cuts, cut_slots))
         step = self._time_step(dt)
         low, high = d.time_step_limit
         if low > 0 or high < math.inf:
             step = step.clamp(low, high)
-        y, final = ssd_varlen_scan(x.float(), step, a, b, c, cache.ssm_state.index_select(0, slot_t).float(), lens,
-                                   self.chunk_size or _block_size(lens, dev))
+        y, final, at_cuts = ssd_varlen_scan(x.float(), step, a, b, c, cache.ssm_state.index_select(0, slot_t).float(),
+                                            lens, self.chunk_size or _block_size(lens, dev), cuts)
         cache.ssm_state.index_copy_(0, slot_t, final.to(cache.ssm_state.dtype))
+        if at_cuts is not None:
+            cache.ssm_state.index_copy_(0, cut_slots, at_cuts.to(cache.ssm_state.dtype))
         y = y + x.float() * self.D.float()[:, None]
         return y.reshape(y.shape[0], d.intermediate)
 
-    def _conv_batch(self, xbc: torch.Tensor, cache: MambaLayerCache, slot_t: torch.Tensor,
-                    lens: list[int]) -> torch.Tensor:
+    def _conv_batch(self, xbc: torch.Tensor, cache: MambaLayerCache, slot_t: torch.Tensor, lens: list[int],
+                    cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None) -> torch.Tensor:
         """SiLU(causal depthwise conv) of every chunk [T, conv_dim] float32, each after its slot's saved inputs;
-        the slots then hold each chunk's last d_conv - 1 inputs."""
+        the slots then hold each chunk's last d_conv - 1 inputs. `cuts` (sequence, offset): slot `cut_slots[j]` gets
+        the d_conv - 1 inputs before that offset of that chunk."""
         d = self.dims
         width = d.d_conv - 1
         dev = xbc.device
@@ -294,6 +313,10 @@ class Mamba2Mixer(nn.Module):
         if bias is not None:
             out += bias
         cache.conv_state.index_copy_(0, slot_t, ext[last_rows].transpose(1, 2).to(cache.conv_state.dtype))
+        if cuts:  # the inputs before offset q sit q rows after the sequence's start in ext (its saved inputs first)
+            cut_rows = async_tensor_h2d(np.asarray([ext_start[i] + q for i, q in cuts])[:, None] + np.arange(width),
+                                        torch.long, dev)
+            cache.conv_state.index_copy_(0, cut_slots, ext[cut_rows].transpose(1, 2).to(cache.conv_state.dtype))
         return F.silu(out)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,

@@ -32,6 +32,10 @@ class MambaStateMetadata:
     state_indices_cpu: list[int]
     has_initial_state: list[bool]  # per sequence: False where its chunk starts at position 0 (its state is zeros)
     layer_caches: list[MambaLayerCache]  # one per Mamba layer, in layer order
+    # Prefix caching's state snapshots inside prefill chunks: (batch row, offset, slot): slot gets the row's state
+    # after the first `offset` tokens of its chunk (0 < offset < the chunk's length; a chunk's end state is copied
+    # from its slot after the step instead).
+    cuts: list[tuple[int, int, int]] = field(default_factory=list)
     # Derived once per step (every layer reads it): the batch rows whose state starts from zeros, usually none.
     fresh_rows: list[int] = field(init=False)
 
