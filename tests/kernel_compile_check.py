@@ -148,6 +148,18 @@ def _mamba() -> None:
                                  torch.zeros(conv_dim, 1, 4, dtype=torch.bfloat16), bias, slots)
     params = torch.zeros(heads, dtype=torch.bfloat16)
     ssm_state_update(conv, dt, params, params, params, torch.zeros(6, heads, head_dim, d_state), slots, groups)
+    # Mamba-1's selective scan (bf16 projections, float32 state), with and without snapshots, both channel blocks
+    from pagedllm.kernels.triton_mamba import selective_scan
+
+    channels, d_state = 256, 16
+    x = torch.zeros(8, channels)
+    proj = torch.zeros(8, 2 * channels, dtype=torch.bfloat16)
+    bc = torch.zeros(8, 8 + 2 * d_state, dtype=torch.bfloat16)
+    for lens, snaps in (([2, 6], [(1, 3, 4)]), ([1] * 8, [])):
+        qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        selective_scan(x, proj[:, :channels], torch.zeros(channels, d_state), bc[:, 8:8 + d_state], bc[:, 8 + d_state:],
+                       torch.zeros(channels, dtype=torch.bfloat16), proj[:, channels:],
+                       torch.zeros(9, channels, 1, d_state), torch.arange(len(lens)), qsl, lens, snaps)
 
 
 # Exit status when this Triton lacks the runtime hooks the check stands on (a driver that can be swapped, launches

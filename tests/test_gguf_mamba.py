@@ -1,6 +1,12 @@
-"""llama.cpp's state-space GGUF files (`mamba2`, `granitehybrid`, `nemotron_h`): tiny random transformers models
-written as convert_hf_to_gguf.py's Mamba2Model / GraniteHybridModel / NemotronHModel write them, served by pagedllm
-(float32, CPU) and held to transformers' greedy tokens on the same weights (one full forward per token, no cache).
+"""llama.cpp's state-space GGUF files (`mamba`, `mamba2`, `granitehybrid`, `nemotron_h`): tiny random transformers
+models written as convert_hf_to_gguf.py's MambaModel / Mamba2Model / GraniteHybridModel / NemotronHModel write them,
+served by pagedllm (float32, CPU) and held to transformers' greedy tokens on the same weights (one full forward per
+token, no cache).
+
+`mamba` (Mamba-1 and FalconMamba, MambaModel): A_log stored as A = -exp(A_log) [d_inner, d_state], the conv weight
+squeezed to [d_inner, d_conv], x_proj as ssm_x, dt_proj as ssm_dt (weight and bias), lm_head left out when tied;
+ssm.dt_b_c_rms true for FalconMamba, whose dt / B / C norm llama.cpp runs at the file's one RMS epsilon (so the
+reference model's mixer_rms_eps is its layer_norm_epsilon).
 
 The writer applies the converter's conversions: A_log stored as A = -exp(A_log) [heads, 1], D as [heads, 1], the
 conv weight squeezed to [conv_dim, d_conv], dt_bias as ssm_dt.bias, the gated norm reshaped to [groups, d_inner /
@@ -39,6 +45,9 @@ from pagedllm.model.models.hybrid import hybrid_layer_kinds
 from pagedllm.model.models.nemotron_h import nemotron_layer_kinds
 
 MAX_TOKENS = 8
+#: Mamba-1 families: (config class, model class, tied embeddings)
+MAMBA1 = {"mamba": (transformers.MambaConfig, transformers.MambaForCausalLM, False),
+          "falcon-mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM, True)}
 _KEPT_FLOAT = ("norm.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight", "ssm_a.weight", "ssm_d.weight")
 PROMPT_LENS = (1, 5, 12, 23)
 
@@ -48,6 +57,12 @@ def _hf_model(name: str) -> torch.nn.Module:
     A_log set to what the GGUF file round-trips it to."""
     if name == "mamba2":
         config, model_cls = _mamba2_config(num_hidden_layers=3), transformers.Mamba2ForCausalLM
+    elif name in MAMBA1:  # llama.cpp's converter asserts expand 2; FalconMamba's inner norm eps = the file's eps
+        config_cls, model_cls, tied = MAMBA1[name]
+        extra = {"mixer_rms_eps": 1e-5} if name == "falcon-mamba" else {}
+        config = config_cls(vocab_size=96, hidden_size=64, state_size=16, num_hidden_layers=3, expand=2,
+                            conv_kernel=4, time_step_rank=8, layer_norm_epsilon=1e-5, tie_word_embeddings=tied,
+                            pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
     elif name == "nemotron-h-moe":  # llama.cpp's converter records no topk_group: every group may be chosen
         config_cls, model_name, kwargs, _ = HYBRIDS[name]
         kwargs = {**kwargs, "topk_group": kwargs["n_group"]}
@@ -99,8 +114,31 @@ def _mixer_tensors(prefix: str, bid: int, sd: dict[str, torch.Tensor], groups: i
     return out
 
 
+def _mamba1_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """MambaModel.modify_tensors: A = -exp(A_log) [d_inner, d_state], the conv weight squeezed, lm_head left out
+    when it equals the embeddings (tied)."""
+    T, cfg, sd = gguf.MODEL_TENSOR, model.config, model.state_dict()
+    get = lambda n: sd[n].float().numpy()  # noqa: E731
+    out = {_name(T.TOKEN_EMBD): get("backbone.embeddings.weight"), _name(T.OUTPUT_NORM): get("backbone.norm_f.weight")}
+    if not cfg.tie_word_embeddings:
+        out[_name(T.OUTPUT)] = get("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        m = f"backbone.layers.{i}.mixer"
+        out.update({_name(T.ATTN_NORM, i): get(f"backbone.layers.{i}.norm.weight"),
+                    _name(T.SSM_IN, i): get(f"{m}.in_proj.weight"),
+                    _name(T.SSM_CONV1D, i): get(f"{m}.conv1d.weight").squeeze(),
+                    _name(T.SSM_CONV1D, i, ".bias"): get(f"{m}.conv1d.bias"),
+                    _name(T.SSM_X, i): get(f"{m}.x_proj.weight"), _name(T.SSM_DT, i): get(f"{m}.dt_proj.weight"),
+                    _name(T.SSM_DT, i, ".bias"): get(f"{m}.dt_proj.bias"),
+                    _name(T.SSM_A, i): -np.exp(get(f"{m}.A_log")), _name(T.SSM_D, i): get(f"{m}.D"),
+                    _name(T.SSM_OUT, i): get(f"{m}.out_proj.weight")})
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
 def _tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
     """Every tensor as the converter stores it for `arch` (numpy order)."""
+    if arch == "mamba":
+        return _mamba1_tensors(model)
     T, cfg = gguf.MODEL_TENSOR, model.config
     sd = model.state_dict()
     np_ = lambda n: sd[n].float().numpy()  # noqa: E731
@@ -176,6 +214,17 @@ def _metadata(w: Any, model: torch.nn.Module, arch: str, rope: bool) -> None:
     n = cfg.num_hidden_layers
     w.add_block_count(n)
     w.add_embedding_length(cfg.hidden_size)
+    if arch == "mamba":  # MambaModel.set_gguf_parameters
+        w.add_context_length(2**20)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_ssm_conv_kernel(cfg.conv_kernel)
+        w.add_ssm_inner_size(cfg.intermediate_size)
+        w.add_ssm_state_size(cfg.state_size)
+        w.add_ssm_time_step_rank(cfg.time_step_rank)
+        w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+        w.add_ssm_dt_b_c_rms(cfg.model_type == "falcon_mamba")
+        return
     if arch == "mamba2":
         w.add_context_length(2**20)
         w.add_feed_forward_length(0)
@@ -291,7 +340,7 @@ def _ours(path: Path, prompts: list[list[int]]) -> tuple[LLM, list[list[int]]]:
 
 
 # (case, llama.cpp architecture, rope.scaling.finetuned)
-CASES = [("mamba2", "mamba2", False), ("granite-moe-nope", "granitehybrid", False),
+CASES = [("mamba", "mamba", False), ("falcon-mamba", "mamba", False), ("mamba2", "mamba2", False), ("granite-moe-nope", "granitehybrid", False),
          ("granite-dense-rope", "granitehybrid", True), ("nemotron-h", "nemotron_h", False),
          ("nemotron-h-moe", "nemotron_h_moe", False)]
 
@@ -393,6 +442,36 @@ def test_missing_pieces_are_clear_errors(tmp_path: Path) -> None:
     bad = _write(mamba, "mamba2", tmp_path / "m.gguf", skip_keys=("mamba2.ssm.group_count",))
     with pytest.raises(ValueError, match="missing metadata key 'mamba2.ssm.group_count'"):
         LLM(model=str(bad), **{**ENGINE_KW, "quantization": "none"})
+
+
+def test_mamba1_missing_pieces_are_clear_errors(tmp_path: Path) -> None:
+    model = _hf_model("mamba")
+
+    def error(**kw: Any) -> str:
+        return _load_error(model, "mamba", tmp_path / "bad.gguf", **kw)
+
+    assert "missing metadata key 'mamba.ssm.time_step_rank'" in error(skip_keys=("mamba.ssm.time_step_rank",))
+    assert "'blk.1.ssm_x.weight'" in error(edit=lambda t: t.update({"blk.1.ssm_x.weight": t["blk.1.ssm_x.weight"][:8]}))
+    assert "Unsupported tensor 'blk.0.ssm_norm.weight'" in error(
+        edit=lambda t: t.update({"blk.0.ssm_norm.weight": t["blk.0.attn_norm.weight"]}))
+    assert "ssm_a holds A = -exp(A_log)" in error(
+        edit=lambda t: t.update({"blk.2.ssm_a.weight": -t["blk.2.ssm_a.weight"]}))
+
+
+def test_mamba1_config_from_the_file(tmp_path: Path) -> None:
+    """The FalconMamba flag (ssm.dt_b_c_rms) picks the class; its inner norm runs at the file's RMS epsilon."""
+    for name, want in (("mamba", "MambaForCausalLM"), ("falcon-mamba", "FalconMambaForCausalLM")):
+        src = _write(_hf_model(name), "mamba", tmp_path / f"{name}.gguf")
+        reader = open_gguf(src)
+        cfg = build_config(reader, src).config
+        assert cfg["architectures"] == [want]
+        geometry = (cfg["intermediate_size"], cfg["state_size"], cfg["conv_kernel"], cfg["time_step_rank"])
+        assert geometry == (128, 16, 4, 8)
+        assert cfg["use_conv_bias"] and not cfg["use_bias"] and cfg["tie_word_embeddings"] == (name == "falcon-mamba")
+        if name == "falcon-mamba":  # float32 in the file
+            assert cfg["mixer_rms_eps"] == cfg["layer_norm_epsilon"] == pytest.approx(1e-5)
+        else:
+            assert "mixer_rms_eps" not in cfg
 
 
 def test_nemotron_h_moe_missing_pieces_are_clear_errors(tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 PROMPT_LENS = (1, 4, 9, 15, 22, 30)
 MAX_TOKENS = 10
+MAMBA1 = {"mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
+          "falcon-mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM)}
 ENGINE_KW = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, max_model_len=64)
 
 
@@ -25,6 +27,18 @@ def _random_hf(name: str, n_groups: int | None = None) -> torch.nn.Module:
     if name == "mamba2":
         config = _mamba2_config(num_hidden_layers=3, **({"n_groups": n_groups} if n_groups else {}))
         model_cls = transformers.Mamba2ForCausalLM
+    elif name in MAMBA1:  # Mamba-1 layers (one B / C for all channels: no groups)
+        config_cls, model_cls = MAMBA1[name]
+        config = config_cls(vocab_size=96, hidden_size=64, state_size=16, num_hidden_layers=3, expand=2,
+                            conv_kernel=4, time_step_rank=8, tie_word_embeddings=False, pad_token_id=0,
+                            bos_token_id=1, eos_token_id=2)
+    elif name == "jamba":  # Mamba-1 layers with attention (no RoPE) at 1 and 3, 4-expert MoE feed-forwards there
+        config = transformers.JambaConfig(
+            vocab_size=96, hidden_size=64, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+            expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=48, mamba_d_state=16, mamba_expand=2, mamba_dt_rank=8,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+        model_cls = transformers.JambaForCausalLM
     else:
         config_cls, model_name, kwargs, _ = HYBRIDS[name]
         if n_groups:
@@ -54,7 +68,7 @@ def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[in
 
 
 @pytest.fixture(scope="module", params=["mamba2", "bamba", "granite-moe-nope", "granite-dense-rope", "nemotron-h",
-                                        "nemotron-h-moe"])
+                                        "nemotron-h-moe", "mamba", "falcon-mamba", "jamba"])
 def built(request, tmp_path_factory) -> tuple[str, Path, list[list[int]], list[list[int]]]:
     name = request.param
     model = _random_hf(name)
@@ -171,7 +185,7 @@ def test_beam_search_matches_transformers(built) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["mamba2", "bamba", "granite-moe-nope", "granite-dense-rope", "nemotron-h",
-                                  "nemotron-h-moe"])
+                                  "nemotron-h-moe", "mamba", "falcon-mamba", "jamba"])
 def test_cuda_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
     """On the GPU (the Triton decode kernels, decode CUDA graphs for the hybrids, asynchronous scheduling), float32:
     transformers' tokens, batched and chunked, and with forks under preemption. One group of B/C per layer here:

@@ -89,3 +89,57 @@ def test_native_cpu_decode_matches_torch_path(bias: bool, monkeypatch) -> None:
     untouched = [1, 5, 7]
     assert torch.equal(states.ssm_state[untouched], before.ssm_state[untouched])
     assert torch.equal(states.conv_state[untouched], before.conv_state[untouched])
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_selective_scan_kernel_matches_torch_path(state_dtype: torch.dtype) -> None:
+    """Mamba-1's scan kernel (prefill chunks and decode rows in one launch, snapshots inside chunks) against the
+    mixer's torch loop (model/layers/mamba1.py, itself checked against transformers in test_mamba_engine.py)."""
+    from pagedllm.kernels.triton_mamba import selective_scan
+    from pagedllm.model.layers.mamba1 import selective_scan_torch
+
+    torch.manual_seed(0)
+    channels, d_state = 40, 12
+    lens, slots = [1, 1, 7, 13], [5, 0, 3, 6]
+    snapshots = [(2, 4, 1), (3, 9, 2), (3, 12, 4)]  # (row, offset, slot)
+    tokens = sum(lens)
+    x, dt, z = (torch.randn(tokens, channels) for _ in range(3))
+    a_log = torch.randn(channels, d_state) * 0.5
+    b, c = torch.randn(tokens, d_state), torch.randn(tokens, d_state)
+    d = torch.randn(channels)
+    state = torch.randn(8, channels, 1, d_state).to(state_dtype)
+    want_state = state.clone()
+    y_ref = selective_scan_torch(x, torch.nn.functional.softplus(dt), -torch.exp(a_log), b, c, want_state, slots,
+                                 lens, snapshots)
+    want = (y_ref + x * d) * torch.nn.functional.silu(z)
+    qsl = torch.tensor([0, 1, 2, 9, 22], device=DEVICE)
+    got_state = state.to(DEVICE)
+    got = selective_scan(*(t.to(DEVICE) for t in (x, dt, a_log, b, c, d, z)), got_state,
+                         torch.tensor(slots, device=DEVICE), qsl, lens, snapshots)
+    tol = 1e-4 if state_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(got_state.cpu().float(), want_state.float(), atol=tol, rtol=tol)
+
+
+def test_mamba1_scan_c_kernel_matches_torch_path(kernels_by_isa) -> None:
+    """Mamba-1's C scan (every ISA build this CPU runs: vector lanes and the scalar tail, with lanes past libmvec's
+    range) against the torch loop: outputs, the states left in the slots and the snapshot slots, other slots intact."""
+    from pagedllm.model.layers.mamba1 import selective_scan_torch
+
+    torch.manual_seed(1)
+    channels, lens, slots = 24, [1, 1, 7, 13], [5, 0, 3, 6]
+    snapshots = [(2, 4, 1), (3, 9, 2), (3, 12, 4)]
+    tokens = sum(lens)
+    x = torch.randn(tokens, channels)
+    dt = torch.nn.functional.softplus(torch.randn(tokens, channels) * 3)
+    for d_state in (16, 20):  # whole vectors; a scalar tail
+        a = -torch.exp(torch.randn(channels, d_state) * 2)  # some dt·A below -105
+        b, c = torch.randn(tokens, d_state), torch.randn(tokens, d_state)
+        state = torch.randn(8, channels, 1, d_state)
+        want_state = state.clone()
+        want = selective_scan_torch(x, dt, a, b, c, want_state, slots, lens, snapshots)
+        for isa, native in kernels_by_isa.items():
+            got_state = state.clone()
+            got = native.mamba1_scan(x, dt, a, b, c, got_state, slots, lens, snapshots)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{isa}, {d_state}: {m}")
+            torch.testing.assert_close(got_state, want_state, atol=1e-4, rtol=1e-4, msg=lambda m: f"{isa}: {m}")

@@ -297,7 +297,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {len(wl.prompts)} requests, {sum(map(len, wl.prompts))} prompt tokens, "
           f"{sum(wl.output_len)} output tokens; device={device} dtype={llm.llm_engine.executor.dtype} "
           f"threads={torch.get_num_threads()}")
-    cuda_bound = args.lower_bound and device.startswith("cuda")
+    # the FLOP and byte model (lower_bound.ModelShape) counts attention layers: none for a pure state-space model
+    has_shape = getattr(llm.llm_engine.hf_config, "num_attention_heads", None) is not None
+    if args.lower_bound and not has_shape:
+        print("no lower bound or FLOP count: the model has no attention layers (a pure state-space model)")
+    cuda_bound = args.lower_bound and has_shape and device.startswith("cuda")
     stats = None
     if cuda_bound:
         from pagedllm.benchmarks.kernels import copy_bandwidth
@@ -307,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"measured here: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
         extra_ttft = probe_first_request(llm, wl.prompts[0])
         stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
-    cpu_work = args.lower_bound and device == "cpu"
+    cpu_work = args.lower_bound and has_shape and device == "cpu"
     if cpu_work:
         from pagedllm.benchmarks import cpu_flops
 

@@ -99,6 +99,11 @@ class CpuKernels:
         self._mamba_ssm.argtypes = [_ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _ptr, _c_int64,
                                     _c_int64, _c_int64, _c_int64, _c_int64, _c_int64]
 
+        self._mamba1_scan = lib.mamba1_scan_f32
+        self._mamba1_scan.restype = None
+        self._mamba1_scan.argtypes = [_ptr, _ptr, _ptr, _ptr, _c_int64, _ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr,
+                                      _c_int64, _ptr, _c_int64, _ptr, _ptr, _c_int64, _c_int64, _c_int64]
+
     def c_functions(self) -> tuple:
         """(rms_norm, rotary, reshape_and_cache, paged_attention, silu_and_mul): the typed C entry points
         without this class's checks, for callers that checked their inputs once (model/cpu_direct_forward.py).
@@ -376,6 +381,42 @@ class CpuKernels:
         self._mamba_ssm(ssm_state.data_ptr(), slots.data_ptr(), conv.data_ptr(), conv.stride(0), dt.data_ptr(),
                         dt.stride(0), dt_bias.data_ptr(), a_log.data_ptr(), d.data_ptr(), y.data_ptr(), y.stride(0),
                         batch, heads, head_dim, d_state, n_groups)
+        return y
+
+    def mamba1_scan(self, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    ssm_state: torch.Tensor, slots: list[int], lens: list[int],
+                    snapshots: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+        """Mamba-1's selective scan (model/layers/mamba1.py's selective_scan_torch, same arguments) in one call: x /
+        dt [T, D] (dt after softplus), a [D, N] (negative), b / c [T, N], ssm_state [slots, D, 1, N] float32,
+        read and left at each sequence's last token in place; `snapshots` (sequence, offset, slot) → y = h·C [T, D]."""
+        tokens, channels = x.shape
+        d_state = a.shape[1]
+        for name, t in (("x", x), ("dt", dt), ("a", a), ("b", b), ("c", c), ("ssm_state", ssm_state)):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+                raise ValueError(f"mamba1_scan takes float32 CPU tensors with unit-stride rows ({name})")
+        if (dt.shape != x.shape or a.shape != (channels, d_state) or b.shape != (tokens, d_state)
+                or c.shape != (tokens, d_state) or ssm_state.shape[1:] != (channels, 1, d_state)
+                or not ssm_state.is_contiguous() or not a.is_contiguous() or sum(lens) != tokens or d_state > 256):
+            raise ValueError(f"mamba1_scan: inconsistent shapes x {tuple(x.shape)}, dt {tuple(dt.shape)}, a "
+                             f"{tuple(a.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}, state {tuple(ssm_state.shape)} "
+                             f"(contiguous, d_state <= 256), lens summing to {sum(lens)}")
+        if any(not 0 <= s < ssm_state.shape[0] for s in slots) or len(slots) != len(lens):
+            raise ValueError(f"slots must be {len(lens)} indices below {ssm_state.shape[0]}")
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        snap = None
+        if snapshots:
+            at = [-1] * tokens
+            for seq, offset, slot in snapshots:
+                at[starts[seq] + offset - 1] = slot
+            snap = torch.tensor(at, dtype=torch.int64)
+        y = torch.empty(tokens, channels, dtype=torch.float32)
+        index = [torch.tensor(v, dtype=torch.int64) for v in (slots, starts, lens)]
+        self._mamba1_scan(ssm_state.data_ptr(), index[0].data_ptr(), index[1].data_ptr(), index[2].data_ptr(),
+                          len(lens), x.data_ptr(), x.stride(0), dt.data_ptr(), dt.stride(0), a.data_ptr(),
+                          b.data_ptr(), b.stride(0), c.data_ptr(), c.stride(0),
+                          snap.data_ptr() if snap is not None else None, y.data_ptr(), y.stride(0), channels, d_state)
         return y
 
     def top_k_top_p(self, logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

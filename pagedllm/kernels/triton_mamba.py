@@ -107,3 +107,74 @@ def ssm_state_update(xbc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
         n_groups, xbc.stride(0), dt.stride(0), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         y.stride(0), BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(d_state))
     return y
+
+
+@triton.jit
+def _selective_scan_kernel(x_ptr, dt_ptr, a_log_ptr, b_ptr, c_ptr, d_ptr, z_ptr, state_ptr, slots_ptr,
+                           qsl_ptr, snap_ptr, y_ptr, channels, d_state,
+                           stride_xt, stride_dtt, stride_bt, stride_ct, stride_zt, stride_ss, stride_sc, stride_yt,
+                           HAS_SNAP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    c_mask = ch < channels
+    n_mask = n < d_state
+    mask = c_mask[:, None] & n_mask[None, :]
+    start = tl.load(qsl_ptr + seq)
+    end = tl.load(qsl_ptr + seq + 1)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    a = -tl.exp(tl.load(a_log_ptr + ch[:, None] * d_state + n[None, :], mask=mask, other=0.0).to(tl.float32))
+    offsets = ch[:, None] * stride_sc + n[None, :]
+    state = tl.load(state_ptr + slot * stride_ss + offsets, mask=mask, other=0.0).to(tl.float32)
+    skip = tl.load(d_ptr + ch, mask=c_mask, other=0.0).to(tl.float32)
+    for t in range(start, end):
+        x = tl.load(x_ptr + t * stride_xt + ch, mask=c_mask, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + t * stride_dtt + ch, mask=c_mask, other=0.0).to(tl.float32)
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus, as torch's (threshold 20)
+        b = tl.load(b_ptr + t * stride_bt + n, mask=n_mask, other=0.0).to(tl.float32)
+        c = tl.load(c_ptr + t * stride_ct + n, mask=n_mask, other=0.0).to(tl.float32)
+        state = state * tl.exp(dt[:, None] * a) + (dt * x)[:, None] * b[None, :]
+        z = tl.load(z_ptr + t * stride_zt + ch, mask=c_mask, other=0.0).to(tl.float32)
+        y = (tl.sum(state * c[None, :], axis=1) + skip * x) * (z / (1.0 + tl.exp(-z)))
+        tl.store(y_ptr + t * stride_yt + ch, y, mask=c_mask)
+        if HAS_SNAP:
+            snap = tl.load(snap_ptr + t).to(tl.int64)
+            if snap >= 0:
+                tl.store(state_ptr + snap * stride_ss + offsets, state.to(state_ptr.dtype.element_ty), mask=mask)
+    tl.store(state_ptr + slot * stride_ss + offsets, state.to(state_ptr.dtype.element_ty), mask=mask)
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: torch.Tensor,
+                   c: torch.Tensor, d: torch.Tensor, z: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+                   query_start_loc: torch.Tensor, lens: list[int],
+                   snapshots: list[tuple[int, int, int]] = ()) -> torch.Tensor:
+    """Mamba-1's selective scan of packed sequences (prefill chunks and decode rows alike), each block of channels'
+    state in registers while it walks its sequence's tokens. x [T, D] float32 (the conv's output), dt [T, D] (dt_proj's
+    output, before softplus), a_log [D, N], b / c [T, N], d [D], z [T, D] (the gate); sequence i (tokens
+    query_start_loc[i]..[i+1]) continues from slot slots[i] of ssm_state [slots, D, 1, N], left at its last token.
+    `snapshots` (sequence, offset, slot): that slot also gets the state after the sequence's first `offset` tokens.
+    Returns y = (h·C + D·x) · silu(z) [T, D] float32."""
+    tokens, channels = x.shape
+    d_state = a_log.shape[1]
+    if ssm_state.shape[1:] != (channels, 1, d_state) or ssm_state.stride(3) != 1:
+        raise ValueError(f"ssm_state {tuple(ssm_state.shape)} is not [slots, {channels}, 1, {d_state}] (contiguous)")
+    y = torch.empty(tokens, channels, dtype=torch.float32, device=x.device)
+    num_seqs = len(lens)
+    if tokens == 0:
+        return y
+    snap = y  # unused without snapshots
+    if snapshots:
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + n)
+        at = [-1] * tokens
+        for seq, offset, slot in snapshots:
+            at[starts[seq] + offset - 1] = slot
+        snap = torch.tensor(at, dtype=torch.int32).to(x.device, non_blocking=True)
+    # few sequences (a long prompt): narrow channel blocks, so more programs walk the tokens side by side
+    block_d = 64 if num_seqs * triton.cdiv(channels, 64) >= 256 else 16
+    _selective_scan_kernel[(num_seqs, triton.cdiv(channels, block_d))](
+        x, dt, a_log, b, c, d, z, ssm_state, slots, query_start_loc, snap, y, channels, d_state,
+        x.stride(0), dt.stride(0), b.stride(0), c.stride(0), z.stride(0), ssm_state.stride(0), ssm_state.stride(1),
+        y.stride(0), HAS_SNAP=bool(snapshots), BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(d_state))
+    return y

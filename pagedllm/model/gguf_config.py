@@ -171,7 +171,7 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "deepseek2": GGUFArchitecture("DeepseekV2ForCausalLM", "deepseek_v2", DEEPSEEK2_TENSORS),
     # State-space models (gguf_mamba.py maps their tensors and builds their configs); granitehybrid's q/k are
     # permuted as Llama's (nemotron_h's too, without RoPE).
-    **{arch: GGUFArchitecture(*SSM_MODELS[arch], MappingProxyType({}), permuted_qk=arch != "mamba2")
+    **{arch: GGUFArchitecture(*SSM_MODELS[arch], MappingProxyType({}), permuted_qk=arch not in ("mamba", "mamba2"))
        for arch in SSM_ARCHITECTURES},
 })
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_ARCHITECTURES)

@@ -322,7 +322,7 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
         if info.norm_offset and t.name.endswith("norm.weight"):
             arr -= np.float32(info.norm_offset)
         if info.arch in SSM_ARCHITECTURES:  # A = -exp(A_log), squeezed / grouped shapes undone (gguf_mamba.py)
-            arr = ssm_tensor(hf_name, arr)
+            arr = ssm_tensor(hf_name, arr, info.arch)
             expected = ssm_expected_shape(hf_name, info.config)
             if expected is not None and tuple(arr.shape) != expected:
                 raise ValueError(f"GGUF tensor {t.name!r} in {path} has shape {tuple(arr.shape)} (HF layout), "

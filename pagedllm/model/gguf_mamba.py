@@ -1,6 +1,7 @@
-"""llama.cpp's state-space GGUF files: ``mamba2`` (Mamba2ForCausalLM), ``granitehybrid`` (IBM Granite 4.0 "H":
-GraniteMoeHybridForCausalLM) and ``nemotron_h`` (NemotronHForCausalLM), as convert_hf_to_gguf.py's Mamba2Model,
-GraniteHybridModel and NemotronHModel write them. The conversion dequantizes every tensor to float32 (with
+"""llama.cpp's state-space GGUF files: ``mamba`` (Mamba-1: MambaForCausalLM, or FalconMambaForCausalLM),
+``mamba2`` (Mamba2ForCausalLM), ``granitehybrid`` (IBM Granite 4.0 "H": GraniteMoeHybridForCausalLM) and
+``nemotron_h`` (NemotronHForCausalLM), as convert_hf_to_gguf.py's MambaModel, Mamba2Model, GraniteHybridModel and
+NemotronHModel write them. The conversion dequantizes every tensor to float32 (with
 quantization='gguf' on the CPU the quantized matrices then run from their blocks, as for the other architectures).
 
 What the converter writes: the mixer's geometry as ``{arch}.ssm.conv_kernel``, ``.ssm.inner_size`` (d_inner = heads ·
@@ -11,6 +12,15 @@ nemotron_h, ``feed_forward_length`` is non-zero on an MLP layer). Tensors: ``ssm
 −exp(A_log) as [heads, 1], ``ssm_d`` [heads, 1], ``ssm_norm`` [groups, d_inner / groups] (the gated norm's weight)
 and ``ssm_out`` (out_proj). The conversion undoes each: A_log = log(−A), the squeezed axes restored, the norm
 flattened.
+
+mamba (Mamba-1, e.g. state-spaces/mamba-130m-hf, tiiuae/falcon-mamba-7b; MambaModel): the same geometry keys with
+``ssm.time_step_rank`` = dt_rank (x_proj's dt width) and no ``ssm.group_count``; ``feed_forward_length`` and
+``attention.head_count`` are 0; ``ssm.dt_b_c_rms`` true marks FalconMamba (dt, B and C RMS-normalised without weights;
+llama.cpp uses the file's one ``attention.layer_norm_rms_epsilon`` there, so that is ``mixer_rms_eps`` too: HF's
+FalconMamba configs say 1e-6 beside a 1e-5 layer norm, which the file does not keep). Tensors: ``attn_norm``,
+``ssm_in``, ``ssm_conv1d`` [d_inner, d_conv] and its bias, ``ssm_x`` (x_proj), ``ssm_dt`` (dt_proj weight and bias),
+``ssm_a`` = −exp(A_log) as [d_inner, d_state] (A_log = log(−A), kept 2-D), ``ssm_d`` [d_inner], ``ssm_out``;
+``output`` is left out when it equals the embeddings (tied).
 
 granitehybrid: attention q/k rows permuted as Llama's (un-permuted here); the shared MLP split into ``ffn_gate`` /
 ``ffn_up`` / ``ffn_down`` (dense models) or ``ffn_{gate,up,down}_shexp`` (beside routed experts ``ffn_*_exps``),
@@ -43,14 +53,18 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-SSM_ARCHITECTURES: tuple[str, ...] = ("mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
-#: llama.cpp's architectures → (HF class, model_type)
+SSM_ARCHITECTURES: tuple[str, ...] = ("mamba", "mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
+#: llama.cpp's architectures → (HF class, model_type); a ``mamba`` file with ``ssm.dt_b_c_rms`` true is FalconMamba
+#: (:data:`FALCON_MAMBA`).
 SSM_MODELS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "mamba": ("MambaForCausalLM", "mamba"),
     "mamba2": ("Mamba2ForCausalLM", "mamba2"),
     "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h"),
     "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h"),
 })
+FALCON_MAMBA: tuple[str, str] = ("FalconMambaForCausalLM", "falcon_mamba")
+_MAMBA1_TYPES = ("mamba", "falcon_mamba")
 #: The Mamba-2 mixer's tensors (GGUF name, kind) → the mixer's parameter names.
 _MIXER: Mapping[tuple[str, str], str] = MappingProxyType({
     ("ssm_in", "weight"): "in_proj.weight",
@@ -60,6 +74,18 @@ _MIXER: Mapping[tuple[str, str], str] = MappingProxyType({
     ("ssm_a", "weight"): "A_log",
     ("ssm_d", "weight"): "D",
     ("ssm_norm", "weight"): "norm.weight",
+    ("ssm_out", "weight"): "out_proj.weight",
+})
+#: The Mamba-1 mixer's tensors (``mamba`` files): x_proj and dt_proj (weight and bias), no gated norm.
+_MAMBA1_MIXER: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("ssm_in", "weight"): "in_proj.weight",
+    ("ssm_conv1d", "weight"): "conv1d.weight",
+    ("ssm_conv1d", "bias"): "conv1d.bias",
+    ("ssm_x", "weight"): "x_proj.weight",
+    ("ssm_dt", "weight"): "dt_proj.weight",
+    ("ssm_dt", "bias"): "dt_proj.bias",
+    ("ssm_a", "weight"): "A_log",
+    ("ssm_d", "weight"): "D",
     ("ssm_out", "weight"): "out_proj.weight",
 })
 _ATTENTION: Mapping[str, str] = MappingProxyType({
@@ -91,6 +117,8 @@ _NEMOTRON_MOE: Mapping[str, str] = MappingProxyType({
 _STACKED_NEMOTRON_EXPERTS = (".mixer.experts.up_proj.weight", ".mixer.experts.down_proj.weight")
 #: Per architecture: the HF prefix of layer N, of the mixer inside it, and the global tensors' names.
 _LAYOUT: Mapping[str, tuple[str, str, Mapping[str, str]]] = MappingProxyType({
+    "mamba": ("backbone.layers", "mixer", MappingProxyType(
+        {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
     "mamba2": ("backbone.layers", "mixer", MappingProxyType(
         {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
     "granitehybrid": ("model.layers", "mamba", MappingProxyType(
@@ -101,7 +129,8 @@ _LAYOUT: Mapping[str, tuple[str, str, Mapping[str, str]]] = MappingProxyType({
         {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
 })
 _BLOCK_TENSORS: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    "mamba2": MappingProxyType({"attn_norm": "norm"}), "granitehybrid": _GRANITE, "nemotron_h": _NEMOTRON,
+    "mamba": MappingProxyType({"attn_norm": "norm"}), "mamba2": MappingProxyType({"attn_norm": "norm"}),
+    "granitehybrid": _GRANITE, "nemotron_h": _NEMOTRON,
     "nemotron_h_moe": _NEMOTRON_MOE,
 })
 
@@ -109,18 +138,19 @@ _BLOCK_TENSORS: Mapping[str, Mapping[str, str]] = MappingProxyType({
 def map_ssm_tensor_name(gguf_name: str, arch: str) -> str:
     """The HF name of GGUF tensor ``gguf_name`` in a file of SSM architecture ``arch`` (ValueError if it has none)."""
     layers, mixer, globals_ = _LAYOUT[arch]
+    mixer_tensors = _MAMBA1_MIXER if arch == "mamba" else _MIXER
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in globals_ and parts[1] == "weight":
         return f"{globals_[parts[0]]}.weight"
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
         _, layer, base, kind = parts
-        if (base, kind) in _MIXER:
-            return f"{layers}.{layer}.{mixer}.{_MIXER[base, kind]}"
+        if (base, kind) in mixer_tensors:
+            return f"{layers}.{layer}.{mixer}.{mixer_tensors[base, kind]}"
         if arch == "nemotron_h_moe" and (base, kind) == ("exp_probs_b", "bias"):
             return f"{layers}.{layer}.mixer.gate.e_score_correction_bias"
         if kind == "weight" and base in _BLOCK_TENSORS[arch]:
             return f"{layers}.{layer}.{_BLOCK_TENSORS[arch][base]}.weight"
-    known = sorted({b for b, _ in _MIXER} | set(_BLOCK_TENSORS[arch]))
+    known = sorted({b for b, _ in mixer_tensors} | set(_BLOCK_TENSORS[arch]))
     raise ValueError(f"Unsupported tensor {gguf_name!r} in a GGUF file of architecture {arch!r}; expected "
                      f"{', '.join(f'{g}.weight' for g in globals_)} and blk.N.{{{', '.join(known)}}}.weight (biases: "
                      f"ssm_conv1d.bias, ssm_dt.bias{', exp_probs_b.bias' if arch == 'nemotron_h_moe' else ''})")
@@ -137,6 +167,8 @@ def ssm_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any
             raise ValueError(f"{path} is not a valid GGUF file: missing metadata key '{arch}.{key}'")
         return v
 
+    if arch == "mamba":
+        return _mamba1_config(field, req, tensor_shapes, path)
     hidden, n_layers = int(req("embedding_length")), int(req("block_count"))
     inner, heads = int(req("ssm.inner_size")), int(req("ssm.time_step_rank"))
     groups, d_state, d_conv = int(req("ssm.group_count")), int(req("ssm.state_size")), int(req("ssm.conv_kernel"))
@@ -194,6 +226,57 @@ def ssm_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any
                 conv_kernel=d_conv, expand=inner // hidden, use_conv_bias=conv_bias, use_bias=False,
                 mamba_proj_bias=False, mlp_bias=False, mlp_hidden_act="relu2", layer_norm_epsilon=eps)
     return base
+
+
+def _mamba1_config(field: Callable[[str, Any], Any], req: Callable[[str], Any],
+                   tensor_shapes: Mapping[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
+    """MambaConfig (or FalconMambaConfig, where ``mamba.ssm.dt_b_c_rms`` is true) of a ``mamba`` file.
+    llama.cpp normalises FalconMamba's dt / B / C with the file's one RMS epsilon (``build_norm``'s
+    ``f_norm_rms_eps``), so that is the config's ``mixer_rms_eps`` too."""
+    hidden, n_layers = int(req("embedding_length")), int(req("block_count"))
+    inner, dt_rank = int(req("ssm.inner_size")), int(req("ssm.time_step_rank"))
+    d_state, d_conv = int(req("ssm.state_size")), int(req("ssm.conv_kernel"))
+    eps = float(req("attention.layer_norm_rms_epsilon"))
+    for key, value in (("embedding_length", hidden), ("block_count", n_layers), ("ssm.inner_size", inner),
+                       ("ssm.time_step_rank", dt_rank), ("ssm.state_size", d_state), ("ssm.conv_kernel", d_conv)):
+        if value <= 0:
+            raise ValueError(f"{path}: mamba.{key} = {value}; it must be positive")
+    if inner % hidden:
+        raise ValueError(f"{path}: mamba.ssm.inner_size = {inner} is not a multiple of mamba.embedding_length = "
+                         f"{hidden} (the configs' expand factor is an integer)")
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError(f"{path} is not a valid GGUF file: no 'token_embd.weight' tensor")
+    falcon = bool(field("mamba.ssm.dt_b_c_rms", False))
+    hf_arch, model_type = FALCON_MAMBA if falcon else SSM_MODELS["mamba"]
+    config: dict[str, Any] = {
+        "architectures": [hf_arch], "model_type": model_type, "vocab_size": tensor_shapes["token_embd.weight"][0],
+        "hidden_size": hidden, "num_hidden_layers": n_layers,
+        "tie_word_embeddings": "output.weight" not in tensor_shapes, "torch_dtype": "float32",
+        "max_position_embeddings": int(field("mamba.context_length", 2048) or 2048),
+        "intermediate_size": inner, "expand": inner // hidden, "state_size": d_state, "conv_kernel": d_conv,
+        "time_step_rank": dt_rank, "use_conv_bias": any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes),
+        "use_bias": False, "layer_norm_epsilon": eps, "residual_in_fp32": True, "hidden_act": "silu",
+    }
+    if falcon:
+        config["mixer_rms_eps"] = eps
+    return config
+
+
+def _mamba1_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The HF shape of a ``mamba`` file's tensor under its MambaConfig (None: not checked)."""
+    h, vocab, inner = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    n, rank, d_conv = cfg["state_size"], cfg["time_step_rank"], cfg["conv_kernel"]
+    if hf_name.endswith(".A_log"):
+        return (inner, n)
+    if hf_name.endswith((".D", ".conv1d.bias", ".dt_proj.bias")):
+        return (inner,)
+    if hf_name.endswith(".conv1d.weight"):
+        return (inner, 1, d_conv)
+    if hf_name.endswith(("norm.weight", "norm_f.weight")):
+        return (h,)
+    shapes = {"in_proj": (2 * inner, h), "x_proj": (rank + 2 * n, inner), "dt_proj": (inner, rank),
+              "out_proj": (h, inner), "embeddings": (vocab, h), "lm_head": (vocab, h)}
+    return shapes.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
 
 
 def _nemotron_moe(field: Callable[[str, Any], Any], arch: str, kinds: list[str],
@@ -316,6 +399,8 @@ def _granite_hybrid(field: Callable[[str, Any], Any], base: dict[str, Any], kv: 
 def ssm_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
     """The shape (HF layout, after :func:`ssm_tensor`) a non-expert tensor must have under ``cfg`` (None: not
     checked)."""
+    if cfg.get("model_type") in _MAMBA1_TYPES:
+        return _mamba1_expected_shape(hf_name, cfg)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     if "num_heads" in cfg:  # Mamba2Config
         heads, head_dim, groups, d_state, d_conv = (cfg["num_heads"], cfg["head_dim"], cfg["n_groups"],
@@ -361,15 +446,16 @@ def ssm_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] 
     return shapes.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
 
 
-def ssm_tensor(hf_name: str, arr: np.ndarray) -> np.ndarray:
-    """A GGUF SSM tensor (float32, numpy order) in HF's layout: A_log = log(−A) from ssm_a [heads, 1], D from
-    [heads, 1], the conv weight [conv_dim, d_conv] → [conv_dim, 1, d_conv], the gated norm [groups, d_inner / groups]
-    flattened."""
+def ssm_tensor(hf_name: str, arr: np.ndarray, arch: str = "mamba2") -> np.ndarray:
+    """A GGUF SSM tensor (float32, numpy order) in HF's layout: A_log = log(−A) from ssm_a [heads, 1] (Mamba-1's
+    ``mamba``: [d_inner, d_state], kept 2-D), D from [heads, 1], the conv weight [conv_dim, d_conv] → [conv_dim, 1,
+    d_conv], the gated norm [groups, d_inner / groups] flattened."""
     if hf_name.endswith(".A_log"):
-        a = arr.astype(np.float64).reshape(-1)
+        a = arr.astype(np.float64)
         if not np.all(a < 0):
             raise ValueError(f"{hf_name}: ssm_a holds A = -exp(A_log), which is negative; found values >= 0")
-        return np.log(-a).astype(np.float32)
+        a_log = np.log(-a).astype(np.float32)
+        return a_log if arch == "mamba" else a_log.reshape(-1)
     if hf_name.endswith((".D", ".dt_bias")) or (hf_name.endswith(".norm.weight") and arr.ndim == 2):
         return np.ascontiguousarray(arr.reshape(-1))
     if hf_name.endswith(".conv1d.weight") and arr.ndim == 2:

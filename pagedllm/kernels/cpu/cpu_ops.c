@@ -1537,3 +1537,52 @@ void mamba_ssm_decode_f32(float *state, const int64_t *slots, const float *xbc, 
         }
     }
 }
+
+/* Mamba-1's selective scan over packed sequences (model/layers/mamba1.py; kernels/triton_mamba.py's selective_scan
+ * on a GPU): sequence s (tokens starts[s] .. starts[s] + lens[s] - 1 of the packed rows) continues from state slot
+ * slots[s] ([channels, d_state] floats each) and leaves it at its last token; h = exp(dt·A)·h + dt·x·B, y = h·C per
+ * channel, dt already softplus'd, a = A (negative). snap (NULL or [T]): where snap[t] >= 0, that slot also gets the
+ * state after token t (prefix caching's snapshots). Each (sequence, channel) keeps its d_state values in a local array
+ * while it walks its tokens: one read and one write of its state per call, where a torch loop over token positions
+ * moves every sequence's whole state for each token. */
+#define MAMBA1_MAX_STATE 256 /* d_state at most (the callers check): Mamba-1 models use 16 */
+void mamba1_scan_f32(float *state, const int64_t *slots, const int64_t *starts, const int64_t *lens, int64_t num_seqs,
+                     const float *x, int64_t x_stride, const float *dt, int64_t dt_stride, const float *a,
+                     const float *b, int64_t b_stride, const float *c, int64_t c_stride, const int64_t *snap,
+                     float *y, int64_t y_stride, int64_t channels, int64_t d_state) {
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t s = 0; s < num_seqs; s++) {
+        for (int64_t ch = 0; ch < channels; ch++) {
+            float h[MAMBA1_MAX_STATE];
+            float *home = state + (slots[s] * channels + ch) * d_state;
+            memcpy(h, home, (size_t)d_state * sizeof(float));
+            const float *ar = a + ch * d_state;
+            for (int64_t t = starts[s]; t < starts[s] + lens[s]; t++) {
+                const float step = dt[t * dt_stride + ch];
+                const float dx = step * x[t * x_stride + ch];
+                const float *B = b + t * b_stride, *C = c + t * c_stride;
+                float acc = 0.f;
+                int64_t n = 0;
+#if VECTOR_PATH
+                vec accv = v_zero();
+                const vec sv = v_set1(step), dxv = v_set1(dx);
+                for (; n + VW <= d_state; n += VW) {
+                    const vec nv = v_fma(v_load(h + n), v_exp_flush(v_mul(sv, v_load(ar + n))),
+                                         v_mul(dxv, v_load(B + n)));
+                    v_store(h + n, nv);
+                    accv = v_fma(nv, v_load(C + n), accv);
+                }
+                acc = v_reduce(accv);
+#endif
+                for (; n < d_state; n++) {
+                    h[n] = h[n] * expf(step * ar[n]) + dx * B[n];
+                    acc += h[n] * C[n];
+                }
+                y[t * y_stride + ch] = acc;
+                if (snap && snap[t] >= 0)
+                    memcpy(state + (snap[t] * channels + ch) * d_state, h, (size_t)d_state * sizeof(float));
+            }
+            memcpy(home, h, (size_t)d_state * sizeof(float));
+        }
+    }
+}

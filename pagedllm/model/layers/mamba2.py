@@ -182,6 +182,41 @@ def _carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, bloc
     return starts, states
 
 
+def causal_conv_prefill(xbc: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
+                        bias: torch.Tensor | None, slot_t: torch.Tensor, lens: list[int],
+                        cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of every chunk of packed `xbc` [T, C] (`lens` tokens each) → [T, C] float32, each
+    chunk after its slot's saved inputs (`conv_state` [slots, C, d_conv - 1]); the slots `slot_t` then hold each chunk's
+    last d_conv - 1 inputs. `cuts` (sequence, offset): slot `cut_slots[j]` gets the d_conv - 1 inputs before that
+    offset of that chunk (prefix caching's snapshots)."""
+    channels = xbc.shape[1]
+    width = conv_state.shape[2]
+    dev = xbc.device
+    n = len(lens)
+    # ext: each sequence's saved inputs, then its chunk's inputs; token_row: where each token sits in ext
+    prev = conv_state.index_select(0, slot_t).float().transpose(1, 2)  # [n, width, C]
+    ext_start = np.cumsum([0] + [width + m for m in lens[:-1]])
+    token_row = np.concatenate([np.arange(m) + e + width for e, m in zip(ext_start, lens)])
+    prev_rows = (ext_start[:, None] + np.arange(width)).reshape(-1)
+    last_rows = (ext_start + np.asarray(lens))[:, None] + np.arange(width)  # each sequence's last width rows
+    token_row, prev_rows, last_rows = (async_tensor_h2d(r, torch.long, dev) for r in (token_row, prev_rows, last_rows))
+    ext = xbc.new_zeros(xbc.shape[0] + n * width, channels, dtype=torch.float32)
+    ext[token_row] = xbc.float()
+    ext[prev_rows] = prev.reshape(-1, channels)
+    weight = conv_weight.float()[:, 0]  # [C, d_conv]
+    out = ext[token_row - width] * weight[:, 0]
+    for k in range(1, width + 1):
+        out += ext[token_row - width + k] * weight[:, k]
+    if bias is not None:
+        out += bias
+    conv_state.index_copy_(0, slot_t, ext[last_rows].transpose(1, 2).to(conv_state.dtype))
+    if cuts:  # the inputs before offset q sit q rows after the sequence's start in ext (its saved inputs first)
+        cut_rows = async_tensor_h2d(np.asarray([ext_start[i] + q for i, q in cuts])[:, None] + np.arange(width),
+                                    torch.long, dev)
+        conv_state.index_copy_(0, cut_slots, ext[cut_rows].transpose(1, 2).to(conv_state.dtype))
+    return F.silu(out)
+
+
 def _block_size(lens: list[int], device: torch.device) -> int:
     """The scan's block for this step: the device's, or less where every chunk is shorter (a block per sequence at
     least, so many short chunks would otherwise be mostly padding: 900 prompts of 9 tokens in 128-token blocks took
@@ -287,37 +322,8 @@ class Mamba2Mixer(nn.Module):
 
     def _conv_batch(self, xbc: torch.Tensor, cache: MambaLayerCache, slot_t: torch.Tensor, lens: list[int],
                     cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None) -> torch.Tensor:
-        """SiLU(causal depthwise conv) of every chunk [T, conv_dim] float32, each after its slot's saved inputs;
-        the slots then hold each chunk's last d_conv - 1 inputs. `cuts` (sequence, offset): slot `cut_slots[j]` gets
-        the d_conv - 1 inputs before that offset of that chunk."""
-        d = self.dims
-        width = d.d_conv - 1
-        dev = xbc.device
-        n = len(lens)
-        # ext: each sequence's saved inputs, then its chunk's inputs; token_row: where each token sits in ext
-        prev = cache.conv_state.index_select(0, slot_t).float().transpose(1, 2)  # [n, width, conv_dim]
-        ext_start = np.cumsum([0] + [width + m for m in lens[:-1]])
-        token_row = np.concatenate([np.arange(m) + e + width for e, m in zip(ext_start, lens)])
-        prev_rows = (ext_start[:, None] + np.arange(width)).reshape(-1)
-        last_rows = (ext_start + np.asarray(lens))[:, None] + np.arange(width)  # each sequence's last width rows
-        token_row, prev_rows, last_rows = (async_tensor_h2d(r, torch.long, dev) for r in (token_row, prev_rows,
-                                                                                           last_rows))
-        ext = xbc.new_zeros(xbc.shape[0] + n * width, d.conv_dim, dtype=torch.float32)
-        ext[token_row] = xbc.float()
-        ext[prev_rows] = prev.reshape(-1, d.conv_dim)
-        weight = self.conv1d.weight.float()[:, 0]  # [conv_dim, d_conv]
-        out = ext[token_row - width] * weight[:, 0]
-        for k in range(1, width + 1):
-            out += ext[token_row - width + k] * weight[:, k]
-        bias = self._conv_bias()
-        if bias is not None:
-            out += bias
-        cache.conv_state.index_copy_(0, slot_t, ext[last_rows].transpose(1, 2).to(cache.conv_state.dtype))
-        if cuts:  # the inputs before offset q sit q rows after the sequence's start in ext (its saved inputs first)
-            cut_rows = async_tensor_h2d(np.asarray([ext_start[i] + q for i, q in cuts])[:, None] + np.arange(width),
-                                        torch.long, dev)
-            cache.conv_state.index_copy_(0, cut_slots, ext[cut_rows].transpose(1, 2).to(cache.conv_state.dtype))
-        return F.silu(out)
+        return causal_conv_prefill(xbc, cache.conv_state, self.conv1d.weight, self._conv_bias(), slot_t, lens, cuts,
+                                   cut_slots)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
                 state_meta: MambaStateMetadata, nd: int) -> torch.Tensor:

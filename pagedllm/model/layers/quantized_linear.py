@@ -143,6 +143,13 @@ def attach_gguf_weights(model: nn.Module, gguf_path: str | os.PathLike[str],
     return attach_quantized_blocks(model, raw, file_bytes, gemm_method)
 
 
+def _tied_embedding(modules: dict[str, nn.Module], head: str, embedding_cls: type) -> str | None:
+    """The name of the embedding whose weight the tied LM head ``head`` shares (None: none shares it)."""
+    weight = getattr(modules[head], "weight", None)
+    return next((n for n, m in modules.items() if n != head and isinstance(m, embedding_cls)
+                 and getattr(m, "weight", None) is weight), None) if weight is not None else None
+
+
 def attach_quantized_blocks(model: nn.Module, raw: dict, source_bytes: int,
                             gemm_method: str = "auto") -> GGUFAttachReport:
     """:func:`attach_gguf_weights` on blocks already read: ``raw`` maps HF weight names to GGUFRawTensors (from a
@@ -168,7 +175,9 @@ def attach_quantized_blocks(model: nn.Module, raw: dict, source_bytes: int,
         if leaf in fused:
             sources = [f"{prefix}.{part}.weight" for part in fused[leaf]]
         elif name.endswith("lm_head") and tied:
-            sources = [n for n in raw if n.endswith("embed_tokens.weight")]
+            emb_name = _tied_embedding(modules, name, VocabParallelEmbedding)  # e.g. Mamba's backbone.embeddings
+            sources = ([f"{emb_name}.weight"] if f"{emb_name}.weight" in raw else
+                       [n for n in raw if n.endswith("embed_tokens.weight")])
         else:
             sources = [f"{name}.weight"]
         parts = [raw.get(s) for s in sources]
@@ -176,7 +185,7 @@ def attach_quantized_blocks(model: nn.Module, raw: dict, source_bytes: int,
             report.dense_tensors[name] = "no GGUF tensor"
             continue
         if name.endswith("lm_head") and tied:  # shares the embedding's blocks, as it shares its weight
-            emb = modules.get(name.replace("lm_head", "model.embed_tokens"))
+            emb = modules.get(emb_name or name.replace("lm_head", "model.embed_tokens"))
             w = getattr(emb, "gguf_weight", None)
             why = "" if w is not None else "embedding stayed dense"
         else:

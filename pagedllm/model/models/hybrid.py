@@ -126,12 +126,14 @@ class HybridDecoderLayer(nn.Module):
 
 class HybridModel(nn.Module):
     """``embed_tokens``, the layers ``make_layer(i, kind)`` builds, and the final norm (named
-    ``final_norm_name``: Bamba's ``final_layernorm``, Granite's ``norm``)."""
+    ``final_norm_name``: Bamba's ``final_layernorm``, Granite's ``norm``). `kinds`: each layer's mixer, when the
+    family reads it from its own config fields (default: hybrid_layer_kinds)."""
 
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, make_layer,
-                 final_norm_name: str = "norm", embedding_multiplier: float = 1.0) -> None:
+                 final_norm_name: str = "norm", embedding_multiplier: float = 1.0,
+                 kinds: list[str] | None = None) -> None:
         super().__init__()
-        self.kinds = hybrid_layer_kinds(config)
+        self.kinds = hybrid_layer_kinds(config) if kinds is None else list(kinds)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         self.layers = nn.ModuleList([make_layer(i, kind) for i, kind in enumerate(self.kinds)])
         self.final_norm_name = final_norm_name

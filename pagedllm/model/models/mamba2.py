@@ -40,18 +40,22 @@ def mamba2_dims(config: Any) -> Mamba2Dims:
 
 
 class Mamba2Block(nn.Module):
-    def __init__(self, dims: Mamba2Dims, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(self, dims: Any, tp: TensorParallelGroup, dtype: torch.dtype, mixer_cls: type = Mamba2Mixer) -> None:
         super().__init__()
         self.norm = RMSNorm(dims.hidden_size, dims.eps, dtype)
-        self.mixer = Mamba2Mixer(dims, tp, dtype)
+        self.mixer = mixer_cls(dims, tp, dtype)
 
 
 class Mamba2Backbone(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+    """Embeddings, pre-norm mixer blocks (Mamba-2's, or `mixer_cls` of geometry `dims`), the final norm."""
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype, dims: Any = None,
+                 mixer_cls: type = Mamba2Mixer) -> None:
         super().__init__()
-        dims = mamba2_dims(config)
+        dims = mamba2_dims(config) if dims is None else dims
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
-        self.layers = nn.ModuleList([Mamba2Block(dims, tp, dtype) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([Mamba2Block(dims, tp, dtype, mixer_cls)
+                                     for _ in range(config.num_hidden_layers)])
         self.norm_f = RMSNorm(config.hidden_size, dims.eps, dtype)
         self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", True))
         self.dtype = dtype
@@ -77,10 +81,12 @@ def _layer_caches(meta: AttentionMetadata, num_layers: int) -> list:
 class Mamba2ForCausalLM(nn.Module):
     """Pure Mamba-2: no attention layers (``sliding_windows`` is empty), one state slot per running sequence."""
 
+    mixer_cls: type = Mamba2Mixer
+
     def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.backbone = Mamba2Backbone(config, tp, dtype)
+        self.backbone = Mamba2Backbone(config, tp, dtype, self.mixer_dims(config), self.mixer_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -92,9 +98,14 @@ class Mamba2ForCausalLM(nn.Module):
         return []
 
     @classmethod
+    def mixer_dims(cls, config: Any) -> Any:
+        """Every layer's mixer geometry."""
+        return mamba2_dims(config)
+
+    @classmethod
     def mamba_state_shape(cls, config: Any) -> MambaStateShape:
         """Each state slot's per-layer conv and SSM state, for every layer."""
-        return mamba2_dims(config).state_shape(int(config.num_hidden_layers))
+        return cls.mixer_dims(config).state_shape(int(config.num_hidden_layers))
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.backbone.embeddings(input_ids)

@@ -40,6 +40,9 @@ _DEEPSEEK_V3 = "pagedllm.model.models.deepseek_v2:DeepseekV3ForCausalLM"
 _LLAVA = "pagedllm.model.models.llava:LlavaForConditionalGeneration"
 _BERT = "pagedllm.model.models.bert:"
 _MAMBA2 = "pagedllm.model.models.mamba2:Mamba2ForCausalLM"
+_MAMBA = "pagedllm.model.models.mamba:MambaForCausalLM"
+_FALCON_MAMBA = "pagedllm.model.models.mamba:FalconMambaForCausalLM"
+_JAMBA = "pagedllm.model.models.jamba:JambaForCausalLM"
 _BAMBA = "pagedllm.model.models.bamba:BambaForCausalLM"
 _GRANITE_HYBRID = "pagedllm.model.models.granite_hybrid:GraniteMoeHybridForCausalLM"
 _NEMOTRON_H = "pagedllm.model.models.nemotron_h:NemotronHForCausalLM"
@@ -80,6 +83,9 @@ _MODELS = {
     # State-space models (Mamba-2 layers keep per-sequence state slots: model/layers/mamba_state.py), pure or
     # hybrid with attention layers.
     "Mamba2ForCausalLM": _MAMBA2,
+    "MambaForCausalLM": _MAMBA,
+    "FalconMambaForCausalLM": _FALCON_MAMBA,
+    "JambaForCausalLM": _JAMBA,
     "BambaForCausalLM": _BAMBA,
     "GraniteMoeHybridForCausalLM": _GRANITE_HYBRID,
     "NemotronHForCausalLM": _NEMOTRON_H,
@@ -135,6 +141,9 @@ _MODELS = {
     "deepseek_v3": _DEEPSEEK_V3,
     "llava": _LLAVA,
     "mamba2": _MAMBA2,
+    "mamba": _MAMBA,
+    "falcon_mamba": _FALCON_MAMBA,
+    "jamba": _JAMBA,
     "bamba": _BAMBA,
     "granitemoehybrid": _GRANITE_HYBRID,
     "nemotron_h": _NEMOTRON_H,
