@@ -1,5 +1,6 @@
-"""llama.cpp's state-space GGUF files (`mamba`, `mamba2`, `granitehybrid`, `nemotron_h`): tiny random transformers
-models written as convert_hf_to_gguf.py's MambaModel / Mamba2Model / GraniteHybridModel / NemotronHModel write them,
+"""llama.cpp's state-space GGUF files (`mamba`, `mamba2`, `granitehybrid`, `nemotron_h`, `jamba`): tiny random
+transformers models written as convert_hf_to_gguf.py's MambaModel / Mamba2Model / GraniteHybridModel / NemotronHModel /
+JambaModel write them,
 served by pagedllm (float32, CPU) and held to transformers' greedy tokens on the same weights (one full forward per
 token, no cache).
 
@@ -17,6 +18,11 @@ as ffn_up_exps / ffn_down_exps, router ffn_gate_inp, exp_probs_b.bias, ffn_{up,d
 feed_forward_length = the expert width on MoE layers and the converter's expert_* keys (no expert_group_used_count:
 its case lets every group be chosen, topk_group = n_group). The reference's A_log is the value the file round-trips to
 (log(-A) of the float32 A).
+
+`jamba` (JambaModel): the Mamba-1 tensors as MambaModel's plus ssm_dt_norm / ssm_b_norm / ssm_c_norm, q/k as HF has
+them, attn_norm / ffn_norm (input_layernorm / pre_ff_layernorm), experts stacked as ffn_{gate,up,down}_exps beside the
+router ffn_gate_inp, dense layers' ffn_{gate,up,down}; per-layer head_count_kv, one feed_forward_length, expert_count
+and expert_used_count.
 """
 from __future__ import annotations
 
@@ -63,6 +69,13 @@ def _hf_model(name: str) -> torch.nn.Module:
         config = config_cls(vocab_size=96, hidden_size=64, state_size=16, num_hidden_layers=3, expand=2,
                             conv_kernel=4, time_step_rank=8, layer_norm_epsilon=1e-5, tie_word_embeddings=tied,
                             pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    elif name == "jamba":  # Mamba-1 layers, NoPE attention at 1 and 3, 4-expert MoE feed-forwards there
+        config = transformers.JambaConfig(
+            vocab_size=96, hidden_size=64, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+            expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=48, mamba_d_state=16, mamba_expand=2, mamba_dt_rank=8,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager", use_mamba_kernels=False)
+        model_cls = transformers.JambaForCausalLM
     elif name == "nemotron-h-moe":  # llama.cpp's converter records no topk_group: every group may be chosen
         config_cls, model_name, kwargs, _ = HYBRIDS[name]
         kwargs = {**kwargs, "topk_group": kwargs["n_group"]}
@@ -135,10 +148,57 @@ def _mamba1_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
+def _jamba_tensors(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """JambaModel.modify_tensors: the Mamba-1 mixer as MambaModel's (A = -exp(A_log) [d_inner, d_state], the conv
+    weight squeezed) with ssm_dt_norm / ssm_b_norm / ssm_c_norm, q/k as HF has them (no permutation), the experts
+    stacked per projection into ffn_{gate,up,down}_exps (transformers' fused gate_up_proj: gate rows, then up)."""
+    T, cfg, sd = gguf.MODEL_TENSOR, model.config, model.state_dict()
+    get = lambda n: sd[n].float().numpy()  # noqa: E731
+    out = {_name(T.TOKEN_EMBD): get("model.embed_tokens.weight"),
+           _name(T.OUTPUT_NORM): get("model.final_layernorm.weight")}
+    if not cfg.tie_word_embeddings:
+        out[_name(T.OUTPUT)] = get("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        layer = f"model.layers.{i}"
+        out[_name(T.ATTN_NORM, i)] = get(f"{layer}.input_layernorm.weight")
+        out[_name(T.FFN_NORM, i)] = get(f"{layer}.pre_ff_layernorm.weight")
+        if cfg.layers_block_type[i] == "mamba":
+            m = f"{layer}.mamba"
+            out.update({_name(T.SSM_IN, i): get(f"{m}.in_proj.weight"),
+                        _name(T.SSM_CONV1D, i): get(f"{m}.conv1d.weight").squeeze(),
+                        _name(T.SSM_CONV1D, i, ".bias"): get(f"{m}.conv1d.bias"),
+                        _name(T.SSM_X, i): get(f"{m}.x_proj.weight"), _name(T.SSM_DT, i): get(f"{m}.dt_proj.weight"),
+                        _name(T.SSM_DT, i, ".bias"): get(f"{m}.dt_proj.bias"),
+                        _name(T.SSM_A, i): -np.exp(get(f"{m}.A_log")), _name(T.SSM_D, i): get(f"{m}.D"),
+                        _name(T.SSM_DT_NORM, i): get(f"{m}.dt_layernorm.weight"),
+                        _name(T.SSM_B_NORM, i): get(f"{m}.b_layernorm.weight"),
+                        _name(T.SSM_C_NORM, i): get(f"{m}.c_layernorm.weight"),
+                        _name(T.SSM_OUT, i): get(f"{m}.out_proj.weight")})
+        else:
+            a = f"{layer}.self_attn"
+            out.update({_name(T.ATTN_Q, i): get(f"{a}.q_proj.weight"), _name(T.ATTN_K, i): get(f"{a}.k_proj.weight"),
+                        _name(T.ATTN_V, i): get(f"{a}.v_proj.weight"),
+                        _name(T.ATTN_OUT, i): get(f"{a}.o_proj.weight")})
+        f = f"{layer}.feed_forward"
+        if cfg.layers_num_experts[i] > 1:
+            out[_name(T.FFN_GATE_INP, i)] = get(f"{f}.router.weight")
+            gate, up = np.split(get(f"{f}.experts.gate_up_proj"), 2, axis=1)
+            out[_name(T.FFN_GATE_EXP, i)] = gate
+            out[_name(T.FFN_UP_EXP, i)] = up
+            out[_name(T.FFN_DOWN_EXP, i)] = get(f"{f}.experts.down_proj")
+        else:
+            out.update({_name(T.FFN_GATE, i): get(f"{f}.gate_proj.weight"),
+                        _name(T.FFN_UP, i): get(f"{f}.up_proj.weight"),
+                        _name(T.FFN_DOWN, i): get(f"{f}.down_proj.weight")})
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
 def _tensors(model: torch.nn.Module, arch: str) -> dict[str, np.ndarray]:
     """Every tensor as the converter stores it for `arch` (numpy order)."""
     if arch == "mamba":
         return _mamba1_tensors(model)
+    if arch == "jamba":
+        return _jamba_tensors(model)
     T, cfg = gguf.MODEL_TENSOR, model.config
     sd = model.state_dict()
     np_ = lambda n: sd[n].float().numpy()  # noqa: E731
@@ -214,6 +274,19 @@ def _metadata(w: Any, model: torch.nn.Module, arch: str, rope: bool) -> None:
     n = cfg.num_hidden_layers
     w.add_block_count(n)
     w.add_embedding_length(cfg.hidden_size)
+    if arch == "jamba":  # JambaModel.set_gguf_parameters
+        w.add_context_length(cfg.max_position_embeddings)
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count(cfg.num_attention_heads)
+        w.add_head_count_kv([cfg.num_key_value_heads if t == "attention" else 0 for t in cfg.layers_block_type])
+        w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+        w.add_ssm_inner_size(cfg.mamba_expand * cfg.hidden_size)
+        w.add_ssm_state_size(cfg.mamba_d_state)
+        w.add_ssm_time_step_rank(cfg.mamba_dt_rank)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        return
     if arch == "mamba":  # MambaModel.set_gguf_parameters
         w.add_context_length(2**20)
         w.add_feed_forward_length(0)
@@ -342,7 +415,7 @@ def _ours(path: Path, prompts: list[list[int]]) -> tuple[LLM, list[list[int]]]:
 # (case, llama.cpp architecture, rope.scaling.finetuned)
 CASES = [("mamba", "mamba", False), ("falcon-mamba", "mamba", False), ("mamba2", "mamba2", False), ("granite-moe-nope", "granitehybrid", False),
          ("granite-dense-rope", "granitehybrid", True), ("nemotron-h", "nemotron_h", False),
-         ("nemotron-h-moe", "nemotron_h_moe", False)]
+         ("nemotron-h-moe", "nemotron_h_moe", False), ("jamba", "jamba", False)]
 
 
 @pytest.mark.parametrize("name,arch,rope", CASES, ids=[c[0] for c in CASES])
@@ -376,6 +449,17 @@ def test_conversion_restores_transformers_weights(name: str, arch: str, rope: bo
             np.testing.assert_allclose(ours[key], want, rtol=0, atol=1e-6, err_msg=key)
         else:
             assert np.array_equal(ours[key], want), key
+    if arch == "jamba":  # the fused experts, split one matrix per expert
+        sd, inter = model.state_dict(), model.config.intermediate_size
+        for key, stacked in sd.items():
+            if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                prefix = key.rsplit(".", 1)[0]
+                for e in range(stacked.shape[0]):
+                    if key.endswith(".down_proj"):
+                        assert np.array_equal(ours[f"{prefix}.{e}.down_proj.weight"], stacked[e].numpy()), (key, e)
+                    else:
+                        assert np.array_equal(ours[f"{prefix}.{e}.gate_proj.weight"], stacked[e, :inter].numpy())
+                        assert np.array_equal(ours[f"{prefix}.{e}.up_proj.weight"], stacked[e, inter:].numpy())
     if arch == "nemotron_h_moe":  # the stacked experts, split one matrix per expert
         for key, stacked in model.state_dict().items():
             if key.endswith((".mixer.experts.up_proj", ".mixer.experts.down_proj")):
@@ -485,6 +569,46 @@ def test_nemotron_h_moe_missing_pieces_are_clear_errors(tmp_path: Path) -> None:
     assert "a latent MoE needs both" in error(edit=lambda t: t.pop("blk.1.ffn_latent_down.weight"))
     assert "'blk.3.ffn_up_exps.weight'" in error(
         edit=lambda t: t.update({"blk.3.ffn_up_exps.weight": t["blk.3.ffn_up_exps.weight"][:, :8]}))
+
+
+def test_jamba_config_and_clear_errors(tmp_path: Path) -> None:
+    """The layer pattern comes back as JambaConfig's periods / offsets (attention from head_count_kv, MoE from
+    ffn_gate_inp); non-periodic patterns, missing expert keys and missing expert tensors are clear errors."""
+    model = _hf_model("jamba")
+    src = _write(model, "jamba", tmp_path / "jamba.gguf")
+    cfg = build_config(open_gguf(src), src).config
+    assert (cfg["attn_layer_period"], cfg["attn_layer_offset"], cfg["expert_layer_period"],
+            cfg["expert_layer_offset"]) == (2, 1, 2, 1)
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["mamba_dt_rank"], cfg["intermediate_size"]) == (
+        4, 2, 8, 48)
+    assert transformers.AutoConfig.for_model(**cfg).layers_block_type == model.config.layers_block_type
+
+    def error(**kw: Any) -> str:
+        return _load_error(model, "jamba", tmp_path / "bad.gguf", **kw)
+
+    def dense_layer_3(t: dict[str, np.ndarray]) -> None:  # layer 3's experts replaced by a dense MLP: MoE only at 1
+        for proj in ("gate", "up", "down"):
+            t[f"blk.3.ffn_{proj}.weight"] = t.pop(f"blk.3.ffn_{proj}_exps.weight")[0]
+        t.pop("blk.3.ffn_gate_inp.weight")
+
+    assert "jamba.expert_count" in error(skip_keys=("jamba.expert_count",))
+    assert "missing metadata key 'jamba.ssm.time_step_rank'" in error(skip_keys=("jamba.ssm.time_step_rank",))
+    assert "no blk.1.ffn_up_exps.weight" in error(edit=lambda t: t.pop("blk.1.ffn_up_exps.weight"))
+    assert "'blk.0.ssm_b_norm.weight'" in error(
+        edit=lambda t: t.update({"blk.0.ssm_b_norm.weight": t["blk.0.ssm_b_norm.weight"][:4]}))
+    # MoE at 1 only (of 4 layers) is periodic (period 2 would put one at 3 too: period 3, offset 1 fits it)
+    dense = _write(model, "jamba", tmp_path / "dense3.gguf", edit=dense_layer_3)
+    cfg = build_config(open_gguf(dense), dense).config
+    assert (cfg["expert_layer_period"], cfg["expert_layer_offset"]) == (3, 1)
+
+    def moe_at_0_1(t: dict[str, np.ndarray]) -> None:  # layers 0 and 1 MoE, 2 and 3 dense: no period fits
+        dense_layer_3(t)
+        t["blk.0.ffn_gate_inp.weight"] = t["blk.1.ffn_gate_inp.weight"]
+        for proj in ("gate", "up", "down"):
+            t[f"blk.0.ffn_{proj}_exps.weight"] = t[f"blk.1.ffn_{proj}_exps.weight"]
+            t.pop(f"blk.0.ffn_{proj}.weight")
+
+    assert "must recur with a fixed period and offset" in error(edit=moe_at_0_1)
 
 
 def _byte_level_bpe(w: Any) -> None:

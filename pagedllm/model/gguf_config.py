@@ -170,8 +170,9 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     # (gguf_deepseek.deepseek2_config); q/k stored as HF has them; no biases (llama.cpp loads none).
     "deepseek2": GGUFArchitecture("DeepseekV2ForCausalLM", "deepseek_v2", DEEPSEEK2_TENSORS),
     # State-space models (gguf_mamba.py maps their tensors and builds their configs); granitehybrid's q/k are
-    # permuted as Llama's (nemotron_h's too, without RoPE).
-    **{arch: GGUFArchitecture(*SSM_MODELS[arch], MappingProxyType({}), permuted_qk=arch not in ("mamba", "mamba2"))
+    # permuted as Llama's (nemotron_h's too, without RoPE); jamba's are not (JambaModel writes them as HF has them).
+    **{arch: GGUFArchitecture(*SSM_MODELS[arch], MappingProxyType({}),
+                              permuted_qk=arch not in ("mamba", "mamba2", "jamba"))
        for arch in SSM_ARCHITECTURES},
 })
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(GGUF_ARCHITECTURES)

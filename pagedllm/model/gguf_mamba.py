@@ -1,7 +1,7 @@
 """llama.cpp's state-space GGUF files: ``mamba`` (Mamba-1: MambaForCausalLM, or FalconMambaForCausalLM),
 ``mamba2`` (Mamba2ForCausalLM), ``granitehybrid`` (IBM Granite 4.0 "H": GraniteMoeHybridForCausalLM) and
-``nemotron_h`` (NemotronHForCausalLM), as convert_hf_to_gguf.py's MambaModel, Mamba2Model, GraniteHybridModel and
-NemotronHModel write them. The conversion dequantizes every tensor to float32 (with
+``nemotron_h`` (NemotronHForCausalLM) and ``jamba`` (JambaForCausalLM), as convert_hf_to_gguf.py's MambaModel,
+Mamba2Model, GraniteHybridModel, NemotronHModel and JambaModel write them. The conversion dequantizes every tensor to float32 (with
 quantization='gguf' on the CPU the quantized matrices then run from their blocks, as for the other architectures).
 
 What the converter writes: the mixer's geometry as ``{arch}.ssm.conv_kernel``, ``.ssm.inner_size`` (d_inner = heads ·
@@ -43,6 +43,20 @@ none: every group may be chosen), ``expert_weights_norm`` (absent: false, as lla
 (absent or 0: 1) and ``moe_latent_size``. Routing is sigmoid with the correction bias (DeepSeek-V3's, as HF's class).
 The experts are always converted to float (quantization='gguf' does not serve this architecture's experts from their
 blocks).
+
+jamba (AI21 Jamba; JambaModel): Mamba-1 mixers as ``mamba`` files write them (``ssm_in``, ``ssm_conv1d`` squeezed with
+its bias, ``ssm_x``, ``ssm_dt`` weight and bias, ``ssm_a`` = −exp(A_log) [d_inner, d_state], ``ssm_d``, ``ssm_out``)
+plus the weighted dt / B / C RMS norms ``ssm_dt_norm`` / ``ssm_b_norm`` / ``ssm_c_norm``; NoPE attention
+``attn_{q,k,v,output}`` stored as HF has them (JambaModel does not permute q/k); ``attn_norm`` (input_layernorm),
+``ffn_norm`` (pre_ff_layernorm), ``output_norm`` (final_layernorm). Feed-forwards: the router ``ffn_gate_inp`` and
+routed SwiGLU experts stacked as ``ffn_{gate,up,down}_exps`` (split here into ``feed_forward.experts.E.<proj>``) on MoE
+layers, the dense ``ffn_{gate,up,down}`` elsewhere. Metadata: ``ssm.conv_kernel``, ``.ssm.inner_size`` (mamba_expand ·
+hidden), ``.ssm.state_size``, ``.ssm.time_step_rank`` (dt_rank), one ``feed_forward_length`` (intermediate_size),
+``attention.head_count``, per-layer ``attention.head_count_kv`` (0: a Mamba layer), ``expert_count``,
+``expert_used_count`` and ``attention.layer_norm_rms_epsilon``. The attention layers (head_count_kv > 0) and the MoE
+layers (those with ``ffn_gate_inp``) become JambaConfig's ``attn_layer_period / offset`` and ``expert_layer_period /
+offset``; a pattern no period and offset describe is refused. The experts are always converted to float (as
+nemotron_h_moe's).
 """
 from __future__ import annotations
 
@@ -53,7 +67,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-SSM_ARCHITECTURES: tuple[str, ...] = ("mamba", "mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe")
+SSM_ARCHITECTURES: tuple[str, ...] = ("mamba", "mamba2", "granitehybrid", "nemotron_h", "nemotron_h_moe", "jamba")
 #: llama.cpp's architectures → (HF class, model_type); a ``mamba`` file with ``ssm.dt_b_c_rms`` true is FalconMamba
 #: (:data:`FALCON_MAMBA`).
 SSM_MODELS: Mapping[str, tuple[str, str]] = MappingProxyType({
@@ -62,6 +76,7 @@ SSM_MODELS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "granitehybrid": ("GraniteMoeHybridForCausalLM", "granitemoehybrid"),
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h"),
     "nemotron_h_moe": ("NemotronHForCausalLM", "nemotron_h"),
+    "jamba": ("JambaForCausalLM", "jamba"),
 })
 FALCON_MAMBA: tuple[str, str] = ("FalconMambaForCausalLM", "falcon_mamba")
 _MAMBA1_TYPES = ("mamba", "falcon_mamba")
@@ -87,6 +102,13 @@ _MAMBA1_MIXER: Mapping[tuple[str, str], str] = MappingProxyType({
     ("ssm_a", "weight"): "A_log",
     ("ssm_d", "weight"): "D",
     ("ssm_out", "weight"): "out_proj.weight",
+})
+#: jamba: the Mamba-1 mixer with its dt / B / C RMS norms' weights.
+_JAMBA_MIXER: Mapping[tuple[str, str], str] = MappingProxyType({
+    **_MAMBA1_MIXER,
+    ("ssm_dt_norm", "weight"): "dt_layernorm.weight",
+    ("ssm_b_norm", "weight"): "b_layernorm.weight",
+    ("ssm_c_norm", "weight"): "c_layernorm.weight",
 })
 _ATTENTION: Mapping[str, str] = MappingProxyType({
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -115,6 +137,17 @@ _NEMOTRON_MOE: Mapping[str, str] = MappingProxyType({
     "ffn_latent_down": "mixer.fc1_latent_proj", "ffn_latent_up": "mixer.fc2_latent_proj",
 })
 _STACKED_NEMOTRON_EXPERTS = (".mixer.experts.up_proj.weight", ".mixer.experts.down_proj.weight")
+#: jamba: NoPE attention, the router, routed SwiGLU experts stacked (split per expert by :func:`ssm_outputs`) or the
+#: dense SwiGLU MLP.
+_JAMBA: Mapping[str, str] = MappingProxyType({
+    **_ATTENTION,
+    "attn_norm": "input_layernorm", "ffn_norm": "pre_ff_layernorm",
+    "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate_exps": "feed_forward.experts.gate_proj", "ffn_up_exps": "feed_forward.experts.up_proj",
+    "ffn_down_exps": "feed_forward.experts.down_proj",
+    "ffn_gate": "feed_forward.gate_proj", "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj",
+})
+_STACKED_JAMBA_EXPERTS = tuple(f".feed_forward.experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
 #: Per architecture: the HF prefix of layer N, of the mixer inside it, and the global tensors' names.
 _LAYOUT: Mapping[str, tuple[str, str, Mapping[str, str]]] = MappingProxyType({
     "mamba": ("backbone.layers", "mixer", MappingProxyType(
@@ -127,18 +160,20 @@ _LAYOUT: Mapping[str, tuple[str, str, Mapping[str, str]]] = MappingProxyType({
         {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
     "nemotron_h_moe": ("backbone.layers", "mixer", MappingProxyType(
         {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f", "output": "lm_head"})),
+    "jamba": ("model.layers", "mamba", MappingProxyType(
+        {"token_embd": "model.embed_tokens", "output_norm": "model.final_layernorm", "output": "lm_head"})),
 })
 _BLOCK_TENSORS: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "mamba": MappingProxyType({"attn_norm": "norm"}), "mamba2": MappingProxyType({"attn_norm": "norm"}),
     "granitehybrid": _GRANITE, "nemotron_h": _NEMOTRON,
-    "nemotron_h_moe": _NEMOTRON_MOE,
+    "nemotron_h_moe": _NEMOTRON_MOE, "jamba": _JAMBA,
 })
 
 
 def map_ssm_tensor_name(gguf_name: str, arch: str) -> str:
     """The HF name of GGUF tensor ``gguf_name`` in a file of SSM architecture ``arch`` (ValueError if it has none)."""
     layers, mixer, globals_ = _LAYOUT[arch]
-    mixer_tensors = _MAMBA1_MIXER if arch == "mamba" else _MIXER
+    mixer_tensors = {"mamba": _MAMBA1_MIXER, "jamba": _JAMBA_MIXER}.get(arch, _MIXER)
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in globals_ and parts[1] == "weight":
         return f"{globals_[parts[0]]}.weight"
@@ -169,6 +204,8 @@ def ssm_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any
 
     if arch == "mamba":
         return _mamba1_config(field, req, tensor_shapes, path)
+    if arch == "jamba":
+        return _jamba_config(field, array, req, tensor_shapes, path)
     hidden, n_layers = int(req("embedding_length")), int(req("block_count"))
     inner, heads = int(req("ssm.inner_size")), int(req("ssm.time_step_rank"))
     groups, d_state, d_conv = int(req("ssm.group_count")), int(req("ssm.state_size")), int(req("ssm.conv_kernel"))
@@ -262,20 +299,142 @@ def _mamba1_config(field: Callable[[str, Any], Any], req: Callable[[str], Any],
     return config
 
 
-def _mamba1_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
-    """The HF shape of a ``mamba`` file's tensor under its MambaConfig (None: not checked)."""
-    h, vocab, inner = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    n, rank, d_conv = cfg["state_size"], cfg["time_step_rank"], cfg["conv_kernel"]
+def _mamba1_mixer_shape(hf_name: str, inner: int, n: int, d_conv: int) -> tuple[int, ...] | None:
+    """The HF shape of a Mamba-1 mixer's A_log, D, conv and dt bias (None: another tensor)."""
     if hf_name.endswith(".A_log"):
         return (inner, n)
     if hf_name.endswith((".D", ".conv1d.bias", ".dt_proj.bias")):
         return (inner,)
     if hf_name.endswith(".conv1d.weight"):
         return (inner, 1, d_conv)
+    return None
+
+
+def _mamba1_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The HF shape of a ``mamba`` file's tensor under its MambaConfig (None: not checked)."""
+    h, vocab, inner = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    n, rank, d_conv = cfg["state_size"], cfg["time_step_rank"], cfg["conv_kernel"]
+    mixer = _mamba1_mixer_shape(hf_name, inner, n, d_conv)
+    if mixer is not None:
+        return mixer
     if hf_name.endswith(("norm.weight", "norm_f.weight")):
         return (h,)
     shapes = {"in_proj": (2 * inner, h), "x_proj": (rank + 2 * n, inner), "dt_proj": (inner, rank),
               "out_proj": (h, inner), "embeddings": (vocab, h), "lm_head": (vocab, h)}
+    return shapes.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
+
+
+def _period_of(flags: list[bool]) -> tuple[int, int] | None:
+    """The smallest (period, offset), offset < period, with flags[i] == (i % period == offset) for every layer; None
+    where no such pattern fits (or no flag is set)."""
+    n = len(flags)
+    for period in range(1, n + 1):
+        for offset in range(period):
+            if all(f == (i % period == offset) for i, f in enumerate(flags)):
+                return period, offset
+    return None
+
+
+def _jamba_config(field: Callable[[str, Any], Any], array: Callable[[str], list[Any] | None], req: Callable[[str], Any],
+                  tensor_shapes: Mapping[str, tuple[int, ...]], path: Path) -> dict[str, Any]:
+    """JambaConfig of a ``jamba`` file (JambaModel): attention layers where ``attention.head_count_kv`` is non-zero,
+    MoE feed-forwards where the layer has ``ffn_gate_inp``; both must be periodic (JambaConfig's
+    ``{attn,expert}_layer_{period,offset}``)."""
+    arch = "jamba"
+    hidden, n_layers = int(req("embedding_length")), int(req("block_count"))
+    inner, dt_rank = int(req("ssm.inner_size")), int(req("ssm.time_step_rank"))
+    d_state, d_conv = int(req("ssm.state_size")), int(req("ssm.conv_kernel"))
+    n_head = int(req("attention.head_count"))
+    eps = float(req("attention.layer_norm_rms_epsilon"))
+    for key, value in (("embedding_length", hidden), ("block_count", n_layers), ("ssm.inner_size", inner),
+                       ("ssm.time_step_rank", dt_rank), ("ssm.state_size", d_state), ("ssm.conv_kernel", d_conv),
+                       ("attention.head_count", n_head)):
+        if value <= 0:
+            raise ValueError(f"{path}: {arch}.{key} = {value}; it must be positive")
+    if inner % hidden:
+        raise ValueError(f"{path}: {arch}.ssm.inner_size = {inner} is not a multiple of {arch}.embedding_length = "
+                         f"{hidden} (JambaConfig's mamba_expand is an integer)")
+    if hidden % n_head:
+        raise ValueError(f"{path}: {arch}.attention.head_count = {n_head} does not divide {arch}.embedding_length = "
+                         f"{hidden} (Jamba's head_dim)")
+    if "token_embd.weight" not in tensor_shapes:
+        raise ValueError(f"{path} is not a valid GGUF file: no 'token_embd.weight' tensor")
+    for bias in ("ssm_in", "ssm_out"):
+        if any(n.endswith(f".{bias}.bias") for n in tensor_shapes):
+            raise ValueError(f"{path}: blk.N.{bias}.bias (mamba_proj_bias) is not supported for {arch} files "
+                             "(llama.cpp loads none)")
+    kv = _per_layer(field, array, f"{arch}.attention.head_count_kv", n_layers, path)
+    n_kv = max(kv)
+    if n_kv <= 0 or n_head % n_kv or any(k not in (0, n_kv) for k in kv):
+        raise ValueError(f"{path}: {arch}.attention.head_count = {n_head}, head_count_kv = {kv}; Jamba needs an "
+                         "attention layer (head_count_kv > 0), the same KV heads on each, dividing head_count")
+    ff = _per_layer(field, array, f"{arch}.feed_forward_length", n_layers, path)
+    if len(set(ff)) != 1 or ff[0] <= 0:
+        raise ValueError(f"{path}: {arch}.feed_forward_length = {ff}; Jamba's feed-forwards share one positive width")
+    attn = _period_of([k > 0 for k in kv])
+    if attn is None:
+        raise ValueError(f"{path}: {arch}.attention.head_count_kv = {kv}; the attention layers (head_count_kv > 0) "
+                         "must recur with a fixed period and offset (JambaConfig's attn_layer_period / "
+                         "attn_layer_offset)")
+    moe_flags = [f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes for i in range(n_layers)]
+    config: dict[str, Any] = {
+        "architectures": [SSM_MODELS[arch][0]], "model_type": SSM_MODELS[arch][1],
+        "vocab_size": tensor_shapes["token_embd.weight"][0], "hidden_size": hidden, "num_hidden_layers": n_layers,
+        "tie_word_embeddings": "output.weight" not in tensor_shapes, "torch_dtype": "float32",
+        "max_position_embeddings": int(field(f"{arch}.context_length", 2048) or 2048),
+        "intermediate_size": ff[0], "num_attention_heads": n_head, "num_key_value_heads": n_kv,
+        "attn_layer_period": attn[0], "attn_layer_offset": attn[1], "rms_norm_eps": eps, "hidden_act": "silu",
+        "mamba_d_state": d_state, "mamba_d_conv": d_conv, "mamba_expand": inner // hidden, "mamba_dt_rank": dt_rank,
+        "mamba_conv_bias": any(n.endswith(".ssm_conv1d.bias") for n in tensor_shapes), "mamba_proj_bias": False,
+        "use_mamba_kernels": False,
+    }
+    if not any(moe_flags):
+        config.update(num_experts=1, num_experts_per_tok=1, expert_layer_period=1, expert_layer_offset=0)
+        return config
+    n_expert = int(field(f"{arch}.expert_count", 0) or 0)
+    used = int(field(f"{arch}.expert_used_count", 0) or 0)
+    if n_expert <= 1 or not 0 < used <= n_expert:
+        raise ValueError(f"{path}: {arch}.expert_count = {n_expert or 'missing'}, {arch}.expert_used_count = "
+                         f"{used or 'missing'}; a jamba file with MoE layers (ffn_gate_inp) needs 1 <= "
+                         "expert_used_count <= expert_count, expert_count > 1")
+    moe = _period_of(moe_flags)
+    if moe is None:
+        raise ValueError(f"{path}: the MoE layers (those with ffn_gate_inp) are "
+                         f"{[i for i, f in enumerate(moe_flags) if f]}; they must recur with a fixed period and offset "
+                         "(JambaConfig's expert_layer_period / expert_layer_offset)")
+    for i, is_moe in enumerate(moe_flags):
+        need = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if is_moe else ("ffn_gate", "ffn_up", "ffn_down")
+        missing = [b for b in need if f"blk.{i}.{b}.weight" not in tensor_shapes]
+        if missing:
+            raise ValueError(f"{path}: layer {i} is {'an MoE' if is_moe else 'a dense MLP'} layer "
+                             f"({'with' if is_moe else 'without'} ffn_gate_inp) but has no "
+                             f"{', '.join(f'blk.{i}.{b}.weight' for b in missing)}")
+    config.update(num_experts=n_expert, num_experts_per_tok=used, expert_layer_period=moe[0],
+                  expert_layer_offset=moe[1])
+    return config
+
+
+def _jamba_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The HF shape of a ``jamba`` file's tensor under its JambaConfig (None: not checked)."""
+    h, vocab, ff = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    inner, n, rank, d_conv = cfg["mamba_expand"] * h, cfg["mamba_d_state"], cfg["mamba_dt_rank"], cfg["mamba_d_conv"]
+    head_dim = h // cfg["num_attention_heads"]
+    q, kv, experts = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim, cfg["num_experts"]
+    mixer = _mamba1_mixer_shape(hf_name, inner, n, d_conv)
+    if mixer is not None:
+        return mixer
+    if hf_name.endswith(".dt_layernorm.weight"):
+        return (rank,)
+    if hf_name.endswith((".b_layernorm.weight", ".c_layernorm.weight")):
+        return (n,)
+    if hf_name.endswith("layernorm.weight"):
+        return (h,)
+    if ".feed_forward.experts." in hf_name:
+        return (experts, h, ff) if hf_name.endswith(".down_proj.weight") else (experts, ff, h)
+    shapes = {"in_proj": (2 * inner, h), "x_proj": (rank + 2 * n, inner), "dt_proj": (inner, rank),
+              "out_proj": (h, inner), "embed_tokens": (vocab, h), "lm_head": (vocab, h), "q_proj": (q, h),
+              "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "router": (experts, h), "gate_proj": (ff, h),
+              "up_proj": (ff, h), "down_proj": (h, ff)}
     return shapes.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
 
 
@@ -401,6 +560,8 @@ def ssm_expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] 
     checked)."""
     if cfg.get("model_type") in _MAMBA1_TYPES:
         return _mamba1_expected_shape(hf_name, cfg)
+    if cfg.get("model_type") == "jamba":
+        return _jamba_expected_shape(hf_name, cfg)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     if "num_heads" in cfg:  # Mamba2Config
         heads, head_dim, groups, d_state, d_conv = (cfg["num_heads"], cfg["head_dim"], cfg["n_groups"],
@@ -455,7 +616,7 @@ def ssm_tensor(hf_name: str, arr: np.ndarray, arch: str = "mamba2") -> np.ndarra
         if not np.all(a < 0):
             raise ValueError(f"{hf_name}: ssm_a holds A = -exp(A_log), which is negative; found values >= 0")
         a_log = np.log(-a).astype(np.float32)
-        return a_log if arch == "mamba" else a_log.reshape(-1)
+        return a_log if arch in ("mamba", "jamba") else a_log.reshape(-1)
     if hf_name.endswith((".D", ".dt_bias")) or (hf_name.endswith(".norm.weight") and arr.ndim == 2):
         return np.ascontiguousarray(arr.reshape(-1))
     if hf_name.endswith(".conv1d.weight") and arr.ndim == 2:
@@ -465,8 +626,9 @@ def ssm_tensor(hf_name: str, arr: np.ndarray, arch: str = "mamba2") -> np.ndarra
 
 def ssm_outputs(hf_name: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
     """What the checkpoint holds for a converted SSM tensor: nemotron_h_moe's stacked experts (``mixer.experts.<proj>``
-    [E, rows, columns], shape already checked) split into ``mixer.experts.E.<proj>.weight``; any other as is."""
-    if not hf_name.endswith(_STACKED_NEMOTRON_EXPERTS):
+    [E, rows, columns], shape already checked) split into ``mixer.experts.E.<proj>.weight`` (jamba's
+    ``feed_forward.experts.<proj>`` likewise); any other as is."""
+    if not hf_name.endswith(_STACKED_NEMOTRON_EXPERTS + _STACKED_JAMBA_EXPERTS):
         return [(hf_name, arr)]
     proj = hf_name.split(".")[-2]
     prefix = hf_name[: -len(f".{proj}.weight")]
