@@ -148,7 +148,7 @@ def _mamba() -> None:
                                  torch.zeros(conv_dim, 1, 4, dtype=torch.bfloat16), bias, slots)
     params = torch.zeros(heads, dtype=torch.bfloat16)
     ssm_state_update(conv, dt, params, params, params, torch.zeros(6, heads, head_dim, d_state), slots, groups)
-    # Mamba-1's selective scan (bf16 projections, float32 state), with and without snapshots, both channel blocks
+    # Mamba-1's selective scan (bf16 projections, float32 state), with and without snapshots
     from pagedllm.kernels.triton_mamba import selective_scan
 
     channels, d_state = 256, 16

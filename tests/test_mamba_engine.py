@@ -114,6 +114,22 @@ def test_preemption_and_forks_keep_transformers_tokens(built) -> None:
     _no_leaks(llm)
 
 
+def test_warm_up_steps_leave_the_slots_alone(built) -> None:
+    """The engine's warm-up steps (run at CUDA start so that no request compiles a kernel; here on the CPU) include a
+    prefix-cache snapshot inside a chunk: they run in the scratch slot only, and transformers' tokens follow."""
+    name, path, prompts, want = built
+    llm = LLM(str(path), enable_prefix_caching=True, mamba_block_size=8, max_num_seqs=8, **ENGINE_KW)
+    worker = llm.llm_engine.executor.driver_worker
+    before = [(c.conv_state[:-1].clone(), c.ssm_state[:-1].clone()) for c in worker.mamba_caches]
+    assert worker.model_runner.warm_up_steps(worker.cache_engine.gpu_cache) == ["steps prefill/mixed/decode"]
+    scratch = [c.ssm_state[-1] for c in worker.mamba_caches]
+    assert any(bool(s.abs().sum() > 0) for s in scratch)  # the warm-up ran its chunks (in the scratch slot)
+    for (conv, ssm), cache in zip(before, worker.mamba_caches):
+        assert torch.equal(conv, cache.conv_state[:-1]) and torch.equal(ssm, cache.ssm_state[:-1])
+    assert [list(o.outputs[0].token_ids) for o in _greedy(llm, prompts)] == want, name
+    _no_leaks(llm)
+
+
 def test_unsupported_features_are_clear_errors(built) -> None:
     _, path, _, _ = built
     with pytest.raises(ValueError, match="state-space"):

@@ -109,6 +109,9 @@ def ssm_state_update(xbc: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
     return y
 
 
+SCAN_BLOCK_D = 16  # channels per program of the selective scan
+
+
 @triton.jit
 def _selective_scan_kernel(x_ptr, dt_ptr, a_log_ptr, b_ptr, c_ptr, d_ptr, z_ptr, state_ptr, slots_ptr,
                            qsl_ptr, snap_ptr, y_ptr, channels, d_state,
@@ -171,10 +174,10 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: to
         for seq, offset, slot in snapshots:
             at[starts[seq] + offset - 1] = slot
         snap = torch.tensor(at, dtype=torch.int32).to(x.device, non_blocking=True)
-    # few sequences (a long prompt): narrow channel blocks, so more programs walk the tokens side by side
-    block_d = 64 if num_seqs * triton.cdiv(channels, 64) >= 256 else 16
-    _selective_scan_kernel[(num_seqs, triton.cdiv(channels, block_d))](
+    # narrow channel blocks: a long prompt's tokens are walked by many programs side by side; one block size for every
+    # batch, so the engine's warm-up steps compile every variant a request can meet (with and without snapshots)
+    _selective_scan_kernel[(num_seqs, triton.cdiv(channels, SCAN_BLOCK_D))](
         x, dt, a_log, b, c, d, z, ssm_state, slots, query_start_loc, snap, y, channels, d_state,
         x.stride(0), dt.stride(0), b.stride(0), c.stride(0), z.stride(0), ssm_state.stride(0), ssm_state.stride(1),
-        y.stride(0), HAS_SNAP=bool(snapshots), BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(d_state))
+        y.stride(0), HAS_SNAP=bool(snapshots), BLOCK_D=SCAN_BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state))
     return y

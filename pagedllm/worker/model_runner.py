@@ -129,7 +129,11 @@ class ModelRunner:
         table = [0] * -(-8 // self.block_size)
         pre = SequenceChunk(-1, [1] * 8, 0, table, sample=True)
         dec = SequenceChunk(-2, [1], 7, table, sample=True)
-        for chunks in ([pre], [dec, pre], [dec], [dec, dec]):
+        steps = [[pre], [dec, pre], [dec], [dec, dec]]
+        if self.mamba_caches is not None:  # a prefix-cache snapshot inside a chunk: the scans' snapshot variants
+            scratch = self.mamba_caches[0].ssm_state.shape[0] - 1  # (these chunks own no slot: they run in scratch)
+            steps.append([SequenceChunk(-3, [1] * 8, 0, table, sample=True, state_snapshots=[(4, scratch)])])
+        for chunks in steps:
             self.execute_model(chunks, kv_caches)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
