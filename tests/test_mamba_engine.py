@@ -175,6 +175,29 @@ def test_prefix_caching_resumes_from_state_snapshots(built, batched: int) -> Non
         torch.testing.assert_close(torch.tensor(lp[0]), torch.tensor(lp[1]), atol=1e-4, rtol=0)
 
 
+def test_shared_prefix_gets_a_snapshot_where_it_ends(built) -> None:
+    """Prompts sharing a 13-token prefix, snapshots every 32 tokens (so none on the grid): the second prompt finds 12
+    tokens of cached blocks but no state there, recomputes them and leaves a snapshot at 12 as it passes; the third
+    resumes from it. Every output keeps transformers' tokens, and nothing leaks."""
+    name, path, _, _ = built
+    gen = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 90, (13,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 90, (6,), generator=gen).tolist() for _ in range(3)]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    want = _hf_greedy(model, prompts)
+    llm = LLM(str(path), enable_prefix_caching=True, mamba_block_size=32, max_num_seqs=8, **ENGINE_KW)
+    bm = llm.llm_engine.scheduler.block_manager
+    got, hits = [], []
+    for prompt in prompts:
+        before = bm.stats.prefix_cache_hits
+        got.append(list(_greedy(llm, [prompt])[0].outputs[0].token_ids))
+        hits.append(bm.stats.prefix_cache_hits - before)
+    assert got == want, name
+    assert hits == [0, 0, 12]
+    assert bm.snapshots.stats.num_hits == 1
+    _no_leaks(llm)
+
+
 def test_beam_search_matches_transformers(built) -> None:
     """Beam search forks and drops sequences every step: each kept beam continues from its parent's copied state."""
     name, path, prompts, _ = built

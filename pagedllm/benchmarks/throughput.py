@@ -311,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"measured here: copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
         extra_ttft = probe_first_request(llm, wl.prompts[0])
         stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
+    elif args.lower_bound and device.startswith("cuda"):  # no bound to compare with, but the steps still tell
+        stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
     cpu_work = args.lower_bound and has_shape and device == "cpu"
     if cpu_work:
         from pagedllm.benchmarks import cpu_flops
@@ -332,6 +334,11 @@ def run(args: argparse.Namespace) -> int:
         extra["first_request_ttft_s"] = extra_ttft
     if cuda_bound:
         extra.update(report_bound(llm, wl, results[0].elapsed_s, bandwidth, peak, stats))
+    elif stats is not None and device.startswith("cuda"):
+        from pagedllm.worker.step_stats import format_summary
+
+        extra["steps"] = stats.summary()
+        print(format_summary(extra["steps"]))
     if cpu_work:
         extra.update(cpu_flops.report(shape, stats, peak, results[0].elapsed_s, run_cpu_s))
         fma_readings = [("before pagedllm", peak.fma_flops), ("after pagedllm", cpu_flops.measure_fma_peak(peak.isa))]

@@ -119,6 +119,9 @@ class BlockManager:
         self._state_copies: list[tuple[int, int]] = []
         self.snapshots: StateSnapshotStore | None = None
         self._snapshot_source: dict[int, int] = {}  # seq_id → the snapshot its slot starts from (a prefix hit)
+        # seq_id → a shared-prefix point: where its cached blocks end but no snapshot holds the state. The sequence
+        # recomputes up to there anyway; a snapshot written as it passes lets the next one with that prefix resume.
+        self._branch_points: dict[int, int] = {}
         if self.num_state_snapshots:
             if not (self.enable_caching and self.num_state_slots):
                 raise ValueError("state snapshots serve prefix caching of a model with recurrent-state slots: they "
@@ -327,6 +330,7 @@ class BlockManager:
         if self.snapshots is not None:
             self.snapshots.drop(seq.seq_id)
             self._snapshot_source.pop(seq.seq_id, None)
+            self._branch_points.pop(seq.seq_id, None)
         self._seq_block_hashes.pop(seq.seq_id, None)
         self.table_versions.pop(seq.seq_id, None)
         self._cached_upto.pop(seq.seq_id, None)
@@ -359,7 +363,12 @@ class BlockManager:
             return []
         computed, step = seq.num_computed_tokens, self.state_snapshot_interval
         last = computed + min(num_new_tokens, num_known)
-        points = range((computed // step + 1) * step, last + 1, step)
+        points = list(range((computed // step + 1) * step, last + 1, step))
+        branch = self._branch_points.get(seq.seq_id)
+        if branch is not None and computed < branch <= last:
+            del self._branch_points[seq.seq_id]
+            if branch not in points:
+                points = sorted([*points, branch])
         if not points:
             return []
         hashes = self._block_hashes_upto(seq, points[-1] // self.block_size)
@@ -375,9 +384,14 @@ class BlockManager:
         """
         if not self.enable_caching or seq.seq_id in self.block_tables:
             return 0
-        n, hits = self._find_cached_prefix(seq)
-        if self.snapshots is not None and n:
-            self._snapshot_source[seq.seq_id] = self.snapshots.take(self._seq_block_hashes[seq.seq_id][n - 1])
+        n, hits = self._find_cached_blocks(seq)
+        if self.snapshots is not None:
+            cached = n
+            n = self._state_resume_blocks(seq, cached)
+            if n:
+                self._snapshot_source[seq.seq_id] = self.snapshots.take(self._seq_block_hashes[seq.seq_id][n - 1])
+            if cached > n:
+                self._branch_points[seq.seq_id] = cached * self.block_size
         for window, tables, found in zip(self.group_windows, self.tables, hits):
             first = 0 if window is None else self._first_seen_block(n * self.block_size, window)
             table = [NULL_BLOCK] * first
@@ -428,6 +442,18 @@ class BlockManager:
         return max(0, position - window + 1) // self.block_size
 
     def _find_cached_prefix(self, seq: Sequence) -> tuple[int, list[dict[int, int]]]:
+        """`_find_cached_blocks`, limited for a state-space model to where a snapshot holds the state. No side
+        effects."""
+        n, found = self._find_cached_blocks(seq)
+        return (n if self.snapshots is None else self._state_resume_blocks(seq, n)), found
+
+    def _state_resume_blocks(self, seq: Sequence, n: int) -> int:
+        """The most leading blocks, at most `n`, after which a state snapshot is kept (on the interval's grid, or at
+        a shared-prefix point): where a state-space model can resume."""
+        hashes = self._block_hashes_upto(seq, n)
+        return next((k for k in range(n, 0, -1) if self.snapshots.has(hashes[k - 1])), 0)
+
+    def _find_cached_blocks(self, seq: Sequence) -> tuple[int, list[dict[int, int]]]:
         """(n, per group {block index: cached block}): the most leading full blocks n such that every group has
         cached what a query right after them reads: blocks 0..n-1 in a full-attention group, those within the
         window of position n * block_size in a sliding group (the ones before it were freed, or may have been
@@ -461,9 +487,6 @@ class BlockManager:
                 if j is not None:
                     n, settled = j, False
                     break
-        if self.snapshots is not None:  # a state-space model resumes only where a snapshot holds its state
-            per = self.state_snapshot_interval // bs
-            n = next((k for k in range(n - n % per, 0, -per) if self.snapshots.has(hashes[k - 1])), 0)
         return n, found
 
     def _group_hash(self, group: int, block_hash: int) -> int:

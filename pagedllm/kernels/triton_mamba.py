@@ -181,3 +181,125 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: to
         x.stride(0), dt.stride(0), b.stride(0), c.stride(0), z.stride(0), ssm_state.stride(0), ssm_state.stride(1),
         y.stride(0), HAS_SNAP=bool(snapshots), BLOCK_D=SCAN_BLOCK_D, BLOCK_N=triton.next_power_of_2(d_state))
     return y
+
+
+# One program of the chunked scan's outputs: 16 output rows (and 16 input rows per inner step), four warps, dots in
+# three TF32 passes (float32's precision on tensor cores). Larger tiles or more warps spilled registers on sm_90.
+SSD_BLOCK_ROWS = 16
+SSD_NUM_WARPS = 4
+SSD_PRECISION = "tf32x3"
+
+
+@triton.jit(do_not_specialize=["num_blocks", "length"])
+def _ssd_block_output_kernel(xd_ptr, b_ptr, c_ptr, acum_ptr, start_ptr, y_ptr, num_blocks, length, heads, per_group,
+                             head_dim, d_state, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    blk = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    g = h // per_group
+    groups = heads // per_group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    row_ok = rows < length
+    p_ok = p < head_dim
+    n_ok = n < d_state
+    acum_base = acum_ptr + (h * num_blocks + blk) * length
+    acum_l = tl.load(acum_base + rows, mask=row_ok, other=0.0)
+    c_rows = tl.load(c_ptr + ((blk * length + rows[:, None]) * groups + g) * d_state + n[None, :],
+                     mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    # within the block: y[l] += sum over s <= l of (C[l]·B[s]) exp(acum[l] - acum[s]) xd[s]
+    for s0 in range(0, tile * BLOCK_M + BLOCK_M, BLOCK_M):
+        cols = s0 + tl.arange(0, BLOCK_M)
+        col_ok = cols < length
+        b_cols = tl.load(b_ptr + ((blk * length + cols[:, None]) * groups + g) * d_state + n[None, :],
+                         mask=col_ok[:, None] & n_ok[None, :], other=0.0)
+        scores = tl.dot(c_rows, tl.trans(b_cols), input_precision=PRECISION)
+        acum_s = tl.load(acum_base + cols, mask=col_ok, other=0.0)
+        causal = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+        scores = scores * tl.exp(tl.where(causal, acum_l[:, None] - acum_s[None, :], float("-inf")))
+        xd = tl.load(xd_ptr + ((blk * length + cols[:, None]) * heads + h) * head_dim + p[None, :],
+                     mask=col_ok[:, None] & p_ok[None, :], other=0.0)
+        acc += tl.dot(scores, xd, input_precision=PRECISION)
+    # from the state the block starts from: y[l] += exp(acum[l]) C[l]·start
+    start = tl.load(start_ptr + ((blk * heads + h) * head_dim + p[:, None]) * d_state + n[None, :],
+                    mask=p_ok[:, None] & n_ok[None, :], other=0.0)
+    acc += tl.dot(c_rows, tl.trans(start), input_precision=PRECISION) * tl.exp(acum_l)[:, None]
+    tl.store(y_ptr + ((blk * length + rows[:, None]) * heads + h) * head_dim + p[None, :], acc,
+             mask=row_ok[:, None] & p_ok[None, :])
+
+
+def ssd_block_outputs(xd: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_cum: torch.Tensor,
+                      starts: torch.Tensor, block_rows: int = SSD_BLOCK_ROWS, num_warps: int = SSD_NUM_WARPS,
+                      precision: str = SSD_PRECISION) -> torch.Tensor:
+    """The chunked Mamba-2 scan's outputs, block by block, in one launch: xd [c, l, h, p] (x·dt), b / c [c, l, g, n],
+    a_cum [h, c, l] (the within-block cumulative sums of A·dt), starts [c, h, p, n] (the state each block starts from),
+    all float32 and contiguous → y [c, l, h, p] float32 (without the D skip). The same sums as the torch form in
+    model/layers/mamba2.py, without its [h, c, l, l] decay and score tensors. `block_rows`, `num_warps`, `precision`
+    (Triton's dot input precision): the tile; the defaults are what the engine runs (benchmarks try others)."""
+    num_blocks, length, heads, head_dim = xd.shape
+    groups, d_state = b.shape[2], b.shape[3]
+    for name, t in (("xd", xd), ("b", b), ("c", c), ("a_cum", a_cum), ("starts", starts)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"ssd_block_outputs: {name} must be a contiguous float32 tensor, got {t.dtype}")
+    if b.shape != c.shape or b.shape[:2] != (num_blocks, length) or heads % groups:
+        raise ValueError(f"ssd_block_outputs: b / c {tuple(b.shape)} / {tuple(c.shape)} do not match xd "
+                         f"{tuple(xd.shape)} (heads a multiple of groups)")
+    if a_cum.shape != (heads, num_blocks, length) or starts.shape != (num_blocks, heads, head_dim, d_state):
+        raise ValueError(f"ssd_block_outputs: a_cum {tuple(a_cum.shape)} / starts {tuple(starts.shape)} do not match")
+    y = torch.empty_like(xd)
+    if xd.numel() == 0:
+        return y
+    _ssd_block_output_kernel[(triton.cdiv(length, block_rows), num_blocks, heads)](
+        xd, b, c, a_cum, starts, y, num_blocks, length, heads, heads // groups, head_dim, d_state,
+        PRECISION=precision, BLOCK_M=block_rows, BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=max(16, triton.next_power_of_2(d_state)), num_warps=num_warps)
+    return y
+
+
+SSD_CARRY_BLOCK = 1024  # state elements (of head_dim × d_state) per program of the carry across blocks
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _ssd_carry_kernel(init_ptr, block_state_ptr, block_decay_ptr, first_ptr, count_ptr, start_ptr, final_ptr,
+                      num_seqs, heads, state_size, BLOCK: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = e < state_size
+    first = tl.load(first_ptr + seq).to(tl.int64)
+    count = tl.load(count_ptr + seq)
+    state = tl.load(init_ptr + (seq.to(tl.int64) * heads + h) * state_size + e, mask=mask, other=0.0)
+    for j in range(count):
+        blk = first + j
+        offset = (blk * heads + h) * state_size + e
+        tl.store(start_ptr + offset, state, mask=mask)
+        decay = tl.load(block_decay_ptr + blk * heads + h)
+        state = state * decay + tl.load(block_state_ptr + offset, mask=mask, other=0.0)
+    tl.store(final_ptr + (seq.to(tl.int64) * heads + h) * state_size + e, state, mask=mask)
+
+
+def ssd_carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, block_decay: torch.Tensor,
+                     first_block: torch.Tensor, num_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked scan's carry across blocks in one launch: sequence i's blocks first_block[i] .. + num_blocks[i]
+    (int32 device tensors) each start from the state before them, state ← state · block_decay + block_state.
+    initial_states [S, h, p, n], block_states [c, h, p, n], block_decay [c, h], float32 contiguous → (each block's
+    start [c, h, p, n], each sequence's final state [S, h, p, n])."""
+    num_seqs, heads = initial_states.shape[:2]
+    state_size = initial_states[0, 0].numel()
+    for name, t in (("initial_states", initial_states), ("block_states", block_states), ("block_decay", block_decay)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"ssd_carry_states: {name} must be a contiguous float32 tensor, got {t.dtype}")
+    if block_states.shape[1:] != initial_states.shape[1:] or block_decay.shape != block_states.shape[:2]:
+        raise ValueError(f"ssd_carry_states: block_states {tuple(block_states.shape)} / block_decay "
+                         f"{tuple(block_decay.shape)} do not match initial_states {tuple(initial_states.shape)}")
+    starts = torch.empty_like(block_states)
+    final = torch.empty_like(initial_states)
+    if num_seqs == 0:
+        return starts, final
+    _ssd_carry_kernel[(num_seqs, heads, triton.cdiv(state_size, SSD_CARRY_BLOCK))](
+        initial_states, block_states, block_decay, first_block, num_blocks, starts, final, num_seqs, heads,
+        state_size, BLOCK=SSD_CARRY_BLOCK)
+    return starts, final

@@ -133,24 +133,38 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch
     cc = pad(c)[index].view(nb, length, groups, d_state)
     a_cum = torch.cumsum(pad(a * dt)[index].view(nb, length, heads).permute(2, 0, 1), dim=-1)  # [h, c, l]; padding: 0
 
-    # within each block: y[l] = sum over s <= l of (C[l]·B[s]) exp(a_cum[l] - a_cum[s]) xd[s]; C·B once per group
-    causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()
-    decay = (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(~causal, -math.inf).exp_()  # [h, c, l, s]
-    scores = decay.view(groups, per_group, nb, length, length).mul_(
-        torch.einsum("clgn,csgn->gcls", cc, bb)[:, None])
-    y = torch.einsum("gkcls,csgkp->clgkp", scores, xd)
     to_end = torch.exp(a_cum[..., -1:] - a_cum).permute(1, 2, 0).reshape(nb, length, groups, per_group, 1)
     block_states = torch.einsum("clgn,clgkp->cgkpn", bb, xd * to_end).reshape(nb, heads, head_dim, d_state)
     block_decay = torch.exp(a_cum[..., -1]).transpose(0, 1)  # [c, h]
     starts, states = _carry_states(initial_states, block_states, block_decay, blocks)
-    from_start = torch.exp(a_cum).permute(1, 2, 0).reshape(nb, length, groups, per_group, 1)
-    y += torch.einsum("clgn,cgkpn->clgkp", cc, starts.view(nb, groups, per_group, head_dim, d_state)) * from_start
+    if dev.type == "cuda":
+        from pagedllm.kernels.triton_mamba import ssd_block_outputs
+
+        y = ssd_block_outputs(xd.reshape(nb, length, heads, head_dim), bb, cc, a_cum.contiguous(), starts)
+    else:
+        y = _block_outputs_torch(xd, bb, cc, a_cum, starts)
     y = y.reshape(nb * length, heads, head_dim)
-    valid = index < total
-    out = x.new_empty(total, heads, head_dim)
-    out[index[valid]] = y[valid]
+    # the blocks hold the tokens in order, so the non-padding rows are the output (found on the host: indexing by a
+    # device mask would wait for the device)
+    out = y.index_select(0, async_tensor_h2d(np.flatnonzero(rows < total), torch.long, dev))
     cut_states = starts[async_tensor_h2d(cut_blocks, torch.long, dev)] if cut_blocks else None
     return out, states, cut_states
+
+
+def _block_outputs_torch(xd: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, a_cum: torch.Tensor,
+                         starts: torch.Tensor) -> torch.Tensor:
+    """Every block's outputs [c, l, g, k, p]: within the block y[l] = sum over s <= l of (C[l]·B[s]) exp(a_cum[l] -
+    a_cum[s]) xd[s] (C·B once per group), plus exp(a_cum[l]) C[l]·start from the state the block starts from.
+    (kernels/triton_mamba.py's ssd_block_outputs is the same sums in one launch, for GPUs.)"""
+    nb, length, groups, per_group, head_dim = xd.shape
+    causal = torch.ones(length, length, dtype=torch.bool, device=xd.device).tril()
+    decay = (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(~causal, -math.inf).exp_()  # [h, c, l, s]
+    scores = decay.view(groups, per_group, nb, length, length).mul_(
+        torch.einsum("clgn,csgn->gcls", cc, bb)[:, None])
+    y = torch.einsum("gkcls,csgkp->clgkp", scores, xd)
+    from_start = torch.exp(a_cum).permute(1, 2, 0).reshape(nb, length, groups, per_group, 1)
+    y += torch.einsum("clgn,cgkpn->clgkp", cc, starts.view(nb, groups, per_group, head_dim, -1)) * from_start
+    return y
 
 
 def _carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, block_decay: torch.Tensor,
@@ -160,9 +174,9 @@ def _carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, bloc
     after another)."""
     dev = block_states.device
     first_block = np.cumsum([0] + blocks[:-1]).tolist()
-    states = initial_states.clone()
-    starts = torch.empty_like(block_states)  # every block's start is written below
     if dev.type == "cpu":  # each sequence's blocks in turn, on views: no gathers
+        states = initial_states.clone()
+        starts = torch.empty_like(block_states)  # every block's start is written below
         for i, (first, count) in enumerate(zip(first_block, blocks)):
             state = states[i]
             for j in range(first, first + count):
@@ -170,16 +184,11 @@ def _carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, bloc
                 state = torch.addcmul(block_states[j], state, block_decay[j][:, None, None])
             states[i] = state
         return starts, states
-    # on a GPU, launches count: iteration j advances every sequence's j-th block at once
-    for j in range(max(blocks, default=0)):
-        seqs = [i for i in range(len(blocks)) if blocks[i] > j]
-        live = async_tensor_h2d(seqs, torch.long, dev)
-        ids = async_tensor_h2d([first_block[i] + j for i in seqs], torch.long, dev)
-        cur = states.index_select(0, live)
-        starts.index_copy_(0, ids, cur)
-        states.index_copy_(0, live, torch.addcmul(block_states.index_select(0, ids), cur,
-                                                  block_decay.index_select(0, ids)[:, :, None, None]))
-    return starts, states
+    # on a GPU, launches count: one kernel walks every sequence's blocks
+    from pagedllm.kernels.triton_mamba import ssd_carry_states
+
+    return ssd_carry_states(initial_states.contiguous(), block_states.contiguous(), block_decay.contiguous(),
+                            async_tensor_h2d(first_block, torch.int32, dev), async_tensor_h2d(blocks, torch.int32, dev))
 
 
 def causal_conv_prefill(xbc: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
