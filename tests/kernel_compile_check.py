@@ -160,17 +160,14 @@ def _mamba() -> None:
         selective_scan(x, proj[:, :channels], torch.zeros(channels, d_state), bc[:, 8:8 + d_state], bc[:, 8 + d_state:],
                        torch.zeros(channels, dtype=torch.bfloat16), proj[:, channels:],
                        torch.zeros(9, channels, 1, d_state), torch.arange(len(lens)), qsl, lens, snaps)
-    # the chunked Mamba-2 scan's block outputs (prefill chunks)
-    from pagedllm.kernels.triton_mamba import ssd_block_outputs
+    # the chunked Mamba-2 scan's kernels (prefill chunks): block states, the carry, the outputs
+    from pagedllm.model.layers.mamba2 import ssd_varlen_scan
 
-    nb, length, heads, head_dim, groups, d_state = 3, 128, 8, 64, 1, 128
-    ssd_block_outputs(torch.zeros(nb, length, heads, head_dim), torch.zeros(nb, length, groups, d_state),
-                      torch.zeros(nb, length, groups, d_state), torch.zeros(heads, nb, length),
-                      torch.zeros(nb, heads, head_dim, d_state))
-    from pagedllm.kernels.triton_mamba import ssd_carry_states
-
-    ssd_carry_states(torch.zeros(2, heads, head_dim, d_state), torch.zeros(nb, heads, head_dim, d_state),
-                     torch.zeros(nb, heads), torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32))
+    heads, head_dim, groups, d_state, lens = 8, 64, 1, 128, [200, 7]
+    total = sum(lens)
+    ssd_varlen_scan(torch.zeros(total, heads, head_dim), torch.zeros(total, heads), torch.zeros(heads),
+                    torch.zeros(total, groups, d_state), torch.zeros(total, groups, d_state),
+                    torch.zeros(len(lens), heads, head_dim, d_state), lens, 128, kernels=True)
 
 
 # Exit status when this Triton lacks the runtime hooks the check stands on (a driver that can be swapped, launches

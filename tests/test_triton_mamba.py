@@ -146,23 +146,34 @@ def test_mamba1_scan_c_kernel_matches_torch_path(kernels_by_isa) -> None:
 
 
 @pytest.mark.parametrize("length,head_dim,d_state,groups", [(64, 16, 16, 2), (32, 24, 40, 1), (16, 64, 128, 4)])
-def test_ssd_block_outputs_kernel_matches_torch_path(length: int, head_dim: int, d_state: int, groups: int) -> None:
-    """The chunked Mamba-2 scan's per-block outputs: the Triton kernel (one launch; several row tiles per block where
-    the block is longer than a tile) against the torch form of model/layers/mamba2.py (checked against transformers
-    in test_mamba2_layers.py), with decays from real cumulative sums and non-zero starting states."""
-    from pagedllm.kernels.triton_mamba import ssd_block_outputs
-    from pagedllm.model.layers.mamba2 import _block_outputs_torch
+def test_ssd_scan_kernels_match_torch_path(length: int, head_dim: int, d_state: int, groups: int) -> None:
+    """The chunked Mamba-2 scan through its three Triton kernels (block states, carry, outputs; reading the packed
+    tokens through the block layout's row map) against the torch form of model/layers/mamba2.py (checked against
+    transformers in test_mamba2_layers.py): chunks of several blocks, one shorter than a block, snapshot cuts, initial
+    states; x, B and C as the mixer passes them (views into one conv output: strided rows)."""
+    from pagedllm.model.layers.mamba2 import scan_layout, ssd_varlen_scan
 
     torch.manual_seed(0)
-    nb, heads = 3, 4
-    xd = torch.randn(nb, length, groups, heads // groups, head_dim)
-    b, c = torch.randn(nb, length, groups, d_state), torch.randn(nb, length, groups, d_state)
-    a_cum = torch.cumsum(-torch.rand(heads, nb, length) * 0.3, dim=-1)
-    starts = torch.randn(nb, heads, head_dim, d_state)
-    want = _block_outputs_torch(xd, b, c, a_cum, starts).reshape(nb, length, heads, head_dim)
-    got = ssd_block_outputs(*(t.to(DEVICE).contiguous() for t in (xd.reshape(nb, length, heads, head_dim), b, c,
-                                                                   a_cum, starts)))
-    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    heads, lens = 4, [3 * length - 5, 7, 2 * length, length + 1]
+    cuts = [[length // 2, length + 3], [], [length], []]
+    total = sum(lens)
+    inner, width = heads * head_dim, groups * d_state
+    conv = torch.randn(total, inner + 2 * width)  # the conv output that x, B and C are views of
+    x = conv[:, :inner].reshape(total, heads, head_dim)
+    b = conv[:, inner: inner + width].reshape(total, groups, d_state)
+    c = conv[:, inner + width:].reshape(total, groups, d_state)
+    dt = torch.rand(total, heads) * 0.3
+    a = -torch.rand(heads) * 2
+    s0 = torch.randn(len(lens), heads, head_dim, d_state)
+    want = ssd_varlen_scan(x, dt, a, b, c, s0, lens, length, cuts, kernels=False)
+    conv_d = conv.to(DEVICE)
+    args = (conv_d[:, :inner].reshape(total, heads, head_dim), dt.to(DEVICE), a.to(DEVICE),
+            conv_d[:, inner: inner + width].reshape(total, groups, d_state),
+            conv_d[:, inner + width:].reshape(total, groups, d_state), s0.to(DEVICE))
+    layout = scan_layout(lens, length, cuts, torch.device(DEVICE))
+    got = ssd_varlen_scan(*args, lens, length, cuts, layout, kernels=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.cpu(), w, atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the scan takes its kernel path on a GPU only")
@@ -191,14 +202,15 @@ def test_ssd_carry_kernel_matches_torch_path() -> None:
     """The carry across a chunked scan's blocks in one launch against the CPU's walk (model/layers/mamba2.py): three
     sequences of 3, 1 and 2 blocks, non-zero initial states; a state larger than one program's slice."""
     from pagedllm.kernels.triton_mamba import SSD_CARRY_BLOCK, ssd_carry_states
-    from pagedllm.model.layers.mamba2 import _carry_states
+    from pagedllm.model.layers.mamba2 import _carry_states, scan_layout
 
     torch.manual_seed(0)
     blocks, heads, head_dim, d_state = [3, 1, 2], 2, 24, SSD_CARRY_BLOCK // 16
     init = torch.randn(len(blocks), heads, head_dim, d_state)
     block_states = torch.randn(sum(blocks), heads, head_dim, d_state)
     decay = torch.rand(sum(blocks), heads)
-    want_starts, want_final = _carry_states(init, block_states, decay, blocks)
+    want_starts, want_final = _carry_states(init, block_states, decay,
+                                            scan_layout([16 * n for n in blocks], 16, None, torch.device("cpu")))
     first = torch.tensor([0, 3, 4], dtype=torch.int32, device=DEVICE)
     got_starts, got_final = ssd_carry_states(init.to(DEVICE), block_states.to(DEVICE), decay.to(DEVICE), first,
                                              torch.tensor(blocks, dtype=torch.int32, device=DEVICE))

@@ -183,79 +183,158 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, a_log: torch.Tensor, b: to
     return y
 
 
-# One program of the chunked scan's outputs: 16 output rows (and 16 input rows per inner step), four warps, dots in
-# three TF32 passes (float32's precision on tensor cores). Larger tiles or more warps spilled registers on sm_90.
-SSD_BLOCK_ROWS = 16
-SSD_NUM_WARPS = 4
+# The chunked Mamba-2 scan (SSD) of a step's prefill chunks in three launches per layer, reading the packed tokens in
+# place through the block layout's row map (model/layers/mamba2.py's ScanLayout: each block's rows, padding rows past
+# the token count), so no padded copies of x, dt, B or C are made: the blocks' states and within-block cumulative
+# sums (ssd_chunk_states), the carry across each sequence's blocks (ssd_carry_states), every token's output
+# (ssd_chunk_outputs). Dots run in three TF32 passes (``tf32x3``: float32's precision on tensor cores); tiles of 16
+# or 32 rows and these warp counts compiled for sm_90 without spilling registers, larger ones spilled.
+SSD_ROWS = 16  # output rows (and input rows per inner step) of one program of ssd_chunk_outputs
+SSD_STATE_ROWS = 32  # rows per inner step of ssd_chunk_states
 SSD_PRECISION = "tf32x3"
 
 
-@triton.jit(do_not_specialize=["num_blocks", "length"])
-def _ssd_block_output_kernel(xd_ptr, b_ptr, c_ptr, acum_ptr, start_ptr, y_ptr, num_blocks, length, heads, per_group,
-                             head_dim, d_state, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit(do_not_specialize=["num_blocks", "length", "total"])
+def _ssd_chunk_state_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, index_ptr, acum_ptr, state_ptr, decay_ptr, num_blocks,
+                            length, total, heads, per_group, head_dim, d_state, stride_xt, stride_dtt, stride_bt,
+                            PRECISION: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    blk = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    g = h // per_group
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    p_ok = p < head_dim
+    n_ok = n < d_state
+    a_h = tl.load(a_ptr + h).to(tl.float32)
+    acum_base = acum_ptr + (h * num_blocks + blk) * length
+    # first pass: the within-block cumulative sums of A·dt (padding rows add 0), and the block's total
+    run = tl.sum(tl.zeros((BLOCK_L,), dtype=tl.float32), axis=0)
+    for l0 in range(0, length, BLOCK_L):
+        lane = l0 + tl.arange(0, BLOCK_L)
+        row = tl.load(index_ptr + blk * length + lane, mask=lane < length, other=total)
+        adt = a_h * tl.load(dt_ptr + row * stride_dtt + h, mask=row < total, other=0.0)
+        tl.store(acum_base + lane, tl.cumsum(adt, axis=0) + run, mask=lane < length)
+        run += tl.sum(adt, axis=0)
+    tl.store(decay_ptr + blk * heads + h, tl.exp(run))
+    # second pass: the block's state from zeros, sum over l of exp(total - acum[l]) dt[l] x[l] ⊗ B[l]
+    # (the sums recomputed rather than read back: other threads of this program stored them)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    done = tl.sum(tl.zeros((BLOCK_L,), dtype=tl.float32), axis=0)
+    for l0 in range(0, length, BLOCK_L):
+        lane = l0 + tl.arange(0, BLOCK_L)
+        row = tl.load(index_ptr + blk * length + lane, mask=lane < length, other=total)
+        ok = row < total
+        dt = tl.load(dt_ptr + row * stride_dtt + h, mask=ok, other=0.0)
+        cum = tl.cumsum(a_h * dt, axis=0) + done
+        done += tl.sum(a_h * dt, axis=0)
+        weight = tl.exp(run - cum) * dt
+        x = tl.load(x_ptr + row[:, None] * stride_xt + h * head_dim + p[None, :], mask=ok[:, None] & p_ok[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + row[:, None] * stride_bt + g * d_state + n[None, :], mask=ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        acc += tl.dot(tl.trans(x * weight[:, None]), b, input_precision=PRECISION)
+    tl.store(state_ptr + ((blk * heads + h) * head_dim + p[:, None]) * d_state + n[None, :], acc,
+             mask=p_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_blocks", "length", "total"])
+def _ssd_chunk_output_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, index_ptr, acum_ptr, start_ptr, y_ptr, num_blocks, length,
+                             total, heads, per_group, head_dim, d_state, stride_xt, stride_dtt, stride_bt, stride_ct,
+                             stride_yt, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
     blk = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
     g = h // per_group
-    groups = heads // per_group
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    lanes = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     p = tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    row_ok = rows < length
     p_ok = p < head_dim
     n_ok = n < d_state
+    rows = tl.load(index_ptr + blk * length + lanes, mask=lanes < length, other=total)
+    row_ok = rows < total
     acum_base = acum_ptr + (h * num_blocks + blk) * length
-    acum_l = tl.load(acum_base + rows, mask=row_ok, other=0.0)
-    c_rows = tl.load(c_ptr + ((blk * length + rows[:, None]) * groups + g) * d_state + n[None, :],
+    acum_l = tl.load(acum_base + lanes, mask=lanes < length, other=0.0)
+    c_rows = tl.load(c_ptr + rows[:, None] * stride_ct + g * d_state + n[None, :],
                      mask=row_ok[:, None] & n_ok[None, :], other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    # within the block: y[l] += sum over s <= l of (C[l]·B[s]) exp(acum[l] - acum[s]) xd[s]
+    # within the block: y[l] += sum over s <= l of (C[l]·B[s]) exp(acum[l] - acum[s]) dt[s] x[s]
     for s0 in range(0, tile * BLOCK_M + BLOCK_M, BLOCK_M):
-        cols = s0 + tl.arange(0, BLOCK_M)
-        col_ok = cols < length
-        b_cols = tl.load(b_ptr + ((blk * length + cols[:, None]) * groups + g) * d_state + n[None, :],
+        col_lanes = s0 + tl.arange(0, BLOCK_M)
+        cols = tl.load(index_ptr + blk * length + col_lanes, mask=col_lanes < length, other=total)
+        col_ok = cols < total
+        b_cols = tl.load(b_ptr + cols[:, None] * stride_bt + g * d_state + n[None, :],
                          mask=col_ok[:, None] & n_ok[None, :], other=0.0)
         scores = tl.dot(c_rows, tl.trans(b_cols), input_precision=PRECISION)
-        acum_s = tl.load(acum_base + cols, mask=col_ok, other=0.0)
-        causal = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+        acum_s = tl.load(acum_base + col_lanes, mask=col_lanes < length, other=0.0)
+        causal = (col_lanes[None, :] <= lanes[:, None]) & col_ok[None, :]
         scores = scores * tl.exp(tl.where(causal, acum_l[:, None] - acum_s[None, :], float("-inf")))
-        xd = tl.load(xd_ptr + ((blk * length + cols[:, None]) * heads + h) * head_dim + p[None, :],
-                     mask=col_ok[:, None] & p_ok[None, :], other=0.0)
-        acc += tl.dot(scores, xd, input_precision=PRECISION)
+        dt = tl.load(dt_ptr + cols * stride_dtt + h, mask=col_ok, other=0.0)
+        x = tl.load(x_ptr + cols[:, None] * stride_xt + h * head_dim + p[None, :],
+                    mask=col_ok[:, None] & p_ok[None, :], other=0.0)
+        acc += tl.dot(scores, x * dt[:, None], input_precision=PRECISION)
     # from the state the block starts from: y[l] += exp(acum[l]) C[l]·start
     start = tl.load(start_ptr + ((blk * heads + h) * head_dim + p[:, None]) * d_state + n[None, :],
                     mask=p_ok[:, None] & n_ok[None, :], other=0.0)
     acc += tl.dot(c_rows, tl.trans(start), input_precision=PRECISION) * tl.exp(acum_l)[:, None]
-    tl.store(y_ptr + ((blk * length + rows[:, None]) * heads + h) * head_dim + p[None, :], acc,
-             mask=row_ok[:, None] & p_ok[None, :])
+    tl.store(y_ptr + rows[:, None] * stride_yt + h * head_dim + p[None, :], acc, mask=row_ok[:, None] & p_ok[None, :])
 
 
-def ssd_block_outputs(xd: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_cum: torch.Tensor,
-                      starts: torch.Tensor, block_rows: int = SSD_BLOCK_ROWS, num_warps: int = SSD_NUM_WARPS,
-                      precision: str = SSD_PRECISION) -> torch.Tensor:
-    """The chunked Mamba-2 scan's outputs, block by block, in one launch: xd [c, l, h, p] (x·dt), b / c [c, l, g, n],
-    a_cum [h, c, l] (the within-block cumulative sums of A·dt), starts [c, h, p, n] (the state each block starts from),
-    all float32 and contiguous → y [c, l, h, p] float32 (without the D skip). The same sums as the torch form in
-    model/layers/mamba2.py, without its [h, c, l, l] decay and score tensors. `block_rows`, `num_warps`, `precision`
-    (Triton's dot input precision): the tile; the defaults are what the engine runs (benchmarks try others)."""
-    num_blocks, length, heads, head_dim = xd.shape
-    groups, d_state = b.shape[2], b.shape[3]
-    for name, t in (("xd", xd), ("b", b), ("c", c), ("a_cum", a_cum), ("starts", starts)):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"ssd_block_outputs: {name} must be a contiguous float32 tensor, got {t.dtype}")
-    if b.shape != c.shape or b.shape[:2] != (num_blocks, length) or heads % groups:
-        raise ValueError(f"ssd_block_outputs: b / c {tuple(b.shape)} / {tuple(c.shape)} do not match xd "
-                         f"{tuple(xd.shape)} (heads a multiple of groups)")
-    if a_cum.shape != (heads, num_blocks, length) or starts.shape != (num_blocks, heads, head_dim, d_state):
-        raise ValueError(f"ssd_block_outputs: a_cum {tuple(a_cum.shape)} / starts {tuple(starts.shape)} do not match")
-    y = torch.empty_like(xd)
-    if xd.numel() == 0:
-        return y
-    _ssd_block_output_kernel[(triton.cdiv(length, block_rows), num_blocks, heads)](
-        xd, b, c, a_cum, starts, y, num_blocks, length, heads, heads // groups, head_dim, d_state,
-        PRECISION=precision, BLOCK_M=block_rows, BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=max(16, triton.next_power_of_2(d_state)), num_warps=num_warps)
+def _check_scan_inputs(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, index: torch.Tensor) -> None:
+    total, heads, head_dim = x.shape
+    if x.dtype != torch.float32 or dt.dtype != torch.float32 or b.dtype != torch.float32:
+        raise ValueError(f"the chunked scan's kernels take float32 x, dt, B / C, got {x.dtype}, {dt.dtype}, {b.dtype}")
+    if x.stride(2) != 1 or x.stride(1) != head_dim or dt.shape != (total, heads) or dt.stride(1) != 1 \
+            or b.shape[0] != total or b.stride(2) != 1 or b.stride(1) != b.shape[2] or heads % b.shape[1]:
+        raise ValueError(f"the chunked scan's kernels take x [T, h, p], dt [T, h], B / C [T, g, n] with contiguous "
+                         f"rows (heads a multiple of groups), got {tuple(x.shape)}, {tuple(dt.shape)}, "
+                         f"{tuple(b.shape)}")
+    if index.dtype != torch.long or index.dim() != 1:
+        raise ValueError("the block layout's row map must be a 1-D int64 tensor")
+
+
+def ssd_chunk_states(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
+                     length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, h, p], dt [T, h] (softplus'd), a [h] (negative), b [T, g, n], float32 with contiguous rows; `index`
+    [blocks · length] int64: each block row's token (T for padding) → (a_cum [h, blocks, length] the within-block
+    cumulative sums of A·dt, the blocks' states from zeros [blocks, h, p, n], their decays exp(sum of A·dt) [blocks,
+    h]), float32."""
+    _check_scan_inputs(x, dt, b, index)
+    total, heads, head_dim = x.shape
+    groups, d_state = b.shape[1], b.shape[2]
+    num_blocks = index.numel() // length
+    a_cum = torch.empty(heads, num_blocks, length, dtype=torch.float32, device=x.device)
+    states = torch.empty(num_blocks, heads, head_dim, d_state, dtype=torch.float32, device=x.device)
+    decay = torch.empty(num_blocks, heads, dtype=torch.float32, device=x.device)
+    if num_blocks:
+        _ssd_chunk_state_kernel[(num_blocks, heads)](
+            x, dt, a.float().contiguous(), b, index, a_cum, states, decay, num_blocks, length, total, heads,
+            heads // groups, head_dim, d_state, x.stride(0), dt.stride(0), b.stride(0), PRECISION=SSD_PRECISION,
+            BLOCK_L=SSD_STATE_ROWS, BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_N=max(16, triton.next_power_of_2(d_state)), num_warps=8)
+    return a_cum, states, decay
+
+
+def ssd_chunk_outputs(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, index: torch.Tensor,
+                      a_cum: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Every token's output of the chunked scan (without the D skip) → y [T, h, p] float32: within its block, and from
+    the state its block starts from (`starts` [blocks, h, p, n]); inputs as ssd_chunk_states takes them, c as b."""
+    _check_scan_inputs(x, dt, c, index)
+    total, heads, head_dim = x.shape
+    groups, d_state = b.shape[1], b.shape[2]
+    num_blocks, length = a_cum.shape[1], a_cum.shape[2]
+    if b.shape != c.shape or b.stride() != c.stride() or starts.shape != (num_blocks, heads, head_dim, d_state) \
+            or not (starts.is_contiguous() and a_cum.is_contiguous()):
+        raise ValueError(f"ssd_chunk_outputs: B {tuple(b.shape)}, C {tuple(c.shape)}, starts {tuple(starts.shape)} "
+                         f"do not match (contiguous a_cum and starts needed)")
+    y = torch.empty(total, heads, head_dim, dtype=torch.float32, device=x.device)
+    if num_blocks:
+        _ssd_chunk_output_kernel[(triton.cdiv(length, SSD_ROWS), num_blocks, heads)](
+            x, dt, b, c, index, a_cum, starts, y, num_blocks, length, total, heads, heads // groups, head_dim, d_state,
+            x.stride(0), dt.stride(0), b.stride(0), c.stride(0), y.stride(0), PRECISION=SSD_PRECISION,
+            BLOCK_M=SSD_ROWS, BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_N=max(16, triton.next_power_of_2(d_state)), num_warps=4)
     return y
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.model.layers.linear import ReplicatedLinear
-from pagedllm.model.layers.mamba2 import _DepthwiseConv, causal_conv_prefill
+from pagedllm.model.layers.mamba2 import _DepthwiseConv, causal_conv_prefill, conv_layout
 from pagedllm.model.layers.mamba_state import MambaLayerCache, MambaStateMetadata, MambaStateShape, clear_state_slots
 
 #: The inner norms of dt, B and C after x_proj: none (Mamba), RMS without weights (FalconMamba), RMSNorm (Jamba).
@@ -190,10 +190,12 @@ class Mamba1Mixer(nn.Module):
             first = nd
             slot_t = state_meta.state_indices[first:]
             cuts = [(row - first, offset) for row, offset, _ in state_meta.cuts if row >= first]
-            cut_slots = async_tensor_h2d([slot for row, _, slot in state_meta.cuts if row >= first], torch.long,
-                                         x.device) if cuts else None
+            width = cache.conv_state.shape[2]
+            cut_slots, layout = state_meta.per_step(("mamba1 conv", first, width), lambda: (
+                async_tensor_h2d([slot for row, _, slot in state_meta.cuts if row >= first], torch.long, x.device)
+                if cuts else None, conv_layout(lens[first:], width, cuts, x.device)))
             out[nd:] = causal_conv_prefill(x[nd:], cache.conv_state, self.conv1d.weight, bias, slot_t, lens[first:],
-                                           cuts, cut_slots)
+                                           cuts, cut_slots, layout)
         return out
 
 

@@ -94,29 +94,27 @@ def validate_dims(dims: Mamba2Dims, tp: TensorParallelGroup) -> None:
         raise ValueError(f"Mamba-2 conv activation must be 'silu', got {dims.activation!r}")
 
 
-def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                    initial_states: torch.Tensor, lens: list[int], chunk_size: int,
-                    cuts: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The selective scan of several sequences packed one after another, in the chunked SSD form (the Mamba-2 paper's
-    ``ssd_minimal_discrete`` with initial states; float32 throughout).
+@dataclass
+class ScanLayout:
+    """How ssd_varlen_scan packs a step's chunks into blocks (the same for every layer of the step: built once)."""
 
-    x [T, h, p], dt [T, h] (already softplus'd and clamped), a [h] (negative), b / c [T, g, n] (one per group of
-    h / g heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T); `cuts` (optional):
-    per sequence, ascending offsets 0 < q < its length after whose first q tokens the state is wanted as well.
-    Returns (y [T, h, p] without the D skip, final states [S, h, p, n], the states at the cuts [K, h, p, n] in
-    sequence then offset order, or None without cuts)."""
-    dev = x.device
-    total, heads, head_dim = x.shape
-    groups, d_state = b.shape[1], b.shape[2]
-    per_group = heads // groups
-    length = chunk_size
+    length: int  # tokens per block
+    blocks: list[int]  # blocks per sequence
+    index: torch.Tensor  # [blocks · length] each block row's token in the packed input (padding: the token count)
+    tokens: torch.Tensor  # [T] the block rows that hold tokens, in token order
+    cut_blocks: torch.Tensor | None  # the blocks a cut starts, in sequence then offset order
+    first_block: torch.Tensor  # [S] int32, each sequence's first block (for the carry kernel)
+    block_counts: torch.Tensor  # [S] int32
+
+
+def scan_layout(lens: list[int], chunk_size: int, cuts: list[list[int]] | None, device: torch.device) -> ScanLayout:
+    """ssd_varlen_scan's packing of chunks of `lens` tokens (and `cuts`, as it takes them) into `chunk_size` blocks."""
+    total, length = sum(lens), chunk_size
     # Each cut starts a new block (the block before it padded: a padding row has dt = 0, so it leaves the state as
     # it is), so the state a cut wants is the one its block starts from.
     segments = [np.diff([0, *(cuts[i] if cuts else ()), n]) for i, n in enumerate(lens)]
     blocks = [int(sum(-(-m // length) for m in seg)) for seg in segments]
-    nb = sum(blocks)
-    # every block's token rows in the packed input (padding rows: index T, a zero row appended below)
-    rows = np.full(nb * length, total, dtype=np.int64)
+    rows = np.full(sum(blocks) * length, total, dtype=np.int64)
     cut_blocks: list[int] = []
     at = offset = 0
     for seg in segments:
@@ -126,7 +124,50 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch
             rows[at: at + m] = np.arange(offset, offset + m)
             at += -(-m // length) * length
             offset += m
-    index = async_tensor_h2d(rows, torch.long, dev)
+    return ScanLayout(length, blocks, async_tensor_h2d(rows, torch.long, device),
+                      # the blocks hold the tokens in order, so the non-padding rows are the output (found here: indexing
+                      # by a device mask would wait for the device)
+                      async_tensor_h2d(np.flatnonzero(rows < total), torch.long, device),
+                      async_tensor_h2d(cut_blocks, torch.long, device) if cut_blocks else None,
+                      async_tensor_h2d(np.cumsum([0] + blocks[:-1]), torch.int32, device),
+                      async_tensor_h2d(blocks, torch.int32, device))
+
+
+def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    initial_states: torch.Tensor, lens: list[int], chunk_size: int,
+                    cuts: list[list[int]] | None = None, layout: ScanLayout | None = None,
+                    kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The selective scan of several sequences packed one after another, in the chunked SSD form (the Mamba-2 paper's
+    ``ssd_minimal_discrete`` with initial states; float32 throughout).
+
+    x [T, h, p], dt [T, h] (already softplus'd and clamped), a [h] (negative), b / c [T, g, n] (one per group of
+    h / g heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T); `cuts` (optional):
+    per sequence, ascending offsets 0 < q < its length after whose first q tokens the state is wanted as well.
+    Returns (y [T, h, p] without the D skip, final states [S, h, p, n], the states at the cuts [K, h, p, n] in
+    sequence then offset order, or None without cuts). `layout`: scan_layout(lens, chunk_size, cuts), if already
+    built. `kernels`: the Triton kernels (the default on a GPU) or the torch form (the default on a CPU)."""
+    layout = layout or scan_layout(lens, chunk_size, cuts, x.device)
+    use_kernels = x.is_cuda if kernels is None else kernels
+    if use_kernels:
+        from pagedllm.kernels.triton_mamba import ssd_carry_states, ssd_chunk_outputs, ssd_chunk_states
+
+        a_cum, block_states, block_decay = ssd_chunk_states(x, dt, a, b, layout.index, layout.length)
+        starts, states = ssd_carry_states(initial_states.contiguous(), block_states, block_decay, layout.first_block,
+                                          layout.block_counts)
+        out = ssd_chunk_outputs(x, dt, b, c, layout.index, a_cum, starts)
+    else:
+        out, states, starts = _ssd_scan_torch(x, dt, a, b, c, initial_states, layout)
+    cut_states = starts.index_select(0, layout.cut_blocks) if layout.cut_blocks is not None else None
+    return out, states, cut_states
+
+
+def _ssd_scan_torch(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    initial_states: torch.Tensor, layout: ScanLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ssd_varlen_scan in torch ops on padded blocks → (y, final states, each block's start)."""
+    total, heads, head_dim = x.shape
+    groups, d_state = b.shape[1], b.shape[2]
+    per_group = heads // groups
+    length, nb, index = layout.length, sum(layout.blocks), layout.index
     pad = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])  # noqa: E731
     xd = pad(x * dt[..., None])[index].view(nb, length, groups, per_group, head_dim)  # [c, l, g, k, p]
     bb = pad(b)[index].view(nb, length, groups, d_state)  # [c, l, g, n]
@@ -136,26 +177,16 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch
     to_end = torch.exp(a_cum[..., -1:] - a_cum).permute(1, 2, 0).reshape(nb, length, groups, per_group, 1)
     block_states = torch.einsum("clgn,clgkp->cgkpn", bb, xd * to_end).reshape(nb, heads, head_dim, d_state)
     block_decay = torch.exp(a_cum[..., -1]).transpose(0, 1)  # [c, h]
-    starts, states = _carry_states(initial_states, block_states, block_decay, blocks)
-    if dev.type == "cuda":
-        from pagedllm.kernels.triton_mamba import ssd_block_outputs
-
-        y = ssd_block_outputs(xd.reshape(nb, length, heads, head_dim), bb, cc, a_cum.contiguous(), starts)
-    else:
-        y = _block_outputs_torch(xd, bb, cc, a_cum, starts)
-    y = y.reshape(nb * length, heads, head_dim)
-    # the blocks hold the tokens in order, so the non-padding rows are the output (found on the host: indexing by a
-    # device mask would wait for the device)
-    out = y.index_select(0, async_tensor_h2d(np.flatnonzero(rows < total), torch.long, dev))
-    cut_states = starts[async_tensor_h2d(cut_blocks, torch.long, dev)] if cut_blocks else None
-    return out, states, cut_states
+    starts, states = _carry_states(initial_states, block_states, block_decay, layout)
+    y = _block_outputs_torch(xd, bb, cc, a_cum, starts)
+    return y.reshape(nb * length, heads, head_dim).index_select(0, layout.tokens), states, starts
 
 
 def _block_outputs_torch(xd: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, a_cum: torch.Tensor,
                          starts: torch.Tensor) -> torch.Tensor:
     """Every block's outputs [c, l, g, k, p]: within the block y[l] = sum over s <= l of (C[l]·B[s]) exp(a_cum[l] -
     a_cum[s]) xd[s] (C·B once per group), plus exp(a_cum[l]) C[l]·start from the state the block starts from.
-    (kernels/triton_mamba.py's ssd_block_outputs is the same sums in one launch, for GPUs.)"""
+    (kernels/triton_mamba.py's ssd_chunk_outputs is the same sums in one launch, for GPUs.)"""
     nb, length, groups, per_group, head_dim = xd.shape
     causal = torch.ones(length, length, dtype=torch.bool, device=xd.device).tril()
     decay = (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill_(~causal, -math.inf).exp_()  # [h, c, l, s]
@@ -168,61 +199,72 @@ def _block_outputs_torch(xd: torch.Tensor, bb: torch.Tensor, cc: torch.Tensor, a
 
 
 def _carry_states(initial_states: torch.Tensor, block_states: torch.Tensor, block_decay: torch.Tensor,
-                  blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                  layout: ScanLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """The state each block starts from [c, h, p, n], and each sequence's state after its last block [S, h, p, n]:
-    state ← state · block_decay + block_state along each sequence's blocks (sequence i has `blocks[i]` of them, one
-    after another)."""
-    dev = block_states.device
-    first_block = np.cumsum([0] + blocks[:-1]).tolist()
-    if dev.type == "cpu":  # each sequence's blocks in turn, on views: no gathers
-        states = initial_states.clone()
-        starts = torch.empty_like(block_states)  # every block's start is written below
-        for i, (first, count) in enumerate(zip(first_block, blocks)):
-            state = states[i]
-            for j in range(first, first + count):
-                starts[j] = state
-                state = torch.addcmul(block_states[j], state, block_decay[j][:, None, None])
-            states[i] = state
-        return starts, states
-    # on a GPU, launches count: one kernel walks every sequence's blocks
-    from pagedllm.kernels.triton_mamba import ssd_carry_states
+    state ← state · block_decay + block_state along each sequence's blocks, in turn, on views (no gathers; on a GPU
+    kernels/triton_mamba.py's ssd_carry_states does it in one launch)."""
+    states = initial_states.clone()
+    starts = torch.empty_like(block_states)  # every block's start is written below
+    first = 0
+    for i, count in enumerate(layout.blocks):
+        state = states[i]
+        for j in range(first, first + count):
+            starts[j] = state
+            state = torch.addcmul(block_states[j], state, block_decay[j][:, None, None])
+        states[i] = state
+        first += count
+    return starts, states
 
-    return ssd_carry_states(initial_states.contiguous(), block_states.contiguous(), block_decay.contiguous(),
-                            async_tensor_h2d(first_block, torch.int32, dev), async_tensor_h2d(blocks, torch.int32, dev))
+
+@dataclass
+class ConvLayout:
+    """Where causal_conv_prefill puts each chunk's saved inputs and tokens (the same for every layer of the step)."""
+
+    token_row: torch.Tensor  # [T] each token's row in ext (each sequence's saved inputs, then its chunk's inputs)
+    prev_rows: torch.Tensor  # [S · width] the saved inputs' rows
+    last_rows: torch.Tensor  # [S, width] each sequence's last `width` rows
+    cut_rows: torch.Tensor | None  # [K, width] the `width` rows before each cut
+
+
+def conv_layout(lens: list[int], width: int, cuts: list[tuple[int, int]], device: torch.device) -> ConvLayout:
+    """causal_conv_prefill's rows for chunks of `lens` tokens, a conv of `width` + 1 taps, and (sequence, offset)
+    `cuts`."""
+    ext_start = np.cumsum([0] + [width + m for m in lens[:-1]])
+    token_row = np.concatenate([np.arange(m) + e + width for e, m in zip(ext_start, lens)])
+    prev_rows = (ext_start[:, None] + np.arange(width)).reshape(-1)
+    last_rows = (ext_start + np.asarray(lens))[:, None] + np.arange(width)
+    # the inputs before offset q sit q rows after the sequence's start in ext (its saved inputs first)
+    cut_rows = np.asarray([ext_start[i] + q for i, q in cuts])[:, None] + np.arange(width) if cuts else None
+    return ConvLayout(*(async_tensor_h2d(r, torch.long, device) for r in (token_row, prev_rows, last_rows)),
+                      async_tensor_h2d(cut_rows, torch.long, device) if cuts else None)
 
 
 def causal_conv_prefill(xbc: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                         bias: torch.Tensor | None, slot_t: torch.Tensor, lens: list[int],
-                        cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None) -> torch.Tensor:
+                        cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None,
+                        layout: ConvLayout | None = None) -> torch.Tensor:
     """SiLU(causal depthwise conv) of every chunk of packed `xbc` [T, C] (`lens` tokens each) → [T, C] float32, each
     chunk after its slot's saved inputs (`conv_state` [slots, C, d_conv - 1]); the slots `slot_t` then hold each chunk's
     last d_conv - 1 inputs. `cuts` (sequence, offset): slot `cut_slots[j]` gets the d_conv - 1 inputs before that
-    offset of that chunk (prefix caching's snapshots)."""
+    offset of that chunk (prefix caching's snapshots). `layout`: conv_layout(lens, d_conv - 1, cuts), if built."""
     channels = xbc.shape[1]
     width = conv_state.shape[2]
-    dev = xbc.device
     n = len(lens)
-    # ext: each sequence's saved inputs, then its chunk's inputs; token_row: where each token sits in ext
+    layout = layout or conv_layout(lens, width, cuts, xbc.device)
+    token_row = layout.token_row
     prev = conv_state.index_select(0, slot_t).float().transpose(1, 2)  # [n, width, C]
-    ext_start = np.cumsum([0] + [width + m for m in lens[:-1]])
-    token_row = np.concatenate([np.arange(m) + e + width for e, m in zip(ext_start, lens)])
-    prev_rows = (ext_start[:, None] + np.arange(width)).reshape(-1)
-    last_rows = (ext_start + np.asarray(lens))[:, None] + np.arange(width)  # each sequence's last width rows
-    token_row, prev_rows, last_rows = (async_tensor_h2d(r, torch.long, dev) for r in (token_row, prev_rows, last_rows))
     ext = xbc.new_zeros(xbc.shape[0] + n * width, channels, dtype=torch.float32)
     ext[token_row] = xbc.float()
-    ext[prev_rows] = prev.reshape(-1, channels)
+    ext[layout.prev_rows] = prev.reshape(-1, channels)
     weight = conv_weight.float()[:, 0]  # [C, d_conv]
     out = ext[token_row - width] * weight[:, 0]
     for k in range(1, width + 1):
         out += ext[token_row - width + k] * weight[:, k]
     if bias is not None:
         out += bias
-    conv_state.index_copy_(0, slot_t, ext[last_rows].transpose(1, 2).to(conv_state.dtype))
-    if cuts:  # the inputs before offset q sit q rows after the sequence's start in ext (its saved inputs first)
-        cut_rows = async_tensor_h2d(np.asarray([ext_start[i] + q for i, q in cuts])[:, None] + np.arange(width),
-                                    torch.long, dev)
-        conv_state.index_copy_(0, cut_slots, ext[cut_rows].transpose(1, 2).to(conv_state.dtype))
+    conv_state.index_copy_(0, slot_t, ext[layout.last_rows].transpose(1, 2).to(conv_state.dtype))
+    if layout.cut_rows is not None:
+        conv_state.index_copy_(0, cut_slots, ext[layout.cut_rows].transpose(1, 2).to(conv_state.dtype))
     return F.silu(out)
 
 
@@ -233,6 +275,30 @@ def _block_size(lens: list[int], device: torch.device) -> int:
     base = GPU_CHUNK_SIZE if device.type == "cuda" else CPU_CHUNK_SIZE
     longest = max(lens, default=1)
     return min(base, max(16, 1 << (longest - 1).bit_length()))
+
+
+@dataclass
+class PrefillPlan:
+    """What every Mamba-2 layer of a step needs about its prefill chunks (sequences `first`..): their slots, the
+    state snapshots inside them (prefix caching), and the conv's and scan's layouts. Built by the step's first layer."""
+
+    slots: torch.Tensor  # [S] each chunk's slot
+    conv_cuts: list[tuple[int, int]]  # (sequence, offset) per snapshot, in order
+    scan_cuts: list[list[int]] | None  # per sequence its offsets, or None without snapshots
+    cut_slots: torch.Tensor | None  # each snapshot's slot, in that order
+    conv: ConvLayout
+    scan: ScanLayout
+
+    @classmethod
+    def build(cls, state_meta: MambaStateMetadata, first: int, lens: list[int], conv_width: int, chunk_size: int,
+              device: torch.device) -> PrefillPlan:
+        n = len(lens)
+        wanted = sorted((row - first, offset, slot) for row, offset, slot in state_meta.cuts if first <= row < first + n)
+        conv_cuts = [(i, q) for i, q, _ in wanted]
+        scan_cuts = [[q for i, q, _ in wanted if i == seq] for seq in range(n)] if wanted else None
+        return cls(async_tensor_h2d(state_meta.state_indices_cpu[first: first + n], torch.long, device), conv_cuts,
+                   scan_cuts, async_tensor_h2d([slot for _, _, slot in wanted], torch.long, device) if wanted else None,
+                   conv_layout(lens, conv_width, conv_cuts, device), scan_layout(lens, chunk_size, scan_cuts, device))
 
 
 class Mamba2Mixer(nn.Module):
@@ -304,35 +370,32 @@ class Mamba2Mixer(nn.Module):
         positions (as many iterations as the longest chunk has blocks)."""
         d = self.dims
         dev = xbc.device
-        seqs = list(range(first, first + len(lens)))
-        slots = [state_meta.state_indices_cpu[i] for i in seqs]
         fresh = state_meta.fresh_slots(first, first + len(lens))
         if fresh:
             clear_state_slots([cache], fresh)
-        slot_t = async_tensor_h2d(slots, torch.long, dev)
-        # state snapshots inside the chunks (prefix caching): per sequence its offsets, and the slots, in order
-        wanted = sorted((row - first, offset, slot) for row, offset, slot in state_meta.cuts
-                        if first <= row < first + len(lens))
-        cuts = [[q for i, q, _ in wanted if i == seq] for seq in range(len(lens))] if wanted else None
-        cut_slots = async_tensor_h2d([slot for _, _, slot in wanted], torch.long, dev) if wanted else None
-        conv_cuts = [(i, q) for i, q, _ in wanted]
-        x, b, c = self._split_xbc(self._conv_batch(xbc, cache, slot_t, lens, conv_cuts, cut_slots))
+        chunk_size = self.chunk_size or _block_size(lens, dev)
+        plan = state_meta.per_step(("mamba2 prefill", first, d.d_conv - 1, chunk_size),
+                                   lambda: PrefillPlan.build(state_meta, first, lens, d.d_conv - 1, chunk_size, dev))
+        x, b, c = self._split_xbc(self._conv_batch(xbc, cache, plan.slots, lens, plan.conv_cuts, plan.cut_slots,
+                                                   plan.conv))
         step = self._time_step(dt)
         low, high = d.time_step_limit
         if low > 0 or high < math.inf:
             step = step.clamp(low, high)
-        y, final, at_cuts = ssd_varlen_scan(x.float(), step, a, b, c, cache.ssm_state.index_select(0, slot_t).float(),
-                                            lens, self.chunk_size or _block_size(lens, dev), cuts)
-        cache.ssm_state.index_copy_(0, slot_t, final.to(cache.ssm_state.dtype))
+        y, final, at_cuts = ssd_varlen_scan(x.float(), step, a, b, c,
+                                            cache.ssm_state.index_select(0, plan.slots).float(), lens, chunk_size,
+                                            plan.scan_cuts, plan.scan)
+        cache.ssm_state.index_copy_(0, plan.slots, final.to(cache.ssm_state.dtype))
         if at_cuts is not None:
-            cache.ssm_state.index_copy_(0, cut_slots, at_cuts.to(cache.ssm_state.dtype))
+            cache.ssm_state.index_copy_(0, plan.cut_slots, at_cuts.to(cache.ssm_state.dtype))
         y = y + x.float() * self.D.float()[:, None]
         return y.reshape(y.shape[0], d.intermediate)
 
     def _conv_batch(self, xbc: torch.Tensor, cache: MambaLayerCache, slot_t: torch.Tensor, lens: list[int],
-                    cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None) -> torch.Tensor:
+                    cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None,
+                    layout: ConvLayout | None = None) -> torch.Tensor:
         return causal_conv_prefill(xbc, cache.conv_state, self.conv1d.weight, self._conv_bias(), slot_t, lens, cuts,
-                                   cut_slots)
+                                   cut_slots, layout)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
                 state_meta: MambaStateMetadata, nd: int) -> torch.Tensor:

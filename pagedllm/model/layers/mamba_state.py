@@ -9,7 +9,9 @@ decode continue where the previous step stopped. A sequence whose chunk starts a
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,9 +40,17 @@ class MambaStateMetadata:
     cuts: list[tuple[int, int, int]] = field(default_factory=list)
     # Derived once per step (every layer reads it): the batch rows whose state starts from zeros, usually none.
     fresh_rows: list[int] = field(init=False)
+    # Values that every layer of the step would otherwise rebuild (index tensors sent to the device once), by key.
+    _per_step: dict[Hashable, Any] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.fresh_rows = [i for i, has in enumerate(self.has_initial_state) if not has]
+
+    def per_step(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """`build()`, run by the first layer of the step that asks for `key`; later layers get the same value."""
+        if key not in self._per_step:
+            self._per_step[key] = build()
+        return self._per_step[key]
 
     def fresh_slots(self, lo: int, hi: int) -> list[int]:
         """The slots of rows lo..hi-1 that start from zeros."""
