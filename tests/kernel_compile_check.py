@@ -160,6 +160,13 @@ def _mamba() -> None:
         selective_scan(x, proj[:, :channels], torch.zeros(channels, d_state), bc[:, 8:8 + d_state], bc[:, 8 + d_state:],
                        torch.zeros(channels, dtype=torch.bfloat16), proj[:, channels:],
                        torch.zeros(9, channels, 1, d_state), torch.arange(len(lens)), qsl, lens, snaps)
+    # the prefill conv (bf16 inputs and state, a bias) and its saved-input updates
+    from pagedllm.model.layers.mamba2 import causal_conv_prefill
+
+    xbc = torch.zeros(9, 2 * conv_dim, dtype=torch.bfloat16)[:, :conv_dim]
+    causal_conv_prefill(xbc, torch.zeros(6, conv_dim, 3, dtype=torch.bfloat16),
+                        torch.zeros(conv_dim, 1, 4, dtype=torch.bfloat16), torch.zeros(conv_dim, dtype=torch.bfloat16),
+                        torch.tensor([0, 1]), [5, 4], [(0, 2)], torch.tensor([2]), kernels=True)
     # the chunked Mamba-2 scan's kernels (prefill chunks): block states, the carry, the outputs
     from pagedllm.model.layers.mamba2 import ssd_varlen_scan
 

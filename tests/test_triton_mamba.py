@@ -216,3 +216,34 @@ def test_ssd_carry_kernel_matches_torch_path() -> None:
                                              torch.tensor(blocks, dtype=torch.int32, device=DEVICE))
     torch.testing.assert_close(got_starts.cpu(), want_starts, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_final.cpu(), want_final, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_kernel_matches_torch_path(state_dtype: torch.dtype) -> None:
+    """The prefill conv in one launch (plus the saved-input updates) against the torch form of model/layers/mamba2.py:
+    chunks longer and shorter than the conv's window (a 2-token chunk reads its slot's saved inputs for two taps and
+    keeps one of them), snapshot cuts before and after the window's width, a strided input as the mixer passes it;
+    other slots untouched."""
+    from pagedllm.model.layers.mamba2 import causal_conv_prefill, conv_layout
+
+    torch.manual_seed(0)
+    channels, width, lens, slots = 200, 3, [9, 2, 40, 1], [4, 0, 2, 6]
+    cuts, cut_slots = [(0, 2), (2, 5), (2, 31)], [1, 3, 5]
+    total = sum(lens)
+    proj = torch.randn(total, channels + 17).to(state_dtype)  # the conv input (the model's dtype, as the state's)
+    weight = torch.randn(channels, 1, width + 1)
+    bias = torch.randn(channels)
+    state = torch.randn(8, channels, width).to(state_dtype)
+    outs, states = [], []
+    for kernels, dev in ((False, "cpu"), (True, DEVICE)):
+        st = state.clone().to(dev)
+        xbc = proj.to(dev)[:, 5: 5 + channels]
+        layout = conv_layout(lens, width, cuts, torch.device(dev))
+        out = causal_conv_prefill(xbc, st, weight.to(dev), bias.to(dev), torch.tensor(slots, device=dev), lens, cuts,
+                                  torch.tensor(cut_slots, device=dev), layout, kernels=kernels)
+        outs.append(out.cpu())
+        states.append(st.cpu().float())
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(states[1], states[0], atol=0, rtol=0)
+    assert torch.equal(states[1][7], state[7].float())  # a slot no chunk owns

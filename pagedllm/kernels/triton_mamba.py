@@ -58,6 +58,98 @@ def conv_state_update(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch
     return out
 
 
+CONV_PREFILL_TOKENS = 16  # tokens per program of the prefill conv
+CONV_PREFILL_CHANNELS = 128  # channels per program
+
+
+@triton.jit(do_not_specialize=["tokens"])
+def _conv_prefill_kernel(x_ptr, state_ptr, weight_ptr, bias_ptr, token_seq_ptr, token_off_ptr, slots_ptr, out_ptr,
+                         tokens, channels, stride_xt, stride_ss, stride_sc, stride_sk, stride_wc, stride_ot,
+                         WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = t < tokens
+    c_ok = c < channels
+    seq = tl.load(token_seq_ptr + t, mask=t_ok, other=0)
+    off = tl.load(token_off_ptr + t, mask=t_ok, other=0)
+    slot = tl.load(slots_ptr + seq, mask=t_ok, other=0).to(tl.int64)
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    for k in tl.static_range(WIDTH + 1):
+        # tap k reads the input WIDTH - k tokens back: this chunk's, or before its start the slot's saved inputs
+        back = off - WIDTH + k
+        in_chunk = back >= 0
+        mask = t_ok[:, None] & c_ok[None, :]
+        xv = tl.load(x_ptr + (t - WIDTH + k).to(tl.int64)[:, None] * stride_xt + c[None, :],
+                     mask=mask & in_chunk[:, None], other=0.0).to(tl.float32)
+        sv = tl.load(state_ptr + slot[:, None] * stride_ss + c[None, :] * stride_sc
+                     + (WIDTH + back)[:, None] * stride_sk, mask=mask & (~in_chunk)[:, None], other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + c * stride_wc + k, mask=c_ok, other=0.0).to(tl.float32)
+        acc += (xv + sv) * w[None, :]
+    out = acc / (1.0 + tl.exp(-acc))  # SiLU
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ot + c[None, :], out, mask=t_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _conv_prefill_state_kernel(x_ptr, state_ptr, src_slot_ptr, dst_slot_ptr, start_ptr, end_ptr, channels,
+                               stride_xt, stride_ss, stride_sc, stride_sk, WIDTH: tl.constexpr,
+                               BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+    i = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < channels
+    src = tl.load(src_slot_ptr + i).to(tl.int64)
+    dst = tl.load(dst_slot_ptr + i).to(tl.int64)
+    start = tl.load(start_ptr + i).to(tl.int64)  # the chunk's first token
+    end = tl.load(end_ptr + i)  # the offset the saved inputs end at
+    # the WIDTH inputs before offset `end`: the chunk's, or for a short one the source slot's saved ones (all read
+    # before any is written: the source may be the destination)
+    k = tl.arange(0, BLOCK_W)
+    back = end - WIDTH + k
+    in_chunk = back >= 0
+    mask = c_ok[:, None] & (k < WIDTH)[None, :]
+    xv = tl.load(x_ptr + (start + back)[None, :] * stride_xt + c[:, None], mask=mask & in_chunk[None, :], other=0.0)
+    sv = tl.load(state_ptr + src * stride_ss + c[:, None] * stride_sc + (WIDTH + back)[None, :] * stride_sk,
+                 mask=mask & (~in_chunk)[None, :], other=0.0)
+    saved = tl.where(in_chunk[None, :], xv.to(state_ptr.dtype.element_ty), sv)
+    tl.store(state_ptr + dst * stride_ss + c[:, None] * stride_sc + k[None, :] * stride_sk, saved, mask=mask)
+
+
+def conv_prefill(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 slots: torch.Tensor, token_seq: torch.Tensor, token_off: torch.Tensor, chunk_start: torch.Tensor,
+                 chunk_len: torch.Tensor, cut_seq: torch.Tensor | None = None, cut_off: torch.Tensor | None = None,
+                 cut_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of packed prefill chunks: xbc [T, C] (rows contiguous), token t of sequence
+    token_seq[t] at offset token_off[t] of its chunk (int32), each chunk after the WIDTH inputs saved in its slot
+    (`slots` [S] of conv_state [slots, C, WIDTH]) → [T, C] float32. Then each slot holds its chunk's last WIDTH inputs
+    (chunk_start / chunk_len [S] int32), and each cut's slot those before offset cut_off of chunk cut_seq (prefix
+    caching's snapshots; written first, from the chunks' saved inputs as they were)."""
+    tokens, channels = xbc.shape
+    width = conv_state.shape[2]
+    if weight.shape[-1] != width + 1 or weight.numel() != channels * (width + 1):
+        raise ValueError(f"conv weight {tuple(weight.shape)} does not match {channels} channels and the state's "
+                         f"{width} + 1 taps")
+    if xbc.stride(1) != 1:
+        raise ValueError("conv_prefill takes xbc with contiguous rows")
+    out = torch.empty(tokens, channels, dtype=torch.float32, device=xbc.device)
+    if tokens == 0:
+        return out
+    w = weight.reshape(channels, width + 1)
+    strides = (conv_state.stride(0), conv_state.stride(1), conv_state.stride(2))
+    _conv_prefill_kernel[(triton.cdiv(tokens, CONV_PREFILL_TOKENS), triton.cdiv(channels, CONV_PREFILL_CHANNELS))](
+        xbc, conv_state, w, bias if bias is not None else w, token_seq, token_off, slots, out, tokens, channels,
+        xbc.stride(0), *strides, w.stride(0), out.stride(0), WIDTH=width, HAS_BIAS=bias is not None,
+        BLOCK_T=CONV_PREFILL_TOKENS, BLOCK_C=CONV_PREFILL_CHANNELS)
+    updates = [] if cut_seq is None or cut_seq.numel() == 0 else [
+        (slots.index_select(0, cut_seq.long()), cut_slots, chunk_start.index_select(0, cut_seq.long()), cut_off)]
+    updates.append((slots, slots, chunk_start, chunk_len))
+    for src, dst, start, end in updates:
+        _conv_prefill_state_kernel[(src.numel(), triton.cdiv(channels, CONV_PREFILL_CHANNELS))](
+            xbc, conv_state, src, dst, start, end, channels, xbc.stride(0), *strides, WIDTH=width,
+            BLOCK_W=triton.next_power_of_2(width), BLOCK_C=CONV_PREFILL_CHANNELS)
+    return out
+
+
 @triton.jit
 def _ssm_state_update_kernel(xbc_ptr, dt_ptr, dt_bias_ptr, a_log_ptr, d_ptr, state_ptr, slots_ptr, y_ptr,
                              intermediate, head_dim, d_state, heads_per_group, n_groups,

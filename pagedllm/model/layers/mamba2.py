@@ -224,6 +224,13 @@ class ConvLayout:
     prev_rows: torch.Tensor  # [S · width] the saved inputs' rows
     last_rows: torch.Tensor  # [S, width] each sequence's last `width` rows
     cut_rows: torch.Tensor | None  # [K, width] the `width` rows before each cut
+    # for the GPU kernel (int32): each token's sequence and offset, each chunk's first token and length, the cuts'
+    token_seq: torch.Tensor
+    token_off: torch.Tensor
+    chunk_start: torch.Tensor
+    chunk_len: torch.Tensor
+    cut_seq: torch.Tensor | None
+    cut_off: torch.Tensor | None
 
 
 def conv_layout(lens: list[int], width: int, cuts: list[tuple[int, int]], device: torch.device) -> ConvLayout:
@@ -235,22 +242,33 @@ def conv_layout(lens: list[int], width: int, cuts: list[tuple[int, int]], device
     last_rows = (ext_start + np.asarray(lens))[:, None] + np.arange(width)
     # the inputs before offset q sit q rows after the sequence's start in ext (its saved inputs first)
     cut_rows = np.asarray([ext_start[i] + q for i, q in cuts])[:, None] + np.arange(width) if cuts else None
+    starts = np.cumsum([0] + lens[:-1])
+    token_seq = np.repeat(np.arange(len(lens)), lens)
+    i32 = lambda a: async_tensor_h2d(np.asarray(a, dtype=np.int32), torch.int32, device)  # noqa: E731
     return ConvLayout(*(async_tensor_h2d(r, torch.long, device) for r in (token_row, prev_rows, last_rows)),
-                      async_tensor_h2d(cut_rows, torch.long, device) if cuts else None)
+                      async_tensor_h2d(cut_rows, torch.long, device) if cuts else None,
+                      i32(token_seq), i32(np.arange(sum(lens)) - starts[token_seq]), i32(starts), i32(lens),
+                      i32([i for i, _ in cuts]) if cuts else None, i32([q for _, q in cuts]) if cuts else None)
 
 
 def causal_conv_prefill(xbc: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
                         bias: torch.Tensor | None, slot_t: torch.Tensor, lens: list[int],
                         cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None,
-                        layout: ConvLayout | None = None) -> torch.Tensor:
+                        layout: ConvLayout | None = None, kernels: bool | None = None) -> torch.Tensor:
     """SiLU(causal depthwise conv) of every chunk of packed `xbc` [T, C] (`lens` tokens each) → [T, C] float32, each
     chunk after its slot's saved inputs (`conv_state` [slots, C, d_conv - 1]); the slots `slot_t` then hold each chunk's
     last d_conv - 1 inputs. `cuts` (sequence, offset): slot `cut_slots[j]` gets the d_conv - 1 inputs before that
-    offset of that chunk (prefix caching's snapshots). `layout`: conv_layout(lens, d_conv - 1, cuts), if built."""
+    offset of that chunk (prefix caching's snapshots). `layout`: conv_layout(lens, d_conv - 1, cuts), if built.
+    `kernels`: kernels/triton_mamba.py's conv_prefill (the default on a GPU) or torch ops (the default on a CPU)."""
     channels = xbc.shape[1]
     width = conv_state.shape[2]
     n = len(lens)
     layout = layout or conv_layout(lens, width, cuts, xbc.device)
+    if (xbc.is_cuda if kernels is None else kernels) and xbc.stride(1) == 1:
+        from pagedllm.kernels.triton_mamba import conv_prefill
+
+        return conv_prefill(xbc, conv_state, conv_weight, bias, slot_t, layout.token_seq, layout.token_off,
+                            layout.chunk_start, layout.chunk_len, layout.cut_seq, layout.cut_off, cut_slots)
     token_row = layout.token_row
     prev = conv_state.index_select(0, slot_t).float().transpose(1, 2)  # [n, width, C]
     ext = xbc.new_zeros(xbc.shape[0] + n * width, channels, dtype=torch.float32)
