@@ -247,3 +247,35 @@ def test_conv_prefill_kernel_matches_torch_path(state_dtype: torch.dtype) -> Non
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
     torch.testing.assert_close(states[1], states[0], atol=0, rtol=0)
     assert torch.equal(states[1][7], state[7].float())  # a slot no chunk owns
+
+
+def test_mixer_prefill_through_kernels_matches_torch_path() -> None:
+    """A Mamba-2 mixer's mixed step (two decode rows, then prefill chunks of 1, 5 and 37 tokens, one starting from
+    zeros, one with a snapshot cut) with its prefill chunks through the Triton kernels (conv, scan; Triton's
+    interpreter on CPU) against the torch path: outputs, the slots' conv and SSM states, the snapshot slot."""
+    from pagedllm.kernels.metadata import AttentionMetadata
+
+    torch.manual_seed(0)
+    dims = Mamba2Dims(hidden_size=32, num_heads=6, head_dim=16, n_groups=2, d_state=16, d_conv=4)
+    mixer = Mamba2Mixer(dims, TensorParallelGroup(), torch.float32, chunk_size=16)
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.normal_(0, 0.5)
+    lens = [1, 1, 1, 5, 37]
+    slots = [5, 0, 3, 6, 2]
+    hidden = torch.randn(sum(lens), dims.hidden_size)
+    conv0 = torch.randn(8, dims.conv_dim, dims.d_conv - 1)
+    ssm0 = torch.randn(8, dims.num_heads, dims.head_dim, dims.d_state)
+    results = []
+    for kernels, dev in ((False, "cpu"), (True, DEVICE)):
+        cache = MambaLayerCache(conv0.clone().to(dev), ssm0.clone().to(dev))
+        state = MambaStateMetadata(torch.tensor(slots, device=dev), slots, [True, True, True, False, True], [cache],
+                                   cuts=[(4, 20, 7)])
+        meta = AttentionMetadata.__new__(AttentionMetadata)
+        meta.mamba, meta.num_decodes, meta.query_lens_cpu = state, 2, lens
+        mixer.prefill_kernels = kernels
+        with torch.no_grad():
+            out = mixer.to(dev)(hidden.to(dev), cache, meta)
+        results.append((out.cpu(), cache.conv_state.cpu(), cache.ssm_state.cpu()))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -334,6 +334,8 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"chunk_size must be positive (None: by device), got {chunk_size}")
         self.dims = dims
         self.chunk_size = chunk_size
+        # prefill chunks through the Triton kernels (True), torch ops (False) or by device (None: kernels on a GPU)
+        self.prefill_kernels: bool | None = None
         inter, conv_dim, heads = dims.intermediate, dims.conv_dim, dims.num_heads
         self.in_proj = ReplicatedLinear(dims.hidden_size, inter + conv_dim + heads, dims.proj_bias, dtype)
         self.conv1d = _DepthwiseConv(conv_dim, dims.d_conv, dims.conv_bias, dtype)
@@ -394,26 +396,21 @@ class Mamba2Mixer(nn.Module):
         chunk_size = self.chunk_size or _block_size(lens, dev)
         plan = state_meta.per_step(("mamba2 prefill", first, d.d_conv - 1, chunk_size),
                                    lambda: PrefillPlan.build(state_meta, first, lens, d.d_conv - 1, chunk_size, dev))
-        x, b, c = self._split_xbc(self._conv_batch(xbc, cache, plan.slots, lens, plan.conv_cuts, plan.cut_slots,
-                                                   plan.conv))
+        x, b, c = self._split_xbc(causal_conv_prefill(xbc, cache.conv_state, self.conv1d.weight, self._conv_bias(),
+                                                      plan.slots, lens, plan.conv_cuts, plan.cut_slots, plan.conv,
+                                                      self.prefill_kernels))
         step = self._time_step(dt)
         low, high = d.time_step_limit
         if low > 0 or high < math.inf:
             step = step.clamp(low, high)
         y, final, at_cuts = ssd_varlen_scan(x.float(), step, a, b, c,
                                             cache.ssm_state.index_select(0, plan.slots).float(), lens, chunk_size,
-                                            plan.scan_cuts, plan.scan)
+                                            plan.scan_cuts, plan.scan, self.prefill_kernels)
         cache.ssm_state.index_copy_(0, plan.slots, final.to(cache.ssm_state.dtype))
         if at_cuts is not None:
             cache.ssm_state.index_copy_(0, plan.cut_slots, at_cuts.to(cache.ssm_state.dtype))
         y = y + x.float() * self.D.float()[:, None]
         return y.reshape(y.shape[0], d.intermediate)
-
-    def _conv_batch(self, xbc: torch.Tensor, cache: MambaLayerCache, slot_t: torch.Tensor, lens: list[int],
-                    cuts: list[tuple[int, int]] = (), cut_slots: torch.Tensor | None = None,
-                    layout: ConvLayout | None = None) -> torch.Tensor:
-        return causal_conv_prefill(xbc, cache.conv_state, self.conv1d.weight, self._conv_bias(), slot_t, lens, cuts,
-                                   cut_slots, layout)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
                 state_meta: MambaStateMetadata, nd: int) -> torch.Tensor:
