@@ -160,6 +160,11 @@ def _mamba() -> None:
         selective_scan(x, proj[:, :channels], torch.zeros(channels, d_state), bc[:, 8:8 + d_state], bc[:, 8 + d_state:],
                        torch.zeros(channels, dtype=torch.bfloat16), proj[:, channels:],
                        torch.zeros(9, channels, 1, d_state), torch.arange(len(lens)), qsl, lens, snaps)
+    # the gated norm (a bf16 gate from the in-projection's split, bf16 out)
+    from pagedllm.kernels.triton_mamba import gated_rms_norm
+
+    gated_rms_norm(torch.zeros(4, 512), torch.zeros(4, 600, dtype=torch.bfloat16)[:, 88:],
+                   torch.zeros(512, dtype=torch.bfloat16), 512, 1e-5, torch.bfloat16)
     # the prefill conv (bf16 inputs and state, a bias) and its saved-input updates
     from pagedllm.model.layers.mamba2 import causal_conv_prefill
 

@@ -279,3 +279,23 @@ def test_mixer_prefill_through_kernels_matches_torch_path() -> None:
         results.append((out.cpu(), cache.conv_state.cpu(), cache.ssm_state.cpu()))
     for got, want in zip(results[1], results[0]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group_size,out_dtype", [(24, torch.float32), (64, torch.bfloat16)])
+def test_gated_rms_norm_kernel_matches_torch_path(group_size: int, out_dtype: torch.dtype) -> None:
+    """The mixer's gated norm in one launch against its torch form: groups whose size is not a power of two, a z that
+    is a strided bfloat16 view (as the in-projection's split gives it), float32 and bfloat16 outputs."""
+    from pagedllm.model.layers.mamba2 import _GatedNorm
+
+    torch.manual_seed(0)
+    size = 3 * group_size
+    norm = _GatedNorm(size, group_size, 1e-5, torch.float32)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.3)
+    y = torch.randn(7, size)
+    z = torch.randn(7, size + 5).to(torch.bfloat16)[:, 5:]
+    want = norm(y, z, out_dtype, kernel=False)
+    got = norm.to(DEVICE)(y.to(DEVICE), z.to(DEVICE), out_dtype, kernel=True)
+    assert got.dtype == out_dtype
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)

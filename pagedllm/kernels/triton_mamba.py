@@ -58,6 +58,36 @@ def conv_state_update(xbc: torch.Tensor, conv_state: torch.Tensor, weight: torch
     return out
 
 
+@triton.jit(do_not_specialize=["rows"])
+def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, rows, group_size, eps, stride_yt, stride_zt, stride_ot,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + row * stride_yt + col, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_zt + col, mask=mask, other=0.0).to(tl.float32)
+    v = y * (z / (1.0 + tl.exp(-z)))
+    v = v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / group_size + eps))
+    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_ot + col, (v * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The Mamba-2 mixer's gated norm in one launch: RMSNorm of y · silu(z) over groups of `group_size` channels, ×
+    weight, computed in float32 → [T, size] `out_dtype`. y, z [T, size] with contiguous rows."""
+    rows, size = y.shape
+    if z.shape != y.shape or weight.numel() != size or size % group_size or y.stride(1) != 1 or z.stride(1) != 1:
+        raise ValueError(f"gated_rms_norm: y {tuple(y.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)}, "
+                         f"groups of {group_size} (rows contiguous) do not match")
+    out = torch.empty(rows, size, dtype=out_dtype, device=y.device)
+    if rows:
+        _gated_rms_norm_kernel[(rows, size // group_size)](
+            y, z, weight, out, rows, group_size, eps, y.stride(0), z.stride(0), out.stride(0),
+            BLOCK=triton.next_power_of_2(group_size), num_warps=8 if group_size >= 2048 else 4)
+    return out
+
+
 CONV_PREFILL_TOKENS = 16  # tokens per program of the prefill conv
 CONV_PREFILL_CHANNELS = 128  # channels per program
 
@@ -331,10 +361,10 @@ def _ssd_chunk_state_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, index_ptr, acum_ptr, st
 
 
 @triton.jit(do_not_specialize=["num_blocks", "length", "total"])
-def _ssd_chunk_output_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, index_ptr, acum_ptr, start_ptr, y_ptr, num_blocks, length,
-                             total, heads, per_group, head_dim, d_state, stride_xt, stride_dtt, stride_bt, stride_ct,
-                             stride_yt, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+def _ssd_chunk_output_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, d_ptr, index_ptr, acum_ptr, start_ptr, y_ptr, num_blocks,
+                             length, total, heads, per_group, head_dim, d_state, stride_xt, stride_dtt, stride_bt,
+                             stride_ct, stride_yt, HAS_D: tl.constexpr, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
     blk = tl.program_id(1).to(tl.int64)
     h = tl.program_id(2)
@@ -370,6 +400,10 @@ def _ssd_chunk_output_kernel(x_ptr, dt_ptr, b_ptr, c_ptr, index_ptr, acum_ptr, s
     start = tl.load(start_ptr + ((blk * heads + h) * head_dim + p[:, None]) * d_state + n[None, :],
                     mask=p_ok[:, None] & n_ok[None, :], other=0.0)
     acc += tl.dot(c_rows, tl.trans(start), input_precision=PRECISION) * tl.exp(acum_l)[:, None]
+    if HAS_D:  # the skip: + D·x
+        acc += tl.load(d_ptr + h).to(tl.float32) * tl.load(
+            x_ptr + rows[:, None] * stride_xt + h * head_dim + p[None, :], mask=row_ok[:, None] & p_ok[None, :],
+            other=0.0)
     tl.store(y_ptr + rows[:, None] * stride_yt + h * head_dim + p[None, :], acc, mask=row_ok[:, None] & p_ok[None, :])
 
 
@@ -409,9 +443,10 @@ def ssd_chunk_states(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torc
 
 
 def ssd_chunk_outputs(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor, index: torch.Tensor,
-                      a_cum: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """Every token's output of the chunked scan (without the D skip) → y [T, h, p] float32: within its block, and from
-    the state its block starts from (`starts` [blocks, h, p, n]); inputs as ssd_chunk_states takes them, c as b."""
+                      a_cum: torch.Tensor, starts: torch.Tensor, d: torch.Tensor | None = None) -> torch.Tensor:
+    """Every token's output of the chunked scan → y [T, h, p] float32: within its block, and from the state its block
+    starts from (`starts` [blocks, h, p, n]), plus D·x where `d` [h] is given; inputs as ssd_chunk_states takes them,
+    c as b."""
     _check_scan_inputs(x, dt, c, index)
     total, heads, head_dim = x.shape
     groups, d_state = b.shape[1], b.shape[2]
@@ -423,8 +458,9 @@ def ssd_chunk_outputs(x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: tor
     y = torch.empty(total, heads, head_dim, dtype=torch.float32, device=x.device)
     if num_blocks:
         _ssd_chunk_output_kernel[(triton.cdiv(length, SSD_ROWS), num_blocks, heads)](
-            x, dt, b, c, index, a_cum, starts, y, num_blocks, length, total, heads, heads // groups, head_dim, d_state,
-            x.stride(0), dt.stride(0), b.stride(0), c.stride(0), y.stride(0), PRECISION=SSD_PRECISION,
+            x, dt, b, c, d if d is not None else x, index, a_cum, starts, y, num_blocks, length, total, heads,
+            heads // groups, head_dim, d_state, x.stride(0), dt.stride(0), b.stride(0), c.stride(0), y.stride(0),
+            HAS_D=d is not None, PRECISION=SSD_PRECISION,
             BLOCK_M=SSD_ROWS, BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_N=max(16, triton.next_power_of_2(d_state)), num_warps=4)
     return y

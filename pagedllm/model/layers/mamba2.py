@@ -136,14 +136,15 @@ def scan_layout(lens: list[int], chunk_size: int, cuts: list[list[int]] | None, 
 def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                     initial_states: torch.Tensor, lens: list[int], chunk_size: int,
                     cuts: list[list[int]] | None = None, layout: ScanLayout | None = None,
-                    kernels: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    kernels: bool | None = None,
+                    d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The selective scan of several sequences packed one after another, in the chunked SSD form (the Mamba-2 paper's
     ``ssd_minimal_discrete`` with initial states; float32 throughout).
 
     x [T, h, p], dt [T, h] (already softplus'd and clamped), a [h] (negative), b / c [T, g, n] (one per group of
     h / g heads), initial_states [S, h, p, n], `lens` the S sequences' token counts (summing to T); `cuts` (optional):
     per sequence, ascending offsets 0 < q < its length after whose first q tokens the state is wanted as well.
-    Returns (y [T, h, p] without the D skip, final states [S, h, p, n], the states at the cuts [K, h, p, n] in
+    Returns (y [T, h, p], with the skip D·x where `d` [h] is given, final states [S, h, p, n], the states at the cuts [K, h, p, n] in
     sequence then offset order, or None without cuts). `layout`: scan_layout(lens, chunk_size, cuts), if already
     built. `kernels`: the Triton kernels (the default on a GPU) or the torch form (the default on a CPU)."""
     layout = layout or scan_layout(lens, chunk_size, cuts, x.device)
@@ -154,9 +155,11 @@ def ssd_varlen_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch
         a_cum, block_states, block_decay = ssd_chunk_states(x, dt, a, b, layout.index, layout.length)
         starts, states = ssd_carry_states(initial_states.contiguous(), block_states, block_decay, layout.first_block,
                                           layout.block_counts)
-        out = ssd_chunk_outputs(x, dt, b, c, layout.index, a_cum, starts)
+        out = ssd_chunk_outputs(x, dt, b, c, layout.index, a_cum, starts, d)
     else:
         out, states, starts = _ssd_scan_torch(x, dt, a, b, c, initial_states, layout)
+        if d is not None:
+            out = out + x * d.float()[:, None]
     cut_states = starts.index_select(0, layout.cut_blocks) if layout.cut_blocks is not None else None
     return out, states, cut_states
 
@@ -365,7 +368,7 @@ class Mamba2Mixer(nn.Module):
                              "rows")
         if offset < hidden.shape[0]:
             y[offset:] = self._prefill_batch(xbc[offset:], dt[offset:], a, cache, state_meta, nd, query_lens[nd:])
-        return self.out_proj(self.norm(y, z).to(hidden.dtype))
+        return self.out_proj(self.norm(y, z, hidden.dtype, self.prefill_kernels))
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """[T, n_groups, d_state] → [T, heads, d_state] (each group's B or C shared by its heads)."""
@@ -386,8 +389,8 @@ class Mamba2Mixer(nn.Module):
 
         The conv reads each chunk after its sequence's saved inputs; the scan splits every chunk into blocks of
         `chunk_size` tokens (the last padded with dt = 0: decay 1, no input), runs the within-block terms of all
-        blocks of all sequences together, and carries the state across each sequence's blocks in a loop over block
-        positions (as many iterations as the longest chunk has blocks)."""
+        blocks of all sequences together, and carries the state across each sequence's blocks (on a GPU: Triton
+        kernels, see ssd_varlen_scan)."""
         d = self.dims
         dev = xbc.device
         fresh = state_meta.fresh_slots(first, first + len(lens))
@@ -405,11 +408,10 @@ class Mamba2Mixer(nn.Module):
             step = step.clamp(low, high)
         y, final, at_cuts = ssd_varlen_scan(x.float(), step, a, b, c,
                                             cache.ssm_state.index_select(0, plan.slots).float(), lens, chunk_size,
-                                            plan.scan_cuts, plan.scan, self.prefill_kernels)
+                                            plan.scan_cuts, plan.scan, self.prefill_kernels, self.D)
         cache.ssm_state.index_copy_(0, plan.slots, final.to(cache.ssm_state.dtype))
         if at_cuts is not None:
             cache.ssm_state.index_copy_(0, plan.cut_slots, at_cuts.to(cache.ssm_state.dtype))
-        y = y + x.float() * self.D.float()[:, None]
         return y.reshape(y.shape[0], d.intermediate)
 
     def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, cache: MambaLayerCache,
@@ -495,8 +497,16 @@ class _GatedNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype | None = None,
+                kernel: bool | None = None) -> torch.Tensor:
+        """→ [T, size] in `out_dtype` (default float32); `kernel`: kernels/triton_mamba.py's gated_rms_norm (the
+        default on a GPU) or torch ops."""
+        out_dtype = out_dtype or torch.float32
+        if (y.is_cuda if kernel is None else kernel) and y.dim() == 2 and y.stride(1) == 1 and z.stride(1) == 1:
+            from pagedllm.kernels.triton_mamba import gated_rms_norm
+
+            return gated_rms_norm(y, z, self.weight, self.group_size, self.eps, out_dtype)
         y = y.float() * F.silu(z.float())
         groups = y.view(*y.shape[:-1], -1, self.group_size)
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * groups.view(y.shape)
+        return (self.weight.float() * groups.view(y.shape)).to(out_dtype)
