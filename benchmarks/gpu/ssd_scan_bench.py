@@ -2,16 +2,16 @@
 form of the same sums, at the Bamba-1b mixer's shape (64 heads of 64, one group, state 128) for the prompt
 chunks of throughput.py's uniform workload (64-512 tokens) packed into one 8 192-token step and into a 2 048-token
 one and a 512-token one (the layout built once, as the engine does per step); the largest difference from the torch
-form printed. Times: median of 20 after 3 warm-ups.
+form printed. Times: triton.testing.do_bench's median (3 ms of warm-up, 20 ms of runs).
 
     python benchmarks/gpu/ssd_scan_bench.py
 """
 from __future__ import annotations
 
 import random
-import statistics
 
 import torch
+from triton.testing import do_bench
 
 from pagedllm.model.layers import mamba2
 
@@ -22,20 +22,6 @@ def step_lens(budget: int, seed: int = 0) -> list[int]:
     while sum(lens) < budget:
         lens.append(min(rng.randint(64, 512), budget - sum(lens)))
     return lens
-
-
-def timed(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -60,7 +46,7 @@ def main() -> None:
             for kernels in (False, True):
                 run = lambda: mamba2.ssd_varlen_scan(x, dt, a, b, c, s0, lens, block, None, layout,  # noqa: E731
                                                      kernels=kernels)
-                results[kernels] = (timed(run), run())
+                results[kernels] = (do_bench(run, warmup=3, rep=20, return_mode="median"), run())
             (t_torch, ref), (t_kern, got) = results[False], results[True]
             diff = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(got[:2], ref[:2]))
             print(f"T={total} seqs={len(lens)} block={block}: torch {t_torch:.3f} ms, kernels {t_kern:.3f} ms "
