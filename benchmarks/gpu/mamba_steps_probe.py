@@ -3,8 +3,9 @@ engine, each run's step times by kind, every prefill-carrying step (tokens, ms),
 run, and a torch.profiler table of the third run's kernels (top by device time). BEFORE=measure runs throughput.py's
 bandwidth and matmul measurements on the fresh engine first, BEFORE=first-request its first-request probe (a
 throughput.py run does both before its workload); then one request alone is profiled on the host (top by CPU time).
+KERNELS=0 runs the Mamba-2 layers' prefill chunks through torch ops (the A/B of the Triton prefill kernels).
 
-    [BEFORE=measure|first-request] python benchmarks/gpu/mamba_steps_probe.py MODEL_DIR [NUM_PROMPTS] [OUT_DIR] [RUNS]
+    [BEFORE=measure|first-request] [KERNELS=0] python benchmarks/gpu/mamba_steps_probe.py MODEL_DIR [NUM_PROMPTS] [OUT_DIR] [RUNS]
 """
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def main() -> None:
               device="cuda" if cuda else "cpu", max_model_len=2048, max_num_seqs=256,
               **({"gpu_memory_utilization": 0.55} if cuda else {}))
     wl = make_workload(num, 64, 512, 128, int(llm.llm_engine.hf_config.vocab_size), 0)
+    if os.environ.get("KERNELS") == "0":  # the A/B: Mamba-2 prefill chunks through torch ops instead of Triton kernels
+        from pagedllm.model.layers.mamba2 import Mamba2Mixer
+
+        mixers = [m for m in llm.llm_engine.executor.driver_worker.model_runner.model.modules()
+                  if isinstance(m, Mamba2Mixer)]
+        for m in mixers:
+            m.prefill_kernels = False
+        print(f"KERNELS=0: {len(mixers)} Mamba-2 mixers run their prefill chunks through torch ops")
     before = os.environ.get("BEFORE", "")
     if before == "measure":
         from pagedllm.benchmarks.kernels import copy_bandwidth
