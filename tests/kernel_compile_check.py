@@ -47,6 +47,19 @@ def _attention(cache_dtype: torch.dtype) -> None:
         triton_attention.paged_prefill_attention(q, kc, vc, tables, lens, starts, 0.1, 1, 2, 12, torch.zeros_like(q),
                                                  **kw)
         unified_attention(q, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(q), **kw)
+    # Attention sinks (GPT-OSS, HAS_SINKS), alone and with a window (its sliding layers): in the single-split decode's
+    # normalisation, both merges of the splits, the prefill kernel and the unified kernel (GQA padding rows too).
+    sinks = torch.zeros(8, dtype=torch.float32)
+    for window in (None, 128):
+        kw = dict(sliding_window=window, sinks=sinks)
+        for reduce in ("fused", "separate"):
+            triton_attention.paged_decode_attention(dec_q, kc, vc, tables, lens, 0.1, 60, num_splits=2, reduce=reduce,
+                                                    **kw)
+        triton_attention.paged_decode_attention(dec_q, kc, vc, tables, lens, 0.1, 60, num_splits=1, **kw)
+        triton_attention.paged_prefill_attention(q, kc, vc, tables, lens, starts, 0.1, 1, 2, 12, torch.zeros_like(q),
+                                                 **kw)
+        unified_attention(q, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(q), **kw)
+    unified_attention(gqa3, kc, vc, tables, lens, starts, 0.1, torch.zeros_like(gqa3), sinks=torch.zeros(6))
 
 
 def _mla() -> None:

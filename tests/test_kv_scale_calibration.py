@@ -95,6 +95,9 @@ def test_causal_attention_matches_the_reference_prefill():
                              query_lens_cpu=[t], num_decodes=0, max_seq_len=t, max_query_len=t)
     want = reference.paged_attention(q, k, v, kc, vc, meta, 0.3)
     torch.testing.assert_close(cal.causal_attention(q, k, v, 0.3), want, rtol=1e-5, atol=1e-5)
+    sinks = torch.randn(hq, generator=g) * 3  # GPT-OSS's attention sinks, with a window
+    want = reference.paged_attention(q, k, v, kc, vc, meta, 0.3, sliding_window=4, sinks=sinks)
+    torch.testing.assert_close(cal.causal_attention(q, k, v, 0.3, 4, None, sinks), want, rtol=1e-5, atol=1e-5)
 
 
 def test_scale_from_amax_and_defaults():

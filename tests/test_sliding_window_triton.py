@@ -31,13 +31,16 @@ from test_triton_kernels import _TOL, _make_batch, _padded_layout, _rel_err  # n
 _DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32, torch.float16]
 
 
-def _reference(query, key_cache, value_cache, meta, scale, window=None, cap=None, k_scale=1.0, v_scale=1.0):
+def _reference(query, key_cache, value_cache, meta, scale, window=None, cap=None, k_scale=1.0, v_scale=1.0,
+               sinks=None):
     """Float32 attention of every query row of `meta`'s sequences over their cached keys, read through the block
-    tables (an FP8 cache as fp8 · k_scale / v_scale), with `window` and soft cap `cap` (None: off)."""
+    tables (an FP8 cache as fp8 · k_scale / v_scale), with `window`, soft cap `cap` and each head's sink logit in its
+    softmax (`sinks` [Hq]; None: off)."""
     q = query.float()
     kc, vc = key_cache.float() * k_scale, value_cache.float() * v_scale
     bs, hk = kc.shape[1], kc.shape[2]
-    group = q.shape[1] // hk
+    hq = q.shape[1]
+    group = hq // hk
     out = torch.zeros_like(q)
     for i in range(meta.num_seqs):
         start, end = int(meta.query_start_loc[i]), int(meta.query_start_loc[i + 1])
@@ -53,7 +56,12 @@ def _reference(query, key_cache, value_cache, meta, scale, window=None, cap=None
         visible = pos[None, :] <= q_pos[:, None]
         if window is not None:
             visible &= pos[None, :] > q_pos[:, None] - window
-        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        s = s.masked_fill(~visible, float("-inf"))
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:  # the sink's column joins the softmax, then is dropped: it weighs no value
+            sink = sinks.float().view(hq, 1, 1).expand(hq, end - start, 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :n]
         out[start:end] = torch.einsum("htn,nhd->thd", p, v)
     return out
 

@@ -51,10 +51,12 @@ def main() -> None:
         from pagedllm.benchmarks.throughput import probe_first_request
 
         probe_first_request(llm, wl.prompts[0])
-    stats = llm.llm_engine.executor.driver_worker.model_runner.enable_step_stats()
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    stats = runner.enable_step_stats()
     runs = int(sys.argv[4]) if len(sys.argv) > 4 else 3
     for run in range(runs):
         stats.clear()
+        builds = len(runner.compile_watch.events)
         before = allocator_counters()
         profiler = None
         if run == 2 and runs == 3:
@@ -66,6 +68,7 @@ def main() -> None:
             profiler.__exit__(None, None, None)
         after = allocator_counters()
         print(f"run {run}{' (profiled)' if profiler else ''}: {result.row()}")
+        print(f"  Triton builds after the warm start: {[e.kernel for e in runner.compile_watch.events[builds:]]}")
         print("  allocator:", {k: after[k] - before[k] for k in after},
               f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if cuda else "")
         print(format_summary(stats.summary()))

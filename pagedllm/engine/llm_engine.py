@@ -194,6 +194,8 @@ class LLMEngine:
 
             self.device_spec = DeviceSpecLoop(self)  # (one process only: _check_async_scheduling)
         logger.info("Asynchronous scheduling: %s", "on" if self.async_scheduling else "off")
+        if not on_cpu:  # every warm-up above is done: a Triton build from here on is logged as a step's wait
+            self.executor.collective_rpc("watch_compilations")
         freeze_startup_heap()
 
     @classmethod

@@ -56,6 +56,9 @@ class CpuKernels:
         self._attention.argtypes = [_ptr, _c_int64, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _ptr, _ptr,
                                     _c_int, _c_int, _c_int, _c_int, _c_int, _c_float, _c_int, _c_int, _c_float, _c_float,
                                     _c_int, _c_float]
+        self._attention_sinks = lib.paged_attention_sinks_f32  # the same, then the sinks pointer (NULL: none)
+        self._attention_sinks.restype = _c_int
+        self._attention_sinks.argtypes = self._attention.argtypes + [_ptr]
         self._cache = lib.reshape_and_cache_f32
         self._cache.restype = None
         self._cache.argtypes = [_ptr, _ptr, _c_int64, _ptr, _ptr, _ptr, _c_int64, _c_int64]
@@ -156,6 +159,7 @@ class CpuKernels:
         v_scale: float = 1.0,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Attention for a flat batch whose K/V are already in the cache. out/query [T, Hq, D]; caches
         [num_blocks, block_size, Hk, D]; block_tables [S, ≥ blocks] int32; seq_lens [S] int32 (context
@@ -167,7 +171,8 @@ class CpuKernels:
         arithmetic per token is a lone decode's (speculative verification relies on it). An fp8 pool's
         keys read as fp8 · `k_scale` and its values as fp8 · `v_scale`. `sliding_window` W: the token at position p
         attends to keys p - W < j <= p only (the blocks before a tile's window are not read); `logits_soft_cap` c:
-        each scaled score s becomes c·tanh(s / c) before the softmax; None turns either off."""
+        each scaled score s becomes c·tanh(s / c) before the softmax; None turns either off. `sinks` (GPT-OSS's
+        attention sinks): float32 [Hq], query head h's softmax denominator gains exp(sinks[h]); None: off."""
         window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
         num_tokens, num_q_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, cache_dim = key_cache.shape
@@ -181,13 +186,16 @@ class CpuKernels:
         if cache_dim != head_dim or num_q_heads % num_kv_heads or out.shape != query.shape:
             raise ValueError(f"shapes do not agree: query {tuple(query.shape)}, out {tuple(out.shape)}, "
                              f"cache {tuple(key_cache.shape)}")
+        if sinks is not None:
+            _check_sinks(sinks, num_q_heads)
         if not indices_checked:
             self.check_attention_indices(block_tables, seq_lens, query_start_loc, num_tokens, num_blocks, block_size)
-        rc = self._attention(
+        rc = self._attention_sinks(
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), query_start_loc.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim,
             block_size, scale, kv_format(key_cache.dtype), min_tile_query_len, k_scale, v_scale, window, soft_cap,
+            None if sinks is None else sinks.data_ptr(),
         )
         if rc != 0:
             raise MemoryError("paged_attention_f32 could not allocate its scratch rows")
@@ -476,6 +484,14 @@ def _check_matrix(t: torch.Tensor, name: str) -> None:
 def _check_f32_cpu(t: torch.Tensor, name: str) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu":
         raise ValueError(f"{name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
+def _check_sinks(sinks: torch.Tensor, num_q_heads: int) -> None:
+    """One float32 logit per query head, contiguous on the CPU (the C side reads sinks[h] by pointer)."""
+    _check_f32_cpu(sinks, "sinks")
+    if sinks.shape != (num_q_heads,) or not sinks.is_contiguous():
+        raise ValueError(f"sinks must be a contiguous [num_q_heads = {num_q_heads}] tensor, got shape "
+                         f"{tuple(sinks.shape)} strides {sinks.stride()}")
 
 
 #: Pool dtypes the native kernels read and write (--kv-cache-dtype auto on a float32 model, bfloat16, or fp8)

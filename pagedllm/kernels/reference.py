@@ -58,21 +58,28 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, soft_cap: float | None,
-            causal: bool = False) -> torch.Tensor:
-    """_sdpa, or with a soft cap the explicit float32 computation: scores · scale, c·tanh(s / c), the boolean
-    `mask` (True: attend; broadcast over [B, Hq, Lq, Lk]), softmax, · V. Result in q's dtype."""
-    if soft_cap is None:
+            causal: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """_sdpa, or with a soft cap or sinks the explicit float32 computation: scores · scale, c·tanh(s / c), the
+    boolean `mask` (True: attend; broadcast over [B, Hq, Lq, Lk]), softmax (with each head's sink logit in its
+    denominator), · V. Result in q's dtype."""
+    if soft_cap is None and sinks is None:
         return _sdpa(q, k, v, mask, scale, causal)
     b, hq, lq, d = q.shape
     hk, lk = k.shape[1], k.shape[2]
     qf = q.float().reshape(b, hk, hq // hk, lq, d)  # GQA: each KV head's query heads side by side
     scores = (qf @ k.float().unsqueeze(2).transpose(-1, -2)).view(b, hq, lq, lk) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     if causal:
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(b, hk, hq // hk, lq, lk)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # softmax over [scores, sink], the sink's column dropped (it weighs no value)
+        sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, lq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :lk]
+    probs = probs.reshape(b, hk, hq // hk, lq, lk)
     return (probs @ v.float().unsqueeze(2)).view(b, hq, lq, d).to(q.dtype)
 
 
@@ -128,12 +135,15 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a flat batch [T, Hq, D] whose K/V were already written to the cache.
 
     `key`/`value` are this step's fresh K/V [T, Hk, D]; chunks with no cached context use them
     directly, everything else reads the cache through the block tables. `sliding_window` W: the query at
-    position p sees keys p - W < j <= p only; `logits_soft_cap` c: scores become c·tanh(s / c) (None: off).
+    position p sees keys p - W < j <= p only; `logits_soft_cap` c: scores become c·tanh(s / c) (None: off);
+    `sinks` [Hq] (GPT-OSS's attention sinks): head h's softmax has one more logit, sinks[h], in its denominator,
+    which weighs no value (None: off).
     """
     window_and_cap(sliding_window, logits_soft_cap)  # the kernels' checks
     out = torch.empty_like(query)
@@ -150,13 +160,13 @@ def paged_attention(
             recent = (torch.arange(bucket.max_len, device=q.device).unsqueeze(0)
                       >= (seq_lens - sliding_window).unsqueeze(1))[:, None, None, :]
             mask = recent if mask is None else mask & recent
-        o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, logits_soft_cap).squeeze(2)
+        o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, logits_soft_cap, sinks=sinks).squeeze(2)
         if idx is None:
             out[:nd] = o
         else:
             out.index_copy_(0, idx, o)
     prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out, sliding_window=sliding_window,
-                      logits_soft_cap=logits_soft_cap)
+                      logits_soft_cap=logits_soft_cap, sinks=sinks)
     return out
 
 
@@ -172,11 +182,12 @@ def prefill_attention(
     first_seq: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Fill `out` for the prompt chunks of sequences `first_seq` (default: the first after the decodes)
     onward: causal over their own tokens, plus their cached context read through the block table when they
-    have one; within the last `sliding_window` keys of each query, and scores soft-capped at `logits_soft_cap`,
-    where set."""
+    have one; within the last `sliding_window` keys of each query, scores soft-capped at `logits_soft_cap`, and
+    each head's sink logit in its softmax (`sinks`, as paged_attention's), where set."""
     window_and_cap(sliding_window, logits_soft_cap)  # the kernels' checks
     first = meta.num_decodes if first_seq is None else first_seq
     start = sum(meta.query_lens_cpu[:first])
@@ -189,7 +200,7 @@ def prefill_attention(
         if ctx == 0 and not windowed:
             k = key[start:end].transpose(0, 1).unsqueeze(0)
             v = value[start:end].transpose(0, 1).unsqueeze(0)
-            o = _attend(q, k.to(q.dtype), v.to(q.dtype), None, scale, logits_soft_cap, causal=True)
+            o = _attend(q, k.to(q.dtype), v.to(q.dtype), None, scale, logits_soft_cap, causal=True, sinks=sinks)
         else:
             if ctx == 0:
                 k = key[start:end].transpose(0, 1).unsqueeze(0)
@@ -203,7 +214,7 @@ def prefill_attention(
             mask = cols <= rows
             if windowed:
                 mask &= cols > rows - sliding_window
-            o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, logits_soft_cap)
+            o = _attend(q, k.to(q.dtype), v.to(q.dtype), mask, scale, logits_soft_cap, sinks=sinks)
         out[start:end] = o.squeeze(0).transpose(0, 1)
         start = end
 
@@ -218,9 +229,11 @@ def paged_attention_naive(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Token-by-token, block-by-block attention straight from eq. 4 — the oracle's oracle (slow). A query at
-    position p reads keys max(0, p - sliding_window + 1)..p; scores become c·tanh(s / c) with a soft cap c."""
+    position p reads keys max(0, p - sliding_window + 1)..p; scores become c·tanh(s / c) with a soft cap c; head
+    h's softmax denominator gains exp(sinks[h]) with sinks."""
     window_and_cap(sliding_window, logits_soft_cap)  # the kernels' checks
     num_blocks, block_size, hk, d = key_cache.shape
     hq = query.shape[1]
@@ -237,7 +250,11 @@ def paged_attention_naive(
                 scores = (keys[:, h // rep].float() @ query[t, h].float()) * scale
                 if logits_soft_cap is not None:
                     scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
-                out[t, h] = torch.softmax(scores, 0) @ vals[:, h // rep].float()
+                if sinks is None:
+                    probs = torch.softmax(scores, 0)
+                else:
+                    probs = torch.softmax(torch.cat([scores, sinks[h].float().view(1)]), 0)[:-1]
+                out[t, h] = probs @ vals[:, h // rep].float()
             t += 1
     return out.to(query.dtype)
 

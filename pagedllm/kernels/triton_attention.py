@@ -33,6 +33,12 @@ starts each program's key loop where the first key any of its rows sees lies, so
 read: the decode at that key, its splits sharing out only the window; the prefill kernel at that key's tile of
 BLOCK_N keys (tiles stay where they are without a window, so a key's tile does not depend on its query's), masking
 the keys before each row's window, unloaded where no row of the program sees them.
+
+Attention sinks (GPT-OSS): head h's softmax has one more logit, sinks[h] (a float32 [Hq] tensor), in its denominator,
+weighing no value. A constexpr flag (HAS_SINKS) beside the tensor: the kernels' loops are untouched and the sink
+enters each head's denominator once, after them, relative to the row's running max (``_sink_weight``): in the
+prefill kernel's and a single-split decode's normalisation, or in the merge of a decode's splits (either reduce),
+never in a split's partial.
 """
 from __future__ import annotations
 
@@ -51,19 +57,26 @@ from pagedllm.kernels.metadata import window_and_cap
 def _merge_splits(
     part_out_ptr, part_ml_ptr, out_ptr, stride_oh, first_head, num_splits,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, sinks_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
     """Merges the split partials of flat heads first_head .. first_head+GROUP-1 into out_ptr (their first
     head's row), SPLIT_CHUNK splits at a time, rescaling to a running max (log2 units) as _reduce_kernel does.
     Loads bypass L1 (.cg), which is not coherent across SMs: a line cached here by an earlier merge of a
-    neighbouring (sequence, KV head) may predate the other splits' stores."""
+    neighbouring (sequence, KV head) may predate the other splits' stores. With HAS_SINKS, `sinks_ptr` points at
+    these heads' sink logits (natural units): the merge starts from them, a term of weight 1 and no value."""
     rows = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, DIM_PAD)
     row_ok = rows < GROUP
     dim_ok = dims < HEAD_DIM
     base = (first_head + rows) * num_splits
-    m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
-    l_run = tl.zeros([GROUP_P2], tl.float32)
+    if HAS_SINKS:
+        # The sink joins the denominator here, once per head, not in any split's partial. A sink of -inf gives
+        # l_run 1 · exp2(-inf - m_ref) = 0 at the first step: the plain softmax.
+        m_run = tl.load(sinks_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_run = tl.full([GROUP_P2], 1.0, tl.float32)
+    else:
+        m_run = tl.full([GROUP_P2], float("-inf"), tl.float32)
+        l_run = tl.zeros([GROUP_P2], tl.float32)
     o = tl.zeros([GROUP_P2, DIM_PAD], tl.float32)
     for s0 in range(0, num_splits, SPLIT_CHUNK):
         sp = s0 + tl.arange(0, SPLIT_CHUNK)
@@ -109,10 +122,18 @@ def _soft_cap(s, qk_scale, cap):
     return cap2 - (2.0 * cap2) / (1.0 + tl.exp2(s * (2.0 * qk_scale / cap)))
 
 
+@triton.jit
+def _sink_weight(sink, m_i):
+    """exp(sink - m): a sink logit's share (`sink` as loaded, natural units) of the denominator of rows whose running
+    max is `m_i` (log2 units), relative to that max. It overflows to inf, so the row's output to 0, only where the
+    sink outweighs every key by more than 2^128 (the exact output is then below 2^-128 of the values)."""
+    return tl.exp2(sink.to(tl.float32) * 1.4426950408889634 - m_i)
+
+
 @triton.jit(do_not_specialize=["window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_ml_ptr, counters_ptr,
+    out_ptr, part_out_ptr, part_ml_ptr, counters_ptr, sinks_ptr,
     scale, k_scale, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ko, stride_kh,
@@ -124,7 +145,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, GROUP_P2: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PREC: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr,
-    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -189,6 +210,8 @@ def _decode_kernel(
     acc = acc * v_scale
 
     if not WRITE_PARTIAL:
+        if HAS_SINKS:  # one split: the sink joins the denominator here (with several, in the merge)
+            l_i = l_i + _sink_weight(tl.load(sinks_ptr + heads, mask=row_ok, other=0.0), m_i)
         o = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -210,16 +233,16 @@ def _decode_kernel(
                 tl.store(counter, 0)  # every program has drawn its ticket: zero again for the next launch
                 _merge_splits(part_out_ptr, part_ml_ptr, out_ptr + seq * stride_ot + kvh * GROUP * stride_oh,
                               stride_oh, (seq * tl.num_programs(1) + kvh) * GROUP, num_splits,
-                              GROUP, GROUP_P2, HEAD_DIM, DIM_PAD, SPLIT_CHUNK)
+                              GROUP, GROUP_P2, HEAD_DIM, DIM_PAD, SPLIT_CHUNK, sinks_ptr + kvh * GROUP, HAS_SINKS)
 
 
 @triton.jit
 def _reduce_kernel(
-    part_out_ptr, part_ml_ptr, out_ptr,
+    part_out_ptr, part_ml_ptr, out_ptr, sinks_ptr,
     stride_ot, stride_oh,
     num_splits,
     SPLIT_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -230,10 +253,17 @@ def _reduce_kernel(
     m = tl.load(part_ml_ptr + (base + sp) * 2, mask=sp_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + (base + sp) * 2 + 1, mask=sp_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:  # the sink (log2 units) is one more term of the merge, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
     acc = tl.load(part_out_ptr + (base + sp)[:, None] * HEAD_DIM + dims[None, :],
                   mask=sp_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0)
+    l_sum = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        l_sum += tl.exp2(sink - m_max)
+    o = o / l_sum
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, o.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
@@ -262,11 +292,12 @@ def _attend_causal(
 ):
     """Online softmax (eq. 4, base 2) of the query rows `q` at absolute positions `q_pos` over KV head `kvh`'s keys
     0 .. kv_end-1, gathered through the block-table row `table` in tiles of BLOCK_N, each row seeing keys up to its
-    own position → (unnormalised output, row sums). `qk_scale` is softmax scale · k_scale · log2(e). With
-    TABLE_ROW > 0, `table_row` holds the row's first TABLE_ROW entries, loaded before the loop (as the decode
-    kernel does): the K/V addresses then need no load of their own. With SLIDING, each row sees its last `window`
-    keys only, and the loop starts at the tile of the first key that `q_first` (the earliest row's position)
-    sees; with SOFT_CAP, scores are capped at `soft_cap` (``_soft_cap``)."""
+    own position → (unnormalised output, row sums, row maxima; the sums relative to the maxima, in log2 units: what a
+    sink's weight is added to). `qk_scale` is softmax scale · k_scale · log2(e). With TABLE_ROW > 0, `table_row`
+    holds the row's first TABLE_ROW entries, loaded before the loop (as the decode kernel does): the K/V addresses
+    then need no load of their own. With SLIDING, each row sees its last `window` keys only, and the loop starts at
+    the tile of the first key that `q_first` (the earliest row's position) sees; with SOFT_CAP, scores are capped at
+    `soft_cap` (``_soft_cap``)."""
     if SLIDING:
         # Tiles stay at multiples of BLOCK_N, as without a window, so a key meets the same tile-mates (the same
         # summation order) whatever tile its query is in: the unified kernel's batch invariance. The keys before
@@ -309,7 +340,7 @@ def _attend_causal(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PREC)
         m_i = m_new
-    return acc, l_i
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["window"])
@@ -321,11 +352,11 @@ def _prefill_kernel(
     stride_vb, stride_vo, stride_vh,
     stride_bt,
     stride_ot, stride_oh,
-    window, soft_cap,
+    window, soft_cap, sinks_ptr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    DOT: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    DOT: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0) + seq_offset
     m_tile = tl.program_id(1)
@@ -351,10 +382,12 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Keys up to the last row's position (causal), never past the sequence.
     kv_end = tl.minimum(seq_len, ctx + (m_tile + 1) * BLOCK_M)
-    acc, l_i = _attend_causal(q, q_pos, ctx + m_tile * BLOCK_M, table, table, kv_end, k_cache_ptr, v_cache_ptr, kvh,
-                              stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                              scale * k_scale * 1.4426950408889634, window, soft_cap, dims, dim_ok,
-                              BLOCK_M, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, 0, False, SLIDING, SOFT_CAP)
+    acc, l_i, m_i = _attend_causal(q, q_pos, ctx + m_tile * BLOCK_M, table, table, kv_end, k_cache_ptr, v_cache_ptr,
+                                   kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                                   scale * k_scale * 1.4426950408889634, window, soft_cap, dims, dim_ok,
+                                   BLOCK_M, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, 0, False, SLIDING, SOFT_CAP)
+    if HAS_SINKS:
+        l_i = l_i + _sink_weight(tl.load(sinks_ptr + head), m_i)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & dim_ok[None, :])
@@ -393,6 +426,20 @@ def resolve_fp8_dot(query: torch.Tensor, key_cache: torch.Tensor, fp8_dot_dtype:
     if fp8_dot_dtype not in FP8_DOT_DTYPES:
         raise ValueError(f"fp8_dot_dtype must be one of {list(FP8_DOT_DTYPES)} or None, got {fp8_dot_dtype!r}.")
     return "query" if query.dtype == FP8_DOT_DTYPES[fp8_dot_dtype] else fp8_dot_dtype
+
+
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """`sinks` (GPT-OSS's attention sinks): None, or one float32 logit per query head, [Hq] contiguous on the query's
+    device (the kernels read sinks[h] by pointer; the warm start compiles the float32 variant)."""
+    if sinks is None:
+        return
+    hq = query.shape[1]
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or tuple(sinks.shape) != (hq,):
+        raise ValueError(f"sinks must be a float32 tensor of shape [num_q_heads = {hq}], got "
+                         f"{type(sinks).__name__} {getattr(sinks, 'dtype', '')} {tuple(getattr(sinks, 'shape', ()))}.")
+    if sinks.device != query.device or not sinks.is_contiguous():
+        raise ValueError(f"sinks must be contiguous on the query's device {query.device}, got {sinks.device} "
+                         f"strides {sinks.stride()}.")
 
 
 def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int]:
@@ -528,6 +575,7 @@ def paged_decode_attention(
     fp8_upcast: bool = False,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] → [S, Hq, D] over each sequence's seq_lens[i] keys.
 
@@ -548,8 +596,11 @@ def paged_decode_attention(
     dots' dtype right after its load (``_kv_tile``); off by default, slower here on an H200 (BENCHMARKS.md §57.1).
     `sliding_window` W: each token sees its last W keys only (the splits share out just those, so the split count
     is bounded by the window rather than `max_seq_len`); `logits_soft_cap` c: scores become c·tanh(s / c).
+    `sinks` (GPT-OSS's attention sinks, float32 [Hq]): head h's softmax denominator gains exp(sinks[h]), a logit
+    that weighs no value; it joins the merge of the splits (either reduce), or a single split's normalisation.
     """
     window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
+    _check_sinks(sinks, query)
     if reduce not in _REDUCE_MODES:
         raise ValueError(f"reduce must be one of {_REDUCE_MODES}, got {reduce!r}.")
     if merge_chunk is not None and (merge_chunk < 1 or merge_chunk & (merge_chunk - 1)):
@@ -596,7 +647,7 @@ def paged_decode_attention(
         merge_chunk = min(_MAX_MERGE_CHUNK, triton.next_power_of_2(num_splits))
     _decode_kernel[(num_seqs, hk, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens,
-        out, part_out, part_ml, counters,
+        out, part_out, part_ml, counters, out if sinks is None else sinks,
         scale, k_scale, v_scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -609,13 +660,13 @@ def paged_decode_attention(
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), merge_chunk),
         HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile, PREC=_precision(query, dot), DOT=dot,
         UPCAST=fp8_upcast and key_cache.element_size() == 1, SLIDING=window > 0, SOFT_CAP=soft_cap > 0,
-        num_warps=num_warps, num_stages=num_stages,
+        HAS_SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
         _reduce_kernel[(num_seqs, hq)](
-            part_out, part_ml, out, out.stride(0), out.stride(1),
+            part_out, part_ml, out, out if sinks is None else sinks, out.stride(0), out.stride(1),
             num_splits, SPLIT_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=d, DIM_PAD=dim_pad, num_warps=4,
+            HEAD_DIM=d, DIM_PAD=dim_pad, HAS_SINKS=sinks is not None, num_warps=4,
         )
     return out
 
@@ -641,12 +692,14 @@ def paged_prefill_attention(
     num_stages: int | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Sequences first_seq .. first_seq+num_seqs-1 of a flat batch: causal attention of their query tokens
     (rows query_start_loc[i]:query_start_loc[i+1] of `query`) over all seq_lens[i] cached keys; writes `out`.
-    `fp8_dot_dtype`, `sliding_window`, `logits_soft_cap`: as in ``paged_decode_attention``. `block_m` query rows
-    and `block_n` keys per tile, `num_warps`, `num_stages`: launch parameters (defaults: ``prefill_launch``)."""
+    `fp8_dot_dtype`, `sliding_window`, `logits_soft_cap`, `sinks`: as in ``paged_decode_attention``. `block_m` query
+    rows and `block_n` keys per tile, `num_warps`, `num_stages`: launch parameters (defaults: ``prefill_launch``)."""
     window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
+    _check_sinks(sinks, query)
     group, d = _check_shapes(query, key_cache, value_cache)
     dot = resolve_fp8_dot(query, key_cache, fp8_dot_dtype)
     if num_seqs == 0:
@@ -666,10 +719,10 @@ def paged_prefill_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        window, soft_cap,
+        window, soft_cap, out if sinks is None else sinks,
         GROUP=group, HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
-        SLIDING=window > 0, SOFT_CAP=soft_cap > 0,
+        SLIDING=window > 0, SOFT_CAP=soft_cap > 0, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -705,6 +758,7 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     latent_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``reference.paged_attention`` (K/V already cached): decodes, then prefill chunks.
     `workspace`: the decode's scratch, reused across calls (see ``paged_decode_attention``).
@@ -712,7 +766,11 @@ def paged_attention(
     (``resolve_fp8_dot``). `sliding_window`, `logits_soft_cap`: the layer's, as in ``paged_decode_attention``.
     `latent_dim` (MLA: key_cache is value_cache, one row [c_kv ; k_pe] per token): the decodes take
     ``triton_mla_decode.mla_decode_attention``, which writes only each head's first `latent_dim` output values
-    (the rest is left as `out` held it); prefill chunks stay on the generic kernel."""
+    (the rest is left as `out` held it); prefill chunks stay on the generic kernel. `sinks` (GPT-OSS, float32 [Hq]):
+    each head's sink logit in its softmax denominator (``paged_decode_attention``); not with `latent_dim`."""
+    if sinks is not None and latent_dim is not None:
+        raise ValueError("attention sinks (GPT-OSS) with latent_dim (MLA) are not supported: the MLA decode kernel "
+                         "has no sinks.")
     if out is None:
         out = torch.empty_like(query)
     nd = meta.num_decodes
@@ -730,11 +788,12 @@ def paged_attention(
         paged_decode_attention(query[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
                                scale, max_len, out=out[:nd], workspace=workspace,
                                k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot_dtype,
-                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
     n_prefill = meta.num_seqs - nd
     if n_prefill:
         max_q = max(meta.query_lens_cpu[nd:])
         paged_prefill_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, scale, nd, n_prefill, max_q, out, k_scale, v_scale,
-                                fp8_dot_dtype, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                fp8_dot_dtype, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                sinks=sinks)
     return out

@@ -68,7 +68,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return sorted_ids, tile_expert
 
 
-@triton.jit
+# (The token-dependent counts are not specialised: a step of any size reuses the binaries of the warm start.)
+@triton.jit(do_not_specialize=["num_pairs", "num_slots", "num_tiles"])
 def _align_kernel(ids_ptr, sorted_ids_ptr, tile_expert_ptr, num_pairs, num_experts, num_slots, num_tiles,
                   BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
     """`align_pairs` in one program: per-expert counts, padded run starts, the sentinel fill, each tile's expert, then
@@ -102,7 +103,7 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, tile_expert_ptr, num_pairs, num_exper
         placed += tl.sum(onehot, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weights_ptr, N, K, num_pairs, top_k,
               num_experts, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
               ROW_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
@@ -192,10 +193,12 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_id
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, block_m: int | None = None,
                   configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None,
-                  activation: str = "silu") -> torch.Tensor:
+                  activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                  w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x): x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights / topk_ids [T, k] → [T, H] in x's dtype (accumulated in float32). `activation` "relu2": non-gated
-    experts, w2_e(relu(up_e x)²) with w13 [E, I, H] (Nemotron-H's)."""
+    experts, w2_e(relu(up_e x)²) with w13 [E, I, H] (Nemotron-H's); "swigluoai": GPT-OSS's (layers/fused_moe.py).
+    `w13_bias` [E, 2I] / `w2_bias` [E, H]: each expert's biases, added to its pairs' rows (gathered by expert id)."""
     t, h = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -208,7 +211,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     weights = topk_weights.reshape(-1).float().contiguous()
     gate_up = torch.empty((num_pairs, w13.shape[1]), dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, sorted_ids, tile_expert, weights, top_k, False, False, block_m, cfg13)
+    pair_experts = topk_ids.reshape(-1)  # the rows are in pair order
+    if w13_bias is not None:
+        gate_up += w13_bias.index_select(0, pair_experts)
     act = expert_activation(gate_up, activation)
     down = torch.empty((num_pairs, h), dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, sorted_ids, tile_expert, weights, top_k, True, True, block_m, cfg2)
+    if w2_bias is not None:  # the kernel weighted each pair's row: its bias too
+        down += (weights[:, None] * w2_bias.index_select(0, pair_experts).float()).to(down.dtype)
     return down.view(t, top_k, h).sum(dim=1)

@@ -21,7 +21,8 @@ split-KV: a step of few sequences with long contexts is better served by the dec
 graphs are for short steps, where launches cost more than the kernel). Sliding windows and logit soft caps work
 as in ``triton_attention`` (constexpr SLIDING / SOFT_CAP, runtime ``window`` / ``soft_cap``): a tile's key loop
 starts at the key tile of the first key its earliest token sees, key tiles staying where they are without a window,
-so a token's bits do not depend on its query tile there either.
+so a token's bits do not depend on its query tile there either. Attention sinks (GPT-OSS; constexpr HAS_SINKS) join
+each row's denominator after the key loop, as in ``triton_attention``'s prefill kernel.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.metadata import window_and_cap
-from pagedllm.kernels.triton_attention import (_attend_causal, _check_shapes, _dot_operand, _precision,
-                                               preloaded_table_row, prefill_launch, resolve_fp8_dot)
+from pagedllm.kernels.triton_attention import (_attend_causal, _check_shapes, _check_sinks, _dot_operand, _precision,
+                                               _sink_weight, preloaded_table_row, prefill_launch, resolve_fp8_dot)
 
 
 @triton.jit
@@ -58,11 +59,12 @@ def _unified_kernel(
     stride_vb, stride_vo, stride_vh,
     stride_bt, table_width,
     stride_ot, stride_oh,
-    window, soft_cap,
+    window, soft_cap, sinks_ptr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     DOT: tl.constexpr, TABLE_ROW: tl.constexpr, UPCAST: tl.constexpr, SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -94,11 +96,13 @@ def _unified_kernel(
         cols = tl.arange(0, TABLE_ROW)
         table_row = tl.load(table + cols, mask=cols < table_width, other=0)
     kv_end = tl.minimum(seq_len, ctx + (q_tile + 1) * BLOCK_Q)  # the tile's last token's keys (causal)
-    acc, l_i = _attend_causal(q, q_pos, ctx + q_tile * BLOCK_Q, table, table_row, kv_end, k_cache_ptr, v_cache_ptr,
-                              kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-                              scale * k_scale * 1.4426950408889634, window, soft_cap, dims, dim_ok,
-                              BLOCK_Q * GROUP_PAD, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, TABLE_ROW, UPCAST,
-                              SLIDING, SOFT_CAP)
+    acc, l_i, m_i = _attend_causal(q, q_pos, ctx + q_tile * BLOCK_Q, table, table_row, kv_end, k_cache_ptr,
+                                   v_cache_ptr, kvh, stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
+                                   scale * k_scale * 1.4426950408889634, window, soft_cap, dims, dim_ok,
+                                   BLOCK_Q * GROUP_PAD, DIM_PAD, BLOCK_SIZE, BLOCK_N, PREC, TABLE_ROW, UPCAST,
+                                   SLIDING, SOFT_CAP)
+    if HAS_SINKS:  # each row's head's sink logit joins its denominator (a term with no value)
+        l_i = l_i + _sink_weight(tl.load(sinks_ptr + head, mask=g < GROUP, other=0.0), m_i)
     o = acc * v_scale / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -138,6 +142,7 @@ def unified_attention(
     fp8_upcast: bool | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of every query row of `query` [T, Hq, D] over its sequence's cached K/V, in one
     launch whose grid depends only on T and ``len(seq_lens)``. Sequence i owns rows
@@ -147,9 +152,11 @@ def unified_attention(
     `preload_table`: load each sequence's block-table row before the loop (default: when the table has at most 256
     columns and Triton has ``tl.gather``). `fp8_upcast`: convert an FP8 pool's V tiles right after their load (default
     True; False is the former path, kept for comparison). `sliding_window` W: each token sees its last W keys only;
-    `logits_soft_cap` c: scores become c·tanh(s / c) (``triton_attention.paged_decode_attention``)."""
+    `logits_soft_cap` c: scores become c·tanh(s / c); `sinks` (GPT-OSS, float32 [Hq]): head h's softmax denominator
+    gains exp(sinks[h]), a logit that weighs no value (``triton_attention.paged_decode_attention``)."""
     window, soft_cap = window_and_cap(sliding_window, logits_soft_cap)
     group, d = _check_shapes(query, key_cache, value_cache)
+    _check_sinks(sinks, query)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"unified attention: {num_seqs} sequence lengths need {num_seqs + 1} query start "
@@ -174,11 +181,11 @@ def unified_attention(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), table_width,
         out.stride(0), out.stride(1),
-        window, soft_cap,
+        window, soft_cap, out if sinks is None else sinks,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, DIM_PAD=dim_pad,
         BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, BLOCK_N=block_n, PREC=_precision(query, dot), DOT=dot,
         TABLE_ROW=table_row, UPCAST=key_cache.element_size() == 1 and fp8_upcast is not False,
-        SLIDING=window > 0, SOFT_CAP=soft_cap > 0,
+        SLIDING=window > 0, SOFT_CAP=soft_cap > 0, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

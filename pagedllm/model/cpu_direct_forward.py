@@ -225,7 +225,7 @@ class DirectForward:
     @classmethod
     def build(cls, model: nn.Module, attn_backend) -> DirectForward | None:
         """The direct forward of ``model``'s family, or None (logged) where none applies."""
-        from pagedllm.model.layers.attention import NativeCpuAttentionBackend
+        from pagedllm.model.layers.attention import Attention, NativeCpuAttentionBackend
 
         if not direct_forward_enabled():
             logger.info("CPU direct forward off (%s=0): every step runs the module path", DIRECT_FORWARD_ENV)
@@ -234,6 +234,9 @@ class DirectForward:
             return None
         if hasattr(model, "mamba_state_shape"):  # state-space layers: written for attention stacks only
             logger.info("CPU direct forward not used: %s has state-space (Mamba) layers", type(model).__name__)
+            return None
+        if any(isinstance(m, Attention) and m.sinks is not None for m in model.modules()):
+            logger.info("CPU direct forward not used: %s has attention sinks", type(model).__name__)
             return None
         family = _family_of(model)
         if family is None:  # the layer layouts written here

@@ -61,6 +61,8 @@ def detect_fp8_checkpoint(hf_config: Any) -> Fp8CheckpointFormat | None:
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
     method = qc.get("quant_method")
+    if method == "mxfp4":  # GPT-OSS's experts, dequantized by its loader (model/mxfp4.py)
+        return None
     if method == "fp8":
         if qc.get("fmt", "e4m3") != "e4m3":
             raise ValueError(f"quantization_config fmt={qc.get('fmt')!r} is not supported: FP8 weights must be e4m3.")

@@ -51,10 +51,11 @@ def calibration_token_ids(tokenizer: Any | None, vocab_size: int, max_len: int, 
 
 
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                     sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence, query [T, Hq, D], key/value [T, Hk, D] (query head h reads KV head
-    h // (Hq / Hk)) → [T, Hq, D] in the query's dtype; computed in float32. `sliding_window`, `logits_soft_cap`:
-    as in AttentionBackend.forward."""
+    h // (Hq / Hk)) → [T, Hq, D] in the query's dtype; computed in float32. `sliding_window`, `logits_soft_cap`,
+    `sinks`: as in AttentionBackend.forward."""
     t, hq, _ = query.shape
     group = hq // key.shape[1]
     q = query.float().transpose(0, 1)  # [Hq, T, D]
@@ -66,7 +67,11 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     future = torch.ones(t, t, dtype=torch.bool, device=query.device).triu(1)
     if sliding_window is not None:
         future |= torch.ones(t, t, dtype=torch.bool, device=query.device).tril(-sliding_window)
-    p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+    s = s.masked_fill(future, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:  # each head's sink logit joins the denominator and weighs no value
+        p = torch.softmax(torch.cat([s, sinks.float().view(hq, 1, 1).expand(hq, t, 1)], dim=-1), dim=-1)[..., :t]
     return torch.matmul(p, v).transpose(0, 1).contiguous().to(query.dtype)
 
 
@@ -81,7 +86,8 @@ class _AmaxRecorder:
         self.k_amax: list[torch.Tensor | None] = [None] * len(kv_caches)
         self.v_amax: list[torch.Tensor | None] = [None] * len(kv_caches)
 
-    def forward(self, query, key, value, kv_cache, meta, scale, out=None, sliding_window=None, logits_soft_cap=None):
+    def forward(self, query, key, value, kv_cache, meta, scale, out=None, sliding_window=None, logits_soft_cap=None,
+                sinks=None):
         layer = next((i for i, c in enumerate(self.kv_caches) if c is kv_cache), None)
         if layer is None:
             raise RuntimeError("KV scale calibration: a layer attended through a cache it was not given.")
@@ -89,7 +95,7 @@ class _AmaxRecorder:
         prev_k, prev_v = self.k_amax[layer], self.v_amax[layer]  # a layer called twice keeps the larger
         self.k_amax[layer] = k if prev_k is None else torch.maximum(prev_k, k)
         self.v_amax[layer] = v if prev_v is None else torch.maximum(prev_v, v)
-        result = causal_attention(query, key, value, scale, sliding_window, logits_soft_cap)
+        result = causal_attention(query, key, value, scale, sliding_window, logits_soft_cap, sinks)
         if out is not None:
             out.copy_(result)
             return out

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.device_utils import async_tensor_h2d
+from pagedllm.kernels.compile_watch import CompileWatch
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.model.layers.mamba_state import MambaStateMetadata
 from pagedllm.worker.block_table_rows import PersistentBlockTables
@@ -62,6 +63,8 @@ class ModelRunner:
         # A model with state-space (Mamba) layers: every layer's state slots (model/layers/mamba_state.py; the
         # worker sets them). The last slot is scratch space for chunks that own none (warm-up steps).
         self.mamba_caches: list | None = None
+        # The Triton builds after the warm start (the worker installs it once the warm start is done on CUDA).
+        self.compile_watch = CompileWatch()
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -101,7 +104,8 @@ class ModelRunner:
         if not piecewise:
             if self.mamba_caches is not None:  # state-space layers: decode graphs only; prefill and mixed steps eager
                 t0 = time.perf_counter()
-                log_warm_up(self.warm_up_steps(kv_caches), time.perf_counter() - t0)
+                log_warm_up(self.warm_up_eager_attention(kv_caches) + self.warm_up_steps(kv_caches),
+                            time.perf_counter() - t0)
             return
         attn = attention_geometry(self.model)
         pw = PiecewiseGraphRunner(self.model, kv_caches, self.attn_backend, *attn[:3],
@@ -119,6 +123,21 @@ class ModelRunner:
         self.piecewise_runner = pw
         done += self.warm_up_steps(kv_caches)
         log_warm_up(done, time.perf_counter() - t0)
+
+    def warm_up_eager_attention(self, kv_caches, rows: int = 512) -> list[str]:
+        """Compile every attention variant that eager steps reach (a hybrid model's prefill and mixed steps run
+        eagerly: their decode split counts and decodes-before-chunks specialisations would otherwise compile in a
+        request's step, BENCHMARKS.md §84.1); nothing for a model without attention layers."""
+        if not kv_caches or self.device.type != "cuda":
+            return []
+        from pagedllm.kernels.triton_warmup import attention_variants, qkv_like_steps, warm_up_attention
+
+        hq, hk, d, scale = attention_geometry(self.model)
+        dtype = next(self.model.parameters()).dtype
+        q, k, v = qkv_like_steps(rows, hq, hk, d, dtype, self.device)
+        out = torch.zeros((rows, hq, d), dtype=dtype, device=self.device)
+        return warm_up_attention(self.attn_backend, kv_caches[0], q, k, v, out, self.table_width, scale,
+                                 variants=attention_variants(self.model))
 
     @torch.inference_mode()
     def warm_up_steps(self, kv_caches) -> list[str]:

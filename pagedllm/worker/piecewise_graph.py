@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from pagedllm.kernels.metadata import AttentionMetadata
+from pagedllm.kernels.triton_warmup import qkv_like_steps
 from pagedllm.worker.model_input import SequenceChunk
 
 logger = logging.getLogger("pagedllm")
@@ -149,6 +150,8 @@ class _Site:
     logits_soft_cap: float | None = None
     kv_cache_group: int = 0  # whose slot mapping and tables the layer reads (AttentionMetadata.group_metadata)
     latent_dim: int | None = None  # MLA (Attention.latent_dim): decodes take the MLA decode kernel at replay
+    # GPT-OSS's attention sinks (Attention.sinks, a parameter: a reference of its own, not a view of the pool)
+    sinks: torch.Tensor | None = None
 
 
 class _SplitRecorder:
@@ -178,7 +181,7 @@ class _SplitRecorder:
             self.graph = None
 
     def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None,
-                latent_dim=None):
+                latent_dim=None, sinks=None):
         r, t = self.runner, self.t
         if query.shape[0] != t:
             raise ValueError(f"piecewise capture: attention saw {query.shape[0]} tokens, the bucket has {t}.")
@@ -188,7 +191,7 @@ class _SplitRecorder:
         # they replay after this attention has read it.
         views = (non_owning_view(query), non_owning_view(key), non_owning_view(value))
         self.sites.append(_Site(kv_index, scale, *views, sliding_window, logits_soft_cap, meta.kv_cache_group,
-                                latent_dim))
+                                latent_dim, sinks))
         self.begin()
         return r.static_out[:t]
 
@@ -346,12 +349,8 @@ class PiecewiseGraphRunner:
         log_routes("piecewise token buckets", self.replay_ms, self.route, time.perf_counter() - t0)
 
     def qkv_like_steps(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of `rows` tokens laid out as the steps hand them to attention (strided views of one
-        qkv buffer), for warming up the kernels with the strides they will see."""
-        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = torch.zeros((rows, (hq + 2 * hk) * d), dtype=self.dtype, device=self.device)
-        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-        return q.view(rows, hq, d), k.view(rows, hk, d), v.view(rows, hk, d)
+        """q, k, v of `rows` tokens with the strides the steps hand to attention (triton_warmup.qkv_like_steps)."""
+        return qkv_like_steps(rows, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, self.device)
 
     def can_run(self, chunks: list[SequenceChunk]) -> bool:
         return bool(self.graphs) and is_piecewise_graphable(chunks, self.max_tokens)
@@ -375,9 +374,11 @@ class PiecewiseGraphRunner:
             if i < len(sites):
                 site = sites[i]
                 step = meta.group_metadata[site.kv_cache_group] if site.kv_cache_group else meta
-                latent = {"latent_dim": site.latent_dim} if site.latent_dim is not None else {}
+                extra = {"latent_dim": site.latent_dim} if site.latent_dim is not None else {}
+                if site.sinks is not None:
+                    extra["sinks"] = site.sinks
                 self.attn_backend.forward(site.query[:t], site.key[:t], site.value[:t],
                                           self.kv_caches[site.kv_index], step, site.scale, out=self.static_out[:t],
                                           sliding_window=site.sliding_window,
-                                          logits_soft_cap=site.logits_soft_cap, **latent)
+                                          logits_soft_cap=site.logits_soft_cap, **extra)
         return self.outputs[b][:t], "piecewise"

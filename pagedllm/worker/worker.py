@@ -119,6 +119,7 @@ class Worker:
         device = config.device_config.resolve()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.model_config.dtype, device)
+        self.warm_started = False  # init_cache: graphs captured / kernels compiled (CUDA)
         # The KV pool's element type (--kv-cache-dtype); an FP8 pool's per-layer scales are 1.0 until
         # init_cache calibrates them (--calculate-kv-scales, worker/kv_scale_calibration.py).
         self.kv_spec = kv_quant.KVCacheSpec(kv_quant.resolve_cache_dtype(config.cache_config.cache_dtype,
@@ -471,6 +472,14 @@ class Worker:
             t0 = time.perf_counter()
             self.model_runner.warm_up_steps(self.cache_engine.gpu_cache)
             logger.info("Warm start (eager steps, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
+        else:
+            return
+        self.warm_started = True
+
+    def watch_compilations(self) -> bool:
+        """After the engine's warm start (CUDA): log every Triton build from now on, and keep it in the runner's
+        ``compile_watch``: a build then is a step waiting on the compiler. False where nothing was warmed."""
+        return self.warm_started and self.model_runner.compile_watch.install()
 
     def capture_cuda_graphs(self) -> None:
         """Capture the runner's CUDA graphs over the current KV pools and weights (init_cache; wake_up after sleep)."""

@@ -677,13 +677,16 @@ static inline uint16_t f32_to_bf16(float f) {
  * window > 0 (a sliding window): the token at position p attends to keys p - window < j <= p only. A work item
  * skips the blocks before its first token's window without reading them (and a partition wholly before it);
  * a partitioned token combines only the partitions its window reaches. soft_cap > 0: each scaled score s becomes
- * soft_cap · tanh(s / soft_cap) before the softmax. Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
-                        const void *key_cache, const void *value_cache, const int32_t *block_tables,
-                        int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
-                        int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
-                        int kv_format, int min_tile_query_len, float k_scale, float v_scale, int window,
-                        float soft_cap) {
+ * soft_cap · tanh(s / soft_cap) before the softmax. sinks != NULL (GPT-OSS's attention sinks, [num_q_heads]): query
+ * head h's softmax denominator gains exp(sinks[h] - m) once, at the final normalisation (a token's own softmax, or
+ * the merge of its partitions), m being the max its exp values are shifted by; sinks weigh no value. NULL leaves
+ * the arithmetic as it is without them. Returns 0, or -1 when scratch memory could not be allocated. */
+int paged_attention_sinks_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
+                              const void *key_cache, const void *value_cache, const int32_t *block_tables,
+                              int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
+                              int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                              float scale, int kv_format, int min_tile_query_len, float k_scale, float v_scale,
+                              int window, float soft_cap, const float *sinks) {
     const int group = num_q_heads / num_kv_heads;
     const int64_t token_stride = (int64_t)num_kv_heads * head_dim;
     const int64_t block_stride = (int64_t)block_size * token_stride;
@@ -893,7 +896,10 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                             part_max[at] = m;
                             part_sum[at] = sum;
                         } else {
-                            const float inv = 1.f / sum;
+                            /* exp(sink - m) may overflow to inf for a sink far above the scores: weight 0, their
+                             * true weights being under float's range anyway */
+                            const float inv = sinks == NULL ? 1.f / sum
+                                                            : 1.f / (sum + expf(sinks[h * group + r % group] - m));
                             if (tiled) norm[h * ldq + r] = inv; /* applied to the output row instead */
                             else
                                 for (int t = start; t < end; ++t) row[t] *= inv;
@@ -1005,6 +1011,7 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
                     else
                         for (int d = 0; d < head_dim; ++d) o[d] += c * a[d];
                 }
+                if (sinks != NULL) total += expf(sinks[qh] - top_max);
                 const float inv = 1.f / total;
                 for (int d = 0; d < head_dim; ++d) o[d] *= inv;
             }
@@ -1020,6 +1027,19 @@ int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, in
     }
     free(tile_start), free(part_start), free(parts), free(part_max), free(part_sum), free(part_acc);
     return failed ? -1 : 0;
+}
+
+/* paged_attention_sinks_f32 without sinks (the entry point of callers that never pass them). */
+int paged_attention_f32(float *out, int64_t out_token_stride, const float *q, int64_t q_token_stride,
+                        const void *key_cache, const void *value_cache, const int32_t *block_tables,
+                        int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc,
+                        int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size, float scale,
+                        int kv_format, int min_tile_query_len, float k_scale, float v_scale, int window,
+                        float soft_cap) {
+    return paged_attention_sinks_f32(out, out_token_stride, q, q_token_stride, key_cache, value_cache, block_tables,
+                                     table_stride, seq_lens, query_start_loc, num_seqs, num_q_heads, num_kv_heads,
+                                     head_dim, block_size, scale, kv_format, min_tile_query_len, k_scale, v_scale,
+                                     window, soft_cap, NULL);
 }
 
 /* Tokens ahead whose cache rows the write requests while it stores the current one. */

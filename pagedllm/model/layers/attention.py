@@ -27,9 +27,12 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         latent_dim: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`sliding_window` W: a query at position p attends to keys p - W < j <= p only (None: all earlier keys).
         `logits_soft_cap` c: each score s = q·k·scale becomes c·tanh(s / c) before the softmax (None: off).
+        `sinks` [Hq] float32 (GPT-OSS): head h's softmax denominator gains exp(sinks[h]), a logit that weighs no
+        value (None: off).
         `latent_dim` (MLA; passed only to backends whose ``takes_latent_dim`` is True): the cache is one latent pool
         [c_kv ; k_pe] passed as keys and values, of which only the output's first `latent_dim` values per head are
         used; a backend may use a specialised kernel for it and leave the rest of each head's output unwritten."""
@@ -43,11 +46,11 @@ class TorchAttentionBackend:
     takes_latent_dim = True  # and ignores it
 
     def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None,
-                latent_dim=None):
+                latent_dim=None, sinks=None):
         key_cache, value_cache = kv_cache
         reference.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         return reference.paged_attention(query, key, value, key_cache, value_cache, meta, scale,
-                                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 class KVScales:
@@ -104,7 +107,7 @@ class NativeCpuAttentionBackend(KVScales):
         self._checked_meta: AttentionMetadata | None = None  # the step whose indices passed the check
 
     def forward(self, query, key, value, kv_cache, meta, scale, sliding_window=None, logits_soft_cap=None,
-                latent_dim=None):
+                latent_dim=None, sinks=None):
         key_cache, value_cache = kv_cache
         k_scale, v_scale = self.scales_for(key_cache)
         widen = query.dtype != torch.float32  # a bfloat16 model (model_dtypes)
@@ -114,8 +117,8 @@ class NativeCpuAttentionBackend(KVScales):
         # A bf16 model's prompt chunks keep torch's SDPA in bf16 (as fast as the kernel's float32 tile path there,
         # BENCHMARKS.md §52.9, and without widening whole chunks); its decodes and verifications take the kernel.
         limit = self.min_tile_query_len - 1 if widen and not self.fp8_pool else self.max_native_query_len
-        if sliding_window is not None or logits_soft_cap is not None:
-            # torch's SDPA takes neither: its fallback masks whole gathered contexts (a window) or builds the scores
+        if sliding_window is not None or logits_soft_cap is not None or sinks is not None:
+            # torch's SDPA takes none of them: its fallback masks whole gathered contexts (a window) or builds the scores
             # in float32 (a cap), 4.8-12x slower than the kernel on a 2 048-token prompt (BENCHMARKS.md §68.2)
             limit = 1 << 62
         if meta.max_query_len <= limit:
@@ -132,7 +135,7 @@ class NativeCpuAttentionBackend(KVScales):
                                          indices_checked=meta is self._checked_meta,
                                          min_tile_query_len=self.min_tile_query_len, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=sliding_window,
-                                         logits_soft_cap=logits_soft_cap)
+                                         logits_soft_cap=logits_soft_cap, sinks=sinks)
             self._checked_meta = meta  # every layer of a step shares its metadata: checked once
             if widen:
                 out[:rows] = native_out
@@ -141,7 +144,7 @@ class NativeCpuAttentionBackend(KVScales):
                 key, value = key.to(key_cache.dtype).to(key.dtype), value.to(value_cache.dtype).to(value.dtype)
             reference.prefill_attention(query, key, value, key_cache, value_cache, meta, scale, out,
                                         first_seq=num_native, sliding_window=sliding_window,
-                                        logits_soft_cap=logits_soft_cap)
+                                        logits_soft_cap=logits_soft_cap, sinks=sinks)
         return out
 
 
@@ -169,7 +172,7 @@ class TritonAttentionBackend(KVScales):
         self.batch_invariant = batch_invariant
 
     def forward(self, query, key, value, kv_cache, meta, scale, out=None, sliding_window=None, logits_soft_cap=None,
-                latent_dim=None):
+                latent_dim=None, sinks=None):
         """`out`: write the result there (the piecewise graphs' static buffer) instead of a new tensor.
         `latent_dim` (MLA): decodes take the MLA decode kernel (``triton_mla_decode``); the unified path ignores it."""
         from pagedllm.kernels import triton_attention, triton_cache_ops  # needs triton: imported on use
@@ -187,11 +190,11 @@ class TritonAttentionBackend(KVScales):
             return unified_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale, torch.empty_like(query) if out is None else out,
                                      k_scale, v_scale, fp8_dot, sliding_window=sliding_window,
-                                     logits_soft_cap=logits_soft_cap)
+                                     logits_soft_cap=logits_soft_cap, sinks=sinks)
         return triton_attention.paged_attention(query, key_cache, value_cache, meta, scale, out=out, workspace=workspace,
                                                 k_scale=k_scale, v_scale=v_scale, fp8_dot_dtype=fp8_dot,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                                latent_dim=latent_dim)
+                                                latent_dim=latent_dim, sinks=sinks)
 
 
 class Attention(nn.Module):
@@ -206,7 +209,7 @@ class Attention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float | None = None,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 latent_dim: int | None = None) -> None:
+                 latent_dim: int | None = None, sinks: bool = False) -> None:
         super().__init__()
         window_and_cap(sliding_window, logits_soft_cap)  # a clear error at construction, not at the first step
         self.num_heads = num_heads
@@ -219,6 +222,8 @@ class Attention(nn.Module):
             raise ValueError(f"latent_dim {latent_dim} needs one KV head (got {num_kv_heads}) and must lie in "
                              f"(0, head_dim {head_dim}).")
         self.latent_dim = latent_dim
+        # GPT-OSS's attention sinks: one learned logit per query head of this rank, in every softmax's denominator
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
         # The KV cache group this layer's blocks are in (core/kv_cache_groups.py), set by the worker; 0 with one.
         self.kv_cache_group = 0
 
@@ -240,6 +245,9 @@ class Attention(nn.Module):
         if self.latent_dim is not None and getattr(meta.backend, "takes_latent_dim", False):
             out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
                                        logits_soft_cap=self.logits_soft_cap, latent_dim=self.latent_dim)
+        elif self.sinks is not None:
+            out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale, sliding_window=self.sliding_window,
+                                       logits_soft_cap=self.logits_soft_cap, sinks=self.sinks)
         elif self.sliding_window is None and self.logits_soft_cap is None:
             out = meta.backend.forward(q, k, v, kv_cache, meta, self.scale)
         else:

@@ -41,9 +41,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-#: Expert activations: "silu" (gated: silu(gate) · up, w13 holds [gate; up]) and "relu2" (non-gated: relu(up)²,
-#: w13 holds up only; Nemotron-H's experts).
-EXPERT_ACTIVATIONS = ("silu", "relu2")
+#: Expert activations: "silu" (gated: silu(gate) · up, w13 holds [gate; up]), "relu2" (non-gated: relu(up)²,
+#: w13 holds up only; Nemotron-H's experts) and "swigluoai" (GPT-OSS's gated: g = min(gate, 7), u = clamp(up, ±7),
+#: (u + 1) · g · sigmoid(1.702 g), w13 holds [gate; up]; vLLM's name and constants).
+EXPERT_ACTIVATIONS = ("silu", "relu2", "swigluoai")
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
 
 
 def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
@@ -52,6 +55,11 @@ def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
         return silu_and_mul(h)
     if activation == "relu2":
         return torch.relu(h).square()
+    if activation == "swigluoai":
+        gate, up = h.chunk(2, dim=-1)
+        gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+        up = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))
     raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
 
 
@@ -64,10 +72,12 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight], exper
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight],
                         w2: torch.Tensor | Sequence[GGUFWeight], topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                        topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                        w2_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x), expert by expert over the rows routed
     to it (Hugging Face's loop; the product by the weight in x's dtype). Either projection may be one GGUF weight per
-    expert (``expert_linear``)."""
+    expert (``expert_linear``). `w13_bias` [E, 2I] / `w2_bias` [E, H] (GPT-OSS): each expert's biases, added after
+    its projections."""
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -80,8 +90,12 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        h = expert_activation(expert_linear(x[rows], w13, expert), activation)
-        y = expert_linear(h, w2, expert)
+        h = expert_linear(x[rows], w13, expert)
+        if w13_bias is not None:
+            h = h + w13_bias[expert]
+        y = expert_linear(expert_activation(h, activation), w2, expert)
+        if w2_bias is not None:
+            y = y + w2_bias[expert]
         y = y * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
         out.index_add_(0, rows, y)
     return out
@@ -97,13 +111,13 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
                  tp: TensorParallelGroup, dtype: torch.dtype, reduce_results: bool = True,
                  custom_routing_function: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 activation: str = "silu") -> None:
+                 activation: str = "silu", bias: bool = False) -> None:
         super().__init__()
         self.custom_routing_function = custom_routing_function
         if activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
         self.activation = activation
-        self.gated = activation == "silu"
+        self.gated = activation in ("silu", "swigluoai")
         self.projections = ("gate", "up", "down") if self.gated else ("up", "down")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must lie in [1, {num_experts}] (the number of experts), got {top_k}")
@@ -116,6 +130,13 @@ class FusedMoE(nn.Module):
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard, dtype=dtype),
                                       requires_grad=False)
+        # `bias` (GPT-OSS): each expert's biases after its projections; w2's is added on one rank only (the output is
+        # summed over the ranks)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.zeros(num_experts, self.w13_weight.shape[1], dtype=dtype),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=dtype), requires_grad=False)
         # --quantization gguf (CPU): a projection's experts as GGUF blocks, its float parameter then empty
         self.w13_gguf: list[GGUFWeight] | None = None
         self.w2_gguf: list[GGUFWeight] | None = None
@@ -152,11 +173,13 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         else:
             topk_weights, topk_ids = self.custom_routing_function(router_logits)
+        w2_bias = self.w2_bias if self.tp.rank == 0 else None
         if x.is_cuda:
             from pagedllm.kernels.triton_fused_moe import fused_experts  # needs triton: imported on use
 
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, activation=self.activation)
+            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, activation=self.activation,
+                                w13_bias=self.w13_bias, w2_bias=w2_bias)
         else:
             out = fused_experts_torch(x, self.w13_gguf or self.w13_weight, self.w2_gguf or self.w2_weight,
-                                      topk_weights, topk_ids, self.activation)
+                                      topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias)
         return self.tp.all_reduce(out) if self.reduce_results else out

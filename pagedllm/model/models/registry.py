@@ -46,6 +46,7 @@ _JAMBA = "pagedllm.model.models.jamba:JambaForCausalLM"
 _BAMBA = "pagedllm.model.models.bamba:BambaForCausalLM"
 _GRANITE_HYBRID = "pagedllm.model.models.granite_hybrid:GraniteMoeHybridForCausalLM"
 _NEMOTRON_H = "pagedllm.model.models.nemotron_h:NemotronHForCausalLM"
+_GPT_OSS = "pagedllm.model.models.gpt_oss:GptOssForCausalLM"
 
 # Architecture (HF `architectures[0]`) or `model_type` → "module:Class".
 _MODELS = {
@@ -89,6 +90,7 @@ _MODELS = {
     "BambaForCausalLM": _BAMBA,
     "GraniteMoeHybridForCausalLM": _GRANITE_HYBRID,
     "NemotronHForCausalLM": _NEMOTRON_H,
+    "GptOssForCausalLM": _GPT_OSS,
     # Image inputs (multimodal/): a vision tower and projector in front of the text model of `text_config`.
     "LlavaForConditionalGeneration": _LLAVA,
     # Base models (no LM head: embedding checkpoints such as e5-mistral's MistralModel): pooling runner only.
@@ -147,6 +149,7 @@ _MODELS = {
     "bamba": _BAMBA,
     "granitemoehybrid": _GRANITE_HYBRID,
     "nemotron_h": _NEMOTRON_H,
+    "gpt_oss": _GPT_OSS,
 }
 
 _DEFAULT_MAX_LEN = 2048

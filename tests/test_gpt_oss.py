@@ -1,0 +1,160 @@
+"""GPT-OSS: attention sinks, alternating sliding-window / full layers, YaRN RoPE, biased experts with the clamped
+"swigluoai" activation, and MXFP4 expert checkpoints — greedy tokens equal to transformers' on the same random
+weights (CPU, float32), batched and chunked; the MXFP4 dequantization equal to transformers' own."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.model.mxfp4 import FP4_E2M1_VALUES, dequantize_mxfp4
+
+MAX_TOKENS = 12
+PROMPTS = [[5, 9, 3, 17, 22, 40, 7, 8, 11, 12, 13, 60], [3, 4], list(range(3, 30)), [99, 98, 97, 96, 95, 94, 93]]
+ENGINE_KW = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, max_model_len=128)
+
+
+def _config() -> transformers.GptOssConfig:
+    # window 8 < the longest context (39 tokens): the sliding layers drop keys
+    return transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="eager",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+
+
+def _random_model(sink_scale: float = 1.0) -> transformers.GptOssForCausalLM:
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(_config()).eval()
+    with torch.no_grad():  # wide enough that greedy margins are not ties and the experts' clamps bite
+        for name, p in model.named_parameters():
+            big = "sinks" in name or "embed" in name or "norm" in name
+            p.normal_(0, 1.0 if big else 0.2 if p.dim() == 1 else 0.3)
+            if "sinks" in name:
+                p.mul_(sink_scale)
+    return model
+
+
+def _hf_greedy(model: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(MAX_TOKENS):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
+    return out
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    model = _random_model()
+    path = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, _hf_greedy(model, PROMPTS)
+
+
+def test_sinks_change_the_reference_tokens(dense) -> None:
+    """The test model's sinks matter: without them (-1e4) transformers picks other tokens, so a path that dropped
+    them could not match the tokens below."""
+    _, want = dense
+    assert _hf_greedy(_random_model(sink_scale=-1e4), PROMPTS) != want
+
+
+def test_greedy_matches_transformers_batched_and_chunked(dense) -> None:
+    path, want = dense
+    assert _greedy(LLM(str(path), **ENGINE_KW), PROMPTS) == want
+    # 8-token steps: long prompts prefill over several steps beside other sequences' decodes
+    llm = LLM(str(path), max_num_batched_tokens=8, max_num_seqs=4, enable_prefix_caching=True, **ENGINE_KW)
+    for _ in range(2):  # the second pass reads the first's cached prefix blocks
+        assert _greedy(llm, PROMPTS) == want
+    bm = llm.llm_engine.scheduler.block_manager
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
+
+
+def _quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, K] float → (blocks [..., rows, K/32, 16] uint8, scales [..., rows, K/32] uint8): each 32 values'
+    E8M0 exponent from their largest magnitude, each value rounded to the nearest E2M1 code."""
+    *lead, k = w.shape
+    g = w.reshape(*lead, k // 32, 32).float()
+    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0**-100))) - 2  # the largest value lands in [4, 8)
+    codes_f = torch.tensor(FP4_E2M1_VALUES[:8])
+    scaled = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-6, 6)
+    mag = (scaled.abs().unsqueeze(-1) - codes_f).abs().argmin(-1)
+    codes = (mag + 8 * (scaled < 0)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def test_mxfp4_dequantization_matches_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 140, (3, 8, 4), dtype=torch.uint8, generator=gen)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, K, rows]: their param layout
+    assert torch.equal(dequantize_mxfp4(blocks, scales, torch.float32), theirs.transpose(1, 2))
+    with pytest.raises(ValueError, match="do not match"):
+        dequantize_mxfp4(blocks, scales[..., :3])
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(dense, tmp_path: Path) -> None:
+    """A checkpoint with MXFP4 experts (as the released gpt-oss files) gives transformers' tokens on the
+    dequantized weights."""
+    path, _ = dense
+    state = load_file(str(path / "model.safetensors"))
+    ref = _random_model()
+    for name in list(state):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            rows = state.pop(name).transpose(1, 2).contiguous()  # [E, out, in], the MXFP4 files' layout
+            state[name + "_blocks"], state[name + "_scales"] = _quantize_mxfp4(rows)
+            dense_rows = dequantize_mxfp4(state[name + "_blocks"], state[name + "_scales"], torch.float32)
+            ref.get_parameter(name).data.copy_(dense_rows.transpose(1, 2))
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                          "model.layers.*.mlp.router",
+                                                                                          "model.embed_tokens",
+                                                                                          "lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = _hf_greedy(ref, PROMPTS)
+    assert _greedy(LLM(str(tmp_path), **ENGINE_KW), PROMPTS) == want
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_greedy_matches_transformers(dense) -> None:
+    """On the GPU: the Triton attention kernels with sinks and windows (decode graphs, piecewise graphs, split
+    decodes), the fused MoE kernels with the experts' biases and swigluoai, float32."""
+    path, want = dense
+    kw = {**ENGINE_KW, "device": "cuda"}
+    llm = LLM(str(path), num_gpu_blocks_override=256, **kw)
+    assert _greedy(llm, PROMPTS) == want
+    llm = LLM(str(path), num_gpu_blocks_override=256, max_num_batched_tokens=8, max_num_seqs=4, **kw)
+    assert _greedy(llm, PROMPTS) == want
+    assert not llm.llm_engine.executor.driver_worker.model_runner.compile_watch.events
+
+
+def test_tensor_parallel_tp2_matches_transformers(dense) -> None:
+    """tp=2 (two processes, gloo): each rank holds 2 of the 4 query heads (and their sinks), 1 of the 2 KV heads,
+    half of every expert's width; the experts' down bias is added on one rank only."""
+    path, want = dense
+    llm = LLM(str(path), tensor_parallel_size=2, num_gpu_blocks_override=64, **ENGINE_KW)
+    try:
+        assert _greedy(llm, PROMPTS) == want
+    finally:
+        llm.llm_engine.executor.shutdown()
