@@ -133,3 +133,26 @@ def test_relu2_experts_match_dense_reference_on_both_paths() -> None:
     torch.testing.assert_close(kernel.cpu(), got, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="activation"):
         FusedMoE(4, 2, 32, 24, True, TensorParallelGroup(), torch.float32, activation="gelu")
+
+
+def test_warm_up_builds_every_tile_height_once_per_layer_shape(monkeypatch) -> None:
+    """warm_up_fused_moe runs each distinct expert layer (two identical layers: once) through the one-program
+    alignment and both GEMMs at every tile height a step can pick, with the layer's activation and biases."""
+    calls = []
+    real_align = triton_fused_moe.align_pairs
+
+    def spy_align(topk_ids, num_experts, block_m, use_kernel=None):
+        calls.append((block_m, -(-topk_ids.numel() // max(16, 4096 // 8)) <= triton_fused_moe.ALIGN_KERNEL_MAX_CHUNKS))
+        return real_align(topk_ids, num_experts, block_m, use_kernel)
+
+    monkeypatch.setattr(triton_fused_moe, "align_pairs", spy_align)
+    tp = TensorParallelGroup()
+    layers = torch.nn.ModuleList([FusedMoE(8, 2, 32, 16, True, tp, torch.float32, activation="swigluoai", bias=True)
+                                  for _ in range(2)] + [FusedMoE(8, 2, 32, 16, True, tp, torch.float32)])
+    for m in layers:
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+    layers.to(DEVICE)
+    done = triton_fused_moe.warm_up_fused_moe(layers)
+    assert len(done) == 2  # the two swigluoai layers share their binaries
+    assert calls == [(bm, True) for bm in triton_fused_moe.BLOCK_M_CHOICES] * 2

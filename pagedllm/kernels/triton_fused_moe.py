@@ -220,3 +220,35 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if w2_bias is not None:  # the kernel weighted each pair's row: its bias too
         down += (weights[:, None] * w2_bias.index_select(0, pair_experts).float()).to(down.dtype)
     return down.view(t, top_k, h).sum(dim=1)
+
+
+# Every tile height block_m_for picks: a warm start builds each (a step of any size then reuses them).
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+
+
+@torch.inference_mode()
+def warm_up_fused_moe(model: torch.nn.Module) -> list[str]:
+    """Build every fused-MoE binary a step can reach, at engine start: for each distinct expert layer (shapes, dtype,
+    activation, biases), the one-program alignment and both grouped GEMMs at every BLOCK_M_CHOICES tile height, on a
+    few tokens (the token counts are not specialised). Eager steps (a hybrid model's, or any longer than the largest
+    captured bucket) pick their tile height by their size: without this, the first such step built the variant
+    (BENCHMARKS.md §84.1: 323 ms in a Jamba step). Returns what ran, for the warm-start log."""
+    from pagedllm.model.layers.fused_moe import FusedMoE
+
+    done, seen = [], set()
+    for m in model.modules():
+        if not isinstance(m, FusedMoE) or m.w13_weight.numel() == 0:  # (GGUF experts: CPU only)
+            continue
+        key = (tuple(m.w13_weight.shape), tuple(m.w2_weight.shape), m.w13_weight.dtype, m.activation,
+               m.w13_bias is not None)
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.zeros((4, m.hidden_size), dtype=m.w13_weight.dtype, device=m.w13_weight.device)
+        ids = (torch.arange(4 * m.top_k, device=x.device) % m.num_experts).view(4, m.top_k)
+        weights = torch.full((4, m.top_k), 1.0 / m.top_k, device=x.device)
+        for block_m in BLOCK_M_CHOICES:
+            fused_experts(x, m.w13_weight, m.w2_weight, weights, ids, block_m=block_m, activation=m.activation,
+                          w13_bias=m.w13_bias, w2_bias=m.w2_bias)
+        done.append(f"fused MoE {m.num_experts}x{m.w13_weight.shape[1]}x{m.hidden_size} tiles {BLOCK_M_CHOICES}")
+    return done

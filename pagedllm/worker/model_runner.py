@@ -87,6 +87,7 @@ class ModelRunner:
         cudagraph_mode FULL)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}.")
+        from pagedllm.kernels.triton_fused_moe import warm_up_fused_moe
         from pagedllm.kernels.triton_warmup import attention_variants, log_warm_up, warm_up_attention
         from pagedllm.worker.cuda_graph import CUDAGraphRunner
         from pagedllm.worker.piecewise_graph import (DEFAULT_MAX_CAPTURE_TOKENS, WHOLE_GRAPH_MAX_SEQS,
@@ -104,8 +105,8 @@ class ModelRunner:
         if not piecewise:
             if self.mamba_caches is not None:  # state-space layers: decode graphs only; prefill and mixed steps eager
                 t0 = time.perf_counter()
-                log_warm_up(self.warm_up_eager_attention(kv_caches) + self.warm_up_steps(kv_caches),
-                            time.perf_counter() - t0)
+                log_warm_up(self.warm_up_eager_attention(kv_caches) + warm_up_fused_moe(self.model)
+                            + self.warm_up_steps(kv_caches), time.perf_counter() - t0)
             return
         attn = attention_geometry(self.model)
         pw = PiecewiseGraphRunner(self.model, kv_caches, self.attn_backend, *attn[:3],
@@ -121,7 +122,7 @@ class ModelRunner:
         done = warm_up_attention(self.attn_backend, kv_caches[0], *pw.qkv_like_steps(min(pw.max_tokens, 512)),
                                  pw.static_out, self.table_width, attn[3], variants=attention_variants(self.model))
         self.piecewise_runner = pw
-        done += self.warm_up_steps(kv_caches)
+        done += warm_up_fused_moe(self.model) + self.warm_up_steps(kv_caches)
         log_warm_up(done, time.perf_counter() - t0)
 
     def warm_up_eager_attention(self, kv_caches, rows: int = 512) -> list[str]:

@@ -469,7 +469,10 @@ class Worker:
             self.capture_cuda_graphs()
         elif self.device.type == "cuda" and self.mamba_caches is not None:
             # A pure state-space model runs eagerly: its Triton decode kernels compile here, not in a first request.
+            from pagedllm.kernels.triton_fused_moe import warm_up_fused_moe
+
             t0 = time.perf_counter()
+            warm_up_fused_moe(self.model)
             self.model_runner.warm_up_steps(self.cache_engine.gpu_cache)
             logger.info("Warm start (eager steps, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
         else:
