@@ -34,6 +34,11 @@ SCRIPT = textwrap.dedent("""
         model = transformers.BambaForCausalLM(transformers.BambaConfig(
             num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
             mamba_d_state=64, mamba_d_conv=4, mamba_chunk_size=256, **common))
+    elif kind == "jamba":  # a hybrid (eager prefill and mixed steps) with MoE layers: every tile height eagerly
+        model = transformers.JambaForCausalLM(transformers.JambaConfig(
+            num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1, num_experts=8, num_experts_per_tok=2, mamba_d_state=16, mamba_expand=2,
+            mamba_dt_rank=16, **common))
     else:  # a Qwen3-MoE: the fused MoE kernels' tile variants by tokens per expert
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             num_hidden_layers=2, head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -59,7 +64,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind", ["llama", "bamba", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["llama", "bamba", "qwen3-moe", "jamba"])
 def test_no_triton_build_after_the_warm_start(kind: str, tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", SCRIPT, kind, str(tmp_path / kind)], env=env, capture_output=True,

@@ -14,6 +14,7 @@ through the quantized linears' GEMM (activations quantized per row, as llama.cpp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,7 @@ from pagedllm.model.layers.activation import silu_and_mul
 from pagedllm.model.layers.quantized_linear import gguf_matmul
 
 if TYPE_CHECKING:
+    from pagedllm.kernels.cpu_f32_gemm import F32Gemm
     from pagedllm.kernels.cpu_quant import GGUFWeight
 
 # Checkpoint names of one expert's projections → (w13 half, or w2). Mixtral calls them w1 / w3 / w2.
@@ -63,21 +65,36 @@ def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
 
 
-def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight], expert: int) -> torch.Tensor:
-    """x @ w[expert]ᵀ, w a stacked float projection or one GGUF weight per expert."""
+def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight], expert: int,
+                  panels: ExpertPanels | None = None) -> torch.Tensor:
+    """x @ w[expert]ᵀ, w a stacked float projection or one GGUF weight per expert; with `panels`, the native float32
+    GEMM over that expert's packed panels (the same product)."""
+    if panels is not None:
+        return panels.gemm.linear(x, panels.panels[expert], panels.out_features, None)
     if isinstance(w, torch.Tensor):
         return torch.nn.functional.linear(x, w[expert])
     return gguf_matmul(w[expert], x, None)
 
 
+@dataclass(frozen=True)
+class ExpertPanels:
+    """One projection's experts packed for the CPU's native float32 GEMM (kernels/cpu_f32_gemm.py): torch's
+    F.linear re-packs an expert's matrix on every call, which ran GPT-OSS's experts at ~14 GFLOP/s on a Zen 4."""
+
+    gemm: F32Gemm
+    panels: list[torch.Tensor]
+    out_features: int
+
+
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight],
                         w2: torch.Tensor | Sequence[GGUFWeight], topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
-                        w2_bias: torch.Tensor | None = None) -> torch.Tensor:
+                        w2_bias: torch.Tensor | None = None,
+                        panels: tuple[ExpertPanels, ExpertPanels] | None = None) -> torch.Tensor:
     """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x), expert by expert over the rows routed
     to it (Hugging Face's loop; the product by the weight in x's dtype). Either projection may be one GGUF weight per
     expert (``expert_linear``). `w13_bias` [E, 2I] / `w2_bias` [E, H] (GPT-OSS): each expert's biases, added after
-    its projections."""
+    its projections. `panels`: both projections packed for the native float32 GEMM (FusedMoE.pack_for_cpu)."""
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -90,10 +107,11 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        h = expert_linear(x[rows], w13, expert)
+        p13, p2 = panels or (None, None)
+        h = expert_linear(x[rows], w13, expert, p13)
         if w13_bias is not None:
             h = h + w13_bias[expert]
-        y = expert_linear(expert_activation(h, activation), w2, expert)
+        y = expert_linear(expert_activation(h, activation), w2, expert, p2)
         if w2_bias is not None:
             y = y + w2_bias[expert]
         y = y * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
@@ -130,6 +148,8 @@ class FusedMoE(nn.Module):
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard, dtype=dtype),
                                       requires_grad=False)
+        # float32 on the CPU: both projections packed per expert for the native GEMM (pack_for_cpu)
+        self.cpu_panels: tuple[ExpertPanels, ExpertPanels] | None = None
         # `bias` (GPT-OSS): each expert's biases after its projections; w2's is added on one rank only (the output is
         # summed over the ranks)
         self.w13_bias = self.w2_bias = None
@@ -140,6 +160,19 @@ class FusedMoE(nn.Module):
         # --quantization gguf (CPU): a projection's experts as GGUF blocks, its float parameter then empty
         self.w13_gguf: list[GGUFWeight] | None = None
         self.w2_gguf: list[GGUFWeight] | None = None
+
+    def pack_for_cpu(self, gemm: F32Gemm | None) -> bool:
+        """Pack each float32 expert's projections into `gemm`'s panels (the dense weights stay: loaders, TP and
+        GGUF paths read them; the experts' float32 bytes double on the CPU). False where nothing was packed."""
+        self.cpu_panels = None
+        if gemm is None or self.w13_weight.dtype != torch.float32 or self.w13_weight.device.type != "cpu" \
+                or self.w13_gguf is not None or self.w2_gguf is not None or self.w13_weight.numel() == 0:
+            return False
+        gemm = gemm.for_every_row_count()  # an expert's rows: a handful in decode, hundreds in a prompt step
+        self.cpu_panels = tuple(ExpertPanels(gemm, [gemm.pack(w[e].contiguous()) for e in range(self.num_experts)],
+                                             w.shape[1])
+                                for w in (self.w13_weight.detach(), self.w2_weight.detach()))
+        return True
 
     def projections_held_as_gguf(self) -> set[tuple[int, str]]:
         """(expert, "gate" / "up" / "down") of every projection served from GGUF blocks."""
@@ -181,5 +214,5 @@ class FusedMoE(nn.Module):
                                 w13_bias=self.w13_bias, w2_bias=w2_bias)
         else:
             out = fused_experts_torch(x, self.w13_gguf or self.w13_weight, self.w2_gguf or self.w2_weight,
-                                      topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias)
+                                      topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias, self.cpu_panels)
         return self.tp.all_reduce(out) if self.reduce_results else out

@@ -173,7 +173,10 @@ def pack_weights_for_cpu(model: nn.Module, f32_gemm: "F32Gemm | None" = None) ->
     for layer in layers:
         shared = isinstance(layer, VocabParallelEmbedding) or uses[layer.weight.data_ptr()] > 1
         layer.pack_weight_for_cpu(f32_gemm, release_dense=not shared)
-    return len(layers)
+    from pagedllm.model.layers.fused_moe import FusedMoE  # (imports this module)
+
+    experts = sum(m.pack_for_cpu(f32_gemm) for m in model.modules() if isinstance(m, FusedMoE))
+    return len(layers) + experts
 
 
 class ColumnParallelLinear(nn.Module, PackableGemm):
