@@ -95,10 +95,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         """Expert tensors (MXFP4 pairs dequantized) into their FusedMoE, sinks renamed and sliced to this rank's
         heads; every other tensor yielded for the Llama loader."""
         pending: dict[str, torch.Tensor] = {}  # an MXFP4 projection's blocks or scales until the other comes
+        rank = next(iter(experts.values())).tp.rank  # (every layer has experts)
         for name, tensor in weights:
             if name.endswith(".self_attn.sinks"):
                 attn = self.get_submodule(name[: -len(".sinks")]).attn
-                lo = attn.num_heads * self._tp_rank()
+                lo = attn.num_heads * rank
                 yield name[: -len(".sinks")] + ".attn.sinks", tensor[lo: lo + attn.num_heads]
                 continue
             owner, _, leaf = name.rpartition(".")
@@ -130,10 +131,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
             seen[owner].add(leaf)
         if pending:
             raise ValueError(f"MXFP4 tensors without their pair (blocks and scales): {sorted(pending)}")
-
-    def _tp_rank(self) -> int:
-        moe = next(m for m in self.modules() if isinstance(m, FusedMoE))
-        return moe.tp.rank
 
     @staticmethod
     def _check_expert_shape(moe: FusedMoE, leaf: str, shape: tuple[int, ...], rows: bool) -> None:
