@@ -26,7 +26,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # "gptq", "awq", "compressed-tensors" = the checkpoint's own method, as vLLM (must match its quantization_config;
 # integer weights run as GGUF blocks on the CPU, dequantized elsewhere: model/int_weight_checkpoint.py); "none" =
 # dequantized.
-QUANTIZATION_METHODS = ("fp8", "gguf", "gptq", "awq", "compressed-tensors", "none")
+QUANTIZATION_METHODS = ("fp8", "gguf", "gptq", "awq", "compressed-tensors", "mxfp4", "none")
 # vLLM's --runner: "generate" (sample tokens) or "pooling" (return one vector per prompt: embeddings); "auto" picks
 # pooling for base-model checkpoints (architectures like LlamaModel, which have no LM head), else generate.
 RUNNER_TYPES = ("auto", "generate", "pooling")

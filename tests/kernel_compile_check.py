@@ -130,8 +130,9 @@ def _ngram() -> None:
 
 def _moe() -> None:
     """The fused MoE's alignment program and grouped GEMMs: every tile height of `block_m_for` with its default tile,
-    the 256-wide tile, and float32 (tests' and float32 models' IEEE dots)."""
+    the 256-wide tile, and float32 (tests' and float32 models' IEEE dots), over float and MXFP4 experts."""
     from pagedllm.kernels import triton_fused_moe as moe
+    from pagedllm.model.mxfp4 import Mxfp4Weight
 
     bf16, experts, top_k = torch.bfloat16, 8, 2
     for t in (4, 600):  # few pairs, and enough for 128-row tiles
@@ -145,6 +146,14 @@ def _moe() -> None:
                 configs.append((128, moe.MoeGemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3)))
             for block_m, cfg in configs:
                 moe.fused_experts(x, w13, w2, weights, ids, block_m, (cfg, cfg))
+                # GPT-OSS's MXFP4 experts (W_MXFP4: bytes and scales decoded in the tile), with its biases
+                mx13 = Mxfp4Weight(torch.zeros(experts, 256, 128, dtype=torch.uint8),
+                                   torch.zeros(experts, 256, 8, dtype=torch.uint8))
+                mx2 = Mxfp4Weight(torch.zeros(experts, 256, 64, dtype=torch.uint8),
+                                  torch.zeros(experts, 256, 4, dtype=torch.uint8))
+                moe.fused_experts(x, mx13, mx2, weights, ids, block_m, (cfg, cfg), activation="swigluoai",
+                                  w13_bias=torch.zeros(experts, 256, dtype=dtype),
+                                  w2_bias=torch.zeros(experts, 256, dtype=dtype))
 
 
 def _mamba() -> None:

@@ -9,6 +9,7 @@ import torch
 from triton_setup import DEVICE, ON_CUDA, interpreter_numpy_shim  # noqa: I001  (sets TRITON_INTERPRET first)
 from pagedllm.kernels import triton_fused_moe
 from pagedllm.model.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
+from pagedllm.model.mxfp4 import Mxfp4Weight
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 
 interpreter_numpy_shim()
@@ -156,3 +157,58 @@ def test_warm_up_builds_every_tile_height_once_per_layer_shape(monkeypatch) -> N
     done = triton_fused_moe.warm_up_fused_moe(layers)
     assert len(done) == 2  # the two swigluoai layers share their binaries
     assert calls == [(bm, True) for bm in triton_fused_moe.BLOCK_M_CHOICES] * 2
+
+
+def _random_mxfp4(experts: int, rows: int, k: int, gen: torch.Generator) -> Mxfp4Weight:
+    """Every FP4 code (both signs, zeros, E2M1's subnormal 0.5) and exponents 2^-9 … 2^0."""
+    blocks = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(118, 128, (experts, rows, k // 32), dtype=torch.uint8, generator=gen)
+    return Mxfp4Weight(blocks.to(DEVICE), scales.to(DEVICE))
+
+
+def _dequantized(w: Mxfp4Weight) -> torch.Tensor:
+    return torch.stack([w.dequantize_expert(e, torch.float32) for e in range(w.shape[0])]).cpu()
+
+
+@pytest.mark.parametrize("activation", ["silu", "swigluoai"])
+@pytest.mark.parametrize("t,h,inter,experts,top_k", [(1, 64, 32, 4, 2), (9, 96, 64, 8, 2), (40, 160, 96, 6, 3)])
+def test_triton_mxfp4_experts_match_their_dequantized_weights(t: int, h: int, inter: int, experts: int, top_k: int,
+                                                               activation: str) -> None:
+    """GPT-OSS's MXFP4 experts decoded in the GEMM's tiles (even / odd columns, a scale per 32 values) against the
+    torch experts on the dequantized weights; float32 (products of the same values: the accumulation order is the
+    only difference), with the experts' biases."""
+    gen = torch.Generator().manual_seed(t)
+    w13, w2 = _random_mxfp4(experts, 2 * inter, h, gen), _random_mxfp4(experts, h, inter, gen)
+    x = torch.randn(t, h, generator=gen)
+    b13, b2 = torch.randn(experts, 2 * inter, generator=gen), torch.randn(experts, h, generator=gen)
+    weights, ids = select_experts(torch.randn(t, experts, generator=gen), top_k, True)
+    want = fused_experts_torch(x, _dequantized(w13), _dequantized(w2), weights, ids, activation, b13, b2)
+    got = triton_fused_moe.fused_experts(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE),
+                                         activation=activation, w13_bias=b13.to(DEVICE), w2_bias=b2.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-3 * want.abs().max().item())
+    # The torch experts on MXFP4 (an expert dequantized per product) are the same computation.
+    torch.testing.assert_close(fused_experts_torch(x, Mxfp4Weight(w13.blocks.cpu(), w13.scales.cpu()),
+                                                   Mxfp4Weight(w2.blocks.cpu(), w2.scales.cpu()), weights, ids,
+                                                   activation, b13, b2), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("t", [3, 70] if not ON_CUDA else [1, 64, 700])
+def test_triton_mxfp4_experts_half_precision(t: int) -> None:
+    """bf16 (CUDA) / float16 (the interpreter): the wide K tiles of the 16-bit configs (64, 128; K = 192 is not a
+    multiple of 128) over MXFP4 bytes."""
+    dtype = torch.bfloat16 if ON_CUDA else torch.float16
+    gen = torch.Generator().manual_seed(t)
+    w13, w2 = _random_mxfp4(8, 256, 192, gen), _random_mxfp4(8, 192, 128, gen)
+    x = torch.randn(t, 192, generator=gen)
+    weights, ids = select_experts(torch.randn(t, 8, generator=gen), 2, True)
+    want = fused_experts_torch(x, _dequantized(w13), _dequantized(w2), weights, ids)
+    got = triton_fused_moe.fused_experts(x.to(DEVICE, dtype), w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+def test_mxfp4_layer_holds_bytes_and_refuses_split_groups() -> None:
+    moe = FusedMoE(4, 2, 64, 64, True, TensorParallelGroup(), torch.float32, activation="swigluoai", bias=True)
+    moe.hold_mxfp4()
+    assert moe.w13_weight.numel() == 0 and moe.w13_blocks.shape == (4, 128, 32) and moe.w2_scales.shape == (4, 64, 2)
+    with pytest.raises(ValueError, match="hidden_size \\(48\\) in multiples of 32"):
+        FusedMoE(4, 2, 48, 64, True, TensorParallelGroup(), torch.float32).hold_mxfp4()

@@ -112,10 +112,12 @@ def test_mxfp4_dequantization_matches_transformers() -> None:
         dequantize_mxfp4(blocks, scales[..., :3])
 
 
-def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(dense, tmp_path: Path) -> None:
-    """A checkpoint with MXFP4 experts (as the released gpt-oss files) gives transformers' tokens on the
-    dequantized weights."""
+@pytest.fixture(scope="module")
+def mxfp4(dense, tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    """The dense model's experts as MXFP4 (as the released gpt-oss files), and transformers' tokens on the MXFP4
+    values."""
     path, _ = dense
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     state = load_file(str(path / "model.safetensors"))
     ref = _random_model()
     for name in list(state):
@@ -124,15 +126,50 @@ def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(dense, tmp_path: Path
             state[name + "_blocks"], state[name + "_scales"] = _quantize_mxfp4(rows)
             dense_rows = dequantize_mxfp4(state[name + "_blocks"], state[name + "_scales"], torch.float32)
             ref.get_parameter(name).data.copy_(dense_rows.transpose(1, 2))
-    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                                           "model.layers.*.mlp.router",
                                                                                           "model.embed_tokens",
                                                                                           "lm_head"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    want = _hf_greedy(ref, PROMPTS)
-    assert _greedy(LLM(str(tmp_path), **ENGINE_KW), PROMPTS) == want
+    (out / "config.json").write_text(json.dumps(config))
+    return out, _hf_greedy(ref, PROMPTS)
+
+
+def _experts(llm: LLM) -> list:
+    model = llm.llm_engine.executor.driver_worker.model
+    return [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(mxfp4) -> None:
+    """On the CPU an MXFP4 checkpoint's experts are dequantized at load by default: transformers' tokens on the
+    MXFP4 values."""
+    path, want = mxfp4
+    llm = LLM(str(path), **ENGINE_KW)
+    assert all(m.w13_blocks is None and m.w13_weight.numel() > 0 for m in _experts(llm))
+    assert _greedy(llm, PROMPTS) == want
+
+
+def test_mxfp4_experts_held_as_mxfp4(mxfp4) -> None:
+    """quantization='mxfp4': the experts stay MXFP4 bytes and scales (no float copy), with the same tokens."""
+    path, want = mxfp4
+    llm = LLM(str(path), quantization="mxfp4", **ENGINE_KW)
+    experts = _experts(llm)
+    assert experts and all(m.w13_weight.numel() == 0 and m.w2_weight.numel() == 0 for m in experts)
+    assert all(m.w13_blocks.dtype == torch.uint8 and m.w13_blocks.shape == (4, 64, 32) and m.w2_scales.shape == (4, 64, 1)
+               for m in experts)
+    assert _greedy(llm, PROMPTS) == want
+
+
+def test_mxfp4_quantization_needs_an_mxfp4_checkpoint(dense) -> None:
+    with pytest.raises(ValueError, match="quantization='mxfp4' serves the MXFP4 experts"):
+        LLM(str(dense[0]), quantization="mxfp4", **ENGINE_KW)
+
+
+def test_mxfp4_needs_whole_groups_per_rank(mxfp4) -> None:
+    """tp=2 would split down's 32 inputs into 16-value shares of one MXFP4 group: refused, naming the fix."""
+    with pytest.raises(ValueError, match="multiples of 32.*quantization='none'"):
+        LLM(str(mxfp4[0]), quantization="mxfp4", tensor_parallel_size=2, num_gpu_blocks_override=64, **ENGINE_KW)
 
 
 @pytest.mark.cuda
@@ -145,6 +182,18 @@ def test_cuda_greedy_matches_transformers(dense) -> None:
     llm = LLM(str(path), num_gpu_blocks_override=256, **kw)
     assert _greedy(llm, PROMPTS) == want
     llm = LLM(str(path), num_gpu_blocks_override=256, max_num_batched_tokens=8, max_num_seqs=4, **kw)
+    assert _greedy(llm, PROMPTS) == want
+    assert not llm.llm_engine.executor.driver_worker.model_runner.compile_watch.events
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mxfp4_experts_by_default(mxfp4) -> None:
+    """On the GPU an MXFP4 checkpoint's experts stay MXFP4 by default, decoded in the fused-MoE kernel's tiles (also
+    inside the captured graphs): transformers' tokens on the MXFP4 values; the warm start built every variant."""
+    path, want = mxfp4
+    llm = LLM(str(path), num_gpu_blocks_override=256, **{**ENGINE_KW, "device": "cuda"})
+    assert all(m.w13_blocks is not None and m.w13_weight.numel() == 0 for m in _experts(llm))
     assert _greedy(llm, PROMPTS) == want
     assert not llm.llm_engine.executor.driver_worker.model_runner.compile_watch.events
 

@@ -125,7 +125,9 @@ _HELP = {
                     "(none: dequantized), dequantized on the CPU. gptq, awq, compressed-tensors: the checkpoint's own "
                     "method (detected without the flag; a flag that does not match it is an error): 4/8-bit "
                     "integer weights stay quantized on the CPU in float32 (GGUF Q4_0/Q4_1/Q8_0 kernels), "
-                    "dequantized elsewhere or with none.",
+                    "dequantized elsewhere or with none. mxfp4: a gpt-oss checkpoint's MXFP4 experts stay MXFP4 "
+                    "(the default on CUDA: the fused-MoE kernel decodes them in its tiles; on the CPU each expert is "
+                    "dequantized per product); none: dequantized at load.",
     "max_logprobs": "Most log-probabilities per token a request may ask for (logprobs, prompt_logprobs; top_logprobs "
                     "on the server), as vLLM's --max-logprobs; -1: no cap.",
     "generation_config": "Where request defaults come from (vLLM's): auto (the model's generation_config.json: its "
@@ -184,10 +186,13 @@ _HELP = {
     "max_seq_len_to_capture": "Accepted for vLLM's command lines, no effect: decode CUDA graphs cover every "
                               "context length up to max_model_len (--max-capture-tokens bounds the steps with "
                               "prompt chunks that replay graphs).",
-    "reasoning_parser": "A thinking model's <think>…</think> block, as vLLM's parser of that name: the server splits "
-                        "it into `reasoning` and `content` on /v1/chat/completions and /v1/responses, and structured "
-                        "outputs constrain only the answer after </think>. deepseek_r1: output without </think> is "
-                        "all reasoning; qwen3: reasoning only inside a <think> block the output opens.",
+    "reasoning_parser": "A thinking model's reasoning, as vLLM's parser of that name: the server splits the output "
+                        "into `reasoning` and `content` on /v1/chat/completions and /v1/responses, and structured "
+                        "outputs constrain only the answer. deepseek_r1, qwen3: a <think>…</think> block (deepseek_r1: "
+                        "output without </think> is all reasoning; qwen3: reasoning only inside a <think> block the "
+                        "output opens). openai_gptoss: GPT-OSS's harmony channels (analysis is the reasoning; final "
+                        "and preambles the content; the answer starts at <|channel|>final<|message|>), detokenized "
+                        "with its special tokens kept.",
 }
 
 #: vLLM's short spellings.

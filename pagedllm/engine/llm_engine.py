@@ -147,7 +147,8 @@ class LLMEngine:
             engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_text_config.vocab_size),
             self.eos_token_ids,
             num_threads=1 if on_cpu else None, pin_memory=str(self.executor.device).startswith("cuda"),
-            reasoning_tokens=reasoning_token_ids(self.tokenizer) if engine_args.reasoning_parser else None)
+            reasoning_tokens=(reasoning_token_ids(self.tokenizer, engine_args.reasoning_parser)
+                              if engine_args.reasoning_parser else None))
         self._torch_threads = torch.get_num_threads() if on_cpu else None
         if not on_cpu:
             # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.model.layers.fused_moe import expert_activation
+from pagedllm.model.mxfp4 import MXFP4_BLOCK, Mxfp4Weight
 
 
 def block_m_for(num_pairs: int, num_experts: int) -> int:
@@ -103,11 +104,30 @@ def _align_kernel(ids_ptr, sorted_ids_ptr, tile_expert_ptr, num_pairs, num_exper
         placed += tl.sum(onehot, axis=0)
 
 
+@triton.jit
+def _e2m1_times_scale(codes, scale):
+    """FP4 (E2M1) codes [0, 16) → float32 values times `scale`. The code's three magnitude bits go to an fp16's
+    exponent and mantissa tops ((code & 7) << 9, its sign to bit 15): 2^(e - 15)·(1 + m/2), or m·2^-15 for e = 0
+    (an fp16 subnormal, exact); `scale` carries the missing 2^14 (kernels pass 2^(s - 113) for E8M0 exponent s)."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * scale
+
+
+@triton.jit
+def _dot(a, w, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
-def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weights_ptr, N, K, num_pairs, top_k,
-              num_experts, stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-              ROW_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr,
+def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weights_ptr, scales_ptr, N, K, num_pairs,
+              top_k, num_experts, stride_am, stride_we, stride_wn, stride_wk, stride_cm, stride_se, stride_sn,
+              ROW_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, W_MXFP4: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`W_MXFP4`: w_ptr holds MXFP4 bytes [E, N, K / 2] (two codes a byte, the low nibble first), scales_ptr their E8M0
+    exponents [E, N, K / 32]; a K tile's bytes are decoded in registers into its even and odd columns, which multiply
+    A's even and odd columns (BLOCK_K a multiple of 32)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m)
@@ -122,19 +142,34 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weigh
         row = tl.where(valid, row, 0).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
+        offs_j = tl.arange(0, BLOCK_K // 2)
         a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        if W_MXFP4:
+            w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_j[:, None]
+            s_ptrs = scales_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + (offs_j // 16)[:, None]
+        else:
+            w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
-            if IEEE:
-                acc = tl.dot(a, w, acc, input_precision="ieee")
+            if W_MXFP4:
+                byte_ok = (offs_j[:, None] < (K - k0) // 2) & (offs_n[None, :] < N)
+                q = tl.load(w_ptrs, mask=byte_ok, other=0).to(tl.int32)
+                s = tl.load(s_ptrs, mask=byte_ok, other=0).to(tl.int32)
+                scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113): _e2m1_times_scale's 2^14 in it
+                w_even = _e2m1_times_scale(q & 15, scale).to(a.dtype)
+                w_odd = _e2m1_times_scale(q >> 4, scale).to(a.dtype)
+                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+                acc = _dot(a_even, w_even, acc, IEEE)
+                acc = _dot(a_odd, w_odd, acc, IEEE)
+                w_ptrs += BLOCK_K // 2
+                s_ptrs += BLOCK_K // 32
             else:
-                acc = tl.dot(a, w, acc)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+                acc = _dot(a, w, acc, IEEE)
+                w_ptrs += BLOCK_K * stride_wk
             a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
         if MUL_WEIGHT:
             acc = acc * tl.load(weights_ptr + pair, mask=valid, other=0.0)[:, None]
         c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -177,20 +212,29 @@ def _shared_memory_bytes() -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0))
 
 
-def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor,
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Mxfp4Weight, out: torch.Tensor, sorted_ids: torch.Tensor,
                   tile_expert: torch.Tensor, weights: torch.Tensor, top_k: int, row_per_pair: bool,
                   mul_weight: bool, block_m: int, config: MoeGemmConfig | None = None) -> None:
     num_experts, n, k = w.shape
     cfg = config or gemm_config(block_m, a.dtype)
     grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
-    _moe_gemm_kernel[grid](a, w, out, sorted_ids, tile_expert, weights, n, k, out.shape[0], top_k, num_experts,
-                    a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+    if isinstance(w, Mxfp4Weight):
+        if k % MXFP4_BLOCK or cfg.block_k % MXFP4_BLOCK:
+            raise ValueError(f"MXFP4 experts need K ({k}) and the K tile ({cfg.block_k}) in multiples of {MXFP4_BLOCK}")
+        packed, scales = w.blocks, w.scales
+        strides = (packed.stride(0), packed.stride(1), 1, out.stride(0), scales.stride(0), scales.stride(1))
+    else:
+        packed = scales = w
+        strides = (w.stride(0), w.stride(1), w.stride(2), out.stride(0), 0, 0)
+    _moe_gemm_kernel[grid](a, packed, out, sorted_ids, tile_expert, weights, scales, n, k, out.shape[0], top_k,
+                    num_experts, a.stride(0), *strides,
                     ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
-                    BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages)
+                    W_MXFP4=isinstance(w, Mxfp4Weight), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_experts(x: torch.Tensor, w13: torch.Tensor | Mxfp4Weight, w2: torch.Tensor | Mxfp4Weight,
+                  topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, block_m: int | None = None,
                   configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None,
                   activation: str = "silu", w13_bias: torch.Tensor | None = None,
@@ -198,7 +242,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x): x [T, H], w13 [E, 2I, H], w2 [E, H, I],
     topk_weights / topk_ids [T, k] → [T, H] in x's dtype (accumulated in float32). `activation` "relu2": non-gated
     experts, w2_e(relu(up_e x)²) with w13 [E, I, H] (Nemotron-H's); "swigluoai": GPT-OSS's (layers/fused_moe.py).
-    `w13_bias` [E, 2I] / `w2_bias` [E, H]: each expert's biases, added to its pairs' rows (gathered by expert id)."""
+    `w13_bias` [E, 2I] / `w2_bias` [E, H]: each expert's biases, added to its pairs' rows (gathered by expert id).
+    Either projection may be held as MXFP4 (`Mxfp4Weight`, GPT-OSS's checkpoints), decoded in the GEMM's tiles."""
     t, h = x.shape
     top_k = topk_ids.shape[1]
     num_pairs = t * top_k
@@ -237,10 +282,13 @@ def warm_up_fused_moe(model: torch.nn.Module) -> list[str]:
 
     done, seen = [], set()
     for m in model.modules():
-        if not isinstance(m, FusedMoE) or m.w13_weight.numel() == 0:  # (GGUF experts: CPU only)
+        if not isinstance(m, FusedMoE):
             continue
-        key = (tuple(m.w13_weight.shape), tuple(m.w2_weight.shape), m.w13_weight.dtype, m.activation,
-               m.w13_bias is not None)
+        w13, w2 = m.mxfp4_weights() or (m.w13_weight, m.w2_weight)
+        if w13.shape[0] == 0:  # (GGUF experts: CPU only)
+            continue
+        mxfp4 = isinstance(w13, Mxfp4Weight)
+        key = (tuple(w13.shape), tuple(w2.shape), m.w13_weight.dtype, m.activation, m.w13_bias is not None, mxfp4)
         if key in seen:
             continue
         seen.add(key)
@@ -248,7 +296,8 @@ def warm_up_fused_moe(model: torch.nn.Module) -> list[str]:
         ids = (torch.arange(4 * m.top_k, device=x.device) % m.num_experts).view(4, m.top_k)
         weights = torch.full((4, m.top_k), 1.0 / m.top_k, device=x.device)
         for block_m in BLOCK_M_CHOICES:
-            fused_experts(x, m.w13_weight, m.w2_weight, weights, ids, block_m=block_m, activation=m.activation,
+            fused_experts(x, w13, w2, weights, ids, block_m=block_m, activation=m.activation,
                           w13_bias=m.w13_bias, w2_bias=m.w2_bias)
-        done.append(f"fused MoE {m.num_experts}x{m.w13_weight.shape[1]}x{m.hidden_size} tiles {BLOCK_M_CHOICES}")
+        done.append(f"fused MoE {m.num_experts}x{w13.shape[1]}x{m.hidden_size}{' MXFP4' if mxfp4 else ''} tiles "
+                    f"{BLOCK_M_CHOICES}")
     return done

@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from pagedllm.model.meta_build import build_on_meta, materialize
+
 logger = logging.getLogger("pagedllm")
 
 _E4M3 = torch.float8_e4m3fn
@@ -197,35 +199,14 @@ def build_for_fp8_checkpoint(build: Callable[[], nn.Module], device: torch.devic
                              keep_fp8: bool) -> nn.Module:
     """`build()` on the meta device, then memory on `device` for every parameter: in e4m3 for the weights of the
     linears that will stay FP8 (`keep_fp8`, per-tensor or per-channel scales, shapes `_scaled_mm` takes), so an
-    FP8 model loads without ever taking its bf16 size; in their own dtype for the rest. Rotary caches are computed
-    again on `device`."""
+    FP8 model loads without ever taking its bf16 size; in their own dtype for the rest (model/meta_build.py)."""
     from pagedllm.kernels import fp8_linear
-    from pagedllm.model.layers.rotary import RotaryEmbedding
 
-    with torch.device("meta"):
-        model = build()
+    model = build_on_meta(build)
     fp8 = set()
     if keep_fp8 and fmt.weight_strategy != "block":
         fp8 = {id(m.weight) for m in checkpoint_linears(model) if fp8_linear.can_quantize(m.weight)}
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in made:
-                dtype = _E4M3 if id(p) in fp8 else p.dtype
-                q = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
-                q.__dict__.update(p.__dict__)  # weight_loader and the like
-                if dtype == _E4M3:
-                    q.unquantized_dtype = p.dtype  # if the checkpoint stores this weight unquantized after all
-                made[id(p)] = q
-            if p is not None:
-                module._parameters[name] = made[id(p)]  # tied weights stay one parameter
-        if isinstance(module, RotaryEmbedding):
-            with torch.device(device):
-                fresh = RotaryEmbedding(*module.init_args)
-            module._buffers.update(fresh._buffers)
-        elif any(b is not None and b.is_meta for b in module._buffers.values()):
-            raise ValueError(f"{type(module).__name__} has buffers that an FP8 checkpoint's load cannot compute.")
-    return model
+    return materialize(model, device, lambda p: _E4M3 if id(p) in fp8 else p.dtype)
 
 
 def prepare_for_fp8_checkpoint(model: nn.Module) -> None:

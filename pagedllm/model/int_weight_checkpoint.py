@@ -37,7 +37,7 @@ INT_WEIGHT_METHODS = ("gptq", "awq", "compressed-tensors")
 SUPPORTED = ("quant_method 'fp8' and compressed-tensors FP8 (model/fp8_checkpoint.py); 4- and 8-bit integer "
              "weights: 'gptq' (checkpoint_format gptq or gptq_v2, any group size, desc_act), 'awq' (4-bit, GEMM "
              "version, zero_point true) and 'compressed-tensors' format 'pack-quantized' (int weights, group or "
-             "channel strategy, no activation quantization); 'mxfp4' (GPT-OSS's experts, dequantized at load); GGUF files "
+             "channel strategy, no activation quantization); 'mxfp4' (GPT-OSS's experts: held as MXFP4 on CUDA, dequantized elsewhere); GGUF files "
              "for llama.cpp's quantizations")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 # AutoAWQ packs eight output columns into a word in this order (awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear:
@@ -148,7 +148,7 @@ def detect_int_weight_checkpoint(hf_config: Any, requested: str | None = None) -
     is_int = method in ("gptq", "awq") or (method == "compressed-tensors" and _ct_int_weights(qc))
     _check_requested(requested, method, is_int)
     if qc is None or method in ("fp8", "compressed-tensors", "mxfp4") and not is_int:
-        return None  # (mxfp4: GPT-OSS's experts, dequantized by the model's loader, model/mxfp4.py)
+        return None  # (mxfp4: GPT-OSS's experts, model/mxfp4.py)
     if method == "gptq":
         return _gptq_format(qc)
     if method == "awq":

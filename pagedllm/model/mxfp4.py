@@ -1,10 +1,13 @@
-"""MXFP4 weights (OCP microscaling FP4, as GPT-OSS checkpoints store their experts): dequantized at load.
+"""MXFP4 weights (OCP microscaling FP4, as GPT-OSS checkpoints store their experts): served as such on CUDA
+(``Mxfp4Weight``, read by the fused-MoE kernel, kernels/triton_fused_moe.py) or dequantized at load.
 
 A checkpoint's ``<name>_blocks`` [..., rows, K / 32, 16] uint8 hold two FP4 (E2M1) values per byte, the low nibble
 first; ``<name>_scales`` [..., rows, K / 32] uint8 hold one E8M0 exponent per 32 values (2^(s - 127)). The result is
 [..., rows, K], a row per output feature (GPT-OSS's gate_up rows interleave gate and up).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -31,3 +34,51 @@ def is_mxfp4_checkpoint(hf_config) -> bool:
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(vars(qc))
     return bool(qc) and qc.get("quant_method") == "mxfp4"
+
+
+@dataclass(frozen=True)
+class Mxfp4Weight:
+    """One stacked expert projection held as MXFP4: `blocks` [E, N, K / 2] uint8 (value 2j of a row in byte j's low
+    nibble, 2j + 1 in its high one) and `scales` [E, N, K / 32] uint8 (E8M0), rows as the float weight's [E, N, K]."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, half = self.blocks.shape
+        return e, n, 2 * half
+
+    def dequantize_expert(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s rows [N, K] in `dtype`."""
+        n, groups = self.scales.shape[1:]
+        return dequantize_mxfp4(self.blocks[expert].view(n, groups, MXFP4_BLOCK // 2), self.scales[expert], dtype)
+
+
+MXFP4 = "mxfp4"
+
+
+def resolve_mxfp4(requested: str | None, hf_config, device_type: str) -> bool:
+    """Whether the experts are held as MXFP4: by default on CUDA for a checkpoint that stores them so (vLLM serves
+    gpt-oss that way), and wherever `requested` is "mxfp4" (elsewhere the torch experts dequantize an expert per
+    product: the memory of the file, not the speed of the float32 panels); "none" dequantizes at load."""
+    stored = is_mxfp4_checkpoint(hf_config)
+    if requested == MXFP4 and not stored:
+        raise ValueError("quantization='mxfp4' serves the MXFP4 experts of checkpoints that store them so (gpt-oss: "
+                         "quantization_config quant_method 'mxfp4'); this checkpoint has none: leave quantization "
+                         "unset")
+    return stored and (requested == MXFP4 or requested is None and device_type == "cuda")
+
+
+def build_with_mxfp4_experts(build, device: torch.device):
+    """`build()` on the meta device, then memory on `device` for every parameter but the experts' float weights, which
+    FusedMoE.hold_mxfp4 replaces by MXFP4 bytes and scales: the model never takes its dequantized size."""
+    from pagedllm.model.layers.fused_moe import FusedMoE
+    from pagedllm.model.meta_build import build_on_meta, materialize
+
+    model = materialize(build_on_meta(build), device,
+                        released=lambda m, name: isinstance(m, FusedMoE) and name in ("w13_weight", "w2_weight"))
+    for m in model.modules():
+        if isinstance(m, FusedMoE):
+            m.hold_mxfp4()
+    return model

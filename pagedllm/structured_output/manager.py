@@ -7,6 +7,10 @@ not the thinking, and a row still thinking samples from the whole vocabulary): i
 and is rebuilt by replaying the outputs for any sequence that has none (beam-search forks) or whose
 history it no longer matches. Preemption keeps the output tokens (recompute re-prefills them, swap
 keeps them), so the matcher needs nothing there.
+
+A reasoning marker may be several tokens (harmony's end is ``<|channel|>final<|message|>``): the reasoning ends at
+the token that completes it. Whether it has ended is read from the token history alone (no partial-match state),
+so replays, forks and rewinds need nothing more.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +54,7 @@ class SeqGrammar:
 
     matcher: Any
     num_tokens: int = 0  # output tokens consumed, a thinking block's included
-    thinking: bool = False  # inside the model's reasoning: the grammar starts after its end token
+    thinking: bool = False  # inside the model's reasoning: the grammar starts after its end marker
     failed: bool = False  # a token the grammar rejects was appended (a bug elsewhere): the sequence stops
     terminated: bool = False  # the grammar accepted its end (its stop token): nothing more to mask
 
@@ -57,9 +62,9 @@ class SeqGrammar:
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
                  num_threads: int | None = None, pin_memory: bool = False,
-                 reasoning_tokens: tuple[int, int] | None = None) -> None:
+                 reasoning_tokens: tuple[int | Sequence[int], int | Sequence[int]] | None = None) -> None:
         self.backend_name = resolve_backend(backend)
-        # (<think>, </think>) token ids with a reasoning parser: grammars apply after the reasoning ends.
+        # The reasoning's (start, end) markers with a reasoning parser: grammars apply after the reasoning ends.
         self.reasoning_tokens = reasoning_tokens
         self.num_threads = num_threads or default_num_threads()
         self._init_args = (tokenizer, vocab_size, eos_token_ids, self.num_threads)
@@ -81,6 +86,20 @@ class StructuredOutputManager:
         self._saved_switch_interval: float | None = None  # the interpreter's, while a fill runs on the mask thread
 
     # -- setup --------------------------------------------------------------------------------
+    @property
+    def reasoning_tokens(self) -> tuple[int | Sequence[int], int | Sequence[int]] | None:
+        """The reasoning's (start, end) markers, each a token id or a sequence of them (None: no reasoning parser)."""
+        return self._reasoning_tokens
+
+    @reasoning_tokens.setter
+    def reasoning_tokens(self, markers: tuple[int | Sequence[int], int | Sequence[int]] | None) -> None:
+        self._reasoning_tokens = markers
+        start, end = (None, None) if markers is None else (_token_tuple(m) for m in markers)
+        if end is not None and not end:
+            raise ValueError("the reasoning's end marker has no tokens")
+        self._reasoning_start: tuple[int, ...] | None = start
+        self._reasoning_end: tuple[int, ...] | None = end
+
     @property
     def backend(self):
         """The grammar engine, created at the first constrained request (its tokenizer tables take ~0.1-1 s)."""
@@ -156,7 +175,7 @@ class StructuredOutputManager:
         be = self.backend
         while state.num_tokens < len(out) and not state.failed:
             if state.thinking:
-                state.thinking = out[state.num_tokens] != self.reasoning_tokens[1]
+                state.thinking = not self._ends_reasoning(seq, state.num_tokens + 1)
             elif not be.accept(state.matcher, out[state.num_tokens]):
                 state.failed = True
                 logger.error("sequence %s: token %d is not allowed by its grammar", seq.seq_id, out[state.num_tokens])
@@ -165,14 +184,27 @@ class StructuredOutputManager:
         return state
 
     def _thinks_first(self, seq: Any) -> bool:
-        """Whether the output starts inside the reasoning: unless the prompt's last </think> closes its last
-        <think> (a template that turned thinking off, as Qwen3's enable_thinking=False does)."""
-        if self.reasoning_tokens is None:
+        """Whether the output starts inside the reasoning: unless the prompt's last end marker is followed by no
+        start marker (a template that turned thinking off, as Qwen3's enable_thinking=False does, or a harmony
+        prompt that opened the final channel)."""
+        start, end = self._reasoning_start, self._reasoning_end
+        if start is None or end is None:
             return False
-        start, end = self.reasoning_tokens
         prompt = seq.prompt_token_ids
-        last_end = next((i for i in range(len(prompt) - 1, -1, -1) if prompt[i] == end), -1)
-        return last_end < 0 or start in prompt[last_end:]
+        last_end = _rfind(prompt, end)
+        return last_end < 0 or _rfind(prompt, start, last_end + len(end)) >= 0
+
+    def _ends_reasoning(self, seq: Any, n: int) -> bool:
+        """Whether the first `n` output tokens end with the reasoning's end marker (which may begin in the prompt)."""
+        end = self._reasoning_end
+        out = seq.output_token_ids
+        if out[n - 1] != end[-1]:  # the common case, kept short
+            return False
+        k = len(end)
+        if n >= k:
+            return tuple(out[n - k:n]) == end
+        prompt = seq.prompt_token_ids
+        return len(prompt) >= k - n and tuple(prompt[len(prompt) - (k - n):]) + tuple(out[:n]) == end
 
     def accept(self, seq: Any, compiled: Any) -> bool:
         """After a token was appended: advance; → True when the sequence must stop (grammar finished or broken)."""
@@ -182,7 +214,7 @@ class StructuredOutputManager:
             state = self.sync(seq, compiled)  # anything but the one new token: replay
         elif state.thinking:
             state.num_tokens += 1
-            state.thinking = out[-1] != self.reasoning_tokens[1]
+            state.thinking = not self._ends_reasoning(seq, state.num_tokens)
             return False
         else:  # the per-step path, kept short: it runs for every constrained row of every step
             state.num_tokens += 1
@@ -198,14 +230,14 @@ class StructuredOutputManager:
         ``drafts[:n]`` (a stop token that ends it is the last), and row i of ``masks`` ([n + 1, words] int32) is
         the bitmask after ``drafts[:i]``, the one plain decoding would apply there. The matcher is rolled back,
         so it still describes the sequence's own tokens. A sequence still thinking takes the drafts before the
-        reasoning's end token, unmasked. None when its grammar ended or broke (the sequence stops)."""
+        token that completes the reasoning's end marker, unmasked. None when its grammar ended or broke (the
+        sequence stops)."""
         state = self.sync(seq, compiled)
         if state.failed or state.terminated:
             return None
         words = (self.vocab_size + 31) // 32
-        if state.thinking:  # the grammar starts after </think>; the row after it would need its first mask
-            end = self.reasoning_tokens[1]
-            n = drafts.index(end) if end in drafts else len(drafts)
+        if state.thinking:  # the grammar starts after the end marker; the row after it would need its first mask
+            n = self._reasoning_end_in(seq, drafts)
             return n, torch.full((n + 1, words), -1, dtype=torch.int32)
         be = self.backend
         masks = torch.empty((len(drafts) + 1, words), dtype=torch.int32)
@@ -221,6 +253,23 @@ class StructuredOutputManager:
             be.fill_row(state.matcher, masks, n)
         be.rollback(state.matcher, n)
         return n, masks[:n + 1]
+
+    def _reasoning_end_in(self, seq: Any, drafts: list[int]) -> int:
+        """Index of the draft that completes the reasoning's end marker after the sequence's tokens (len(drafts):
+        none does)."""
+        end = self._reasoning_end
+        k = len(end)
+        out = seq.output_token_ids
+        before = list(out[max(0, len(out) - (k - 1)):])  # the tokens a marker completed by a draft may begin with
+        if len(before) < k - 1:  # a short output: the marker may begin in the prompt
+            prompt = seq.prompt_token_ids
+            before = list(prompt[max(0, len(prompt) - (k - 1 - len(before))):]) + before
+        window = before + list(drafts)
+        for j, tok in enumerate(drafts):
+            i = len(before) + j + 1  # window[:i] ends with drafts[j]
+            if tok == end[-1] and i >= k and tuple(window[i - k:i]) == end:
+                return j
+        return len(drafts)
 
     def forced_tokens(self, seq: Any, compiled: Any) -> list[int]:
         """Speculative decoding's grammar drafts: the tokens of the continuation the grammar forces next (JSON
@@ -328,3 +377,16 @@ class StructuredOutputManager:
             bitmask = self._buffer(max(rows, default=-1) + 1)
         live_rows, matchers = self._prepare(seqs_and_grammars, rows, bitmask)
         return self._native_fill(matchers, bitmask, live_rows)
+
+
+def _token_tuple(marker: int | Sequence[int]) -> tuple[int, ...]:
+    return (int(marker),) if isinstance(marker, int) else tuple(int(t) for t in marker)
+
+
+def _rfind(tokens: Sequence[int], marker: tuple[int, ...], begin: int = 0) -> int:
+    """Index of the last occurrence of `marker` in ``tokens[begin:]``, or -1."""
+    k = len(marker)
+    if k == 1:
+        return next((i for i in range(len(tokens) - 1, begin - 1, -1) if tokens[i] == marker[0]), -1)
+    return next((i for i in range(len(tokens) - k, begin - 1, -1)
+                 if tokens[i] == marker[0] and tuple(tokens[i:i + k]) == marker), -1)

@@ -50,6 +50,7 @@ from pagedllm.model.models.registry import (get_model_class, is_base_model, is_e
                                              kv_cache_layout, kv_cache_uses_mla, layer_sliding_windows,
                                              text_config)
 from pagedllm.model.models.weights import init_dummy_weights
+from pagedllm.model.mxfp4 import MXFP4, build_with_mxfp4_experts, resolve_mxfp4
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.model.layers.mamba_state import allocate_layer_caches, copy_state_slots
 from pagedllm.worker.cache_engine import CacheEngine
@@ -149,6 +150,8 @@ class Worker:
         else:  # --quantization gguf (the default for a quantized GGUF on the CPU) keeps the file's blocks.
             self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
                                                      self.dtype)
+        if not dummy and resolve_mxfp4(config.model_config.quantization, hf_config, self.device.type):
+            self.quantization = MXFP4  # the experts stay MXFP4 (model/mxfp4.py)
         self.model = None
         # What loading took on a CUDA device, and its peak (load_model); 0 elsewhere.
         self.model_memory_bytes = 0
@@ -179,6 +182,8 @@ class Worker:
         if self.fp8_format is not None:  # e4m3 weights allocated as such
             model = build_for_fp8_checkpoint(lambda: cls(self.hf_config, self.tp, self.dtype), self.device,
                                              self.fp8_format, keep_fp8)
+        elif self.quantization == MXFP4:  # the experts allocated as MXFP4 bytes, never as floats
+            model = build_with_mxfp4_experts(lambda: cls(self.hf_config, self.tp, self.dtype), self.device)
         else:
             with torch.device(self.device):
                 model = cls(self.hf_config, self.tp, self.dtype)
@@ -297,10 +302,11 @@ class Worker:
             return f"gguf quantized ({report.quantized_layers} layers, GEMM design {gemm})"
         if (kept := sum(getattr(m, "fp8_weight", None) is not None for m in self.model.modules())):
             return f"fp8 _scaled_mm ({kept} layers from the FP8 checkpoint)"
+        experts = "; MXFP4 experts" if self.quantization == MXFP4 else ""
         if self.device.type != "cpu":
             if self.config.model_config.batch_invariant:  # _check_batch_invariance passed
-                return self._use_invariant_gemms()
-            return "torch"
+                return self._use_invariant_gemms() + experts
+            return "torch" + experts
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
             return "torch"
         if self.dtype == torch.bfloat16 and (why := cpu_linear.bf16_packing_unsupported_reason()) is not None:

@@ -15,8 +15,10 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     dump,
 )
-from pagedllm.entrypoints.openai.reasoning import ReasoningStream, prompt_opens_thinking
+from pagedllm.entrypoints.openai.harmony import MARKERS as HARMONY_MARKERS
+from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream, prompt_opens_thinking
 from pagedllm.entrypoints.openai.serving_tools import ChatTools
+from pagedllm.entrypoints.openai.tool_parsers import reads_harmony
 from pagedllm.entrypoints.openai.serving_common import (
     OpenAIError,
     ServingContext,
@@ -31,6 +33,7 @@ from pagedllm.multimodal.inputs import MM_FEATURES_KEY
 from pagedllm.multimodal.media import MediaLimits, load_image_url_async
 from pagedllm.multimodal.processor import text_only_error
 from pagedllm.outputs import RequestOutput
+from pagedllm.reasoning import HARMONY
 from pagedllm.tokenizer import apply_chat_template, check_chat_template_options
 
 
@@ -57,6 +60,38 @@ def render_messages(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRe
         raise OpenAIError(str(e), param="messages") from None
     except Exception as e:  # a template that fails to render on these messages (jinja raise_exception, ...)
         raise OpenAIError(f"the chat template could not render these messages: {e}", param="messages") from None
+
+
+def output_splitter(ctx: ServingContext, tools: ChatTools) -> tuple[ReasoningParser | None, bool]:
+    """The reasoning parser that splits a request's output before ChatTools reads its content, and whether that
+    content carries harmony's tool calls (for a tool parser that reads them). ``--tool-call-parser openai`` alone
+    still needs the harmony split (its reasoning is returned too, as vLLM does for GPT-OSS)."""
+    parser = ctx.reasoning_parser
+    harmony_calls = tools.mode == "auto" and reads_harmony(tools.parser_classes)
+    if parser is None and harmony_calls and ctx.tool_call_parser is not None:
+        parser = ReasoningParser(HARMONY)
+    return parser, harmony_calls
+
+
+def parsed_text(ctx: ServingContext, parser: ReasoningParser | None, comp: Any) -> str:
+    """The text a parser reads: with special tokens kept, this engine detokenizes the token that stopped the output
+    (``<|im_end|>``, ``<|endoftext|>``), which vLLM never does; it is dropped, unless it is one of harmony's markers
+    (``<|return|>``, ``<|call|>``), which the format itself reads."""
+    text = comp.text
+    if (parser is None or not parser.needs_special_tokens or comp.finish_reason != "stop" or not comp.token_ids
+            or isinstance(comp.stop_reason, str)):
+        return text
+    last = [comp.token_ids[-1]]
+    stop = ctx.tokenizer.decode(last, skip_special_tokens=False)
+    if stop in HARMONY_MARKERS or ctx.tokenizer.decode(last, skip_special_tokens=True):  # a marker, or no special token
+        return text
+    return text.removesuffix(stop)
+
+
+def keep_special_tokens(ctx: ServingContext, req: ChatCompletionRequest) -> None:
+    """A reasoning parser whose markers are special tokens (harmony's) reads text detokenized with them kept."""
+    if ctx.reasoning_parser is not None and ctx.reasoning_parser.needs_special_tokens:
+        req.skip_special_tokens = False
 
 
 class OpenAIServingChat:
@@ -124,6 +159,7 @@ class OpenAIServingChat:
         self.ctx.check_model(req.model)  # (before any image is fetched)
         image_prompt = await self._image_prompt(req)
         model, ids, max_tokens, logprobs, tools = self._validate(req, image_prompt)
+        keep_special_tokens(self.ctx, req)
         params = self.ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs,
                                           structured_outputs=tools.constraint)
         request_id, engine_prefix = request_ids("chatcmpl", client_request_id)
@@ -161,10 +197,11 @@ class OpenAIServingChat:
 
     def _message(self, comp, tools: ChatTools, prompt_ids: list[int]) -> tuple[ChatMessage, str | None]:
         """A choice's message: its reasoning apart (--reasoning-parser), then its content and tool calls."""
-        parser = self.ctx.reasoning_parser
+        parser, harmony_calls = output_splitter(self.ctx, tools)
         if parser is None:
             return tools.message(comp.text, comp.finish_reason)
-        reasoning, content = parser.split(comp.text, prompt_opens_thinking(self.ctx.tokenizer, prompt_ids))
+        reasoning, content = parser.split(parsed_text(self.ctx, parser, comp),
+                                          prompt_opens_thinking(self.ctx.tokenizer, prompt_ids), harmony_calls)
         message, finish = tools.message(content or "", comp.finish_reason)
         message.reasoning = reasoning
         if content is None and not message.tool_calls:
@@ -182,7 +219,7 @@ class OpenAIServingChat:
         done: set[int] = set()
         final: RequestOutput | None = None
 
-        parser = self.ctx.reasoning_parser
+        parser, harmony_calls = output_splitter(self.ctx, tools)
         opened = parser is not None and prompt_opens_thinking(self.ctx.tokenizer, ids)
         thinking: dict[int, ReasoningStream] = {}  # per choice, with --reasoning-parser
         chunker = ChatChunker(request_id, created, model)
@@ -201,8 +238,8 @@ class OpenAIServingChat:
                         continue
                     text, r_delta = comp.text, ""
                     if parser is not None:  # the reasoning goes apart; `text` is the content so far
-                        stream = thinking.setdefault(idx, parser.stream(opened))
-                        r_delta, _ = stream.feed(comp.text, comp.finish_reason is not None)
+                        stream = thinking.setdefault(idx, parser.stream(opened, harmony_calls))
+                        r_delta, _ = stream.feed(parsed_text(self.ctx, parser, comp), comp.finish_reason is not None)
                         text = stream.content
                     delta = text[sent_text.get(idx, 0):]
                     lo, n_tok = sent_toks.get(idx, 0), len(comp.token_ids)

@@ -19,7 +19,12 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, Sampling
 from pagedllm.entrypoints.openai.protocol_responses import INCLUDE_LOGPROBS, ResponsesRequest
 from pagedllm.entrypoints.openai.reasoning import prompt_opens_thinking
 from pagedllm.entrypoints.openai.responses_input import input_messages
-from pagedllm.entrypoints.openai.serving_chat import render_messages
+from pagedllm.entrypoints.openai.serving_chat import (
+    keep_special_tokens,
+    output_splitter,
+    parsed_text,
+    render_messages,
+)
 from pagedllm.entrypoints.openai.serving_common import (
     OpenAIError,
     ServingContext,
@@ -137,6 +142,7 @@ class OpenAIServingResponses:
             tools = ChatTools(chat, self.ctx.tool_call_parser)
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice") from None
+        keep_special_tokens(self.ctx, chat)
         self.ctx.check_n(1, None, req.stream, req.use_beam_search)
         self.ctx.check_logit_adjustments(req.logit_bias, req.allowed_token_ids)
         try:
@@ -212,7 +218,7 @@ class OpenAIServingResponses:
         yield events.send("response.in_progress", response=shape.body([], "in_progress", None, None))
         final: RequestOutput | None = None
         # With tools or a reasoning parser, the output's items are known only at the end.
-        plain = shape.tools.mode is None and self.ctx.reasoning_parser is None
+        plain = shape.tools.mode is None and shape.parser is None
         msg_id = _new_id("msg")
         sent_text, sent_toks, started = 0, 0, False
         try:
@@ -289,7 +295,8 @@ class _Shape:
                  prompt_ids: list[int], logprobs: int | None, tools: ChatTools, stored: bool) -> None:
         self.ctx, self.req, self.id, self.model, self.stored = ctx, req, response_id, model, stored
         self.n_prompt, self.logprobs, self.tools = len(prompt_ids), logprobs, tools
-        self.opened = ctx.reasoning_parser is not None and prompt_opens_thinking(ctx.tokenizer, prompt_ids)
+        self.parser, self.harmony_calls = output_splitter(ctx, tools)
+        self.opened = self.parser is not None and prompt_opens_thinking(ctx.tokenizer, prompt_ids)
         self.created_at = int(time.time())
 
     def body(self, output: list[dict[str, Any]], status: str, usage: dict[str, Any] | None,
@@ -314,8 +321,9 @@ class _Shape:
 
     def response(self, comp: CompletionOutput, num_cached_tokens: int, msg_id: str | None = None) -> dict[str, Any]:
         reasoning, text = None, comp.text
-        if self.ctx.reasoning_parser is not None:
-            reasoning, content = self.ctx.reasoning_parser.split(comp.text, self.opened)
+        if self.parser is not None:
+            reasoning, content = self.parser.split(parsed_text(self.ctx, self.parser, comp), self.opened,
+                                                   self.harmony_calls)
             text = content or ""
         message, finish = self.tools.message(text, comp.finish_reason)
         incomplete = {"reason": "max_output_tokens"} if finish == "length" else None

@@ -23,6 +23,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import TensorParallelGroup, divide
 from pagedllm.model.layers.activation import silu_and_mul
 from pagedllm.model.layers.quantized_linear import gguf_matmul
+from pagedllm.model.mxfp4 import MXFP4_BLOCK, Mxfp4Weight
 
 if TYPE_CHECKING:
     from pagedllm.kernels.cpu_f32_gemm import F32Gemm
@@ -65,14 +66,17 @@ def expert_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"expert activation must be one of {EXPERT_ACTIVATIONS}, got {activation!r}")
 
 
-def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight], expert: int,
+def expert_linear(x: torch.Tensor, w: torch.Tensor | Sequence[GGUFWeight] | Mxfp4Weight, expert: int,
                   panels: ExpertPanels | None = None) -> torch.Tensor:
-    """x @ w[expert]ᵀ, w a stacked float projection or one GGUF weight per expert; with `panels`, the native float32
-    GEMM over that expert's packed panels (the same product)."""
+    """x @ w[expert]ᵀ, w a stacked float projection, one GGUF weight per expert or MXFP4 experts (that expert
+    dequantized for the product); with `panels`, the native float32 GEMM over that expert's packed panels (the same
+    product)."""
     if panels is not None:
         return panels.gemm.linear(x, panels.panels[expert], panels.out_features, None)
     if isinstance(w, torch.Tensor):
         return torch.nn.functional.linear(x, w[expert])
+    if isinstance(w, Mxfp4Weight):
+        return torch.nn.functional.linear(x, w.dequantize_expert(expert, x.dtype))
     return gguf_matmul(w[expert], x, None)
 
 
@@ -86,8 +90,8 @@ class ExpertPanels:
     out_features: int
 
 
-def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight],
-                        w2: torch.Tensor | Sequence[GGUFWeight], topk_weights: torch.Tensor,
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight] | Mxfp4Weight,
+                        w2: torch.Tensor | Sequence[GGUFWeight] | Mxfp4Weight, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
                         w2_bias: torch.Tensor | None = None,
                         panels: tuple[ExpertPanels, ExpertPanels] | None = None) -> torch.Tensor:
@@ -98,7 +102,7 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight
     out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(w13)).tolist()
+    counts = torch.bincount(flat, minlength=w13.shape[0] if not isinstance(w13, Sequence) else len(w13)).tolist()
     k = topk_ids.shape[1]
     start = 0
     for expert, n in enumerate(counts):
@@ -160,6 +164,32 @@ class FusedMoE(nn.Module):
         # --quantization gguf (CPU): a projection's experts as GGUF blocks, its float parameter then empty
         self.w13_gguf: list[GGUFWeight] | None = None
         self.w2_gguf: list[GGUFWeight] | None = None
+        # --quantization mxfp4 (hold_mxfp4): both projections as MXFP4 bytes and scales, the float parameters empty
+        for name in ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"):
+            self.register_buffer(name, None)
+
+    def hold_mxfp4(self) -> None:
+        """Hold both projections as MXFP4 (GPT-OSS's checkpoints; model/mxfp4.py), rows as the float weights':
+        ``w13_blocks`` [E, 2·shard, H / 2] and ``w13_scales`` [E, 2·shard, H / 32], ``w2_blocks`` [E, H, shard / 2] and
+        ``w2_scales`` [E, H, shard / 32], uint8, on the float weights' device; the float weights are released."""
+        for dim, what in ((self.hidden_size, "hidden_size"), (self.shard, "each rank's share of intermediate_size")):
+            if dim % MXFP4_BLOCK:
+                raise ValueError(f"MXFP4 experts need {what} ({dim}) in multiples of {MXFP4_BLOCK}: use "
+                                 "quantization='none' (dequantized experts) or another tensor_parallel_size")
+        device = self.w13_weight.device
+        rows13 = (2 if self.gated else 1) * self.shard
+        for name, rows, k in (("w13", rows13, self.hidden_size), ("w2", self.hidden_size, self.shard)):
+            setattr(self, f"{name}_blocks", torch.zeros(self.num_experts, rows, k // 2, dtype=torch.uint8, device=device))
+            setattr(self, f"{name}_scales", torch.zeros(self.num_experts, rows, k // MXFP4_BLOCK, dtype=torch.uint8,
+                                                        device=device))
+            param = getattr(self, f"{name}_weight")
+            param.data = torch.empty(0, dtype=param.dtype, device=device)
+
+    def mxfp4_weights(self) -> tuple[Mxfp4Weight, Mxfp4Weight] | None:
+        """(w13, w2) as MXFP4 where hold_mxfp4 made them so (built anew each call: sleep mode moves the buffers)."""
+        if self.w13_blocks is None:
+            return None
+        return Mxfp4Weight(self.w13_blocks, self.w13_scales), Mxfp4Weight(self.w2_blocks, self.w2_scales)
 
     def pack_for_cpu(self, gemm: F32Gemm | None) -> bool:
         """Pack each float32 expert's projections into `gemm`'s panels (the dense weights stay: loaders, TP and
@@ -207,12 +237,13 @@ class FusedMoE(nn.Module):
         else:
             topk_weights, topk_ids = self.custom_routing_function(router_logits)
         w2_bias = self.w2_bias if self.tp.rank == 0 else None
+        w13, w2 = self.mxfp4_weights() or (self.w13_gguf or self.w13_weight, self.w2_gguf or self.w2_weight)
         if x.is_cuda:
             from pagedllm.kernels.triton_fused_moe import fused_experts  # needs triton: imported on use
 
-            out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, activation=self.activation,
+            out = fused_experts(x, w13, w2, topk_weights, topk_ids, activation=self.activation,
                                 w13_bias=self.w13_bias, w2_bias=w2_bias)
         else:
-            out = fused_experts_torch(x, self.w13_gguf or self.w13_weight, self.w2_gguf or self.w2_weight,
-                                      topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias, self.cpu_panels)
+            out = fused_experts_torch(x, w13, w2, topk_weights, topk_ids, self.activation, self.w13_bias, w2_bias,
+                                      self.cpu_panels)
         return self.tp.all_reduce(out) if self.reduce_results else out

@@ -312,7 +312,8 @@ def held_gguf_weights(module: nn.Module) -> list[GGUFWeight]:
 
 
 def num_parameters(model: nn.Module) -> int:
-    """Parameters of `model`, counting each GGUF-quantized weight once as its out × in elements."""
+    """Parameters of `model`, counting each GGUF-quantized weight once as its out × in elements, and MXFP4 experts
+    as their values."""
     seen: set[int] = set()
     total = sum(p.numel() for p in model.parameters())
     for m in model.modules():
@@ -323,6 +324,8 @@ def num_parameters(model: nn.Module) -> int:
         shape = getattr(m, "dense_shape", None)  # a float32 weight held as panels (layers/linear.py)
         if shape is not None:
             total += shape[0] * shape[1]
+        mxfp4 = m.mxfp4_weights() if hasattr(m, "mxfp4_weights") else None  # experts held as MXFP4 (two a byte)
+        total += sum(2 * w.blocks.numel() for w in mxfp4 or ())
     return total
 
 

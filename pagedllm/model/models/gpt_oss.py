@@ -6,7 +6,9 @@ clamped "swigluoai" activation (layers/fused_moe.py), routed by a softmax over t
 Checkpoints: ``mlp.router`` (weight and bias), ``mlp.experts.gate_up_proj`` [E, H, 2I] with gate and up columns
 interleaved, ``gate_up_proj_bias`` [E, 2I] (interleaved too), ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H], and
 ``self_attn.sinks`` [heads]. The released checkpoints store the two expert projections as MXFP4
-(``*_blocks`` / ``*_scales``, quantization_config quant_method "mxfp4"): dequantized here at load (model/mxfp4.py).
+(``*_blocks`` / ``*_scales``, quantization_config quant_method "mxfp4"): on CUDA served as such by default
+(``quantization="mxfp4"``: FusedMoE.hold_mxfp4, decoded in the fused-MoE kernel's tiles), elsewhere or with
+``quantization="none"`` dequantized here at load (model/mxfp4.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from pagedllm.model.models.llama import (
     layer_sliding_window,
     llama_rotary_embedding,
 )
-from pagedllm.model.mxfp4 import dequantize_mxfp4
+from pagedllm.model.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -116,13 +118,19 @@ class GptOssForCausalLM(LlamaForCausalLM):
                                                                                                  tensor)
                 self._check_expert_shape(experts[owner], base, (blocks.shape[0], *blocks.shape[1:-2],
                                                                 blocks.shape[-2] * blocks.shape[-1] * 2), rows=True)
-                for e in range(blocks.shape[0]):  # one expert at a time: the float copy of a whole layer is GBs
-                    self._load_expert_rows(experts[owner], base, e, dequantize_mxfp4(blocks[e], scales[e],
-                                                                                     torch.float32))
+                if experts[owner].w13_blocks is not None:  # served as MXFP4: the bytes as they are
+                    self._load_mxfp4_rows(experts[owner], base, blocks, scales)
+                else:
+                    for e in range(blocks.shape[0]):  # one expert at a time: the float copy of a layer is GBs
+                        self._load_expert_rows(experts[owner], base, e, dequantize_mxfp4(blocks[e], scales[e],
+                                                                                         torch.float32))
                 seen[owner].add(base)
                 continue
             moe = experts[owner]
             self._check_expert_shape(moe, leaf, tuple(tensor.shape), rows=False)
+            if moe.w13_blocks is not None and not leaf.endswith("_bias"):
+                raise ValueError(f"{name}: a dense expert tensor, but this engine holds the experts as MXFP4 "
+                                 "(quantization='mxfp4'); load it with quantization='none'")
             if leaf.endswith("_bias"):
                 self._load_expert_bias(moe, leaf, tensor)
             else:  # the dense checkpoints' [E, in, out]
@@ -156,6 +164,22 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 moe.w13_weight[expert, n:].copy_(rows[1::2][lo:lo + n])
             else:
                 moe.w2_weight[expert].copy_(rows[:, lo:lo + n])
+
+    @staticmethod
+    def _load_mxfp4_rows(moe: FusedMoE, leaf: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """A projection's MXFP4 blocks [E, out, G, 16] and scales [E, out, G] into this rank's [gate; up] / down
+        bytes (a rank's share of down's inputs is whole 32-value groups: FusedMoE.hold_mxfp4 checks it)."""
+        lo, n = moe.tp.rank * moe.shard, moe.shard
+        packed = blocks.reshape(*blocks.shape[:2], -1)  # [E, out, in / 2]
+        with torch.no_grad():
+            if leaf == "gate_up_proj":
+                for half, rows in ((slice(0, n), slice(0, None, 2)), (slice(n, None), slice(1, None, 2))):
+                    moe.w13_blocks[:, half].copy_(packed[:, rows][:, lo:lo + n])
+                    moe.w13_scales[:, half].copy_(scales[:, rows][:, lo:lo + n])
+            else:
+                g0, g = lo // MXFP4_BLOCK, n // MXFP4_BLOCK
+                moe.w2_blocks.copy_(packed[:, :, lo // 2:(lo + n) // 2])
+                moe.w2_scales.copy_(scales[:, :, g0:g0 + g])
 
     @staticmethod
     def _load_expert_bias(moe: FusedMoE, leaf: str, tensor: torch.Tensor) -> None:

@@ -5,7 +5,8 @@
 * `tool_choice` "auto": the output is parsed by a format parser, vLLM's names: Hermes/Qwen ``<tool_call>{...}</tool_call>``
   (`hermes.py`), Llama-3 JSON ``{"name": ..., "parameters": {...}}`` (`llama3_json.py`), Mistral ``[TOOL_CALLS]``
   (`mistral.py`), pythonic ``[f(a=1)]`` (Llama 3.2 / 4, `pythonic.py`), Phi-4-mini ``functools[...]``
-  (`phi4_mini_json.py`), Qwen3-Coder's XML (`qwen3_coder.py`) and Granite's ``<|tool_call|>[...]`` (`granite.py`). `--tool-call-parser` picks one; by default
+  (`phi4_mini_json.py`), Qwen3-Coder's XML (`qwen3_coder.py`), Granite's ``<|tool_call|>[...]`` (`granite.py`) and
+  OpenAI's harmony messages to ``functions.NAME`` (GPT-OSS, `openai.py`). `--tool-call-parser` picks one; by default
   each is tried and the first whose format the output shows is used.
 """
 from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, StreamingToolCalls, ToolParser
@@ -13,17 +14,19 @@ from pagedllm.entrypoints.openai.tool_parsers.granite import GraniteToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedllm.entrypoints.openai.tool_parsers.openai import OpenAIToolParser, reads_harmony
 from pagedllm.entrypoints.openai.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from pagedllm.entrypoints.openai.tool_parsers.schemas import tool_choice_structured_outputs
 
-#: vLLM's parser names (--tool-call-parser); the order is the order of detection when none is named. Mistral's
-#: marker is a special token: detokenization keeps special tokens for it only when the parser is named.
+#: vLLM's parser names (--tool-call-parser); the order is the order of detection when none is named. Mistral's and
+#: harmony's markers are special tokens: detokenization keeps special tokens for them only when the parser is named.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser,
     "llama3_json": Llama3JsonToolParser, "llama4_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
     "llama4_pythonic": PythonicToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "mistral": MistralToolParser, "granite": GraniteToolParser,
+    "openai": OpenAIToolParser,
 }
 
 
@@ -47,5 +50,6 @@ def extract_tool_calls(text: str, parsers: list[ToolParser] | None = None) -> Ex
 
 
 __all__ = ["ExtractedToolCalls", "GraniteToolParser", "HermesToolParser", "Llama3JsonToolParser", "MistralToolParser",
-           "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "StreamingToolCalls",
-           "TOOL_PARSERS", "ToolParser", "extract_tool_calls", "tool_choice_structured_outputs", "tool_parser_classes"]
+           "OpenAIToolParser", "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "StreamingToolCalls",
+           "TOOL_PARSERS", "ToolParser", "extract_tool_calls", "reads_harmony", "tool_choice_structured_outputs",
+           "tool_parser_classes"]
