@@ -47,3 +47,16 @@ def test_streamed_deltas_hold_back_a_cut_marker():
 def test_unknown_parser_is_a_clear_error():
     with pytest.raises(ValueError, match="'granite' is not known; known: deepseek_r1, qwen3"):
         ReasoningParser("granite")
+
+
+def test_responses_reasoning_effort_becomes_the_chat_requests():
+    from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    req = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "medium"}})
+    chat = OpenAIServingResponses._chat_request(object.__new__(OpenAIServingResponses), req,
+                                                [{"role": "user", "content": "hi"}], None)
+    assert chat.reasoning_effort == "medium"
+    assert OpenAIServingResponses._chat_request(object.__new__(OpenAIServingResponses),
+                                                ResponsesRequest.model_validate({"input": "hi"}),
+                                                [{"role": "user", "content": "hi"}], None).reasoning_effort is None

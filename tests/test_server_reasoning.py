@@ -30,9 +30,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0, timeout=120)
 
 
-def _chat(client, regex, **kw):
+def _chat(client, regex, extra: dict | None = None, **kw):
     return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=60,
-                                          extra_body={"structured_outputs": {"regex": regex}}, **kw)
+                                          extra_body={"structured_outputs": {"regex": regex}, **(extra or {})}, **kw)
 
 
 def test_chat_reasoning_whole_and_streamed(client):
@@ -66,3 +66,15 @@ def test_responses_put_the_reasoning_in_its_own_item(client):
                                           extra_body={"structured_outputs": {"regex": THINKING}}))
     assert [e.delta for e in events if e.type == "response.reasoning_text.delta"] == [chat.model_extra["reasoning"]]
     assert events[-1].type == "response.completed" and events[-1].response.output_text == chat.content
+
+
+def test_include_reasoning_false_drops_it(client):
+    """vLLM's include_reasoning=false: the same answer, no reasoning (whole or streamed)."""
+    full = _chat(client, THINKING).choices[0].message
+    msg = _chat(client, THINKING, {"include_reasoning": False})
+    assert msg.choices[0].message.content == full.content
+    assert msg.choices[0].message.model_extra.get("reasoning") is None
+    chunks = list(_chat(client, THINKING, {"include_reasoning": False}, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.model_extra.get("reasoning") for d in deltas)
+    assert "".join(d.content or "" for d in deltas) == full.content

@@ -168,3 +168,28 @@ def test_generation_config_defaults_fill_unset_fields_and_cap_max_tokens(server)
     assert len(hot) > 1  # a request's own temperature still wins
     capped = _post(server, "/v1/completions", {**body, "max_tokens": 100}).json()
     assert capped["usage"]["completion_tokens"] == 64 and capped["choices"][0]["finish_reason"] == "length"
+
+
+EFFORT_TEMPLATE = "{{ reasoning_effort | default('unset') }}|{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_reasoning_effort_reaches_the_chat_template(server):
+    """OpenAI's reasoning_effort is the chat template's `reasoning_effort` variable (gpt-oss's template writes it into
+    the system message); chat_template_kwargs naming it wins; an effort OpenAI does not define is a 400."""
+    def prompt(**body) -> str:
+        r = _post(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "max_tokens": 1,
+                                                   "chat_template": EFFORT_TEMPLATE, "return_token_ids": True, **body})
+        assert r.status_code == 200, r.text
+        return _detokenize(server, r.json()["prompt_token_ids"])
+
+    assert prompt(reasoning_effort="high").startswith("high|Name")
+    assert prompt().startswith("unset|Name")
+    assert prompt(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}).startswith("low|Name")
+    bad = _post(server, "/v1/chat/completions", {"messages": CONVERSATION[:1], "reasoning_effort": "extreme"})
+    assert bad.status_code == 400 and "reasoning_effort" in bad.text
+    # The Responses API's reasoning.effort is the same variable (its chat request carries it).
+    r = _post(server, "/v1/responses", {"input": "Name a colour.", "max_output_tokens": 1,
+                                        "reasoning": {"effort": "low", "summary": "auto"}})
+    assert r.status_code == 200, r.text
+    bad = _post(server, "/v1/responses", {"input": "Name a colour.", "reasoning": {"effort": "extreme"}})
+    assert bad.status_code == 400 and "effort" in bad.text

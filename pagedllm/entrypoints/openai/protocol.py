@@ -349,6 +349,11 @@ class ChatCompletionRequest(SamplingExtras):
     tools: list[ChatCompletionToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
+    #: OpenAI's: how hard a reasoning model thinks; the chat template's `reasoning_effort` variable (gpt-oss's
+    #: template writes it into the system message), unless chat_template_kwargs sets it
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    #: vLLM's (with --reasoning-parser): false drops the reasoning from the response
+    include_reasoning: bool = True
 
 
 class ChatTopLogprob(OpenAIBaseModel):

@@ -29,6 +29,14 @@ class ResponsesTextConfig(RequestModel):
     format: ResponsesTextFormat | None = None
 
 
+class ResponsesReasoning(RequestModel):
+    """OpenAI's `reasoning` option: `effort` becomes the chat template's `reasoning_effort` (as in chat completions);
+    `summary` is accepted and not produced."""
+
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesFunctionTool(RequestModel):
     """A function tool as the Responses API writes it (flat: no nested `function`)."""
 
@@ -68,6 +76,7 @@ class ResponsesRequest(SamplingExtras):
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     truncation: Literal["disabled"] | None = None
+    reasoning: ResponsesReasoning | None = None
     background: bool = False
     # vLLM's sampling extras that chat and completions also take.
     seed: Seed | None = None

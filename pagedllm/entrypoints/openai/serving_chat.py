@@ -52,10 +52,14 @@ def render_messages(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRe
     plain = [m.model_dump(exclude_none=True) for m in messages]
     for m in plain:
         m.setdefault("content", "")
+    kwargs = req.chat_template_kwargs
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None and "reasoning_effort" not in (kwargs or {}):
+        kwargs = {**(kwargs or {}), "reasoning_effort": effort}
     try:
         return apply_chat_template(ctx.tokenizer, plain, req.add_generation_prompt,
                                    req.chat_template or ctx.chat_template, tools, req.continue_final_message,
-                                   req.chat_template_kwargs)
+                                   kwargs)
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from None
     except Exception as e:  # a template that fails to render on these messages (jinja raise_exception, ...)
@@ -184,7 +188,7 @@ class OpenAIServingChat:
             if logprobs is not None:
                 lp = ChatChoiceLogprobs(content=self.ctx.chat_logprobs(comp.token_ids, comp.logprobs or [], logprobs,
                                                                           self.ctx.tokens_as_ids(req)))
-            message, finish = self._message(comp, tools, ids)
+            message, finish = self._message(comp, tools, ids, req.include_reasoning)
             message.role = self.ctx.chat_role(req)
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=comp.stop_reason,
@@ -195,15 +199,17 @@ class OpenAIServingChat:
                                            prompt_logprobs=prompt_logprobs,
                                            prompt_token_ids=list(ids) if req.return_token_ids else None))
 
-    def _message(self, comp, tools: ChatTools, prompt_ids: list[int]) -> tuple[ChatMessage, str | None]:
-        """A choice's message: its reasoning apart (--reasoning-parser), then its content and tool calls."""
+    def _message(self, comp, tools: ChatTools, prompt_ids: list[int],
+                 include_reasoning: bool = True) -> tuple[ChatMessage, str | None]:
+        """A choice's message: its reasoning apart (--reasoning-parser; dropped unless `include_reasoning`), then its
+        content and tool calls."""
         parser, harmony_calls = output_splitter(self.ctx, tools)
         if parser is None:
             return tools.message(comp.text, comp.finish_reason)
         reasoning, content = parser.split(parsed_text(self.ctx, parser, comp),
                                           prompt_opens_thinking(self.ctx.tokenizer, prompt_ids), harmony_calls)
         message, finish = tools.message(content or "", comp.finish_reason)
-        message.reasoning = reasoning
+        message.reasoning = reasoning if include_reasoning else None
         if content is None and not message.tool_calls:
             message.content = None
         return message, finish
@@ -251,7 +257,7 @@ class OpenAIServingChat:
                     sent_text[idx], sent_toks[idx] = len(text), n_tok
                     finish = comp.finish_reason
                     usage = usage_so_far(0, n_tok)
-                    if r_delta:
+                    if r_delta and req.include_reasoning:
                         yield chunk(idx, None, None, lp, usage=usage, token_ids=new_ids, reasoning=r_delta)
                         lp, new_ids = None, None
                     if tools.mode is not None:  # tool calls: deltas from the tool handler

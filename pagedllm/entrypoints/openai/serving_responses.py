@@ -186,6 +186,7 @@ class OpenAIServingResponses:
             top_logprobs=logprobs, seed=req.seed, stop=req.stop, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, user=req.user, chat_template_kwargs=req.chat_template_kwargs,
             tools=tools or None, parallel_tool_calls=req.parallel_tool_calls,
+            reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
             tool_choice=(choice if isinstance(choice, str) or choice is None
                          else {"type": "function", "function": {"name": choice.name}}))
         try:
