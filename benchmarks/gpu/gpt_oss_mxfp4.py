@@ -6,6 +6,7 @@ same values also saved dense for transformers. All three run the same requests; 
 weights' GPU memory and KV blocks, and how many greedy tokens the MXFP4 and the dequantized engines share.
 
     python benchmarks/gpu/gpt_oss_mxfp4.py OUT_DIR [--layers 4] [--num-prompts 64] [--compare hf]
+        [--device cpu --shape small]   (on the CPU: "mxfp4" named, the default there dequantizes)
 """
 from __future__ import annotations
 
@@ -36,21 +37,29 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
 
 
-def make_checkpoints(out: Path, layers: int, device: str, tiny: bool) -> tuple[Path, Path]:
+#: gpt-oss-20b's layer shape; the CPU comparison model of BENCHMARKS §84.3 (make_gpt_oss_small.py); a toy.
+SHAPES = {
+    "20b": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64,
+                num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4),
+    "small": dict(vocab_size=8000, hidden_size=512, intermediate_size=512, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, num_local_experts=16, num_experts_per_tok=4),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+}
+
+
+def make_checkpoints(out: Path, layers: int, device: str, shape: str) -> tuple[Path, Path]:
     import transformers
     from safetensors.torch import save_file
 
     from pagedllm.model.mxfp4 import dequantize_mxfp4
 
     torch.manual_seed(0)
+    dims = SHAPES[shape]
     cfg = transformers.GptOssConfig(num_hidden_layers=layers,
                                     layer_types=["sliding_attention", "full_attention"] * (layers // 2),
-                                    vocab_size=201088 if not tiny else 512, hidden_size=2880 if not tiny else 64,
-                                    intermediate_size=2880 if not tiny else 64, num_attention_heads=64 if not tiny else 4,
-                                    num_key_value_heads=8 if not tiny else 2, head_dim=64 if not tiny else 16,
-                                    num_local_experts=32 if not tiny else 4, num_experts_per_tok=4 if not tiny else 2,
                                     sliding_window=128, max_position_embeddings=131072, pad_token_id=0,
-                                    eos_token_id=1, attn_implementation="eager")
+                                    eos_token_id=1, attn_implementation="eager", **dims)
     with torch.device(device):
         m = transformers.GptOssForCausalLM(cfg).to(torch.bfloat16)
     with torch.no_grad():
@@ -83,6 +92,7 @@ def make_checkpoints(out: Path, layers: int, device: str, tiny: bool) -> tuple[P
 def run_engine(path: Path, quantization: str | None, wl, max_model_len: int, device: str) -> dict:
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.throughput import run_pagedllm
+    from pagedllm.model.layers.quantized_linear import resident_weight_bytes
 
     llm = LLM(str(path), skip_tokenizer_init=True, dtype="bfloat16" if device == "cuda" else "float32", device=device,
               quantization=quantization, max_model_len=max_model_len, gpu_memory_utilization=0.6)
@@ -92,7 +102,7 @@ def run_engine(path: Path, quantization: str | None, wl, max_model_len: int, dev
                          SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                          use_tqdm=False)
     row = {"quantization": quantization or "default", "elapsed_s": res.elapsed_s,
-           "out_tok_s": res.output_tokens_per_s, "weights_gib": worker.model_memory_bytes / 2**30,
+           "out_tok_s": res.output_tokens_per_s, "weights_gib": resident_weight_bytes(worker.model) / 2**30,
            "kv_blocks": llm.llm_engine.scheduler.block_manager.num_gpu_blocks,
            "greedy": [list(o.outputs[0].token_ids) for o in first]}
     print(json.dumps({k: v for k, v in row.items() if k != "greedy"}), flush=True)
@@ -111,15 +121,15 @@ def main() -> int:
     ap.add_argument("--compare", choices=["none", "hf"], default="hf")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="a tiny shape (a CPU smoke run)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="20b")
     args = ap.parse_args()
     from pagedllm.benchmarks.throughput import make_workload, run_hf_static
 
     out = Path(args.out)
     t0 = time.perf_counter()
-    dense, mx = make_checkpoints(Path("/tmp/gptoss_ckpt"), args.layers, args.device, args.tiny)
+    dense, mx = make_checkpoints(Path("/tmp/gptoss_ckpt"), args.layers, args.device, args.shape)
     print(f"checkpoints in {time.perf_counter() - t0:.1f} s", flush=True)
-    wl = make_workload(args.num_prompts, 64, 512, 128, 512 if args.tiny else 201088, seed=0)
+    wl = make_workload(args.num_prompts, 64, 512, 128, SHAPES[args.shape]["vocab_size"], seed=0)
     # the default holds the experts as MXFP4 on CUDA; "mxfp4" says so on the CPU too
     quantization = None if args.device == "cuda" else "mxfp4"
     rows = [run_engine(mx, quantization, wl, 2048, args.device), run_engine(mx, "none", wl, 2048, args.device)]

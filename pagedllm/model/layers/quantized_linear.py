@@ -278,7 +278,8 @@ def _expert_weights(stacks: list[list[GGUFRawTensor]], rows: int, cols: int) -> 
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds: dense params, GGUF blocks and packed copies (each storage once)."""
+    """Bytes of every weight the model holds: dense params, GGUF and MXFP4 blocks and packed copies (each storage
+    once)."""
     seen: set[int] = set()
     total = 0
 
@@ -301,6 +302,12 @@ def resident_weight_bytes(model: nn.Module) -> int:
             add(w.data)
         add(getattr(m, "packed_weight", None))
         add(getattr(m, "f32_panels", None))
+        for w in (m.mxfp4_weights() if hasattr(m, "mxfp4_weights") else None) or ():  # experts held as MXFP4
+            add(w.blocks)
+            add(w.scales)
+        for projection in getattr(m, "cpu_panels", None) or ():  # float32 experts packed for the native GEMM
+            for panel in projection.panels:
+                add(panel)
     return total
 
 

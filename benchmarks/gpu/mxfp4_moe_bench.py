@@ -1,0 +1,94 @@
+"""One gpt-oss-20b MoE layer (32 experts top-4, hidden 2880, width 2880, swigluoai, biases) on the fused-MoE kernels:
+bf16 experts against the same experts held as MXFP4, timed as CUDA-graph replays, per token count. Prints each time,
+the ratio, the expert bytes the step reads (the experts that received tokens) and that rate against the GPU's copy
+bandwidth measured here (device-to-device copy of 2 GiB). Optional tile sweep for MXFP4: SWEEP=1.
+
+    python benchmarks/gpu/mxfp4_moe_bench.py [1,8,64,256,1024,4096]
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+import sys
+
+import torch
+
+from pagedllm.kernels import triton_fused_moe as tfm
+from pagedllm.model.mxfp4 import Mxfp4Weight
+
+
+def graph_ms(fn, reps: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2**30, dtype=torch.uint16, device="cuda")
+    b = torch.empty_like(a)
+    ms = graph_ms(lambda: b.copy_(a), 10)
+    return 2 * a.numel() * 2 / (ms / 1e3)
+
+
+def main() -> None:
+    tokens = [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "1,8,64,256,1024,4096").split(",")]
+    h, inter, e, k = 2880, 2880, 32, 4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = Mxfp4Weight(torch.randint(0, 256, (e, 2 * inter, h // 2), dtype=torch.uint8, device="cuda", generator=g),
+                      torch.randint(118, 126, (e, 2 * inter, h // 32), dtype=torch.uint8, device="cuda", generator=g))
+    w2 = Mxfp4Weight(torch.randint(0, 256, (e, h, inter // 2), dtype=torch.uint8, device="cuda", generator=g),
+                     torch.randint(118, 126, (e, h, inter // 32), dtype=torch.uint8, device="cuda", generator=g))
+    d13 = torch.stack([w13.dequantize_expert(i, torch.bfloat16) for i in range(e)])
+    d2 = torch.stack([w2.dequantize_expert(i, torch.bfloat16) for i in range(e)])
+    b13 = torch.randn(e, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    mx_bytes_expert = (w13.blocks[0].numel() + w13.scales[0].numel() + w2.blocks[0].numel() + w2.scales[0].numel())
+    bf_bytes_expert = (d13[0].numel() + d2[0].numel()) * 2
+    for t in tokens:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(t, e, device="cuda", generator=g)
+        vals, ids = torch.topk(logits, k, dim=-1)
+        wts = torch.softmax(vals, dim=-1)
+        used = int(torch.unique(ids).numel())
+        kw = dict(activation="swigluoai", w13_bias=b13, w2_bias=b2)
+        dense = graph_ms(lambda: tfm.fused_experts(x, d13, d2, wts, ids, **kw))
+        mx = graph_ms(lambda: tfm.fused_experts(x, w13, w2, wts, ids, **kw))
+        err = (tfm.fused_experts(x, w13, w2, wts, ids, **kw).float()
+               - tfm.fused_experts(x, d13, d2, wts, ids, **kw).float()).abs().max().item()
+        print(f"T={t:5d} experts used {used:2d}: bf16 {dense:7.3f} ms ({used * bf_bytes_expert / dense / 1e6:6.0f} GB/s, "
+              f"{used * bf_bytes_expert / dense / 1e6 / (bw / 1e9):.0%} of copy)  MXFP4 {mx:7.3f} ms "
+              f"({used * mx_bytes_expert / mx / 1e6:6.0f} GB/s, {used * mx_bytes_expert / mx / 1e6 / (bw / 1e9):.0%})  "
+              f"bf16/MXFP4 {dense / mx:.2f}x  max|diff| {err:.3g}", flush=True)
+        if os.environ.get("SWEEP") == "1":
+            res = []
+            bm = tfm.block_m_for(t * k, e)
+            for bn, bk, nw, ns in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)):
+                cfg = tfm.MoeGemmConfig(bn, bk, nw, ns)
+                try:
+                    res.append((graph_ms(lambda: tfm.fused_experts(x, w13, w2, wts, ids, bm, (cfg, cfg), **kw), 10),
+                                bn, bk, nw, ns))
+                except Exception:  # out of shared memory and the like
+                    continue
+            res.sort()
+            print(f"   sweep M{bm}: " + "; ".join(f"{m:.3f} ms (N{bn} K{bk} w{nw} s{ns})" for m, bn, bk, nw, ns in res[:4]),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
