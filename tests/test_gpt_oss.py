@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model.mxfp4 import FP4_E2M1_VALUES, dequantize_mxfp4
+from pagedllm.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 MAX_TOKENS = 12
 PROMPTS = [[5, 9, 3, 17, 22, 40, 7, 8, 11, 12, 13, 60], [3, 4], list(range(3, 30)), [99, 98, 97, 96, 95, 94, 93]]
@@ -86,18 +86,18 @@ def test_greedy_matches_transformers_batched_and_chunked(dense) -> None:
     assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
 
 
-def _quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., rows, K] float → (blocks [..., rows, K/32, 16] uint8, scales [..., rows, K/32] uint8): each 32 values'
-    E8M0 exponent from their largest magnitude, each value rounded to the nearest E2M1 code."""
-    *lead, k = w.shape
-    g = w.reshape(*lead, k // 32, 32).float()
-    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0**-100))) - 2  # the largest value lands in [4, 8)
-    codes_f = torch.tensor(FP4_E2M1_VALUES[:8])
-    scaled = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-6, 6)
-    mag = (scaled.abs().unsqueeze(-1) - codes_f).abs().argmin(-1)
-    codes = (mag + 8 * (scaled < 0)).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+def test_mxfp4_quantization_round_trips_representable_values() -> None:
+    """Values that are E2M1 codes times a group's power of two come back exactly; others to the nearest code."""
+    gen = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (5, 4, 16), dtype=torch.uint8, generator=gen)
+    blocks[:, :, 0] |= 0x07  # each group's largest magnitude is 6 (code 7): the scale it is quantized with
+    scales = torch.randint(115, 130, (5, 4), dtype=torch.uint8, generator=gen)
+    exact = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(exact), torch.float32), exact)
+    w = torch.randn(3, 64, generator=gen)
+    err = (dequantize_mxfp4(*quantize_mxfp4(w), torch.float32) - w).abs()
+    # a group's scale 2^e has its largest magnitude in [4, 8)·2^e; rounding (and the clamp at 6) err by 2·2^e at most
+    assert 0 < err.max() <= w.abs().max() / 2
 
 
 def test_mxfp4_dequantization_matches_transformers() -> None:
@@ -123,7 +123,7 @@ def mxfp4(dense, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     for name in list(state):
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             rows = state.pop(name).transpose(1, 2).contiguous()  # [E, out, in], the MXFP4 files' layout
-            state[name + "_blocks"], state[name + "_scales"] = _quantize_mxfp4(rows)
+            state[name + "_blocks"], state[name + "_scales"] = quantize_mxfp4(rows)
             dense_rows = dequantize_mxfp4(state[name + "_blocks"], state[name + "_scales"], torch.float32)
             ref.get_parameter(name).data.copy_(dense_rows.transpose(1, 2))
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

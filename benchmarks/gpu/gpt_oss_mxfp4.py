@@ -19,23 +19,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-
-
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., rows, K] → (blocks [..., rows, K/32, 16], scales [..., rows, K/32]) uint8: each 32 values' E8M0 exponent
-    from their largest magnitude, each value rounded to the nearest E2M1 code (as the tests' helper)."""
-    from pagedllm.model.mxfp4 import FP4_E2M1_VALUES
-
-    *lead, k = w.shape
-    g = w.reshape(*lead, k // 32, 32).float()
-    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0**-100))) - 2
-    codes_f = torch.tensor(FP4_E2M1_VALUES[:8], device=w.device)
-    scaled = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-6, 6)
-    mag = (scaled.abs().unsqueeze(-1) - codes_f).abs().argmin(-1)
-    codes = (mag + 8 * (scaled < 0)).to(torch.uint8)
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
-
 
 #: gpt-oss-20b's layer shape; the CPU comparison model of BENCHMARKS §84.3 (make_gpt_oss_small.py); a toy.
 SHAPES = {
@@ -52,7 +35,7 @@ def make_checkpoints(out: Path, layers: int, device: str, shape: str) -> tuple[P
     import transformers
     from safetensors.torch import save_file
 
-    from pagedllm.model.mxfp4 import dequantize_mxfp4
+    from pagedllm.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
     torch.manual_seed(0)
     dims = SHAPES[shape]

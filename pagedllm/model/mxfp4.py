@@ -29,6 +29,21 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return values.flatten(-2).to(dtype)
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, K] float → (blocks [..., rows, K / 32, 16], scales [..., rows, K / 32]) uint8, the files' layout:
+    each 32 values' E8M0 exponent from their largest magnitude (which lands in [4, 8)), each value rounded to the
+    nearest E2M1 code (for test and benchmark checkpoints; released gpt-oss files come quantized)."""
+    *lead, k = w.shape
+    if k % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 rows need a length in multiples of {MXFP4_BLOCK}, got {k}")
+    g = w.reshape(*lead, k // MXFP4_BLOCK, MXFP4_BLOCK).float()
+    exp = torch.floor(torch.log2(g.abs().amax(-1).clamp_min(2.0**-100))) - 2
+    magnitudes = torch.tensor(FP4_E2M1_VALUES[:8], device=w.device)
+    scaled = (g / torch.exp2(exp).unsqueeze(-1)).clamp(-6, 6)
+    codes = ((scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (scaled < 0)).to(torch.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
+
+
 def is_mxfp4_checkpoint(hf_config) -> bool:
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
