@@ -66,6 +66,22 @@ def test_stop_token_ids(llm):
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    # As vLLM: the stop token is in token_ids, its text only with include_stop_str_in_output.
+    tok = llm.get_tokenizer()
+    assert out.text == tok.decode(base.token_ids[:first])
+    inc = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_tok],
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert inc.text == tok.decode(base.token_ids[: first + 1]) != out.text
+
+
+def test_eos_text_is_not_in_the_output_even_with_special_tokens_kept(llm):
+    p = "What is the capital of France?"  # the instruct model ends this raw prompt with <|im_end|> (EOS) at once
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, skip_special_tokens=False),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [2] and out.finish_reason == "stop" and out.text == ""
+    inc = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, skip_special_tokens=False,
+                                           include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert inc.text == "<|im_end|>"
 
 
 def test_eos_min_tokens_and_ignore_eos(llm):

@@ -534,30 +534,30 @@ def test_quantized_expert_gemm_matches_int8_reference(type_name: str, rows: int)
 
 
 def test_unsupported_expert_type_stays_float(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """MXFP4 experts (no quantized kernel) under quantization="gguf": served from the converted float copy, and the
-    log says which and why; the outputs are transformers' on the dequantized weights."""
+    """TQ2_0 experts (ternary: no quantized kernel) under quantization="gguf": served from the converted float copy,
+    and the log says which and why; the outputs are transformers' on the dequantized weights."""
     case = CASES["qwen3moe"]
-    model = _hf_model(case)
+    model = _hf_model(case, **_WIDE)  # TQ2_0's blocks are 256 values
     prompts = _prompts()[-2:]
-    src = _write(model, case, tmp_path / "qwen3moe-q5.gguf", experts_type="MXFP4")
-    want, logprobs = hf_greedy_reference(_rounded(model, "MXFP4", q8_linears=False), prompts, MAX_TOKENS)
+    src = _write(model, case, tmp_path / "qwen3moe-tq2.gguf", experts_type="TQ2_0")
+    want, logprobs = hf_greedy_reference(_rounded(model, "TQ2_0", q8_linears=False), prompts, MAX_TOKENS)
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf", block_size=4)
-    assert ("6 quantized expert tensors (MXFP4) are served from their dequantized float copy: type MXFP4 is not "
+    assert ("6 quantized expert tensors (TQ2_0) are served from their dequantized float copy: type TQ2_0 is not "
             "served quantized") in caplog.text
     moe = _moe_layers(llm)[0]
-    assert moe.w13_gguf is moe.w2_gguf is None and moe.w13_weight.shape == (8, 64, 64)
+    assert moe.w13_gguf is moe.w2_gguf is None and moe.w13_weight.shape == (8, 512, 256)
     assert len([n for n in _cache_tensor_names(src) if ".experts." in n]) == 2 * 8 * 3  # no kernel: float in cache
     _assert_matches(_ours(llm, prompts), want, logprobs)
 
 
 def test_quantized_gate_up_beside_float_down(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Gate / up experts Q8_0 and down experts MXFP4 (a type without a quantized kernel): w13 is served
+    """Gate / up experts Q8_0 and down experts TQ2_0 (a type without a quantized kernel): w13 is served
     quantized, w2 from the float copy (logged), and the greedy path holds teacher-forced at >= 95 % of the
     dequantized path's 8 x 16 tokens."""
     case = CASES["qwen3moe"]
-    src = _write(_hf_model(case), case, tmp_path / "qwen3moe-mixed.gguf",
-                 experts_type={"gate": "Q8_0", "up": "Q8_0", "down": "MXFP4"})
+    src = _write(_hf_model(case, **_WIDE), case, tmp_path / "qwen3moe-mixed.gguf",
+                 experts_type={"gate": "Q8_0", "up": "Q8_0", "down": "TQ2_0"})
     prompts = _prompts((3, 7, 11, 15, 19, 23, 27, 30))
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     dense = LLM(model=str(src), **ENGINE_KW, quantization="none", block_size=4)
@@ -565,10 +565,10 @@ def test_quantized_gate_up_beside_float_down(tmp_path: Path, caplog: pytest.LogC
                                                                  use_tqdm=False)]
     with caplog.at_level(logging.INFO, logger="pagedllm"):
         llm = LLM(model=str(src), **ENGINE_KW, quantization="gguf", block_size=4)
-    assert "2 quantized expert tensors (MXFP4) are served from their dequantized float copy" in caplog.text
+    assert "2 quantized expert tensors (TQ2_0) are served from their dequantized float copy" in caplog.text
     for moe in _moe_layers(llm):
         assert len(moe.w13_gguf) == 8 and moe.w13_weight.numel() == 0
-        assert moe.w2_gguf is None and moe.w2_weight.shape == (8, 64, 32)
+        assert moe.w2_gguf is None and moe.w2_weight.shape == (8, 256, 256)
     ranks = teacher_forced_ranks(llm, prompts, want)
     assert sum(r == 1 for r in ranks) >= 0.95 * len(ranks), ranks
 

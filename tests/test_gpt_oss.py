@@ -142,23 +142,57 @@ def _experts(llm: LLM) -> list:
 
 
 def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(mxfp4) -> None:
-    """On the CPU an MXFP4 checkpoint's experts are dequantized at load by default: transformers' tokens on the
-    MXFP4 values."""
+    """quantization='none': an MXFP4 checkpoint's experts are dequantized at load (float32 experts): transformers'
+    tokens on the MXFP4 values."""
     path, want = mxfp4
-    llm = LLM(str(path), **ENGINE_KW)
-    assert all(m.w13_blocks is None and m.w13_weight.numel() > 0 for m in _experts(llm))
+    llm = LLM(str(path), quantization="none", **ENGINE_KW)
+    assert all(m.w13_blocks is None and m.w13_gguf is None and m.w13_weight.numel() > 0 for m in _experts(llm))
     assert _greedy(llm, PROMPTS) == want
 
 
-def test_mxfp4_experts_held_as_mxfp4(mxfp4) -> None:
-    """quantization='mxfp4': the experts stay MXFP4 bytes and scales (no float copy), with the same tokens."""
+@pytest.mark.parametrize("quantization", [None, "mxfp4"])
+def test_mxfp4_experts_held_as_mxfp4(mxfp4, quantization) -> None:
+    """On the CPU in float32, by default and with quantization='mxfp4': the experts stay MXFP4 (no float copy), as
+    GGML MXFP4 weights on the quantized linears' int8 kernels (activations rounded to int8 per 32: transformers' top
+    choice nearly always)."""
+    from gguf_writing import teacher_forced_ranks
+
     path, want = mxfp4
-    llm = LLM(str(path), quantization="mxfp4", **ENGINE_KW)
+    llm = LLM(str(path), quantization=quantization, **ENGINE_KW)
     experts = _experts(llm)
     assert experts and all(m.w13_weight.numel() == 0 and m.w2_weight.numel() == 0 for m in experts)
-    assert all(m.w13_blocks.dtype == torch.uint8 and m.w13_blocks.shape == (4, 64, 32) and m.w2_scales.shape == (4, 64, 1)
-               for m in experts)
-    assert _greedy(llm, PROMPTS) == want
+    assert all(m.w13_blocks is None and len(m.w13_gguf) == len(m.w2_gguf) == 4 for m in experts)
+    assert {(w.type_name, w.out_features, w.in_features) for m in experts for w in m.w13_gguf} == {("MXFP4", 64, 64)}
+    assert {(w.out_features, w.in_features) for m in experts for w in m.w2_gguf} == {(64, 32)}
+    ranks = teacher_forced_ranks(llm, PROMPTS, want)
+    assert sum(r == 1 for r in ranks) >= 0.9 * len(ranks), ranks
+
+
+def test_mxfp4_bfloat16_on_the_cpu_dequantizes_by_default(mxfp4) -> None:
+    """The int8 kernels take float32 rows: in bfloat16 the default dequantizes at load, and quantization='mxfp4'
+    keeps the bytes, dequantizing an expert per product."""
+    path, _ = mxfp4
+    kw = {**ENGINE_KW, "dtype": "bfloat16"}
+    assert all(m.w13_blocks is None and m.w13_weight.numel() > 0 for m in _experts(LLM(str(path), **kw)))
+    held = _experts(LLM(str(path), quantization="mxfp4", **kw))
+    assert all(m.w13_blocks is not None and m.w13_gguf is None and m.w13_weight.numel() == 0 for m in held)
+
+
+def test_mxfp4_rows_in_ggml_blocks_are_the_same_values() -> None:
+    """to_ggml_blocks (checkpoint layout → llama.cpp's type 39) keeps every value: gguf-py reads them back equal."""
+    import gguf
+
+    from pagedllm.model.mxfp4 import to_ggml_blocks
+
+    gen = torch.Generator().manual_seed(2)
+    blocks = torch.randint(0, 256, (6, 3, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(100, 140, (6, 3), dtype=torch.uint8, generator=gen)
+    ggml = to_ggml_blocks(blocks.reshape(6, 48), scales)
+    assert ggml.shape == (6, 3 * 17)
+    theirs = gguf.quants.dequantize(ggml.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    assert torch.equal(torch.from_numpy(theirs), dequantize_mxfp4(blocks, scales, torch.float32).reshape(6, 96))
+    with pytest.raises(ValueError, match="do not match"):
+        to_ggml_blocks(blocks.reshape(6, 48), scales[:, :2])
 
 
 def test_mxfp4_quantization_needs_an_mxfp4_checkpoint(dense) -> None:

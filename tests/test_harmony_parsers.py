@@ -12,7 +12,7 @@ import pytest
 from pagedllm.entrypoints.openai.harmony import MARKERS, split_harmony
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser
-from pagedllm.entrypoints.openai.serving_chat import keep_special_tokens, output_splitter, parsed_text
+from pagedllm.entrypoints.openai.serving_chat import keep_special_tokens, output_splitter
 from pagedllm.entrypoints.openai.serving_tools import ChatTools
 from pagedllm.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS,
@@ -211,23 +211,6 @@ def test_chat_wiring_keeps_special_tokens_and_hands_calls_through() -> None:
     parser, harmony_calls = output_splitter(both, ChatTools(_request(tool_choice="none"), "openai"))
     assert parser.name == "openai_gptoss" and not harmony_calls
     assert output_splitter(_ctx(None, "hermes"), ChatTools(_request(), "hermes")) == (None, False)
-
-
-def test_the_stop_token_text_is_dropped_unless_it_is_a_harmony_marker(tokenizer) -> None:
-    """With special tokens kept, the engine's text ends with the stop token's (vLLM's never does)."""
-    ctx, parser = SimpleNamespace(tokenizer=tokenizer), ReasoningParser("openai_gptoss")
-    eos = tokenizer.eos_token_id
-    text = "<|channel|>final<|message|>Hi." + tokenizer.decode([eos], skip_special_tokens=False)
-
-    def comp(**kw):
-        return SimpleNamespace(**{"text": text, "token_ids": [1, eos], "finish_reason": "stop", "stop_reason": None,
-                                  **kw})
-
-    assert parsed_text(ctx, parser, comp()) == "<|channel|>final<|message|>Hi."
-    assert parsed_text(ctx, parser, comp(finish_reason="length")) == text
-    plain = tokenizer.encode(" Hi")[-1]
-    assert parsed_text(ctx, parser, comp(token_ids=[1, plain])) == text  # not a special token: nothing to drop
-    assert parsed_text(ctx, ReasoningParser("qwen3"), comp()) == text  # special tokens are not kept for it
 
 
 class _HarmonyTokenizer:

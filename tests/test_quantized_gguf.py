@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.benchmarks.gguf_quant import random_gguf_blocks as random_blocks
+from pagedllm.benchmarks.gguf_quant import random_gguf_blocks
 from pagedllm.kernels import cpu_isa, cpu_quant, reference
 from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGML_TYPES, GGUFWeight
 
@@ -14,6 +14,21 @@ from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGML_TYPES, GGUFWeight
 _DETECTED = cpu_isa.detect_cpu_isa().detected
 # Every ISA level this CPU can run (the top one with its VNNI extension, the lower ones without).
 _LEVELS = [pytest.param(lv, id=lv) for lv in cpu_isa.ISA_LEVELS[: cpu_isa.ISA_LEVELS.index(_DETECTED) + 1]]
+MXFP4 = GGML_TYPES["MXFP4"]
+
+
+def random_blocks(qtype: int, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF blocks of ``qtype`` (uint8 [rows, row_bytes]). MXFP4: gguf.quants' blocks of Gaussian rows of a
+    spread of magnitudes (random_gguf_blocks' fp16 scale bytes would be exponents up to 2^127); the other types:
+    random_gguf_blocks'."""
+    if qtype != MXFP4:
+        return random_gguf_blocks(qtype, rows, k, seed=seed)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((rows, k)) * rng.uniform(0.005, 0.5, size=(rows, 1))
+    return quantize(dense.astype(np.float32), GGMLQuantizationType.MXFP4)
 
 
 @pytest.mark.parametrize("level", _LEVELS)
@@ -29,7 +44,7 @@ def test_kernels_match_gguf_quants_and_torch(level, type_name):
     w = GGUFWeight.from_gguf_blocks(torch.from_numpy(raw), qtype, n, k)
     # R16: the file's bytes rearranged (Q4_K: 1.03x; the 5- and 6-bit types a byte per quant: at most 1.57x), rows
     # padded to a multiple of 16 (72 -> 80)
-    widened = 1.03 if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K") else 1.57
+    widened = 1.03 if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "MXFP4") else 1.57
     assert w.nbytes == cpu_quant.r16_bytes(qtype, n, k) <= widened * raw.nbytes * 80 / 72
     dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k).astype(np.float32))
     # dequantization: bit-exact with gguf.quants (rows in any order)
@@ -109,18 +124,22 @@ def test_int8_design_gives_the_same_bits_on_every_isa_level(type_name):
 @pytest.mark.parametrize("type_name", sorted(GGML_TYPES))
 def test_int8_sums_of_extreme_blocks_are_exact_on_every_isa_level(type_name):
     """Every nibble at 15 (Q8_0: every byte at 127, or at -128 in every other weight row; the 5- and 6-bit types:
-    every quant at its largest, Q6_K's also at 0 (-32 after the offset) in every other row, its scales -128) and
-    every activation quantized to ±127: the largest integer sums a block can give, where the AVX2 path's 16-bit
-    partial sums come closest to wrapping. Every level gives the portable build's bits, and the result matches the
-    reference."""
+    every quant at its largest, Q6_K's also at 0 (-32 after the offset) in every other row, its scales -128; MXFP4:
+    every nibble 7 (12, byte 24 after the offset), or 15 (-12, byte 0) in every other row) and every activation
+    quantized to ±127: the largest integer sums a block can give, where the AVX2 path's 16-bit partial sums come
+    closest to wrapping. Every level gives the portable build's bits, and the result matches the reference."""
     qtype, n, k = GGML_TYPES[type_name], 24, 512
-    header = 4 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 2  # the fp16 scale (and minimum) of each block
+    # the fp16 scale (and minimum) of each block; MXFP4's exponent byte
+    header = 4 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1 if type_name == "MXFP4" else 2
     elems, nbytes = BLOCK_LAYOUT[qtype]
     raw = random_blocks(qtype, n, k, seed=qtype + 4).reshape(n, k // elems, nbytes)
     if type_name == "Q6_K":  # ql, qh, then the 16 int8 scales and d
         raw[:, :, :192] = 0xFF
         raw[1::2, :, :192] = 0
         raw[:, :, 192:208] = 0x80
+    elif type_name == "MXFP4":
+        raw[:, :, header:] = 0x77
+        raw[1::2, :, header:] = 0xFF
     else:
         raw[:, :, header:] = 0x7F if type_name == "Q8_0" else 0xFF
     if type_name == "Q8_0":
@@ -139,6 +158,36 @@ def test_int8_sums_of_extreme_blocks_are_exact_on_every_isa_level(type_name):
     dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType(qtype)).reshape(n, k).astype(np.float32))
     ref = reference.gguf_linear(x, dense, "int8")
     torch.testing.assert_close(outs["portable"], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("level", _LEVELS)
+def test_mxfp4_exponents_dequantize_bit_exact_and_hold_file_bytes(level):
+    """MXFP4 blocks with every exponent byte (e = 0, 1: 2^-128 and 2^-127 are float32 subnormals; from e = 253 the
+    largest values overflow to inf, in gguf.quants as here) and random nibbles: dequantize_rows gives gguf.quants'
+    bits and the R16 weight takes exactly the file's bytes; with exponents 0..127 the dequant design gives the float
+    product of the dequantized weight and the int8 design the portable build's bits."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kern, n, k = cpu_quant.load_quant_kernels(level), 32, 256 * 32
+    raw = np.random.default_rng(5).integers(0, 256, size=(n, k // 32, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(n * k // 32).reshape(n, k // 32) % 256
+    raw = raw.reshape(n, -1)
+    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(raw), MXFP4, n, k)
+    assert w.nbytes == raw.nbytes
+    with np.errstate(over="ignore"):
+        dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType.MXFP4).reshape(n, k).astype(np.float32))
+    got = kern.dequantize_rows(w, torch.arange(n))
+    assert torch.equal(got.view(torch.int32), dense.view(torch.int32))
+    assert (dense[0, :32] != 0).any() and not torch.isfinite(dense).all()  # e = 0 is not flushed; e = 255 overflows
+    small = raw.reshape(n, k // 32, 17).copy()  # exponents 0..127: no overflow in either design
+    small[:, :, 0] %= 128
+    small = small.reshape(n, -1)
+    w = GGUFWeight.from_gguf_blocks(torch.from_numpy(small), MXFP4, n, k)
+    dense = torch.from_numpy(dequantize(small, GGMLQuantizationType.MXFP4).reshape(n, k).astype(np.float32))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(kern.linear(x, w, "dequant"), x @ dense.T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(kern.linear(x, w, "int8"), cpu_quant.load_quant_kernels("portable").linear(x, w, "int8"))
 
 
 def test_gemm_choice_env(monkeypatch):

@@ -46,6 +46,12 @@ def random_gguf_blocks(qtype: int, rows: int, k: int, seed: int = 0) -> np.ndarr
     from pagedllm.kernels.cpu_quant import BLOCK_LAYOUT, GGML_TYPES
 
     rng = np.random.default_rng(seed)
+    if qtype == GGML_TYPES["MXFP4"]:  # its scale is an exponent byte: random rows quantized (~N(0, 0.01) weights)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        w = rng.standard_normal((rows, k), dtype=np.float32) * 0.01
+        return quantize(w, GGMLQuantizationType.MXFP4).reshape(rows, -1)
     elems, nbytes = BLOCK_LAYOUT[qtype]
     blocks = rng.integers(0, 256, size=(rows, k // elems, nbytes), dtype=np.uint8)
     two = qtype in tuple(GGML_TYPES[t] for t in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))  # d and a minimum

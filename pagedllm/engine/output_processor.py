@@ -123,7 +123,10 @@ class OutputProcessor:
             seq.output_logprobs.append(top)
         detok = seq.extra.get("detok")
         stop_str = None
-        if detok is not None:
+        # As vLLM: a token that ends the sequence (EOS, stop_token_ids) is in token_ids, not in the text, unless
+        # include_stop_str_in_output (it shows with skip_special_tokens=False, or when it is an ordinary token).
+        if detok is not None and (group.sampling_params.include_stop_str_in_output
+                                  or not self._stops_on_token(group, seq, token_id)):
             stop_str = detok.append([token_id]).stop_str_matched
         self._check_stop(group, seq, token_id, stop_str)
         grammar = group.extra.get("structured_output")  # the compiled grammar
@@ -136,19 +139,24 @@ class OutputProcessor:
             if detok is not None and stop_str is None:
                 detok.flush()
 
+    def _stops_on_token(self, group: SequenceGroup, seq: Sequence, token_id: int) -> bool:
+        """Whether `token_id`, just appended, ends `seq` as an EOS or one of the request's stop_token_ids."""
+        params = group.sampling_params
+        if len(seq.output_token_ids) < params.min_tokens:
+            return False
+        return (not params.ignore_eos and token_id in self.stop_config.eos_token_ids) \
+            or token_id in (params.stop_token_ids or ())
+
     def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int, stop_str: str | None) -> None:
         params = group.sampling_params
         n_out = len(seq.output_token_ids)
         if stop_str is not None:
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
             return
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.stop_config.eos_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if token_id in (params.stop_token_ids or ()):
-                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token_id
-                return
+        if self._stops_on_token(group, seq, token_id):
+            eos = not params.ignore_eos and token_id in self.stop_config.eos_token_ids
+            seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, None if eos else token_id
+            return
         if n_out >= group.extra["max_tokens"] or seq.get_len() >= self.stop_config.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 

@@ -1,8 +1,9 @@
 """GGUF-quantized linear kernels for the CPU (kernels/cpu/quant_ops.c), built on first use, called via ctypes.
 
-Weights stay in memory as their GGUF quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), repacked once at load
-into groups of 16 interleaved rows ("R16", quant_ops.c describes it; the 4- and 8-bit types' bytes rearranged, the 5-
-and 6-bit types' quants widened to one byte each: 1.3-1.6x the file's bytes). Two GEMM designs are built:
+Weights stay in memory as their GGUF quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), repacked once
+at load into groups of 16 interleaved rows ("R16", quant_ops.c describes it; the 4- and 8-bit types' bytes rearranged,
+MXFP4's nibbles and E8M0 exponents exactly the file's size, the 5- and 6-bit types' quants widened to one byte each:
+1.3-1.6x the file's bytes). Two GEMM designs are built:
 ``int8`` quantizes the activations per row into blocks of 32 int8 and multiplies them with integer dot
 products, one vector lane per weight row (AVX-512 VNNI / AVX-VNNI / AVX2), and ``dequant`` dequantizes a group
 of rows into fp32 and uses FMAs (activations not rounded). ``int8`` is the default at every batch size
@@ -49,9 +50,9 @@ AMX_STATUS = {1: "on", 0: "off", -1: "not in this build (needs the AVX-512 build
 
 # ggml_type codes and (elements, bytes) per block
 GGML_TYPES: dict[str, int] = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13,
-                              "Q6_K": 14}
+                              "Q6_K": 14, "MXFP4": 39}
 BLOCK_LAYOUT: dict[int, tuple[int, int]] = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-                                            12: (256, 144), 13: (256, 176), 14: (256, 210)}
+                                            12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}
 TYPE_NAMES: dict[int, str] = {v: k for k, v in GGML_TYPES.items()}
 # The qtype of a weight made of row segments, each in its own type (quant_ops.c's T_SEGMENTS: a fused layer whose
 # parts the file stores in different types, e.g. Q4_K_M's q | k | v = Q4_K, Q4_K, Q6_K); its data starts with a

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pagedllm.model.gguf_deepseek import DEEPSEEK2_TENSORS, deepseek2_config
+from pagedllm.model.gguf_gpt_oss import GPT_OSS_TENSORS, gpt_oss_config
 from pagedllm.model.gguf_mamba import SSM_ARCHITECTURES, SSM_MODELS, ssm_config
 from pagedllm.model.gguf_moe import (
     MOE_MODELS,
@@ -169,6 +170,8 @@ GGUF_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     # DeepSeek-V2 / V3 (MLA, shared + routed experts): DeepseekV3ForCausalLM where routing is sigmoid
     # (gguf_deepseek.deepseek2_config); q/k stored as HF has them; no biases (llama.cpp loads none).
     "deepseek2": GGUFArchitecture("DeepseekV2ForCausalLM", "deepseek_v2", DEEPSEEK2_TENSORS),
+    # GPT-OSS (attention sinks, biased experts, MXFP4 experts served from their blocks on the CPU): gguf_gpt_oss.py.
+    "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", GPT_OSS_TENSORS, biases=True),
     # State-space models (gguf_mamba.py maps their tensors and builds their configs); granitehybrid's q/k are
     # permuted as Llama's (nemotron_h's too, without RoPE); jamba's are not (JambaModel writes them as HF has them).
     **{arch: GGUFArchitecture(*SSM_MODELS[arch], MappingProxyType({}),
@@ -215,7 +218,7 @@ def gguf_array(reader: Any, key: str) -> list[Any] | None:
 # Config
 
 #: llama.cpp's period of local/global layers when a file names none (llama_model_gemma2/3/olmo2::load_arch_hparams).
-_SLIDING_PERIOD: Mapping[str, int] = MappingProxyType({"gemma2": 2, "gemma3": 6, "olmo2": 4})
+_SLIDING_PERIOD: Mapping[str, int] = MappingProxyType({"gemma2": 2, "gemma3": 6, "olmo2": 4, "gpt-oss": 2})
 #: SmolLM3: llama.cpp skips RoPE on layer i where (i + 1) % 4 == 0 (hard-coded n_no_rope_layer_step; no key).
 _SMOLLM3_NO_ROPE_STEP = 4
 #: Gemma 2's window when a file names none (llama.cpp's default; Gemma 2's 4096).
@@ -247,7 +250,8 @@ class GGUFModelInfo:
 
 def build_config(reader: Any, path: Path) -> GGUFModelInfo:
     """Build an HF config dict (Llama, Qwen2/3, Gemma 1/2/3, Phi-3, Granite, OLMo 2/3, SmolLM3, GPT-NeoX, Phi-2,
-    StableLM, StarCoder2, or the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE and DeepSeek-V2 / V3)
+    StableLM, StarCoder2, or the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, Granite MoE, DeepSeek-V2 / V3 and
+    GPT-OSS)
     from GGUF metadata, as llama.cpp reads it."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -360,6 +364,9 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
         config = _layernorm_config(reader, arch, config, tensor_names, None if n_rot is None else int(n_rot), path)
     elif arch == "deepseek2":
         config = deepseek2_config(lambda key, default: gguf_field(reader, key, default), config, tensor_names, path)
+    elif arch == "gpt-oss":
+        config.update(gpt_oss_config(lambda key, default: gguf_field(reader, key, default), config, tensor_names,
+                                     _sliding_layer_types(reader, arch, config["num_hidden_layers"], path), path))
     if arch in MOE_MODELS:
         config.update(moe_config(lambda key, default: gguf_field(reader, key, default), arch, config, tensor_names,
                                  path))

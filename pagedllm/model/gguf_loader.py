@@ -3,8 +3,9 @@
 A GGUF file (llama.cpp format) is converted once into a cache directory holding ``config.json``,
 ``model.safetensors`` (float32), the tokenizer files and ``generation_config.json``; later calls
 return the cached directory without opening the GGUF again. A MoE file's routed experts in a type that
-quantization='gguf' serves from its blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K) are not copied: they stay in the GGUF,
-listed in the cache's marker file, and a float load dequantizes them from there (loader.iterate_weights).
+quantization='gguf' serves from its blocks (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4) are not
+copied: they stay in the GGUF, listed in the cache's marker file, and a float load dequantizes them from there
+(loader.iterate_weights).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pagedllm.model.gguf_config import (
     build_config,
 )
 from pagedllm.model.gguf_deepseek import CORRECTION_BIAS, K_B, V_B, join_kv_b, mla_expected_shape
+from pagedllm.model import gguf_gpt_oss
 from pagedllm.model.gguf_mamba import (
     SSM_ARCHITECTURES,
     SharedMlpJoiner,
@@ -237,7 +239,8 @@ def map_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if arch == "deepseek2" and m and (m.group(2), m.group(3)) == (CORRECTION_BIAS[0], "bias"):
         return f"model.layers.{m.group(1)}.{CORRECTION_BIAS[1]}"
     if m and m.group(2) in spec.block_tensors and (spec.biases or m.group(3) == "weight"):
-        return f"model.layers.{m.group(1)}.{spec.block_tensors[m.group(2)]}.{m.group(3)}"
+        name = f"model.layers.{m.group(1)}.{spec.block_tensors[m.group(2)]}.{m.group(3)}"
+        return gguf_gpt_oss.hf_tensor_name(name) if arch == gguf_gpt_oss.ARCH else name
     m = _GLOBAL_RE.match(gguf_name)
     if m and m.group(1) in GLOBAL_TENSORS and (spec.biases or m.group(2) == "weight"):
         return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
@@ -265,6 +268,8 @@ def _fused_rows(module: str, cfg: dict[str, Any]) -> tuple[int, ...]:
 
 def _expected_shape(hf_name: str, cfg: dict[str, Any], qk_norm: str = "head") -> tuple[int, ...] | None:
     """The HF shape of ``hf_name`` the config implies (None: not checked); ``qk_norm``: GGUFArchitecture.qk_norm."""
+    if (gpt_oss := gguf_gpt_oss.expected_shape(hf_name, cfg)) is not None:
+        return gpt_oss
     if (moe := moe_expected_shape(hf_name, cfg)) is not None:
         return moe
     if (mla := mla_expected_shape(hf_name, cfg)) is not None:
@@ -302,7 +307,8 @@ def iter_gguf_tensors(reader: Any, info: GGUFModelInfo, path: Path) -> Iterator[
             continue
         if hf_name.endswith((K_B, V_B)) and t.name.rsplit(".", 2)[0] + ".attn_kv_b.weight" in names:
             continue  # a file with both forms: its attn_kv_b is kv_b_proj
-        if is_expert_tensor(hf_name):  # shapes checked; those served from their blocks left in the GGUF
+        if is_expert_tensor(hf_name) and not gguf_gpt_oss.is_expert_bias(hf_name):
+            # shapes checked; those served from their blocks left in the GGUF
             written = not keeps_blocks(hf_name, t.tensor_type.name)
             if written and not is_float_type(t.tensor_type.name):
                 quantized_experts.append(t.tensor_type.name)

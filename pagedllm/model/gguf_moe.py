@@ -209,8 +209,8 @@ def log_dequantized_experts(path: Path, types: list[str], why: str = "") -> None
                     path.name, len(types), kinds, why)
     else:
         logger.info("GGUF %s: %d quantized expert tensors (%s) are dequantized to float at load (quantization='gguf' "
-                    "on the CPU serves Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K experts from their "
-                    "blocks)", path.name, len(types), kinds)
+                    "on the CPU serves Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 experts "
+                    "from their blocks)", path.name, len(types), kinds)
 
 
 def moe_config(field: Callable[[str, Any], Any], arch: str, base: Mapping[str, Any], tensor_names: set[str],

@@ -44,6 +44,21 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), (exp + 127).to(torch.uint8)
 
 
+def to_ggml_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Rows of MXFP4 as checkpoints store them (`blocks` [N, K / 2], value 2j in byte j's low nibble; `scales`
+    [N, K / 32]) → GGML's MXFP4 blocks [N, K / 32 · 17] (type 39, what llama.cpp's files hold and the CPU kernels
+    read: per 32 values the E8M0 byte, then 16 bytes with value j in the low nibble of byte j and value j + 16 in
+    its high nibble). The codes and exponents are the same numbers: only the nibbles move."""
+    n, groups = scales.shape
+    if blocks.shape != (n, groups * MXFP4_BLOCK // 2) or blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 rows: blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype} do not match ([N, K / 2] and [N, K / 32], uint8)")
+    pairs = blocks.reshape(n, groups, MXFP4_BLOCK // 2)
+    values = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(n, groups, MXFP4_BLOCK)  # in order
+    qs = values[..., :16] | (values[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), qs], dim=-1).reshape(n, groups * 17).contiguous()
+
+
 def is_mxfp4_checkpoint(hf_config) -> bool:
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
@@ -73,16 +88,19 @@ class Mxfp4Weight:
 MXFP4 = "mxfp4"
 
 
-def resolve_mxfp4(requested: str | None, hf_config, device_type: str) -> bool:
-    """Whether the experts are held as MXFP4: by default on CUDA for a checkpoint that stores them so (vLLM serves
-    gpt-oss that way), and wherever `requested` is "mxfp4" (elsewhere the torch experts dequantize an expert per
-    product: the memory of the file, not the speed of the float32 panels); "none" dequantizes at load."""
+def resolve_mxfp4(requested: str | None, hf_config, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether the experts are held as MXFP4: by default for a checkpoint that stores them so (vLLM serves gpt-oss
+    that way) on CUDA, and on the CPU in float32 (the quantized linears' int8 kernels run them: faster than float32
+    experts, at a sixth of their bytes; BENCHMARKS.md §86.2); wherever `requested` is "mxfp4" (elsewhere, the CPU in
+    bfloat16, the torch experts dequantize an expert per product: the memory of the file, not the speed); "none"
+    dequantizes at load."""
     stored = is_mxfp4_checkpoint(hf_config)
     if requested == MXFP4 and not stored:
         raise ValueError("quantization='mxfp4' serves the MXFP4 experts of checkpoints that store them so (gpt-oss: "
                          "quantization_config quant_method 'mxfp4'); this checkpoint has none: leave quantization "
                          "unset")
-    return stored and (requested == MXFP4 or requested is None and device_type == "cuda")
+    by_default = device_type == "cuda" or device_type == "cpu" and dtype == torch.float32
+    return stored and (requested == MXFP4 or requested is None and by_default)
 
 
 def build_with_mxfp4_experts(build, device: torch.device):

@@ -150,7 +150,7 @@ class Worker:
         else:  # --quantization gguf (the default for a quantized GGUF on the CPU) keeps the file's blocks.
             self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
                                                      self.dtype)
-        if not dummy and resolve_mxfp4(config.model_config.quantization, hf_config, self.device.type):
+        if not dummy and resolve_mxfp4(config.model_config.quantization, hf_config, self.device.type, self.dtype):
             self.quantization = MXFP4  # the experts stay MXFP4 (model/mxfp4.py)
         self.model = None
         # What loading took on a CUDA device, and its peak (load_model); 0 elsewhere.
@@ -307,12 +307,17 @@ class Worker:
             if self.config.model_config.batch_invariant:  # _check_batch_invariance passed
                 return self._use_invariant_gemms() + experts
             return "torch" + experts
+        if self.quantization == MXFP4 and self.dtype == torch.float32:  # the int8 kernels take float32 rows
+            from pagedllm.model.layers.fused_moe import FusedMoE
+
+            if n := sum(m.serve_mxfp4_from_cpu_kernels() for m in self.model.modules() if isinstance(m, FusedMoE)):
+                experts = f"; MXFP4 experts on the quantized kernels ({n} layers)"
         if self.dtype not in cpu_linear.PACKABLE_DTYPES or cpu_linear.cpu_gemm_backend() != "onednn":
-            return "torch"
+            return "torch" + experts
         if self.dtype == torch.bfloat16 and (why := cpu_linear.bf16_packing_unsupported_reason()) is not None:
             logger.warning("bfloat16 weights: %s; the linear layers fall back to F.linear in bfloat16 (slow "
                            "here: --dtype float32 runs packed oneDNN GEMMs and the native kernels)", why)
-            return "torch (bfloat16 without AVX-512: see the warning above)"
+            return "torch (bfloat16 without AVX-512: see the warning above)" + experts
         f32_gemm = None
         if self.dtype == torch.float32 and cpu_linear.f32_small_rows_wanted() \
                 and cpu_kernels.kernels_choice() != "torch":
@@ -323,9 +328,9 @@ class Worker:
             f32_gemm = f32_gemm.for_every_row_count()
         pack_weights_for_cpu(self.model, f32_gemm)
         if f32_gemm is None:
-            return "onednn (packed weights)"
+            return "onednn (packed weights)" + experts
         return (f"onednn (packed weights); up to {f32_gemm.max_rows} rows on the native float32 GEMM "
-                f"({f32_gemm.isa} build)")
+                f"({f32_gemm.isa} build)" + experts)
 
     def cache_block_size_bytes(self) -> int:
         """One block id's bytes: a page of each pool tensor (one per layer, or per slot of a hybrid model's groups)."""

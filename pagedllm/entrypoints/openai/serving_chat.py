@@ -15,7 +15,6 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     dump,
 )
-from pagedllm.entrypoints.openai.harmony import MARKERS as HARMONY_MARKERS
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser, ReasoningStream, prompt_opens_thinking
 from pagedllm.entrypoints.openai.serving_tools import ChatTools
 from pagedllm.entrypoints.openai.tool_parsers import reads_harmony
@@ -75,21 +74,6 @@ def output_splitter(ctx: ServingContext, tools: ChatTools) -> tuple[ReasoningPar
     if parser is None and harmony_calls and ctx.tool_call_parser is not None:
         parser = ReasoningParser(HARMONY)
     return parser, harmony_calls
-
-
-def parsed_text(ctx: ServingContext, parser: ReasoningParser | None, comp: Any) -> str:
-    """The text a parser reads: with special tokens kept, this engine detokenizes the token that stopped the output
-    (``<|im_end|>``, ``<|endoftext|>``), which vLLM never does; it is dropped, unless it is one of harmony's markers
-    (``<|return|>``, ``<|call|>``), which the format itself reads."""
-    text = comp.text
-    if (parser is None or not parser.needs_special_tokens or comp.finish_reason != "stop" or not comp.token_ids
-            or isinstance(comp.stop_reason, str)):
-        return text
-    last = [comp.token_ids[-1]]
-    stop = ctx.tokenizer.decode(last, skip_special_tokens=False)
-    if stop in HARMONY_MARKERS or ctx.tokenizer.decode(last, skip_special_tokens=True):  # a marker, or no special token
-        return text
-    return text.removesuffix(stop)
 
 
 def keep_special_tokens(ctx: ServingContext, req: ChatCompletionRequest) -> None:
@@ -206,7 +190,7 @@ class OpenAIServingChat:
         parser, harmony_calls = output_splitter(self.ctx, tools)
         if parser is None:
             return tools.message(comp.text, comp.finish_reason)
-        reasoning, content = parser.split(parsed_text(self.ctx, parser, comp),
+        reasoning, content = parser.split(comp.text,
                                           prompt_opens_thinking(self.ctx.tokenizer, prompt_ids), harmony_calls)
         message, finish = tools.message(content or "", comp.finish_reason)
         message.reasoning = reasoning if include_reasoning else None
@@ -245,7 +229,7 @@ class OpenAIServingChat:
                     text, r_delta = comp.text, ""
                     if parser is not None:  # the reasoning goes apart; `text` is the content so far
                         stream = thinking.setdefault(idx, parser.stream(opened, harmony_calls))
-                        r_delta, _ = stream.feed(parsed_text(self.ctx, parser, comp), comp.finish_reason is not None)
+                        r_delta, _ = stream.feed(comp.text, comp.finish_reason is not None)
                         text = stream.content
                     delta = text[sent_text.get(idx, 0):]
                     lo, n_tok = sent_toks.get(idx, 0), len(comp.token_ids)

@@ -22,7 +22,6 @@ from pagedllm.entrypoints.openai.responses_input import input_messages
 from pagedllm.entrypoints.openai.serving_chat import (
     keep_special_tokens,
     output_splitter,
-    parsed_text,
     render_messages,
 )
 from pagedllm.entrypoints.openai.serving_common import (
@@ -323,7 +322,7 @@ class _Shape:
     def response(self, comp: CompletionOutput, num_cached_tokens: int, msg_id: str | None = None) -> dict[str, Any]:
         reasoning, text = None, comp.text
         if self.parser is not None:
-            reasoning, content = self.parser.split(parsed_text(self.ctx, self.parser, comp), self.opened,
+            reasoning, content = self.parser.split(comp.text, self.opened,
                                                    self.harmony_calls)
             text = content or ""
         message, finish = self.tools.message(text, comp.finish_reason)

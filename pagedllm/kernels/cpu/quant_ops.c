@@ -1,5 +1,5 @@
-/* GGUF-quantized linear layers on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), on weights repacked once
- * at load.
+/* GGUF-quantized linear layers on the CPU (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4), on weights repacked
+ * once at load.
  *
  * R16 layout (repack_r16): a weight [N, K] is cut into groups of 16 output rows; per group, per block of 32
  * inputs, the 16 rows' quants are interleaved so that one 64-byte chunk holds 4 consecutive quants of each row
@@ -13,13 +13,16 @@
  * record with bytes q (and Q5_1's 16 minimums after the scales), 1.55× / 1.5× the file; Q5_K is Q4_K's super-block
  * (16 d, 16 dmin, per block 16 six-bit scales and 16 minimums as bytes) with byte quants, 1.57×; a Q6_K super-block
  * holds its 16 fp16 d (and 32 bytes of padding), then per block of 32 the bytes q (0..63) and the 16 rows' int8
- * scales of each half block of 16 (one scale per 16 weights), 1.30×.
+ * scales of each half block of 16 (one scale per 16 weights), 1.30×. MXFP4 is Q4_0's record with the file's nibbles
+ * (indices into the E2M1 values, doubled: kvalues) and the 16 rows' E8M0 exponent bytes e instead of fp16 scales
+ * (d = 2^(e − 128) leaves fp16's range): 272 bytes per block of 16 rows, exactly the file's size.
  *
  * Every row's contribution of a block is y += d·Σ(q·x) + m·Σx (m: −8d for Q4_0, −16d for Q5_0, the minimum for
- * Q4_1 / Q5_1, −128d for the offset Q8_0 bytes, −dmin·mn for Q4_K / Q5_K), which two designs compute (both OpenMP over
- * groups of rows). Q6_K (value d·sc·(q − 32), a scale per 16) instead takes one integer per block and row,
- * sc₀·(Σ₀ q·x − 32·Σ₀ x) + sc₁·(Σ₁ q·x − 32·Σ₁ x) over its two halves (the activation's half-block sums Σ x are
- * computed once per call), and y += d·dx·that (no correction term):
+ * Q4_1 / Q5_1, −128d for the offset Q8_0 bytes, −dmin·mn for Q4_K / Q5_K; MXFP4: q = kvalue + 12 ≤ 24, a byte shuffle
+ * of the nibble, and m = −12d, which overflows to −inf for e ≥ 253 as gguf.quants' 12d does), which two designs
+ * compute (both OpenMP over groups of rows). Q6_K (value d·sc·(q − 32), a scale per 16) instead takes one integer
+ * per block and row, sc₀·(Σ₀ q·x − 32·Σ₀ x) + sc₁·(Σ₁ q·x − 32·Σ₁ x) over its two halves (the activation's
+ * half-block sums Σ x are computed once per call), and y += d·dx·that (no correction term):
  *  (a) "int8": x is quantized per row into blocks of 32 int8 with one fp32 scale dx and s = dx·Σq (llama.cpp's
  *      Q8_1). One vector lane per weight row: a chunk of the group times the broadcast 4 activation bytes is
  *      one u8 × s8 dot-product instruction (AVX-512 VNNI vpdpbusd, AVX-VNNI, or AVX2/AVX-512BW vpmaddubsw +
@@ -42,7 +45,9 @@
 #include <immintrin.h>
 #endif
 
-enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum {
+    T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_MXFP4 = 39
+};
 /* A weight of row segments, each in its own type (a fused layer whose parts the file stores in different types, as
  * Q4_K_M's q | k | v: Q4_K, Q4_K, Q6_K): SEG_HDR bytes (int64 count, then type, rows and byte offset of each
  * segment, at most SEG_MAX), then each segment's R16 weight. Each segment is its own GEMM into a scratch matrix whose
@@ -80,6 +85,17 @@ static inline float h2f(uint16_t h) {
 #endif
 }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+/* MXFP4's values (E2M1 doubled) by nibble, and the same + 12: unsigned for the u8 × s8 dot products */
+#define MXFP4_K_BYTES 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+#define MXFP4_U_BYTES 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+static const int8_t mxfp4_k[16] = {MXFP4_K_BYTES};
+/* 2^(e − 128) from an E8M0 byte, built as ggml_e8m0_to_fp32_half does (e = 0, 1: subnormals). */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 /* Types whose R16 quants are one unsigned byte per weight, in Q8_0's chunk order. */
 static inline int byte_quants(int type) {
     return type == T_Q8_0 || type == T_Q5_0 || type == T_Q5_1 || type == T_Q5_K || type == T_Q6_K;
@@ -109,6 +125,7 @@ int64_t quant_row_bytes(int type, int64_t K) {
         case T_Q4_K: return K % QK_K ? 0 : K / QK_K * 144;
         case T_Q5_K: return K % QK_K ? 0 : K / QK_K * 176;
         case T_Q6_K: return K % QK_K ? 0 : K / QK_K * 210;
+        case T_MXFP4: return K % QK ? 0 : K / QK * 17;
         default: return 0;
     }
 }
@@ -123,7 +140,7 @@ int64_t quant_row_bytes(int type, int64_t K) {
 
 static inline int64_t r16_block_bytes(int type) {
     return type == T_Q4_0 ? 288 : type == T_Q4_1 ? 320 : type == T_Q8_0 || type == T_Q5_0 ? 544
-         : type == T_Q5_1 ? 576 : 0;
+         : type == T_Q5_1 ? 576 : type == T_MXFP4 ? 272 : 0;
 }
 
 /* Bytes of one group of 16 rows; 0 for an unsupported type or K. */
@@ -136,7 +153,7 @@ int64_t r16_group_bytes(int type, int64_t K) {
 int64_t r16_bytes(int type, int64_t N, int64_t K) { return (N + GR - 1) / GR * r16_group_bytes(type, K); }
 
 /* The 32 quants of block b of one GGUF row as unsigned integers, plus the block's raw parameters (Q6_K: sc and mn
- * are the int8 scales of the block's two halves, as bytes). */
+ * are the int8 scales of the block's two halves, as bytes; MXFP4: d is the exponent byte, q the nibbles). */
 static void gguf_block(int type, const uint8_t *row, int64_t b, uint8_t q[32], uint16_t *d, uint16_t *m,
                        uint8_t *sc, uint8_t *mn) {
     if (type == T_Q6_K) { /* ql[128], qh[64], scales[16], d: values 128h + 64s + l: ql[64h + l] >> 4s, qh 2 bits */
@@ -196,6 +213,15 @@ static void gguf_block(int type, const uint8_t *row, int64_t b, uint8_t q[32], u
         for (int l = 0; l < 32; ++l) q[l] = (uint8_t)((int)(int8_t)blk[2 + l] + 128);
         return;
     }
+    if (type == T_MXFP4) { /* e, qs[16] */
+        const uint8_t *blk = row + b * 17;
+        *d = blk[0];
+        for (int l = 0; l < 16; ++l) {
+            q[l] = blk[1 + l] & 0xF;
+            q[l + 16] = blk[1 + l] >> 4;
+        }
+        return;
+    }
     const int q41 = type == T_Q4_1;
     const uint8_t *blk = row + b * (q41 ? 20 : 18), *qs = blk + (q41 ? 4 : 2);
     *d = rd16(blk);
@@ -241,7 +267,8 @@ int repack_r16(int type, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst)
                     blk[qb + 16 + r] = mn;
                 } else {
                     blk = gp + b * r16_block_bytes(type);
-                    memcpy(blk + qb + 2 * r, &d, 2);
+                    if (type == T_MXFP4) blk[qb + r] = (uint8_t)d;
+                    else memcpy(blk + qb + 2 * r, &d, 2);
                     if (type == T_Q4_1 || type == T_Q5_1) memcpy(blk + qb + 32 + 2 * r, &m, 2);
                 }
                 for (int e = 0; e < 32; ++e) {
@@ -281,6 +308,11 @@ static inline void r16_params(int type, const uint8_t *gp, int64_t b, int r, con
     const uint8_t *blk = gp + b * r16_block_bytes(type);
     const int qb = byte_quants(type) ? 512 : 256;
     *qs = blk;
+    if (type == T_MXFP4) {
+        *d = e8m0_half(blk[qb + r]);
+        *m = *d * -12.0f;
+        return;
+    }
     *d = h2f(rd16(blk + qb + 2 * r));
     *m = type == T_Q4_1 || type == T_Q5_1 ? h2f(rd16(blk + qb + 32 + 2 * r))
        : *d * (type == T_Q8_0 ? -128.0f : type == T_Q5_0 ? -16.0f : -8.0f);
@@ -293,7 +325,8 @@ static inline int r16_quant(int type, const uint8_t *qs, int r, int e) {
     if (byte_quants(type)) return qs[r16_q8_pos(r, e)];
     int hi;
     const uint8_t v = qs[r16_q4_pos(r, e, &hi)];
-    return hi ? v >> 4 : v & 0xF;
+    const int n = hi ? v >> 4 : v & 0xF;
+    return type == T_MXFP4 ? mxfp4_k[n] + 12 : n;
 }
 
 typedef struct {
@@ -351,6 +384,7 @@ int dequantize_rows(int type, const uint8_t *w, int64_t K, const int64_t *ids, i
                 else if (type == T_Q4_0) y[e] = d * (float)(q - 8);
                 else if (type == T_Q5_0) y[e] = d * (float)(q - 16);
                 else if (type == T_Q6_K) y[e] = d * (float)q6k_scale(qs, r, e >= 16) * (float)(q - 32);
+                else if (type == T_MXFP4) y[e] = d * (float)(q - 12);
                 else y[e] = d * (float)q + m; /* Q4_1, Q5_1: d·q + m; Q4_K, Q5_K: d1·q − dm1 */
             }
         }
@@ -425,6 +459,14 @@ typedef __m512 vf;
 #define VF_STORE _mm512_storeu_ps
 #define VF_LOAD_PH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define VF_LOAD_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VI_LOAD_U8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_LUT16(...) _mm512_broadcast_i32x4(_mm_setr_epi8(__VA_ARGS__))
+#define VI_SHUF8 _mm512_shuffle_epi8
+#define VI_SLL32(a, n) _mm512_slli_epi32((a), (n))
+#define VI_SLLV32 _mm512_sllv_epi32
+#define VI_MAX32 _mm512_max_epi32
+#define VI_MINU32 _mm512_min_epu32
+#define VF_CAST _mm512_castsi512_ps
 #if defined(__AVX512VNNI__)
 #define VDOT(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
 #define HAVE_VDOT 1
@@ -459,6 +501,14 @@ typedef __m256 vf;
 #define VF_STORE _mm256_storeu_ps
 #define VF_LOAD_PH(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define VF_LOAD_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define VI_LOAD_U8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define VI_LUT16(...) _mm256_broadcastsi128_si256(_mm_setr_epi8(__VA_ARGS__))
+#define VI_SHUF8 _mm256_shuffle_epi8
+#define VI_SLL32(a, n) _mm256_slli_epi32((a), (n))
+#define VI_SLLV32 _mm256_sllv_epi32
+#define VI_MAX32 _mm256_max_epi32
+#define VI_MINU32 _mm256_min_epu32
+#define VF_CAST _mm256_castsi256_ps
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VDOT(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
 #define HAVE_VDOT 1
@@ -470,6 +520,13 @@ typedef __m256 vf;
 
 #if defined(LANES)
 static inline int32_t ld32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* e8m0_half of the exponent bytes at p, one per lane: max takes (e − 1) << 23 for e ≥ 2, 0x200000 << e below. */
+static inline __attribute__((always_inline)) vf vf_e8m0_half(const uint8_t *p) {
+    const vi e = VI_LOAD_U8(p);
+    return VF_CAST(VI_MAX32(VI_SLL32(VI_SUB32(e, VI_SET32(1)), 23),
+                            VI_SLLV32(VI_SET32(0x00200000), VI_MINU32(e, VI_SET32(2)))));
+}
 
 #if !defined(HAVE_VDOT)
 /* Σ_p u[p]·x[p] over a block's 8 chunks of nibbles u (≤ 15) and int8 activations x, as 32-bit lanes, without a
@@ -524,6 +581,11 @@ static inline __attribute__((always_inline)) const uint8_t *r16_block_scales(con
     const int64_t rec = r16_block_bytes(type);
     const int qb = byte_quants(type) ? 512 : 256;
     const uint8_t *qs = gp + b * rec;
+    if (type == T_MXFP4) {
+        *dv = vf_e8m0_half(qs + qb + sr);
+        *mv = VF_MUL(*dv, VF_SET1(-12.0f));
+        return qs;
+    }
     *dv = VF_LOAD_PH(qs + qb + 2 * sr);
     *mv = type == T_Q4_1 || type == T_Q5_1 ? VF_LOAD_PH(qs + qb + 32 + 2 * sr)
         : VF_MUL(*dv, VF_SET1(type == T_Q8_0 ? -128.0f : type == T_Q5_0 ? -16.0f : -8.0f));
@@ -573,6 +635,8 @@ static inline __attribute__((always_inline)) void r16_tile(
                 w[p] = VI_AND(c, lo4);
                 w[4 + p] = VI_AND(VI_SRL4(c), lo4);
             }
+            if (type == T_MXFP4)
+                for (int p = 0; p < 8; ++p) w[p] = VI_SHUF8(VI_LUT16(MXFP4_U_BYTES), w[p]);
         }
         for (int m = 0; m < mc; ++m) {
             const int8_t *xb = xq + m * K + b * QK;
@@ -585,7 +649,7 @@ static inline __attribute__((always_inline)) void r16_tile(
                     hi[p] = VI_AND(VI_SRL4(w[p]), lo4);
                 }
                 sum = VI_ADD32(nibble_block_dot(lo, xb), VI_SLL32_4(nibble_block_dot(hi, xb)));
-            } else if (small_bytes(type)) {
+            } else if (small_bytes(type) || type == T_MXFP4) { /* MXFP4's bytes ≤ 24 would overflow nibble_block_dot */
                 const vi h0 = small_half_dot(w, xb), h1 = small_half_dot(w + 4, xb + 16);
                 sum = type == T_Q6_K ? q6k_combine(h0, h1, sc0, sc1, xh + m * 2 * nb + 2 * b) : VI_ADD32(h0, h1);
             } else {
@@ -653,7 +717,7 @@ static inline __attribute__((always_inline)) void r16_pair_tile(
         r16_block_scales(type, gp, b, LANES, &dv[1], &mv[1]);
         prefetch_block(type, qs, mc);
         const int8_t *xb = xq + b * QK;
-        vi lo[PAIR_ROWS][2]; /* int16 sums (Q4: |sum| ≤ 8·2·15·128 < 2^15, no lane wraps); Q8_0: int32 */
+        vi lo[PAIR_ROWS][2]; /* int16 sums (Q4: |sum| ≤ 8·2·15·128 < 2^15, no lane wraps); Q8_0, MXFP4: int32 */
         if (type == T_Q8_0) {
             /* Byte u = q + 128. |q| · sign(x, q) = q·x, and a pair of those stays within int16 (2·128·127), so
              * each vpmaddubsw is widened at once; starting from 128·Σx makes the sum Σ u·x, the integer the
@@ -701,6 +765,34 @@ static inline __attribute__((always_inline)) void r16_pair_tile(
                         lo[m][g] = h ? VI_ADD32(lo[m][g], v) : v;
                     }
             }
+        } else if (type == T_MXFP4) {
+            /* Bytes ≤ 24: a half block's four vpmaddubsw summed in int16 (4·2·24·128 < 2^15; eight would wrap), widened
+             * per half: first the low nibbles (inputs 0-15), then the high ones. */
+            const vi lut = VI_LUT16(MXFP4_U_BYTES);
+            for (int hf = 0; hf < 2; ++hf) {
+                vi hs[PAIR_ROWS][2];
+                for (int p = 0; p < 4; ++p) {
+                    vi c0 = VI_LOAD(qs + 64 * p), c1 = VI_LOAD(qs + 64 * p + 32);
+                    if (hf) {
+                        c0 = VI_SRL4(c0);
+                        c1 = VI_SRL4(c1);
+                    }
+                    const vi u0 = VI_SHUF8(lut, VI_AND(c0, lo4)), u1 = VI_SHUF8(lut, VI_AND(c1, lo4));
+                    for (int m = 0; m < mc; ++m) {
+                        const vi x = VI_SET32(ld32(xb + m * K + 16 * hf + 4 * p));
+                        const vi a = VI_MADDUBS(u0, x), c = VI_MADDUBS(u1, x);
+                        hs[m][0] = p ? VI_ADD16(hs[m][0], a) : a;
+                        hs[m][1] = p ? VI_ADD16(hs[m][1], c) : c;
+                        PIN(hs[m][0]);
+                        PIN(hs[m][1]);
+                    }
+                }
+                for (int m = 0; m < mc; ++m)
+                    for (int g = 0; g < 2; ++g) {
+                        const vi v = VI_MADD16(hs[m][g], ones);
+                        lo[m][g] = hf ? VI_ADD32(lo[m][g], v) : v;
+                    }
+            }
         } else { /* chunk p: low nibbles are inputs 4p.., high nibbles 16 + 4p.. */
             for (int p = 0; p < 4; ++p) {
                 const vi c0 = VI_LOAD(qs + 64 * p), c1 = VI_LOAD(qs + 64 * p + 32);
@@ -726,7 +818,7 @@ static inline __attribute__((always_inline)) void r16_pair_tile(
         for (int m = 0; m < mc; ++m) {
             const vf xdm = VF_SET1(xd[m * nb + b]);
             for (int h = 0; h < 2; ++h) {
-                const vi sum = byte_quants(type) ? lo[m][h] : VI_MADD16(lo[m][h], ones);
+                const vi sum = byte_quants(type) || type == T_MXFP4 ? lo[m][h] : VI_MADD16(lo[m][h], ones);
                 acc[m][h] = VF_FMA(VF_CVT(sum), VF_MUL(dv[h], xdm), acc[m][h]);
             }
         }
@@ -829,8 +921,9 @@ static inline __attribute__((always_inline)) void r16_group(const int type, cons
 
 /* ---- AMX-INT8 tiles for the int8 design --------------------------------------------------------------------
  * An R16 block of 32 inputs is an AMX B tile as it stands (8 rows of 64 bytes; row k: inputs 4k..4k+3 of the 16
- * weight rows, unsigned): Q8_0, Q5_0, Q5_1 and Q5_K tiles load straight from the weights, Q4 types unpack their
- * nibbles into 512 bytes first; Q6_K (two scales per block, which K = 32 would mix) stays on the vector path.
+ * weight rows, unsigned): Q8_0, Q5_0, Q5_1 and Q5_K tiles load straight from the weights, Q4 types and MXFP4 unpack
+ * their nibbles into 512 bytes first (MXFP4's through the vector path's byte shuffle); Q6_K (two scales per block,
+ * which K = 32 would mix) stays on the vector path.
  * One TDPBSUD per block and per 16 activation rows (A: the rows' 32 int8 of the block; K = 32 keeps each block's
  * int32 sums apart for the block's own scales) gives exactly the integers Σ(q·x) of the vector path; the C tile
  * is stored, and amx_epilogue applies r16_tile's float operations per row and block in the same order: the same
@@ -866,6 +959,7 @@ static inline void int8_group_vec(int type, const uint8_t *gp, int64_t nb, int64
         case T_Q8_0: r16_group(T_Q8_0, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
         case T_Q5_K: r16_group(T_Q5_K, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
         case T_Q6_K: r16_group(T_Q6_K, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
+        case T_MXFP4: r16_group(T_MXFP4, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
         default: r16_group(T_Q4_K, gp, nb, K, xq, xd, xs, xsum, xh, M, y, N, row0); break;
     }
 }
@@ -928,8 +1022,13 @@ static inline const uint8_t *amx_block(int type, const uint8_t *gp, int64_t b, u
     const vi lo4 = VI_SET8(0x0F);
     for (int p = 0; p < 4; ++p) {
         const vi c = VI_LOAD(qs + 64 * p);
-        _mm512_store_si512((void *)(ub + 64 * p), VI_AND(c, lo4));
-        _mm512_store_si512((void *)(ub + 256 + 64 * p), VI_AND(VI_SRL4(c), lo4));
+        vi l = VI_AND(c, lo4), h = VI_AND(VI_SRL4(c), lo4);
+        if (type == T_MXFP4) {
+            l = VI_SHUF8(VI_LUT16(MXFP4_U_BYTES), l);
+            h = VI_SHUF8(VI_LUT16(MXFP4_U_BYTES), h);
+        }
+        _mm512_store_si512((void *)(ub + 64 * p), l);
+        _mm512_store_si512((void *)(ub + 256 + 64 * p), h);
     }
     return ub;
 }
@@ -1146,6 +1245,17 @@ static inline void store16(float *y, __m128i q, float d, float off) {
 #endif
 }
 
+/* 16 int8 values → y[0..16) = k · d (MXFP4: exact products, gguf.quants' bits). */
+static inline void store16k(float *y, __m128i k, float d) {
+#if defined(__AVX512F__)
+    _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(k)), _mm512_set1_ps(d)));
+#else
+    const __m256 vd = _mm256_set1_ps(d);
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k)), vd));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(k, 8))), vd));
+#endif
+}
+
 /* The 16 bytes of group row r in chunks p0 .. p0+3 (4 bytes each): a row's inputs in order. */
 static inline __m128i row_bytes16(const uint8_t *qs, int p0, int r) {
     int32_t v[4];
@@ -1170,6 +1280,10 @@ static void dequant_group(int type, const uint8_t *gp, int64_t K, int nvalid, fl
             } else if (byte_quants(type)) {
                 store16(y, row_bytes16(qs, 0, r), d, m);
                 store16(y + 16, row_bytes16(qs, 4, r), d, m);
+            } else if (type == T_MXFP4) {
+                const __m128i v = row_bytes16(qs, 0, r), lut = _mm_setr_epi8(MXFP4_K_BYTES);
+                store16k(y, _mm_shuffle_epi8(lut, _mm_and_si128(v, lo4)), d);
+                store16k(y + 16, _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), lo4)), d);
             } else {
                 const __m128i v = row_bytes16(qs, 0, r);
                 store16(y, _mm_and_si128(v, lo4), d, m);
@@ -1191,7 +1305,8 @@ static void dequant_group(int type, const uint8_t *gp, int64_t K, int nvalid, fl
                     de = d * (float)q6k_scale(qs, r, e >= 16);
                     me = -32.0f * de;
                 }
-                tile[r * K + b * QK + e] = de * (float)r16_quant(type, qs, r, e) + me;
+                const int q = r16_quant(type, qs, r, e);
+                tile[r * K + b * QK + e] = type == T_MXFP4 ? d * (float)(q - 12) : de * (float)q + me;
             }
         }
 }

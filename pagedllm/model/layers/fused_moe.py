@@ -191,6 +191,30 @@ class FusedMoE(nn.Module):
             return None
         return Mxfp4Weight(self.w13_blocks, self.w13_scales), Mxfp4Weight(self.w2_blocks, self.w2_scales)
 
+    def serve_mxfp4_from_cpu_kernels(self) -> bool:
+        """On the CPU: the MXFP4 experts (hold_mxfp4) become one GGML MXFP4 weight per expert and projection, run by
+        the quantized linears' int8 kernels (kernels/cpu_quant.py; activations quantized per 32 as llama.cpp's),
+        instead of dequantizing an expert per product. False where those kernels cannot be built (the MXFP4 bytes
+        then stay)."""
+        if self.w13_blocks is None or self.w13_blocks.device.type != "cpu":
+            return False
+        from pagedllm.kernels.cpu_quant import GGML_TYPES, GGUFWeight, load_quant_kernels
+        from pagedllm.model.mxfp4 import to_ggml_blocks
+
+        try:
+            load_quant_kernels()
+        except (RuntimeError, OSError):
+            return False
+        qtype = GGML_TYPES["MXFP4"]
+        for name in ("w13", "w2"):
+            blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+            rows, k = blocks.shape[1], blocks.shape[2] * 2
+            setattr(self, f"{name}_gguf", [GGUFWeight.from_gguf_blocks(to_ggml_blocks(blocks[e], scales[e]), qtype,
+                                                                       rows, k) for e in range(self.num_experts)])
+            setattr(self, f"{name}_blocks", None)
+            setattr(self, f"{name}_scales", None)
+        return True
+
     def pack_for_cpu(self, gemm: F32Gemm | None) -> bool:
         """Pack each float32 expert's projections into `gemm`'s panels (the dense weights stay: loaders, TP and
         GGUF paths read them; the experts' float32 bytes double on the CPU). False where nothing was packed."""

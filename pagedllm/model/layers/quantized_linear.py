@@ -1,7 +1,7 @@
 """``--quantization gguf``: linear layers and the embedding keep a GGUF file's quantized blocks on the CPU.
 
 The model is first loaded as usual (float32, from the converted cache); then every linear layer whose
-GGUF tensors are Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K gets a
+GGUF tensors are Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 gets a
 :class:`~pagedllm.kernels.cpu_quant.GGUFWeight` (fused q/k/v and gate/up rows concatenated, rows in HF order; parts
 in different types, as Q4_K_M's Q4_K q / k beside a Q6_K v, a weight of row segments, one per type) and its float32
 weight is dropped. The embedding (and a tied LM head) keeps its blocks too: lookups dequantize only the rows asked

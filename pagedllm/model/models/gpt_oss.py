@@ -9,9 +9,15 @@ interleaved, ``gate_up_proj_bias`` [E, 2I] (interleaved too), ``down_proj`` [E, 
 (``*_blocks`` / ``*_scales``, quantization_config quant_method "mxfp4"): on CUDA served as such by default
 (``quantization="mxfp4"``: FusedMoE.hold_mxfp4, decoded in the fused-MoE kernel's tiles), elsewhere or with
 ``quantization="none"`` dequantized here at load (model/mxfp4.py).
+
+llama.cpp's GGUF files (model/gguf_gpt_oss.py) name the experts as the other GGUF MoE files do: one matrix per expert
+and projection (``mlp.experts.{e}.gate_proj.weight`` …, unless quantization='gguf' holds them as the file's blocks),
+and the biases per projection, gate and up apart (``mlp.experts.gate_proj.bias`` [E, I] …, or ``gate_up_proj.bias``
+[E, 2I], gate then up).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -33,6 +39,9 @@ from pagedllm.model.models.llama import (
 from pagedllm.model.mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 
 EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+# llama.cpp's forms (converted GGUF files): one expert's matrix, a projection's biases
+_GGUF_EXPERT_MATRIX = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_GGUF_EXPERT_BIAS = re.compile(r"^(.*\.mlp\.experts)\.(gate|up|gate_up|down)_proj\.bias$")
 
 
 class GptOssAttention(LlamaAttention):
@@ -87,18 +96,30 @@ class GptOssForCausalLM(LlamaForCausalLM):
             moe.w13_weight.optional = moe.w2_weight.optional = True
             moe.w13_bias.optional = moe.w2_bias.optional = True
         seen: dict[str, set[str]] = {name: set() for name in experts}
-        super().load_weights(self._dense_weights(weights, experts, seen))
+        gguf_parts: dict[str, set[tuple[str, int]]] = {name: set() for name in experts}
+        super().load_weights(self._dense_weights(weights, experts, seen, gguf_parts))
         for name, got in seen.items():
+            got = got | self._gguf_projections_loaded(experts[name], gguf_parts[name])
             if got != set(EXPERT_TENSORS):
                 raise ValueError(f"checkpoint is missing {sorted(set(EXPERT_TENSORS) - got)} of {name}")
 
     def _dense_weights(self, weights: Iterable[tuple[str, torch.Tensor]], experts: dict[str, FusedMoE],
-                       seen: dict[str, set[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+                       seen: dict[str, set[str]], gguf_parts: dict[str, set[tuple[str, int]]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
         """Expert tensors (MXFP4 pairs dequantized) into their FusedMoE, sinks renamed and sliced to this rank's
-        heads; every other tensor yielded for the Llama loader."""
+        heads; every other tensor yielded for the Llama loader. `gguf_parts` collects the GGUF forms' (projection,
+        expert) matrices and ("bias", gate / up / down) biases loaded."""
         pending: dict[str, torch.Tensor] = {}  # an MXFP4 projection's blocks or scales until the other comes
         rank = next(iter(experts.values())).tp.rank  # (every layer has experts)
         for name, tensor in weights:
+            if (m := _GGUF_EXPERT_MATRIX.match(name)) and m[1] in experts:
+                experts[m[1]].load_expert_weight(int(m[2]), m[3], tensor)
+                gguf_parts[m[1]].add((m[3], int(m[2])))
+                continue
+            if (m := _GGUF_EXPERT_BIAS.match(name)) and m[1] in experts:
+                self._load_gguf_expert_bias(experts[m[1]], m[2], tensor)
+                gguf_parts[m[1]].update(("bias", p) for p in (("gate", "up") if m[2] == "gate_up" else (m[2],)))
+                continue
             if name.endswith(".self_attn.sinks"):
                 attn = self.get_submodule(name[: -len(".sinks")]).attn
                 lo = attn.num_heads * rank
@@ -139,6 +160,37 @@ class GptOssForCausalLM(LlamaForCausalLM):
             seen[owner].add(leaf)
         if pending:
             raise ValueError(f"MXFP4 tensors without their pair (blocks and scales): {sorted(pending)}")
+
+    @staticmethod
+    def _gguf_projections_loaded(moe: FusedMoE, parts: set[tuple[str, int]]) -> set[str]:
+        """Which of EXPERT_TENSORS the GGUF forms in `parts` (or GGUF blocks held by quantization='gguf') gave."""
+        every = range(moe.num_experts)
+        out = set()
+        if moe.w13_gguf is not None or all(("gate", e) in parts and ("up", e) in parts for e in every):
+            out.add("gate_up_proj")
+        if moe.w2_gguf is not None or all(("down", e) in parts for e in every):
+            out.add("down_proj")
+        if {("bias", "gate"), ("bias", "up")} <= parts:
+            out.add("gate_up_proj_bias")
+        if ("bias", "down") in parts:
+            out.add("down_proj_bias")
+        return out
+
+    @staticmethod
+    def _load_gguf_expert_bias(moe: FusedMoE, proj: str, tensor: torch.Tensor) -> None:
+        """A GGUF file's expert biases of `proj` (gate / up [E, I], gate_up [E, 2I] gate then up, down [E, H])."""
+        lo, n, inter = moe.tp.rank * moe.shard, moe.shard, moe.intermediate_size
+        want = (moe.num_experts, {"gate": inter, "up": inter, "gate_up": 2 * inter, "down": moe.hidden_size}[proj])
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"GPT-OSS {proj} expert biases: shape {tuple(tensor.shape)}, expected {want}")
+        with torch.no_grad():
+            if proj == "down":
+                moe.w2_bias.copy_(tensor)
+            if proj in ("gate", "gate_up"):
+                moe.w13_bias[:, :n].copy_(tensor[:, lo:lo + n])
+            if proj in ("up", "gate_up"):
+                start = inter if proj == "gate_up" else 0
+                moe.w13_bias[:, n:].copy_(tensor[:, start + lo:start + lo + n])
 
     @staticmethod
     def _check_expert_shape(moe: FusedMoE, leaf: str, shape: tuple[int, ...], rows: bool) -> None:
