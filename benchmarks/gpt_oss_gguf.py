@@ -14,23 +14,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from pagedllm.benchmarks.gguf_quant import copy_gguf_tokenizer
 from pagedllm.model.loader import default_model_path
-
-
-def _tokenizer(w: gguf.GGUFWriter, source: Path) -> int:
-    """The bundled GGUF's tokenizer keys; returns its vocabulary size."""
-    reader = gguf.GGUFReader(source)
-    field = lambda key: reader.fields[key].contents()  # noqa: E731
-    tokens = field("tokenizer.ggml.tokens")
-    w.add_tokenizer_model(field("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    w.add_token_list(tokens)
-    w.add_token_types(field("tokenizer.ggml.token_type"))
-    w.add_token_merges(field("tokenizer.ggml.merges"))
-    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
-    w.add_chat_template(field("tokenizer.chat_template"))
-    return len(tokens)
 
 
 def write(path: Path, hidden: int, layers: int, experts: int, used: int, width: int, kv_heads: int,
@@ -50,7 +35,7 @@ def write(path: Path, hidden: int, layers: int, experts: int, used: int, width: 
             w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
 
     w = gguf.GGUFWriter(str(path), "gpt-oss")
-    vocab = _tokenizer(w, Path(default_model_path()))
+    vocab = copy_gguf_tokenizer(w, default_model_path())
     w.add_block_count(layers)
     w.add_context_length(4096)
     w.add_embedding_length(hidden)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.gguf_quant import copy_gguf_tokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -66,16 +67,7 @@ def add_shape_metadata(w, cfg, rope_base: bool = True, head_dim: bool = True) ->
 
 def copy_tokenizer(w, source: Path) -> None:
     """The tokenizer metadata (BPE tokens, merges, special ids, chat template) of another GGUF file."""
-    reader = gguf.GGUFReader(source)
-    field = lambda key: reader.fields[key].contents()  # noqa: E731
-    w.add_tokenizer_model(field("tokenizer.ggml.model"))
-    w.add_tokenizer_pre(field("tokenizer.ggml.pre"))
-    w.add_token_list(field("tokenizer.ggml.tokens"))
-    w.add_token_types(field("tokenizer.ggml.token_type"))
-    w.add_token_merges(field("tokenizer.ggml.merges"))
-    w.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
-    w.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
-    w.add_chat_template(field("tokenizer.chat_template"))
+    copy_gguf_tokenizer(w, source)
 
 
 def llama_cpp_permute(arr: np.ndarray, n_head: int) -> np.ndarray:

@@ -136,3 +136,22 @@ def test_gpt_oss_gguf_without_sinks_is_refused(tmp_path: Path) -> None:
     src = _write_gpt_oss(_random_model(), tmp_path / "no-sinks.gguf", sinks=False)
     with pytest.raises(ValueError, match="attention sinks"):
         LLM(model=str(src), **ENGINE_KW)
+
+
+def test_benchmark_file_serves_text_with_its_tokenizer(tmp_path: Path) -> None:
+    """benchmarks/gpt_oss_gguf.py's file (MXFP4 experts, Q8_0 attention, the bundled tokenizer's keys): the
+    tokenizer and chat template come from the file, and a chat request runs on the quantized default."""
+    import importlib.util
+
+    from pagedllm import SamplingParams
+
+    spec = importlib.util.spec_from_file_location("gpt_oss_gguf", Path(__file__).parents[1] / "benchmarks" /
+                                                  "gpt_oss_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    src = module.write(tmp_path / "bench.gguf", hidden=128, layers=2, experts=4, used=2, width=64, kv_heads=1, seed=0)
+    llm = LLM(model=str(src), quantization="gguf", num_gpu_blocks_override=32, max_model_len=128, device="cpu")
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                   use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and out.text == llm.get_tokenizer().decode(out.token_ids)
+    assert all(m.w13_gguf for m in _experts(llm))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 import time
 
 import numpy as np
@@ -60,6 +61,25 @@ def random_gguf_blocks(qtype: int, rows: int, k: int, seed: int = 0) -> np.ndarr
         at = nbytes - 2 if qtype == GGML_TYPES["Q6_K"] else 2 * i  # Q6_K's d ends its super-block
         blocks[:, :, at:at + 2] = scale.view(np.uint8).reshape(rows, k // elems, 2)
     return blocks.reshape(rows, -1)
+
+
+def copy_gguf_tokenizer(writer, source: str | Path) -> int:
+    """Write the tokenizer keys of the GGUF file ``source`` (BPE tokens, types, merges, special ids, chat template)
+    into the gguf ``writer``; returns the vocabulary size."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(source)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    tokens = field("tokenizer.ggml.tokens")
+    writer.add_tokenizer_model(field("tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(field("tokenizer.ggml.pre"))
+    writer.add_token_list(tokens)
+    writer.add_token_types(field("tokenizer.ggml.token_type"))
+    writer.add_token_merges(field("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(field("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(field("tokenizer.ggml.eos_token_id"))
+    writer.add_chat_template(field("tokenizer.chat_template"))
+    return len(tokens)
 
 
 def perplexity(llm, token_ids: list[int]) -> float:
