@@ -13,6 +13,7 @@ through the quantized linears' GEMM (activations quantized per row, as llama.cpp
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -95,32 +96,32 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor | Sequence[GGUFWeight
                         topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
                         w2_bias: torch.Tensor | None = None,
                         panels: tuple[ExpertPanels, ExpertPanels] | None = None) -> torch.Tensor:
-    """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x), expert by expert over the rows routed
+    """Σ over each row's k experts of weight · w2_e(silu(gate_e x) · up_e x): each expert's GEMMs over the rows routed
     to it (Hugging Face's loop; the product by the weight in x's dtype). Either projection may be one GGUF weight per
     expert (``expert_linear``). `w13_bias` [E, 2I] / `w2_bias` [E, H] (GPT-OSS): each expert's biases, added after
     its projections. `panels`: both projections packed for the native float32 GEMM (FusedMoE.pack_for_cpu)."""
-    out = torch.zeros_like(x)
     flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens in order within one
     counts = torch.bincount(flat, minlength=w13.shape[0] if not isinstance(w13, Sequence) else len(w13)).tolist()
-    k = topk_ids.shape[1]
-    start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
-            continue
-        pairs = order[start:start + n]
-        start += n
-        rows = pairs // k
-        p13, p2 = panels or (None, None)
-        h = expert_linear(x[rows], w13, expert, p13)
-        if w13_bias is not None:
-            h = h + w13_bias[expert]
-        y = expert_linear(expert_activation(h, activation), w2, expert, p2)
-        if w2_bias is not None:
-            y = y + w2_bias[expert]
-        y = y * topk_weights.reshape(-1)[pairs, None].to(x.dtype)
-        out.index_add_(0, rows, y)
-    return out
+    rows = order // topk_ids.shape[1]
+    xs = x[rows]
+    spans = [(expert, start - n, start) for expert, n, start in
+             zip(range(len(counts)), counts, itertools.accumulate(counts)) if n]
+    if not spans:
+        return torch.zeros_like(x)
+    p13, p2 = panels or (None, None)
+    # Only the GEMMs run per expert; the gathers, biases, activation, weighting and sum run once over every pair (a
+    # per-expert chain of a dozen small ops cost more than the GEMMs at decode batch sizes on the CPU).
+    h = torch.cat([expert_linear(xs[lo:hi], w13, expert, p13) for expert, lo, hi in spans])
+    experts = flat[order]
+    if w13_bias is not None:
+        h = h + w13_bias[experts]
+    a = expert_activation(h, activation)
+    y = torch.cat([expert_linear(a[lo:hi], w2, expert, p2) for expert, lo, hi in spans])
+    if w2_bias is not None:
+        y = y + w2_bias[experts]
+    y = y * topk_weights.reshape(-1)[order, None].to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, y)
 
 
 class FusedMoE(nn.Module):
