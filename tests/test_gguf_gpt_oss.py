@@ -12,7 +12,7 @@ import torch
 
 from gguf_writing import ENGINE_KW, add_shape_metadata, gguf, hf_greedy, ours_greedy, round_to, teacher_forced_ranks, \
     write_gguf
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.model.gguf_loader import get_or_convert_gguf
 from safetensors import safe_open
 
@@ -105,6 +105,7 @@ def test_gpt_oss_gguf_float_load_matches_transformers(fused_gate_up: bool, refer
     assert cfg["architectures"] == ["GptOssForCausalLM"] and cfg["sliding_window"] == 8
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
     assert cfg["rope_parameters"]["rope_type"] == "yarn" and cfg["rope_parameters"]["factor"] == 4.0
+    assert cfg["quantization_config"] == {"quant_method": "mxfp4"}  # (all experts MXFP4: kept MXFP4 on CUDA)
     assert ours_greedy(src, PROMPTS, MAX_TOKENS, quantization="none") == reference
 
 
@@ -113,6 +114,7 @@ def test_gpt_oss_gguf_float_experts(tmp_path: Path) -> None:
     model = _random_model()
     want = hf_greedy(model, PROMPTS, MAX_TOKENS)
     src = _write_gpt_oss(model, tmp_path / "gpt-oss-f32.gguf", experts_type=None)
+    assert "quantization_config" not in json.loads((get_or_convert_gguf(src) / "config.json").read_text())
     assert ours_greedy(src, PROMPTS, MAX_TOKENS) == want
 
 
@@ -132,6 +134,28 @@ def test_gpt_oss_gguf_mxfp4_experts_served_from_blocks(reference, tmp_path: Path
     assert sum(r == 1 for r in ranks) >= 0.9 * len(ranks), ranks
 
 
+@pytest.mark.parametrize("fused_gate_up", [False, True])
+def test_gpt_oss_gguf_experts_held_as_mxfp4(fused_gate_up: bool, tmp_path: Path) -> None:
+    """quantization='mxfp4' (what CUDA does by default for such a file): the experts go from the file's blocks into
+    the MXFP4 bytes and scales the released checkpoints load into (never dequantized); on the CPU those then run the
+    same int8 kernels as quantization='gguf' on the same bytes: the same tokens, log-probabilities within float32
+    rounding (the dense layers' GEMMs differ: packed panels here, F.linear beside GGUF blocks)."""
+    src = _write_gpt_oss(_random_model(), tmp_path / "gpt-oss.gguf", fused_gate_up=fused_gate_up)
+    params = dict(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+    runs = []
+    for quantization in ("mxfp4", "gguf"):
+        llm = LLM(model=str(src), quantization=quantization, **ENGINE_KW)
+        assert all(m.w13_gguf and m.w13_weight.numel() == 0 for m in _experts(llm))
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**params), use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(*runs):
+        assert tokens == want_tokens
+        for got, want in zip(logprobs, want_logprobs):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
+
+
 def test_gpt_oss_gguf_without_sinks_is_refused(tmp_path: Path) -> None:
     src = _write_gpt_oss(_random_model(), tmp_path / "no-sinks.gguf", sinks=False)
     with pytest.raises(ValueError, match="attention sinks"):
@@ -143,7 +167,6 @@ def test_benchmark_file_serves_text_with_its_tokenizer(tmp_path: Path) -> None:
     tokenizer and chat template come from the file, and a chat request runs on the quantized default."""
     import importlib.util
 
-    from pagedllm import SamplingParams
 
     spec = importlib.util.spec_from_file_location("gpt_oss_gguf", Path(__file__).parents[1] / "benchmarks" /
                                                   "gpt_oss_gguf.py")
@@ -155,3 +178,17 @@ def test_benchmark_file_serves_text_with_its_tokenizer(tmp_path: Path) -> None:
                    use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and out.text == llm.get_tokenizer().decode(out.token_ids)
     assert all(m.w13_gguf for m in _experts(llm))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gpt_oss_gguf_keeps_mxfp4_experts(reference, tmp_path: Path) -> None:
+    """On the GPU the file's MXFP4 experts stay MXFP4 by default (the fused-MoE kernel decodes them): transformers'
+    tokens on the MXFP4 values, float32."""
+    src = _write_gpt_oss(_random_model(), tmp_path / "gpt-oss.gguf")
+    llm = LLM(model=str(src), **{**ENGINE_KW, "device": "cuda", "dtype": "float32", "num_gpu_blocks_override": 256})
+    assert all(m.w13_blocks is not None and m.w13_weight.numel() == 0 for m in _experts(llm))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == reference

@@ -179,10 +179,11 @@ def test_mxfp4_bfloat16_on_the_cpu_dequantizes_by_default(mxfp4) -> None:
 
 
 def test_mxfp4_rows_in_ggml_blocks_are_the_same_values() -> None:
-    """to_ggml_blocks (checkpoint layout → llama.cpp's type 39) keeps every value: gguf-py reads them back equal."""
+    """to_ggml_blocks (checkpoint layout → llama.cpp's type 39) keeps every value: gguf-py reads them back equal,
+    and from_ggml_blocks gives back the checkpoint's bytes."""
     import gguf
 
-    from pagedllm.model.mxfp4 import to_ggml_blocks
+    from pagedllm.model.mxfp4 import from_ggml_blocks, to_ggml_blocks
 
     gen = torch.Generator().manual_seed(2)
     blocks = torch.randint(0, 256, (6, 3, 16), dtype=torch.uint8, generator=gen)
@@ -193,6 +194,8 @@ def test_mxfp4_rows_in_ggml_blocks_are_the_same_values() -> None:
     assert torch.equal(torch.from_numpy(theirs), dequantize_mxfp4(blocks, scales, torch.float32).reshape(6, 96))
     with pytest.raises(ValueError, match="do not match"):
         to_ggml_blocks(blocks.reshape(6, 48), scales[:, :2])
+    back_blocks, back_scales = from_ggml_blocks(ggml)
+    assert torch.equal(back_blocks, blocks) and torch.equal(back_scales, scales)
 
 
 def test_mxfp4_quantization_needs_an_mxfp4_checkpoint(dense) -> None:

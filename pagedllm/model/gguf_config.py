@@ -365,7 +365,8 @@ def build_config(reader: Any, path: Path) -> GGUFModelInfo:
     elif arch == "deepseek2":
         config = deepseek2_config(lambda key, default: gguf_field(reader, key, default), config, tensor_names, path)
     elif arch == "gpt-oss":
-        config.update(gpt_oss_config(lambda key, default: gguf_field(reader, key, default), config, tensor_names,
+        config.update(gpt_oss_config(lambda key, default: gguf_field(reader, key, default), config,
+                                     {t.name: t.tensor_type.name for t in reader.tensors},
                                      _sliding_layer_types(reader, arch, config["num_hidden_layers"], path), path))
     if arch in MOE_MODELS:
         config.update(moe_config(lambda key, default: gguf_field(reader, key, default), arch, config, tensor_names,

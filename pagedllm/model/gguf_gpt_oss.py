@@ -18,9 +18,10 @@ not round the correction range to whole dimensions (``truncate`` false in every 
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 ARCH = "gpt-oss"
 #: Block tensors → HF names. Expert biases keep the expert tensors' names (``mlp.experts.gate_proj.bias`` [E, I]):
@@ -39,6 +40,9 @@ GPT_OSS_TENSORS: Mapping[str, str] = MappingProxyType({
     "ffn_down_exps": "mlp.experts.down_proj",
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
 })
+_EXPERT_WEIGHT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+#: What marks the converted config of a file whose experts are all MXFP4 (as the released HF checkpoints' config).
+MXFP4_QUANTIZATION_CONFIG: Mapping[str, str] = MappingProxyType({"quant_method": "mxfp4"})
 #: llama.cpp's hard-coded local / global period for gpt-oss (layer i is global when i % 2 == 1).
 SLIDING_PERIOD = 2
 _DEFAULT_WINDOW = 128
@@ -68,10 +72,13 @@ def expected_shape(hf_name: str, cfg: Mapping[str, Any]) -> tuple[int, ...] | No
     return (n, {"gate_proj": ff, "up_proj": ff, "gate_up_proj": 2 * ff, "down_proj": h}[proj])
 
 
-def gpt_oss_config(field: Callable[[str, Any], Any], base: Mapping[str, Any], tensor_names: set[str],
+def gpt_oss_config(field: Callable[[str, Any], Any], base: Mapping[str, Any], tensor_types: Mapping[str, str],
                    layer_types: list[str], path: Path) -> dict[str, Any]:
     """The GptOssConfig fields of a gpt-oss GGUF beyond the shared ones in ``base`` (``field(key, default)``: the
-    file's metadata; ``layer_types``: each layer's attention, llama.cpp's pattern)."""
+    file's metadata; ``tensor_types``: each tensor's GGML type name; ``layer_types``: each layer's attention,
+    llama.cpp's pattern). A file whose experts are all MXFP4 gets the released checkpoints' quantization_config: on
+    CUDA they then stay MXFP4 (:func:`mxfp4_expert_weights`)."""
+    tensor_names = set(tensor_types)
     n_expert = int(field(f"{ARCH}.expert_count", 0) or 0)
     n_used = int(field(f"{ARCH}.expert_used_count", 0) or 0)
     if n_expert <= 0 or not 0 < n_used <= n_expert:
@@ -100,4 +107,46 @@ def gpt_oss_config(field: Callable[[str, Any], Any], base: Mapping[str, Any], te
     elif scaling:
         raise ValueError(f"{path}: {ARCH} with RoPE scaling {scaling['rope_type']!r}; gpt-oss files use yarn or none")
     out.update(rope_parameters=rope, rope_scaling=None)
+    experts = [t for name, t in tensor_types.items() if _EXPERT_WEIGHT.match(name)]
+    if experts and all(t == "MXFP4" for t in experts):
+        out["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
     return out
+
+
+def mxfp4_expert_weights(gguf_path: str | Path, num_experts: int
+                         ) -> tuple[frozenset[str], Iterator[tuple[str, Any]]]:
+    """A gpt-oss GGUF's MXFP4 experts as the released checkpoints name and lay them out (``mlp.experts.gate_up_proj
+    _blocks`` [E, 2I, G, 16] with gate / up rows interleaved, ``_scales`` [E, 2I, G], ``down_proj_blocks`` /
+    ``_scales``), for a model that holds its experts MXFP4 (FusedMoE.hold_mxfp4); and the per-expert names
+    (``mlp.experts.{e}.gate_proj.weight`` …) the load must then skip (else it dequantizes them from the file)."""
+    import numpy as np
+    import torch
+
+    from pagedllm.model.gguf_loader import read_gguf_raw_tensors
+    from pagedllm.model.mxfp4 import from_ggml_blocks
+
+    raw, _ = read_gguf_raw_tensors(gguf_path)
+    layers = sorted({name.rsplit(".mlp.experts.", 1)[0] for name in raw if ".mlp.experts." in name
+                     and name.endswith("_proj.weight")})
+    held = frozenset(f"{layer}.mlp.experts.{e}.{p}_proj.weight" for layer in layers for e in range(num_experts)
+                     for p in ("gate", "up", "down"))
+
+    def pairs(layer: str) -> Iterator[tuple[str, Any]]:
+        prefix = f"{layer}.mlp.experts"
+        if f"{prefix}.gate_up_proj.weight" in raw:  # fused: gate rows, then up
+            fused = torch.from_numpy(np.array(raw[f"{prefix}.gate_up_proj.weight"].blocks))
+            gate, up = fused.chunk(2, dim=1)
+        else:
+            gate, up = (torch.from_numpy(np.array(raw[f"{prefix}.{p}_proj.weight"].blocks)) for p in ("gate", "up"))
+        (gb, gs), (ub, us) = from_ggml_blocks(gate), from_ggml_blocks(up)
+        yield f"{prefix}.gate_up_proj_blocks", torch.stack([gb, ub], dim=2).flatten(1, 2)  # rows interleaved
+        yield f"{prefix}.gate_up_proj_scales", torch.stack([gs, us], dim=2).flatten(1, 2)
+        db, ds = from_ggml_blocks(torch.from_numpy(np.array(raw[f"{prefix}.down_proj.weight"].blocks)))
+        yield f"{prefix}.down_proj_blocks", db
+        yield f"{prefix}.down_proj_scales", ds
+
+    def weights() -> Iterator[tuple[str, Any]]:
+        for layer in layers:
+            yield from pairs(layer)
+
+    return held, weights()

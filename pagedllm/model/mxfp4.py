@@ -59,6 +59,17 @@ def to_ggml_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales.unsqueeze(-1), qs], dim=-1).reshape(n, groups * 17).contiguous()
 
 
+def from_ggml_blocks(ggml: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGML's MXFP4 blocks [..., N, G · 17] (llama.cpp's files) → the checkpoints' (blocks [..., N, G, 16], scales
+    [..., N, G]): the inverse of :func:`to_ggml_blocks`."""
+    if ggml.dtype != torch.uint8 or ggml.dim() < 2 or ggml.shape[-1] % 17:
+        raise ValueError(f"GGML MXFP4 rows must be uint8 [..., N, G * 17], got {ggml.dtype} {tuple(ggml.shape)}")
+    blocks = ggml.reshape(*ggml.shape[:-1], ggml.shape[-1] // 17, 17)
+    qs = blocks[..., 1:]
+    values = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # the 32 codes in order
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).contiguous(), blocks[..., 0].contiguous()
+
+
 def is_mxfp4_checkpoint(hf_config) -> bool:
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
 import time
 from collections import Counter
@@ -50,6 +51,7 @@ from pagedllm.model.models.registry import (get_model_class, is_base_model, is_e
                                              kv_cache_layout, kv_cache_uses_mla, layer_sliding_windows,
                                              text_config)
 from pagedllm.model.models.weights import init_dummy_weights
+from pagedllm.model.gguf_gpt_oss import mxfp4_expert_weights
 from pagedllm.model.mxfp4 import MXFP4, build_with_mxfp4_experts, resolve_mxfp4
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.model.layers.mamba_state import allocate_layer_caches, copy_state_slots
@@ -150,7 +152,8 @@ class Worker:
         else:  # --quantization gguf (the default for a quantized GGUF on the CPU) keeps the file's blocks.
             self.quantization = resolve_quantization(config.model_config.quantization, self.gguf_path, device,
                                                      self.dtype)
-        if not dummy and resolve_mxfp4(config.model_config.quantization, hf_config, self.device.type, self.dtype):
+        if not dummy and self.quantization != "gguf" \
+                and resolve_mxfp4(config.model_config.quantization, hf_config, self.device.type, self.dtype):
             self.quantization = MXFP4  # the experts stay MXFP4 (model/mxfp4.py)
         self.model = None
         # What loading took on a CUDA device, and its peak (load_model); 0 elsewhere.
@@ -195,9 +198,13 @@ class Worker:
             self._load_fp8_checkpoint(model, keep_fp8)
         else:
             held: frozenset[str] = frozenset()
+            mxfp4_experts: Iterable[tuple[str, torch.Tensor]] = ()
             if self.int_format is None and self.quantization == "gguf":  # experts kept as GGUF blocks: not read
                 held = attach_gguf_experts(model, self.gguf_path)
-            weights = loader.iterate_weights(self.model_dir, mc.load_format, skip=held.__contains__)
+            elif self.quantization == MXFP4 and self.gguf_path is not None:  # a gpt-oss GGUF's MXFP4 experts as bytes
+                held, mxfp4_experts = mxfp4_expert_weights(self.gguf_path, self.hf_config.num_local_experts)
+            weights = itertools.chain(loader.iterate_weights(self.model_dir, mc.load_format, skip=held.__contains__),
+                                      mxfp4_experts)
             if is_base_model(self.hf_config) and not self.encoder_only:  # (encoders load their own names)
                 weights = base_model_weights(weights)
             if self.int_format is not None:
