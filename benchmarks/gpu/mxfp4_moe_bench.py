@@ -9,39 +9,18 @@ from __future__ import annotations
 
 import itertools
 import os
-import statistics
 import sys
 
 import torch
 
+from pagedllm.benchmarks.kernels import bench_graph, copy_bandwidth
 from pagedllm.kernels import triton_fused_moe as tfm
 from pagedllm.model.mxfp4 import Mxfp4Weight
 
 
 def graph_ms(fn, reps: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2**30, dtype=torch.uint16, device="cuda")
-    b = torch.empty_like(a)
-    ms = graph_ms(lambda: b.copy_(a), 10)
-    return 2 * a.numel() * 2 / (ms / 1e3)
+    """Median ms of a CUDA-graph replay of `fn` (pagedllm.benchmarks.kernels.bench_graph: L2 read-flushed)."""
+    return bench_graph(fn, reps=reps)[0]
 
 
 def main() -> None:
@@ -56,7 +35,7 @@ def main() -> None:
     d2 = torch.stack([w2.dequantize_expert(i, torch.bfloat16) for i in range(e)])
     b13 = torch.randn(e, 2 * inter, device="cuda", dtype=torch.bfloat16)
     b2 = torch.randn(e, h, device="cuda", dtype=torch.bfloat16)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(2 << 30)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     mx_bytes_expert = (w13.blocks[0].numel() + w13.scales[0].numel() + w2.blocks[0].numel() + w2.scales[0].numel())
     bf_bytes_expert = (d13[0].numel() + d2[0].numel()) * 2

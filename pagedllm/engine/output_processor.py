@@ -125,10 +125,10 @@ class OutputProcessor:
         stop_str = None
         # As vLLM: a token that ends the sequence (EOS, stop_token_ids) is in token_ids, not in the text, unless
         # include_stop_str_in_output (it shows with skip_special_tokens=False, or when it is an ordinary token).
-        if detok is not None and (group.sampling_params.include_stop_str_in_output
-                                  or not self._stops_on_token(group, seq, token_id)):
+        stop_token = self._stops_on_token(group, seq, token_id)
+        if detok is not None and (group.sampling_params.include_stop_str_in_output or not stop_token):
             stop_str = detok.append([token_id]).stop_str_matched
-        self._check_stop(group, seq, token_id, stop_str)
+        self._check_stop(group, seq, token_id, stop_str, stop_token)
         grammar = group.extra.get("structured_output")  # the compiled grammar
         if grammar is not None:
             # The grammar reached its end (its stop token accepted, even under ignore_eos) or was broken.
@@ -147,13 +147,16 @@ class OutputProcessor:
         return (not params.ignore_eos and token_id in self.stop_config.eos_token_ids) \
             or token_id in (params.stop_token_ids or ())
 
-    def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int, stop_str: str | None) -> None:
+    def _check_stop(self, group: SequenceGroup, seq: Sequence, token_id: int, stop_str: str | None,
+                    stop_token: bool) -> None:
+        """Finish `seq` on a matched stop string, a stop token (`stop_token`: _stops_on_token), max_tokens or the
+        model's length."""
         params = group.sampling_params
         n_out = len(seq.output_token_ids)
         if stop_str is not None:
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop_str
             return
-        if self._stops_on_token(group, seq, token_id):
+        if stop_token:
             eos = not params.ignore_eos and token_id in self.stop_config.eos_token_ids
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, None if eos else token_id
             return
