@@ -296,17 +296,23 @@ DRAFT_LENGTH_POLICIES = ("goodput", "fixed")
 class SpeculativeConfig:
     """Speculative decoding (vLLM's names). `ngram`: prompt lookup; `ngram_gpu`: prompt lookup proposed,
     verified and accepted on the device, so that speculating steps overlap the host (greedy requests; others use
-    `ngram`'s path, spec_decode/device_ngram.py); `draft_model`: the target's own first `draft_num_layers` layers
-    (self-speculation, sharing its embeddings, lm_head and paged KV)."""
+    `ngram`'s path, spec_decode/device_ngram.py); `draft_model`: a smaller checkpoint that shares the target's
+    tokenizer (`model`: an HF directory, a .gguf file or the default model's name; its own KV pool under the
+    target's block tables, spec_decode/draft_checkpoint.py), or without `model` the target's own first
+    `draft_num_layers` layers (self-speculation, sharing its embeddings, lm_head and paged KV). The method may be
+    left out: `draft_model` when `model` is given (as vLLM infers it), else `ngram`."""
 
-    method: str = "ngram"
+    method: str | None = None
     num_speculative_tokens: int = 4
     # vLLM's defaults: given one bound, the other equals it; given neither, both are 5. A minimum of 1 proposes
     # after any recurring token, most often wrongly (acceptance 0.55 against 0.77 with 4 on the copy workload,
     # BENCHMARKS.md §46).
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
-    model: str | None = None  # draft model; only the target itself (None) is supported
+    model: str | None = None  # the draft checkpoint (draft_model); None: self-speculation
+    # The draft checkpoint's weight quantization (vLLM's speculative_config.quantization): None as for a target
+    # (a quantized GGUF draft on the CPU in float32 keeps its blocks), "none", "gguf", ...
+    quantization: str | None = None
     draft_num_layers: int | None = None  # self-speculation depth (default: a quarter of the layers)
     # Speculation is off for a step with more running sequences than this (decode is no longer
     # bandwidth-bound; measured in BENCHMARKS.md, see the README section).
@@ -321,6 +327,8 @@ class SpeculativeConfig:
     draft_length_policy: str = "goodput"
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         _check_choice("speculative_config.method", self.method, SPEC_METHODS)
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = _DEFAULT_PROMPT_LOOKUP
@@ -340,9 +348,17 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max}).")
         if not 0.0 <= self.min_acceptance_rate <= 1.0:
             raise ValueError(f"speculative_config.min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}.")
-        if self.model is not None:
-            raise ValueError("speculative_config.model: only self-speculation is supported (leave it unset and "
-                             "choose draft_num_layers).")
+        if self.model is not None and self.method != "draft_model":
+            raise ValueError(f"speculative_config.model is the draft checkpoint of method 'draft_model'; method "
+                             f"{self.method!r} proposes from the tokens alone (leave model unset).")
+        if self.model is not None and self.draft_num_layers is not None:
+            raise ValueError("speculative_config: give either model (a draft checkpoint) or draft_num_layers (the "
+                             "target's own first layers as the draft), not both.")
+        if self.quantization is not None:
+            if self.model is None:
+                raise ValueError("speculative_config.quantization applies to a draft checkpoint (model); "
+                                 "self-speculation runs the target's own weights.")
+            _check_choice("speculative_config.quantization", self.quantization, QUANTIZATION_METHODS)
 
     @classmethod
     def from_json(cls, value: Any) -> SpeculativeConfig | None:

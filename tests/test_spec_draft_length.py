@@ -36,6 +36,7 @@ def test_a_slow_first_measurement_of_the_longest_drafts_does_not_stick():
     dec.config = SpeculativeConfig(num_speculative_tokens=4)
     dec.stats = SimpleNamespace(accepted_per_pos=[50, 35, 25, 18], drafted_per_pos=[100, 50, 35, 25])
     dec.step_cost = StepCostModel({1: 0.0018, 2: 0.0023, 5: 0.050})
+    dec.draft = None  # the n-gram proposer: drafts cost nothing
     dec._num_choices = 0
     seq = SimpleNamespace(extra={"spec_first": 0.5})
     item = SimpleNamespace(seq=seq, completes=True)
@@ -94,3 +95,13 @@ def test_a_stale_slow_row_count_below_a_faster_larger_one_does_not_steer_the_cho
     rates, depth = [0.9, 0.9, 0.9], [0.95, 0.95, 0.95]
     assert choose_draft_lengths(4, 4, rates, [4, 4, 3], m.estimate, depth) == [4, 4, 3]
     assert choose_draft_lengths(4, 4, rates, [4, 4, 3], raw, depth) == [3, 3, 2]
+
+
+def test_a_draft_models_passes_count_once_per_depth():
+    """A draft model's pass (`draft_seconds`, in the cost's units) is paid once per draft position for every
+    drafting sequence at once: it shortens a lone sequence's drafts, but four sequences share each pass."""
+    cost = linear(10, 2)  # one sequence decoding: 12 per step
+    assert choose_draft_lengths(1, 1, [0.9], [4], cost, None, 0) == [4]
+    assert choose_draft_lengths(1, 1, [0.9], [4], cost, None, 8) == [1]  # 1.9 tokens in 22 beats 2.71 in 32
+    assert choose_draft_lengths(1, 1, [0.9], [4], cost, None, 20) == [0]  # a pass costs more than a step
+    assert choose_draft_lengths(4, 4, [0.9] * 4, [2] * 4, linear(10, 1), None, 6) == [2, 2, 2, 2]

@@ -103,6 +103,9 @@ _HELP = {
                          "arrival; LLM.generate(priority=[...]) or the API's priority field).",
     "speculative_config": "Speculative decoding, a JSON object like vLLM's: "
                           '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
+                          '{"model": "/path/to/small-model", "num_speculative_tokens": 4} (a draft checkpoint '
+                          "that shares the tokenizer: an HF directory or a .gguf file; method draft_model, and "
+                          "\"quantization\" for its weights), "
                           '{"method": "draft_model", "num_speculative_tokens": 3, "draft_num_layers": 8} '
                           "(self-speculation: the model's first layers draft) or method ngram_gpu (greedy requests "
                           "on CUDA: n-gram drafts proposed, verified and accepted on the device, overlapping the "

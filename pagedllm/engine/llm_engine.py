@@ -225,6 +225,10 @@ class LLMEngine:
                 "distributed_executor_backend None or 'uni'); turn it off for tensor parallelism."
             )
         spec = self.config.speculative_config
+        if spec is not None and spec.model is not None and not single:
+            raise ValueError("speculative_config.model: a draft checkpoint runs in the target's process "
+                             "(tensor_parallel_size=1, distributed_executor_backend None or 'uni'); use \"ngram\" "
+                             "with tensor parallelism.")
         if spec is not None and spec.method == "ngram_gpu" and not single:
             raise ValueError('speculative_config method "ngram_gpu" needs the single-process executor '
                              "(tensor_parallel_size=1, distributed_executor_backend None or 'uni'); use \"ngram\" "

@@ -73,15 +73,17 @@ class StepCostModel:
 
 
 def choose_draft_lengths(base_rows: int, base_tokens: int, acceptance: list[float], max_lengths: list[int],
-                         cost: Callable[[int], float | None], depth: list[float] | None = None) -> list[int]:
+                         cost: Callable[[int], float | None], depth: list[float] | None = None,
+                         draft_seconds: float = 0.0) -> list[int]:
     """Draft tokens to verify per candidate sequence.
 
     `base_rows`: the step's query rows without drafts; `base_tokens`: the tokens it yields without drafts (one
     per sampling sequence); candidate i accepts its first draft token with probability `acceptance[i]` and
     proposed `max_lengths[i]` tokens; `depth[j]`: the probability that draft token j + 2 is accepted once the
     j + 1 before it were (acceptance is bursty: a copied span tends to continue; None: the same as the first
-    token's, independent tokens); `cost(rows)` estimates the step's seconds (None: unknown, then every draft
-    is verified)."""
+    token's, independent tokens); `cost(rows)` estimates the target's step seconds (None: unknown, then every
+    draft is verified); `draft_seconds`: what a draft model's pass costs (it runs once per draft position, for
+    every sequence drafting that deep: the deepest chosen length counts; 0 for proposers that cost nothing)."""
     if cost(base_rows) is None:
         return list(max_lengths)
     tokens: list[tuple[float, int]] = []
@@ -95,9 +97,13 @@ def choose_draft_lengths(base_rows: int, base_tokens: int, acceptance: list[floa
     tokens.sort(key=lambda t: -t[0])  # stable: a sequence's shallower tokens stay first
     expected = float(base_tokens)
     best_rate, best_n = expected / max(cost(base_rows), 1e-9), 0
-    for n, (gain, _) in enumerate(tokens, 1):
+    lengths = [0] * len(max_lengths)
+    deepest = 0
+    for n, (gain, i) in enumerate(tokens, 1):
         expected += gain
-        rate = expected / max(cost(base_rows + n), 1e-9)
+        lengths[i] += 1
+        deepest = max(deepest, lengths[i])
+        rate = expected / max(cost(base_rows + n) + draft_seconds * deepest, 1e-9)
         if rate > best_rate:
             best_rate, best_n = rate, n
     lengths = [0] * len(max_lengths)

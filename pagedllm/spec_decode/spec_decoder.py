@@ -66,6 +66,9 @@ class SpecDecoder:
         self.max_seq_len = max_seq_len
         self.stats = SpecDecodeStats(config.num_speculative_tokens)
         self.step_cost = StepCostModel()
+        # A draft model's seconds per pass (one draft position for every sequence drafting), by how many sequences
+        # draft: the goodput rule weighs them with the target's rows (draft_length.choose_draft_lengths).
+        self.draft_cost = StepCostModel()
         self._timing: tuple[int, float] | None = None  # (query rows, start) of a decode-only step in flight
         self._num_choices = 0  # goodput choices made (every _EXPLORE_EVERY-th verifies every proposal)
         self.mode = SpecModeChooser() if async_steps else None
@@ -73,6 +76,12 @@ class SpecDecoder:
             self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
             self.draft = None
+        elif config.model is not None:
+            from pagedllm.spec_decode.draft_checkpoint import DraftCheckpointProposer
+
+            self.ngram = None
+            self.draft = DraftCheckpointProposer(executor, scheduler.block_manager)
+            logger.info("Draft checkpoint %s: %d tokens per step", config.model, config.num_speculative_tokens)
         else:
             from pagedllm.spec_decode.draft_model_proposer import DraftModelProposer
 
@@ -185,14 +194,26 @@ class SpecDecoder:
         decode_only = all(it.num_new_tokens == 1 for it in sched.scheduled)
         self._timing = (sched.num_batched_tokens, start) if decode_only else None
         if self.draft is not None and chosen:
-            chunks = [SequenceChunk(it.seq.seq_id, [it.seq.last_token_id], it.seq.num_computed_tokens,
-                                    list(bm.get_block_table(it.seq)), sample=True) for it, _, _ in chosen]
-            if sched.blocks_to_copy or sched.blocks_to_swap_in or sched.blocks_to_swap_out:
-                # The draft reads the cache before the step's block moves would run: do them first.
-                self.scheduler_moves(sched)
-            proposals = self.draft.propose(chunks, [k for _, k, _ in chosen])
+            drafting = time.perf_counter()
+            if self.config.model is not None:  # a draft checkpoint: its own pool, which the step's moves do not touch
+                proposals = self.draft.propose([it.seq for it, _, _ in chosen], [k for _, k, _ in chosen])
+            else:
+                chunks = [SequenceChunk(it.seq.seq_id, [it.seq.last_token_id], it.seq.num_computed_tokens,
+                                        list(bm.get_block_table(it.seq)), sample=True) for it, _, _ in chosen]
+                if sched.blocks_to_copy or sched.blocks_to_swap_in or sched.blocks_to_swap_out:
+                    # The draft reads the cache before the step's block moves would run: do them first.
+                    self.scheduler_moves(sched)
+                proposals = self.draft.propose(chunks, [k for _, k, _ in chosen])
             chosen = [(it, k, self._grammar_prefix(it, p, keep_one=True) if "structured_output" in it.group.extra
                        else p) for (it, k, _), p in zip(chosen, proposals)]
+            seconds = time.perf_counter() - drafting
+            passes = getattr(self.draft, "pass_seconds", None)
+            if passes is None:  # self-speculation: every pass is one token per sequence
+                self.draft_cost.record(len(chosen), seconds / max(k for _, k, _ in chosen))
+            elif passes:  # a draft checkpoint's first pass also catches up on the tokens it has not seen
+                self.draft_cost.record(len(chosen), sum(passes) / len(passes))
+            if self._timing is not None:  # the step-cost model times the target's step: drafting left out
+                self._timing = (self._timing[0], self._timing[1] + seconds)
         if chosen:
             self.stats.num_spec_steps += 1
         return {it.seq.seq_id: drafts for it, _, drafts in chosen}
@@ -249,8 +270,9 @@ class SpecDecoder:
                  for j in range(len(rate) - 1)]
         rates = [it.seq.extra.get("spec_first", prior) for it, _, _ in candidates]
         base_tokens = sum(1 for it in sched.scheduled if it.completes)
+        draft_seconds = self.draft_cost.estimate(len(candidates)) if self.draft is not None else None
         lengths = choose_draft_lengths(sched.num_batched_tokens, base_tokens, rates, max_lengths,
-                                       self.step_cost.estimate, depth)
+                                       self.step_cost.estimate, depth, draft_seconds or 0.0)
         for (it, _, _), k, rate in zip(candidates, lengths, rates):
             if k == 0:  # not worth it now: drift back toward the engine-wide rate, to be tried again later
                 it.seq.extra["spec_first"] = rate + _BACK_TO_PRIOR * (prior - rate)
@@ -316,4 +338,6 @@ class SpecDecoder:
         if seq.seq_id not in bm.block_tables:  # finished and freed
             return
         bm.truncate(seq, cdiv(num_kv_valid, bm.block_size))
+        if self.config.model is not None:
+            self.draft.accepted(seq, num_kv_valid)
         bm.cache_computed_blocks(seq)

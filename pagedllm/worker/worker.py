@@ -166,6 +166,9 @@ class Worker:
         # BERT-family encoders (model/models/bert.py) keep no KV cache: the pool has no tensors, its blocks only
         # count what the scheduler admits.
         self.encoder_only = is_encoder_only(hf_config)
+        # speculative_config.model: the draft checkpoint's worker (spec_decode/draft_checkpoint.py), whose KV pool has
+        # this worker's block count and is indexed by the same block tables.
+        self.draft_worker: Worker | None = None
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -229,6 +232,11 @@ class Worker:
             self.model_load_peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.memory_baseline
             logger.info("Model loading took %.2f GiB (peak %.2f GiB while loading)",
                         self.model_memory_bytes / 2**30, self.model_load_peak_bytes / 2**30)
+        spec = self.config.speculative_config
+        if spec is not None and spec.model is not None and self.draft_worker is None:
+            from pagedllm.spec_decode.draft_checkpoint import load_draft_worker
+
+            self.draft_worker = load_draft_worker(self)
 
     def _check_batch_invariance(self) -> None:
         """VLLM_BATCH_INVARIANT=1: a clear error where this engine cannot give it, before the model loads."""
@@ -378,6 +386,8 @@ class Worker:
         if cc.kv_offloading_size and num_offload < 1:
             raise ValueError(f"kv_offloading_size={cc.kv_offloading_size} GiB holds no KV block of {block_bytes} "
                              "bytes; give more")
+        if self.draft_worker is not None:  # a device block id holds the draft's K/V too (its swap pool: none)
+            block_bytes += self.draft_worker.cache_block_size_bytes()
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override, num_cpu, num_offload
         if cc.kv_cache_memory_bytes is not None:
@@ -458,6 +468,10 @@ class Worker:
         else:
             set_kv_cache_groups(self.model, [group for group, _ in placement])
             logger.info("KV pool dtype %s (%d bytes per block)", self.kv_spec.dtype, self.cache_block_size_bytes())
+        if self.draft_worker is not None and self.draft_worker.cache_engine is None:  # (a level-2 wake-up: built)
+            self.draft_worker.init_cache(num_gpu_blocks, 0)
+            logger.info("Draft checkpoint %s: its KV pool has the same %d blocks (%d bytes each)",
+                        self.draft_worker.model_dir, num_gpu_blocks, self.draft_worker.cache_block_size_bytes())
         if self.kv_spec.is_fp8 and self.config.cache_config.calculate_kv_scales and not self.encoder_only:
             self.calibrate_kv_scales()  # before the backend is built and graphs bake the scales in
         backend = self.attn_backend()
@@ -657,6 +671,8 @@ class Worker:
             self._offloaded = offload_model(self.model, self.device)
             weight_bytes = self._offloaded.nbytes
         self.sleep_level, self.asleep = level, frozenset(SLEEP_TAGS)
+        if self.draft_worker is not None:
+            self.draft_worker.sleep(level)
         self._return_freed_memory()
         logger.info("asleep (level %d) in %.2f s: KV pools dropped (%.1f MiB)%s", level, time.perf_counter() - t0,
                     kv_bytes / 2**20, "; weights dropped" if level == 2 else
@@ -679,6 +695,8 @@ class Worker:
                 self._offloaded = None
         if "kv_cache" in wake and not (self.sleep_level == 2 and not self.asleep):
             self.cache_engine.reallocate()  # (a level-2 worker waking whole gets its pools from init_cache below)
+        if self.draft_worker is not None:
+            self.draft_worker.wake_up(wake)
         if not self.asleep:
             self._rebuild_after_sleep()
             self.sleep_level = 0
