@@ -313,6 +313,11 @@ class SpeculativeConfig:
     # The draft checkpoint's weight quantization (vLLM's speculative_config.quantization): None as for a target
     # (a quantized GGUF draft on the CPU in float32 keeps its blocks), "none", "gguf", ...
     quantization: str | None = None
+    # The draft checkpoint's context (vLLM's speculative_config.max_model_len; default: what its config allows): a
+    # sequence speculates while its drafts fit in it, and runs on without drafts past it.
+    max_model_len: int | None = None
+    # vLLM's draft_tensor_parallel_size: a draft checkpoint runs in the target's one process, so only 1.
+    draft_tensor_parallel_size: int | None = None
     draft_num_layers: int | None = None  # self-speculation depth (default: a quarter of the layers)
     # Speculation is off for a step with more running sequences than this (decode is no longer
     # bandwidth-bound; measured in BENCHMARKS.md, see the README section).
@@ -354,6 +359,13 @@ class SpeculativeConfig:
         if self.model is not None and self.draft_num_layers is not None:
             raise ValueError("speculative_config: give either model (a draft checkpoint) or draft_num_layers (the "
                              "target's own first layers as the draft), not both.")
+        _check_positive_int("speculative_config.max_model_len", self.max_model_len, allow_none=True)
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size={self.draft_tensor_parallel_size!r}: a "
+                             f"draft checkpoint runs in the target's one process; allowed: 1.")
+        if self.model is None and self.max_model_len is not None:
+            raise ValueError("speculative_config.max_model_len is a draft checkpoint's context (model); the other "
+                             "methods draft at every length.")
         if self.quantization is not None:
             if self.model is None:
                 raise ValueError("speculative_config.quantization applies to a draft checkpoint (model); "

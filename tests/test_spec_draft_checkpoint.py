@@ -52,6 +52,8 @@ def test_method_is_inferred_from_the_model():
     ({"model": "/m", "draft_num_layers": 4}, "not both"),
     ({"method": "draft_model", "quantization": "gguf"}, "applies to a draft checkpoint"),
     ({"model": "/m", "quantization": "int3"}, "speculative_config.quantization"),
+    ({"model": "/m", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2: .* allowed: 1"),
+    ({"method": "ngram", "max_model_len": 64}, "a draft checkpoint's context"),
 ])
 def test_config_errors(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -142,9 +144,9 @@ def test_drafts_that_cannot_serve_are_refused(tmp_path, random_draft):
     with pytest.raises(ValueError, match="vocabulary of 100 tokens, the target 49152"):
         LLM(max_model_len=256, num_gpu_blocks_override=16,
             speculative_config={"model": _random_draft(tmp_path / "v", vocab_size=100)})
-    with pytest.raises(ValueError, match="takes 64 positions, fewer than the target's max_model_len 256"):
+    with pytest.raises(ValueError, match="max_model_len=128 is more than the 64 positions the draft"):
         LLM(max_model_len=256, num_gpu_blocks_override=16,
-            speculative_config={"model": _random_draft(tmp_path / "short", max_positions=64)})
+            speculative_config={"model": _random_draft(tmp_path / "short", max_positions=64), "max_model_len": 128})
     with pytest.raises(ValueError, match="speculative_config.model: Model path .* does not exist"):
         LLM(max_model_len=256, num_gpu_blocks_override=16, speculative_config={"model": str(tmp_path / "none")})
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
@@ -177,3 +179,25 @@ def test_cuda_draft_checkpoint_greedy_identical(tmp_path):
         assert outs == ref
         assert st["spec_decode_num_draft_tokens"] > 0
         assert st["spec_decode_num_accepted_tokens"] >= min_rate * st["spec_decode_num_draft_tokens"]
+
+
+def test_a_short_draft_drafts_within_its_context(reference, tmp_path):
+    """A draft of 40 positions (its own config's 64, capped by speculative_config.max_model_len) for ~25-token
+    prompts growing by 20: drafts while a sequence is within 40 tokens, decodes on without drafts past them, and the
+    outputs are plain decoding's."""
+    prompts, ref = reference
+    spec = {"model": _random_draft(tmp_path / "short", max_positions=64), "max_model_len": 40,
+            "num_speculative_tokens": 3, "draft_length_policy": "fixed"}
+    llm = LLM(max_model_len=256, dtype=F32, num_gpu_blocks_override=64, speculative_config=spec)
+    lengths = []
+    propose = llm.llm_engine.spec_decoder.draft.propose
+
+    def recording(seqs, k):
+        lengths.extend(s.get_len() + n - 2 for s, n in zip(seqs, k))  # the last position the draft runs
+        return propose(seqs, k)
+
+    llm.llm_engine.spec_decoder.draft.propose = recording
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
+    assert max(lengths) == 39  # up to the draft's last position, never past it
+    assert max(len(p) + 20 for p in prompts) > 40  # the sequences did go past the draft's context

@@ -47,7 +47,8 @@ def draft_engine_config(config: Any) -> Any:
 
 def load_draft_worker(target: Any) -> Any:
     """Load the draft checkpoint of ``target``'s speculative_config into a Worker of its own (ValueError naming what
-    does not fit: another vocabulary, a shorter context, layouts the shared block tables cannot serve)."""
+    does not fit: another vocabulary, layouts the shared block tables cannot serve). A draft with a shorter context
+    than the target's drafts for sequences within it (`DraftCheckpointProposer.max_drafts`), as in vLLM."""
     from pagedllm.model import loader
     from pagedllm.worker.worker import Worker
 
@@ -66,11 +67,11 @@ def load_draft_worker(target: Any) -> Any:
     if draft_vocab != target_vocab:
         raise ValueError(f"speculative_config.model {name!r} has a vocabulary of {draft_vocab} tokens, the target "
                          f"{target_vocab}: a draft checkpoint must share the target's tokenizer.")
-    max_len = config.scheduler_config.max_model_len
     draft_len = get_model_max_len(hf_config, None)
-    if draft_len < max_len:
-        raise ValueError(f"speculative_config.model {name!r} takes {draft_len} positions, fewer than the target's "
-                         f"max_model_len {max_len}: lower max_model_len or pick a draft with a longer context.")
+    wanted = target.config.speculative_config.max_model_len
+    if wanted is not None and wanted > draft_len:
+        raise ValueError(f"speculative_config.max_model_len={wanted} is more than the {draft_len} positions the "
+                         f"draft {name!r} takes.")
     worker = Worker(config, str(model_dir), hf_config)
     for who, layout in (("the target", target.kv_layout), ("the draft", worker.kv_layout)):
         if layout.num_groups != 1 or layout.groups[0].sliding_window is not None:
@@ -98,12 +99,19 @@ class DraftCheckpointProposer:
                              "(tensor_parallel_size=1, distributed_executor_backend None or 'uni').")
         self.target = target
         self.block_manager = block_manager
+        # Positions the draft takes: a sequence drafts only while its drafts fit (`max_drafts`).
+        self.max_len = target.config.speculative_config.max_model_len or get_model_max_len(draft.hf_config, None)
         self.pass_seconds: list[float] = []  # the last proposal's one-token passes (after its first), timed
         self.vocab_size = int(text_config(target.hf_config).vocab_size)
 
     @property
     def worker(self) -> Any:
         return self.target.draft_worker  # (a level-2 wake-up builds a new one)
+
+    def max_drafts(self, seq: Sequence) -> int:
+        """How many drafts the draft can propose for ``seq`` within its context: it runs every token up to the
+        sequence's last and all drafts but the last (0: the sequence is past it and decodes without drafts)."""
+        return max(0, self.max_len + 1 - seq.get_len())
 
     def _held(self, seq: Sequence) -> int:
         """Tokens of ``seq`` whose draft K/V its current blocks hold."""

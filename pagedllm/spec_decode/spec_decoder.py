@@ -151,7 +151,10 @@ class SpecDecoder:
     def _max_k(self, item: ScheduledSequence) -> int:
         seq = item.seq
         left = item.group.extra["max_tokens"] - len(seq.output_token_ids) - 1  # the bonus token is extra
-        return max(0, min(self.config.num_speculative_tokens, left, self.max_seq_len - 1 - seq.get_len()))
+        k = min(self.config.num_speculative_tokens, left, self.max_seq_len - 1 - seq.get_len())
+        if self.config.model is not None:  # a draft checkpoint with a shorter context than the target's
+            k = min(k, self.draft.max_drafts(seq))
+        return max(0, k)
 
     def plan(self, sched: SchedulerOutputs) -> dict[int, list[int]]:
         """Drafts (seq_id → tokens) for this step; their slots are allocated here (CoW copies appended)."""
