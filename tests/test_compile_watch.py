@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     import json, logging, sys
     import torch
     from triton import knobs
-    from pagedllm.kernels.compile_watch import CompileWatch
+    from pagedllm.kernels.compile_watch import CompileWatch, watchers_paused
     from pagedllm.kernels.triton_compile_only import compile_only, hooks_present
     from pagedllm.kernels import triton_attention
 
@@ -49,10 +49,15 @@ SCRIPT = textwrap.dedent("""
         after_warm = len(watch.events)
         decode(4)  # a split count the warm start did not run: new binaries
         heard = [e.kernel for e in watch.events]
+        with watchers_paused():  # another engine's warm start in this process: not this engine's steps
+            decode(8)
+        paused_heard = len(watch.events) - len(heard)
+        back_after_pause = knobs.runtime.jit_cache_hook == watch._hook
         watch.uninstall()
         restored = knobs.runtime.jit_cache_hook is not None and knobs.runtime.jit_cache_hook != watch._hook
         decode(16)
-    print(json.dumps({"installed": installed, "after_warm": after_warm, "heard": heard,
+    print(json.dumps({"installed": installed, "after_warm": after_warm, "heard": heard, "paused_heard": paused_heard,
+                      "back_after_pause": back_after_pause,
                       "after_uninstall": len(watch.events), "restored": restored, "earlier": earlier,
                       "warnings": warnings}))
 """)
@@ -70,6 +75,7 @@ def test_compile_watch_hears_builds_after_the_warm_start_only():
     assert got["installed"] is True
     assert got["after_warm"] == 0
     assert got["heard"] and all(k.startswith("pagedllm.kernels.triton_attention.") for k in got["heard"]), got
+    assert got["paused_heard"] == 0 and got["back_after_pause"]  # builds under watchers_paused go unreported
     assert got["after_uninstall"] == len(got["heard"])  # uninstalled: the 16-split build went unheard
     assert got["restored"]
     # the earlier hook saw every build: the warm start's, the watched ones and the one after

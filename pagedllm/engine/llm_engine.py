@@ -31,6 +31,7 @@ from pagedllm.engine.pooling import (PoolingState, classification_labels, matryo
                                      token_type_start)
 from pagedllm.engine.request_checker import RequestChecker, prompt_cache_salt, prompt_token_ids
 from pagedllm.engine.sleep_mode import SleepState, check_sleep_args, check_wake_tags, sleep_mode_disabled_error
+from pagedllm.kernels.compile_watch import watchers_paused
 from pagedllm.logprobs import position_logprobs
 from pagedllm.lora.request import LoRARequest
 from pagedllm.reasoning import reasoning_token_ids
@@ -136,8 +137,9 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, cc)
         self.sampler = Sampler(batch_invariant=mc.batch_invariant)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
-            warm_up_sampler(self.sampler, int(self.hf_text_config.vocab_size), self.executor.device,
-                            self.executor.dtype)
+            with watchers_paused():
+                warm_up_sampler(self.sampler, int(self.hf_text_config.vocab_size), self.executor.device,
+                                self.executor.dtype)
         self._seq_counter = itertools.count()
         self.eos_token_ids = self._eos_token_ids()
         on_cpu = self.executor.device.type == "cpu"
@@ -157,9 +159,11 @@ class LLMEngine:
             # The bitmask kernel compiles at its first use: both variants (every row / a row list) now, not
             # in the first constrained TTFT.
             vocab = int(self.hf_text_config.vocab_size)
-            for rows in ([0, 1], [0]):
-                apply_token_bitmask_(torch.zeros((2, vocab), dtype=self.executor.dtype, device=self.executor.device),
-                                     torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32), rows)
+            with watchers_paused():
+                for rows in ([0, 1], [0]):
+                    apply_token_bitmask_(torch.zeros((2, vocab), dtype=self.executor.dtype,
+                                                     device=self.executor.device),
+                                         torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32), rows)
             self.structured_output.reserve_buffers(self.config.scheduler_config.max_num_seqs)
         self._awaiting_grammar: list[SequenceGroup] = []  # constrained requests whose grammar still compiles
         # Their prompts run meanwhile (all but the last token) on a GPU, where the compile has host cores of its

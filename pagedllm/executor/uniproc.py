@@ -62,4 +62,7 @@ class UniProcExecutor:
         return [run_method(self.driver_worker, method, tuple(args), kwargs)]
 
     def shutdown(self) -> None:
-        return None
+        """Stop watching Triton builds: a later engine's warm start in this process is not this engine's step."""
+        runner = self.driver_worker.model_runner
+        if runner is not None:
+            runner.compile_watch.uninstall()

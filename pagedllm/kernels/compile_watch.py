@@ -8,8 +8,10 @@ specialisation not yet in memory), keeps each event and logs one warning naming 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 logger = logging.getLogger("pagedllm")
@@ -56,8 +58,29 @@ class CompileWatch:
     def _hook(self, *, key, repr: str, fn, compile, is_manual_warmup: bool, already_compiled: bool):  # noqa: A002
         name = f"{fn.module}.{fn.name}"
         self.events.append(CompileEvent(name, repr, time.perf_counter()))
-        logger.warning("Triton kernel %s compiled after the warm start (a step waits for it): %s", name, repr)
+        # The key names the specialisation (argument dtypes, alignments, 1 / multiple-of-16 integers) that a warm-up
+        # did not build.
+        logger.warning("Triton kernel %s compiled after the warm start (a step waits for it): %s; key %s", name, repr,
+                       str(key)[:2000])
         if self._previous is not None:
             return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled)
         return False  # a true value would skip the build
+
+
+@contextlib.contextmanager
+def watchers_paused() -> Iterator[None]:
+    """While an engine's warm start builds kernels on purpose: Triton's build hook is cleared, so that the watcher of
+    another engine in this process (a benchmark's earlier or concurrent engine) does not report those builds as its
+    steps waiting on the compiler; restored after. A no-op without Triton."""
+    try:
+        from triton import knobs
+    except ImportError:
+        yield
+        return
+    saved = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = None
+    try:
+        yield
+    finally:
+        knobs.runtime.jit_cache_hook = saved

@@ -146,7 +146,9 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weigh
         a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
         if W_MXFP4:
             w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_j[:, None]
-            s_ptrs = scales_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + (offs_j // 16)[:, None]
+            # one exponent per 32 K columns: loaded once per group, then repeated over the group's 16 bytes
+            offs_g = tl.arange(0, BLOCK_K // 32)
+            s_ptrs = scales_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + offs_g[:, None]
         else:
             w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -156,8 +158,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weigh
             if W_MXFP4:
                 byte_ok = (offs_j[:, None] < (K - k0) // 2) & (offs_n[None, :] < N)
                 q = tl.load(w_ptrs, mask=byte_ok, other=0).to(tl.int32)
-                s = tl.load(s_ptrs, mask=byte_ok, other=0).to(tl.int32)
+                group_ok = (offs_g[:, None] * 16 < (K - k0) // 2) & (offs_n[None, :] < N)
+                s = tl.load(s_ptrs, mask=group_ok, other=0).to(tl.int32)
                 scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113): _e2m1_times_scale's 2^14 in it
+                scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
+                                   (BLOCK_K // 2, BLOCK_N))
                 w_even = _e2m1_times_scale(q & 15, scale).to(a.dtype)
                 w_odd = _e2m1_times_scale(q >> 4, scale).to(a.dtype)
                 a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))

@@ -73,6 +73,7 @@ def load_draft_worker(target: Any) -> Any:
         raise ValueError(f"speculative_config.max_model_len={wanted} is more than the {draft_len} positions the "
                          f"draft {name!r} takes.")
     worker = Worker(config, str(model_dir), hf_config)
+    worker.is_draft = True
     for who, layout in (("the target", target.kv_layout), ("the draft", worker.kv_layout)):
         if layout.num_groups != 1 or layout.groups[0].sliding_window is not None:
             raise ValueError(f"speculative_config.model: {who} frees KV blocks behind a sliding window or keeps "

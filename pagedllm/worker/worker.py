@@ -16,6 +16,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_groups import KVCacheLayout
 from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
 from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, kv_quant
+from pagedllm.kernels.compile_watch import watchers_paused
 from pagedllm.model import loader
 from pagedllm.model.fp8_checkpoint import (
     build_for_fp8_checkpoint,
@@ -169,6 +170,7 @@ class Worker:
         # speculative_config.model: the draft checkpoint's worker (spec_decode/draft_checkpoint.py), whose KV pool has
         # this worker's block count and is indexed by the same block tables.
         self.draft_worker: Worker | None = None
+        self.is_draft = False  # this worker is a draft checkpoint's (eager on CUDA: warmed up by init_cache)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -497,10 +499,19 @@ class Worker:
                 logger.warning("%s=1 without the CPU direct forward: the module path's torch ops (norms, "
                                "activations) are not checked for batch invariance here, only the attention "
                                "kernel and the GEMMs", batch_invariance.BATCH_INVARIANT_ENV)
+        if self.device.type == "cuda":
+            with watchers_paused():  # (another engine's watcher would report this warm start's builds)
+                warmed = self._warm_up_cuda()
+            self.warm_started = warmed
+
+    def _warm_up_cuda(self) -> bool:
+        """Capture the graphs and build the Triton kernels the steps will reach; False where nothing is warmed (an
+        eager engine)."""
         if self.use_cuda_graphs():
             self.capture_cuda_graphs()
-        elif self.device.type == "cuda" and self.mamba_caches is not None:
-            # A pure state-space model runs eagerly: its Triton decode kernels compile here, not in a first request.
+        elif self.mamba_caches is not None or self.is_draft:
+            # A pure state-space model, or a draft checkpoint, runs eagerly: its Triton kernels compile here, not in
+            # a first request.
             from pagedllm.kernels.triton_fused_moe import warm_up_fused_moe
 
             t0 = time.perf_counter()
@@ -508,8 +519,8 @@ class Worker:
             self.model_runner.warm_up_steps(self.cache_engine.gpu_cache)
             logger.info("Warm start (eager steps, Triton kernels compiled) took %.2f s", time.perf_counter() - t0)
         else:
-            return
-        self.warm_started = True
+            return False
+        return True
 
     def watch_compilations(self) -> bool:
         """After the engine's warm start (CUDA): log every Triton build from now on, and keep it in the runner's
