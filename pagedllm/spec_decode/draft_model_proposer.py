@@ -15,6 +15,8 @@ single-process executors are supported.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pagedllm.worker.model_input import SequenceChunk
@@ -38,6 +40,7 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config.draft_num_layers must be < the model's {total} layers, got {n}.")
         self.num_layers = n
         self._runner = runner
+        self.pass_seconds: list[float] = []  # the last proposal's passes (one token per sequence each), timed
 
     @torch.inference_mode()
     def propose(self, chunks: list[SequenceChunk], k: list[int]) -> list[list[int]]:
@@ -50,14 +53,17 @@ class DraftModelProposer:
         out: list[list[int]] = [[] for _ in chunks]
         cur = list(chunks)
         live = list(range(len(chunks)))
+        self.pass_seconds = []
         for step in range(max(k, default=0)):
             live = [i for i in live if len(out[i]) < k[i]]
             if not live:
                 break
+            t0 = time.perf_counter()
             batch = [cur[i] for i in live]
             input_ids, positions, meta, logits_idx = runner.prepare_inputs(batch)
             hidden = inner(input_ids, positions, kv[: self.num_layers], meta)
             toks = model.compute_logits(hidden[logits_idx]).argmax(dim=-1).tolist()
+            self.pass_seconds.append(time.perf_counter() - t0)
             for j, i in enumerate(live):
                 out[i].append(int(toks[j]))
                 c = cur[i]

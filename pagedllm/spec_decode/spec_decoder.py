@@ -210,10 +210,8 @@ class SpecDecoder:
             chosen = [(it, k, self._grammar_prefix(it, p, keep_one=True) if "structured_output" in it.group.extra
                        else p) for (it, k, _), p in zip(chosen, proposals)]
             seconds = time.perf_counter() - drafting
-            passes = getattr(self.draft, "pass_seconds", None)
-            if passes is None:  # self-speculation: every pass is one token per sequence
-                self.draft_cost.record(len(chosen), seconds / max(k for _, k, _ in chosen))
-            elif passes:  # a draft checkpoint's first pass also catches up on the tokens it has not seen
+            passes = self.draft.pass_seconds  # (one token per sequence each: a checkpoint's catch-up pass left out)
+            if passes:
                 self.draft_cost.record(len(chosen), sum(passes) / len(passes))
             if self._timing is not None:  # the step-cost model times the target's step: drafting left out
                 self._timing = (self._timing[0], self._timing[1] + seconds)
