@@ -6,6 +6,7 @@ in a process without TRITON_INTERPRET; prints one line per compiled kernel varia
 shared_memory_bytes"), and fails on the first kernel that does not build."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -151,9 +152,13 @@ def _moe() -> None:
                                    torch.zeros(experts, 256, 8, dtype=torch.uint8))
                 mx2 = Mxfp4Weight(torch.zeros(experts, 256, 64, dtype=torch.uint8),
                                   torch.zeros(experts, 256, 4, dtype=torch.uint8))
-                moe.fused_experts(x, mx13, mx2, weights, ids, block_m, (cfg, cfg), activation="swigluoai",
-                                  w13_bias=torch.zeros(experts, 256, dtype=dtype),
-                                  w2_bias=torch.zeros(experts, 256, dtype=dtype))
+                mx_cfgs = [moe.gemm_config(block_m, dtype, True, num_pairs) for num_pairs in (top_k, t * top_k)]
+                if dtype == bf16:  # and Triton's own decode (tl.dot_scaled)
+                    mx_cfgs += [dataclasses.replace(c, mxfp4_scaled_dot=True) for c in mx_cfgs]
+                for mx_cfg in mx_cfgs:
+                    moe.fused_experts(x, mx13, mx2, weights, ids, block_m, (mx_cfg, mx_cfg), activation="swigluoai",
+                                      w13_bias=torch.zeros(experts, 256, dtype=dtype),
+                                      w2_bias=torch.zeros(experts, 256, dtype=dtype))
 
 
 def _mamba() -> None:

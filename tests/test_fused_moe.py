@@ -3,6 +3,8 @@ grouped GEMM (kernels/triton_fused_moe.py) against the torch experts: compiled o
 CPU. Model-level parity with transformers (Mixtral, Qwen2-MoE, Qwen3-MoE) is in test_models_hf.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -192,18 +194,37 @@ def test_triton_mxfp4_experts_match_their_dequantized_weights(t: int, h: int, in
                                                    activation, b13, b2), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("scaled_dot", [None, False, True])
 @pytest.mark.parametrize("t", [3, 70] if not ON_CUDA else [1, 64, 700])
-def test_triton_mxfp4_experts_half_precision(t: int) -> None:
-    """bf16 (CUDA) / float16 (the interpreter): the wide K tiles of the 16-bit configs (64, 128; K = 192 is not a
-    multiple of 128) over MXFP4 bytes."""
+def test_triton_mxfp4_experts_half_precision(t: int, scaled_dot: bool | None) -> None:
+    """bf16 (CUDA) / float16 (the interpreter): the MXFP4 tiles of the 16-bit configs (K tiles of 64, 128 and 256;
+    K = 192 is not a multiple of 128 or 256), decoded by the kernel's bit decode or by Triton's `tl.dot_scaled`, and
+    by whichever the default tile of that size picks (None)."""
     dtype = torch.bfloat16 if ON_CUDA else torch.float16
     gen = torch.Generator().manual_seed(t)
     w13, w2 = _random_mxfp4(8, 256, 192, gen), _random_mxfp4(8, 192, 128, gen)
     x = torch.randn(t, 192, generator=gen)
     weights, ids = select_experts(torch.randn(t, 8, generator=gen), 2, True)
     want = fused_experts_torch(x, _dequantized(w13), _dequantized(w2), weights, ids)
-    got = triton_fused_moe.fused_experts(x.to(DEVICE, dtype), w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    block_m = triton_fused_moe.block_m_for(2 * t, 8)
+    configs = None
+    if scaled_dot is not None:
+        tiles = triton_fused_moe.gemm_config(block_m, dtype, True, 2 * t)
+        configs = (dataclasses.replace(tiles, mxfp4_scaled_dot=scaled_dot),) * 2
+    got = triton_fused_moe.fused_experts(x.to(DEVICE, dtype), w13, w2, weights.to(DEVICE), ids.to(DEVICE), block_m,
+                                         configs)
     torch.testing.assert_close(got.float().cpu(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+def test_mxfp4_tiles_by_size() -> None:
+    """MXFP4 experts take their own tiles (BENCHMARKS.md §88.1): one token's pairs a 256-deep K tile, 128-row tiles
+    Triton's `tl.dot_scaled`, the rest the kernel's bit decode; bf16 experts keep theirs."""
+    bf16 = torch.bfloat16
+    assert triton_fused_moe.gemm_config(16, bf16, True, 4).block_k == 256
+    assert triton_fused_moe.gemm_config(16, bf16, True, 256).block_k == 128
+    assert triton_fused_moe.gemm_config(128, bf16, True, 4096).mxfp4_scaled_dot
+    assert not any(triton_fused_moe.gemm_config(m, bf16, True, 4096).mxfp4_scaled_dot for m in (16, 32, 64))
+    assert triton_fused_moe.gemm_config(16, bf16, False, 4).block_k == 128
 
 
 def test_mxfp4_layer_holds_bytes_and_refuses_split_groups() -> None:

@@ -1,12 +1,14 @@
 """One gpt-oss-20b MoE layer (32 experts top-4, hidden 2880, width 2880, swigluoai, biases) on the fused-MoE kernels:
 bf16 experts against the same experts held as MXFP4, timed as CUDA-graph replays, per token count. Prints each time,
 the ratio, the expert bytes the step reads (the experts that received tokens) and that rate against the GPU's copy
-bandwidth measured here (device-to-device copy of 2 GiB). Optional tile sweep for MXFP4: SWEEP=1.
+bandwidth measured here (device-to-device copy of 2 GiB). MXFP4 is timed both ways its tiles can be decoded: by
+`tl.dot_scaled` (Triton's upcast, the default) and by the kernel's own bit decode. Optional tile sweep: SWEEP=1.
 
     python benchmarks/gpu/mxfp4_moe_bench.py [1,8,64,256,1024,4096]
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import sys
@@ -47,27 +49,32 @@ def main() -> None:
         used = int(torch.unique(ids).numel())
         kw = dict(activation="swigluoai", w13_bias=b13, w2_bias=b2)
         dense = graph_ms(lambda: tfm.fused_experts(x, d13, d2, wts, ids, **kw))
-        mx = graph_ms(lambda: tfm.fused_experts(x, w13, w2, wts, ids, **kw))
-        err = (tfm.fused_experts(x, w13, w2, wts, ids, **kw).float()
-               - tfm.fused_experts(x, d13, d2, wts, ids, **kw).float()).abs().max().item()
-        print(f"T={t:5d} experts used {used:2d}: bf16 {dense:7.3f} ms ({used * bf_bytes_expert / dense / 1e6:6.0f} GB/s, "
-              f"{used * bf_bytes_expert / dense / 1e6 / (bw / 1e9):.0%} of copy)  MXFP4 {mx:7.3f} ms "
-              f"({used * mx_bytes_expert / mx / 1e6:6.0f} GB/s, {used * mx_bytes_expert / mx / 1e6 / (bw / 1e9):.0%})  "
-              f"bf16/MXFP4 {dense / mx:.2f}x  max|diff| {err:.3g}", flush=True)
+        bm = tfm.block_m_for(t * k, e)
+        tiles = tfm.gemm_config(bm, x.dtype, True, t * k)
+        flipped = (dataclasses.replace(tiles, mxfp4_scaled_dot=not tiles.mxfp4_scaled_dot),) * 2
+        line = f"T={t:5d} experts used {used:2d}: bf16 {dense:7.3f} ms ({used * bf_bytes_expert / dense / 1e6:6.0f} GB/s, " \
+               f"{used * bf_bytes_expert / dense / 1e6 / (bw / 1e9):.0%} of copy)"
+        ref = tfm.fused_experts(x, d13, d2, wts, ids, **kw).float()
+        names = ("dot_scaled", "own decode") if tiles.mxfp4_scaled_dot else ("own decode", "dot_scaled")
+        for name, cfgs in zip(names, (None, flipped)):
+            mx = graph_ms(lambda: tfm.fused_experts(x, w13, w2, wts, ids, bm, cfgs, **kw))
+            err = (tfm.fused_experts(x, w13, w2, wts, ids, bm, cfgs, **kw).float() - ref).abs().max().item()
+            line += (f"  MXFP4 {name} {mx:7.3f} ms ({used * mx_bytes_expert / mx / 1e6:6.0f} GB/s, "
+                     f"{used * mx_bytes_expert / mx / 1e6 / (bw / 1e9):.0%}) bf16/MXFP4 {dense / mx:.2f}x "
+                     f"max|diff| {err:.3g}")
+        print(line, flush=True)
         if os.environ.get("SWEEP") == "1":
             res = []
-            bm = tfm.block_m_for(t * k, e)
-            for bn, bk, nw, ns in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)):
-                cfg = tfm.MoeGemmConfig(bn, bk, nw, ns)
+            for bn, bk, nw, ns, scaled in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4), (False, True)):
+                cfg = tfm.MoeGemmConfig(bn, bk, nw, ns, scaled)
                 try:
                     res.append((graph_ms(lambda: tfm.fused_experts(x, w13, w2, wts, ids, bm, (cfg, cfg), **kw), 10),
-                                bn, bk, nw, ns))
+                                bn, bk, nw, ns, "dot_scaled" if scaled else "own"))
                 except Exception:  # out of shared memory and the like
                     continue
             res.sort()
-            print(f"   sweep M{bm}: " + "; ".join(f"{m:.3f} ms (N{bn} K{bk} w{nw} s{ns})" for m, bn, bk, nw, ns in res[:4]),
-                  flush=True)
-
+            print(f"   sweep M{bm}: " + "; ".join(f"{m:.3f} ms (N{bn} K{bk} w{nw} s{ns} {d})"
+                                                 for m, bn, bk, nw, ns, d in res[:5]), flush=True)
 
 if __name__ == "__main__":
     main()

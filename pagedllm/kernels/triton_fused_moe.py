@@ -124,10 +124,11 @@ def _dot(a, w, acc, IEEE: tl.constexpr):
 def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weights_ptr, scales_ptr, N, K, num_pairs,
               top_k, num_experts, stride_am, stride_we, stride_wn, stride_wk, stride_cm, stride_se, stride_sn,
               ROW_PER_PAIR: tl.constexpr, MUL_WEIGHT: tl.constexpr, IEEE: tl.constexpr, W_MXFP4: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              SCALED_DOT: tl.constexpr, A_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`W_MXFP4`: w_ptr holds MXFP4 bytes [E, N, K / 2] (two codes a byte, the low nibble first), scales_ptr their E8M0
-    exponents [E, N, K / 32]; a K tile's bytes are decoded in registers into its even and odd columns, which multiply
-    A's even and odd columns (BLOCK_K a multiple of 32)."""
+    exponents [E, N, K / 32] (BLOCK_K a multiple of 32). With `SCALED_DOT` (16-bit activations) a K tile's bytes and
+    exponents go to `tl.dot_scaled` as they are and Triton's own upcast decodes them; otherwise they are decoded here
+    into the tile's even and odd columns, which multiply A's even and odd columns."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(tile_expert_ptr + pid_m)
@@ -148,7 +149,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weigh
             w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_j[:, None]
             # one exponent per 32 K columns: loaded once per group, then repeated over the group's 16 bytes
             offs_g = tl.arange(0, BLOCK_K // 32)
-            s_ptrs = scales_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + offs_g[:, None]
+            if SCALED_DOT:  # tl.dot_scaled takes the exponents as [N, K / 32]
+                s_ptrs = scales_ptr + expert.to(tl.int64) * stride_se + offs_n[:, None] * stride_sn + offs_g[None, :]
+            else:
+                s_ptrs = scales_ptr + expert.to(tl.int64) * stride_se + offs_n[None, :] * stride_sn + offs_g[:, None]
         else:
             w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -157,17 +161,23 @@ def _moe_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, tile_expert_ptr, weigh
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             if W_MXFP4:
                 byte_ok = (offs_j[:, None] < (K - k0) // 2) & (offs_n[None, :] < N)
-                q = tl.load(w_ptrs, mask=byte_ok, other=0).to(tl.int32)
-                group_ok = (offs_g[:, None] * 16 < (K - k0) // 2) & (offs_n[None, :] < N)
-                s = tl.load(s_ptrs, mask=group_ok, other=0).to(tl.int32)
-                scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113): _e2m1_times_scale's 2^14 in it
-                scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
-                                   (BLOCK_K // 2, BLOCK_N))
-                w_even = _e2m1_times_scale(q & 15, scale).to(a.dtype)
-                w_odd = _e2m1_times_scale(q >> 4, scale).to(a.dtype)
-                a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-                acc = _dot(a_even, w_even, acc, IEEE)
-                acc = _dot(a_odd, w_odd, acc, IEEE)
+                q = tl.load(w_ptrs, mask=byte_ok, other=0)
+                if SCALED_DOT:
+                    group_ok = (offs_g[None, :] * 16 < (K - k0) // 2) & (offs_n[:, None] < N)
+                    s = tl.load(s_ptrs, mask=group_ok, other=127)
+                    acc = tl.dot_scaled(a, None, A_FORMAT, q, s, "e2m1", acc)
+                else:
+                    group_ok = (offs_g[:, None] * 16 < (K - k0) // 2) & (offs_n[None, :] < N)
+                    s = tl.load(s_ptrs, mask=group_ok, other=0).to(tl.int32)
+                    scale = ((s + 14) << 23).to(tl.float32, bitcast=True)  # 2^(s - 113): _e2m1_times_scale's 2^14
+                    scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
+                                       (BLOCK_K // 2, BLOCK_N))
+                    q = q.to(tl.int32)
+                    w_even = _e2m1_times_scale(q & 15, scale).to(a.dtype)
+                    w_odd = _e2m1_times_scale(q >> 4, scale).to(a.dtype)
+                    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+                    acc = _dot(a_even, w_even, acc, IEEE)
+                    acc = _dot(a_odd, w_odd, acc, IEEE)
                 w_ptrs += BLOCK_K // 2
                 s_ptrs += BLOCK_K // 32
             else:
@@ -189,14 +199,20 @@ class MoeGemmConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # MXFP4 weights with 16-bit activations: Triton's tl.dot_scaled decodes the tiles, else this kernel's bit decode
+    mxfp4_scaled_dot: bool = False
 
 
-def gemm_config(block_m: int, dtype: torch.dtype) -> MoeGemmConfig:
+def gemm_config(block_m: int, dtype: torch.dtype, mxfp4: bool = False, num_pairs: int | None = None) -> MoeGemmConfig:
     """The tile shape that did best with `block_m` rows in the sweeps of `block_m_for` (bf16; with 128 rows a 256-wide
     tile where shared memory holds it: Mixtral's layer at 4 096 tokens 6.76 -> 5.86 ms; float32, used by tests and
-    float32 models, takes narrower K tiles to fit shared memory)."""
+    float32 models, takes narrower K tiles to fit shared memory). MXFP4 experts (`mxfp4`) have their own, from the
+    sweeps of BENCHMARKS.md §88.1 on gpt-oss-20b's layer (H100): with a handful of pairs (`num_pairs`) long K tiles,
+    at 128 rows narrower N and Triton's own decode (`tl.dot_scaled`)."""
     if dtype == torch.float32:
         return MoeGemmConfig(block_n=64, block_k=32, num_warps=4, num_stages=2)
+    if mxfp4:
+        return _mxfp4_gemm_config(block_m, num_pairs)
     if block_m == 16:
         return MoeGemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3)
     if block_m == 32:
@@ -206,6 +222,28 @@ def gemm_config(block_m: int, dtype: torch.dtype) -> MoeGemmConfig:
     if _shared_memory_bytes() >= (128 + 256) * 64 * 3 * 2:  # the wide tile's three stages of A and B (147 KB)
         return MoeGemmConfig(block_n=256, block_k=64, num_warps=8, num_stages=3)
     return MoeGemmConfig(block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+# With this few (row, expert) pairs a step is latency-bound: halving the K loop's trips pays (§88.1: one token's
+# layer 0.150 -> 0.129 ms); with 64 tokens' 256 pairs the 128-deep tile is faster again.
+MXFP4_FEW_PAIRS = 8
+
+
+def _mxfp4_gemm_config(block_m: int, num_pairs: int | None) -> MoeGemmConfig:
+    if block_m == 16:
+        deep = num_pairs is not None and num_pairs <= MXFP4_FEW_PAIRS
+        return MoeGemmConfig(block_n=64, block_k=256 if deep else 128, num_warps=4, num_stages=3)
+    if block_m == 32:
+        return MoeGemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=3)
+    if block_m == 64:
+        return MoeGemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3)
+    # 128-row tiles (prompts): Triton's upcast is 3-7 % faster there than the bit decode; at fewer rows it is slower
+    return MoeGemmConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, mxfp4_scaled_dot=True)
+
+
+def _scaled_dot_format(dtype: torch.dtype) -> str:
+    """tl.dot_scaled's name for a 16-bit activation dtype ("" for the others, which this kernel decodes for)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "")
 
 
 @functools.cache
@@ -221,7 +259,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Mxfp4Weight, out: torch.Ten
                   tile_expert: torch.Tensor, weights: torch.Tensor, top_k: int, row_per_pair: bool,
                   mul_weight: bool, block_m: int, config: MoeGemmConfig | None = None) -> None:
     num_experts, n, k = w.shape
-    cfg = config or gemm_config(block_m, a.dtype)
+    cfg = config or gemm_config(block_m, a.dtype, isinstance(w, Mxfp4Weight), out.shape[0])
     grid = (tile_expert.numel(), triton.cdiv(n, cfg.block_n))
     if isinstance(w, Mxfp4Weight):
         if k % MXFP4_BLOCK or cfg.block_k % MXFP4_BLOCK:
@@ -231,10 +269,12 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor | Mxfp4Weight, out: torch.Ten
     else:
         packed = scales = w
         strides = (w.stride(0), w.stride(1), w.stride(2), out.stride(0), 0, 0)
+    scaled_dot = isinstance(w, Mxfp4Weight) and cfg.mxfp4_scaled_dot and _scaled_dot_format(a.dtype) != ""
     _moe_gemm_kernel[grid](a, packed, out, sorted_ids, tile_expert, weights, scales, n, k, out.shape[0], top_k,
                     num_experts, a.stride(0), *strides,
                     ROW_PER_PAIR=row_per_pair, MUL_WEIGHT=mul_weight, IEEE=a.dtype == torch.float32,
-                    W_MXFP4=isinstance(w, Mxfp4Weight), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    W_MXFP4=isinstance(w, Mxfp4Weight), SCALED_DOT=scaled_dot,
+                    A_FORMAT=_scaled_dot_format(a.dtype), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -302,6 +342,9 @@ def warm_up_fused_moe(model: torch.nn.Module) -> list[str]:
         weights = torch.full((4, m.top_k), 1.0 / m.top_k, device=x.device)
         for block_m in BLOCK_M_CHOICES:
             fused_experts(x, w13, w2, weights, ids, block_m=block_m, activation=m.activation,
+                          w13_bias=m.w13_bias, w2_bias=m.w2_bias)
+        if mxfp4:  # one token's pairs: the deep K tile of `MXFP4_FEW_PAIRS`
+            fused_experts(x[:1], w13, w2, weights[:1], ids[:1], block_m=16, activation=m.activation,
                           w13_bias=m.w13_bias, w2_bias=m.w2_bias)
         done.append(f"fused MoE {m.num_experts}x{w13.shape[1]}x{m.hidden_size}{' MXFP4' if mxfp4 else ''} tiles "
                     f"{BLOCK_M_CHOICES}")
