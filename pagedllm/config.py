@@ -318,6 +318,9 @@ class SpeculativeConfig:
     max_model_len: int | None = None
     # vLLM's draft_tensor_parallel_size: a draft checkpoint runs in the target's one process, so only 1.
     draft_tensor_parallel_size: int | None = None
+    # vLLM's speculative_config.enforce_eager: the draft checkpoint's passes without CUDA graphs (None: as the
+    # target; its one-token passes otherwise replay decode graphs of their own).
+    enforce_eager: bool | None = None
     draft_num_layers: int | None = None  # self-speculation depth (default: a quarter of the layers)
     # Speculation is off for a step with more running sequences than this (decode is no longer
     # bandwidth-bound; measured in BENCHMARKS.md, see the README section).
@@ -366,6 +369,9 @@ class SpeculativeConfig:
         if self.model is None and self.max_model_len is not None:
             raise ValueError("speculative_config.max_model_len is a draft checkpoint's context (model); the other "
                              "methods draft at every length.")
+        if self.enforce_eager is not None and self.model is None:
+            raise ValueError("speculative_config.enforce_eager applies to a draft checkpoint (model); the other "
+                             "methods run within the target's steps.")
         if self.quantization is not None:
             if self.model is None:
                 raise ValueError("speculative_config.quantization applies to a draft checkpoint (model); "

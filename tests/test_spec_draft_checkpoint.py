@@ -54,6 +54,7 @@ def test_method_is_inferred_from_the_model():
     ({"model": "/m", "quantization": "int3"}, "speculative_config.quantization"),
     ({"model": "/m", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size=2: .* allowed: 1"),
     ({"method": "ngram", "max_model_len": 64}, "a draft checkpoint's context"),
+    ({"method": "ngram", "enforce_eager": True}, "enforce_eager applies to a draft checkpoint"),
 ])
 def test_config_errors(spec, match):
     with pytest.raises(ValueError, match=match):
@@ -154,10 +155,23 @@ def test_drafts_that_cannot_serve_are_refused(tmp_path, random_draft):
             speculative_config={"model": random_draft})
 
 
+def test_the_draft_runs_like_the_target_unless_told():
+    """The draft worker's config: the target's CUDA graph setting, or speculative_config.enforce_eager's."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.spec_decode.draft_checkpoint import draft_engine_config
+
+    for target_eager, draft_eager, want in ((False, None, False), (True, None, True), (False, True, True)):
+        spec = {"model": "/m", **({} if draft_eager is None else {"enforce_eager": draft_eager})}
+        config = EngineArgs(enforce_eager=target_eager, speculative_config=spec).create_engine_config(256)
+        assert draft_engine_config(config).model_config.enforce_eager is want
+
+
 @pytest.mark.cuda
-def test_cuda_draft_checkpoint_greedy_identical(tmp_path):
-    """On CUDA (float32, the eager draft): a random 2-layer target with a copy of itself as the draft accepts
-    nearly every draft, and a different random draft accepts few; both give plain decoding's greedy tokens."""
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_draft_checkpoint_greedy_identical(tmp_path, enforce_eager):
+    """On CUDA (float32; the target's steps in CUDA graphs, the draft's passes replaying its own, or eager with
+    speculative_config.enforce_eager): a random 2-layer target with a copy of itself as the draft accepts nearly
+    every draft, and a different random draft accepts few; both give plain decoding's greedy tokens."""
     target = _random_draft(tmp_path / "target")
     other = _random_draft(tmp_path / "other", seed=1)
     import shutil
@@ -169,16 +183,27 @@ def test_cuda_draft_checkpoint_greedy_identical(tmp_path):
 
     def run(spec):
         llm = LLM(speculative_config=spec, **kw)
+        replays = []
+        if spec is not None:
+            graphs = llm.llm_engine.executor.driver_worker.draft_worker.model_runner.graph_runner
+            assert (graphs is None) == enforce_eager
+            if graphs is not None:
+                run_graph = graphs.run
+                graphs.run = lambda *a, **k: replays.append(1) or run_graph(*a, **k)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], llm.stats()
+        if not enforce_eager:  # the draft's graphs and kernels were all built at start-up (an eager draft's are not)
+            assert not llm.llm_engine.executor.driver_worker.model_runner.compile_watch.events
+        return [list(o.outputs[0].token_ids) for o in outs], llm.stats(), len(replays)
 
-    ref, _ = run(None)
+    ref, _, _ = run(None)
     for draft, min_rate in ((str(twin), 0.9), (other, 0.0)):
-        outs, st = run({"model": draft, "num_speculative_tokens": 3, "draft_length_policy": "fixed"})
+        outs, st, replays = run({"model": draft, "num_speculative_tokens": 3, "draft_length_policy": "fixed",
+                                 "enforce_eager": enforce_eager})
         assert outs == ref
         assert st["spec_decode_num_draft_tokens"] > 0
         assert st["spec_decode_num_accepted_tokens"] >= min_rate * st["spec_decode_num_draft_tokens"]
+        assert (replays > 0) != enforce_eager  # the draft's one-token passes replayed its decode graphs
 
 
 def test_a_short_draft_drafts_within_its_context(reference, tmp_path):

@@ -37,11 +37,14 @@ DRAFT_KV = "draft_kv"
 
 def draft_engine_config(config: Any) -> Any:
     """The draft worker's EngineConfig: the target's, with the draft checkpoint as the model (same dtype, device,
-    cache and scheduler settings), eager (its steps are a few rows), no LoRA and no speculation of its own."""
+    cache, scheduler and CUDA graph settings: its passes of one token per sequence replay decode graphs, the
+    first pass of a proposal a piecewise or whole-step graph; speculative_config.enforce_eager overrides), no LoRA
+    and no speculation of its own."""
     spec = config.speculative_config
+    eager = config.model_config.enforce_eager if spec.enforce_eager is None else spec.enforce_eager
     mc = dataclasses.replace(config.model_config, model=spec.model, tokenizer=None, quantization=spec.quantization,
-                             load_format="auto", enforce_eager=True, max_capture_tokens=0, runner="generate",
-                             pooler_config=None, pooling_task=None, enable_prompt_embeds=False)
+                             load_format="auto", enforce_eager=eager, runner="generate", pooler_config=None,
+                             pooling_task=None, enable_prompt_embeds=False)
     return dataclasses.replace(config, model_config=mc, speculative_config=None, lora_config=None)
 
 

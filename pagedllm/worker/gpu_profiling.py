@@ -55,15 +55,11 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - baseline
     del runner
-    graph_bytes = 0
-    if worker.use_cuda_graphs():
-        from pagedllm.worker.cuda_graph import measure_capture_memory
-
-        mct = 0 if worker.mamba_caches is not None else cfg.model_config.max_capture_tokens  # decode graphs only
-        graph_bytes = measure_capture_memory(worker.model, tmp_cache, worker.attn_backend(), cc.block_size,
-                                             sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
-                                             max_capture_tokens=mct, mamba_caches=worker.mamba_caches)
+    graph_bytes = _capture_bytes(worker, tmp_cache)
     del tmp_cache
+    draft = getattr(worker, "draft_worker", None)
+    if draft is not None:  # a draft checkpoint's graphs (its weights are in `weights`; its activations are smaller)
+        graph_bytes += _capture_bytes(draft, _one_block_cache(draft))
     torch.cuda.empty_cache()
 
     free, total = torch.cuda.mem_get_info(device)
@@ -86,6 +82,19 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
             f"(now {cc.gpu_memory_utilization}), lower max_model_len or max_num_batched_tokens, or use a smaller model."
         )
     return int(num_blocks)
+
+
+def _capture_bytes(worker, one_block_cache) -> int:
+    """Device bytes the worker's CUDA graphs will keep (0 for an eager worker)."""
+    if not worker.use_cuda_graphs():
+        return 0
+    from pagedllm.worker.cuda_graph import measure_capture_memory
+
+    cc, sc = worker.config.cache_config, worker.config.scheduler_config
+    mct = 0 if worker.mamba_caches is not None else worker.config.model_config.max_capture_tokens  # decode only
+    return measure_capture_memory(worker.model, one_block_cache, worker.attn_backend(), cc.block_size,
+                                  sc.max_num_seqs, sc.max_model_len, sc.max_num_batched_tokens,
+                                  max_capture_tokens=mct, mamba_caches=worker.mamba_caches)
 
 
 def _one_block_cache(worker) -> list[tuple[torch.Tensor, torch.Tensor]]:

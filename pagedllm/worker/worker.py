@@ -170,7 +170,7 @@ class Worker:
         # speculative_config.model: the draft checkpoint's worker (spec_decode/draft_checkpoint.py), whose KV pool has
         # this worker's block count and is indexed by the same block tables.
         self.draft_worker: Worker | None = None
-        self.is_draft = False  # this worker is a draft checkpoint's (eager on CUDA: warmed up by init_cache)
+        self.is_draft = False  # this worker is a draft checkpoint's (its CUDA graphs or eager warm-up: init_cache)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
