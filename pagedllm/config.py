@@ -74,6 +74,9 @@ class ModelConfig:
     pooling_task: str | None = None  # runner "pooling": one of POOLING_MODEL_TASKS
     # --enable-prompt-embeds: prompts may be embeddings ({"prompt_embeds": tensor}), engine/prompt_embeds.py
     enable_prompt_embeds: bool = False
+    # Custom logits processors (vLLM's logits_processors), resolved to LogitsProcessor subclasses
+    # (pagedllm/logits_processor.py)
+    logits_processors: tuple[type, ...] = ()
 
     def __post_init__(self) -> None:
         if self.pooling_task is not None:

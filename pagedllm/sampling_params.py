@@ -226,6 +226,9 @@ class SamplingParams:
     #: Words never generated (vLLM's): a word's last token is banned whenever the output so far ends with the rest
     #: of it; each word counts with and without a leading space.
     bad_words: list[str] | None = None
+    #: Arguments for custom logits processors (vLLM's ``extra_args``; the server's ``vllm_xargs``): a processor
+    #: reads its own keys from the params of each request it is handed (pagedllm/logits_processor.py).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._normalise_and_check_types()
@@ -288,6 +291,8 @@ class SamplingParams:
         self.allowed_token_ids = _normalise_allowed_token_ids(self.allowed_token_ids)
         self.truncate_prompt_tokens = _check_opt_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
         self.bad_words = _normalise_bad_words(self.bad_words)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict of argument name -> value or None, got {self.extra_args!r}.")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
                 and self.truncate_prompt_tokens != -1:
             raise ValueError(f"truncate_prompt_tokens must be at least 1, or -1 (as many as fit), got "

@@ -182,6 +182,9 @@ _HELP = {
                            "such as '{\"image\": 2}' (default: 999 each).",
     "enable_sleep_mode": "Let LLM.sleep() / POST /sleep free the engine's memory (vLLM's sleep mode: level 1 moves "
                          "the weights to host memory and drops the KV cache, level 2 drops both) until wake_up.",
+    "logits_processors": "Custom logits processors (vLLM's): LogitsProcessor subclasses of "
+                         "pagedllm.logits_processor, named 'package.module:Class' (or passed as classes "
+                         "offline); each request's SamplingParams.extra_args (the server's vllm_xargs) reach them.",
     "pipeline_parallel_size": "Only 1: pipeline parallelism is not supported (use --tensor-parallel-size).",
     "data_parallel_size": "`pagedllm serve`: this many engine-core processes, each a whole copy of the model (with "
                           "tensor_parallel_size GPUs each, or an equal share of the CPU cores and of the CPU KV "
@@ -275,9 +278,21 @@ class EngineArgs:
     hf_overrides: str | dict | Callable[[Any], Any] | None = None
     limit_mm_per_prompt: str | dict | None = None
     enable_prompt_embeds: bool = False
+    logits_processors: list[str | type] | None = None
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     max_seq_len_to_capture: int | None = None
+
+    def _logits_processor_classes(self, runner: str) -> tuple[type, ...]:
+        from pagedllm.logits_processor import (STR_POOLING_REJECTS_LOGITSPROCS, STR_SPEC_DEC_REJECTS_LOGITSPROCS,
+                                               resolve_logits_processor_classes)
+
+        classes = resolve_logits_processor_classes(self.logits_processors)
+        if classes and self.speculative_config:
+            raise ValueError(STR_SPEC_DEC_REJECTS_LOGITSPROCS)
+        if classes and runner == "pooling":
+            raise ValueError(STR_POOLING_REJECTS_LOGITSPROCS)
+        return classes
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -379,6 +394,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager or encoder or (recurrent and not layer_sliding_windows(hf_config)),
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
             pooler_config=pooler, pooling_task=pooling_task, enable_prompt_embeds=self.enable_prompt_embeds,
+            logits_processors=self._logits_processor_classes(runner),
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -504,6 +520,9 @@ class EngineArgs:
             hint = hints[f.name]
             if f.name == "hf_token":  # vLLM's: a token, or the flag alone (the token of `huggingface-cli login`)
                 parser.add_argument(flag, nargs="?", const=True, default=None, help=help_text)
+                continue
+            if f.name == "logits_processors":  # one or more 'module:Class' names
+                parser.add_argument(flag, nargs="+", default=None, help=help_text)
                 continue
             if hint is bool or _base_type(hint) is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)

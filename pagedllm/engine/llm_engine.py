@@ -50,7 +50,7 @@ from pagedllm.multimodal.inputs import features_in_range
 from pagedllm.multimodal.processor import MultiModalProcessor, checked_features, prepare_multimodal_prompt
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import SAMPLING_EPS, RequestOutputKind, SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.model_input import (
@@ -192,6 +192,12 @@ class LLMEngine:
                                             self.max_seq_len, async_steps=self.async_scheduling,
                                             structured_output=self.structured_output)
         self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
+        self.logits_processors = None  # custom LogitsProcessors (pagedllm/logits_processor.py)
+        if self.config.model_config.logits_processors:
+            from pagedllm.logits_processor import LogitsProcessorBatch
+
+            self.logits_processors = LogitsProcessorBatch(self.config.model_config.logits_processors, self.config,
+                                                          self.executor.device)
         self._sleep = SleepState()  # sleep mode (engine/sleep_mode.py)
         self.device_spec = None
         if self.spec_decoder is not None and self.config.speculative_config.method == "ngram_gpu":
@@ -400,6 +406,7 @@ class LLMEngine:
                               pooling_task=task, sliding_window=cc.sliding_window,
                               group_windows=cc.kv_cache_group_windows,
                               enable_prompt_embeds=self.config.model_config.enable_prompt_embeds,
+                              logits_processors=self.config.model_config.logits_processors,
                               labels=classification_labels(self.hf_config) if task == "classify" else ())
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
@@ -551,14 +558,27 @@ class LLMEngine:
             seq.num_pending_tokens += 1  # (_append_samples takes it back)
         if not owners:
             return []
+        stacked = self._custom_processed(torch.stack(logits), owners, rows)
         live = list(range(len(owners)))
         job = self.structured_output.start_fill([(it.seq, it.group.extra["structured_output"]) for it in owners],
                                                 overlap=False, rows=live, batch=len(owners))
         bitmask = (self.structured_output.mask_result(job), live)
-        samples, full_logprobs = self.sampler.launch(torch.stack(logits), rows, token_bitmask=bitmask).result()
+        samples, full_logprobs = self.sampler.launch(stacked, rows, token_bitmask=bitmask).result()
         touched: dict[str, SequenceGroup] = {}
         self._append_samples(owners, samples, full_logprobs, touched)
         return self._outputs_of(touched)
+
+    def _custom_processed(self, logits: torch.Tensor, owners: list[ScheduledSequence],
+                          rows: list[SamplingRow]) -> torch.Tensor:
+        """The custom logits processors' logits for these rows (unchanged without processors)."""
+        if self.logits_processors is None:
+            return logits
+        from pagedllm.logits_processor import LogitsRow
+
+        batch = [LogitsRow(item.seq.seq_id, row.params, row.prompt_token_ids, row.output_token_ids)
+                 for item, row in zip(owners, rows)]
+        all_greedy = all(row.params.temperature < SAMPLING_EPS for row in rows)
+        return self.logits_processors.apply(logits, batch, all_greedy)
 
     def _sampling_row(self, group: SequenceGroup, seq: Sequence) -> SamplingRow:
         """What the sampler needs for one sequence's next token; a single sequence's first sample draws
@@ -779,6 +799,9 @@ class LLMEngine:
         if rows:
             if row_idx != list(range(logits.shape[0])):
                 logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
+            if self.logits_processors is not None:
+                logits = self._custom_processed(logits, step.owners, rows)
+                step.needs_host_results = True  # the processors read the outputs so far: the host's
             bitmask = None
             if step.mask_job is not None:
                 bitmask = (self.structured_output.mask_result(step.mask_job), step.mask_rows)

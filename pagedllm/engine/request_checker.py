@@ -35,6 +35,7 @@ class RequestChecker:
     # A hybrid model's KV cache groups' windows (core/kv_cache_groups.py); None: one group with `sliding_window`.
     group_windows: tuple[int | None, ...] | None = None
     enable_prompt_embeds: bool = False  # prompts may be embeddings (engine/prompt_embeds.py)
+    logits_processors: tuple[type, ...] = ()  # custom LogitsProcessor classes: each validates a request's params
 
     @property
     def max_seq_len(self) -> int:
@@ -114,6 +115,8 @@ class RequestChecker:
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        for cls in self.logits_processors:
+            cls.validate_params(params)
         # A group's sequences run in lockstep, so all of them must fit in one step.
         width = params.best_of or params.n
         limit = min(self.max_num_seqs, self.max_num_batched_tokens or self.max_model_len)

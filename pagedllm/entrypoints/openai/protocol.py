@@ -179,6 +179,8 @@ class SamplingExtras(StructuredOutputsExtras):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     #: vLLM's: words never generated.
     bad_words: list[str] | None = None
+    #: vLLM's: arguments for the server's custom logits processors (SamplingParams.extra_args).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False

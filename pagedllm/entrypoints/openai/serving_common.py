@@ -359,7 +359,7 @@ class ServingContext:
                 structured_outputs=so,
                 logit_bias={int(k): v for k, v in req.logit_bias.items()} if req.logit_bias else None,
                 allowed_token_ids=req.allowed_token_ids, truncate_prompt_tokens=req.truncate_prompt_tokens,
-                bad_words=req.bad_words,
+                bad_words=req.bad_words, extra_args=req.vllm_xargs,
             )
         except ValueError as e:
             raise error_from_exception(e) from None
