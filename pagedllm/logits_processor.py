@@ -82,6 +82,33 @@ class LogitsProcessor(ABC):
         """Called every step before `apply`, with the batch's changes (None: none)."""
 
 
+def process_dict_updates(req_entries: dict[int, Any], batch_update: BatchUpdate | None,
+                         new_state: Callable[[SamplingParams, list[int] | None, list[int]], Any]) -> bool:
+    """Apply a BatchUpdate to per-row state kept as {row index: state} (vLLM's helper of the same name):
+    `new_state(params, prompt_ids, output_ids)` gives an added request's state, None for a request the processor
+    leaves alone. Returns whether anything changed."""
+    if batch_update is None:
+        return False
+    changed = False
+    for index in batch_update.removed:
+        changed |= req_entries.pop(index, None) is not None
+    for index, params, prompt_ids, output_ids in batch_update.added:
+        state = new_state(params, prompt_ids, output_ids)
+        if state is None:
+            changed |= req_entries.pop(index, None) is not None
+        else:
+            req_entries[index] = state
+            changed = True
+    for a, b, direction in batch_update.moved:
+        at_a, at_b = req_entries.pop(a, None), req_entries.pop(b, None)
+        if at_a is not None:
+            req_entries[b] = at_a
+        if direction == MoveDirectionality.SWAP and at_b is not None:
+            req_entries[a] = at_b
+        changed |= at_a is not None or at_b is not None
+    return changed
+
+
 RequestLogitsProcessor = Callable[..., torch.Tensor]
 
 
@@ -97,22 +124,11 @@ class AdapterLogitsProcessor(LogitsProcessor):
         """The callable for a request with these params, or None when it needs none."""
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.req_info.pop(index, None)
-        for index, params, prompt_ids, output_ids in batch_update.added:
+        def new_state(params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]):
             fn = self.new_req_logits_processor(params)
-            if fn is None:
-                self.req_info.pop(index, None)
-            else:
-                self.req_info[index] = (fn, prompt_ids, output_ids)
-        for a, b, direction in batch_update.moved:
-            moved_a, moved_b = self.req_info.pop(a, None), self.req_info.pop(b, None)
-            if moved_a is not None:
-                self.req_info[b] = moved_a
-            if direction == MoveDirectionality.SWAP and moved_b is not None:
-                self.req_info[a] = moved_b
+            return None if fn is None else (fn, prompt_ids, output_ids)
+
+        process_dict_updates(self.req_info, batch_update, new_state)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, (fn, prompt_ids, output_ids) in self.req_info.items():

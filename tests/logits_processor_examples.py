@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.logits_processor import AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality
+from pagedllm.logits_processor import AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, process_dict_updates
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,22 +24,8 @@ class TargetTokenLogitsProcessor(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        if batch_update is None:
-            return
-        for index in batch_update.removed:
-            self.targets.pop(index, None)
-        for index, params, _, _ in batch_update.added:
-            target = (params.extra_args or {}).get("target_token")
-            if target is None:
-                self.targets.pop(index, None)
-            else:
-                self.targets[index] = target
-        for a, b, direction in batch_update.moved:
-            ta, tb = self.targets.pop(a, None), self.targets.pop(b, None)
-            if ta is not None:
-                self.targets[b] = ta
-            if direction == MoveDirectionality.SWAP and tb is not None:
-                self.targets[a] = tb
+        process_dict_updates(self.targets, batch_update,
+                             lambda params, _prompt, _out: (params.extra_args or {}).get("target_token"))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, target in self.targets.items():

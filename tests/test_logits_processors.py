@@ -15,7 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.logits_processor import (STR_SPEC_DEC_REJECTS_LOGITSPROCS, BatchUpdate, LogitsProcessor,
                                        LogitsProcessorBatch, LogitsRow, MoveDirectionality,
-                                       resolve_logits_processor_classes)
+                                       process_dict_updates, resolve_logits_processor_classes)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from logits_processor_examples import NoRepeatLogitsProcessor, TargetTokenLogitsProcessor  # noqa: E402
@@ -75,6 +75,19 @@ def test_persistent_batch_updates_and_row_order():
         proc = batch.processors[0]
         assert [proc.at[int(i)] for i in out[:, 1]] == live
     assert batch.processors[0].updates > 10
+
+
+def test_process_dict_updates_order_and_swaps():
+    """vLLM's helper: removed, then added (None: the processor leaves the row alone), then moved; a swap trades
+    the two rows' states, a one-way move empties its source."""
+    state = {0: "a", 1: "b", 2: "c"}
+    p = SamplingParams()
+    update = BatchUpdate(3, removed=[1], added=[(1, p, None, []), (3, p, None, [])],
+                         moved=[(0, 2, MoveDirectionality.SWAP), (3, 1, MoveDirectionality.UNIDIRECTIONAL)])
+    fresh = iter(["new1", None])
+    assert process_dict_updates(state, update, lambda *_: next(fresh))
+    assert state == {0: "c", 2: "a"}  # row 1's new request was replaced by row 3's, which had no state
+    assert not process_dict_updates(state, None, lambda *_: None)
 
 
 def _outputs(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
