@@ -186,3 +186,28 @@ def test_server_passes_vllm_xargs_to_the_processor():
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] != [28] * 5
     finally:
         server.stop()
+
+
+@pytest.mark.cuda
+def test_cuda_processors_on_graph_replayed_steps(tmp_path):
+    """On CUDA (a random bf16 Llama, decode steps from CUDA graphs, asynchronous scheduling): the processor's rows
+    take its token, the other rows keep an engine's without processors, and no kernel is built after the warm
+    start."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path)
+    kw = dict(model=str(tmp_path), skip_tokenizer_init=True, device="cuda", dtype="bfloat16", **KW)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [list(o.outputs[0].token_ids) for o in LLM(**kw).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(logits_processors=[TargetTokenLogitsProcessor], **kw)
+    target = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, extra_args={"target_token": 5})
+    outs = llm.generate(prompts, [target if i % 2 else greedy for i in range(6)], use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert [got[i] for i in (1, 3, 5)] == [[5] * 12] * 3
+    assert [got[i] for i in (0, 2, 4)] == [ref[i] for i in (0, 2, 4)]
+    assert llm.llm_engine.executor.driver_worker.model_runner.graph_runner is not None
+    assert not llm.llm_engine.executor.driver_worker.model_runner.compile_watch.events
