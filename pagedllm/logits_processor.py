@@ -14,10 +14,9 @@ A request reads its own settings from ``SamplingParams.extra_args`` (the server'
 callables ``fn(output_ids, logits_row)`` or ``fn(prompt_ids, output_ids, logits_row)`` (vLLM V0's form).
 
 Processors run after the model and before the built-in processing (``logit_bias``, penalties, temperature,
-top-k/p, grammar masks). Unlike vLLM's default (raw log-probs), a processed row's log-probs are those of the
-processors' logits. A step with custom processors waits for the previous step's tokens on the host (the
-processors read the outputs so far), as penalties do. Speculative decoding and pooling models refuse custom
-processors, as in vLLM.
+top-k/p, grammar masks); log-probs stay those of the model's raw logits, as vLLM's default (raw_logprobs). A
+step with custom processors waits for the previous step's tokens on the host (the processors read the outputs so
+far), as penalties do. Speculative decoding and pooling models refuse custom processors, as in vLLM.
 """
 from __future__ import annotations
 

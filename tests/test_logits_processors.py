@@ -112,6 +112,24 @@ def test_target_token_only_for_the_requests_that_ask():
     assert bm.get_num_free_gpu_blocks() == 64
 
 
+def test_logprobs_are_the_raw_logits_ones():
+    """As vLLM's default (raw_logprobs): a forced row reports its token's log-prob under the model's own
+    distribution (not 0.0, the processed one) and the model's top tokens; an untouched row's equal an engine's
+    without processors."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    ref = LLM(**KW).generate(PROMPTS[:2], params, use_tqdm=False)
+    llm = LLM(logits_processors=[TargetTokenLogitsProcessor], **KW)
+    forced = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3, extra_args={"target_token": 42})
+    got = llm.generate(PROMPTS[:2], [forced, params], use_tqdm=False)
+    first = got[0].outputs[0].logprobs[0]
+    assert first[42].logprob < -1.0 and first[42].rank > 1
+    assert {t for t, lp in first.items() if lp.rank <= 3} == {t for t, lp in ref[0].outputs[0].logprobs[0].items()
+                                                              if lp.rank <= 3}
+    for a, b in zip(got[1].outputs[0].logprobs, ref[1].outputs[0].logprobs):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+
+
 def test_v0_style_callables_through_the_adapter():
     """AdapterLogitsProcessor: two- and three-argument callables see the live output tokens; requests without
     the argument keep their reference tokens."""

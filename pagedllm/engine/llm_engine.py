@@ -558,12 +558,14 @@ class LLMEngine:
             seq.num_pending_tokens += 1  # (_append_samples takes it back)
         if not owners:
             return []
-        stacked = self._custom_processed(torch.stack(logits), owners, rows)
+        raw = torch.stack(logits)
+        stacked = self._custom_processed(raw, owners, rows)
         live = list(range(len(owners)))
         job = self.structured_output.start_fill([(it.seq, it.group.extra["structured_output"]) for it in owners],
                                                 overlap=False, rows=live, batch=len(owners))
         bitmask = (self.structured_output.mask_result(job), live)
-        samples, full_logprobs = self.sampler.launch(stacked, rows, token_bitmask=bitmask).result()
+        samples, full_logprobs = self.sampler.launch(stacked, rows, token_bitmask=bitmask,
+                                                     raw_logits=raw if stacked is not raw else None).result()
         touched: dict[str, SequenceGroup] = {}
         self._append_samples(owners, samples, full_logprobs, touched)
         return self._outputs_of(touched)
@@ -799,15 +801,16 @@ class LLMEngine:
         if rows:
             if row_idx != list(range(logits.shape[0])):
                 logits = logits[async_tensor_h2d(row_idx, torch.long, logits.device)]
+            raw_logits = None
             if self.logits_processors is not None:
-                logits = self._custom_processed(logits, step.owners, rows)
+                raw_logits, logits = logits, self._custom_processed(logits, step.owners, rows)
                 step.needs_host_results = True  # the processors read the outputs so far: the host's
             bitmask = None
             if step.mask_job is not None:
                 bitmask = (self.structured_output.mask_result(step.mask_job), step.mask_rows)
             has_beam = any("beam" in item.group.extra for item in step.owners)
             step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam,
-                                                      token_bitmask=bitmask)
+                                                      token_bitmask=bitmask, raw_logits=raw_logits)
 
     def _complete_step(self, step: LaunchedStep, then: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs. `then` runs

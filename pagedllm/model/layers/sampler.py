@@ -266,13 +266,17 @@ class Sampler:
         rows: list[SamplingRow],
         return_logprobs_tensor: bool = False,
         token_bitmask: tuple[torch.Tensor, list[int]] | None = None,
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Queue the sampling of ``logits`` ``[len(rows), vocab]`` on its device without waiting for it
         (nothing here synchronises with the device); `SamplerOutput.result()` reads it back.
 
         `token_bitmask` (structured outputs): the step's packed bitmask and the rows it constrains, applied as
         `apply_token_bitmask_` does. On a GPU, rows that one kernel samples read a pinned mask in place inside
-        that kernel (no masking launch); otherwise the logits are masked first (in place)."""
+        that kernel (no masking launch); otherwise the logits are masked first (in place).
+
+        `raw_logits` (custom logits processors ran on ``logits``): the model's own logits, which the log-probs are
+        of (vLLM's raw log-probs); sampling then takes the general path."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must have shape [len(rows)={len(rows)}, vocab], got "
@@ -287,7 +291,7 @@ class Sampler:
         num_rows, vocab = logits.shape
         md = SamplingMetadata.from_rows(rows, vocab)
         one_row_each = sum(md.num_samples) == num_rows
-        untouched = not md.need_pen and not md.ban_rows and not md.adjust
+        untouched = not md.need_pen and not md.ban_rows and not md.adjust and raw_logits is None
         if (device.type == "cuda" and not self.batch_invariant and all(md.greedy) and untouched
                 and md.max_logprobs < 0 and not return_logprobs_tensor and one_row_each and token_bitmask is None):
             # The common decode step: one pass over the logits instead of a float32 copy + argmax + logsumexp.
@@ -320,14 +324,14 @@ class Sampler:
             if out is not None:
                 return out
         elif (device.type == "cpu" and self.native_cpu and self.random_sampling != "race" and not self.batch_invariant
-              and md.max_logprobs < 0 and not return_logprobs_tensor and one_row_each
+              and md.max_logprobs < 0 and not return_logprobs_tensor and one_row_each and raw_logits is None
               and logits.dtype == torch.float32 and logits.stride(1) == 1):
             out = self._launch_processed_cpu(logits, rows, md, vocab)
             if out is not None:
                 return out
 
-        raw = logits.float()  # never modified in place
-        x = _process_logits(raw, md)
+        raw = (logits if raw_logits is None else raw_logits).float()  # never modified in place
+        x = _process_logits(raw if raw_logits is None else logits.float(), md)
         flat_rows_t = (async_tensor_h2d([i for i, s in enumerate(md.num_samples) for _ in range(s)], torch.long,
                                         device) if not one_row_each else None)  # flat sample position -> row
         tokens, raw_logsumexp = self._sample(x, raw, rows, md, flat_rows_t)
