@@ -27,6 +27,9 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 # integer weights run as GGUF blocks on the CPU, dequantized elsewhere: model/int_weight_checkpoint.py); "none" =
 # dequantized.
 QUANTIZATION_METHODS = ("fp8", "gguf", "gptq", "awq", "compressed-tensors", "mxfp4", "none")
+# vLLM's logprobs_mode: what `logprobs` / `prompt_logprobs` report. raw: the model's logits (before logit_bias,
+# penalties, custom processors, temperature, top-k/p); processed: after all of them; _logprobs: log-softmaxed.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # vLLM's --runner: "generate" (sample tokens) or "pooling" (return one vector per prompt: embeddings); "auto" picks
 # pooling for base-model checkpoints (architectures like LlamaModel, which have no LM head), else generate.
 RUNNER_TYPES = ("auto", "generate", "pooling")
@@ -77,6 +80,7 @@ class ModelConfig:
     # Custom logits processors (vLLM's logits_processors), resolved to LogitsProcessor subclasses
     # (pagedllm/logits_processor.py)
     logits_processors: tuple[type, ...] = ()
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
 
     def __post_init__(self) -> None:
         if self.pooling_task is not None:
@@ -85,6 +89,7 @@ class ModelConfig:
             raise ValueError(f"max_capture_tokens must be an int >= 0, got {self.max_capture_tokens!r}.")
         _check_choice("dtype", self.dtype, _DTYPES)
         _check_choice("load_format", self.load_format, _LOAD_FORMATS)
+        _check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         _check_positive_int("max_model_len", self.max_model_len, allow_none=True)

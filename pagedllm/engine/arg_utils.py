@@ -10,6 +10,7 @@ from typing import Any, Callable, get_type_hints
 
 from pagedllm.config import (
     BATCHING_MODES,
+    LOGPROBS_MODES,
     CONVERT_TYPES,
     RUNNER_TYPES,
     PoolerConfig,
@@ -185,6 +186,9 @@ _HELP = {
     "logits_processors": "Custom logits processors (vLLM's): LogitsProcessor subclasses of "
                          "pagedllm.logits_processor, named 'package.module:Class' (or passed as classes "
                          "offline); each request's SamplingParams.extra_args (the server's vllm_xargs) reach them.",
+    "logprobs_mode": "What logprobs and prompt_logprobs report (vLLM's): raw_logprobs (the model's distribution), "
+                     "raw_logits, processed_logprobs / processed_logits (after logit_bias, penalties, custom "
+                     "processors, temperature and top-k/top-p: the distribution a token was drawn from).",
     "pipeline_parallel_size": "Only 1: pipeline parallelism is not supported (use --tensor-parallel-size).",
     "data_parallel_size": "`pagedllm serve`: this many engine-core processes, each a whole copy of the model (with "
                           "tensor_parallel_size GPUs each, or an equal share of the CPU cores and of the CPU KV "
@@ -211,7 +215,7 @@ _CHOICES = {"kv_cache_manager": KV_CACHE_MANAGERS, "batching": BATCHING_MODES, "
             "kv_cache_dtype": KV_CACHE_DTYPES, "quantization": QUANTIZATION_METHODS,
             "kv_offloading_backend": KV_OFFLOADING_BACKENDS, "mamba_ssm_cache_dtype": MAMBA_SSM_CACHE_DTYPES,
             "structured_outputs_backend": STRUCTURED_OUTPUTS_BACKENDS, "runner": RUNNER_TYPES,
-            "convert": CONVERT_TYPES, "reasoning_parser": REASONING_PARSERS}
+            "convert": CONVERT_TYPES, "reasoning_parser": REASONING_PARSERS, "logprobs_mode": LOGPROBS_MODES}
 
 
 @dataclass
@@ -279,9 +283,18 @@ class EngineArgs:
     limit_mm_per_prompt: str | dict | None = None
     enable_prompt_embeds: bool = False
     logits_processors: list[str | type] | None = None
+    logprobs_mode: str = "raw_logprobs"
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     max_seq_len_to_capture: int | None = None
+
+    def _checked_logprobs_mode(self) -> str:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}.")
+        if self.logprobs_mode != "raw_logprobs" and self.speculative_config:
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported with speculative decoding "
+                             "(verification reports raw log-probs); use raw_logprobs or turn speculation off.")
+        return self.logprobs_mode
 
     def _logits_processor_classes(self, runner: str) -> tuple[type, ...]:
         from pagedllm.logits_processor import (STR_POOLING_REJECTS_LOGITSPROCS, STR_SPEC_DEC_REJECTS_LOGITSPROCS,
@@ -394,7 +407,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager or encoder or (recurrent and not layer_sliding_windows(hf_config)),
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
             pooler_config=pooler, pooling_task=pooling_task, enable_prompt_embeds=self.enable_prompt_embeds,
-            logits_processors=self._logits_processor_classes(runner),
+            logits_processors=self._logits_processor_classes(runner), logprobs_mode=self._checked_logprobs_mode(),
         )
         cache = CacheConfig(
             block_size=self.block_size, num_gpu_blocks_override=self.num_gpu_blocks_override,

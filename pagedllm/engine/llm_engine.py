@@ -135,7 +135,7 @@ class LLMEngine:
                         "manager is off: --disable-hybrid-kv-cache-manager, speculative decoding, an FP8 KV "
                         "cache, a contiguous kv_cache_manager, or CUDA with %s=0)", CUDA_HYBRID_KV_CACHE_ENV)
         self.scheduler = Scheduler(sc, cc)
-        self.sampler = Sampler(batch_invariant=mc.batch_invariant)
+        self.sampler = Sampler(batch_invariant=mc.batch_invariant, logprobs_mode=mc.logprobs_mode)
         if str(self.executor.device).startswith("cuda"):  # warm start: the first request loads no kernel
             with watchers_paused():
                 warm_up_sampler(self.sampler, int(self.hf_text_config.vocab_size), self.executor.device,
@@ -923,7 +923,7 @@ class LLMEngine:
         if n <= 0:
             return
         targets = torch.tensor(seq.prompt_token_ids[start + 1 : start + 1 + n], device=logits.device)
-        dicts = compute_prompt_logprobs(logits[:n], targets, k)
+        dicts = compute_prompt_logprobs(logits[:n], targets, k, self.sampler.logprobs_mode.endswith("logits"))
         for entries in dicts:
             self.output_processor.name_logprobs(group.sampling_params, entries)
         store[start + 1:start + 1 + n] = dicts

@@ -151,14 +151,18 @@ class Sampler:
     paths are chosen per batch (a batch with a filtered row, a row drawing best_of samples or, for the greedy
     kernel, one random row leaves them), and they sum a row's probabilities in another order than the torch ops,
     so a seeded row's token, or a greedy row's logprob, would depend on what shares its step.
+    ``logprobs_mode`` (vLLM's, config.LOGPROBS_MODES): what the log-probs report; any but raw_logprobs takes the
+    torch ops (the one-kernel paths report raw log-probs only).
     """
 
-    def __init__(self, random_sampling: str = "auto", native_cpu: bool = True, batch_invariant: bool = False) -> None:
+    def __init__(self, random_sampling: str = "auto", native_cpu: bool = True, batch_invariant: bool = False,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         if random_sampling not in ("auto", "race", "inverse_cdf"):
             raise ValueError(f"random_sampling must be 'auto', 'race' or 'inverse_cdf', got {random_sampling!r}")
         self.random_sampling = random_sampling
         self.native_cpu = native_cpu
         self.batch_invariant = batch_invariant
+        self.logprobs_mode = logprobs_mode
 
     @staticmethod
     def _plain_row_params(rows: list[SamplingRow], greedy: list[bool], temps: list[float],
@@ -291,7 +295,8 @@ class Sampler:
         num_rows, vocab = logits.shape
         md = SamplingMetadata.from_rows(rows, vocab)
         one_row_each = sum(md.num_samples) == num_rows
-        untouched = not md.need_pen and not md.ban_rows and not md.adjust and raw_logits is None
+        untouched = (not md.need_pen and not md.ban_rows and not md.adjust and raw_logits is None
+                     and self.logprobs_mode == "raw_logprobs")
         if (device.type == "cuda" and not self.batch_invariant and all(md.greedy) and untouched
                 and md.max_logprobs < 0 and not return_logprobs_tensor and one_row_each and token_bitmask is None):
             # The common decode step: one pass over the logits instead of a float32 copy + argmax + logsumexp.
@@ -325,6 +330,7 @@ class Sampler:
                 return out
         elif (device.type == "cpu" and self.native_cpu and self.random_sampling != "race" and not self.batch_invariant
               and md.max_logprobs < 0 and not return_logprobs_tensor and one_row_each and raw_logits is None
+              and self.logprobs_mode == "raw_logprobs"
               and logits.dtype == torch.float32 and logits.stride(1) == 1):
             out = self._launch_processed_cpu(logits, rows, md, vocab)
             if out is not None:
@@ -336,16 +342,22 @@ class Sampler:
                                         device) if not one_row_each else None)  # flat sample position -> row
         tokens, raw_logsumexp = self._sample(x, raw, rows, md, flat_rows_t)
 
-        # ---- log-probs (raw distribution) ---------------------------------- #
-        need_full = return_logprobs_tensor or md.max_logprobs >= 0
-        full: torch.Tensor | None = raw.log_softmax(dim=-1) if need_full else None
+        # ---- log-probs (the raw distribution, or what logprobs_mode names) ---- #
         row_of = flat_rows_t if flat_rows_t is not None else torch.arange(num_rows, dtype=torch.long, device=device)
-        if full is not None:
+        beam_full = raw.log_softmax(dim=-1) if return_logprobs_tensor else None  # beams rank by the model's
+        if self.logprobs_mode == "raw_logprobs":
+            full: torch.Tensor | None = beam_full if beam_full is not None else (
+                raw.log_softmax(dim=-1) if md.max_logprobs >= 0 else None)
+            if full is not None:
+                tok_lp = full[row_of, tokens]
+            else:  # cheap path: gathered raw logit minus the row's logsumexp
+                if raw_logsumexp is None:
+                    raw_logsumexp = _logsumexp(raw)
+                tok_lp = raw[row_of, tokens] - raw_logsumexp[row_of]
+        else:
+            source = raw if self.logprobs_mode.startswith("raw") else x
+            full = source.log_softmax(dim=-1) if self.logprobs_mode.endswith("logprobs") else source
             tok_lp = full[row_of, tokens]
-        else:  # cheap path: gathered raw logit minus the row's logsumexp
-            if raw_logsumexp is None:
-                raw_logsumexp = _logsumexp(raw)
-            tok_lp = raw[row_of, tokens] - raw_logsumexp[row_of]
 
         parts = [tokens.to(torch.float64), tok_lp.to(torch.float64)]
         k_top = min(md.max_logprobs, vocab)
@@ -356,8 +368,7 @@ class Sampler:
             top_v, top_i = full.topk(k_top, dim=-1)
             parts += [top_i.to(torch.float64).flatten(), top_v.to(torch.float64).flatten()]
         # The single device -> host transfer, read back by SamplerOutput.result().
-        return SamplerOutput(rows, md.num_samples, k_top, vocab, tokens, torch.cat(parts),
-                             full if return_logprobs_tensor else None)
+        return SamplerOutput(rows, md.num_samples, k_top, vocab, tokens, torch.cat(parts), beam_full)
 
     def _sample(self, x: torch.Tensor, raw: torch.Tensor, rows: list[SamplingRow], md: SamplingMetadata,
                 flat_rows_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -479,12 +490,14 @@ def token_rank(logprobs: torch.Tensor, token: int) -> int:
     return int((logprobs >= logprobs[token]).sum())
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, k: int,
+                            logits_values: bool = False) -> list[dict[int, Logprob]]:
     """Prompt log-probs: ``logits[i]`` predicts ``next_token_ids[i]``.
 
     Returns, per position, the actual next token (first) and the top-``k`` tokens of the raw distribution, each
     with its `Logprob`: the actual token's rank is vLLM's (1 + the number of other tokens at least as likely, so
-    ties rank it lower); the top tokens rank 1, 2, … in order.
+    ties rank it lower); the top tokens rank 1, 2, … in order. `logits_values` (logprobs_mode raw_logits /
+    processed_logits): the values are the logits themselves (no sampling processing applies to prompt positions).
     """
     if k < 0:
         raise ValueError(f"k must be non-negative, got {k}.")
@@ -496,7 +509,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor, 
     n, vocab = logits.shape
     if n == 0:
         return []
-    lp = logits.float().log_softmax(dim=-1)
+    lp = logits.float() if logits_values else logits.float().log_softmax(dim=-1)
     ids = next_token_ids.to(device=logits.device, dtype=torch.long)
     actual = lp.gather(1, ids.unsqueeze(1)).squeeze(1)
     ranks = (lp >= actual.unsqueeze(1)).sum(dim=-1)
