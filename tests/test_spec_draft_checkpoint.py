@@ -80,6 +80,27 @@ def test_quantized_draft_greedy_identical_and_accepted(reference):
     assert bm.get_num_free_gpu_blocks() == bm.num_gpu_blocks
 
 
+def test_a_truncated_copy_drafts(reference, tmp_path):
+    """benchmarks/truncated_draft.py: the bundled model's first 4 layers as an HF directory (float32) draft for it;
+    plain decoding's tokens whatever they accept."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("truncated_draft", Path(__file__).parents[1] / "benchmarks" /
+                                                  "truncated_draft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    draft = module.write_truncated(None, tmp_path / "draft4", 4, torch.float32)
+    assert '"num_hidden_layers": 4' in (draft / "config.json").read_text()
+    with pytest.raises(ValueError, match="--layers must be in"):
+        module.write_truncated(None, tmp_path / "bad", 30, torch.float32)
+    prompts, ref = reference
+    outs, st = _run(prompts, GREEDY, num_gpu_blocks_override=64,
+                    speculative_config={"model": str(draft), "num_speculative_tokens": 3,
+                                        "draft_length_policy": "fixed"})
+    assert outs == ref
+    assert st["spec_decode_num_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_greedy_identical_under_preemption(reference, mode):
     """6 blocks of 16 tokens for three ~25-token prompts growing by 20: sequences are preempted, their tables
