@@ -199,10 +199,6 @@ class LogitsProcessorBatch:
         self._index_of: dict[int, int] = {}
         self._seq_at: list[int | None] = []
 
-    def validate_params(self, params: SamplingParams) -> None:
-        for proc in self.processors:
-            type(proc).validate_params(params)
-
     def _update(self, rows: list[LogitsRow]) -> BatchUpdate | None:
         live = {row.seq_id for row in rows}
         removed = []
