@@ -4,7 +4,7 @@ shape: a per-row target token kept in a dict by row index), interleaved in round
 
     python benchmarks/logits_processors_cost.py [--num-prompts 32] [--max-tokens 64] [--rounds 3] [--device cpu]
 
-Prints output tok/s per engine and round, and each engine's median against the plain one.
+Prints output tok/s per engine and round, and each engine's median and per-round ratios against the plain one.
 """
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def main() -> None:
             print(f"round {r}: {name:<20} {rate:8.1f} out tok/s", flush=True)
     base = statistics.median(rates["no processors"])
     for name, got in rates.items():
-        print(f"{name:<20} median {statistics.median(got):8.1f} out tok/s  {statistics.median(got) / base:.3f}x")
+        per_round = [g / b for g, b in zip(got, rates["no processors"])]
+        print(f"{name:<20} median {statistics.median(got):8.1f} out tok/s  {statistics.median(got) / base:.3f}x; "
+              f"per round {min(per_round):.3f}-{max(per_round):.3f}x (median {statistics.median(per_round):.3f}x)")
 
 
 if __name__ == "__main__":
