@@ -116,6 +116,7 @@ class AdapterLogitsProcessor(LogitsProcessor):
     `new_req_logits_processor(params)` → the request's callable (or None) and `is_argmax_invariant`."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        # row index -> (callable, prompt ids for a three-argument callable else None, output ids)
         self.req_info: dict[int, tuple[RequestLogitsProcessor, list[int] | None, list[int]]] = {}
 
     @abstractmethod
@@ -125,13 +126,15 @@ class AdapterLogitsProcessor(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         def new_state(params: SamplingParams, prompt_ids: list[int] | None, output_ids: list[int]):
             fn = self.new_req_logits_processor(params)
-            return None if fn is None else (fn, prompt_ids, output_ids)
+            if fn is None:
+                return None
+            return (fn, prompt_ids, output_ids) if _num_positional(fn) >= 3 else (fn, None, output_ids)
 
         process_dict_updates(self.req_info, batch_update, new_state)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         for index, (fn, prompt_ids, output_ids) in self.req_info.items():
-            if _num_positional(fn) >= 3:
+            if prompt_ids is not None:  # (a three-argument callable: new_state kept the prompt for it)
                 logits[index] = fn(prompt_ids, output_ids, logits[index])
             else:
                 logits[index] = fn(output_ids, logits[index])
