@@ -247,3 +247,14 @@ def test_a_short_draft_drafts_within_its_context(reference, tmp_path):
     assert [[list(c.token_ids) for c in o.outputs] for o in outs] == ref
     assert max(lengths) == 39  # up to the draft's last position, never past it
     assert max(len(p) + 20 for p in prompts) > 40  # the sequences did go past the draft's context
+
+
+def test_a_draft_model_is_kept_only_while_it_measures_faster(random_draft):
+    """Drafts from a model cost passes the goodput rule does not fully price (BENCHMARKS.md §88.6): such an engine
+    measures speculating and plain steps and runs the faster (spec_decode/mode.py), even without asynchronous
+    scheduling; a synchronous n-gram engine speculates per sequence only."""
+    kw = dict(max_model_len=256, dtype=F32, num_gpu_blocks_override=16)
+    drafted = LLM(speculative_config={"model": random_draft, "num_speculative_tokens": 2}, **kw)
+    assert not drafted.llm_engine.async_scheduling and drafted.llm_engine.spec_decoder.mode is not None
+    ngram = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **kw)
+    assert ngram.llm_engine.spec_decoder.mode is None

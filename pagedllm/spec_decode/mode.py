@@ -12,8 +12,10 @@ So the engine measures both modes in windows of steps (tokens emitted ÷ wall ti
 calls), keeps an exponential average per mode, runs the faster one, and after `explore_every` windows runs
 one window of the other so that its figure stays current; each look that confirms the leader doubles the
 interval (up to `max_explore_every`), so a mode that keeps losing (speculation on text with no repeats, whose
-synchronous steps propose nothing) costs ever less. Only engines with asynchronous scheduling have two
-modes; without it speculation is always allowed (its cost is then decided per sequence).
+synchronous steps propose nothing) costs ever less. Engines with asynchronous scheduling choose so, and so do
+engines whose drafts come from a model (a draft checkpoint, self-speculation): the goodput rule prices its
+passes and the verification rows, but not all a speculating step costs (BENCHMARKS.md §88.6). Synchronous n-gram
+engines always allow speculation (its cost is then decided per sequence).
 """
 from __future__ import annotations
 

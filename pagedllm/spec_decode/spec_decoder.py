@@ -71,7 +71,6 @@ class SpecDecoder:
         self.draft_cost = StepCostModel()
         self._timing: tuple[int, float] | None = None  # (query rows, start) of a decode-only step in flight
         self._num_choices = 0  # goodput choices made (every _EXPLORE_EVERY-th verifies every proposal)
-        self.mode = SpecModeChooser() if async_steps else None
         if config.method in ("ngram", "ngram_gpu"):
             self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
@@ -89,6 +88,10 @@ class SpecDecoder:
             self.draft = DraftModelProposer(executor, config.draft_num_layers)
             logger.info("Self-speculation: %d draft layers, %d tokens per step", self.draft.num_layers,
                         config.num_speculative_tokens)
+        # Speculating or plain steps, by measured tokens per second (spec_decode/mode.py): where plain steps are
+        # asynchronous, and wherever drafts cost a model's passes, whose every cost the goodput rule's model does
+        # not see (a draft as costly as the target ran at 0.70-0.81x of plain decoding without it, §88.6).
+        self.mode = SpecModeChooser() if async_steps or self.draft is not None else None
 
     def small_batch(self) -> bool:
         """At most `disable_by_batch_size` sequences running or waiting: speculation is worth considering."""
