@@ -5,9 +5,12 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.model.loader import default_model_path
 from pagedllm.sampling_params import SamplingParams
-off = LLMEngine(EngineArgs(device="cpu", max_model_len=2048, max_num_seqs=4))
-on = LLMEngine(EngineArgs(device="cpu", max_model_len=2048, max_num_seqs=4,
-               speculative_config={"model": default_model_path(), "num_speculative_tokens": 4}))
+# argv: {chooser|nochooser} [f32]; f32: a float32 target (dequantized) with the Q4_1 file served quantized as draft
+f32 = sys.argv[2:] == ["f32"]
+target = dict(dtype="float32", quantization="none") if f32 else {}
+draft = {"model": default_model_path(), "num_speculative_tokens": 4, **({"quantization": "gguf"} if f32 else {})}
+off = LLMEngine(EngineArgs(device="cpu", max_model_len=2048, max_num_seqs=4, **target))
+on = LLMEngine(EngineArgs(device="cpu", max_model_len=2048, max_num_seqs=4, speculative_config=draft, **target))
 chooser = on.spec_decoder.mode
 if sys.argv[1] == "nochooser":
     on.spec_decoder.mode = None
