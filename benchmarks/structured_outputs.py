@@ -236,9 +236,6 @@ def main() -> None:
     ap.add_argument("--previous-sampler", action="store_true",
                     help="sample as the engine did before one-kernel sampling: a device generator per seeded "
                          "request and the Gumbel-max race over torch ops (the A/B's other arm)")
-    ap.add_argument("--grammar-on-step-thread", action="store_true",
-                    help="keep the grammars' accepts and fills on the step thread under asynchronous scheduling (the "
-                         "engine before they moved to the mask thread; the A/B's other arm)")
     args = ap.parse_args()
     model_kwargs = {k: v for k, v in (("model", args.model), ("tokenizer", args.tokenizer)) if v is not None}
     llm = LLM(**model_kwargs, load_format=args.load_format, dtype=args.dtype, num_gpu_blocks_override=1024, max_num_seqs=max(64, args.num_requests), max_model_len=1024,
@@ -246,8 +243,6 @@ def main() -> None:
               **({"async_scheduling": False} if args.no_async_scheduling else {}))
     if args.previous_sampler:
         _use_previous_sampler(llm)
-    if args.grammar_on_step_thread:
-        llm.llm_engine.structured_output.accept_off_thread = False
     cfg = llm.llm_engine.hf_config
     print(f"[model] {args.model or 'bundled'} ({args.load_format} weights): {cfg.num_hidden_layers} layers, hidden "
           f"{cfg.hidden_size}, vocab {cfg.vocab_size}, {llm.llm_engine.config.model_config.dtype} on "
@@ -283,7 +278,6 @@ def main() -> None:
     rounds = ", ".join(f"{100 * r:.1f}" for r in e["round_ratios"])
     mode = "async" if llm.llm_engine.async_scheduling else "sync"
     mode += " scheduling" + (", previous sampler" if args.previous_sampler else "")
-    mode += ", grammar on the step thread" if args.grammar_on_step_thread else ""
     print(f"[end-to-end {args.backend}, {mode}] {e['requests']} JSON-schema requests, {e['output_tokens']} tokens x "
           f"{args.repeats} rounds ({e['rounds_with_other_lengths']} with other lengths than the first) (per round: {rounds} %): constrained "
           f"{e['constrained_tok_s']:.1f} tok/s vs unconstrained {e['unconstrained_tok_s']:.1f} tok/s "

@@ -5,10 +5,6 @@ including the time spent *waiting* for the device (`wait` = the sampled tokens' 
 also run under torch.profiler and print the device's busy time (the union of its kernel and copy intervals).
 
     python benchmarks/gpu/structured_timeline.py [config dir, dummy weights] [--cuda] [--profile-apply] [--split-apply]
-        [--grammar-on-step-thread]
-
-`--grammar-on-step-thread` keeps the grammars' accepts and fills on the step thread (the engine before
-`StructuredOutputManager.start_accept_and_fill`; the A/B's other arm).
 
 `--profile-apply` runs cProfile inside the Triton mask launch only and prints where its host time goes;
 `--split-apply` times the pieces of the mask apply (enter, copy, row list, launch, exit) separately.
@@ -69,9 +65,6 @@ def main() -> None:
     plain = [SamplingParams(temperature=1.0, seed=i, max_tokens=lens[i], ignore_eos=True) for i in range(n)]
     llm.generate(prompts, plain, use_tqdm=False)
     engine = llm.llm_engine
-    if "--grammar-on-step-thread" in sys.argv:
-        engine.structured_output.accept_off_thread = False
-    print(f"grammar accepts and fills: {'step thread' if '--grammar-on-step-thread' in sys.argv else 'default'}")
     spent: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for owner, attr, phase in (
@@ -83,8 +76,6 @@ def main() -> None:
         (engine.structured_output, "start_fill", "start_fill"), (engine.structured_output, "_prepare", "fill.prepare"),
         (engine.structured_output, "_native_fill", "fill.native"), (triton_bitmask, "apply_token_bitmask_triton",
                                                                       "apply.triton"), (engine.structured_output, "accept", "accept"),
-        (engine.structured_output, "start_accept_and_fill", "start_accept_and_fill"),
-        (engine, "_accept_and_fill_off_thread", "accept_and_fill_off_thread"),
         (engine.output_processor, "make_output", "make_output"),
     ):
         wrap(owner, attr, phase, spent, calls)

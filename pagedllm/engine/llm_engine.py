@@ -6,7 +6,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -628,8 +628,7 @@ class LLMEngine:
                 # runs this step's forward pass, then fill the masks and queue the sampling before building
                 # prev's outputs (the device waits for it). An expensive fill runs on the mask thread instead,
                 # overlapping the outputs, and the sampling is queued after them.
-                outputs.extend(self._complete_step(prev, then=functools.partial(self._mask_then_sample, cur),
-                                                   grammar_step=cur))
+                outputs.extend(self._complete_step(prev, then=functools.partial(self._mask_then_sample, cur)))
                 prev = None
             if not cur.sampling_launched:
                 self._launch_sampling(cur)
@@ -713,8 +712,6 @@ class LLMEngine:
         return step
 
     def _mask_then_sample(self, step: LaunchedStep) -> None:
-        if step.mask_job is not None:  # accepted and filled on the mask thread: sampled once the outputs are built
-            return
         self._start_mask_fill(step, overlap=self.executor.device.type != "cpu")
         if step.mask_job.done():  # filled here (cheap): queue the sampling now
             self._launch_sampling(step)
@@ -815,11 +812,9 @@ class LLMEngine:
             step.sampler_output = self.sampler.launch(logits, rows, return_logprobs_tensor=has_beam,
                                                       token_bitmask=bitmask, raw_logits=raw_logits)
 
-    def _complete_step(self, step: LaunchedStep, then: Callable[[], None] | None = None,
-                       grammar_step: LaunchedStep | None = None) -> list[RequestOutput]:
+    def _complete_step(self, step: LaunchedStep, then: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Wait for a launched step, append its tokens (stop checks, forks, beams); → its outputs. `then` runs
-        once the tokens are appended, before the outputs are built. `grammar_step`: the step launched after this
-        one, whose grammar masks wait for this step's tokens (`_accept_and_fill_off_thread`)."""
+        once the tokens are appended, before the outputs are built."""
         layout = logits_row_layout(step.chunks)
         touched: dict[str, SequenceGroup] = {}
         greedy = None
@@ -836,8 +831,7 @@ class LLMEngine:
                 self._record_prompt_logprobs(item, chunk, step.logits[lo:hi])
         if step.sampler_output is not None:
             samples, full_logprobs = step.sampler_output.result()
-            appended = self._accept_and_fill_off_thread(step.owners, samples, grammar_step) if grammar_step else ()
-            self._append_samples(step.owners, samples, full_logprobs, touched, appended)
+            self._append_samples(step.owners, samples, full_logprobs, touched)
         if then is not None:
             then()
         return self._outputs_of(touched)
@@ -852,50 +846,15 @@ class LLMEngine:
                    if g.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY or g.is_finished()]
         return [o for o in outputs if o is not None]  # a DELTA request with nothing new this step has none
 
-    def _accept_and_fill_off_thread(self, owners, samples, step: LaunchedStep) -> set[int]:
-        """Asynchronous scheduling, a constrained `step` waiting for these samples: append the constrained rows'
-        tokens first and hand their grammars' accepts and `step`'s mask fill to the mask thread in one job, which
-        runs while the rest of the tokens are appended and the outputs built (on a GPU the host's Python is the
-        step's cost at small models, BENCHMARKS §77.4) → the rows appended here. Nothing is done (the accepts
-        and the fill run on this thread, as before) on a CPU, where the forward pass uses every core, when the
-        grammar engine cannot predict a grammar's end from a token, or with forks or beams among the rows."""
-        so = self.structured_output
-        if not (so.accept_off_thread if so.accept_off_thread is not None else self.executor.device.type != "cpu"):
-            return set()
-        rows = []
-        for row, (item, sample) in enumerate(zip(owners, samples)):
-            if "structured_output" in item.group.extra and not item.seq.is_finished():
-                if len(sample.token_ids) != 1 or "beam" in item.group.extra:
-                    return set()
-                rows.append(row)
-        if not rows or not so.accepts_off_thread:
-            return set()
-        appended = []
-        for row in rows:
-            item, sample = owners[row], samples[row]
-            item.seq.num_pending_tokens -= 1
-            item.seq.append_token(sample.token_ids[0], sample.logprobs[0])
-            appended.append((item.seq, item.group.extra["structured_output"]))
-        step.mask_job = so.start_accept_and_fill(appended, step.mask_seqs, step.mask_rows, step.num_sample_rows)
-        return set(rows)
-
-    def _append_samples(self, owners, samples, full_logprobs, touched: dict[str, SequenceGroup],
-                        appended: Collection[int] = ()) -> None:
-        """Append each row's sample to its sequence (`appended`: rows whose token is already in the sequence)."""
+    def _append_samples(self, owners, samples, full_logprobs, touched: dict[str, SequenceGroup]) -> None:
         now = time.monotonic()
         append = self.output_processor.append_token
         beams: dict[str, tuple[SequenceGroup, list[Sequence], list[int]]] = {}
         for row, (item, sample) in enumerate(zip(owners, samples)):
             group, seq = item.group, item.seq
+            seq.num_pending_tokens -= 1
             if group.first_token_time is None:
                 group.first_token_time = now
-            if row in appended:
-                tops = sample.top_logprobs
-                touched[group.request_id] = group
-                append(group, seq, sample.token_ids[0], sample.logprobs[0], tops[0] if tops else None, appended=True)
-                self.num_generation_tokens_total += 1
-                continue
-            seq.num_pending_tokens -= 1
             if seq.is_finished():  # aborted, or stopped by the step before while this one ran
                 continue
             if "beam" in group.extra:

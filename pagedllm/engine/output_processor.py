@@ -115,13 +115,9 @@ class OutputProcessor:
 
     # -- appending tokens -------------------------------------------------------------------
     def append_token(
-        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float, top: dict[int, Logprob] | None,
-        appended: bool = False,
+        self, group: SequenceGroup, seq: Sequence, token_id: int, logprob: float, top: dict[int, Logprob] | None
     ) -> None:
-        """Append a sampled token: log-probs, detokenization, stop checks, the grammar. ``appended``: the token
-        is already in the sequence (its grammar's accept was started before the rest of the step's appends)."""
-        if not appended:
-            seq.append_token(token_id, logprob)
+        seq.append_token(token_id, logprob)
         if top is not None:
             self.name_logprobs(group.sampling_params, top)
             seq.output_logprobs.append(top)

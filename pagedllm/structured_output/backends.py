@@ -101,18 +101,6 @@ class XgrammarBackend:
         """`advance`, except that a rejected token leaves the matcher as it was (xgrammar's accept does)."""
         return self.advance(matcher, token_id)
 
-    def ends_with(self, token_id: int) -> bool:
-        """Whether accepting ``token_id`` ends the grammar: an xgrammar matcher ends exactly when it accepts a
-        stop token (and accepts one only where the grammar may end)."""
-        return token_id in self._stop_ids
-
-    def accept_batch(self, matchers: list[Any], token_ids: list[int]) -> list[bool]:
-        """Accept one token per matcher, in one native call where this xgrammar has it."""
-        batch_accept = getattr(self._xgr.BatchGrammarMatcher, "batch_accept_token", None)
-        if batch_accept is None:
-            return [m.accept_token(t) for m, t in zip(matchers, token_ids)]
-        return batch_accept(matchers, token_ids)
-
     @staticmethod
     def rollback(matcher: Any, num_tokens: int) -> None:
         if num_tokens:

@@ -84,9 +84,6 @@ class StructuredOutputManager:
         self.init_seconds: float | None = None
         self.min_overlapped_fill_s = MIN_OVERLAPPED_FILL_S
         self._saved_switch_interval: float | None = None  # the interpreter's, while a fill runs on the mask thread
-        # Asynchronous scheduling's accepts and fills on the mask thread (`start_accept_and_fill`): None = on a GPU
-        # engine (a CPU engine's forward pass uses every core); True / False force it (tests, A/B benchmarks).
-        self.accept_off_thread: bool | None = None
 
     # -- setup --------------------------------------------------------------------------------
     @property
@@ -312,69 +309,6 @@ class StructuredOutputManager:
             self._saved_switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
         return mask_pool.submit(self._native_fill, matchers, bitmask, live_rows)
-
-    @property
-    def accepts_off_thread(self) -> bool:
-        """Whether `start_accept_and_fill` can take a step's accepts off the step thread: the backend must say from
-        a token alone whether accepting it ends the grammar (the step's stop checks cannot wait for the accept)."""
-        return getattr(self.backend, "ends_with", None) is not None
-
-    def start_accept_and_fill(self, appended: list[tuple[Any, Any]], fill_seqs: list[tuple[Any, Any]],
-                              rows: list[int], batch: int) -> Future:
-        """Asynchronous scheduling's constrained steps, in one hand-off to the mask thread: ``appended`` (sequence,
-        compiled grammar) pairs have just appended the previous step's token, not yet accepted; their matchers
-        accept those tokens in one native call, then this step's ``rows`` of a ``batch``-row bitmask are filled for
-        ``fill_seqs``, while the caller builds the previous step's outputs → Future[int32 tensor] (`mask_result`).
-
-        Each sequence's state is advanced here as if accepted, with its end predicted from the token
-        (`accepts_off_thread`), so the caller's stop checks need not wait. A rejected token (the sampler and the
-        mask disagreed: a bug) marks the grammar failed when the mask thread finds it, its row samples anything,
-        and the sequence stops at its next token rather than this one. Rows that are not the usual one new token
-        under the grammar (a first token, a thinking row) are brought up to date here."""
-        ends_with = self.backend.ends_with
-        acc_states, acc_matchers, acc_tokens = [], [], []
-        for seq, compiled in appended:
-            state: SeqGrammar | None = seq.extra.get("grammar")
-            out = seq.output_token_ids
-            if (state is None or state.failed or state.thinking or state.terminated
-                    or state.num_tokens != len(out) - 1):
-                self.sync(seq, compiled)
-                continue
-            token = out[-1]
-            state.num_tokens += 1
-            state.terminated = ends_with(token)
-            acc_states.append((seq.seq_id, state, token))
-            acc_matchers.append(state.matcher)
-            acc_tokens.append(token)
-        bitmask = self._buffer(max(batch, max(rows, default=-1) + 1))
-        live_rows, matchers = self._prepare(fill_seqs, rows, bitmask)
-        _, mask_pool = self._pools()
-        if self._saved_switch_interval is None:
-            self._saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(FILL_SWITCH_INTERVAL_S)
-        return mask_pool.submit(self._accept_then_fill, acc_states, acc_matchers, acc_tokens, matchers, bitmask,
-                                live_rows)
-
-    def _accept_then_fill(self, acc_states: list[tuple[int, SeqGrammar, int]], acc_matchers: list[Any],
-                          acc_tokens: list[int], matchers: list[Any], bitmask: torch.Tensor,
-                          live_rows: list[int]) -> torch.Tensor:
-        if acc_matchers:
-            accepted = self.backend.accept_batch(acc_matchers, acc_tokens)
-            if not all(accepted):
-                rejected = set()
-                for (seq_id, state, token), ok in zip(acc_states, accepted):
-                    if not ok:
-                        state.failed, state.terminated = True, False
-                        rejected.add(id(state.matcher))
-                        logger.error("sequence %s: token %d is not allowed by its grammar", seq_id, token)
-                kept = []
-                for m, r in zip(matchers, live_rows):
-                    if id(m) in rejected:
-                        bitmask[r].fill_(-1)
-                    else:
-                        kept.append((m, r))
-                matchers, live_rows = [m for m, _ in kept], [r for _, r in kept]
-        return self._native_fill(matchers, bitmask, live_rows)
 
     def mask_result(self, job: Future) -> torch.Tensor:
         """A fill's bitmask (waits for it); the interpreter's thread switch interval is restored."""

@@ -5,6 +5,7 @@ Python (as the step thread's output building would)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,10 +15,14 @@ import xgrammar as xgr
 from pagedllm import LLM
 from pagedllm.structured_output.sample_schemas import SCHEMAS
 
-llm = LLM(num_gpu_blocks_override=64, max_model_len=256)
-eng = llm.llm_engine
-vocab = int(eng.hf_config.vocab_size)
-info = xgr.TokenizerInfo.from_huggingface(eng.tokenizer, vocab_size=vocab, stop_token_ids=list(eng.eos_token_ids))
+if len(sys.argv) > 1:  # a tokenizer directory (the device: .tok/), else the bundled model's
+    from transformers import AutoTokenizer
+
+    tokenizer, vocab, stops = AutoTokenizer.from_pretrained(sys.argv[1]), 49152, [2]
+else:
+    eng = LLM(num_gpu_blocks_override=64, max_model_len=256).llm_engine
+    tokenizer, vocab, stops = eng.tokenizer, int(eng.hf_config.vocab_size), list(eng.eos_token_ids)
+info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stops)
 compiler = xgr.GrammarCompiler(info, max_threads=8, cache_enabled=False)
 grammars = [compiler.compile_grammar(xgr.Grammar.from_json_schema(json.dumps(s), any_whitespace=False, strict_mode=True))
             for s in SCHEMAS]
