@@ -254,15 +254,42 @@ class SchedulerConfig:
     # With LoRA: the running set holds requests of at most this many distinct adapters (vLLM's max_loras: the
     # worker's adapter slots), so every step fits the slots; None without LoRA.
     max_loras: int | None = None
+    # Chunked prefill (vLLM's names): a prompt chunk runs at most `long_prefill_token_threshold` tokens a step (0: no
+    # cap), so one long prompt cannot take a step's whole budget. With `max_num_partial_prefills` > 1, at most that
+    # many prompts prefill in one step, and at most `max_long_partial_prefills` of them have more than the
+    # threshold left, so shorter prompts go ahead of long ones (the threshold then defaults to 4 % of
+    # max_model_len).
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("max_loras", self.max_loras, allow_none=True)
+        self._check_partial_prefills()
         _check_choice("batching", self.batching, BATCHING_MODES)
         _check_choice("scheduling_policy", self.policy, SCHEDULING_POLICIES)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}.")
+
+    def _check_partial_prefills(self) -> None:
+        _check_positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
+        _check_positive_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap), got {threshold!r}.")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                             f"max_num_partial_prefills ({self.max_num_partial_prefills}).")
+        if not self.enable_chunked_prefill and (self.max_num_partial_prefills > 1 or threshold):
+            raise ValueError("max_num_partial_prefills > 1 and long_prefill_token_threshold need chunked prefill "
+                             "(enable_chunked_prefill=True): without it a prompt runs whole in one step.")
+        if threshold > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({threshold}) must be <= max_model_len "
+                             f"({self.max_model_len}).")
+        if self.max_num_partial_prefills > 1 and not threshold:
+            self.long_prefill_token_threshold = max(1, int(self.max_model_len * 0.04))
 
 
 @dataclass

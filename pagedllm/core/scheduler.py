@@ -149,7 +149,7 @@ class Scheduler:
     # -- the step decision ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutputs:
         out = SchedulerOutputs()
-        budget = _Budget(self.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = _Budget(self.max_num_batched_tokens, self.config.max_num_seqs, prefills=self._prefill_slots())
         self._schedule_running(out, budget)
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
@@ -161,6 +161,14 @@ class Scheduler:
                 self._schedule_waiting(out, budget)
         out.num_batched_tokens = budget.tokens_used
         return out
+
+    def _prefill_slots(self) -> _PrefillSlots | None:
+        """This step's concurrent-prompt limits, or None (max_num_partial_prefills = 1: no limit, as vLLM)."""
+        cfg = self.config
+        if cfg.max_num_partial_prefills <= 1:
+            return None
+        return _PrefillSlots(cfg.max_num_partial_prefills, cfg.max_long_partial_prefills,
+                             cfg.long_prefill_token_threshold)
 
     def schedule_prompts(self, max_new_seqs: int) -> SchedulerOutputs:
         """Admit up to `max_new_seqs` waiting sequences (their prompt chunks) and schedule nothing else: the
@@ -178,12 +186,15 @@ class Scheduler:
         """Tokens each unfinished sequence of the group would run this step (may be 0)."""
         demand = []
         chunked = self.config.enable_chunked_prefill
+        cap = self.config.long_prefill_token_threshold  # 0 unless chunked prefill (SchedulerConfig checks)
         # A group that may not sample keeps its last token back, unless its first sample is deferred.
         hold = 0 if group.may_sample or group.defer_sample else 1
         for seq in group.unfinished_seqs():
             want = seq.num_uncomputed_tokens - hold
             if want < 0:  # held with nothing uncomputed (never expected: the last token is always computed)
                 want = 0
+            if 0 < cap < want:
+                want = cap
             n = want if want <= token_budget else (token_budget if chunked else 0)
             demand.append((seq, n))
             token_budget -= n
@@ -201,11 +212,13 @@ class Scheduler:
         placed: list[SequenceGroup] = []
         pending.reverse()  # pop() from the end is O(1); the earliest arrival is now last
         bm = self.block_manager
+        slots = budget.prefills
         while pending:
             group = pending.pop()
             runs = False  # some sequence of the group has tokens to run this step
             num_seqs = group.max_num_running_seqs()
-            if not budget.can_add_seqs(num_seqs):
+            prefill = slots is not None and group.has_prefill()
+            if not budget.can_add_seqs(num_seqs) or (prefill and not slots.admits(group)):
                 placed.append(group)  # stays running, idle this step
                 continue
             demand = self._demand(group, budget.tokens_left)
@@ -226,6 +239,8 @@ class Scheduler:
             else:
                 self._place(group, demand, out, budget, num_seqs)
                 placed.append(group)
+                if prefill:
+                    slots.take(group)
         if len(placed) != len(self.running):
             placed_ids = {id(g) for g in placed}
             self.running = [g for g in self.running if id(g) in placed_ids]
@@ -295,6 +310,12 @@ class Scheduler:
             if not self._fits_lora_slots(group, loras):
                 passed_over.append(self.waiting.popleft())
                 continue
+            slots = budget.prefills
+            if slots is not None and not slots.admits(group):
+                if not slots.has_room():
+                    break
+                passed_over.append(self.waiting.popleft())  # a long prompt while long ones fill their slots
+                continue
             bm = self.block_manager
             fresh = all(s.seq_id not in bm.block_tables for s in group.unfinished_seqs())
             lookup = fresh and not group.skips_prefix_cache
@@ -340,6 +361,8 @@ class Scheduler:
                 self._batch.add(group.request_id)
             self._place(group, demand, out, budget)
             self.running.append(group)
+            if slots is not None:
+                slots.take(group)
             if loras is not None and group.lora_int_id:
                 loras.add(group.lora_int_id)
 
@@ -448,11 +471,37 @@ def _in_lockstep(demand: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int
 
 
 @dataclass
+class _PrefillSlots:
+    """One step's prompts under chunked prefill's concurrency limits (vLLM's max_num_partial_prefills and
+    max_long_partial_prefills): a prompt is long while more than `threshold` of its tokens are left to compute."""
+
+    limit: int
+    long_limit: int
+    threshold: int
+    used: int = 0
+    long_used: int = 0
+
+    def is_long(self, group: SequenceGroup) -> bool:
+        return any(seq.num_uncomputed_tokens > self.threshold for seq in group.unfinished_seqs())
+
+    def has_room(self) -> bool:
+        return self.used < self.limit
+
+    def admits(self, group: SequenceGroup) -> bool:
+        return self.has_room() and (self.long_used < self.long_limit or not self.is_long(group))
+
+    def take(self, group: SequenceGroup) -> None:
+        self.used += 1
+        self.long_used += self.is_long(group)
+
+
+@dataclass
 class _Budget:
     max_tokens: int
     max_seqs: int
     tokens_used: int = 0
     seqs_used: int = 0
+    prefills: _PrefillSlots | None = None
 
     @property
     def tokens_left(self) -> int:

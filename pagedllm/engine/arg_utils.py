@@ -79,6 +79,12 @@ _HELP = {
                         "snapshots a prefix hit can resume from (a multiple of --block-size; default: 256 rounded "
                         "up to one).",
     "enable_chunked_prefill": "Split long prompts into chunks that share steps with decodes.",
+    "long_prefill_token_threshold": "With chunked prefill: most tokens one prompt runs in a step (0: no cap; default "
+                                    "4 percent of max_model_len when max_num_partial_prefills > 1). A prompt with more "
+                                    "left is long.",
+    "max_num_partial_prefills": "With chunked prefill: most prompts prefilling in one step (1: no limit).",
+    "max_long_partial_prefills": "With chunked prefill: most long prompts among them, so shorter prompts go ahead "
+                                 "of long ones (<= max_num_partial_prefills).",
     "enable_prefix_caching": "Reuse KV blocks of identical prompt prefixes across requests.",
     "preemption_mode": "What to do with a preempted group: recompute, swap, or auto.",
     "load_format": "auto, gguf, safetensors, or dummy (random weights).",
@@ -240,6 +246,9 @@ class EngineArgs:
     mamba_ssm_cache_dtype: str = "auto"
     mamba_block_size: int | None = None
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
     load_format: str = "auto"
@@ -436,6 +445,9 @@ class EngineArgs:
             max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill and not encoder,
             async_scheduling=self.async_scheduling, batching=self.batching, policy=self.scheduling_policy,
             max_loras=self.max_loras if self.enable_lora else None,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            max_long_partial_prefills=self.max_long_partial_prefills,
         )
         parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         spec = SpeculativeConfig.from_json(self.speculative_config)
