@@ -39,12 +39,18 @@ def main() -> None:
     ap.add_argument("--long-partial", type=int, default=1, help="max_long_partial_prefills of the second arm")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default=None, help="model directory or GGUF (default: the bundled model)")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     words = "the quick brown fox jumps over the lazy dog".split()
     long_text = " ".join(words[i % len(words)] for i in range(args.long_words))
     prompts = [f"Document {i}: {long_text}\nSummary:" for i in range(args.num_long)]
     prompts += [f"Question {i}: what is {i} plus {i}?" for i in range(args.num_short)]
-    common = dict(max_model_len=2048, max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=64)
+    common = dict(max_model_len=max(2048, 2 * args.long_words), max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_num_seqs=64, load_format=args.load_format, dtype=args.dtype,
+                  **{k: v for k, v in (("model", args.model), ("tokenizer", args.tokenizer)) if v is not None})
     arms = {
         "default": {},
         "partial prefills": dict(long_prefill_token_threshold=args.threshold, max_num_partial_prefills=args.partial,
