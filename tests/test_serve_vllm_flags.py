@@ -74,7 +74,7 @@ def test_a_vllm_command_line_parses_and_lands_in_engine_http_and_serving_options
     assert http.root_path == "/api" and http.disable_fastapi_docs is True
     extras = cli_serve.serving_options(args)
     assert extras == {"response_role": "bot", "enable_prompt_tokens_details": True, "enable_force_include_usage": True,
-                      "request_logger": None, "media_limits": MediaLimits()}
+                      "request_logger": None, "media_limits": MediaLimits(), "default_chat_template_kwargs": None}
     assert cli_serve.ssl_options(args) == {}
 
 
@@ -84,7 +84,7 @@ def test_defaults_match_vllm():
     assert engine.disable_log_stats is False and cli_serve.stats_log_interval(engine) == 10.0
     assert cli_serve.serving_options(args) == {"response_role": "assistant", "enable_prompt_tokens_details": False,
                                                "enable_force_include_usage": False, "request_logger": None,
-                                               "media_limits": MediaLimits()}
+                                               "media_limits": MediaLimits(), "default_chat_template_kwargs": None}
     http = cli_serve.http_options(args)
     assert http.root_path == "" and http.disable_fastapi_docs is False
     assert engine.compat_notes() == []  # nothing to warn about
@@ -99,6 +99,17 @@ def test_request_log_flags():
     # vLLM's two spellings share one switch: the last one given wins.
     assert _parse("serve", "--enable-log-requests", "--disable-log-requests").enable_log_requests is False
     assert _parse("serve", "--disable-log-requests", "--enable-log-requests").enable_log_requests is True
+
+
+def test_default_chat_template_kwargs_flag():
+    """vLLM's --default-chat-template-kwargs: a JSON object, checked at start-up like a request's kwargs."""
+    opts = cli_serve.serving_options(_parse("serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'))
+    assert opts["default_chat_template_kwargs"] == {"enable_thinking": False}
+    for bad in ('[1, 2]', '{"enable_thinking": fals'):
+        with pytest.raises(SystemExit):
+            _parse("serve", "--default-chat-template-kwargs", bad)
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: .*may not set \\['tools'\\]"):
+        cli_serve.serving_options(_parse("serve", "--default-chat-template-kwargs", '{"tools": []}'))
 
 
 def test_config_file_values_yield_to_the_command_line(tmp_path):

@@ -1,5 +1,5 @@
-"""vLLM's request options and HTTP flags on a real server process with the bundled model: chat_template_kwargs and
-continue_final_message, stream_options.continuous_usage_stats, return_tokens_as_token_ids
+"""vLLM's request options and HTTP flags on a real server process with the bundled model: chat_template_kwargs
+(over --default-chat-template-kwargs) and continue_final_message, stream_options.continuous_usage_stats, return_tokens_as_token_ids
 (--return-tokens-as-token-ids), X-Request-Id (--enable-request-id-headers), CORS (--allowed-origins) and the
 generation config's request defaults (--override-generation-config)."""
 from __future__ import annotations
@@ -27,7 +27,8 @@ GREETING_TEMPLATE = "{{ greeting | default('none') }}|{% for m in messages %}{{ 
 def server():
     srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-request-id-headers", "--allowed-origins", json.dumps([ORIGIN]),
                         "--return-tokens-as-token-ids", "--no-dashboard",
-                        "--override-generation-config", json.dumps(GENERATION_OVERRIDE)])
+                        "--override-generation-config", json.dumps(GENERATION_OVERRIDE),
+                        "--default-chat-template-kwargs", json.dumps({"greeting": "hello"})])
     yield srv
     rc = srv.stop(signal.SIGTERM)
     assert rc == 0, srv.logs()[-3000:]
@@ -47,9 +48,10 @@ def test_chat_template_kwargs_and_continue_final_message(server):
         assert r.status_code == 200, r.text
         return _detokenize(server, r.json()["tokens"])
 
-    # chat_template_kwargs are the template's variables
+    # chat_template_kwargs are the template's variables, over --default-chat-template-kwargs
     assert rendered(chat_template=GREETING_TEMPLATE, chat_template_kwargs={"greeting": "hi"}).startswith("hi|Name")
-    assert rendered(chat_template=GREETING_TEMPLATE).startswith("none|Name")
+    assert rendered(chat_template=GREETING_TEMPLATE).startswith("hello|Name")
+    assert rendered(chat_template=GREETING_TEMPLATE, chat_template_kwargs={"other": 1}).startswith("hello|Name")
     # continue_final_message: the prompt stops inside the assistant's message, with no end of turn after it
     assert rendered(continue_final_message=True).endswith("<|im_start|>assistant\nThe colour I pick is")
     assert rendered().endswith("The colour I pick is<|im_end|>\n")

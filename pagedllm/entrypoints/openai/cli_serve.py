@@ -65,6 +65,9 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="Model name(s) the API answers to (default: the model's name).")
     p.add_argument("--chat-template", default=None, help="A Jinja chat template, or a file holding one.")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="Template variables every chat request gets unless its chat_template_kwargs set them, as "
+                        "vLLM's (e.g. '{\"enable_thinking\": false}' for a Qwen3 model).")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Logprob tokens as 'token_id:N' strings (a request's return_tokens_as_token_ids overrides).")
     _add_tool_args(p)
@@ -192,6 +195,17 @@ def _add_response_args(p: argparse.ArgumentParser) -> None:
                         "stream_options.include_usage.")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object of template variables by name, e.g. '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}'; {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of template variables by name, got {text!r}")
+    return value
+
+
 def _json_list(text: str) -> list[str]:
     """A flag's JSON list of strings, e.g. '["https://a.example", "https://b.example"]'."""
     try:
@@ -261,7 +275,16 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.response_role:
         raise ValueError("--response-role must not be empty (e.g. assistant).")
+    defaults = getattr(args, "default_chat_template_kwargs", None)
+    if defaults:
+        from pagedllm.tokenizer import check_chat_template_options
+
+        try:
+            check_chat_template_options(True, False, defaults)
+        except ValueError as e:
+            raise ValueError(f"--default-chat-template-kwargs: {e}") from None
     return {"response_role": args.response_role, "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+            "default_chat_template_kwargs": defaults or None,
             "enable_force_include_usage": args.enable_force_include_usage,
             "request_logger": RequestLogger(args.max_log_len) if args.enable_log_requests else None,
             "media_limits": _media_limits(args.allowed_media_domains)}

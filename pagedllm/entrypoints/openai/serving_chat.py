@@ -51,7 +51,7 @@ def render_messages(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRe
     plain = [m.model_dump(exclude_none=True) for m in messages]
     for m in plain:
         m.setdefault("content", "")
-    kwargs = req.chat_template_kwargs
+    kwargs = ctx.chat_template_kwargs(req.chat_template_kwargs)
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None and "reasoning_effort" not in (kwargs or {}):
         kwargs = {**(kwargs or {}), "reasoning_effort": effort}
@@ -101,7 +101,7 @@ class OpenAIServingChat:
             template = req.chat_template or self.ctx.chat_template or processor.chat_template
             text, refs = render_multimodal_chat(self.ctx.tokenizer, plain, processor.image_token, template,
                                                 req.add_generation_prompt, tools, req.continue_final_message,
-                                                req.chat_template_kwargs)
+                                                self.ctx.chat_template_kwargs(req.chat_template_kwargs))
             images = await asyncio.gather(*(load_image_url_async(r.url, self.ctx.media_limits or MediaLimits()) if r.image is None else _ready(r.image)
                                             for r in refs))
             return await asyncio.to_thread(processor.process, {"prompt": text, "multi_modal_data": {"image": images}},

@@ -136,12 +136,20 @@ class ServingContext:
     request_logger: RequestLogger | None = None
     #: Limits on images named by URL (--allowed-media-domains); None: MediaLimits' defaults.
     media_limits: Any = None
+    #: --default-chat-template-kwargs: template variables every chat request gets unless it sets them (vLLM's).
+    default_chat_template_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
         if self.limits is None:
             from pagedllm.entrypoints.openai.limits import RequestLimits
 
             self.limits = RequestLimits()
+
+    def chat_template_kwargs(self, requested: dict | None) -> dict | None:
+        """A request's chat_template_kwargs over the server's defaults (the request's values win)."""
+        if not self.default_chat_template_kwargs:
+            return requested
+        return {**self.default_chat_template_kwargs, **(requested or {})}
 
     @property
     def logprobs_limit(self) -> int:
