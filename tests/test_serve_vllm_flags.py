@@ -415,7 +415,7 @@ LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog while the c
 def server(tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "serve.yaml"
     config.write_text("enable-prefix-caching: true\ntrust_remote_code: true\nrevision: main\n"
-                      "enable-log-requests: true\nmax-log-len: 12\n")
+                      "enable-log-requests: true\nenable-log-outputs: true\nmax-log-len: 12\n")
     srv = RemoteServer([*SMALL_SERVER_ARGS, "--config", str(config), "--no-dashboard",
                         "--enable-prompt-tokens-details", "--root-path", "/api", "--disable-fastapi-docs",
                         "--response-role", "bot", "--enable-force-include-usage"],
@@ -438,7 +438,9 @@ def test_server_with_vllm_flags(server):
 
     # --enable-prompt-tokens-details with --enable-prefix-caching: the repeated prompt's blocks come from the cache.
     body = {"prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0.0}
-    first = post("/api/v1/completions", body).json()["usage"]
+    first_out = post("/api/v1/completions", {**body, "return_token_ids": True}).json()
+    first, first_text = first_out["usage"], first_out["choices"][0]["text"]
+    first_ids = ", ".join(str(t) for t in first_out["choices"][0]["token_ids"])
     again = post("/api/v1/completions", body).json()["usage"]
     assert first["prompt_tokens"] == again["prompt_tokens"] > 100
     assert first["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens_details"]["cached_tokens"]
@@ -468,7 +470,49 @@ def test_server_with_vllm_flags(server):
     long_ones = [(rid, ids) for rid, prompt, ids in received if prompt == LONG_PROMPT[:12]]
     assert len(long_ones) == 3 and all(rid.startswith("cmpl-") and len(ids.split(",")) == 12 for rid, ids in long_ones)
     assert sum(rid.startswith("chatcmpl-") for rid, _, _ in received) == 3
+    # --enable-log-outputs: each finished completion, streamed or not, its text and ids cut to --max-log-len.
+    generated = re.findall(r"Generated response (\S+): output: '(.*?)', output_token_ids: \[(.*?)\], "
+                           r"finish_reason: (\w+)\.", logs)
+    by_id = {rid: (text, ids, reason) for rid, text, ids, reason in generated}
+    assert [by_id[rid] for rid, _ in long_ones] == [(first_text[:12], first_ids, "length")] * 3  # greedy, one streamed
+    assert sum(rid.startswith("chatcmpl-") for rid in by_id) == 3
     notes = [line for line in logs.splitlines() if "vLLM options without effect here" in line]
     assert len(notes) == 1 and "trust_remote_code=True" in notes[0] and "revision='main'" in notes[0]
     rates = [float(x) for x in re.findall(r"Avg prompt throughput: ([\d.]+) tokens/s", logs)]
     assert any(rate > 0 for rate in rates), logs[-2000:]
+
+
+def test_output_log_names_each_finished_completion_once(caplog):
+    """--enable-log-outputs: a completion is logged when it finishes and never again, though later cumulative
+    outputs repeat it (n > 1); pooling outputs log nothing."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.request_logger import OutputLoggingStream
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+
+    def output(done: tuple[bool, bool]) -> RequestOutput:
+        outs = [CompletionOutput(i, f"text{i}", [i, i], None, None, "length" if d else None) for i, d in enumerate(done)]
+        return RequestOutput("r", "p", [1], outs, all(done))
+
+    class Stream:
+        finished = False
+
+        def __init__(self, items):
+            self.items = list(items)
+
+        async def __anext__(self):
+            if not self.items:
+                raise StopAsyncIteration
+            return self.items.pop(0)
+
+    async def drain(stream):
+        return [o async for o in stream]
+
+    stream = OutputLoggingStream(Stream([output((False, False)), output((True, False)), output((True, True))]),
+                                 "cmpl-1", RequestLogger(log_outputs=True))
+    assert stream.finished is False  # the wrapped stream's attributes show through
+    with caplog.at_level(logging.INFO, logger="pagedllm.requests"):
+        assert len(asyncio.run(drain(stream))) == 3
+    lines = [r.getMessage() for r in caplog.records if r.name == "pagedllm.requests"]
+    assert lines == ["Generated response cmpl-1[0]: output: 'text0', output_token_ids: [0, 0], finish_reason: length.",
+                     "Generated response cmpl-1[1]: output: 'text1', output_token_ids: [1, 1], finish_reason: length."]

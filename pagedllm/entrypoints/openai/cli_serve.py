@@ -158,6 +158,9 @@ def _add_log_args(p: argparse.ArgumentParser) -> None:
     # Declared after --enable-log-requests, whose default the shared dest keeps.
     g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=False,
                    help="vLLM's older flag: no request log (the default).")
+    g.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                   help="With --enable-log-requests: also log each finished completion (its text, token ids and "
+                        "finish reason; a stream's once it ends), as vLLM (default: off).")
     g.add_argument("--max-log-len", type=int, default=None,
                    help="With --enable-log-requests: log at most this many prompt characters and prompt token "
                         "ids (default: all).")
@@ -275,6 +278,8 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
 
     if not args.response_role:
         raise ValueError("--response-role must not be empty (e.g. assistant).")
+    if args.enable_log_outputs and not args.enable_log_requests:
+        logger.warning("--enable-log-outputs logs nothing without --enable-log-requests (as in vLLM).")
     defaults = getattr(args, "default_chat_template_kwargs", None)
     if defaults:
         from pagedllm.tokenizer import check_chat_template_options
@@ -286,7 +291,8 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"response_role": args.response_role, "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
             "default_chat_template_kwargs": defaults or None,
             "enable_force_include_usage": args.enable_force_include_usage,
-            "request_logger": RequestLogger(args.max_log_len) if args.enable_log_requests else None,
+            "request_logger": (RequestLogger(args.max_log_len, log_outputs=args.enable_log_outputs)
+                               if args.enable_log_requests else None),
             "media_limits": _media_limits(args.allowed_media_domains)}
 
 

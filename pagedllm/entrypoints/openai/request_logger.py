@@ -31,10 +31,12 @@ def unlogged() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class RequestLogger:
-    """Logs each received request as vLLM does: its id, prompt, parameters, prompt token ids and LoRA adapter.
-    `max_log_len` (--max-log-len) keeps the first that many prompt characters and token ids (None: all)."""
+    """Logs each received request as vLLM does: its id, prompt, parameters, prompt token ids and LoRA adapter;
+    with `log_outputs` (--enable-log-outputs) also each finished completion: its text, token ids and finish
+    reason. `max_log_len` (--max-log-len) keeps the first that many characters and token ids (None: all)."""
 
     max_log_len: int | None = None
+    log_outputs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or self.max_log_len < 0):
@@ -49,3 +51,39 @@ class RequestLogger:
             prompt_token_ids = None if prompt_token_ids is None else prompt_token_ids[:self.max_log_len]
         logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: %s.",
                     request_id, prompt, params, prompt_token_ids, lora_request)
+
+    def log_output(self, request_id: str, text: str, token_ids: list[int], finish_reason: str | None) -> None:
+        """One finished completion, whole (streamed or not)."""
+        if _UNLOGGED.get() or not logger.isEnabledFor(logging.INFO):
+            return
+        if self.max_log_len is not None:
+            text, token_ids = text[:self.max_log_len], token_ids[:self.max_log_len]
+        logger.info("Generated response %s: output: %r, output_token_ids: %s, finish_reason: %s.", request_id,
+                    text, token_ids, finish_reason)
+
+
+class OutputLoggingStream:
+    """A request's AsyncStream that logs each completion once it finishes (--enable-log-outputs); everything
+    else is the wrapped stream's. The server's streams hand out cumulative outputs, so the finished one is whole."""
+
+    def __init__(self, stream: Any, request_id: str, request_logger: RequestLogger) -> None:
+        self._stream = stream
+        self._request_id = request_id
+        self._logger = request_logger
+        self._logged: set[int] = set()  # completions already logged (later outputs repeat finished ones)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    def __aiter__(self) -> OutputLoggingStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        out = await self._stream.__anext__()
+        completions = [c for c in getattr(out, "outputs", None) or () if hasattr(c, "token_ids")]  # not pooling
+        for c in completions:
+            if c.finish_reason is not None and c.index not in self._logged:
+                self._logged.add(c.index)
+                rid = self._request_id if len(completions) == 1 else f"{self._request_id}[{c.index}]"
+                self._logger.log_output(rid, c.text, list(c.token_ids), c.finish_reason)
+        return out

@@ -24,7 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     dump,
 )
-from pagedllm.entrypoints.openai.request_logger import RequestLogger
+from pagedllm.entrypoints.openai.request_logger import OutputLoggingStream, RequestLogger
 from pagedllm.entrypoints.openai.structured import structured_outputs_from_request
 from pagedllm.logprobs import Logprob
 from pagedllm.outputs import RequestOutput
@@ -395,8 +395,11 @@ class ServingContext:
                     prompt["mm_features"] = mm_features
                 if prompt_extras:
                     prompt.update(prompt_extras[i])
-                added.append((rid, await self.engine.add_request(rid, prompt, params, coalesce=True,
-                                                            priority=priority, lora_request=lora)))
+                stream = await self.engine.add_request(rid, prompt, params, coalesce=True, priority=priority,
+                                                       lora_request=lora)
+                if self.request_logger is not None and self.request_logger.log_outputs:
+                    stream = OutputLoggingStream(stream, rid, self.request_logger)
+                added.append((rid, stream))
         except BaseException as e:
             self.engine.abort([rid for rid, _ in added])
             if isinstance(e, Exception):
