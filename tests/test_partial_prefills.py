@@ -108,9 +108,30 @@ def test_engine_outputs_are_unchanged_under_partial_prefill_limits():
     prompts = ["The capital of France is " * n for n in (1, 30, 2, 25, 3)]
     params = SamplingParams(temperature=0, max_tokens=12)
     kw = dict(num_gpu_blocks_override=256, max_model_len=512, max_num_batched_tokens=512)
-    want = LLM(**kw).generate(prompts, params, use_tqdm=False)
+    plain = LLM(**kw)
+    plain_steps = _record_prompt_chunks(plain)
+    want = plain.generate(prompts, params, use_tqdm=False)
     llm = LLM(**kw, long_prefill_token_threshold=24, max_num_partial_prefills=2, max_long_partial_prefills=1)
+    steps = _record_prompt_chunks(llm)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # The limits were in force: chunks of at most 24 tokens, at most two prompts a step (the default ran them whole).
+    assert max(max(s, default=0) for s in plain_steps) > 100
+    assert max(max(s, default=0) for s in steps) == 24 and max(len(s) for s in steps) == 2
     st = llm.stats()
     assert st["kv_blocks_free"] == st["kv_blocks_total"]
+
+
+def _record_prompt_chunks(llm: LLM) -> list[list[int]]:
+    """Each step's prompt chunk sizes (chunks of more than one token) as the engine's scheduler returns them."""
+    scheduler = llm.llm_engine.scheduler
+    schedule, steps = scheduler.schedule, []
+
+    def recording():
+        out = schedule()
+        steps.append([item.num_new_tokens for item in out.scheduled if item.num_new_tokens > 1])
+        return out
+
+    scheduler.schedule = recording
+    return steps
+

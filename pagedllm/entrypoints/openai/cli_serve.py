@@ -280,7 +280,7 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--response-role must not be empty (e.g. assistant).")
     if args.enable_log_outputs and not args.enable_log_requests:
         logger.warning("--enable-log-outputs logs nothing without --enable-log-requests (as in vLLM).")
-    defaults = getattr(args, "default_chat_template_kwargs", None)
+    defaults = args.default_chat_template_kwargs
     if defaults:
         from pagedllm.tokenizer import check_chat_template_options
 
