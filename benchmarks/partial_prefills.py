@@ -11,6 +11,7 @@ them behind every long prompt). Each arm runs once to warm up, then `--repeats` 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -43,6 +44,8 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                    help="each arm's KV pool in bytes (on a GPU: both engines' weights and pools fit at once)")
     args = ap.parse_args()
     words = "the quick brown fox jumps over the lazy dog".split()
     long_text = " ".join(words[i % len(words)] for i in range(args.long_words))
@@ -50,7 +53,8 @@ def main() -> None:
     prompts += [f"Question {i}: what is {i} plus {i}?" for i in range(args.num_short)]
     common = dict(max_model_len=max(2048, 2 * args.long_words), max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=64, load_format=args.load_format, dtype=args.dtype,
-                  **{k: v for k, v in (("model", args.model), ("tokenizer", args.tokenizer)) if v is not None})
+                  **{k: v for k, v in (("model", args.model), ("tokenizer", args.tokenizer),
+                                       ("kv_cache_memory_bytes", args.kv_cache_memory_bytes)) if v is not None})
     arms = {
         "default": {},
         "partial prefills": dict(long_prefill_token_threshold=args.threshold, max_num_partial_prefills=args.partial,
@@ -66,6 +70,7 @@ def main() -> None:
                                                                              "long_ttft")}
         results[name]["tokens"] = runs[0]["tokens"]
         del llm
+        gc.collect()
     print(f"{args.num_long} long prompts of {n_tok[0]} tokens, then {args.num_short} short ones of "
           f"{min(n_tok[args.num_long:])}-{max(n_tok[args.num_long:])} tokens, all at once; {args.output_len} output "
           f"tokens each; max_num_batched_tokens {args.max_num_batched_tokens}; second arm: "
