@@ -189,7 +189,8 @@ def _ttft_while_compiling(llm: LLM, n_plain: int = 8, prompt: str = "JSON:") -> 
     eng.abort_request([f"plain{i}" for i in range(n_plain)] + ["new_schema", "plain_twin"])
     while eng.has_unfinished_requests():
         eng.step()
-    compile_s = eng.structured_output.compile_seconds[StructuredOutputsParams(json=schema).cache_key()]
+    so = eng.structured_output
+    compile_s = so.compile_seconds[so.cache_key(StructuredOutputsParams(json=schema))]
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     return {"ttft_new_ms": 1e3 * ttft_new, "ttft_plain_ms": 1e3 * ttft_plain,
             "compile_ms": 1e3 * compile_s, "tpot_before_ms": 1e3 * med(before), "tpot_during_ms": 1e3 * med(during),

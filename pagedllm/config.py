@@ -478,6 +478,71 @@ class CompilationConfig:
         return self.cudagraph_mode == "FULL"
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's ``structured_outputs_config`` (--structured-outputs-config): the engine's structured-output settings.
+
+    * ``backend``: the grammar engine, as --structured-outputs-backend (its shorthand).
+    * ``disable_fallback``: accepted for vLLM's configs; pagedllm never falls back to another backend (a constraint
+      the backend rejects is an error), which is what this asks for.
+    * ``disable_any_whitespace``: every JSON grammar (json, json_object) allows no whitespace at all, separators
+      ``,`` and ``:`` on both backends, whatever a request's own ``disable_any_whitespace`` says. Off: each request
+      decides (compact by default here, with xgrammar's ``, `` and ``: `` separators).
+    * ``disable_additional_properties``: an object schema that lists properties or patternProperties and says
+      nothing of ``additionalProperties`` allows no other key. Already so for ``properties`` on both backends
+      (xgrammar's strict mode; llguidance's schemas are closed to match); on llguidance this adds the
+      ``patternProperties`` objects, as vLLM's option does.
+    * ``reasoning_parser``: as --reasoning-parser (its shorthand).
+    """
+
+    backend: str = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        from pagedllm.reasoning import check_reasoning_parser
+        from pagedllm.structured_output.params import STRUCTURED_OUTPUTS_BACKENDS
+
+        _check_choice("structured_outputs_config.backend", self.backend, STRUCTURED_OUTPUTS_BACKENDS)
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs_config.{name} must be true or false, got "
+                                 f"{getattr(self, name)!r}.")
+        if self.reasoning_parser == "":  # vLLM's "unset"
+            object.__setattr__(self, "reasoning_parser", None)
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            raise ValueError(f"structured_outputs_config.reasoning_parser must be a parser name, got "
+                             f"{self.reasoning_parser!r}.")
+        try:
+            check_reasoning_parser(self.reasoning_parser)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs_config.reasoning_parser: {e}") from None
+
+    @classmethod
+    def from_json(cls, value: Any) -> StructuredOutputsConfig:
+        """From an instance, a dict or a JSON string (the CLI's --structured-outputs-config); None/empty is the
+        default. Unknown keys are a ValueError listing the allowed ones."""
+        if value is None or value == "" or value == {}:
+            return cls()
+        return _config_from_json(cls, "structured_outputs_config", value)
+
+    def merged(self, backend: str = "auto", reasoning_parser: str | None = None) -> StructuredOutputsConfig:
+        """This config with its shorthand flags (--structured-outputs-backend, --reasoning-parser) folded in; a
+        ValueError when a flag and the config name different values ("auto" and None are unset)."""
+        from dataclasses import replace
+
+        if backend != "auto" and self.backend not in ("auto", backend):
+            raise ValueError(f"structured_outputs_backend={backend!r} and structured_outputs_config.backend="
+                             f"{self.backend!r} disagree; give one of them (or the same value).")
+        if reasoning_parser and self.reasoning_parser not in (None, reasoning_parser):
+            raise ValueError(f"reasoning_parser={reasoning_parser!r} and structured_outputs_config.reasoning_parser="
+                             f"{self.reasoning_parser!r} disagree; give one of them (or the same value).")
+        return replace(self, backend=self.backend if backend == "auto" else backend,
+                       reasoning_parser=self.reasoning_parser or reasoning_parser or None)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -488,3 +553,4 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     lora_config: LoRAConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -35,8 +35,9 @@ def get_tokenizer(
         raise ValueError(f"Could not load a tokenizer from {path}: {e}") from e
 
 
-def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """Validate chat messages; OpenAI-style lists of text parts are joined into one string."""
+def _normalize_messages(messages: Sequence[Any], content_format: str = "string") -> list[dict[str, Any]]:
+    """Validate chat messages. Content format "string": OpenAI-style lists of text parts are joined into one
+    string; "openai": every content becomes a list of text parts (a string one part)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts with 'role' and 'content', got {type(messages).__name__}")
     out: list[dict[str, Any]] = []
@@ -57,11 +58,13 @@ def _normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                         f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; only text is supported"
                     )
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "".join(parts) if content_format == "string" else [{"type": "text", "text": t} for t in parts]
         elif content is None:
-            content = ""
+            content = "" if content_format == "string" else []
         elif not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string or a list of text parts, got {type(content).__name__}")
+        elif content_format == "openai":
+            content = [{"type": "text", "text": content}]
         out.append({**m, "content": content})
     return out
 
@@ -92,14 +95,19 @@ def check_chat_template_options(add_generation_prompt: bool, continue_final_mess
 def render_chat_template(
     tokenizer: Any, messages: Sequence[Any], add_generation_prompt: bool = True, chat_template: str | None = None,
     tools: list[dict] | None = None, continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None, content_format: str = "auto",
 ) -> str:
     """The prompt text produced by the chat template (the model's own unless ``chat_template`` is given).
     ``continue_final_message``: the text ends inside the last message (no end of turn after it), so the model
     continues that message; ``chat_template_kwargs``: extra variables for the template (e.g. a Qwen3 template's
-    ``enable_thinking``), as vLLM takes them."""
+    ``enable_thinking``), as vLLM takes them; ``content_format``: vLLM's chat-template content format ("auto",
+    "string" or "openai", see :mod:`pagedllm.chat_content_format`)."""
+    from pagedllm.chat_content_format import resolve_content_format, template_text
+
     check_chat_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
-    msgs = _normalize_messages(messages)
+    fmt = resolve_content_format(content_format, template_text(tokenizer, chat_template, tools)
+                                 if content_format == "auto" else None)
+    msgs = _normalize_messages(messages, fmt)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "This model's tokenizer has no chat template; pass chat_template=... (a Jinja template) "
@@ -118,12 +126,12 @@ def render_chat_template(
 def apply_chat_template(
     tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
     tools: list[dict] | None = None, continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None, content_format: str = "auto",
 ) -> list[int]:
     """Render ``messages`` (and ``tools``, OpenAI function specs) with the chat template and tokenize
     (special tokens in the text are parsed); the options as in ``render_chat_template``."""
     text = render_chat_template(tokenizer, messages, add_generation_prompt, chat_template, tools,
-                                continue_final_message, chat_template_kwargs)
+                                continue_final_message, chat_template_kwargs, content_format)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -12,6 +12,25 @@ from pagedllm.benchmarks.server_process import ServerProcess
 # A small pool so the server starts fast and the tests exercise a full pool.
 SMALL_SERVER_ARGS = ["--num-gpu-blocks-override", "256", "--max-model-len", "1024", "--swap-space", "0.05"]
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# A `pagedllm` launcher (argv: ARM_FILE, then the CLI's arguments) whose engine raises once inside the model call
+# of the next step after the test creates ARM_FILE.
+FAULT_INJECTING_LAUNCHER = '''
+import os, sys
+from pagedllm.executor import uniproc
+from pagedllm.entrypoints.cli import main
+
+ARM = sys.argv.pop(1)
+real = uniproc.UniProcExecutor.execute_model
+
+def execute_model(self, req):
+    if os.path.exists(ARM):
+        os.remove(ARM)
+        raise RuntimeError("injected fault in one step")
+    return real(self, req)
+
+uniproc.UniProcExecutor.execute_model = execute_model
+sys.exit(main(sys.argv[1:]))
+'''
 
 
 class RemoteServer(ServerProcess):

@@ -383,7 +383,8 @@ def test_server_bad_images_are_400(server, image_server):
         f"{image_server}/missing.png": "HTTP 404",
         "http://127.0.0.1:9/unreachable.png": "could not be fetched",
         "data:image/png;base64,@@@": "not valid base64",
-        "file:///etc/passwd": "scheme 'file' is not allowed",
+        "file:///etc/passwd": "local files (file://) are refused",  # no --allowed-local-media-path
+        "ftp://127.0.0.1/image.png": "scheme 'ftp' is not allowed",
         # --allowed-media-domains 127.0.0.1: another name for the same host is not on the list, and a redirect
         # (which could lead anywhere) is refused.
         image_server.replace("127.0.0.1", "localhost") + "/image.png": "not in the server's --allowed-media-domains",

@@ -74,7 +74,8 @@ def test_a_vllm_command_line_parses_and_lands_in_engine_http_and_serving_options
     assert http.root_path == "/api" and http.disable_fastapi_docs is True
     extras = cli_serve.serving_options(args)
     assert extras == {"response_role": "bot", "enable_prompt_tokens_details": True, "enable_force_include_usage": True,
-                      "request_logger": None, "media_limits": MediaLimits(), "default_chat_template_kwargs": None}
+                      "request_logger": None, "media_limits": MediaLimits(), "default_chat_template_kwargs": None,
+                      "chat_template_content_format": "auto", "trust_request_chat_template": False}
     assert cli_serve.ssl_options(args) == {}
 
 
@@ -84,7 +85,9 @@ def test_defaults_match_vllm():
     assert engine.disable_log_stats is False and cli_serve.stats_log_interval(engine) == 10.0
     assert cli_serve.serving_options(args) == {"response_role": "assistant", "enable_prompt_tokens_details": False,
                                                "enable_force_include_usage": False, "request_logger": None,
-                                               "media_limits": MediaLimits(), "default_chat_template_kwargs": None}
+                                               "media_limits": MediaLimits(), "default_chat_template_kwargs": None,
+                                               "chat_template_content_format": "auto",
+                                               "trust_request_chat_template": False}
     http = cli_serve.http_options(args)
     assert http.root_path == "" and http.disable_fastapi_docs is False
     assert engine.compat_notes() == []  # nothing to warn about

@@ -15,36 +15,17 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from conftest_server import RemoteServer  # noqa: E402
+from conftest_server import FAULT_INJECTING_LAUNCHER, RemoteServer  # noqa: E402
 from reliability import error_body_problem  # noqa: E402
 
 ARGS = ["--num-gpu-blocks-override", "64", "--max-model-len", "256", "--swap-space", "0.05", "--max-num-seqs", "3"]
-
-# Raises once inside the model call of the next step after the test creates the arm file.
-WRAPPER = '''
-import os, sys
-from pagedllm.executor import uniproc
-from pagedllm.entrypoints.cli import main
-
-ARM = sys.argv.pop(1)
-real = uniproc.UniProcExecutor.execute_model
-
-def execute_model(self, req):
-    if os.path.exists(ARM):
-        os.remove(ARM)
-        raise RuntimeError("injected fault in one step")
-    return real(self, req)
-
-uniproc.UniProcExecutor.execute_model = execute_model
-sys.exit(main(sys.argv[1:]))
-'''
 
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory):
     d = tmp_path_factory.mktemp("fault")
     script = d / "serve_with_fault.py"
-    script.write_text(textwrap.dedent(WRAPPER))
+    script.write_text(textwrap.dedent(FAULT_INJECTING_LAUNCHER))
     arm = d / "arm"
     srv = RemoteServer(ARGS, launcher=[str(script), str(arm)])
     yield srv, arm

@@ -26,7 +26,7 @@ GREETING_TEMPLATE = "{{ greeting | default('none') }}|{% for m in messages %}{{ 
 @pytest.fixture(scope="module")
 def server():
     srv = RemoteServer([*SMALL_SERVER_ARGS, "--enable-request-id-headers", "--allowed-origins", json.dumps([ORIGIN]),
-                        "--return-tokens-as-token-ids", "--no-dashboard",
+                        "--return-tokens-as-token-ids", "--no-dashboard", "--trust-request-chat-template",
                         "--override-generation-config", json.dumps(GENERATION_OVERRIDE),
                         "--default-chat-template-kwargs", json.dumps({"greeting": "hello"})])
     yield srv

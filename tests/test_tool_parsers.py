@@ -173,5 +173,8 @@ def test_serve_accepts_vllm_tool_flags() -> None:
 
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"])
     assert args.enable_auto_tool_choice and args.tool_call_parser == "qwen3_coder"
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
+    # Checked at start-up, once a --tool-parser-plugin could have added names (argparse takes any name).
+    from pagedllm.entrypoints.openai.cli_serve import tool_options
+
+    with pytest.raises(ValueError, match="unknown tool call parser 'nope'; known: .*hermes"):
+        tool_options(build_parser().parse_args(["serve", "--tool-call-parser", "nope"]))

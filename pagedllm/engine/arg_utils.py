@@ -29,6 +29,7 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 from pagedllm.device_utils import is_large_gpu
 from pagedllm.model.models.registry import has_recurrent_state, is_encoder_only, layer_sliding_windows
@@ -166,7 +167,16 @@ _HELP = {
     "max_lora_rank": "Highest adapter rank accepted.",
     "max_cpu_loras": "Adapters kept loaded beside the slots, least recently used dropped first (default: max_loras).",
     "structured_outputs_backend": "Grammar engine for structured outputs: auto (= xgrammar), xgrammar, or guidance "
-                                  "(llguidance: faster masks, unbounded number precision).",
+                                  "(llguidance: faster masks, unbounded number precision). The shorthand of "
+                                  "--structured-outputs-config's backend.",
+    "structured_outputs_config": "Structured outputs, a JSON object like vLLM's: backend (as "
+                                 "--structured-outputs-backend), disable_any_whitespace (JSON without any whitespace, "
+                                 "separators ',' and ':', for every request), disable_additional_properties (objects "
+                                 "that list properties or patternProperties allow no other key; already so for "
+                                 "properties on both backends), disable_fallback (accepted: no backend falls back to "
+                                 "another here), reasoning_parser (as --reasoning-parser). A flag and a key that "
+                                 "disagree are an error, e.g. '{\"backend\": \"guidance\", "
+                                 "\"disable_any_whitespace\": true}'.",
     "disable_log_stats": "Turn off the server's periodic stats line (vLLM's: prompt and generation throughput, "
                          "running and waiting requests, KV cache usage, prefix cache hit rate; every 10 s while "
                          "there is activity, VLLM_LOG_STATS_INTERVAL to change). The offline LLM logs none.",
@@ -263,6 +273,7 @@ class EngineArgs:
     batching: str = "iteration"
     scheduling_policy: str = "fcfs"
     structured_outputs_backend: str = "auto"
+    structured_outputs_config: str | dict | StructuredOutputsConfig | None = None
     reasoning_parser: str | None = None
     speculative_config: str | dict | None = None
     kv_cache_dtype: str = "auto"
@@ -296,6 +307,14 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     max_seq_len_to_capture: int | None = None
+
+    def structured_outputs_settings(self) -> StructuredOutputsConfig:
+        """structured_outputs_config with its shorthands (structured_outputs_backend, reasoning_parser) folded in;
+        ValueError for an unknown backend or parser, an unknown key, or a shorthand that disagrees with it."""
+        resolve_backend(self.structured_outputs_backend)
+        check_reasoning_parser(self.reasoning_parser)
+        config = StructuredOutputsConfig.from_json(self.structured_outputs_config)
+        return config.merged(self.structured_outputs_backend, self.reasoning_parser)
 
     def _checked_logprobs_mode(self) -> str:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -376,8 +395,7 @@ class EngineArgs:
         recurrent = hf_config is not None and has_recurrent_state(hf_config)
         if recurrent:
             self._check_recurrent_state_support()
-        resolve_backend(self.structured_outputs_backend)
-        check_reasoning_parser(self.reasoning_parser)
+        structured = self.structured_outputs_settings()
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an int >= 0, or -1 for no cap; got {self.max_logprobs!r}.")
         if max_model_len > model_max_len:
@@ -461,7 +479,8 @@ class EngineArgs:
                 raise ValueError("async_scheduling: a pooling model's steps end its requests, so they run one "
                                  "after another; leave it unset (or False) with runner='pooling'.")
         return EngineConfig(model, cache, sched, parallel, DeviceConfig(self.device), spec,
-                            CompilationConfig.from_json(self.compilation_config), self._lora_config(runner, spec))
+                            CompilationConfig.from_json(self.compilation_config), self._lora_config(runner, spec),
+                            structured)
 
     def compat_notes(self) -> list[str]:
         """Check vLLM's model-source and parallelism options: a ValueError for a value pagedllm cannot honour,

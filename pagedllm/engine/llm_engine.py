@@ -145,12 +145,14 @@ class LLMEngine:
         on_cpu = self.executor.device.type == "cpu"
         # On a CPU engine a grammar compiles on one thread, and the forward pass gives up one of its threads
         # meanwhile (`_share_cores_with_compiles`): on 2 cores, both at full width slowed a step 5x, sharing 1.6x.
+        structured = self.config.structured_outputs_config  # the shorthand flags folded in
         self.structured_output = StructuredOutputManager(
-            engine_args.structured_outputs_backend, self.tokenizer, int(self.hf_text_config.vocab_size),
+            structured.backend, self.tokenizer, int(self.hf_text_config.vocab_size),
             self.eos_token_ids,
             num_threads=1 if on_cpu else None, pin_memory=str(self.executor.device).startswith("cuda"),
-            reasoning_tokens=(reasoning_token_ids(self.tokenizer, engine_args.reasoning_parser)
-                              if engine_args.reasoning_parser else None))
+            reasoning_tokens=(reasoning_token_ids(self.tokenizer, structured.reasoning_parser)
+                              if structured.reasoning_parser else None),
+            config=structured)
         self._torch_threads = torch.get_num_threads() if on_cpu else None
         if not on_cpu:
             # Tokenizer tables (~1 s) on a thread now, not in the first constrained request's TTFT. On a CPU

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from pagedllm.chat_content_format import check_content_format_option
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
@@ -96,37 +97,41 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `continue_final_message` (with add_generation_prompt=False) continues the last message instead of
         opening a new turn; `chat_template_kwargs` are extra template variables; `tools` (OpenAI's function
-        tools) go to the template as its `tools` (all as in vLLM). A multimodal model's messages may hold image
+        tools) go to the template as its `tools`; `chat_template_content_format` ("auto", "string" or "openai")
+        is how message content reaches the template (all as in vLLM). A multimodal model's messages may hold image
         parts: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..." or "https://..."}}`` or
         ``{"type": "image_pil", "image_pil": PIL.Image}``."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists).")
         conversations = messages if isinstance(messages[0], list) else [messages]
+        check_content_format_option(chat_template_content_format)
         tok = self._require_tokenizer()
         prompts = [
             self._image_chat_prompt(conv, add_generation_prompt, chat_template, tools, continue_final_message,
-                                    chat_template_kwargs)
+                                    chat_template_kwargs, chat_template_content_format)
             if needs_multimodal_render(conv, self.llm_engine.mm_processor is not None) else
             {"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt, chat_template, tools,
-                                                     continue_final_message, chat_template_kwargs)}
+                                                     continue_final_message, chat_template_kwargs,
+                                                     chat_template_content_format)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _image_chat_prompt(self, conv: list[dict], add_generation_prompt: bool, chat_template: str | None,
                            tools: list[dict] | None, continue_final_message: bool,
-                           chat_template_kwargs: dict[str, Any] | None) -> dict:
+                           chat_template_kwargs: dict[str, Any] | None, content_format: str = "auto") -> dict:
         """A conversation with image parts → a processed multimodal prompt (URLs loaded here)."""
         processor = self.llm_engine.mm_processor
         if processor is None:
             raise text_only_error(self.llm_engine.hf_config)
         text, refs = render_multimodal_chat(self.get_tokenizer(), conv, processor.image_token,
                                             chat_template or processor.chat_template, add_generation_prompt, tools,
-                                            continue_final_message, chat_template_kwargs)
+                                            continue_final_message, chat_template_kwargs, content_format)
         images = [ref.image if ref.image is not None else load_image_url(ref.url) for ref in refs]
         return processor.process({"prompt": text, "multi_modal_data": {"image": images}}, add_special_tokens=False)
 

@@ -7,20 +7,15 @@ iterate over the content parts themselves (llava-hf's own templates) and see ``{
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.chat_content_format import detect_content_format, resolve_content_format
 from pagedllm.tokenizer import check_chat_template_options, render_chat_template
 
 #: Content part types that carry an image.
 IMAGE_PART_TYPES = ("image_url", "image_pil")
 _TEXT_PART_TYPES = ("text", "input_text")
-# A template that loops over (or filters) a message's content parts: `for x in message['content']`,
-# `message.content | selectattr(...)`, `content['type']`.
-_ITERATES_CONTENT = re.compile(
-    r"for\s+\w+\s+in\s+\w+(\[\s*['\"]content['\"]\s*\]|\.content)|content['\"]?\]?\s*\|\s*selectattr"
-    r"|\[\s*['\"]type['\"]\s*\]")
 
 
 @dataclass(frozen=True)
@@ -57,7 +52,7 @@ def needs_multimodal_render(messages: Any, multimodal_model: bool) -> bool:
 
 def content_format(template: str | None) -> str:
     """vLLM's content format of a chat template: "openai" when it iterates over content parts, else "string"."""
-    return "openai" if template and _ITERATES_CONTENT.search(template) else "string"
+    return detect_content_format(template)
 
 
 def _image_ref(part: dict, where: str) -> ImageRef:
@@ -116,16 +111,17 @@ def split_image_parts(messages: list[dict], image_token: str, fmt: str) -> tuple
 def render_multimodal_chat(tokenizer: Any, messages: list[dict], image_token: str, chat_template: str | None,
                            add_generation_prompt: bool = True, tools: list[dict] | None = None,
                            continue_final_message: bool = False,
-                           chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[ImageRef]]:
+                           chat_template_kwargs: dict[str, Any] | None = None,
+                           content_format: str = "auto") -> tuple[str, list[ImageRef]]:
     """(prompt text with one `image_token` per image, the images in order) of a conversation with image parts,
-    rendered by `chat_template` (or the tokenizer's)."""
+    rendered by `chat_template` (or the tokenizer's) in `content_format` ("auto": the template's own)."""
     check_chat_template_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
     template = chat_template or getattr(tokenizer, "chat_template", None)
-    fmt = content_format(template)
+    fmt = resolve_content_format(content_format, template if isinstance(template, str) else None)
     msgs, images = split_image_parts(messages, image_token, fmt)
     if fmt == "string":
         text = render_chat_template(tokenizer, msgs, add_generation_prompt, chat_template, tools,
-                                    continue_final_message, chat_template_kwargs)
+                                    continue_final_message, chat_template_kwargs, content_format="string")
     else:
         text = tokenizer.apply_chat_template(
             msgs, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template,

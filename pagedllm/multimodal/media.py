@@ -1,5 +1,6 @@
 """Images from the URLs of OpenAI content parts: ``data:`` URLs decoded, ``http(s)`` URLs fetched with a timeout
-and a size limit; every failure is a ValueError saying what was wrong (the server answers 400 with it)."""
+and a size limit, ``file://`` URLs read only under the --allowed-local-media-path directory; every failure is a
+ValueError saying what was wrong (the server answers 400 with it)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +11,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-#: URL schemes an image may come from.
-ALLOWED_SCHEMES = ("data", "http", "https")
+#: URL schemes an image may come from ("file" only with MediaLimits.allowed_local_media_path).
+ALLOWED_SCHEMES = ("data", "http", "https", "file")
+LOCAL_MEDIA_FLAG = "--allowed-local-media-path"
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,9 @@ class MediaLimits:
     max_pixels: int = 64 * 2**20  # decoded width × height: refuses decompression bombs
     #: --allowed-media-domains: the only hosts http(s) images may come from, redirects refused (None: any host).
     allowed_domains: tuple[str, ...] | None = None
+    #: --allowed-local-media-path: the directory file:// images may be read from, at any depth, after symlinks
+    #: and '..' are resolved (None: no local file at all).
+    allowed_local_media_path: str | None = None
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -107,16 +113,54 @@ def _fetch(url: str, limits: MediaLimits) -> bytes:
     return data
 
 
+def local_media_file(url: str, limits: MediaLimits) -> Path:
+    """The file a ``file:///abs/path`` URL names, resolved (symlinks, '..'); a ValueError naming
+    --allowed-local-media-path unless the resolved file lies under that directory."""
+    root = limits.allowed_local_media_path
+    if root is None:
+        raise ValueError(f"image_url {_short(url)!r}: local files (file://) are refused; the server allows those "
+                         f"under a directory DIR only when started with {LOCAL_MEDIA_FLAG} DIR.")
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ValueError(f"image_url {_short(url)!r}: a file URL names no remote host; write file:///abs/path.")
+    path = Path(urllib.request.url2pathname(parts.path))
+    if not path.is_absolute():
+        raise ValueError(f"image_url {_short(url)!r}: a file URL needs an absolute path: file:///abs/path.")
+    try:
+        resolved, base = path.resolve(), Path(root).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise ValueError(f"image_url {_short(url)!r}: the path cannot be resolved: {e}.") from None
+    if resolved == base or not resolved.is_relative_to(base):
+        raise ValueError(f"image_url {_short(url)!r}: the file is not under the server's {LOCAL_MEDIA_FLAG} "
+                         f"({root}); symlinks and '..' count where they lead.")
+    return resolved
+
+
+def _read_local(url: str, limits: MediaLimits) -> bytes:
+    path = local_media_file(url, limits)
+    try:
+        # The resolved path is opened, so the file checked is the file read.
+        with open(path, "rb") as f:
+            data = f.read(limits.max_bytes + 1)
+    except OSError as e:
+        raise ValueError(f"image_url {_short(url)!r} could not be read: {e.strerror or e}.") from None
+    if len(data) > limits.max_bytes:
+        raise ValueError(f"image_url {_short(url)!r}: more than the {limits.max_bytes} bytes allowed.")
+    return data
+
+
 def load_image_url(url: Any, limits: MediaLimits = MediaLimits()) -> Any:
     """The PIL image an image_url names (blocking: a fetch waits up to the timeout)."""
     if not isinstance(url, str) or not url:
         raise ValueError(f"image_url must be a non-empty URL string, got {url!r}.")
     scheme = urllib.parse.urlsplit(url).scheme.lower() if not url.startswith("data:") else "data"
     if scheme not in ALLOWED_SCHEMES:
-        raise ValueError(f"image_url {_short(url)!r}: scheme {scheme!r} is not allowed; allowed: "
-                         f"{', '.join(ALLOWED_SCHEMES)}.")
+        raise ValueError(f"image_url {_short(url)!r}: scheme {scheme!r} is not allowed; allowed: data, http, "
+                         f"https, and file with the server's {LOCAL_MEDIA_FLAG}.")
     if scheme == "data":
         return _decode_data_url(url, limits)
+    if scheme == "file":
+        return decode_image_bytes(_read_local(url, limits), repr(_short(url)), limits)
     return decode_image_bytes(_fetch(url, limits), repr(_short(url)), limits)
 
 

@@ -1,8 +1,9 @@
 """Grammar engines behind one small interface: xgrammar (the default, "auto") and llguidance.
 
-A backend turns a `(kind, spec, compact)` key into a grammar in two stages: `build` (fast; parses and
-validates, raises ValueError naming what is wrong; runs in `add_request`) and `compile` (slow: the
-token-mask tables; runs on the manager's thread pool). Matchers are per sequence; `fill_bitmask`
+A backend turns a `(kind, spec, compact, no_whitespace, close_objects)` key (the manager's `cache_key`: the
+request's constraint and the engine's --structured-outputs-config options) into a grammar in two stages:
+`build` (fast; parses and validates, raises ValueError naming what is wrong; runs in `add_request`) and
+`compile` (slow: the token-mask tables; runs on the manager's thread pool). Matchers are per sequence; `fill_bitmask`
 writes one packed int32 row (bit set = token allowed) per matcher into the given rows of a batch-sized
 buffer, on one native thread or several, whichever has been cheaper per row (fill_policy).
 """
@@ -58,14 +59,19 @@ class XgrammarBackend:
             logger.warning("kept a grammar unfolded: its rewrite did not parse (%s)", _clean(e))
             return grammar
 
-    def build(self, kind: str, spec: str, compact: bool) -> Any:
+    def build(self, kind: str, spec: str, compact: bool, no_whitespace: bool = False,
+              close_objects: bool = False) -> Any:
+        """`no_whitespace`: JSON separators ``,`` and ``:`` (compact alone keeps xgrammar's ``, `` and ``: ``).
+        `close_objects` changes nothing here: strict mode already closes the objects that list their properties."""
         xgr = self._xgr
+        seps = (",", ":") if no_whitespace else None
         try:
             if kind == "json":
-                return xgr.Grammar.from_json_schema(spec, any_whitespace=not compact, strict_mode=True)
+                return xgr.Grammar.from_json_schema(spec, any_whitespace=not compact, separators=seps,
+                                                    strict_mode=True)
             if kind == "json_object":
                 return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not compact,
-                                                    strict_mode=False)
+                                                    separators=seps, strict_mode=False)
             if kind == "regex":
                 return xgr.Grammar.from_regex(spec)
             if kind == "choice":
@@ -144,12 +150,18 @@ class GuidanceBackend:
         self._executors = {n: llguidance.LLExecutor(num_threads=n) for n in sorted({1, num_threads})}
         self.fill_policy = FillThreadPolicy(tuple(self._executors))
 
-    def build(self, kind: str, spec: str, compact: bool) -> Any:
+    def build(self, kind: str, spec: str, compact: bool, no_whitespace: bool = False,
+              close_objects: bool = False) -> Any:
+        """`no_whitespace`: JSON separators ``,`` and ``:`` (llguidance's compact ones); `close_objects`: objects
+        with only patternProperties are closed too."""
         M = self._llg.LLMatcher
-        opts = {"whitespace_flexible": not compact}
+        opts: dict[str, Any] = {"whitespace_flexible": not (compact or no_whitespace)}
+        if no_whitespace:
+            opts.update(item_separator=",", key_separator=":")
         try:
             if kind == "json":
-                grammar = M.grammar_from_json_schema(json.dumps(_closed(json.loads(spec))), defaults=opts)
+                schema = _closed(json.loads(spec), close_pattern_objects=close_objects)
+                grammar = M.grammar_from_json_schema(json.dumps(schema), defaults=opts)
             elif kind == "json_object":
                 grammar = M.grammar_from_json_schema('{"type": "object"}', defaults=opts)
             elif kind == "regex":
@@ -255,15 +267,17 @@ class _TokenBytes:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
-def _closed(schema: Any) -> Any:
-    """The schema with ``additionalProperties: false`` wherever an object lists its properties and says
-    nothing else, as xgrammar's strict mode does (so both backends produce the same outputs' shape)."""
+def _closed(schema: Any, close_pattern_objects: bool = False) -> Any:
+    """The schema with ``additionalProperties: false`` wherever an object lists its properties (with
+    `close_pattern_objects`, or its patternProperties) and says nothing else, as xgrammar's strict mode does (so both
+    backends produce the same outputs' shape)."""
     if isinstance(schema, list):
-        return [_closed(s) for s in schema]
+        return [_closed(s, close_pattern_objects) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
+    out = {k: _closed(v, close_pattern_objects) for k, v in schema.items()}
+    listed = "properties" in out or (close_pattern_objects and "patternProperties" in out)
+    if listed and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.structured_output.backends import make_backend
 from pagedllm.structured_output.params import StructuredOutputsParams, resolve_backend
 
@@ -62,8 +63,11 @@ class SeqGrammar:
 class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
                  num_threads: int | None = None, pin_memory: bool = False,
-                 reasoning_tokens: tuple[int | Sequence[int], int | Sequence[int]] | None = None) -> None:
+                 reasoning_tokens: tuple[int | Sequence[int], int | Sequence[int]] | None = None,
+                 config: StructuredOutputsConfig | None = None) -> None:
         self.backend_name = resolve_backend(backend)
+        # Engine-wide grammar options (--structured-outputs-config); its backend and parser arrive as arguments.
+        self.config = config or StructuredOutputsConfig()
         # The reasoning's (start, end) markers with a reasoning parser: grammars apply after the reasoning ends.
         self.reasoning_tokens = reasoning_tokens
         self.num_threads = num_threads or default_num_threads()
@@ -136,9 +140,18 @@ class StructuredOutputManager:
                 pool.shutdown(wait=False, cancel_futures=True)
 
     # -- compilation --------------------------------------------------------------------------
+    def cache_key(self, params: StructuredOutputsParams) -> tuple[str, str, bool, bool, bool]:
+        """(kind, spec, compact, no whitespace, close objects): what a grammar is compiled from and cached under, the
+        request's constraint with the engine's options (--structured-outputs-config) applied."""
+        kind, spec, compact = params.cache_key()
+        is_json = kind in ("json", "json_object")
+        no_whitespace = is_json and self.config.disable_any_whitespace
+        close_objects = kind == "json" and self.config.disable_additional_properties
+        return kind, spec, compact or no_whitespace, no_whitespace, close_objects
+
     def request(self, params: StructuredOutputsParams) -> Future:
-        """Validate now (ValueError naming what is wrong) and compile on the pool; cached by (kind, spec)."""
-        key = params.cache_key()
+        """Validate now (ValueError naming what is wrong) and compile on the pool; cached by `cache_key`."""
+        key = self.cache_key(params)
         fut = self._cache.get(key)
         if fut is not None:
             self._cache.move_to_end(key)

@@ -70,6 +70,7 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
                         "vLLM's (e.g. '{\"enable_thinking\": false}' for a Qwen3 model).")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Logprob tokens as 'token_id:N' strings (a request's return_tokens_as_token_ids overrides).")
+    _add_chat_template_args(p)
     _add_tool_args(p)
     _add_limit_args(p)
     _add_log_args(p)
@@ -119,6 +120,19 @@ def _lora_requests(modules: list[tuple[str, str]] | None, enable_lora: bool, ser
     return {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(modules, start=1)}
 
 
+def _add_chat_template_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.chat_content_format import CONTENT_FORMAT_OPTIONS
+
+    g = p.add_argument_group("chat template (vLLM's flags; --chat-template is above)")
+    g.add_argument("--chat-template-content-format", choices=CONTENT_FORMAT_OPTIONS, default="auto",
+                   help="How a message's content reaches the chat template: 'string' (text parts joined into one "
+                        "string), 'openai' (a list of parts, [{\"type\": \"text\", \"text\": ...}]), or 'auto' "
+                        "(default): 'openai' when the template loops over message content, else 'string'.")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="Let a request bring its own chat_template (Jinja run on the server); without this flag "
+                        "such a request is a 400, as in vLLM.")
+
+
 def _add_tool_args(p: argparse.ArgumentParser) -> None:
     from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -126,9 +140,19 @@ def _add_tool_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Accepted for vLLM's command lines: tool_choice \"auto\" is always on here (with tools in a "
                         "request, the output is parsed into tool_calls).")
-    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
-                   help="The format tool_choice \"auto\" parses, as vLLM's parser of that name (default: every "
+    # No argparse choices: a --tool-parser-plugin may add names; tool_options checks the name once it has loaded.
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="The format tool_choice \"auto\" parses, as vLLM's parser of that name: "
+                        f"{', '.join(sorted(TOOL_PARSERS))}, or one a --tool-parser-plugin registers (default: every "
                         "format is tried, the first the output shows is used).")
+    g.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                   help="A Python file defining tool parsers (vLLM's flag): ToolParser subclasses decorated with "
+                        "@ToolParserManager.register_module([\"name\"]) (both from "
+                        "pagedllm.entrypoints.openai.tool_parsers); --tool-call-parser may then name them. Names "
+                        "of built-in parsers are refused.")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="A request with tool_choice \"none\" renders its prompt without its tools (vLLM's flag; "
+                        "default: the chat template gets them either way).")
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -164,9 +188,16 @@ def _add_log_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=None,
                    help="With --enable-log-requests: log at most this many prompt characters and prompt token "
                         "ids (default: all).")
+    g.add_argument("--log-error-stack", action=argparse.BooleanOptionalAction, default=False,
+                   help="Log the full traceback of every server-side error answered to a client (a 5xx response, a "
+                        "stream's error event, a batch line's error), as vLLM; unexpected exceptions log theirs "
+                        "always (default: off).")
     p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="The only hosts an http(s) image_url may be fetched from, redirects refused (vLLM's flag; "
                         "default: any host).")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="Allow file:///abs/path image_url values for files under DIR (symlinks and '..' resolved "
+                        "first); an existing directory (vLLM's flag; default: no local files).")
 
 
 def _add_http_args(p: argparse.ArgumentParser) -> None:
@@ -183,6 +214,53 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
                         "1 optional, 2 required; default: 0).")
     g.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
                    help="Serve no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc).")
+    _add_server_ops_args(p)
+
+
+def _add_server_ops_args(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai import server_ops as ops
+    from pagedllm.log_config import LOGGING_CONFIG_ENV
+
+    g = p.add_argument_group("server operations (vLLM's flags)")
+    g.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                   help="Count the requests in flight on the generation and pooling routes (/v1/completions, "
+                        "/v1/chat/completions, /v1/responses, /v1/embeddings, /classify, /score, /rerank, "
+                        "/invocations; a stream until its end or its client's disconnect) for GET /load "
+                        "({\"server_load\": N}); without it /load answers 0, as in vLLM.")
+    g.add_argument("--middleware", action="append", default=[], metavar="IMPORT.PATH",
+                   help="Add an ASGI middleware class (app.add_middleware(cls)) or an async function (request, "
+                        "call_next) (@app.middleware(\"http\")) by import path, e.g. mypkg.mw.TimingMiddleware; "
+                        "repeatable, each added outside the server's own, the last given outermost. A path that "
+                        "does not import is an error at start-up.")
+    g.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
+                   help="Serve GET /tokenizer_info: the tokenizer's configuration (tokenizer_config.json as loaded, "
+                        "less file paths), tokenizer_class and the chat template; it may expose the chat template, "
+                        "so it is off by default and behind --api-key.")
+    g.add_argument("--log-config-file", default=None, metavar="PATH",
+                   help="A JSON logging config (logging.config.dictConfig's form, with \"version\": 1) applied at "
+                        f"start-up, before the engine loads, in this process and the engine-core one (default: "
+                        f"${LOGGING_CONFIG_ENV}, as vLLM). Loggers it does not name are disabled unless it sets "
+                        "\"disable_existing_loggers\": false.")
+    g.add_argument("--h11-max-incomplete-event-size", type=_positive_int, default=None, metavar="BYTES",
+                   help="Most bytes uvicorn's h11 parser buffers of an incomplete event (a request line and its "
+                        f"headers); larger is a 400 (default: {ops.H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT}, vLLM's). "
+                        "Given, it makes uvicorn use its h11 parser (httptools, its default when installed, has no "
+                        "such limit).")
+    g.add_argument("--h11-max-header-count", type=_positive_int, default=None, metavar="N",
+                   help=f"Most headers in a request (default: {ops.H11_MAX_HEADER_COUNT_DEFAULT}, vLLM's), where "
+                        "uvicorn has the setting; the installed one may not, and then the flag is accepted and "
+                        "ignored with a warning (--h11-max-incomplete-event-size bounds the headers' size).")
+
+
+def _positive_int(text: str) -> int:
+    """A flag's integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (> 0), got {value}")
+    return value
 
 
 def _add_response_args(p: argparse.ArgumentParser) -> None:
@@ -237,13 +315,18 @@ def _chat_template(value: str | None) -> str | None:
 
 
 def http_options(args: argparse.Namespace) -> HttpOptions:
-    """The app's HTTP options from the serve flags."""
+    """The app's HTTP options from the serve flags; --middleware's paths are imported here, so a bad one is a
+    ValueError before the engine starts."""
     from pagedllm.entrypoints.openai.server import HttpOptions
+    from pagedllm.entrypoints.openai.server_ops import load_middleware
 
     return HttpOptions(enable_request_id_headers=args.enable_request_id_headers,
                        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
-                       root_path=(args.root_path or "").rstrip("/"), disable_fastapi_docs=args.disable_fastapi_docs)
+                       root_path=(args.root_path or "").rstrip("/"), disable_fastapi_docs=args.disable_fastapi_docs,
+                       enable_server_load_tracking=args.enable_server_load_tracking,
+                       enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                       middleware=tuple(load_middleware(path) for path in args.middleware or ()))
 
 
 def ssl_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -263,6 +346,24 @@ def ssl_options(args: argparse.Namespace) -> dict[str, Any]:
                          f"(ssl.VerifyMode), got {args.ssl_cert_reqs}.")
     return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
             "ssl_cert_reqs": args.ssl_cert_reqs}
+
+
+def apply_log_config_file(args: argparse.Namespace) -> str | None:
+    """--log-config-file, else vLLM's $VLLM_LOGGING_CONFIG_PATH, applied with logging.config.dictConfig: the file's
+    path, or None when neither names one. A ValueError names the flag or the variable and what is wrong. The
+    variable is set to the file for the engine-core process, which applies it too (as vLLM's processes do)."""
+    from pagedllm.log_config import LOGGING_CONFIG_ENV, apply_log_config
+
+    if args.log_config_file:
+        path, source = args.log_config_file, "--log-config-file"
+    elif os.environ.get(LOGGING_CONFIG_ENV):
+        path, source = os.environ[LOGGING_CONFIG_ENV], LOGGING_CONFIG_ENV
+    else:
+        return None
+    apply_log_config(path, source)
+    os.environ[LOGGING_CONFIG_ENV] = str(Path(path).expanduser().resolve())
+    logger.info("logging configured from %s (%s)", path, source)
+    return path
 
 
 def stats_log_interval(engine_args: EngineArgs) -> float | None:
@@ -293,15 +394,49 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
             "enable_force_include_usage": args.enable_force_include_usage,
             "request_logger": (RequestLogger(args.max_log_len, log_outputs=args.enable_log_outputs)
                                if args.enable_log_requests else None),
-            "media_limits": _media_limits(args.allowed_media_domains)}
+            "media_limits": _media_limits(args.allowed_media_domains, args.allowed_local_media_path),
+            "chat_template_content_format": args.chat_template_content_format,
+            "trust_request_chat_template": args.trust_request_chat_template}
 
 
-def _media_limits(domains: list[str] | None) -> Any:
+def tool_options(args: argparse.Namespace) -> dict[str, Any]:
+    """ServingContext fields from the tool-calling flags: --tool-parser-plugin loaded, --tool-call-parser checked
+    against the parsers it leaves (ValueError naming the known ones)."""
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS, tool_parser_classes, tool_parser_registry
+
+    parsers = tool_parser_registry(args.tool_parser_plugin)
+    try:
+        tool_parser_classes(args.tool_call_parser, parsers)
+    except ValueError as e:
+        raise ValueError(f"--tool-call-parser: {e}") from None
+    if args.tool_parser_plugin is not None:
+        logger.info("tool parser plugin %s: %s", args.tool_parser_plugin,
+                    ", ".join(n for n in parsers if n not in TOOL_PARSERS))
+    return {"tool_call_parser": args.tool_call_parser, "tool_parsers": parsers,
+            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none}
+
+
+def _media_limits(domains: list[str] | None, local_path: str | None = None) -> Any:
     from pagedllm.multimodal.media import MediaLimits
 
     if domains is not None and not all(d.strip() for d in domains):
         raise ValueError("--allowed-media-domains: every entry must be a host name (e.g. upload.wikimedia.org).")
-    return MediaLimits(allowed_domains=tuple(d.strip().lower() for d in domains) if domains is not None else None)
+    return MediaLimits(allowed_domains=tuple(d.strip().lower() for d in domains) if domains is not None else None,
+                       allowed_local_media_path=_local_media_dir(local_path))
+
+
+def _local_media_dir(path: str | None) -> str | None:
+    """--allowed-local-media-path as an absolute directory with symlinks resolved (None: not given)."""
+    if path is None:
+        return None
+    if not path.strip():
+        raise ValueError("--allowed-local-media-path must name a directory, got an empty value.")
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_dir():
+        what = "not a directory" if resolved.exists() else "no such directory"
+        raise ValueError(f"--allowed-local-media-path {path}: {what}; give an existing directory whose files an "
+                         f"image_url may name as file:///abs/path.")
+    return str(resolved)
 
 
 def start_serving(args: argparse.Namespace, command: str) -> tuple[ServingContext, EngineMetrics, EngineArgs]:
@@ -321,7 +456,8 @@ def start_serving(args: argparse.Namespace, command: str) -> tuple[ServingContex
                            max_request_body_bytes=args.max_request_body_bytes)
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.compat_notes()  # its errors before the engine starts (the engine logs the notes)
-    extras = serving_options(args)
+    structured = engine_args.structured_outputs_settings()  # --reasoning-parser folded in; its errors now too
+    extras = {**serving_options(args), **tool_options(args)}
     names = args.served_model_name or [_default_name(engine_args.model)]
     loras = _lora_requests(args.lora_modules, engine_args.enable_lora, names)
     metrics = EngineMetrics(names[0])
@@ -350,15 +486,33 @@ def start_serving(args: argparse.Namespace, command: str) -> tuple[ServingContex
         block_size=checker.block_size, num_gpu_blocks=checker.num_gpu_blocks,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         default_sampling=dict(info.default_sampling_params), max_logprobs=checker.max_logprobs,
-        reasoning_parser=ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None,
-        tool_call_parser=args.tool_call_parser, lora_modules=loras, **extras,
+        reasoning_parser=ReasoningParser(structured.reasoning_parser) if structured.reasoning_parser else None,
+        lora_modules=loras, log_error_stack=args.log_error_stack, **extras,
     )
     logger.info(
         "model %s (%s) on %s, dtype %s; KV pool %d blocks x %d tokens = %d tokens; max_model_len %d",
         names[0], info.model_dir, info.device, info.dtype, checker.num_gpu_blocks, checker.block_size,
         checker.num_gpu_blocks * checker.block_size, ctx.max_model_len,
     )
+    _log_content_format(ctx)
     return ctx, metrics, engine_args
+
+
+def _log_content_format(ctx: ServingContext) -> None:
+    """One line naming the content format "auto" found in the server's default chat template."""
+    from pagedllm.chat_content_format import detect_content_format, template_text
+
+    if ctx.chat_template_content_format != "auto":
+        return
+    template = template_text(ctx.tokenizer, ctx.chat_template)
+    processor = getattr(ctx.engine, "mm_processor", None)
+    if template is None and processor is not None:
+        template = processor.chat_template
+    if template is None:
+        return
+    logger.info("chat template content format: auto detected %r for the %s chat template "
+                "(--chat-template-content-format overrides)", detect_content_format(template),
+                "--chat-template" if ctx.chat_template else "model's")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -366,10 +520,15 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.engine.gc_heap import freeze_startup_heap
     from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, GracefulServer, build_app
+    from pagedllm.entrypoints.openai.server_ops import h11_options
 
     if args.protect_metrics and not args.api_key:
         raise ValueError("--protect-metrics needs --api-key (there is no key to protect /metrics with).")
+    log_config = apply_log_config_file(args)  # first: the engine's start-up lines go through it too
     http, tls = http_options(args), ssl_options(args)
+    # The config was applied once, here; uvicorn's own default would reset its loggers' handlers.
+    uvicorn_opts = {**h11_options(args.h11_max_incomplete_event_size, args.h11_max_header_count),
+                    **({"log_config": None} if log_config else {})}
     ctx, metrics, engine_args = start_serving(args, "serve")
     engine, names = ctx.engine, ctx.served_model_names
     log_stats = stats_log_interval(engine_args)
@@ -379,7 +538,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     responses_store=args.enable_responses_api_store, enable_lora=engine_args.enable_lora,
                     log_stats_interval_s=log_stats)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0, access_log=False, **tls)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0, access_log=False, **tls,
+                            **uvicorn_opts)
     server = GracefulServer(config, engine, args.shutdown_timeout)
     # uvicorn re-raises the signal it caught after its graceful shutdown; these no-op handlers
     # (restored by uvicorn before it re-raises) turn that into a normal return, so we exit 0.

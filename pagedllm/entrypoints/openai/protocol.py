@@ -345,6 +345,7 @@ class ChatCompletionRequest(SamplingExtras):
     add_generation_prompt: bool = True
     #: vLLM's: end the prompt inside the last message so the model continues it (needs add_generation_prompt false)
     continue_final_message: bool = False
+    #: vLLM's: a Jinja template for this request only; a 400 unless the server runs --trust-request-chat-template
     chat_template: Text | None = None
     #: vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false}
     chat_template_kwargs: dict[str, Any] | None = None
@@ -449,6 +450,7 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    #: As a chat request's: needs --trust-request-chat-template
     chat_template: Text | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -23,7 +23,7 @@ from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedllm.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.request_errors import validation_error
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext, error_from_exception
+from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
@@ -120,13 +120,13 @@ class BatchLine:
             raise validation_error(RequestValidationError(errors)) from None
 
 
-async def _answer(line: BatchLine) -> dict:
+async def _answer(line: BatchLine, ctx: ServingContext) -> dict:
     if line.error is not None or line.route is None:
         return _error_line(line.custom_id, line.error or OpenAIError("the line cannot run"))
     try:
         body = await line.route.handler(line.request)
     except Exception as e:  # every failure becomes this line's error; the batch runs on
-        return _error_line(line.custom_id, error_from_exception(e))
+        return _error_line(line.custom_id, ctx.mapped_error(e, f"batch line {line.custom_id!r}"))
     if not isinstance(body, dict):  # a stream (the request asked for one some other way)
         return _error_line(line.custom_id, OpenAIError("a batch request cannot stream", param="stream"))
     return _output_line(line.custom_id, 200, body, None)
@@ -153,7 +153,7 @@ async def run_batch(ctx: ServingContext, lines: list[str], output: TextIO, max_i
     async def run(index: int, line: BatchLine) -> None:
         nonlocal next_to_write
         async with slots:
-            answer = await _answer(line)
+            answer = await _answer(line, ctx)
         done[index] = answer
         if answer["error"] is not None:
             summary.failed += 1

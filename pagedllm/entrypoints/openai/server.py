@@ -32,9 +32,10 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.headers import RequestIdHeaderMiddleware, add_cors
 from pagedllm.entrypoints.openai.request_errors import validation_error
 from pagedllm.entrypoints.openai.security import ApiKeyAuth, ApiKeyMiddleware, BodySizeLimitMiddleware
+from pagedllm.entrypoints.openai.server_ops import ServerLoad, ServerLoadMiddleware, add_middlewares, tokenizer_info
 from pagedllm.entrypoints.openai.dashboard import register_dashboard
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, render_messages
-from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext
+from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingContext, log_error_traceback
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_classification import OpenAIServingClassification
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -118,7 +119,9 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 class HttpOptions:
     """vLLM's HTTP flags: --enable-request-id-headers, the CORS settings (headers.py), --root-path (FastAPI's
     root_path, behind a proxy that routes a path prefix to this server) and --disable-fastapi-docs (no /docs,
-    /redoc, /openapi.json)."""
+    /redoc, /openapi.json); and the operational ones (server_ops.py): --enable-server-load-tracking (GET /load
+    counts the requests in flight), --enable-tokenizer-info-endpoint (GET /tokenizer_info) and --middleware (the
+    imported classes and async functions, added outermost, in order)."""
 
     enable_request_id_headers: bool = False
     allowed_origins: tuple[str, ...] = ("*",)
@@ -127,6 +130,9 @@ class HttpOptions:
     allow_credentials: bool = False
     root_path: str = ""
     disable_fastapi_docs: bool = False
+    enable_server_load_tracking: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    middleware: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
@@ -181,6 +187,10 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     # As vLLM sets it (the constructor's root_path argument is deprecated): FastAPI routes the path with or without
     # the prefix, and /docs and the schema's `servers` name it.
     app.root_path = http.root_path
+    # GET /load's count (0 unless tracked). Innermost: a request the key or the size limit refuses is not load.
+    app.state.server_load = ServerLoad()
+    if http.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=app.state.server_load)
     # Added last = outermost: the size limit, then the key, are checked before anything reads the body.
     app.state.auth = ApiKeyAuth(api_key, protect_metrics, http.root_path) if api_key else None
     if app.state.auth is not None:
@@ -189,11 +199,14 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     if http.enable_request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
     add_cors(app, http.allowed_origins, http.allowed_methods, http.allowed_headers, http.allow_credentials)
+    add_middlewares(app, http.middleware)  # --middleware: outermost, as vLLM adds them after its own
     if dashboard:  # its data routes check the key themselves (EventSource can only send ?api_key=)
         board = register_dashboard(app, ctx.engine, api_key)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
+        if ctx.log_error_stack:  # --log-error-stack: a 5xx's traceback (the engine's, for a mapped error)
+            log_error_traceback(logger, exc, f"{request.method} {request.url.path}")
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
@@ -271,6 +284,19 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     @app.get("/version")
     async def version() -> dict:
         return {"version": pagedllm.__version__}
+
+    @app.get("/load")
+    async def server_load() -> dict:
+        """vLLM's load report: requests in flight on the generation and pooling routes, streams until their end
+        (always 0 without --enable-server-load-tracking, as in vLLM)."""
+        return {"server_load": app.state.server_load.value}
+
+    if http.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict:
+            """vLLM's /tokenizer_info (--enable-tokenizer-info-endpoint): the tokenizer's configuration, its class
+            and the chat template in use."""
+            return tokenizer_info(ctx.tokenizer, ctx.chat_template)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -40,6 +40,7 @@ def render_messages(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRe
                     tools: list[dict] | None = None) -> list[int]:
     """Token ids of a request's conversation under the chat template (the request's template options applied);
     bad options are a 400 naming the option, bad messages one naming `messages`."""
+    template = ctx.request_chat_template(req)
     messages = req.messages
     if not messages:
         raise OpenAIError("messages must contain at least one message.", param="messages")
@@ -56,9 +57,8 @@ def render_messages(ctx: ServingContext, req: ChatCompletionRequest | TokenizeRe
     if effort is not None and "reasoning_effort" not in (kwargs or {}):
         kwargs = {**(kwargs or {}), "reasoning_effort": effort}
     try:
-        return apply_chat_template(ctx.tokenizer, plain, req.add_generation_prompt,
-                                   req.chat_template or ctx.chat_template, tools, req.continue_final_message,
-                                   kwargs)
+        return apply_chat_template(ctx.tokenizer, plain, req.add_generation_prompt, template, tools,
+                                   req.continue_final_message, kwargs, ctx.chat_template_content_format)
     except ValueError as e:
         raise OpenAIError(str(e), param="messages") from None
     except Exception as e:  # a template that fails to render on these messages (jinja raise_exception, ...)
@@ -94,14 +94,16 @@ class OpenAIServingChat:
         processor = self.ctx.engine.mm_processor if has_parts(plain) else None
         if not needs_multimodal_render(plain, processor is not None):
             return None
+        template = self.ctx.request_chat_template(req)  # (before any image is fetched)
         try:
             if processor is None:
                 raise text_only_error()
-            tools = ChatTools(req, self.ctx.tool_call_parser).template_tools()
-            template = req.chat_template or self.ctx.chat_template or processor.chat_template
+            tools = self.ctx.chat_tools(req).template_tools()
+            template = template or processor.chat_template
             text, refs = render_multimodal_chat(self.ctx.tokenizer, plain, processor.image_token, template,
                                                 req.add_generation_prompt, tools, req.continue_final_message,
-                                                self.ctx.chat_template_kwargs(req.chat_template_kwargs))
+                                                self.ctx.chat_template_kwargs(req.chat_template_kwargs),
+                                                self.ctx.chat_template_content_format)
             images = await asyncio.gather(*(load_image_url_async(r.url, self.ctx.media_limits or MediaLimits()) if r.image is None else _ready(r.image)
                                             for r in refs))
             return await asyncio.to_thread(processor.process, {"prompt": text, "multi_modal_data": {"image": images}},
@@ -113,7 +115,7 @@ class OpenAIServingChat:
                   image_prompt: dict | None = None) -> tuple[str, list[int], int | None, int | None, ChatTools]:
         model = self.ctx.check_model(req.model)
         try:
-            tools = ChatTools(req, self.ctx.tool_call_parser)
+            tools = self.ctx.chat_tools(req)
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -262,7 +264,7 @@ class OpenAIServingChat:
                 yield sse(dump(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                             usage=usage)))
         except Exception as e:
-            yield sse(error_from_exception(e).body())
+            yield sse(self.ctx.mapped_error(e, f"chat completion stream {request_id}").body())
         finally:
             self.ctx.abort_unfinished(streams)
         yield sse("[DONE]")

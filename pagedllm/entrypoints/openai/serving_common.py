@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 MAX_LOGPROBS = 20
 #: Most completions per prompt (OpenAI's limit), further capped by max_num_seqs.
 MAX_N = 128
+#: --log-error-stack's tracebacks of stream errors go where the server logs its own errors.
+_error_logger = logging.getLogger("pagedllm.server")
 
 # Request fields an engine-side ValueError may name first in its message (the error's `param`).
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__} | {"priority", "cache_salt"}
@@ -73,6 +76,19 @@ def error_from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(message, param=param, code=code)
     return OpenAIError(f"the engine failed on this request: {type(exc).__name__}: {exc}", code="engine_error",
                        status=500, type="server_error")
+
+
+def log_error_traceback(log: logging.Logger, err: OpenAIError, where: str, exc: BaseException | None = None) -> None:
+    """--log-error-stack: log a server-side error response (status >= 500) with the full traceback of what caused
+    it: `exc`, the exception it was mapped from, else the one `err` was raised while handling (the handlers raise
+    ``error_from_exception(e) from None``, which hides `e` from a plain traceback), else `err` itself."""
+    if err.status < 500:
+        return
+    origin: BaseException = exc if exc is not None else err
+    while isinstance(origin, OpenAIError) and origin.__context__ is not None:
+        origin = origin.__context__
+    log.error("%s failed with %d %s: %s", where, err.status, err.code or err.type, err.message,
+              exc_info=(type(origin), origin, origin.__traceback__))
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -118,8 +134,12 @@ class ServingContext:
     return_tokens_as_token_ids: bool = False
     #: --reasoning-parser: splits a thinking model's output into reasoning and content (None: off).
     reasoning_parser: Any = None
-    #: --tool-call-parser: the one format tool_choice "auto" parses (None: every format in TOOL_PARSERS is tried).
+    #: --tool-call-parser: the one format tool_choice "auto" parses (None: every format in tool_parsers is tried).
     tool_call_parser: str | None = None
+    #: The server's tool parsers by name: the built-in ones and --tool-parser-plugin's (None: the built-in ones).
+    tool_parsers: dict | None = None
+    #: --exclude-tools-when-tool-choice-none: a request with tool_choice "none" renders its prompt without its tools.
+    exclude_tools_when_tool_choice_none: bool = False
     #: Most log-probs per token (the engine's max_logprobs; -1: up to the vocabulary).
     max_logprobs: int = MAX_LOGPROBS
     #: The model's generation-config defaults for fields a request leaves unset (engine/generation_defaults.py).
@@ -138,6 +158,12 @@ class ServingContext:
     media_limits: Any = None
     #: --default-chat-template-kwargs: template variables every chat request gets unless it sets them (vLLM's).
     default_chat_template_kwargs: dict | None = None
+    #: --chat-template-content-format: how message content reaches the template ("auto", "string", "openai").
+    chat_template_content_format: str = "auto"
+    #: --trust-request-chat-template: a request may bring its own chat_template (vLLM's; off: a 400).
+    trust_request_chat_template: bool = False
+    #: --log-error-stack: a server-side error response (5xx, a stream's error event too) logs its traceback.
+    log_error_stack: bool = False
 
     def __post_init__(self) -> None:
         if self.limits is None:
@@ -145,11 +171,38 @@ class ServingContext:
 
             self.limits = RequestLimits()
 
+    def mapped_error(self, exc: BaseException, where: str) -> OpenAIError:
+        """error_from_exception(exc) for an error no exception handler sees (a stream's error event, a batch line),
+        a server-side one's traceback logged under --log-error-stack."""
+        err = error_from_exception(exc)
+        if self.log_error_stack:
+            log_error_traceback(_error_logger, err, where, exc)
+        return err
+
+    def chat_tools(self, req: Any) -> Any:
+        """A chat request's tool handling (serving_tools.ChatTools) under this server's tool flags; ValueError for a
+        bad tool_choice."""
+        from pagedllm.entrypoints.openai.serving_tools import ChatTools
+
+        return ChatTools(req, self.tool_call_parser, self.tool_parsers, self.exclude_tools_when_tool_choice_none)
+
     def chat_template_kwargs(self, requested: dict | None) -> dict | None:
         """A request's chat_template_kwargs over the server's defaults (the request's values win)."""
         if not self.default_chat_template_kwargs:
             return requested
         return {**self.default_chat_template_kwargs, **(requested or {})}
+
+    def request_chat_template(self, req: Any) -> str | None:
+        """The template a request renders with: its own chat_template (only with --trust-request-chat-template,
+        else a 400), or the server's (--chat-template; None: the model's)."""
+        own = getattr(req, "chat_template", None)
+        if own is None:
+            return self.chat_template
+        if not self.trust_request_chat_template:
+            raise OpenAIError("this server does not accept a chat_template in the request (a template runs code on "
+                              "the server): start it with --trust-request-chat-template to allow one, or set the "
+                              "template for every request with --chat-template.", param="chat_template")
+        return own or self.chat_template
 
     @property
     def logprobs_limit(self) -> int:

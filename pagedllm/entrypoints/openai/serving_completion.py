@@ -16,7 +16,6 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_common import (
     OpenAIError,
     ServingContext,
-    error_from_exception,
     final_outputs,
     merge_streams,
     request_ids,
@@ -187,7 +186,7 @@ class OpenAIServingCompletion:
                 yield sse(dump(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                         usage=usage)))
         except Exception as e:
-            yield sse(error_from_exception(e).body())
+            yield sse(self.ctx.mapped_error(e, f"completion stream {request_id}").body())
         finally:
             self.ctx.abort_unfinished(streams)
         yield sse("[DONE]")

@@ -138,7 +138,7 @@ class OpenAIServingResponses:
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history
         chat = self._chat_request(req, messages, logprobs)
         try:
-            tools = ChatTools(chat, self.ctx.tool_call_parser)
+            tools = self.ctx.chat_tools(chat)
         except ValueError as e:
             raise OpenAIError(str(e), param="tool_choice") from None
         keep_special_tokens(self.ctx, chat)
@@ -279,7 +279,7 @@ class OpenAIServingResponses:
             yield events.send("response.completed" if body["status"] == "completed" else "response.incomplete",
                               response=body)
         except Exception as e:
-            err = _renamed(error_from_exception(e), req)
+            err = _renamed(self.ctx.mapped_error(e, f"response stream {shape.id}"), req)
             yield events.send("error", code=err.code, message=err.message, param=err.param)
             yield events.send("response.failed", response={
                 **shape.body([], "failed", None, None),

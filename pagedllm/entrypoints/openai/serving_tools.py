@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import (
@@ -16,6 +17,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.tool_parsers import (
     StreamingToolCalls,
+    ToolParser,
     extract_tool_calls,
     tool_choice_structured_outputs,
     tool_parser_classes,
@@ -28,11 +30,16 @@ ROLE = "assistant"
 
 class ChatTools:
     """One request's tool handling. `mode`: None (no tools or tool_choice "none"), "auto", "named", "required".
-    `tool_call_parser`: the one format "auto" parses (a TOOL_PARSERS name); None: each format is tried."""
+    `tool_call_parser`: the one format "auto" parses (a name of `parsers`, the server's mapping: built-in parsers
+    and --tool-parser-plugin ones; default the built-in ones); None: each format is tried.
+    `exclude_tools_when_none`: with tool_choice "none" the chat template gets no tools (vLLM's
+    --exclude-tools-when-tool-choice-none)."""
 
-    def __init__(self, req: ChatCompletionRequest, tool_call_parser: str | None = None) -> None:
+    def __init__(self, req: ChatCompletionRequest, tool_call_parser: str | None = None,
+                 parsers: Mapping[str, type[ToolParser]] | None = None, exclude_tools_when_none: bool = False) -> None:
         self.tools = req.tools or []
-        self.parser_classes = tool_parser_classes(tool_call_parser)
+        self.parser_classes = tool_parser_classes(tool_call_parser, parsers)
+        self._hide_tools = exclude_tools_when_none and req.tool_choice == "none"
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if self.tools else "none")
         self.constraint: StructuredOutputsParams | None
         self.constraint, mode = tool_choice_structured_outputs(self.tools, choice, req.parallel_tool_calls is not False)
@@ -46,7 +53,10 @@ class ChatTools:
         return [cls(self.tools) for cls in self.parser_classes]
 
     def template_tools(self) -> list[dict] | None:
-        """The tools as the chat template receives them (OpenAI's JSON)."""
+        """The tools as the chat template receives them (OpenAI's JSON); None with tool_choice "none" under
+        --exclude-tools-when-tool-choice-none."""
+        if self._hide_tools:
+            return None
         return [t.model_dump(exclude_none=True) for t in self.tools] or None
 
     # -- whole responses ---------------------------------------------------------------------------
