@@ -7,6 +7,7 @@ import importlib
 #: (subcommand, module with `add_args(parser)` / `run(args)` and a docstring, one-line help).
 BENCHMARKS: tuple[tuple[str, str, str], ...] = (
     ("throughput", "pagedllm.benchmarks.throughput", "Offline throughput on a fixed, seeded workload."),
+    ("latency", "pagedllm.benchmarks.latency", "One batch end to end (vLLM's bench latency), HF in the same run."),
     ("serving", "pagedllm.benchmarks.serving", "Online serving latency/throughput against a running server."),
     ("cpu-kernels", "pagedllm.benchmarks.cpu_kernels", "The CPU path's kernels against their torch peers."),
     ("http-overhead", "pagedllm.benchmarks.http_overhead", "The same batch through LLM.generate and through HTTP."),
