@@ -67,3 +67,20 @@ def test_a_real_run_times_every_iteration_and_the_hf_peer(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "[pagedllm] Avg latency:" in printed and "[hf] 99% percentile latency:" in printed
     assert f"= {figures['hf_over_pagedllm']:.2f}x" in printed
+
+
+def test_a_config_alone_runs_with_dummy_weights_on_both_sides(tmp_path):
+    """--load-format dummy (a GPU-sized shape from its config.json alone): the HF peer is transformers' own random
+    initialisation of the same config."""
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path / "tiny"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=512, max_position_embeddings=128).save_pretrained(model_dir)
+    out = tmp_path / "latency.json"
+    args = _args("--model", str(model_dir), "--load-format", "dummy", "--skip-tokenizer-init", "--disable-detokenize",
+                 "--input-len", "5", "--output-len", "4", "--batch-size", "2", "--num-iters-warmup", "0",
+                 "--num-iters", "1", "--compare", "hf", "--num-gpu-blocks-override", "16", "--output-json", str(out))
+    assert args.func(args) == 0
+    figures = json.loads(out.read_text())
+    assert len(figures["pagedllm"]["latencies"]) == len(figures["hf"]["latencies"]) == 1

@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         from pagedllm.benchmarks.throughput import load_hf_reference
 
         del llm, eng, once
-        hf = load_hf_reference(engine_args.model, args.dtype, device)
+        hf = load_hf_reference(engine_args.model, args.dtype, device, engine_args.load_format)
         hf_once = hf_iteration(hf, prompts, args)
         warm_up(hf_once, args.num_iters_warmup, "hf")
         peer = timed(hf_once, args.num_iters, "hf")

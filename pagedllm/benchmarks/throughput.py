@@ -184,10 +184,12 @@ def run_hf_cb(model, wl: Workload, num_blocks: int | None = None) -> Result:
     return Result("hf-cb", elapsed, len(wl.prompts), sum(map(len, wl.prompts)), n_out)
 
 
-def load_hf_reference(model: str | None, dtype: str, device: str):
-    """The same weights through transformers' own loader (GGUF or HF dir)."""
+def load_hf_reference(model: str | None, dtype: str, device: str, load_format: str = "auto"):
+    """The same weights through transformers' own loader (GGUF or HF dir). `load_format` "dummy" (a config alone):
+    transformers' own random initialisation of that config (values differ from pagedllm's dummy weights; shapes,
+    dtype and so the work per token do not)."""
     from pathlib import Path
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from pagedllm.model.gguf_loader import transformers_dense_gguf_kwargs
     from pagedllm.model.loader import resolve_model
@@ -195,7 +197,12 @@ def load_hf_reference(model: str | None, dtype: str, device: str):
 
     path = Path(resolve_model(model))
     torch_dtype = resolve_dtype(dtype, device)  # the engine's own choice for "auto"
-    if path.suffix == ".gguf":
+    if load_format == "dummy":
+        import torch
+
+        with torch.device(device):  # a large random model initialised where it runs
+            m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=torch_dtype)
+    elif path.suffix == ".gguf":
         m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype,
                                                  **transformers_dense_gguf_kwargs())
     else:
