@@ -1,8 +1,9 @@
 """vLLM's chat-template content formats: how a message's ``content`` reaches the Jinja template.
 
-"string": the content is one string (a list of text parts joined); "openai": the content is OpenAI's list of
-parts (``[{"type": "text", "text": ...}]``, a plain string wrapped as one part); "auto": "openai" when the template
-loops over a message's content (found by walking its Jinja syntax tree, as vLLM does), else "string".
+"string": the content is one string (a list of text parts joined with "\\n", as vLLM joins them); "openai": the
+content is OpenAI's list of parts (``[{"type": "text", "text": ...}]``, a plain string wrapped as one part); "auto":
+"openai" when the template loops over a message's content (found by walking its Jinja syntax tree, as vLLM does),
+else "string".
 """
 from __future__ import annotations
 

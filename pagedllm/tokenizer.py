@@ -37,7 +37,8 @@ def get_tokenizer(
 
 def _normalize_messages(messages: Sequence[Any], content_format: str = "string") -> list[dict[str, Any]]:
     """Validate chat messages. Content format "string": OpenAI-style lists of text parts are joined into one
-    string; "openai": every content becomes a list of text parts (a string one part)."""
+    string, one part per line ("\\n" between parts, as vLLM joins them); "openai": every content becomes a list of
+    text parts (a string one part)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError(f"messages must be a list of dicts with 'role' and 'content', got {type(messages).__name__}")
     out: list[dict[str, Any]] = []
@@ -58,7 +59,7 @@ def _normalize_messages(messages: Sequence[Any], content_format: str = "string")
                         f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}; only text is supported"
                     )
                 parts.append(part["text"])
-            content = "".join(parts) if content_format == "string" else [{"type": "text", "text": t} for t in parts]
+            content = "\n".join(parts) if content_format == "string" else [{"type": "text", "text": t} for t in parts]
         elif content is None:
             content = "" if content_format == "string" else []
         elif not isinstance(content, str):

@@ -197,8 +197,16 @@ _HELP = {
                             "freely.",
     "limit_mm_per_prompt": "Most items per prompt of each modality of a multimodal model (vLLM's), a JSON object "
                            "such as '{\"image\": 2}' (default: 999 each).",
+    "allowed_local_media_path": "Allow file:///abs/path image_url values (the server's requests, LLM.chat offline) "
+                                "for files under this directory, symlinks and '..' resolved first; an existing "
+                                "directory, checked at start-up (vLLM's; a security risk: trusted clients only; "
+                                "default: no local files).",
     "enable_sleep_mode": "Let LLM.sleep() / POST /sleep free the engine's memory (vLLM's sleep mode: level 1 moves "
                          "the weights to host memory and drops the KV cache, level 2 drops both) until wake_up.",
+    "profiler_config": "The torch profiler, a JSON object like newer vLLM's: {\"torch_profiler_dir\": DIR} turns it "
+                       "on as VLLM_TORCH_PROFILER_DIR=DIR does (LLM.start_profile() / stop_profile(), the server's "
+                       "POST /start_profile, /stop_profile); also profiler ('torch'), torch_profiler_record_shapes, "
+                       "torch_profiler_with_memory, torch_profiler_with_stack, torch_profiler_with_flops.",
     "logits_processors": "Custom logits processors (vLLM's): LogitsProcessor subclasses of "
                          "pagedllm.logits_processor, named 'package.module:Class' (or passed as classes "
                          "offline); each request's SamplingParams.extra_args (the server's vllm_xargs) reach them.",
@@ -291,6 +299,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     disable_log_stats: bool = False
     enable_sleep_mode: bool = False
+    profiler_config: str | dict | None = None
     # vLLM's model-source and parallelism options: accepted so its command lines and LLM(...) calls work
     # (`compat_notes` says which have no effect here).
     trust_remote_code: bool = False
@@ -301,6 +310,7 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     hf_overrides: str | dict | Callable[[Any], Any] | None = None
     limit_mm_per_prompt: str | dict | None = None
+    allowed_local_media_path: str | None = None
     enable_prompt_embeds: bool = False
     logits_processors: list[str | type] | None = None
     logprobs_mode: str = "raw_logprobs"

@@ -73,6 +73,14 @@ def _is_sleeping(engine: LLMEngine) -> bool:
 def _collective_rpc(method, timeout: float | None, args: tuple, kwargs: dict | None, engine: LLMEngine) -> list:
     return engine.collective_rpc(method, timeout, args, kwargs)
 
+
+def _start_profile(engine: LLMEngine) -> None:
+    engine.start_profile()
+
+
+def _stop_profile(engine: LLMEngine) -> None:
+    engine.stop_profile()
+
 __all__ = ["AsyncEngineFront", "AsyncLLMEngine", "AsyncStream", "EngineDeadError", "EngineStepError",
            "FrontSink", "StepObserver"]
 
@@ -260,6 +268,14 @@ class AsyncEngineFront:
         """``LLMEngine.collective_rpc`` between two steps (to an engine-core process `method` must pickle: a name,
         or a module-level function)."""
         return await self.call_between_steps(functools.partial(_collective_rpc, method, timeout, tuple(args), kwargs))
+
+    async def start_profile(self) -> None:
+        """``LLMEngine.start_profile`` between two steps (worker/profiler.py)."""
+        await self.call_between_steps(_start_profile)
+
+    async def stop_profile(self) -> None:
+        """``LLMEngine.stop_profile`` between two steps: the traces are written before it returns."""
+        await self.call_between_steps(_stop_profile)
 
     # -- requests ---------------------------------------------------------------------------------
     async def add_request(

@@ -230,6 +230,12 @@ class DPAsyncMPClient(AsyncEngineFront):
         results = await asyncio.gather(*(client.collective_rpc(method, timeout, args, kwargs) for client in self.ranks))
         return [r for rank in results for r in rank]
 
+    async def start_profile(self) -> None:
+        await asyncio.gather(*(client.start_profile() for client in self.ranks))
+
+    async def stop_profile(self) -> None:
+        await asyncio.gather(*(client.stop_profile() for client in self.ranks))
+
     # -- life -----------------------------------------------------------------------------------------------
     def start(self) -> None:
         for client in self.ranks:

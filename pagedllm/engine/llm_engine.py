@@ -58,6 +58,7 @@ from pagedllm.worker.model_input import (
     SequenceChunk,
     logits_row_layout,
 )
+from pagedllm.worker.profiler import ProfilerError, TorchProfilerConfig, profiler_disabled_error
 
 logger = logging.getLogger("pagedllm")
 
@@ -77,6 +78,12 @@ class LLMEngine:
     def __init__(self, engine_args: EngineArgs, usage_context: str = "engine") -> None:
         release_frozen_heap()
         self.engine_args = engine_args
+        # vLLM's torch profiler (worker/profiler.py): read once, here; a bad profiler_config fails before loading
+        self.profiler_config = TorchProfilerConfig.from_env(engine_args.profiler_config)
+        self._profiling = False
+        if self.profiler_config.enabled:
+            logger.info("Torch profiling enabled: start_profile() / stop_profile() save traces to %s (%s)",
+                        self.profiler_config.torch_profiler_dir, self.profiler_config)
         self.model_dir = loader.prepare_model_dir(engine_args.model, engine_args.load_format)
         self.hf_config = loader.load_config(self.model_dir, hf_overrides=engine_args.hf_overrides)
         self.hf_text_config = text_config(self.hf_config)  # the language model's (a multimodal model's text_config)
@@ -1023,6 +1030,32 @@ class LLMEngine:
         """vLLM's collective_rpc: run a Worker method (by name, or a callable taking the worker first) on every
         worker; their results in rank order (executor/rpc.py)."""
         return self.executor.collective_rpc(method, timeout, args, kwargs)
+
+    # -- torch profiler (worker/profiler.py) --------------------------------------------------------------------
+    def start_profile(self) -> None:
+        """vLLM's: start torch.profiler on every worker (needs VLLM_TORCH_PROFILER_DIR, or profiler_config's
+        torch_profiler_dir, at engine start). A second start while a profile runs is ignored with a warning."""
+        if not self.profiler_config.enabled:
+            raise profiler_disabled_error()
+        if self._profiling:
+            logger.warning("start_profile: the torch profiler is already running; ignored (stop_profile() writes "
+                           "the traces)")
+            return
+        self.executor.start_profile(self.profiler_config)
+        self._profiling = True
+        logger.info("torch profiler started; stop_profile() writes the traces to %s",
+                    self.profiler_config.torch_profiler_dir)
+
+    def stop_profile(self) -> None:
+        """Stop the profiler and write one trace per worker (``*.pt.trace.json.gz``) to the profiler directory."""
+        if not self.profiler_config.enabled:
+            raise profiler_disabled_error()
+        if not self._profiling:
+            raise ProfilerError("stop_profile: the torch profiler is not running; call start_profile() first.")
+        self._profiling = False
+        paths = self.executor.stop_profile()
+        logger.info("torch profiler stopped; trace(s) written: %s",
+                    ", ".join(p or f"(rank {rank}: not found)" for rank, p in enumerate(paths)))
 
     # -- observability ----------------------------------------------------------------------
     def kv_memory_breakdown(self) -> KVMemoryBreakdown:

@@ -18,7 +18,7 @@ from pagedllm.engine.gc_heap import fewer_young_collections
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.chat import needs_multimodal_render, render_multimodal_chat
-from pagedllm.multimodal.media import load_image_url
+from pagedllm.multimodal.media import MediaLimits, load_image_url, resolve_local_media_dir
 from pagedllm.multimodal.processor import text_only_error
 from pagedllm.entrypoints.score_utils import as_texts, cosine_score, score_pairs, score_prompt
 from pagedllm.outputs import (
@@ -34,6 +34,8 @@ from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 from pagedllm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedllm.engine.metrics_reader import Metric
 
 
@@ -49,6 +51,9 @@ class LLM:
         if self.engine_args.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={self.engine_args.data_parallel_size!r}: the offline LLM runs one "
                              "engine; allowed: 1. Data parallelism is `pagedllm serve --data-parallel-size N`.")
+        # Checked before the model loads: a wrong directory fails at once, as `serve` fails at start-up.
+        self._media_limits = MediaLimits(allowed_local_media_path=resolve_local_media_dir(
+            self.engine_args.allowed_local_media_path, "allowed_local_media_path"))
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args, usage_context="llm_class")
         self._request_counter = itertools.count()
         self._num_steps = 0
@@ -104,7 +109,8 @@ class LLM:
         opening a new turn; `chat_template_kwargs` are extra template variables; `tools` (OpenAI's function
         tools) go to the template as its `tools`; `chat_template_content_format` ("auto", "string" or "openai")
         is how message content reaches the template (all as in vLLM). A multimodal model's messages may hold image
-        parts: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..." or "https://..."}}`` or
+        parts: ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..." or "https://..."}}`` (or
+        ``"file:///abs/path"`` under the LLM's ``allowed_local_media_path``) or
         ``{"type": "image_pil", "image_pil": PIL.Image}``."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of such lists).")
@@ -132,7 +138,7 @@ class LLM:
         text, refs = render_multimodal_chat(self.get_tokenizer(), conv, processor.image_token,
                                             chat_template or processor.chat_template, add_generation_prompt, tools,
                                             continue_final_message, chat_template_kwargs, content_format)
-        images = [ref.image if ref.image is not None else load_image_url(ref.url) for ref in refs]
+        images = [ref.image if ref.image is not None else load_image_url(ref.url, self._media_limits) for ref in refs]
         return processor.process({"prompt": text, "multi_modal_data": {"image": images}}, add_special_tokens=False)
 
     def encode(
@@ -255,6 +261,26 @@ class LLM:
         tensor-parallel worker processes through cloudpickle; its result must pickle."""
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """Run ``func(model)`` on the model (the ``torch.nn.Module``) of every worker and return the results in
+        rank order, one per worker (vLLM's; built on `collective_rpc`). With tensor-parallel worker processes
+        (``distributed_executor_backend="mp"``) `func` travels through cloudpickle (a lambda or closure too; what
+        it captures must pickle) and so must its result: return small values, tensors moved to the CPU."""
+        if not callable(func):
+            raise ValueError(f"apply_model: func must be a callable taking the model, got {type(func).__name__}.")
+        return self.collective_rpc(_ModelCall(func))
+
+    def start_profile(self) -> None:
+        """vLLM's torch profiler: record the engine's workers (every tensor-parallel rank) from now until
+        `stop_profile`. Needs ``VLLM_TORCH_PROFILER_DIR`` set before the LLM is built (or
+        ``profiler_config={"torch_profiler_dir": DIR}``); a second start while one runs is ignored with a warning."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> None:
+        """Stop the profiler: each worker writes its ``*.pt.trace.json.gz`` (Perfetto / chrome://tracing) to the
+        profiler directory; the top ops are logged."""
+        self.llm_engine.stop_profile()
+
     def get_metrics(self) -> list[Metric]:
         """A snapshot of the engine's metrics as vLLM's ``LLM.get_metrics()`` returns them: ``Counter``, ``Gauge``,
         ``Histogram`` (and ``Vector``) objects of ``pagedllm.engine.metrics_reader``, named as the server's /metrics
@@ -374,6 +400,20 @@ def _offline_metrics(llm: LLM):
         return {**engine.stats(), "num_steps": owner._num_steps if owner is not None else 0, "healthy": True}
 
     return EngineMetrics(_default_name(engine.engine_args.model), snapshot)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelCall:
+    """`apply_model`'s collective_rpc callable: `func` on a worker's model. A module-level class pickles by
+    reference, so only `func` crosses to worker processes by value."""
+
+    func: Callable[[Any], Any]
+
+    def __call__(self, worker: Any) -> Any:
+        if worker.model is None:
+            raise RuntimeError("apply_model: this worker holds no model (it sleeps at level 2); call wake_up() "
+                               "first.")
+        return self.func(worker.model)
 
 
 def _with_task(params: PoolingParams, task: str) -> PoolingParams:

@@ -33,6 +33,7 @@ from pagedllm.executor.step_codec import encode_request
 from pagedllm.executor.worker_wrapper import WorkerWrapper
 from pagedllm.model.models.registry import get_model_class
 from pagedllm.worker.model_input import ExecuteModelRequest
+from pagedllm.worker.profiler import TorchProfilerConfig
 
 logger = logging.getLogger("pagedllm")
 
@@ -161,6 +162,14 @@ class DistributedExecutorBase(ABC):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._run_workers("wake_up", tags)
+
+    def start_profile(self, config: TorchProfilerConfig) -> None:
+        """Every rank starts torch.profiler in its own process (Worker.start_profile)."""
+        self._run_workers("start_profile", config)
+
+    def stop_profile(self) -> list[str | None]:
+        """Every rank writes its own trace; their paths in rank order."""
+        return self._run_workers("stop_profile")
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -9,6 +9,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.executor.rpc import check_rpc_method, run_method
 from pagedllm.worker.model_input import ExecuteModelRequest
+from pagedllm.worker.profiler import TorchProfilerConfig
 from pagedllm.worker.worker import Worker
 
 
@@ -54,6 +55,13 @@ class UniProcExecutor:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.driver_worker.wake_up(tags)
+
+    def start_profile(self, config: TorchProfilerConfig) -> None:
+        self.driver_worker.start_profile(config)
+
+    def stop_profile(self) -> list[str | None]:
+        """The trace's path, as a one-element list (rank order, as the distributed executors)."""
+        return [self.driver_worker.stop_profile()]
 
     def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -28,7 +28,8 @@ from pagedllm.worker.worker import Worker
 logger = logging.getLogger("pagedllm")
 
 # Worker methods the driver may call on every rank (anything else is refused); collective_rpc runs any method.
-ALLOWED_CALLS = ("determine_num_available_blocks", "init_cache", "release_free_memory", "sleep", "wake_up")
+ALLOWED_CALLS = ("determine_num_available_blocks", "init_cache", "release_free_memory", "sleep", "wake_up",
+                 "start_profile", "stop_profile")
 
 
 class WorkerWrapper:

@@ -1,12 +1,14 @@
 """Images from the URLs of OpenAI content parts: ``data:`` URLs decoded, ``http(s)`` URLs fetched with a timeout
-and a size limit, ``file://`` URLs read only under the --allowed-local-media-path directory; every failure is a
-ValueError saying what was wrong (the server answers 400 with it)."""
+and a size limit, ``file://`` URLs read only under the allowed local media directory (the engine argument
+--allowed-local-media-path, ``LLM(allowed_local_media_path=...)`` offline); every failure is a ValueError saying
+what was wrong (the server answers 400 with it)."""
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
 import io
+import os
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -17,6 +19,8 @@ from typing import Any
 #: URL schemes an image may come from ("file" only with MediaLimits.allowed_local_media_path).
 ALLOWED_SCHEMES = ("data", "http", "https", "file")
 LOCAL_MEDIA_FLAG = "--allowed-local-media-path"
+#: The flag and the LLM keyword argument, as errors name the setting (one engine argument, vLLM's).
+LOCAL_MEDIA_SETTING = f"{LOCAL_MEDIA_FLAG} (LLM's allowed_local_media_path)"
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,22 @@ class MediaLimits:
     #: --allowed-local-media-path: the directory file:// images may be read from, at any depth, after symlinks
     #: and '..' are resolved (None: no local file at all).
     allowed_local_media_path: str | None = None
+
+
+def resolve_local_media_dir(path: str | os.PathLike[str] | None, name: str = LOCAL_MEDIA_FLAG) -> str | None:
+    """The allowed local media directory as an absolute path with symlinks resolved, checked at start-up; None
+    when not given (None or "", vLLM's default). A ValueError naming `name` (the flag, or LLM's keyword) unless
+    `path` is an existing directory."""
+    if path is None or path == "":
+        return None
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path).strip():
+        raise ValueError(f"{name} must name a directory (a path string), got {path!r}.")
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_dir():
+        what = "not a directory" if resolved.exists() else "no such directory"
+        raise ValueError(f"{name} {os.fspath(path)}: {what}; give an existing directory whose files an image_url "
+                         f"may name as file:///abs/path.")
+    return str(resolved)
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -118,8 +138,9 @@ def local_media_file(url: str, limits: MediaLimits) -> Path:
     --allowed-local-media-path unless the resolved file lies under that directory."""
     root = limits.allowed_local_media_path
     if root is None:
-        raise ValueError(f"image_url {_short(url)!r}: local files (file://) are refused; the server allows those "
-                         f"under a directory DIR only when started with {LOCAL_MEDIA_FLAG} DIR.")
+        raise ValueError(f"image_url {_short(url)!r}: local files (file://) are refused; those under a directory "
+                         f"DIR are allowed only with {LOCAL_MEDIA_FLAG} DIR (LLM(allowed_local_media_path=DIR) "
+                         f"offline).")
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise ValueError(f"image_url {_short(url)!r}: a file URL names no remote host; write file:///abs/path.")
@@ -131,8 +152,8 @@ def local_media_file(url: str, limits: MediaLimits) -> Path:
     except (OSError, RuntimeError) as e:  # a symlink loop
         raise ValueError(f"image_url {_short(url)!r}: the path cannot be resolved: {e}.") from None
     if resolved == base or not resolved.is_relative_to(base):
-        raise ValueError(f"image_url {_short(url)!r}: the file is not under the server's {LOCAL_MEDIA_FLAG} "
-                         f"({root}); symlinks and '..' count where they lead.")
+        raise ValueError(f"image_url {_short(url)!r}: the file is not under the allowed local media directory "
+                         f"{root} ({LOCAL_MEDIA_SETTING}); symlinks and '..' count where they lead.")
     return resolved
 
 
@@ -156,7 +177,7 @@ def load_image_url(url: Any, limits: MediaLimits = MediaLimits()) -> Any:
     scheme = urllib.parse.urlsplit(url).scheme.lower() if not url.startswith("data:") else "data"
     if scheme not in ALLOWED_SCHEMES:
         raise ValueError(f"image_url {_short(url)!r}: scheme {scheme!r} is not allowed; allowed: data, http, "
-                         f"https, and file with the server's {LOCAL_MEDIA_FLAG}.")
+                         f"https, and file with {LOCAL_MEDIA_SETTING}.")
     if scheme == "data":
         return _decode_data_url(url, limits)
     if scheme == "file":

@@ -67,6 +67,7 @@ from pagedllm.worker.kv_scale_calibration import (
 )
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.profiler import ProfilerError, TorchProfiler, TorchProfilerConfig
 from pagedllm.worker.sleep_offload import OffloadedModel, offload_model, restore_model
 
 logger = logging.getLogger("pagedllm")
@@ -658,6 +659,25 @@ class Worker:
             logger.info("engine idle: malloc_trim returned %.0f MiB of freed memory to the OS in %.1f ms",
                         released, 1e3 * (time.perf_counter() - t0))
         return released
+
+    # -- torch profiler (worker/profiler.py) -------------------------------------------------------------------
+    _profiler: TorchProfiler | None = None  # from start_profile until stop_profile
+
+    def start_profile(self, config: TorchProfilerConfig) -> None:
+        """Start recording this process with torch.profiler (a second start while one runs is ignored)."""
+        if self._profiler is not None:
+            logger.warning("start_profile: the torch profiler is already running on rank %d; ignored", self.tp.rank)
+            return
+        profiler = TorchProfiler(config, self.device, self.tp.rank)
+        profiler.start()
+        self._profiler = profiler
+
+    def stop_profile(self) -> str | None:
+        """Stop recording and write this worker's trace; its path."""
+        if self._profiler is None:
+            raise ProfilerError("stop_profile: the torch profiler is not running; call start_profile() first.")
+        profiler, self._profiler = self._profiler, None
+        return profiler.stop()
 
     # -- sleep mode (engine/sleep_mode.py) --------------------------------------------------------------------
     sleep_level: int = 0  # 0 awake, else the level of the last sleep() until every part is awake again

@@ -195,9 +195,7 @@ def _add_log_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
                    help="The only hosts an http(s) image_url may be fetched from, redirects refused (vLLM's flag; "
                         "default: any host).")
-    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="Allow file:///abs/path image_url values for files under DIR (symlinks and '..' resolved "
-                        "first); an existing directory (vLLM's flag; default: no local files).")
+    # --allowed-local-media-path is an engine argument (EngineArgs), as in vLLM: the offline LLM takes it too.
 
 
 def _add_http_args(p: argparse.ArgumentParser) -> None:
@@ -417,26 +415,12 @@ def tool_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _media_limits(domains: list[str] | None, local_path: str | None = None) -> Any:
-    from pagedllm.multimodal.media import MediaLimits
+    from pagedllm.multimodal.media import MediaLimits, resolve_local_media_dir
 
     if domains is not None and not all(d.strip() for d in domains):
         raise ValueError("--allowed-media-domains: every entry must be a host name (e.g. upload.wikimedia.org).")
     return MediaLimits(allowed_domains=tuple(d.strip().lower() for d in domains) if domains is not None else None,
-                       allowed_local_media_path=_local_media_dir(local_path))
-
-
-def _local_media_dir(path: str | None) -> str | None:
-    """--allowed-local-media-path as an absolute directory with symlinks resolved (None: not given)."""
-    if path is None:
-        return None
-    if not path.strip():
-        raise ValueError("--allowed-local-media-path must name a directory, got an empty value.")
-    resolved = Path(path).expanduser().resolve()
-    if not resolved.is_dir():
-        what = "not a directory" if resolved.exists() else "no such directory"
-        raise ValueError(f"--allowed-local-media-path {path}: {what}; give an existing directory whose files an "
-                         f"image_url may name as file:///abs/path.")
-    return str(resolved)
+                       allowed_local_media_path=resolve_local_media_dir(local_path))
 
 
 def start_serving(args: argparse.Namespace, command: str) -> tuple[ServingContext, EngineMetrics, EngineArgs]:
@@ -521,6 +505,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedllm.engine.gc_heap import freeze_startup_heap
     from pagedllm.entrypoints.openai.server import DEV_MODE_ENV, GracefulServer, build_app
     from pagedllm.entrypoints.openai.server_ops import h11_options
+    from pagedllm.worker.profiler import TorchProfilerConfig
 
     if args.protect_metrics and not args.api_key:
         raise ValueError("--protect-metrics needs --api-key (there is no key to protect /metrics with).")
@@ -536,7 +521,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     dashboard=not args.no_dashboard, warm_up=not args.no_warm_up_request,
                     dev_mode=os.environ.get(DEV_MODE_ENV, "0") == "1", http=http,
                     responses_store=args.enable_responses_api_store, enable_lora=engine_args.enable_lora,
-                    log_stats_interval_s=log_stats)
+                    log_stats_interval_s=log_stats,
+                    profiler=TorchProfilerConfig.from_env(engine_args.profiler_config).enabled)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + 5.0, access_log=False, **tls,
                             **uvicorn_opts)

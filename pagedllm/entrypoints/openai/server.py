@@ -51,6 +51,7 @@ from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedllm.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
+from pagedllm.entrypoints.openai.profiler_routes import register_profiler_routes
 from pagedllm.entrypoints.openai.sleep_routes import register_sleep_routes
 from pagedllm.entrypoints.openai.warm_up import warm_up_request
 
@@ -143,14 +144,16 @@ class HttpOptions:
 def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None = None,
               protect_metrics: bool = False, dashboard: bool = True, warm_up: bool = True,
               dev_mode: bool = False, http: HttpOptions = HttpOptions(), responses_store: bool = False,
-              enable_lora: bool = False, log_stats_interval_s: float | None = None) -> FastAPI:
+              enable_lora: bool = False, log_stats_interval_s: float | None = None,
+              profiler: bool = False) -> FastAPI:
     """`warm_up`: one short streamed completion through the whole app before the server binds (warm_up.py).
     `dev_mode` (``VLLM_SERVER_DEV_MODE=1``): also serve vLLM's development routes ``POST /reset_prefix_cache`` and
     sleep mode's ``POST /sleep``, ``POST /wake_up``, ``GET /is_sleeping`` (sleep_routes.py).
     `http`: response headers and CORS (HttpOptions). `responses_store`: keep /v1/responses results in memory
     (--enable-responses-api-store). `enable_lora`: the engine serves LoRA adapters (the runtime LoRA routes need
     it, and VLLM_ALLOW_RUNTIME_LORA_UPDATING). `log_stats_interval_s`: log vLLM's stats line this often once the
-    server is up (None: never; engine/stats_logger.py)."""
+    server is up (None: never; engine/stats_logger.py). `profiler`: the engine's torch profiler is on
+    (VLLM_TORCH_PROFILER_DIR): serve vLLM's ``POST /start_profile`` and ``POST /stop_profile`` (profiler_routes.py)."""
     completion = OpenAIServingCompletion(ctx)
     chat = OpenAIServingChat(ctx)
     responses = OpenAIServingResponses(ctx, ResponseStore() if responses_store else None)
@@ -395,6 +398,9 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             return Response(status_code=200)
 
         register_sleep_routes(app, ctx.engine)
+
+    if profiler:
+        register_profiler_routes(app, ctx.engine)
 
     return app
 
