@@ -36,11 +36,14 @@ RUNNER_TYPES = ("auto", "generate", "pooling")
 # vLLM's --convert: "embed" turns a *ForCausalLM model into an embedding model (implies runner pooling); "classify"
 # serves a *ForSequenceClassification checkpoint as a classifier (what runner auto picks for one anyway).
 CONVERT_TYPES = ("auto", "none", "embed", "classify")
-# What a pooling model returns per prompt: an embedding, or a classifier's class probabilities (its `score` head).
-POOLING_MODEL_TASKS = ("embed", "classify")
+# What a pooling model returns per prompt: an embedding, a classifier's class probabilities (its `score` head), or
+# a token classifier's class probabilities for every prompt token (*ForTokenClassification).
+POOLING_MODEL_TASKS = ("embed", "classify", "token_classify")
 # How a prompt's hidden states become one vector (vLLM's pooling types): the last token's (decoder embedding models
-# such as Qwen3-Embedding or e5-mistral), the mean over all tokens, or the first token's.
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# such as Qwen3-Embedding or e5-mistral), the mean over all tokens, or the first token's; "ALL" (vLLM's token
+# pooling type) keeps every token's row: what the token_embed / token_classify tasks return, a token classifier's
+# only pooling type (on other models it leaves their sequence pooling type at its default, as in vLLM).
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

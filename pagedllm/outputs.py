@@ -98,7 +98,8 @@ class DeltaState:
 
 @dataclass
 class PoolingOutput:
-    """The pooled hidden state of one prompt (a float32 CPU tensor)."""
+    """The pooled hidden state of one prompt (a float32 CPU tensor: [dim], or [num_prompt_tokens, dim] for the
+    per-token tasks)."""
 
     data: object  # torch.Tensor; typed loosely so this module stays import-light
 

@@ -1,14 +1,17 @@
 """vLLM's PoolingParams: the per-request options of a pooling request (`LLM.embed`, `LLM.classify`, `LLM.score`,
-`/v1/embeddings`, `/classify`, `/v1/score`, `/rerank`)."""
+`LLM.reward`, `LLM.encode`, `/v1/embeddings`, `/classify`, `/v1/score`, `/rerank`, `/pooling`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pagedllm.sampling_params import _check_bool, _check_opt_int
 
-# vLLM's pooling tasks: "encode" (the pooled vector, whatever the model), "embed" (an embedding model's vector),
-# "classify" (a classifier's class probabilities), "score" (a cross-encoder's one probability for a text pair).
-POOLING_TASKS = ("embed", "encode", "classify", "score")
+# vLLM's pooling tasks: "encode" (what the model returns by default), "embed" (an embedding model's vector),
+# "classify" (a classifier's class probabilities), "score" (a cross-encoder's one probability for a text pair), and
+# the per-token ones (ALL pooling: one row per prompt token): "token_embed" (every token's embedding) and
+# "token_classify" (every token's class probabilities).
+POOLING_TASKS = ("embed", "encode", "classify", "score", "token_embed", "token_classify")
+TOKEN_POOLING_TASKS = ("token_embed", "token_classify")
 
 
 @dataclass

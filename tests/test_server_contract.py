@@ -126,7 +126,9 @@ def test_chunked_body_above_limit_is_413(server):
 @pytest.mark.parametrize("path,method", [("/v1/models", "GET"), ("/v1/completions", "POST"),
                                          ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
                                          ("/detokenize", "POST"), ("/metrics", "GET"), ("/v1/responses", "POST"),
-                                         ("/invocations", "POST"), ("/v1/embeddings", "POST")])
+                                         ("/invocations", "POST"), ("/v1/embeddings", "POST"), ("/pooling", "POST"),
+                                         ("/classify", "POST"), ("/score", "POST"), ("/rerank", "POST"),
+                                         ("/v2/rerank", "POST")])
 def test_api_key_guards_model_routes(server, path, method):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         r = httpx.request(method, server.url(path), json={}, headers=headers, timeout=30)

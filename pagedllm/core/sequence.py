@@ -157,12 +157,15 @@ class SequenceGroup:
     # Sequences that finished and left the running set but belong to the final answer.
     finished_seqs: list[Sequence] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # A pooling request that reads every prompt row (MEAN, CLS, the per-token tasks): see skips_prefix_cache.
+    needs_every_prompt_row: bool = False
 
     @property
     def skips_prefix_cache(self) -> bool:
-        """A request for prompt log-probs needs every prompt position's logits, and a cached block has none: it
-        computes its whole prompt (as vLLM). Its blocks are still cached for others."""
-        return getattr(self.sampling_params, "prompt_logprobs", None) is not None
+        """A request for prompt log-probs (or a pooling request that reads every prompt row) needs every prompt
+        position's output, and a cached block has none: it computes its whole prompt (as vLLM). Its blocks are
+        still cached for others."""
+        return self.needs_every_prompt_row or getattr(self.sampling_params, "prompt_logprobs", None) is not None
 
     @property
     def prompt_token_ids(self) -> list[int]:

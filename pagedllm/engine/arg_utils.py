@@ -149,16 +149,18 @@ _HELP = {
     "runner": "What the model runs (vLLM's --runner): generate (sample tokens), pooling (one result per prompt: "
               "embeddings through LLM.embed and /v1/embeddings, class probabilities through LLM.classify and "
               "/classify, scores through LLM.score, /v1/score and /rerank), or auto (pooling for a base-model "
-              "checkpoint such as LlamaModel, which has no LM head, and for a *ForSequenceClassification one; else "
-              "generate).",
+              "checkpoint such as LlamaModel, which has no LM head, and for a *ForSequenceClassification or "
+              "*ForTokenClassification one; else generate).",
     "convert": "vLLM's --convert: embed turns a *ForCausalLM model into an embedding model; classify serves a "
                "*ForSequenceClassification checkpoint (Llama, Mistral, Qwen2, Qwen3) as a classifier: its `score` "
                "head over the last token, softmax over the labels (sigmoid for one label: a cross-encoder, which "
                "LLM.score and /v1/score, /rerank use for text pairs). Both imply --runner pooling; auto or none "
-               "leave the model as it is (a *ForSequenceClassification checkpoint classifies by default).",
-    "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\", "
+               "leave the model as it is (a *ForSequenceClassification checkpoint classifies by default, a "
+               "*ForTokenClassification one classifies every token: task token_classify).",
+    "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\" | \"ALL\", "
                      "\"normalize\": true, \"activation\": true} (default LAST, normalized: what decoder embedding "
-                     "models use; activation: a classifier's softmax/sigmoid, false for raw logits).",
+                     "models use; ALL: a token classifier's, every token's row; activation: a classifier's softmax/sigmoid, false "
+                     "for raw logits).",
     "enable_lora": "Serve LoRA adapters on the base model (vLLM's): each request may name a PEFT adapter "
                    "(LLM.generate(lora_request=LoRARequest(name, id, path)); the server's --lora-modules name=path "
                    "and the request's model field). One process (tensor_parallel_size 1), no speculative decoding.",

@@ -44,7 +44,7 @@ from pagedllm.model.layers.sampler import (
     token_rank,
     warm_up_sampler,
 )
-from pagedllm.model.models.registry import (get_model_class, get_model_max_len, get_sliding_window,
+from pagedllm.model.models.registry import (get_model_class, get_model_max_len, get_sliding_window, is_encoder_only,
                                             kv_cache_layout, layer_sliding_windows, text_config)
 from pagedllm.multimodal.inputs import features_in_range
 from pagedllm.multimodal.processor import MultiModalProcessor, checked_features, prepare_multimodal_prompt
@@ -348,9 +348,11 @@ class LLMEngine:
         group.extra["max_tokens"] = max_tokens
         group.extra["best_of"] = params.best_of or params.n
         if pooling is not None:
-            classify = self.config.model_config.pooling_task == "classify"
+            classify = self.config.model_config.pooling_task in ("classify", "token_classify")
             num_labels = len(classification_labels(self.hf_config)) if classify else None
-            group.extra["pooling"] = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels)
+            state = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels)
+            group.extra["pooling"] = state
+            group.needs_every_prompt_row = state.wants_every_row
         if lora_request is not None:
             group.extra["lora_request"] = lora_request
         if mm_features:
@@ -416,7 +418,9 @@ class LLMEngine:
                               group_windows=cc.kv_cache_group_windows,
                               enable_prompt_embeds=self.config.model_config.enable_prompt_embeds,
                               logits_processors=self.config.model_config.logits_processors,
-                              labels=classification_labels(self.hf_config) if task == "classify" else ())
+                              labels=(classification_labels(self.hf_config)
+                                      if task in ("classify", "token_classify") else ()),
+                              cls_classifier=task == "classify" and is_encoder_only(self.hf_config))
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
         """The checks `add_request` makes, reading only the configuration (safe from another thread).
@@ -939,8 +943,8 @@ class LLMEngine:
 
     def _pool(self, item: ScheduledSequence, chunk: SequenceChunk, hidden: torch.Tensor,
               touched: dict[str, SequenceGroup]) -> None:
-        """A pooling request's rows of this step (every row for MEAN/CLS, else the last prompt row); its last
-        chunk finishes it with the pooled vector."""
+        """A pooling request's rows of this step (every row for MEAN/CLS/ALL, else the last prompt row); its last
+        chunk finishes it with the pooled vector (ALL: the prompt's rows)."""
         group, seq = item.group, item.seq
         if seq.is_finished():  # aborted while the step ran
             return

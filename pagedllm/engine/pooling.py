@@ -1,31 +1,38 @@
-"""Pooling requests (embeddings, classification): which runner an engine takes, and how a prompt's hidden states
-become one vector.
+"""Pooling requests (embeddings, classification, per-token outputs): which runner an engine takes, and how a
+prompt's hidden states become one vector, or one row per token.
 
 A pooling engine runs prompts only. Its model runner hands back the final hidden states (after the last norm)
 where a generating engine hands back logits — a classification model's rows have gone through its linear `score`
 head already, so they are label logits; a request finishes when its last prompt chunk has run, with the last
-token's row (LAST), the mean over every token (MEAN) or the first token's (CLS). An embedding is L2-normalized
-unless asked not to be; a classifier's logits become probabilities (softmax over the labels, or sigmoid for a
-single label: vLLM's defaults) unless asked not to (`activation`).
+token's row (LAST), the mean over every token (MEAN), the first token's (CLS), or every token's row (ALL: the
+token_embed and token_classify tasks, gathered across chunks). An embedding is L2-normalized unless asked not to
+be (per row for token_embed); a classifier's logits become probabilities (softmax over the labels, or sigmoid for
+a single label: vLLM's defaults, per row for token_classify) unless asked not to (`activation`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedllm.config import PoolerConfig
-from pagedllm.model.models.registry import is_base_model, is_classification_model, is_encoder_only
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.model.models.registry import (
+    is_base_model,
+    is_classification_model,
+    is_encoder_only,
+    is_token_classification_model,
+)
+from pagedllm.pooling_params import TOKEN_POOLING_TASKS, PoolingParams
 
 
 def resolve_runner(runner: str, convert: str, hf_config: Any) -> str:
     """vLLM's --runner / --convert → "generate" or "pooling"."""
     base = is_base_model(hf_config)
-    classifier = is_classification_model(hf_config)
+    classifier = is_classification_model(hf_config) or is_token_classification_model(hf_config)
     if convert in ("embed", "classify"):
         if runner == "generate":
             kind = "an embedding" if convert == "embed" else "a classification"
@@ -44,7 +51,10 @@ def resolve_runner(runner: str, convert: str, hf_config: Any) -> str:
 
 def resolve_pooling_task(convert: str, hf_config: Any) -> str:
     """What a pooling model returns (config.POOLING_MODEL_TASKS): "classify" for a *ForSequenceClassification
-    checkpoint (unless convert='embed' asks for its hidden states), else "embed"."""
+    checkpoint, "token_classify" for a *ForTokenClassification one (unless convert='embed' asks for their hidden
+    states), else "embed"."""
+    if is_token_classification_model(hf_config):
+        return "embed" if convert == "embed" else "token_classify"
     if is_classification_model(hf_config):
         return "embed" if convert == "embed" else "classify"
     if convert == "classify":
@@ -86,8 +96,11 @@ def sentence_transformers_pooling(model_dir: str | Path | None) -> dict[str, Any
 
 def default_pooler_fields(hf_config: Any, task: str, model_dir: str | Path | None) -> dict[str, Any]:
     """The model's own pooler defaults, under any `pooler_config` the user gives (vLLM's order: the user's
-    fields, then the sentence-transformers config of an embedding checkpoint, then the model's): encoder-only
-    models pool CLS (their classification heads read the CLS row), decoders the last token."""
+    fields, then the sentence-transformers config of an embedding checkpoint, then the model's): token
+    classifiers keep every token (ALL), encoder-only models pool CLS (their classification heads read the CLS
+    row), decoders the last token."""
+    if task == "token_classify":
+        return {"pooling_type": "ALL"}
     fields: dict[str, Any] = {"pooling_type": "CLS" if is_encoder_only(hf_config) else "LAST"}
     if task == "embed":
         fields.update(sentence_transformers_pooling(model_dir) or {})
@@ -97,13 +110,23 @@ def default_pooler_fields(hf_config: Any, task: str, model_dir: str | Path | Non
 def resolve_pooler_config(given: Any, hf_config: Any, task: str, model_dir: str | Path | None) -> PoolerConfig:
     """The pooler config: the user's `pooler_config` (a dict, JSON text or a PoolerConfig, whose fields all count
     as given) over the model's defaults (default_pooler_fields). An encoder-only classifier's head reads the CLS
-    row, so it takes no other pooling type."""
+    row, so it takes no other pooling type; a token classifier takes ALL only. "ALL" on another model is vLLM's
+    token pooling type (what its token_embed / token_classify requests use anyway): its sequence pooling type
+    stays the model's default."""
     if isinstance(given, PoolerConfig):
-        pooler = given
+        fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(given)}
     else:
         user = PoolerConfig.from_json(given)  # validates the user's JSON and keys
         fields = {k: getattr(user, k) for k in _given_keys(given)}
-        pooler = PoolerConfig.from_json({**default_pooler_fields(hf_config, task, model_dir), **fields})
+    defaults = default_pooler_fields(hf_config, task, model_dir)
+    if task == "token_classify" and fields.get("pooling_type", "ALL") != "ALL":
+        archs = getattr(hf_config, "architectures", None) or ["?"]
+        raise ValueError(f"pooler_config pooling_type={fields['pooling_type']!r}: {archs[0]} classifies every "
+                         f"token, so it takes pooling_type 'ALL' only; drop the pooling_type, or pass "
+                         f"convert='embed' for {fields['pooling_type']} embeddings of its hidden states.")
+    if task != "token_classify" and fields.get("pooling_type") == "ALL":
+        del fields["pooling_type"]
+    pooler = PoolerConfig.from_json({**defaults, **fields})
     if task == "classify" and is_encoder_only(hf_config) and pooler.pooling_type != "CLS":
         archs = getattr(hf_config, "architectures", None) or ["?"]
         raise ValueError(f"pooler_config pooling_type={pooler.pooling_type!r}: {archs[0]}'s classification head "
@@ -167,7 +190,7 @@ def classifier_activation(num_labels: int) -> str:
 @dataclass
 class PoolingState:
     """One pooling request's running reduction over its prompt rows (robust to a recomputed prompt: rows of
-    positions already seen are skipped)."""
+    positions already seen are skipped). `pooling_type` "ALL" keeps every row (the token tasks)."""
 
     params: PoolingParams
     pooling_type: str
@@ -175,25 +198,31 @@ class PoolingState:
     activation: str | None = None  # a classifier's: "softmax" or "sigmoid" (None: none)
     sum: torch.Tensor | None = None
     first: torch.Tensor | None = None
+    rows: list[torch.Tensor] = field(default_factory=list)  # ALL: the rows so far, in position order
     next_pos: int = 0  # rows of positions below this were reduced already
     result: torch.Tensor | None = None
 
     @classmethod
     def of(cls, params: PoolingParams, pooler: PoolerConfig, num_labels: int | None = None) -> PoolingState:
-        """`num_labels`: a classification model's (its rows are label logits); None: an embedding model."""
+        """`num_labels`: a classification model's (its rows are label logits); None: an embedding model. A token
+        task (or "encode" on a model whose pooler is ALL) pools ALL."""
+        per_token = params.task in TOKEN_POOLING_TASKS or (params.task in (None, "encode")
+                                                           and pooler.pooling_type == "ALL")
+        pooling_type = "ALL" if per_token else pooler.pooling_type
         if num_labels is not None:
             on = pooler.activation if params.activation is None else params.activation
-            return cls(params, pooler.pooling_type, False, classifier_activation(num_labels) if on else None)
+            return cls(params, pooling_type, False, classifier_activation(num_labels) if on else None)
         normalize = pooler.normalize if params.normalize is None else params.normalize
-        return cls(params, pooler.pooling_type, normalize)
+        return cls(params, pooling_type, normalize)
 
     @property
     def wants_every_row(self) -> bool:
-        """MEAN and CLS read rows before the last one (LAST reads the last row only)."""
+        """MEAN, CLS and ALL read rows before the last one (LAST reads the last row only); such a request
+        computes its whole prompt (a cached prefix has no rows)."""
         return self.pooling_type != "LAST"
 
     def add_rows(self, start_pos: int, rows: torch.Tensor) -> None:
-        """Rows of positions start_pos … start_pos + len(rows) - 1 (MEAN, CLS)."""
+        """Rows of positions start_pos … start_pos + len(rows) - 1 (MEAN, CLS, ALL)."""
         skip = max(0, self.next_pos - start_pos)
         new = rows[skip:].float()
         if not len(new):
@@ -203,18 +232,23 @@ class PoolingState:
             self.sum = part if self.sum is None else self.sum + part
         elif self.pooling_type == "CLS" and start_pos + skip == 0:
             self.first = new[0].clone()
+        elif self.pooling_type == "ALL":
+            self.rows.append(new.clone())  # the step's buffer is reused by the next step
         self.next_pos = start_pos + skip + len(new)
 
     def finish(self, last_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """The pooled vector (float32, on the CPU), once the prompt's last row ran."""
+        """The pooled vector (float32, on the CPU), once the prompt's last row ran; ALL: [num_tokens, dim]."""
         if self.pooling_type == "LAST":
             vec = last_row.float().clone()  # the row may sit in a buffer the next step reuses
         elif self.pooling_type == "MEAN":
             vec = self.sum / num_tokens
+        elif self.pooling_type == "ALL":
+            vec = torch.cat(self.rows)[:num_tokens]
+            self.rows = []
         else:
             vec = self.first
         if self.params.dimensions is not None:
-            vec = vec[: self.params.dimensions]
+            vec = vec[..., : self.params.dimensions]
         if self.normalize:
             vec = torch.nn.functional.normalize(vec, p=2.0, dim=-1)
         if self.activation == "softmax":

@@ -29,8 +29,11 @@ class RequestChecker:
     runner: str = "generate"  # or "pooling": requests take PoolingParams
     hidden_size: int = 0
     matryoshka_dimensions: tuple[int, ...] | None = None  # engine/pooling.matryoshka_dimensions
-    pooling_task: str | None = None  # runner "pooling": "embed" (an embedding model) or "classify" (a classifier)
+    # runner "pooling": "embed" (an embedding model), "classify" (a classifier) or "token_classify" (a token
+    # classifier)
+    pooling_task: str | None = None
     labels: tuple[str, ...] = ()  # a classifier's label names by class index (its config's id2label)
+    cls_classifier: bool = False  # the classifier's head reads the CLS row only (encoders): no token_classify
     sliding_window: int | None = None  # the window every layer shares: blocks behind it are freed (BlockManager)
     # A hybrid model's KV cache groups' windows (core/kv_cache_groups.py); None: one group with `sliding_window`.
     group_windows: tuple[int | None, ...] | None = None
@@ -68,7 +71,7 @@ class RequestChecker:
             raise ValueError(f"this model runs the pooling runner: it returns one embedding per prompt (LLM.embed, "
                              f"/v1/embeddings), not generated text; pass PoolingParams, not {type(params).__name__}.")
         self.check_pooling_task(params.task)
-        if self.pooling_task == "classify":
+        if self.pooling_task in ("classify", "token_classify"):
             for name in ("dimensions", "normalize"):
                 if getattr(params, name) is not None:
                     raise ValueError(f"{name} applies to embedding models, and this one is a classifier (its "
@@ -92,13 +95,21 @@ class RequestChecker:
     def check_pooling_task(self, task: str | None) -> None:
         """ValueError, saying what to use instead, for a pooling task (PoolingParams.task) this model does not do:
         "classify" needs a classifier; "score" needs a classifier of one label (a cross-encoder) or an
-        embedding model (cosine similarity); "embed" needs an embedding model."""
+        embedding model; "embed" and "token_embed" need an embedding model; "token_classify" a token classifier or
+        a decoder's sequence classifier (its head applies to every token); a token classifier does
+        "token_classify" (and "encode") only."""
         if self.runner != "pooling":
             raise ValueError(f"{task or 'pooling'} needs a pooling model, and this model generates text (runner "
                              f"'generate'): start the engine with runner='pooling' (--runner pooling).")
         n = len(self.labels)
-        if self.pooling_task == "classify":
-            if task == "embed":
+        if self.pooling_task == "token_classify":
+            if task not in (None, "encode", "token_classify"):
+                raise ValueError(f"{task} is not a task of this model: it is a token classifier ({n} labels) and "
+                                 f"returns class probabilities for every prompt token (task 'token_classify': "
+                                 f"LLM.reward, LLM.encode(pooling_task='token_classify'), POST /pooling); load it "
+                                 f"with convert='embed' (--convert embed) for embeddings of its hidden states.")
+        elif self.pooling_task == "classify":
+            if task in ("embed", "token_embed"):
                 raise ValueError(f"this model is a classifier ({n} labels): it returns class probabilities "
                                  f"(LLM.classify, /classify), not embeddings; load it with convert='embed' "
                                  f"(--convert embed) for embeddings of its hidden states.")
@@ -106,11 +117,16 @@ class RequestChecker:
                 raise ValueError(f"scoring a text pair needs a cross-encoder (a classifier with one label, "
                                  f"num_labels=1) or an embedding model; this classifier has {n} labels: use "
                                  f"LLM.classify (/classify) for its class probabilities.")
-        elif task == "classify":
-            raise ValueError("classify needs a sequence-classification model (an architecture such as "
-                             "LlamaForSequenceClassification, with its `score` head), and this model is an embedding "
-                             "model: use LLM.embed (/v1/embeddings) for its vectors, or LLM.score (/v1/score) for "
-                             "cosine similarities.")
+            if task == "token_classify" and self.cls_classifier:
+                raise ValueError("token_classify needs a head that applies to every token (a *ForTokenClassification "
+                                 "model, or a decoder's *ForSequenceClassification), and this encoder's "
+                                 "classification head reads the CLS token only: use LLM.classify (/classify).")
+        elif task in ("classify", "token_classify"):
+            raise ValueError(f"{task} needs a sequence-classification model (an architecture such as "
+                             f"LlamaForSequenceClassification, with its `score` head) or a token classifier (such as "
+                             f"BertForTokenClassification), and this model is an embedding model: use LLM.embed "
+                             f"(/v1/embeddings) for its vectors, LLM.encode(pooling_task='token_embed') for every "
+                             f"token's, or LLM.score (/v1/score) for cosine similarities.")
 
     def check_params(self, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

@@ -151,7 +151,9 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """Pool every prompt's hidden states into one vector (a pooling model: ``runner="pooling"``); outputs come
         back in input order, each with ``.outputs.data`` (a float32 tensor). `pooling_task`: vLLM's task of the
-        call ("encode", "embed", "classify" or "score"), set on every PoolingParams that names none."""
+        call ("encode": what the model returns by default, "embed", "classify", "score", or the per-token
+        "token_embed" / "token_classify", whose data is [num_prompt_tokens, dim]), set on every PoolingParams that
+        names none."""
         if self.llm_engine.runner != "pooling":
             raise ValueError(f"LLM.{pooling_task}() needs a pooling model, and this LLM generates text: build it "
                              f"with runner='pooling' (LLM(model, runner='pooling')).")
@@ -193,6 +195,20 @@ class LLM:
         ``outputs[i].outputs.probs`` is a list of floats, one per label (softmax; sigmoid for a single label)."""
         outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="classify")
         return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def reward(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.reward``: ``encode(prompts, pooling_task="token_classify")``, a token classifier's (or a
+        reward model's) class probabilities for every prompt token: ``outputs[i].outputs.data`` is a float32
+        tensor [num_prompt_tokens, num_labels]."""
+        return self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="token_classify")
 
     def score(
         self,

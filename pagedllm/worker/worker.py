@@ -483,7 +483,7 @@ class Worker:
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
         self.model_runner.prompt_embeds = self.config.model_config.enable_prompt_embeds
         self.model_runner.mamba_caches = self.mamba_caches
-        if self.config.model_config.pooling_task == "classify":
+        if self.config.model_config.pooling_task in ("classify", "token_classify"):
             self.model_runner.classifier = self.model.classify
         if self.lora_manager is not None:
             self.model_runner.lora_manager = self.lora_manager

@@ -15,7 +15,8 @@ from pagedllm.entrypoints.openai.serving_common import OpenAIError
 #: Routes that serve or reveal the model. /health, /version, /docs and /openapi.json stay open
 #: (as in vLLM, whose key guards /v1 only); /metrics is open unless `protect_metrics`.
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info", "/reset_prefix_cache", "/invocations",
-                      "/sleep", "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile")
+                      "/pooling", "/classify", "/score", "/rerank", "/v2/rerank", "/sleep", "/wake_up", "/is_sleeping",
+                      "/start_profile", "/stop_profile")
 #: A body above the limit is read and dropped up to this many bytes (so the client, which is
 #: still sending, gets the 413 instead of a reset connection); beyond it the connection is closed.
 _DRAIN_LIMIT = 64 * 1024 * 1024

@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.serving_common import OpenAIError, ServingConte
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_classification import OpenAIServingClassification
 from pagedllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.entrypoints.openai.serving_lora import (
     LoadLoRAAdapterRequest,
@@ -48,6 +49,7 @@ from pagedllm.entrypoints.openai.serving_lora import (
 )
 from pagedllm.entrypoints.openai.protocol_classification import ClassificationRequest
 from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from pagedllm.entrypoints.openai.protocol_pooling import PoolingRequest
 from pagedllm.entrypoints.openai.protocol_score import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, ResponseStore
@@ -160,6 +162,7 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     embedding = OpenAIServingEmbedding(ctx)
     scoring = OpenAIServingScore(ctx)
     classification = OpenAIServingClassification(ctx)
+    pooling = OpenAIServingPooling(ctx)
     board = None  # the live KV-cache dashboard (set below unless turned off)
 
     @asynccontextmanager
@@ -169,6 +172,7 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
         if warm_up:
             await warm_up_request(app, ctx.served_model_names[0], api_key, pooling=ctx.runner == "pooling",
                                   classify=ctx.engine.request_checker.pooling_task == "classify",
+                                  token_classify=ctx.engine.request_checker.pooling_task == "token_classify",
                                   engine=ctx.engine, metrics=metrics)
         if board is not None:
             board.start()
@@ -258,7 +262,12 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             raise OpenAIError("The request body is not valid JSON.", code="invalid_json") from None
         keys = body.keys() if isinstance(body, dict) else ()
         kind = next((k for k in ("messages", "prompt", "input") if k in keys), None)
-        if ctx.runner == "pooling" and ctx.engine.request_checker.pooling_task == "classify":
+        if ctx.runner == "pooling" and ctx.engine.request_checker.pooling_task == "token_classify":
+            if kind not in ("messages", "input"):
+                raise OpenAIError("an invocation of this token classification model needs `input` (text or token "
+                                  "ids) or `messages` (a conversation) to classify token by token.", param="body")
+            kind = "pooling"
+        elif ctx.runner == "pooling" and ctx.engine.request_checker.pooling_task == "classify":
             if kind != "input":
                 raise OpenAIError("an invocation of this classification model needs `input` (text or token ids) to "
                                   "classify.", param="body")
@@ -272,13 +281,14 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
             raise OpenAIError("an invocation needs `messages` (a chat completion), `prompt` (a completion) or "
                               "`input` (a response).", param="body")
         model = {"messages": ChatCompletionRequest, "prompt": CompletionRequest, "input": ResponsesRequest,
-                 "embed": EmbeddingRequest, "classify": ClassificationRequest}[kind]
+                 "embed": EmbeddingRequest, "classify": ClassificationRequest, "pooling": PoolingRequest}[kind]
         try:
             req = model.model_validate_json(raw)
         except ValidationError as e:
             raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
         rid = request.headers.get("x-request-id")
         work = (embedding.create_embedding(req, rid) if kind == "embed" else
+                pooling.create_pooling(req, rid) if kind == "pooling" else
                 classification.create_classify(req, rid) if kind == "classify" else
                 chat.create_chat_completion(req, rid) if kind == "messages" else
                 completion.create_completion(req, rid) if kind == "prompt" else responses.create_response(req, rid))
@@ -331,6 +341,10 @@ def build_app(ctx: ServingContext, metrics: EngineMetrics, api_key: str | None =
     @app.post("/v1/embeddings")
     async def create_embedding(req: EmbeddingRequest, request: Request) -> Response:
         return await _serve(request, embedding.create_embedding(req, request.headers.get("x-request-id")))
+
+    @app.post("/pooling")
+    async def create_pooling(req: PoolingRequest, request: Request) -> Response:
+        return await _serve(request, pooling.create_pooling(req, request.headers.get("x-request-id")))
 
     @app.post("/score")
     @app.post("/v1/score", operation_id="create_score_v1")

@@ -17,7 +17,7 @@ logger = logging.getLogger("pagedllm.serve")
 #: (/invocations runs one of them).
 LOAD_TRACKED_PATHS = frozenset({
     "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/classify", "/score",
-    "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations",
+    "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations", "/pooling",
 })
 #: vLLM's defaults for uvicorn's h11 parser: 4 MiB of an incomplete event (a request line and its headers), and
 #: 256 headers.

@@ -261,11 +261,14 @@ class ServingContext:
             raise OpenAIError(f"{route} needs {what}, and this server's model generates text: start the server "
                               f"with --runner pooling to serve it as one.", code="model_not_supported")
         checker = self.engine.request_checker
-        if checker.pooling_task == "classify":
+        if checker.pooling_task == "token_classify":
+            what, routes = "a token classification model", "/pooling"
+        elif checker.pooling_task == "classify":
             what = "a classification model"
-            routes = "/classify, /v1/score and /rerank" if len(checker.labels) == 1 else "/classify"
+            routes = "/classify, /v1/score, /rerank and /pooling" if len(checker.labels) == 1 else \
+                "/classify and /pooling"
         else:
-            what, routes = "an embedding model", "/v1/embeddings, /v1/score and /rerank"
+            what, routes = "an embedding model", "/v1/embeddings, /v1/score, /rerank and /pooling"
         raise OpenAIError(f"{route} generates text, and this server runs {what} (--runner pooling): it serves "
                           f"{routes}.", code="model_not_supported")
 

@@ -30,28 +30,33 @@ def encode_embedding(values, encoding_format: str) -> list[float] | str:
     return [float(v) for v in values]
 
 
+def input_prompts(ctx: ServingContext, req: EmbeddingRequest) -> list[list[int]]:
+    """The token ids of an embedding (or /pooling) request's `input` or `messages`, truncated as it asks and
+    within the length limit."""
+    if (req.input is None) == (req.messages is None):
+        raise OpenAIError("give exactly one of input (text or token ids) or messages (a chat conversation).",
+                          param="input")
+    if req.messages is not None:
+        prompts = [render_messages(ctx, req)]
+    else:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        _, prompts = ctx.completion_prompts(req.input, add_special_tokens=add_special, param="input")
+    ids = [ctx.truncate(p, req.truncate_prompt_tokens) for p in prompts]
+    for prompt_ids in ids:
+        ctx.check_length(len(prompt_ids), None, "input", "input")
+    return ids
+
+
 class OpenAIServingEmbedding:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
-
-    def _prompts(self, req: EmbeddingRequest) -> list[list[int]]:
-        if (req.input is None) == (req.messages is None):
-            raise OpenAIError("give exactly one of input (text or token ids) or messages (a chat conversation).",
-                              param="input")
-        if req.messages is not None:
-            return [render_messages(self.ctx, req)]
-        add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        _, ids = self.ctx.completion_prompts(req.input, add_special_tokens=add_special, param="input")
-        return ids
 
     async def create_embedding(self, req: EmbeddingRequest, client_request_id: str | None = None) -> dict:
         """The response dict; raises OpenAIError (a 400 for what the request got wrong)."""
         model = self.ctx.check_model(req.model)
         self.ctx.check_runner("pooling", "/v1/embeddings")
         self.ctx.check_pooling_task("embed", "/v1/embeddings")
-        ids = [self.ctx.truncate(p, req.truncate_prompt_tokens) for p in self._prompts(req)]
-        for prompt_ids in ids:
-            self.ctx.check_length(len(prompt_ids), None, "input", "input")
+        ids = input_prompts(self.ctx, req)
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize, task="embed")
         try:
             self.ctx.engine.request_checker.check_pooling_params(params)

@@ -26,9 +26,10 @@ WARM_UP_PROMPT = "Hello"
 
 async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_tokens: int = 2,
                           pooling: bool = False, classify: bool = False, engine: Any = None,
-                          metrics: Any = None) -> float:
+                          metrics: Any = None, token_classify: bool = False) -> float:
     """Run one streamed /v1/completions request (`pooling`: one /v1/embeddings request; with `classify`, a
-    classification model's: one /classify request) through `app` in-process; return its seconds. It is left out
+    classification model's: one /classify request; with `token_classify`, a token classifier's: one /pooling
+    request) through `app` in-process; return its seconds. It is left out
     of the request log, and with the server's `engine` and `metrics` (EngineMetrics) out of /metrics too: the
     engine's observer (per-request counts and latencies) is detached while it runs, and the engine's counters
     (tokens, steps) are counted from after it.
@@ -36,8 +37,10 @@ async def warm_up_request(app: Any, model: str, api_key: str | None = None, max_
     Raises RuntimeError when the request does not end in a 200 with a `[DONE]` event (an embedding: with its
     vector; a classification: with its probabilities) (the server would not serve requests either, so it must
     not report ready)."""
-    path = ("/classify" if classify else "/v1/embeddings") if pooling else "/v1/completions"
-    expected = (b'"probs"' if classify else b'"embedding"') if pooling else b"[DONE]"
+    path = ("/classify" if classify else "/pooling" if token_classify else "/v1/embeddings") if pooling else \
+        "/v1/completions"
+    expected = (b'"probs"' if classify else b'"pooling"' if token_classify else b'"embedding"') if pooling else \
+        b"[DONE]"
     if pooling:
         body = json.dumps({"model": model, "input": WARM_UP_PROMPT}).encode()
     else:

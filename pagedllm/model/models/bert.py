@@ -1,5 +1,6 @@
 """Encoder-only models: BERT, RoBERTa and XLM-RoBERTa (their base models for embeddings, their
-*ForSequenceClassification variants for classification and cross-encoder scores), on the pooling runner only.
+*ForSequenceClassification variants for classification and cross-encoder scores, their *ForTokenClassification
+variants for per-token labels), on the pooling runner only.
 
 Design: every token attends to every token of its own prompt (bidirectional attention), so a prompt's rows
 depend on tokens after them and a KV cache of earlier chunks is of no use. The encoder therefore runs each step's
@@ -310,4 +311,32 @@ class RobertaForSequenceClassification(RobertaModel):
 
 
 class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    pass
+
+
+class _TokenClassifierHead:
+    """transformers' *ForTokenClassification head: `classifier` (Linear with bias) on every token's row (no pooler;
+    dropout is the identity at inference)."""
+
+    head_names = ("classifier.",)
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__(config, tp, dtype)
+        self.num_labels = num_labels_of(config)
+        self.classifier = nn.Linear(config.hidden_size, self.num_labels, dtype=dtype)
+        self.classifier.requires_grad_(False)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.classifier(hidden)
+
+
+class BertForTokenClassification(_TokenClassifierHead, BertModel):
+    """BERT token classifiers (e.g. NER models)."""
+
+
+class RobertaForTokenClassification(_TokenClassifierHead, RobertaModel):
+    """RoBERTa / XLM-RoBERTa token classifiers."""
+
+
+class XLMRobertaForTokenClassification(RobertaForTokenClassification):
     pass

@@ -103,6 +103,11 @@ _MODELS = {
     "MistralForSequenceClassification": _SEQ_CLS + "LlamaForSequenceClassification",
     "Qwen2ForSequenceClassification": _SEQ_CLS + "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification": _SEQ_CLS + "Qwen3ForSequenceClassification",
+    # Token classifiers (the decoder and a `score` head over the labels, read at every token): pooling runner only.
+    "LlamaForTokenClassification": _SEQ_CLS + "LlamaForTokenClassification",
+    "MistralForTokenClassification": _SEQ_CLS + "LlamaForTokenClassification",
+    "Qwen2ForTokenClassification": _SEQ_CLS + "Qwen2ForTokenClassification",
+    "Qwen3ForTokenClassification": _SEQ_CLS + "Qwen3ForTokenClassification",
     # Encoder-only models (bidirectional attention, no KV cache: model/models/bert.py): pooling runner only.
     "BertModel": _BERT + "BertModel",
     "RobertaModel": _BERT + "RobertaModel",
@@ -110,6 +115,9 @@ _MODELS = {
     "BertForSequenceClassification": _BERT + "BertForSequenceClassification",
     "RobertaForSequenceClassification": _BERT + "RobertaForSequenceClassification",
     "XLMRobertaForSequenceClassification": _BERT + "XLMRobertaForSequenceClassification",
+    "BertForTokenClassification": _BERT + "BertForTokenClassification",
+    "RobertaForTokenClassification": _BERT + "RobertaForTokenClassification",
+    "XLMRobertaForTokenClassification": _BERT + "XLMRobertaForTokenClassification",
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _QWEN2,
@@ -158,6 +166,11 @@ _DEFAULT_MAX_LEN = 2048
 _ENCODER_BASE_MODELS = ("BertModel", "RobertaModel", "XLMRobertaModel")
 _ENCODER_CLASSIFICATION_MODELS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                   "XLMRobertaForSequenceClassification")
+_ENCODER_TOKEN_CLASSIFICATION_MODELS = ("BertForTokenClassification", "RobertaForTokenClassification",
+                                        "XLMRobertaForTokenClassification")
+_TOKEN_CLASSIFICATION_MODELS = ("LlamaForTokenClassification", "MistralForTokenClassification",
+                                "Qwen2ForTokenClassification", "Qwen3ForTokenClassification",
+                                *_ENCODER_TOKEN_CLASSIFICATION_MODELS)
 
 _BASE_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", *_ENCODER_BASE_MODELS)
 
@@ -179,11 +192,18 @@ def is_classification_model(config: Any) -> bool:
     return bool(archs) and archs[0] in _CLASSIFICATION_MODELS
 
 
+def is_token_classification_model(config: Any) -> bool:
+    """A *ForTokenClassification checkpoint: the transformer and a classifier head applied to every token."""
+    archs = list(getattr(config, "architectures", None) or [])
+    return bool(archs) and archs[0] in _TOKEN_CLASSIFICATION_MODELS
+
+
 def is_encoder_only(config: Any) -> bool:
     """An encoder-only checkpoint (BERT, RoBERTa, XLM-RoBERTa): bidirectional attention over each whole prompt,
     no KV cache, no chunked prefill, no prefix caching."""
     archs = list(getattr(config, "architectures", None) or [])
-    return bool(archs) and archs[0] in _ENCODER_BASE_MODELS + _ENCODER_CLASSIFICATION_MODELS
+    return bool(archs) and archs[0] in (_ENCODER_BASE_MODELS + _ENCODER_CLASSIFICATION_MODELS
+                                        + _ENCODER_TOKEN_CLASSIFICATION_MODELS)
 
 
 def has_recurrent_state(config: Any) -> bool:

@@ -1,6 +1,9 @@
 """Sequence classifiers (HF's *ForSequenceClassification): the decoder, then a linear `score` head from the
 hidden size to the labels, read at the prompt's last token (the pooling runner's LAST pooling).
 
+Token classifiers (HF's *ForTokenClassification) are the same decoder with a `score` head (with a bias, unless the
+config sets `token_classification_bias: false`) read at every token: the token_classify task.
+
 The head is linear, so it commutes with pooling: the model runner applies it to the rows a step returns and the
 engine pools those logits as it pools hidden states (engine/pooling.py), then applies softmax or sigmoid.
 """
@@ -51,4 +54,27 @@ class Qwen2ForSequenceClassification(SequenceClassifierMixin, Qwen2ForCausalLM):
 
 
 class Qwen3ForSequenceClassification(SequenceClassifierMixin, Qwen3ForCausalLM):
+    pass
+
+
+class TokenClassifierMixin(SequenceClassifierMixin):
+    """HF's GenericForTokenClassification head: `score` = Linear(hidden, num_labels) with a bias unless the config's
+    `token_classification_bias` is false (dropout is the identity at inference)."""
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__(config, tp, dtype)
+        bias = bool(getattr(config, "token_classification_bias", True))
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=bias, dtype=dtype)
+        self.score.requires_grad_(False)
+
+
+class LlamaForTokenClassification(TokenClassifierMixin, LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForTokenClassification(TokenClassifierMixin, Qwen2ForCausalLM):
+    pass
+
+
+class Qwen3ForTokenClassification(TokenClassifierMixin, Qwen3ForCausalLM):
     pass
