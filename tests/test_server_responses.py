@@ -47,13 +47,21 @@ def test_a_response_is_the_chat_completion_of_its_input(client):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     want_status = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
     assert r.status == want_status and r.instructions == "Answer briefly." and r.max_output_tokens == 24
-    # Input items: text parts and an earlier assistant turn read as the same conversation.
+    # Input items: text parts read as the same conversation; a message's parts joined with "\n", as a chat
+    # message's are.
     items = client.responses.create(input=[
         {"role": "system", "content": [{"type": "input_text", "text": "Answer briefly."}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three "},
-                                                        {"type": "input_text", "text": "colors."}]}],
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three colors."}]}],
         max_output_tokens=24, **GREEDY)
     assert items.output_text == r.output_text
+    parts = client.responses.create(input=[
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name three"},
+                                                        {"type": "input_text", "text": "colors."}]}],
+        max_output_tokens=12, **GREEDY)
+    chat_parts = _chat(client, [{"role": "user", "content": [{"type": "text", "text": "Name three"},
+                                                             {"type": "text", "text": "colors."}]}], 12)
+    assert parts.output_text == chat_parts.choices[0].message.content
+    assert parts.usage.input_tokens == chat_parts.usage.prompt_tokens
 
 
 def test_max_output_tokens_ends_incomplete(client):

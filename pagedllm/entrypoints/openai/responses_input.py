@@ -74,7 +74,7 @@ def _parts_text(parts: list[Any], where: str) -> str:
             raise OpenAIError(f"{where}[{j}]: only text parts ({', '.join(_TEXT_PARTS[:2])} with a `text` string) "
                               f"are supported, got {kind!r}.", param="input")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # as a chat message's text parts (vLLM's "string" content format)
 
 
 def _text(item: dict[str, Any], key: str, where: str) -> str:
