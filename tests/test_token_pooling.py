@@ -98,6 +98,20 @@ def test_decoder_token_classifier_matches_transformers(kind: str, tmp_path: Path
     _assert_idle(llm)
 
 
+@pytest.mark.cuda
+def test_cuda_token_classifier_matches_transformers(tmp_path: Path, default_model_dir: Path) -> None:
+    """The same per-token rows on the GPU's kernels (chunked prompts, prefix caching on), float32."""
+    hf, _ = save_token_classifier(tmp_path, default_model_dir, "llama")
+    llm = LLM(str(tmp_path), **ENGINE_KW, device="cuda", enable_prefix_caching=True)
+    outs = llm.reward(TEXTS, use_tqdm=False)
+    assert max(len(o.prompt_token_ids) for o in outs) > 32
+    for out in outs:
+        assert out.outputs.data.device.type == "cpu"
+        torch.testing.assert_close(out.outputs.data, _hf_logits(hf, out.prompt_token_ids).softmax(-1), atol=1e-4,
+                                   rtol=0)
+    _assert_idle(llm)
+
+
 def test_bert_token_classifier_matches_transformers(tmp_path: Path) -> None:
     hf, tok = save_token_classifier(tmp_path, tmp_path, "bert", num_labels=5)
     llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=128, max_num_seqs=2)

@@ -61,6 +61,25 @@ def test_offline_profile_writes_a_trace(tmp_path, monkeypatch, caplog):
     assert len(_traces(tmp_path)) == 2
 
 
+@pytest.mark.cuda
+def test_cuda_profile_holds_device_kernels(tmp_path, monkeypatch, caplog):
+    """On a GPU the trace also records the device's kernels (CUDA activity), the summary sorts by device time, and
+    profiling leaves the greedy output as it was."""
+    monkeypatch.setenv(PROFILER_DIR_ENV, str(tmp_path))
+    llm = LLM(device="cuda", num_gpu_blocks_override=64, max_model_len=256, swap_space=0.01)
+    text = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    llm.start_profile()
+    assert llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)[0].outputs[0].text == text
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        llm.stop_profile()
+    traces = _traces(tmp_path)
+    assert len(traces) == 1, list(tmp_path.iterdir())
+    assert "self_device_time_total" in caplog.text
+    with gzip.open(traces[0], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events), sorted({e.get("cat", "") for e in events})
+
+
 def test_offline_profiler_off_without_the_variable(tmp_path, monkeypatch):
     from tiny_models import TINY_ENGINE_KW, save_tiny_llama
 
