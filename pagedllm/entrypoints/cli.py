@@ -1,4 +1,4 @@
-"""`pagedllm generate | serve | run-batch | bench` — the command line."""
+"""`pagedllm generate | serve | run-batch | bench | chat | complete | collect-env` — the command line."""
 from __future__ import annotations
 
 import argparse
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedllm.entrypoints import bench_cli
 
     bench_cli.add_bench_parser(sub)
+    from pagedllm.entrypoints import cli_clients, collect_env
+
+    cli_clients.add_client_parsers(sub)
+    collect_env.add_collect_env_parser(sub)
     try:
         from pagedllm.entrypoints.openai import cli_serve
     except ImportError:
