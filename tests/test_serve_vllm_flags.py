@@ -177,7 +177,7 @@ def test_pipeline_parallelism_and_mistral_tokenizers_are_clear_errors(capsys):
         EngineArgs(pipeline_parallel_size=2).compat_notes()
     with pytest.raises(ValueError, match="not mistral_common's; allowed: auto, hf, slow"):
         EngineArgs(tokenizer_mode="mistral").compat_notes()
-    with pytest.raises(ValueError, match="hf_overrides: not valid JSON"):
+    with pytest.raises(ValueError, match="hf_overrides is not valid JSON"):
         EngineArgs(hf_overrides="{max_position_embeddings: 1}").compat_notes()
     # The CLI reports them before any engine starts.
     assert cli.main(["serve", "--no-warm-up-request", "-pp", "2"]) == 2
@@ -216,8 +216,10 @@ def test_hf_overrides_set_config_fields_when_the_model_loads(default_model_dir):
     apply_hf_overrides(outer, {"text_config": {"hidden_size": 48}})
     assert (outer.text_config.hidden_size, outer.text_config.num_hidden_layers, outer.hidden_size) == (48, 3, 64)
     assert apply_hf_overrides(outer, lambda c: "replaced") == "replaced"
-    with pytest.raises(ValueError, match="must be an object of config fields"):
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object such as .*, got list"):
         load_config(default_model_dir, hf_overrides="[1, 2]")
+    with pytest.raises(ValueError, match="must be an object of config fields"):
+        load_config(default_model_dir, hf_overrides=[1, 2])
 
 
 def test_hf_overrides_reach_the_engine() -> None:

@@ -8,10 +8,10 @@ JSON object of those keys) wins over the file.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
+from pagedllm.json_object import parse_json_object
 
 logger = logging.getLogger("pagedllm")
 
@@ -41,14 +41,7 @@ def parse_override(override: str | dict | None) -> dict[str, Any]:
     """``override_generation_config`` as a dict of known keys; a ValueError names what is allowed."""
     if override is None:
         return {}
-    if isinstance(override, str):
-        try:
-            override = json.loads(override)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config must be a JSON object, e.g. "
-                             f'\'{{"temperature": 0.6}}\'; {e}') from None
-    if not isinstance(override, dict):
-        raise ValueError(f"override_generation_config must be a JSON object, got {type(override).__name__}.")
+    override = parse_json_object("override_generation_config", override, '{"temperature": 0.6}')
     unknown = sorted(set(override) - SAMPLING_KEYS.keys())
     if unknown:
         raise ValueError(f"override_generation_config keys must be among {sorted(SAMPLING_KEYS)}; got {unknown}.")

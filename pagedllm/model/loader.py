@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pagedllm.model.gguf_loader import get_or_convert_gguf, is_gguf_file, iter_experts_left_in_gguf
+from pagedllm.json_object import parse_json_object
 
 logger = logging.getLogger("pagedllm")
 
@@ -121,11 +122,7 @@ def parse_hf_overrides(value: HfOverrides) -> dict[str, Any] | Callable[[Any], A
     if value is None or callable(value):
         return value
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"hf_overrides: not valid JSON ({e}); give an object of config fields, e.g. "
-                             '\'{"max_position_embeddings": 4096}\'.') from None
+        value = parse_json_object("hf_overrides", value, '{"max_position_embeddings": 4096}')
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise ValueError(f"hf_overrides must be an object of config fields (or, from Python, a function of the "
                          f"config), got {value!r}.")

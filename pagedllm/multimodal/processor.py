@@ -8,12 +8,12 @@ and the prefix cache's extra key).
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from pathlib import Path
 from typing import Any
 
 from pagedllm.multimodal.inputs import MM_FEATURES_KEY, MultiModalFeature, PlaceholderRange
+from pagedllm.json_object import parse_json_object
 
 
 #: Architectures whose prompts may carry images (model/models/llava.py).
@@ -36,11 +36,7 @@ def parse_limit_mm_per_prompt(value: str | dict | None) -> dict[str, int]:
     if value is None or value == "":
         return limits
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"limit_mm_per_prompt: not valid JSON ({e}); give an object such as '{{\"image\": 2}}'.") \
-                from None
+        value = parse_json_object("limit_mm_per_prompt", value, '{"image": 2}')
     if not isinstance(value, dict):
         raise ValueError(f"limit_mm_per_prompt must be an object of modality → count, e.g. {{'image': 2}}; got "
                          f"{value!r}.")

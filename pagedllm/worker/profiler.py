@@ -10,7 +10,6 @@ short table of the ops that took the most time.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import socket
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from pagedllm.json_object import parse_json_object
 
 logger = logging.getLogger("pagedllm")
 
@@ -92,14 +92,7 @@ def _parse_profiler_config(value: str | Mapping[str, Any] | None) -> dict[str, A
     """profiler_config's keys as TorchProfilerConfig fields."""
     if value is None or value == "" or value == {}:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"profiler_config must be a JSON object such as '{{\"torch_profiler_dir\": "
-                             f"\"./profiles\"}}': {e}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"profiler_config must be a JSON object (a dict), got {type(value).__name__}.")
+    value = parse_json_object("profiler_config", value, '{"torch_profiler_dir": "./profiles"}')
     unknown = sorted(set(value) - set(_CONFIG_KEYS) - {"profiler"})
     if unknown:
         raise ValueError(f"profiler_config: unknown key(s) {unknown}; allowed: {['profiler', *_CONFIG_KEYS]}.")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.config_file import add_config_arg
 from pagedllm.entrypoints.openai.reasoning import ReasoningParser
+from pagedllm.json_object import parse_json_object
 
 if TYPE_CHECKING:
     from pagedllm.engine.metrics import EngineMetrics
@@ -277,12 +278,9 @@ def _add_response_args(p: argparse.ArgumentParser) -> None:
 def _json_object(text: str) -> dict[str, Any]:
     """A flag's JSON object of template variables by name, e.g. '{"enable_thinking": false}'."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}'; {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object of template variables by name, got {text!r}")
-    return value
+        return parse_json_object("the value", text, '{"enable_thinking": false}')
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _json_list(text: str) -> list[str]:
