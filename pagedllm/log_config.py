@@ -1,10 +1,12 @@
 """Logging config files, as vLLM's: a JSON object in logging.config.dictConfig's form, named by `serve
 --log-config-file` or by VLLM_LOGGING_CONFIG_PATH. The server applies it at start-up and exports the variable, so
-its engine-core process applies the same file (vLLM configures every process from the variable)."""
+its engine-core process and tensor-parallel workers apply the same file (vLLM configures every process from the
+variable)."""
 from __future__ import annotations
 
 import json
 import logging.config
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +44,15 @@ def apply_log_config(path: str, source: str = "--log-config-file") -> dict[str, 
     except (ValueError, TypeError, AttributeError, ImportError, KeyError) as e:
         raise ValueError(f"{source} {path!r}: logging.config.dictConfig refused it: {e}") from None
     return config
+
+
+def apply_log_config_from_env(process: str) -> None:
+    """In a process the server spawned (its engine core, a tensor-parallel worker): the file VLLM_LOGGING_CONFIG_PATH
+    names, applied here too. A file that no longer reads is one warning (naming `process`), and logging stays as is."""
+    path = os.environ.get(LOGGING_CONFIG_ENV)
+    if not path:
+        return
+    try:
+        apply_log_config(path, LOGGING_CONFIG_ENV)
+    except ValueError as e:  # the server applied it at start-up: the file changed since
+        logging.getLogger("pagedllm").warning("%s: %s; logging to stderr instead", process, e)

@@ -385,16 +385,47 @@ def test_a_spawned_engine_core_applies_the_servers_log_config(tmp_path):
         "version": 1, "disable_existing_loggers": False,
         "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file)}},
         "loggers": {"pagedllm": {"handlers": ["file"], "level": "INFO"}}}))
-    code = ("import logging, sys\nfrom pagedllm.engine import core_proc\n"
-            "logging.basicConfig(level=logging.INFO)\ncore_proc._apply_log_config_file()\n"
+    code = ("import logging, sys\nfrom pagedllm.log_config import apply_log_config_from_env\n"
+            "logging.basicConfig(level=logging.INFO)\napply_log_config_from_env('engine core')\n"
             "logging.getLogger('pagedllm.engine_core').info('hello from the engine core')\n"
             "open(sys.argv[1], 'w').write('[]')\n"  # changed since the server read it: said, not fatal
-            "core_proc._apply_log_config_file()\n")
+            "apply_log_config_from_env('engine core')\n")
     env = {**os.environ, log_config.LOGGING_CONFIG_ENV: str(config)}
     subprocess.run([sys.executable, "-c", code, str(config)], env=env, check=True, timeout=120)
     lines = log_file.read_text().splitlines()
     assert lines[0] == "hello from the engine core"
     assert lines[1].startswith(f"engine core: VLLM_LOGGING_CONFIG_PATH {str(config)!r}: expected a JSON object")
+
+
+def test_tensor_parallel_workers_apply_the_servers_log_config(tmp_path, monkeypatch):
+    """A tensor-parallel worker (spawned) applies VLLM_LOGGING_CONFIG_PATH too: its load lines reach the file's
+    handler, stamped with the worker's pid."""
+    from test_tensor_parallel import TINY_KW
+
+    from pagedllm import LLM
+
+    log_file = tmp_path / "all.log"
+    config = tmp_path / "log.json"
+    config.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"pid": {"format": "%(process)d %(name)s %(message)s"}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file), "formatter": "pid"}},
+        "loggers": {"pagedllm": {"handlers": ["file"], "level": "INFO"}}}))
+    monkeypatch.setenv(log_config.LOGGING_CONFIG_ENV, str(config))
+    llm = LLM(_tiny_tp_model(tmp_path), tensor_parallel_size=2, distributed_executor_backend="mp", **TINY_KW)
+    (worker,) = llm.llm_engine.executor.worker_pids
+    pids = {line.split()[0] for line in log_file.read_text().splitlines()}
+    assert str(worker) in pids, (worker, pids)
+
+
+def _tiny_tp_model(tmp_path) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    path = tmp_path / "tiny"
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
 
 
 # -- the h11 limits --------------------------------------------------------------------------------------------

@@ -110,20 +110,6 @@ def _read_commands(conn: Connection, commands: queue.Queue, sink: PipeSink) -> N
             return
 
 
-def _apply_log_config_file() -> None:
-    """The server's logging config file (VLLM_LOGGING_CONFIG_PATH, which `serve --log-config-file` sets), applied
-    in this process too, as vLLM configures each of its processes from the variable."""
-    from pagedllm.log_config import LOGGING_CONFIG_ENV, apply_log_config
-
-    path = os.environ.get(LOGGING_CONFIG_ENV)
-    if not path:
-        return
-    try:
-        apply_log_config(path, LOGGING_CONFIG_ENV)
-    except ValueError as e:  # the server applied it at start-up: the file changed since; log plainly instead
-        logger.warning("engine core: %s; logging to stderr instead", e)
-
-
 def run_engine_core(engine_args: EngineArgs, cmd_conn: Connection, out_conn: Connection, parent_pid: int,
                     log_level: int, admission_window_s: float = 0.002, process_env: dict[str, str] | None = None) -> None:
     """Main of the engine-core process (see the module docstring). `process_env`: environment variables of this
@@ -138,7 +124,9 @@ def run_engine_core(engine_args: EngineArgs, cmd_conn: Connection, out_conn: Con
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process decides
     if not logging.getLogger().handlers:  # spawned (a forked process keeps the parent's logging)
         logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-        _apply_log_config_file()
+        from pagedllm.log_config import apply_log_config_from_env
+
+        apply_log_config_from_env("engine core")
     if os.getppid() != parent_pid:  # the parent died before we got here
         return
     from pagedllm.engine.gc_heap import step_with_fewer_young_collections

@@ -193,6 +193,9 @@ def _worker_main(conn: Connection, rank: int, info: DistributedInitInfo, config,
     from pagedllm.executor.worker_wrapper import WorkerWrapper
 
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(message)s")
+    from pagedllm.log_config import apply_log_config_from_env
+
+    apply_log_config_from_env(f"tp rank {rank}")  # the server's --log-config-file, as in its engine core
     # tqdm would otherwise create a multiprocessing lock that a fast exit leaves registered.
     import threading
 
