@@ -42,13 +42,33 @@ POOLING_MODEL_TASKS = ("embed", "classify", "token_classify")
 # How a prompt's hidden states become one vector (vLLM's pooling types): the last token's (decoder embedding models
 # such as Qwen3-Embedding or e5-mistral), the mean over all tokens, or the first token's; "ALL" (vLLM's token
 # pooling type) keeps every token's row: what the token_embed / token_classify tasks return, a token classifier's
-# only pooling type (on other models it leaves their sequence pooling type at its default, as in vLLM).
-POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+# only pooling type (on other models it leaves their sequence pooling type at its default, as in vLLM); "STEP" (vLLM's
+# other token pooling type, a process reward model's default) keeps only the rows of the prompt's step-tag tokens
+# (`step_tag_id`; every row without one), their `returned_token_ids` columns (all without them).
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL", "STEP")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}.")
+
+
+def check_token_id(name: str, value: Any) -> int | None:
+    """A STEP pooling `step_tag_id`: None or an integer >= 0 (ValueError naming `name` otherwise)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be a token id (an integer >= 0) or null, got {value!r}.")
+    return value
+
+
+def check_token_ids(name: str, value: Any) -> list[int] | None:
+    """STEP pooling `returned_token_ids`: None, or a list of integers >= 0 (an empty list means every column, as
+    in vLLM: None)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                                  for v in value):
+        raise ValueError(f"{name} must be a list of column indices (integers >= 0) or null, got {value!r}.")
+    return list(value) or None
 
 
 def _check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -107,6 +127,10 @@ class PoolerConfig:
     # Classification models: softmax over the labels (sigmoid for one label) of the pooled logits; false: the raw
     # logits (a request's PoolingParams.activation overrides it).
     activation: bool = True
+    # STEP pooling (reward models): keep the rows of the tokens with this id (None: every row), and these columns
+    # of each row (None or []: all of them). A request's PoolingParams fields of the same names override them.
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pooling_type, str):
@@ -115,6 +139,8 @@ class PoolerConfig:
         for name in ("normalize", "activation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"pooler_config.{name} must be true or false, got {getattr(self, name)!r}.")
+        self.step_tag_id = check_token_id("pooler_config.step_tag_id", self.step_tag_id)
+        self.returned_token_ids = check_token_ids("pooler_config.returned_token_ids", self.returned_token_ids)
 
     @classmethod
     def from_json(cls, value: Any) -> PoolerConfig:
@@ -426,17 +452,11 @@ class SpeculativeConfig:
 
 def _config_from_json(cls: type, name: str, value: Any) -> Any:
     """`cls` from an instance of it, a dict or a JSON string (a CLI flag), naming unknown keys."""
-    import json
+    from pagedllm.json_object import parse_json_object
 
     if isinstance(value, cls):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}.")  # noqa: TRY004
+    value = parse_json_object(name, value)
     names = set(cls.__dataclass_fields__)
     unknown = sorted(set(value) - names)
     if unknown:

@@ -157,10 +157,12 @@ _HELP = {
                "LLM.score and /v1/score, /rerank use for text pairs). Both imply --runner pooling; auto or none "
                "leave the model as it is (a *ForSequenceClassification checkpoint classifies by default, a "
                "*ForTokenClassification one classifies every token: task token_classify).",
-    "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\" | \"ALL\", "
-                     "\"normalize\": true, \"activation\": true} (default LAST, normalized: what decoder embedding "
-                     "models use; ALL: a token classifier's, every token's row; activation: a classifier's softmax/sigmoid, false "
-                     "for raw logits).",
+    "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\" | \"ALL\" | "
+                     "\"STEP\", \"normalize\": true, \"activation\": true, \"step_tag_id\": null, "
+                     "\"returned_token_ids\": null} (default LAST, normalized: what decoder embedding "
+                     "models use; ALL: a token classifier's, every token's row; STEP: a process reward model's, the rows "
+                     "of the step_tag_id tokens, in their returned_token_ids columns; activation: a classifier's "
+                     "softmax/sigmoid, false for raw logits).",
     "enable_lora": "Serve LoRA adapters on the base model (vLLM's): each request may name a PEFT adapter "
                    "(LLM.generate(lora_request=LoRARequest(name, id, path)); the server's --lora-modules name=path "
                    "and the request's model field). One process (tensor_parallel_size 1), no speculative decoding.",

@@ -350,7 +350,8 @@ class LLMEngine:
         if pooling is not None:
             classify = self.config.model_config.pooling_task in ("classify", "token_classify")
             num_labels = len(classification_labels(self.hf_config)) if classify else None
-            state = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels)
+            state = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels,
+                                    token_ids=None if embeds is not None else list(token_ids))
             group.extra["pooling"] = state
             group.needs_every_prompt_row = state.wants_every_row
         if lora_request is not None:
@@ -420,7 +421,8 @@ class LLMEngine:
                               logits_processors=self.config.model_config.logits_processors,
                               labels=(classification_labels(self.hf_config)
                                       if task in ("classify", "token_classify") else ()),
-                              cls_classifier=task == "classify" and is_encoder_only(self.hf_config))
+                              cls_classifier=task == "classify" and is_encoder_only(self.hf_config),
+                              pooling_type=getattr(self.config.model_config.pooler_config, "pooling_type", None))
 
     def check_request(self, prompt: PromptType, params: SamplingParams | None, priority: int = 0) -> None:
         """The checks `add_request` makes, reading only the configuration (safe from another thread).

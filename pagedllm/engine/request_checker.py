@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pagedllm.core.kv_cache_groups import blocks_for_sequence
 
 from pagedllm.engine.prompt_embeds import PROMPT_EMBEDS_KEY, checked_prompt_embeds, is_embeds_prompt
-from pagedllm.pooling_params import PoolingParams
+from pagedllm.pooling_params import PoolingParams, check_step_ids
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -39,6 +39,7 @@ class RequestChecker:
     group_windows: tuple[int | None, ...] | None = None
     enable_prompt_embeds: bool = False  # prompts may be embeddings (engine/prompt_embeds.py)
     logits_processors: tuple[type, ...] = ()  # custom LogitsProcessor classes: each validates a request's params
+    pooling_type: str | None = None  # runner "pooling": its pooler config's (STEP takes step_tag_id and its kin)
 
     @property
     def max_seq_len(self) -> int:
@@ -71,6 +72,7 @@ class RequestChecker:
             raise ValueError(f"this model runs the pooling runner: it returns one embedding per prompt (LLM.embed, "
                              f"/v1/embeddings), not generated text; pass PoolingParams, not {type(params).__name__}.")
         self.check_pooling_task(params.task)
+        self.check_step_params(params)
         if self.pooling_task in ("classify", "token_classify"):
             for name in ("dimensions", "normalize"):
                 if getattr(params, name) is not None:
@@ -91,6 +93,19 @@ class RequestChecker:
                 sizes = list(allowed) if allowed else f"1 to {self.hidden_size}"
                 raise ValueError(f"dimensions={dims} is not a size this model's embeddings come in: {sizes}.")
         return params
+
+    def check_step_params(self, params: PoolingParams) -> None:
+        """A request's `step_tag_id` / `returned_token_ids` (vLLM's): for a STEP-pooling model only, a token of the
+        vocabulary and columns of the model's outputs (its labels)."""
+        given = [k for k in ("step_tag_id", "returned_token_ids") if getattr(params, k) is not None]
+        if not given:
+            return
+        if self.pooling_type != "STEP":
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(f"{' and '.join(given)} {verb} to STEP pooling (a process reward model such as "
+                             f"Qwen2ForProcessRewardModel, or a token classifier with pooler_config pooling_type "
+                             f"'STEP'), and this model pools {self.pooling_type or 'nothing'}: leave them unset.")
+        check_step_ids(params.step_tag_id, params.returned_token_ids, self.vocab_size, len(self.labels))
 
     def check_pooling_task(self, task: str | None) -> None:
         """ValueError, saying what to use instead, for a pooling task (PoolingParams.task) this model does not do:

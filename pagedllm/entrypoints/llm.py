@@ -207,7 +207,8 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.reward``: ``encode(prompts, pooling_task="token_classify")``, a token classifier's (or a
         reward model's) class probabilities for every prompt token: ``outputs[i].outputs.data`` is a float32
-        tensor [num_prompt_tokens, num_labels]."""
+        tensor [num_prompt_tokens, num_labels] (Qwen2ForRewardModel: raw rewards; a STEP-pooling model such as
+        Qwen2ForProcessRewardModel: one row per step-tag token, in its returned_token_ids columns)."""
         return self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="token_classify")
 
     def score(

@@ -12,6 +12,7 @@ _QWEN3 = "pagedllm.model.models.qwen3:Qwen3ForCausalLM"
 _OPT = "pagedllm.model.models.opt:OPTForCausalLM"
 _GPT2 = "pagedllm.model.models.gpt2:GPT2LMHeadModel"
 _SEQ_CLS = "pagedllm.model.models.sequence_classification:"
+_QWEN2_RM = "pagedllm.model.models.qwen2_rm:"
 _MIXTRAL = "pagedllm.model.models.moe:MixtralForCausalLM"
 _QWEN2_MOE = "pagedllm.model.models.moe:Qwen2MoeForCausalLM"
 _QWEN3_MOE = "pagedllm.model.models.moe:Qwen3MoeForCausalLM"
@@ -108,6 +109,10 @@ _MODELS = {
     "MistralForTokenClassification": _SEQ_CLS + "LlamaForTokenClassification",
     "Qwen2ForTokenClassification": _SEQ_CLS + "Qwen2ForTokenClassification",
     "Qwen3ForTokenClassification": _SEQ_CLS + "Qwen3ForTokenClassification",
+    # Reward models (the decoder and a two-layer `score` head read at every token; pooling runner only): per-token
+    # rewards (ALL pooling), a process reward model's step rewards (STEP pooling).
+    "Qwen2ForRewardModel": _QWEN2_RM + "Qwen2ForRewardModel",
+    "Qwen2ForProcessRewardModel": _QWEN2_RM + "Qwen2ForProcessRewardModel",
     # Encoder-only models (bidirectional attention, no KV cache: model/models/bert.py): pooling runner only.
     "BertModel": _BERT + "BertModel",
     "RobertaModel": _BERT + "RobertaModel",
@@ -168,9 +173,11 @@ _ENCODER_CLASSIFICATION_MODELS = ("BertForSequenceClassification", "RobertaForSe
                                   "XLMRobertaForSequenceClassification")
 _ENCODER_TOKEN_CLASSIFICATION_MODELS = ("BertForTokenClassification", "RobertaForTokenClassification",
                                         "XLMRobertaForTokenClassification")
+# Reward models classify every token too (task token_classify).
+_REWARD_MODELS = ("Qwen2ForRewardModel", "Qwen2ForProcessRewardModel")
 _TOKEN_CLASSIFICATION_MODELS = ("LlamaForTokenClassification", "MistralForTokenClassification",
                                 "Qwen2ForTokenClassification", "Qwen3ForTokenClassification",
-                                *_ENCODER_TOKEN_CLASSIFICATION_MODELS)
+                                *_ENCODER_TOKEN_CLASSIFICATION_MODELS, *_REWARD_MODELS)
 
 _BASE_MODELS = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", *_ENCODER_BASE_MODELS)
 
@@ -193,7 +200,8 @@ def is_classification_model(config: Any) -> bool:
 
 
 def is_token_classification_model(config: Any) -> bool:
-    """A *ForTokenClassification checkpoint: the transformer and a classifier head applied to every token."""
+    """A *ForTokenClassification checkpoint (or a reward model: Qwen2ForRewardModel, Qwen2ForProcessRewardModel):
+    the transformer and a classifier head applied to every token."""
     archs = list(getattr(config, "architectures", None) or [])
     return bool(archs) and archs[0] in _TOKEN_CLASSIFICATION_MODELS
 
