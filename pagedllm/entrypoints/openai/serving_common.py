@@ -238,8 +238,9 @@ class ServingContext:
         if model is None or model in self.served_model_names or model in self.lora_modules:
             return self.model_name if model is None else model
         served = [*self.served_model_names, *self.lora_modules]
+        # 404, as vLLM and OpenAI answer an unknown model (the openai client raises NotFoundError)
         raise OpenAIError(f"The model `{model}` does not exist; this server serves {served}.",
-                          param="model", code="model_not_found")
+                          param="model", code="model_not_found", status=404)
 
     def check_ids(self, token_ids: list[int], param: str) -> None:
         vocab = len(self.tokenizer)
