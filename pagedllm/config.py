@@ -34,8 +34,10 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # pooling for base-model checkpoints (architectures like LlamaModel, which have no LM head), else generate.
 RUNNER_TYPES = ("auto", "generate", "pooling")
 # vLLM's --convert: "embed" turns a *ForCausalLM model into an embedding model (implies runner pooling); "classify"
-# serves a *ForSequenceClassification checkpoint as a classifier (what runner auto picks for one anyway).
-CONVERT_TYPES = ("auto", "none", "embed", "classify")
+# serves a *ForSequenceClassification checkpoint as a classifier (what runner auto picks for one anyway); "reward"
+# turns a *ForCausalLM model into a reward model (implies runner pooling): every prompt token's final hidden state
+# (its LM head unused), the token_classify task (vLLM's as_reward_model).
+CONVERT_TYPES = ("auto", "none", "embed", "classify", "reward")
 # What a pooling model returns per prompt: an embedding, a classifier's class probabilities (its `score` head), or
 # a token classifier's class probabilities for every prompt token (*ForTokenClassification).
 POOLING_MODEL_TASKS = ("embed", "classify", "token_classify")
@@ -98,6 +100,7 @@ class ModelConfig:
     runner: str = "generate"  # resolved: "generate" or "pooling"
     pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
     pooling_task: str | None = None  # runner "pooling": one of POOLING_MODEL_TASKS
+    convert: str = "auto"  # vLLM's --convert (CONVERT_TYPES); "reward": the rows are the hidden states, no head
     # --enable-prompt-embeds: prompts may be embeddings ({"prompt_embeds": tensor}), engine/prompt_embeds.py
     enable_prompt_embeds: bool = False
     # Custom logits processors (vLLM's logits_processors), resolved to LogitsProcessor subclasses
@@ -108,6 +111,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.pooling_task is not None:
             _check_choice("pooling_task", self.pooling_task, POOLING_MODEL_TASKS)
+        _check_choice("convert", self.convert, CONVERT_TYPES)
         if not isinstance(self.max_capture_tokens, int) or self.max_capture_tokens < 0:
             raise ValueError(f"max_capture_tokens must be an int >= 0, got {self.max_capture_tokens!r}.")
         _check_choice("dtype", self.dtype, _DTYPES)

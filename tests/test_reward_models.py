@@ -5,7 +5,9 @@
 transformers has no such classes, so the reference is built here: a random 2-layer `transformers.Qwen2Model` and a
 random `score` head (Linear → ReLU → Linear, with biases), saved under the checkpoint names vLLM loads (`model.*`,
 `score.0.*`, `score.2.*`); pagedllm's rows must equal `head(Qwen2Model(ids).last_hidden_state)` in float32. Prompts
-of different lengths run in one batch with a step budget smaller than the longest (rows gathered across chunks)."""
+of different lengths run in one batch with a step budget smaller than the longest (rows gathered across chunks).
+`convert="reward"` (vLLM's as_reward_model) on a random transformers LlamaForCausalLM: its rows are
+`model.model(ids).last_hidden_state` (ALL, or STEP's rows and columns)."""
 from __future__ import annotations
 
 import json
@@ -20,7 +22,7 @@ from torch import nn
 
 from pagedllm import LLM, PoolingParams
 from pagedllm.config import PoolerConfig
-from test_classify_score import COMMON, TEXTS  # noqa: E402
+from test_classify_score import COMMON, TEXTS, save_model  # noqa: E402
 from test_token_pooling import ENGINE_KW, _assert_idle  # noqa: E402
 
 TAG = 1234  # the step tag of the process reward model's prompts (Qwen2.5-Math-PRM's is <extra_0>, 151651)
@@ -219,3 +221,82 @@ def test_server_pooling_route_step_rewards(prm) -> None:
         assert m["pagedllm:kv_blocks_free"] == m["pagedllm:kv_blocks_total"]
     finally:
         assert server.stop(signal.SIGTERM) == 0, server.logs()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def causal_lm(tmp_path_factory, default_model_dir: Path):
+    """A random 2-layer transformers LlamaForCausalLM (the bundled tokenizer) → (its path, model, tokenizer)."""
+    path = tmp_path_factory.mktemp("causal_lm")
+    hf, tok = save_model(path, default_model_dir, causal=True)
+    return path, hf, tok
+
+
+def hidden_states(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' final hidden states (LlamaModel's last_hidden_state: after the final norm) [len(ids), hidden]."""
+    with torch.no_grad():
+        return hf.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+
+
+def test_convert_reward_per_token_hidden_states(causal_lm) -> None:
+    """convert='reward' on a *ForCausalLM: runner pooling, task token_classify, pooler ALL; every prompt token's
+    final hidden state (chunked steps), softmaxed by default as vLLM's token_classify head does (activation=False:
+    the hidden states as they are); reward = encode = encode(pooling_task='token_classify')."""
+    path, hf, _ = causal_lm
+    llm = LLM(str(path), convert="reward", **ENGINE_KW)
+    mc = llm.llm_engine.config.model_config
+    assert (llm.llm_engine.runner, mc.pooling_task, mc.pooler_config.pooling_type) == ("pooling", "token_classify",
+                                                                                       "ALL")
+    raw = llm.reward(TEXTS, pooling_params=PoolingParams(activation=False), use_tqdm=False)
+    assert max(len(o.prompt_token_ids) for o in raw) > ENGINE_KW["max_num_batched_tokens"]
+    for out in raw:
+        ref = hidden_states(hf, out.prompt_token_ids)
+        assert out.outputs.data.shape == (len(out.prompt_token_ids), COMMON["hidden_size"])
+        torch.testing.assert_close(out.outputs.data, ref, atol=1e-5, rtol=0)
+    outs = llm.reward(TEXTS, use_tqdm=False)
+    for a, b in zip(raw, outs):
+        torch.testing.assert_close(b.outputs.data, a.outputs.data.softmax(-1), atol=1e-6, rtol=0)
+    for other in (llm.encode(TEXTS, use_tqdm=False), llm.encode(TEXTS, use_tqdm=False, pooling_task="token_classify")):
+        for a, b in zip(outs, other):
+            torch.testing.assert_close(a.outputs.data, b.outputs.data, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="token classifier.*LLM.reward"):
+        llm.embed("hi")
+    _assert_idle(llm)
+
+
+def test_convert_reward_step_pooling(causal_lm) -> None:
+    """convert='reward' with pooler_config STEP: the rows of the step-tag tokens, in the returned_token_ids columns
+    of the hidden state (as vLLM's StepPooler indexes them), softmaxed over those columns (sigmoid for one); columns
+    beyond the hidden size are refused."""
+    path, hf, tok = causal_lm
+    prompts = step_prompts(len(tok))
+    cols = [5, 0, 17]
+    llm = LLM(str(path), convert="reward", **ENGINE_KW,
+              pooler_config={"pooling_type": "STEP", "step_tag_id": TAG, "returned_token_ids": cols})
+    token_prompts = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.reward(token_prompts, use_tqdm=False)
+    variants = [PoolingParams(activation=False), PoolingParams(returned_token_ids=[9])]
+    raw, one = llm.reward([token_prompts[0]] * 2, pooling_params=variants, use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        ref = hidden_states(hf, ids)[torch.tensor(ids) == TAG]
+        assert out.outputs.data.shape == (ids.count(TAG), len(cols))
+        torch.testing.assert_close(out.outputs.data, ref[:, cols].softmax(-1), atol=1e-5, rtol=0)
+    ref0 = hidden_states(hf, prompts[0])[torch.tensor(prompts[0]) == TAG]
+    torch.testing.assert_close(raw.outputs.data, ref0[:, cols], atol=1e-5, rtol=0)
+    torch.testing.assert_close(one.outputs.data, ref0[:, [9]].sigmoid(), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"returned_token_ids \[64\] are out of range"):
+        llm.reward("hi", pooling_params=PoolingParams(returned_token_ids=[0, 64]))
+    _assert_idle(llm)
+
+
+def test_convert_reward_errors(causal_lm, tmp_path: Path, default_model_dir: Path) -> None:
+    """convert='reward' with runner='generate', or on a checkpoint that is a pooling model already (an embedding
+    model, a classifier), is refused naming what is allowed."""
+    path, _, _ = causal_lm
+    with pytest.raises(ValueError, match="convert='reward' makes a reward model.*runner='pooling'"):
+        LLM(str(path), convert="reward", runner="generate", dtype="float32")
+    for name, labels in (("embed", None), ("classify", 3)):
+        (tmp_path / name).mkdir()
+        save_model(tmp_path / name, default_model_dir, num_labels=labels)
+        with pytest.raises(ValueError, match=r"\((LlamaModel|LlamaForSequenceClassification)\) is a pooling model "
+                                             r"already: drop convert.*convert='embed'"):
+            LLM(str(tmp_path / name), convert="reward", dtype="float32")

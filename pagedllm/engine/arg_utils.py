@@ -154,7 +154,10 @@ _HELP = {
     "convert": "vLLM's --convert: embed turns a *ForCausalLM model into an embedding model; classify serves a "
                "*ForSequenceClassification checkpoint (Llama, Mistral, Qwen2, Qwen3) as a classifier: its `score` "
                "head over the last token, softmax over the labels (sigmoid for one label: a cross-encoder, which "
-               "LLM.score and /v1/score, /rerank use for text pairs). Both imply --runner pooling; auto or none "
+               "LLM.score and /v1/score, /rerank use for text pairs); reward turns a *ForCausalLM model into a "
+               "reward model: every prompt token's final hidden state (LM head unused; task token_classify: "
+               "LLM.reward, LLM.encode, POST /pooling; pooling ALL, or STEP with --pooler-config; softmaxed unless "
+               "activation is false, as vLLM). All three imply --runner pooling; auto or none "
                "leave the model as it is (a *ForSequenceClassification checkpoint classifies by default, a "
                "*ForTokenClassification one classifies every token: task token_classify).",
     "pooler_config": "Pooling runner: a JSON object like vLLM's, {\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\" | \"ALL\" | "
@@ -448,6 +451,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager or encoder or (recurrent and not layer_sliding_windows(hf_config)),
             max_capture_tokens=self.max_capture_tokens, quantization=self.quantization, runner=runner,
             pooler_config=pooler, pooling_task=pooling_task, enable_prompt_embeds=self.enable_prompt_embeds,
+            convert=self.convert if runner == "pooling" else "auto",
             logits_processors=self._logits_processor_classes(runner), logprobs_mode=self._checked_logprobs_mode(),
         )
         cache = CacheConfig(
@@ -557,7 +561,7 @@ class EngineArgs:
                                  "pooling) or drop it.")
             return runner, None, None
         task = resolve_pooling_task(self.convert, hf_config)
-        pooler = resolve_pooler_config(self.pooler_config, hf_config, task, model_dir)
+        pooler = resolve_pooler_config(self.pooler_config, hf_config, task, model_dir, self.convert)
         if hf_config is not None and is_encoder_only(hf_config):
             if self.enable_prefix_caching:
                 logger.warning("Prefix caching is off: an encoder-only model attends over each whole prompt, so a "

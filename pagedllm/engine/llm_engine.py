@@ -349,7 +349,8 @@ class LLMEngine:
         group.extra["best_of"] = params.best_of or params.n
         if pooling is not None:
             classify = self.config.model_config.pooling_task in ("classify", "token_classify")
-            num_labels = len(classification_labels(self.hf_config)) if classify else None
+            convert = self.config.model_config.convert
+            num_labels = len(classification_labels(self.hf_config, convert)) if classify else None
             state = PoolingState.of(pooling, self.config.model_config.pooler_config, num_labels,
                                     token_ids=None if embeds is not None else list(token_ids))
             group.extra["pooling"] = state
@@ -419,7 +420,7 @@ class LLMEngine:
                               group_windows=cc.kv_cache_group_windows,
                               enable_prompt_embeds=self.config.model_config.enable_prompt_embeds,
                               logits_processors=self.config.model_config.logits_processors,
-                              labels=(classification_labels(self.hf_config)
+                              labels=(classification_labels(self.hf_config, self.config.model_config.convert)
                                       if task in ("classify", "token_classify") else ()),
                               cls_classifier=task == "classify" and is_encoder_only(self.hf_config),
                               pooling_type=getattr(self.config.model_config.pooler_config, "pooling_type", None))

@@ -3,7 +3,8 @@ prompt's hidden states become one vector, or one row per token.
 
 A pooling engine runs prompts only. Its model runner hands back the final hidden states (after the last norm)
 where a generating engine hands back logits — a classification model's rows have gone through its linear `score`
-head already, so they are label logits; a request finishes when its last prompt chunk has run, with the last
+head already, so they are label logits (a model converted with convert='reward' hands back its hidden states as
+they are: vLLM's as_reward_model); a request finishes when its last prompt chunk has run, with the last
 token's row (LAST), the mean over every token (MEAN), the first token's (CLS), every token's row (ALL: the
 token_embed and token_classify tasks, gathered across chunks), or the rows of the prompt's step-tag tokens (STEP: a
 process reward model's step rewards, `step_tag_id`, in their `returned_token_ids` columns). An embedding is
@@ -41,6 +42,9 @@ def resolve_runner(runner: str, convert: str, hf_config: Any) -> str:
     """vLLM's --runner / --convert → "generate" or "pooling"."""
     base = is_base_model(hf_config)
     classifier = is_classification_model(hf_config) or is_token_classification_model(hf_config)
+    if convert == "reward":
+        check_reward_convert(runner, hf_config)
+        return "pooling"
     if convert in ("embed", "classify"):
         if runner == "generate":
             kind = "an embedding" if convert == "embed" else "a classification"
@@ -57,10 +61,33 @@ def resolve_runner(runner: str, convert: str, hf_config: Any) -> str:
     return runner
 
 
+def check_reward_convert(runner: str, hf_config: Any) -> None:
+    """convert='reward' (vLLM's as_reward_model) takes a generating (*ForCausalLM) model to the pooling runner:
+    ValueError, naming what is allowed, with runner='generate' or on a checkpoint that is a pooling model already
+    (a base model, a classifier, a token classifier or reward model)."""
+    if runner == "generate":
+        raise ValueError("convert='reward' makes a reward model, which runs the pooling runner: drop "
+                         "runner='generate' or pass runner='pooling' (--runner pooling).")
+    if is_base_model(hf_config) or is_classification_model(hf_config) or is_token_classification_model(hf_config):
+        archs = getattr(hf_config, "architectures", None) or ["?"]
+        raise ValueError(f"convert='reward' turns a generating model (a *ForCausalLM architecture) into a reward "
+                         f"model returning every token's hidden state; this checkpoint ({archs[0]}) is a pooling "
+                         f"model already: drop convert (or pass convert='auto') to serve it as it is, or "
+                         f"convert='embed' for embeddings of its hidden states.")
+
+
 def resolve_pooling_task(convert: str, hf_config: Any) -> str:
     """What a pooling model returns (config.POOLING_MODEL_TASKS): "classify" for a *ForSequenceClassification
     checkpoint, "token_classify" for a *ForTokenClassification one (unless convert='embed' asks for their hidden
-    states), else "embed"."""
+    states) and for a model converted with convert='reward' (its hidden states per token), else "embed"."""
+    if convert == "reward":
+        # Following vLLM's vllm/model_executor/models/adapters.py::as_reward_model (the token_classify version):
+        # Pooler.for_token_classify(pooler_config) with no classifier, so the rows are the final hidden states,
+        # pooled ALL by default (STEP if the pooler config says so); its TokenClassifierPoolerHead applies
+        # PoolerClassify(static_num_labels=False) when use_activation, which token_classify requests default to
+        # (vllm/pooling_params.py): softmax over the row's columns (sigmoid for one), as PoolingState does here;
+        # activation=False (request or pooler_config) gives the raw hidden states.
+        return "token_classify"
     if is_token_classification_model(hf_config):
         return "embed" if convert == "embed" else "token_classify"
     if is_classification_model(hf_config):
@@ -115,13 +142,15 @@ def default_pooler_fields(hf_config: Any, task: str, model_dir: str | Path | Non
     return fields
 
 
-def resolve_pooler_config(given: Any, hf_config: Any, task: str, model_dir: str | Path | None) -> PoolerConfig:
+def resolve_pooler_config(given: Any, hf_config: Any, task: str, model_dir: str | Path | None,
+                          convert: str = "auto") -> PoolerConfig:
     """The pooler config: the user's `pooler_config` (a dict, JSON text or a PoolerConfig, whose fields all count
     as given) over the model's defaults (default_pooler_fields). An encoder-only classifier's head reads the CLS
     row, so it takes no other pooling type; a token classifier (or reward model) takes ALL or STEP only, and STEP
     (with its step_tag_id / returned_token_ids: check_step_fields) applies to those only. "ALL" on another model is
     vLLM's token pooling type (what its token_embed / token_classify requests use anyway): its sequence pooling type
-    stays the model's default. A model's default step tag applies only where the pooling type is STEP."""
+    stays the model's default. A model's default step tag applies only where the pooling type is STEP. `convert`:
+    vLLM's --convert ("reward": STEP's returned_token_ids index the hidden state's columns)."""
     if isinstance(given, PoolerConfig):  # (an unset step field leaves the model's default, as in vLLM)
         fields = {f.name: getattr(given, f.name) for f in dataclasses.fields(given)
                   if f.name not in _STEP_FIELDS or getattr(given, f.name) is not None}
@@ -143,7 +172,7 @@ def resolve_pooler_config(given: Any, hf_config: Any, task: str, model_dir: str 
     if merged.get("pooling_type") != "STEP":  # a model's default step tag applies to STEP only
         merged = {k: v for k, v in merged.items() if k in fields or k not in _STEP_FIELDS}
     pooler = PoolerConfig.from_json(merged)
-    check_step_fields(pooler, hf_config)
+    check_step_fields(pooler, hf_config, convert)
     if task == "classify" and is_encoder_only(hf_config) and pooler.pooling_type != "CLS":
         archs = getattr(hf_config, "architectures", None) or ["?"]
         raise ValueError(f"pooler_config pooling_type={pooler.pooling_type!r}: {archs[0]}'s classification head "
@@ -171,10 +200,10 @@ def _step_unsupported(hf_config: Any, task: str) -> ValueError:
                       f"served as {kind} model, without per-token classifier outputs. (A *ForCausalLM served as a "
                       f"pooling model pools its hidden states, as in vLLM, not vocabulary logits: math-shepherd-style "
                       f"returned_token_ids over the vocabulary are not offered.) Use pooling_type 'ALL', 'LAST', "
-                      f"'MEAN' or 'CLS' here.")
+                      f"'MEAN' or 'CLS' here, or convert='reward' (--convert reward) for STEP over its hidden states.")
 
 
-def check_step_fields(pooler: PoolerConfig, hf_config: Any) -> None:
+def check_step_fields(pooler: PoolerConfig, hf_config: Any, convert: str = "auto") -> None:
     """STEP's `step_tag_id` / `returned_token_ids`: only with pooling_type STEP, a token id of the vocabulary, and
     columns of the model's outputs (its labels); ValueError naming what is allowed."""
     given = [k for k in _STEP_FIELDS if getattr(pooler, k) is not None]
@@ -186,7 +215,7 @@ def check_step_fields(pooler: PoolerConfig, hf_config: Any) -> None:
     if pooler.pooling_type != "STEP":
         return
     check_step_ids(pooler.step_tag_id, pooler.returned_token_ids, vocab_size(hf_config),
-                   len(classification_labels(hf_config)), "pooler_config ")
+                   len(classification_labels(hf_config, convert)), "pooler_config ")
 
 
 def vocab_size(hf_config: Any) -> int | None:
@@ -225,9 +254,12 @@ def token_type_start(token_type_ids: Any, num_tokens: int) -> int | None:
     return start if start < num_tokens else None
 
 
-def classification_labels(hf_config: Any) -> tuple[str, ...]:
+def classification_labels(hf_config: Any, convert: str = "auto") -> tuple[str, ...]:
     """A classifier's label names by class index (the config's `id2label`; LABEL_<i> where it names none). A reward
-    model's label count is its architecture's (as vLLM sets it), whatever the config says."""
+    model's label count is its architecture's (as vLLM sets it), whatever the config says; a model converted with
+    convert='reward' has one column per hidden-state value (its rows are the hidden states)."""
+    if convert == "reward":
+        return tuple(f"LABEL_{i}" for i in range(int(text_config(hf_config).hidden_size)))
     n = fixed_num_labels(hf_config) or int(getattr(hf_config, "num_labels", 0) or 0)
     id2label = getattr(hf_config, "id2label", None) or {}
     names = {int(k): str(v) for k, v in id2label.items()}

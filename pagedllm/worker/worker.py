@@ -483,8 +483,9 @@ class Worker:
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
         self.model_runner.prompt_embeds = self.config.model_config.enable_prompt_embeds
         self.model_runner.mamba_caches = self.mamba_caches
-        if self.config.model_config.pooling_task in ("classify", "token_classify"):
-            self.model_runner.classifier = self.model.classify
+        mc = self.config.model_config
+        if mc.pooling_task in ("classify", "token_classify") and mc.convert != "reward":
+            self.model_runner.classifier = self.model.classify  # (convert='reward': the hidden states as they are)
         if self.lora_manager is not None:
             self.model_runner.lora_manager = self.lora_manager
             self.lora_manager.always_apply = self.use_cuda_graphs()  # captured graphs hold the adapters' GEMMs
