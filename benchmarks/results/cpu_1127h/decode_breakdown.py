@@ -23,13 +23,14 @@ def call(self, input_ids, *a, **k):
     rows_of_step.append((input_ids.shape[0], dt)); return r
 LlamaDirectForward.__call__ = call
 F32Gemm.linear = timed("gemm", F32Gemm.linear)
-orig_build = LlamaDirectForward.build.__func__
+from pagedllm.model.cpu_direct_forward import DirectForward
+orig_build = DirectForward.build.__func__
 def build(cls, *a, **k):
     o = orig_build(cls, *a, **k)
     for n in ("_attention", "_rms", "_rope", "_silu", "_cache"):
         setattr(o, n, timed(n, getattr(o, n)))
     return o
-LlamaDirectForward.build = classmethod(build)
+DirectForward.build = classmethod(build)
 rows = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 llm = LLM(quantization="none", num_gpu_blocks_override=4096, max_num_seqs=rows)
 prompts = [{"prompt_token_ids": [1 + (i * 7 + j) % 4000 for j in range(136)]} for i in range(rows)]
