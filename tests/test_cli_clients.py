@@ -165,3 +165,20 @@ def test_collect_env():
         assert lines[label], label  # a version or "not installed"
     heavy, _ = imports.communicate(timeout=120)
     assert imports.returncode == 0 and heavy.strip() == "", heavy
+
+
+def test_client_commands_start_without_the_engine():
+    """`chat` / `complete` / `collect-env` parse without importing torch or fastapi (they start at once); the other
+    subcommands still parse."""
+    code = ("import sys\nfrom pagedllm.entrypoints import cli\n"
+            "rc = cli.main(['--log-level', 'WARNING', 'complete', '--url', sys.argv[1], '-q', 'x'])\n"
+            "print(rc, 'torch' in sys.modules, 'fastapi' in sys.modules)\n")
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    out = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, timeout=120, env=_env())
+    assert out.stdout.split() == ["1", "False", "False"], (out.stdout, out.stderr)
+    assert "cannot reach the server" in out.stderr
+    from pagedllm.entrypoints.cli import _command_of, build_parser
+
+    assert _command_of(["--log-level", "DEBUG", "chat", "-q", "hi"]) == "chat"
+    assert _command_of(["generate", "--prompt", "chat"]) == "generate"
+    assert build_parser().parse_args(["generate", "--max-tokens", "3"]).max_tokens == 3

@@ -6,11 +6,16 @@ import json
 import logging
 import sys
 
-from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.config_file import FlexibleArgumentParser, add_config_arg
+
+# Clients of a running server and the environment report: parsed without the engine's modules (torch through
+# EngineArgs, fastapi through serve), so they start at once.
+CLIENT_COMMANDS = ("chat", "complete", "collect-env")
 
 
 def _add_generate(sub) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
     p = sub.add_parser("generate", help="Generate completions for one or more prompts.",
                        description="Generate completions offline with the paged engine.")
     p.add_argument("--prompt", action="append", default=None,
@@ -31,6 +36,7 @@ def _add_generate(sub) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.arg_utils import EngineArgs
 
     prompts = args.prompt or ["What is the capital of France?"]
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -51,18 +57,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(clients_only: bool = False) -> argparse.ArgumentParser:
+    """The whole command line; `clients_only`: only CLIENT_COMMANDS (no engine module imported)."""
+    from pagedllm.entrypoints import cli_clients, collect_env
+
     parser = FlexibleArgumentParser(prog="pagedllm", description="pagedllm: a PagedAttention LLM serving engine.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    from pagedllm.entrypoints import bench_cli
+    if not clients_only:
+        _add_generate(sub)
+        from pagedllm.entrypoints import bench_cli
 
-    bench_cli.add_bench_parser(sub)
-    from pagedllm.entrypoints import cli_clients, collect_env
-
+        bench_cli.add_bench_parser(sub)
     cli_clients.add_client_parsers(sub)
     collect_env.add_collect_env_parser(sub)
+    if clients_only:
+        return parser
     try:
         from pagedllm.entrypoints.openai import cli_serve
     except ImportError:
@@ -75,8 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand `argv` names: its first word that is not an option (or --log-level's value)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(clients_only=_command_of(argv) in CLIENT_COMMANDS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
