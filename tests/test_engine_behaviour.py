@@ -273,6 +273,28 @@ def test_prompt_that_can_never_fit_the_pool_is_rejected():
     assert out.finish_reason == "length" and len(out.token_ids) == 64 - 40
 
 
+def test_vllm_cpu_kvcache_space_sizes_the_pool(monkeypatch):
+    """vLLM's VLLM_CPU_KVCACHE_SPACE (GiB) sizes the CPU KV pool exactly (not capped to what max_num_seqs needs, as
+    the free-memory default is); 0 means the default; a bad value or a space too small for one block is a clear
+    error."""
+    from pagedllm.worker.worker import CPU_KVCACHE_SPACE_ENV
+
+    monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "0.0625")  # 64 MiB
+    llm = LLM(max_model_len=256, max_num_seqs=2)
+    worker = llm.llm_engine.executor.driver_worker
+    assert llm.stats()["kv_blocks_total"] == (64 << 20) // worker.cache_block_size_bytes()
+    assert llm.stats()["kv_blocks_total"] > 2 * 256 // 16  # more than the two sequences' need: the user's size
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 3
+    monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "0")
+    assert LLM(max_model_len=256, max_num_seqs=2).stats()["kv_blocks_total"] == 2 * 256 // 16  # the default
+    for bad, match in (("lots", "expected the CPU KV cache's size in GiB"), ("-1", "a number >= 0"),
+                       ("0.0000001", "holds no KV block")):
+        monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            LLM(max_model_len=256, max_num_seqs=2)
+
+
 def test_cli_generate_prints_a_completion():
     proc = subprocess.run(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "generate", "--prompt", "What is the capital of France?",

@@ -5,6 +5,8 @@ import dataclasses
 import gc
 import itertools
 import logging
+import math
+import os
 import time
 from collections import Counter
 from typing import Iterable
@@ -71,6 +73,8 @@ from pagedllm.worker.profiler import ProfilerError, TorchProfiler, TorchProfiler
 from pagedllm.worker.sleep_offload import OffloadedModel, offload_model, restore_model
 
 logger = logging.getLogger("pagedllm")
+# vLLM's CPU backend variable: the KV cache's size in GiB on the CPU (0 or unset: sized from free memory).
+CPU_KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -399,6 +403,12 @@ class Worker:
             from pagedllm.worker.gpu_profiling import profile_num_gpu_blocks  # GPU-only path
 
             return profile_num_gpu_blocks(self, block_bytes), num_cpu, num_offload
+        space = cpu_kvcache_space_bytes()
+        if space is not None:  # vLLM's CPU backend: exactly the GiB the user gave
+            if space < block_bytes:
+                raise ValueError(f"{CPU_KVCACHE_SPACE_ENV}={os.environ[CPU_KVCACHE_SPACE_ENV]} GiB holds no KV block "
+                                 f"of {block_bytes} bytes; give more (or 0 to size the pool from free memory).")
+            return space // block_bytes, num_cpu, num_offload
         budget = int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
         # No need for more than every sequence at full length (in every KV cache group).
         max_useful = sc.max_num_seqs * -(-sc.max_model_len // cc.block_size) * self.kv_layout.num_groups
@@ -450,7 +460,8 @@ class Worker:
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             return max(0, int(total * cc.gpu_memory_utilization) - (total - free))
-        return int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
+        space = cpu_kvcache_space_bytes()
+        return space if space is not None else int(_available_ram_bytes() * cc.cpu_kv_cache_fraction)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
@@ -769,6 +780,22 @@ class Worker:
             release_free_memory()
 
 
+def cpu_kvcache_space_bytes() -> int | None:
+    """vLLM's VLLM_CPU_KVCACHE_SPACE: the CPU KV pool's size in GiB (fractions allowed), as bytes; None where unset
+    or 0 (the pool is then sized from free memory). A ValueError says what the variable takes."""
+    raw = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = float("nan")
+    if not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV}={raw!r}: expected the CPU KV cache's size in GiB, a number >= 0 "
+                         "(e.g. 4, or 0 to size it from free memory).")
+    return int(gib * (1 << 30)) or None
+
+
 def _available_ram_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -777,6 +804,4 @@ def _available_ram_bytes() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
