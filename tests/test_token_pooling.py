@@ -21,6 +21,8 @@ import torch.nn.functional as F
 
 from pagedllm import LLM, PoolingParams
 from test_classify_score import COMMON, TEXTS, save_model  # noqa: E402
+from test_classify_score import _assert_no_blocks_held as _assert_idle  # noqa: E402
+from test_classify_score import _logits as _hf_logits  # noqa: E402
 from test_encoder_models import save_bert_tokenizer  # noqa: E402
 
 # A step budget smaller than the longest prompt (~100 tokens): it runs in chunks, batched with the others.
@@ -54,17 +56,6 @@ def save_token_classifier(path: Path, tokenizer_dir: Path, kind: str = "llama", 
     model = model.float().eval()
     model.save_pretrained(path)
     return model, tok
-
-
-def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(input_ids=torch.tensor([ids])).logits[0]
-
-
-def _assert_idle(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
