@@ -43,14 +43,17 @@ def test_merge_stats_sums_counters_and_recomputes_ratios():
     assert m["data_parallel_size"] == 2
 
 
-def test_rank_environment_splits_cores_and_gpus():
+def test_rank_environment_splits_cores_and_gpus(monkeypatch):
     args = EngineArgs(data_parallel_size=2, tensor_parallel_size=2, device="cuda")
     assert rank_process_env(1, args, 16, ["0", "1", "2", "3"]) == {"OMP_NUM_THREADS": "8",
                                                                    "CUDA_VISIBLE_DEVICES": "2,3"}
     with pytest.raises(ValueError, match="needs 4 GPUs; 3 are visible"):
         rank_process_env(0, args, 16, ["0", "1", "2"])
     cpu = EngineArgs(data_parallel_size=2, device="cpu")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert rank_process_env(0, cpu, 2, ["0"]) == {"OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # (tests/test_cpu_threads.py has the other cases)
+    assert rank_process_env(1, cpu, 2, ["0"], [0, 1]) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
 
 
 def test_bad_sizes_and_the_offline_api_are_refused():

@@ -25,6 +25,7 @@ from pagedllm.engine.request_checker import RequestChecker
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cpu_threads import BIND_ENV, cpus_for_ranks, format_cpu_list
 
 T = TypeVar("T")
 
@@ -58,8 +59,11 @@ def merge_stats(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def rank_process_env(rank: int, engine_args: EngineArgs, cpu_cores: int, visible_gpus: list[str]) -> dict[str, str]:
-    """Environment of one rank's engine-core process: its GPUs (CUDA) or its share of the CPU cores."""
+def rank_process_env(rank: int, engine_args: EngineArgs, cpu_cores: int, visible_gpus: list[str],
+                     allowed: list[int] | None = None) -> dict[str, str]:
+    """Environment of one rank's engine-core process: its GPUs (CUDA) or its share of the CPU cores (on the CPU,
+    with VLLM_CPU_OMP_THREADS_BIND other than nobind, its tensor-parallel ranks' CPU lists, disjoint from the other
+    data-parallel ranks')."""
     size = engine_args.data_parallel_size
     env = {"OMP_NUM_THREADS": str(max(1, cpu_cores // size))}
     per_rank = engine_args.tensor_parallel_size
@@ -68,6 +72,12 @@ def rank_process_env(rank: int, engine_args: EngineArgs, cpu_cores: int, visible
             raise ValueError(f"data_parallel_size={size} x tensor_parallel_size={per_rank} needs {size * per_rank} "
                              f"GPUs; {len(visible_gpus)} are visible.")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus[rank * per_rank:(rank + 1) * per_rank])
+        return env
+    shares = cpus_for_ranks(os.environ.get(BIND_ENV, "auto"), size * per_rank, allowed)
+    if shares is not None:
+        mine = shares[rank * per_rank:(rank + 1) * per_rank]
+        env[BIND_ENV] = "|".join(format_cpu_list(cpus) for cpus in mine)
+        env["OMP_NUM_THREADS"] = str(len(mine[0]))
     return env
 
 

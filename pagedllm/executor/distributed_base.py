@@ -32,6 +32,7 @@ from pagedllm.executor.rpc import check_rpc_method, pack_method, unpack_results
 from pagedllm.executor.step_codec import encode_request
 from pagedllm.executor.worker_wrapper import WorkerWrapper
 from pagedllm.model.models.registry import get_model_class
+from pagedllm.worker.cpu_threads import keep_thread_affinity
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.profiler import TorchProfilerConfig
 
@@ -83,6 +84,7 @@ class DistributedExecutorBase(ABC):
         self._lock = threading.Lock()  # one step or control exchange at a time
         self._finalizer: weakref.finalize | None = None
         self._saved_threads = torch.get_num_threads()
+        self._restore_affinity = keep_thread_affinity(self)  # rank 0's CPU binding pins this thread
         self.driver = WorkerWrapper()
         try:
             host, local_only = self._host()
@@ -240,6 +242,7 @@ class DistributedExecutorBase(ABC):
             self._error = f"the tensor-parallel {self.backend_name} executor was shut down"
         self.driver.groups = None  # drop rank 0's process groups and rendezvous store
         torch.set_num_threads(self._saved_threads)
+        self._restore_affinity()
 
     # -- failure ----------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:

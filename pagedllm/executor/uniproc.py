@@ -9,6 +9,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.executor.rpc import check_rpc_method, run_method
 from pagedllm.worker.model_input import ExecuteModelRequest
+from pagedllm.worker.cpu_threads import configure_cpu_threads
 from pagedllm.worker.profiler import TorchProfilerConfig
 from pagedllm.worker.worker import Worker
 
@@ -17,6 +18,8 @@ class UniProcExecutor:
     supports_async_scheduling = True  # the worker shares the sampler's device tensors
     def __init__(self, config: EngineConfig, model_dir: str, hf_config) -> None:
         self.config = config
+        if config.device_config.resolve() == "cpu":
+            configure_cpu_threads(0, 1)
         self.driver_worker = Worker(config, model_dir, hf_config)
         self.driver_worker.load_model()
 

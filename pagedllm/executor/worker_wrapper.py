@@ -17,11 +17,11 @@ from pagedllm.distributed.process_group import (
     DistributedInitInfo,
     RankGroups,
     broadcast_bytes,
-    cpu_threads_per_rank,
     init_tensor_parallel_group,
 )
 from pagedllm.executor.rpc import run_method_guarded
 from pagedllm.executor.step_codec import decode_request
+from pagedllm.worker.cpu_threads import configure_cpu_threads
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.worker import Worker
 
@@ -47,7 +47,7 @@ class WorkerWrapper:
         """Join the rendezvous as `rank` (on GPU `local_rank`), then build and load this rank's shard."""
         self.rank = rank
         if config.device_config.resolve() == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(info.world_size))
+            configure_cpu_threads(rank, info.world_size)
         self.groups = init_tensor_parallel_group(info, rank, store, local_rank)
         self.worker = Worker(config, model_dir, hf_config, self.groups.tp)
         self.worker.load_model()
