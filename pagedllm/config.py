@@ -189,6 +189,8 @@ class CacheConfig:
     # blocks the device pool evicts are kept there and copied back on a prefix hit. None: no tier.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None  # vLLM's --kv-offloading-backend: "native" (the only one here)
+    # GiB of GPU weights kept in pinned host memory (vLLM's --cpu-offload-gb; worker/cpu_offload.py). 0: none.
+    cpu_offload_gb: float = 0.0
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
     kv_cache_manager: str = "paged"

@@ -74,6 +74,10 @@ _HELP = {
                           "cached blocks the KV pool evicts are copied there and copied back on a prefix hit "
                           "instead of recomputed. Needs --enable-prefix-caching.",
     "kv_offloading_backend": "The KV offloading tier's implementation: native (the only one).",
+    "cpu_offload_gb": "GiB of a GPU model's weights kept in pinned host memory and copied in at every forward "
+                      "(vLLM's): whole decoder layers, from the first, until at least this much; the GPU holds one "
+                      "layer-sized buffer for them, so the rest goes to the KV pool. Each forward moves those bytes "
+                      "over PCIe: slow, for models that do not fit otherwise. GPU only; not with LoRA or sleep mode.",
     "mamba_ssm_cache_dtype": "State-space (Mamba) layers: the dtype of each sequence's SSM state (auto: the model's; "
                              "float32 keeps long generations closest to a float32 run at twice the memory).",
     "mamba_block_size": "State-space (Mamba) layers with --enable-prefix-caching: tokens between the recurrent-state "
@@ -268,6 +272,7 @@ class EngineArgs:
     swap_space: float = 4.0
     kv_offloading_size: float | None = None
     kv_offloading_backend: str | None = None
+    cpu_offload_gb: float = 0
     mamba_ssm_cache_dtype: str = "auto"
     mamba_block_size: int | None = None
     enable_chunked_prefill: bool = True
@@ -370,6 +375,23 @@ class EngineArgs:
                              f"{self.mamba_block_size}")
         return self.mamba_block_size
 
+    def _checked_cpu_offload_gb(self) -> float:
+        gb = self.cpu_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gb!r}")
+        if gb == 0:
+            return 0.0
+        if DeviceConfig(self.device).resolve() != "cuda":
+            raise ValueError(f"cpu_offload_gb={gb}: it keeps part of a GPU's weights in host memory; on the CPU "
+                             "device all of them are there already (leave it 0)")
+        clash = [name for name, on in (("enable_lora", self.enable_lora), ("enable_sleep_mode", self.enable_sleep_mode))
+                 if on]
+        if clash:
+            raise ValueError(f"cpu_offload_gb={gb} with {', '.join(clash)}: not supported (offloaded layers' weights "
+                             "live in a shared device buffer that adapters and sleep mode would write past); "
+                             "use one or the other")
+        return float(gb)
+
     def _check_recurrent_state_support(self) -> None:
         """What a model with state-space (Mamba) layers cannot run here, as clear errors; what it runs differently, as
         one log line. A sequence's recurrent state cannot be rewound, shared or moved block by block: no speculative
@@ -459,6 +481,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
             kv_offloading_size=self.kv_offloading_size, kv_offloading_backend=self.kv_offloading_backend,
+            cpu_offload_gb=self._checked_cpu_offload_gb(),
             mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
             mamba_block_size=self._mamba_block_size() if recurrent and self.enable_prefix_caching else None,
             enable_prefix_caching=(self.enable_prefix_caching and not encoder

@@ -61,6 +61,7 @@ from pagedllm.model.layers.mamba_state import allocate_layer_caches, copy_state_
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.engine.sleep_mode import SLEEP_TAGS, check_sleep_args, check_wake_tags
 from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
+from pagedllm.worker.cpu_offload import CpuOffloadReport, offload_layers_to_cpu
 from pagedllm.worker.kv_scale_calibration import (
     KVCalibration,
     calibrate_kv_amax,
@@ -164,6 +165,7 @@ class Worker:
         self.model = None
         # What loading took on a CUDA device, and its peak (load_model); 0 elsewhere.
         self.model_memory_bytes = 0
+        self.cpu_offload: CpuOffloadReport | None = None  # --cpu-offload-gb's layers (worker/cpu_offload.py)
         self.model_load_peak_bytes = 0
         self.cache_engine: CacheEngine | None = None
         self.mamba_caches: list | None = None  # state-space layers' state slots (_init_mamba_state)
@@ -223,6 +225,8 @@ class Worker:
             model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
+        if self.device.type == "cuda":
+            self.cpu_offload = offload_layers_to_cpu(model, int(self.config.cache_config.cpu_offload_gb * 2**30))
         n_params = num_parameters(model)
         logger.info(
             "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",

@@ -1,0 +1,109 @@
+"""vLLM's ``--cpu-offload-gb``: keep part of a GPU model's weights in pinned host memory and bring them in at
+every forward, so a model larger than the GPU's memory still runs (slowly) and more of the GPU goes to the KV pool.
+
+Whole decoder layers are offloaded, from the first, until at least the budget is reached (vLLM's rule). An
+offloaded layer's parameters become views into one device *staging* buffer the size of the largest offloaded layer,
+shared by all of them; a forward pre-hook copies the layer's weights from host memory into it. Layers run one after
+another on one stream, so each copy lands after the previous layer's kernels have read the buffer. The copies are
+ordinary stream work: CUDA graphs (decode, piecewise, whole-step) capture them and replay them. What the device
+saves is the offloaded bytes less the staging buffer: offloading one layer saves nothing, two save one.
+
+Parameters shared with another module (tied embeddings), non-contiguous ones and non-parameter tensors stay on
+the device.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("pagedllm")
+
+_ALIGN = 256  # bytes: every view starts where any dtype's kernels may read it
+
+
+@dataclass(frozen=True)
+class CpuOffloadReport:
+    layers: int  # decoder layers offloaded
+    total_layers: int
+    offloaded_bytes: int  # now in pinned host memory
+    staging_bytes: int  # the device buffer they are copied into
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.offloaded_bytes - self.staging_bytes
+
+    def line(self) -> str:
+        return (f"CPU offload: {self.layers} of {self.total_layers} decoder layers ({self.offloaded_bytes / 2**30:.2f} "
+                f"GiB) in pinned host memory, copied into a {self.staging_bytes / 2**30:.2f} GiB device buffer at every "
+                f"forward: {self.saved_bytes / 2**30:.2f} GiB of GPU memory freed")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: the ModuleList holding the most parameter bytes."""
+    best, best_bytes = None, 0
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            size = sum(p.numel() * p.element_size() for p in module.parameters())
+            if size > best_bytes:
+                best, best_bytes = module, size
+    if best is None:
+        raise ValueError(f"cpu_offload_gb: {type(model).__name__} has no list of decoder layers to offload")
+    return best
+
+
+def _movable(layer: nn.Module, shared: set[int]) -> list[nn.Parameter]:
+    return [p for p in layer.parameters() if p.is_cuda and p.is_contiguous() and id(p) not in shared]
+
+
+def offload_layers_to_cpu(model: nn.Module, budget_bytes: int) -> CpuOffloadReport | None:
+    """Move decoder layers' weights to pinned host memory until `budget_bytes` are offloaded (see the module
+    docstring); None when the budget is 0."""
+    if budget_bytes <= 0:
+        return None
+    layers = decoder_layers(model)
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    shared = {pid for pid, n in owners.items() if n > 1}
+    plans: list[tuple[nn.Module, list[tuple[nn.Parameter, int]]]] = []
+    offloaded = staging = 0
+    for layer in layers:
+        if offloaded >= budget_bytes:
+            break
+        placed, end = [], 0
+        for p in _movable(layer, shared):
+            placed.append((p, end))
+            end += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        if not placed:
+            continue
+        plans.append((layer, placed))
+        offloaded += sum(p.numel() * p.element_size() for p, _ in placed)
+        staging = max(staging, end)
+    if not plans:
+        return None
+    device = plans[0][1][0][0].device
+    buffer = torch.empty(staging, dtype=torch.uint8, device=device)
+    for layer, placed in plans:
+        copies = []
+        for p, offset in placed:
+            nbytes = p.numel() * p.element_size()
+            host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+            host.copy_(p.data)
+            p.data = buffer[offset:offset + nbytes].view(p.dtype).view(p.shape)  # frees the device copy
+            copies.append((host, p))
+        layer.register_forward_pre_hook(_copier(copies))
+    torch.cuda.empty_cache()
+    report = CpuOffloadReport(len(plans), len(layers), offloaded, staging)
+    logger.info(report.line())
+    return report
+
+
+def _copier(copies: list[tuple[torch.Tensor, nn.Parameter]]):
+    def copy_in(module, args):
+        for host, param in copies:
+            param.data.copy_(host, non_blocking=True)
+    return copy_in

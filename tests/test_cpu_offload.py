@@ -1,0 +1,73 @@
+"""vLLM's --cpu-offload-gb: clear errors where it cannot apply (CPU tests), and on a GPU the same greedy tokens with
+part of the weights in pinned host memory, eager and through CUDA graphs, with the freed memory in the KV pool."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cpu_offload_gb=2, device="cpu"), "on the CPU device all of them are there already"),
+    (dict(cpu_offload_gb=-1), "cpu_offload_gb must be a number of GiB >= 0, got -1"),
+    (dict(cpu_offload_gb="2"), "cpu_offload_gb must be a number of GiB >= 0, got '2'"),
+    (dict(cpu_offload_gb=2, device="cuda", enable_sleep_mode=True), "with enable_sleep_mode: not supported"),
+])
+def test_cpu_offload_is_refused_where_it_cannot_work(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)._checked_cpu_offload_gb()
+
+
+def test_cpu_offload_flag_on_the_cpu_device_is_a_clear_error_before_loading():
+    with pytest.raises(ValueError, match="cpu_offload_gb=1.5: it keeps part of a GPU's weights in host memory"):
+        LLM(device="cpu", cpu_offload_gb=1.5)
+
+
+# -- CUDA (pytest -m cuda tests/test_cpu_offload.py) ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mid_llama_dir(tmp_path_factory) -> str:
+    """8 layers of 15.2 M float32 parameters (60.8 MB each): big enough that what offloading frees shows in the pool."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=1024,
+                      initializer_range=0.1, tie_word_embeddings=True, bos_token_id=0, eos_token_id=4095)
+    path = tmp_path_factory.mktemp("mid_llama")
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7] * 33, list(range(300, 301))]
+
+
+def _run(model_dir: str, **kw) -> tuple[list[list[int]], dict]:
+    llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=512, max_num_seqs=8,
+              gpu_memory_utilization=0.3, **kw)
+    worker = llm.llm_engine.executor.driver_worker
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    facts = {"blocks": llm.stats()["kv_blocks_total"], "model_bytes": worker.model_memory_bytes,
+             "report": worker.cpu_offload,
+             "block_bytes": 2 * sum(k[0].numel() * k[0].element_size() for k, _ in worker.cache_engine.slot_gpu_cache)}
+    del llm, worker
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [list(o.outputs[0].token_ids) for o in outs], facts
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_offloaded_layers_give_the_same_tokens_and_a_larger_pool(mid_llama_dir, enforce_eager):
+    base_tokens, base = _run(mid_llama_dir, enforce_eager=enforce_eager)
+    tokens, off = _run(mid_llama_dir, enforce_eager=enforce_eager, cpu_offload_gb=0.25)
+    report = off["report"]
+    assert base["report"] is None and report is not None
+    assert report.layers == 5 and report.total_layers == 8  # 60.8 MB a layer: 0.25 GiB is passed on the 5th
+    assert tokens == base_tokens  # the same weights through the staging buffer; graph replays copy them in again
+    assert off["model_bytes"] <= base["model_bytes"] - 0.95 * report.saved_bytes
+    assert off["blocks"] - base["blocks"] >= 0.8 * report.saved_bytes / off["block_bytes"]
