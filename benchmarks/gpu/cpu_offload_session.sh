@@ -15,3 +15,4 @@ PY
 python3 benchmarks/cpu_offload.py --model /tmp/l8b --load-format dummy --offload-gb ${BUDGETS:-2 8} > "$OUT/bench.txt" 2>&1
 grep -A10 "pinned host-to-device" "$OUT/bench.txt" | tee -a "$OUT/summary.txt"
 grep "CPU offload:" "$OUT/bench.txt" | tee -a "$OUT/summary.txt"
+python3 benchmarks/gpu/uva_probe.py > $OUT/uva.txt 2>&1; cat $OUT/uva.txt | tee -a $OUT/summary.txt
