@@ -7,7 +7,7 @@ import torch
 
 class _Iface:
     def __init__(self, t: torch.Tensor) -> None:
-        typestr = {torch.bfloat16: "<V2", torch.float16: "<f2", torch.float32: "<f4"}[t.dtype]
+        typestr = {torch.bfloat16: "<i2", torch.float16: "<f2", torch.float32: "<f4"}[t.dtype]
         self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": typestr, "data": (t.data_ptr(), False),
                                          "version": 2, "strides": None}
 
