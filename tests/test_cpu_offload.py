@@ -71,3 +71,16 @@ def test_cuda_offloaded_layers_give_the_same_tokens_and_a_larger_pool(mid_llama_
     assert tokens == base_tokens  # the same weights through the staging buffer; graph replays copy them in again
     assert off["model_bytes"] <= base["model_bytes"] - 0.95 * report.saved_bytes
     assert off["blocks"] - base["blocks"] >= 0.8 * report.saved_bytes / off["block_bytes"]
+
+
+@pytest.mark.cuda
+def test_cuda_load_weights_is_refused_on_offloaded_layers(mid_llama_dir):
+    llm = LLM(mid_llama_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=512, num_gpu_blocks_override=64,
+              enforce_eager=True, cpu_offload_gb=0.1)
+    worker = llm.llm_engine.executor.driver_worker
+    name, tensor = next(iter(worker.model.state_dict().items()))
+    with pytest.raises(ValueError, match="load_weights cannot replace weights offloaded with cpu_offload_gb"):
+        worker.load_weights([(name, tensor)])
+    del llm, worker
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -9,7 +9,8 @@ ordinary stream work: CUDA graphs (decode, piecewise, whole-step) capture them a
 saves is the offloaded bytes less the staging buffer: offloading one layer saves nothing, two save one.
 
 Parameters shared with another module (tied embeddings), non-contiguous ones and non-parameter tensors stay on
-the device.
+the device, as does a speculative draft checkpoint (the budget is the target's). `Worker.load_weights` refuses an
+offloaded model: new weights written into the staging buffer would be overwritten by the next forward's copies.
 """
 from __future__ import annotations
 

@@ -225,7 +225,7 @@ class Worker:
             model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and not self.is_draft:  # (the budget is the target's)
             self.cpu_offload = offload_layers_to_cpu(model, int(self.config.cache_config.cpu_offload_gb * 2**30))
         n_params = num_parameters(model)
         logger.info(
@@ -306,6 +306,10 @@ class Worker:
         if self.fp8_format is not None:
             raise ValueError("load_weights cannot replace the weights of a model loaded from an FP8 checkpoint; "
                              "build a new engine for the new checkpoint.")
+        if self.cpu_offload is not None:
+            raise ValueError(f"load_weights cannot replace weights offloaded with cpu_offload_gb (the first "
+                             f"{self.cpu_offload.layers} layers are copied in from host memory at every forward); "
+                             "build the engine without cpu_offload_gb to load other weights.")
         restore_dense_weights(self.model)  # loaders write the dense weights that packing may have released
         self.model.load_weights(weights)
         self.process_weights_after_loading()
