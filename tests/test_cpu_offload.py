@@ -52,6 +52,7 @@ def _run(model_dir: str, **kw) -> tuple[list[list[int]], dict]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     facts = {"blocks": llm.stats()["kv_blocks_total"], "model_bytes": worker.model_memory_bytes,
+             "load_peak": worker.model_load_peak_bytes,
              "report": worker.cpu_offload,
              "block_bytes": 2 * sum(k[0].numel() * k[0].element_size() for k, _ in worker.cache_engine.slot_gpu_cache)}
     del llm, worker
@@ -70,6 +71,8 @@ def test_cuda_offloaded_layers_give_the_same_tokens_and_a_larger_pool(mid_llama_
     assert report.layers == 5 and report.total_layers == 8  # 60.8 MB a layer: 0.25 GiB is passed on the 5th
     assert tokens == base_tokens  # the same weights through the staging buffer; graph replays copy them in again
     assert off["model_bytes"] <= base["model_bytes"] - 0.95 * report.saved_bytes
+    # the offloaded layers were built in host memory: loading never held them on the GPU
+    assert off["load_peak"] <= base["load_peak"] - 0.95 * report.saved_bytes
     assert off["blocks"] - base["blocks"] >= 0.8 * report.saved_bytes / off["block_bytes"]
 
 

@@ -55,50 +55,63 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return best
 
 
-def _movable(layer: nn.Module, shared: set[int]) -> list[nn.Parameter]:
-    return [p for p in layer.parameters() if p.is_cuda and p.is_contiguous() and id(p) not in shared]
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
 
 
-def offload_layers_to_cpu(model: nn.Module, budget_bytes: int) -> CpuOffloadReport | None:
-    """Move decoder layers' weights to pinned host memory until `budget_bytes` are offloaded (see the module
-    docstring); None when the budget is 0."""
-    if budget_bytes <= 0:
-        return None
+def plan_offload(model: nn.Module, budget_bytes: int) -> tuple[int, list[tuple[nn.Module, list[tuple[nn.Parameter, int]]]]]:
+    """(how many decoder layers there are, [(offloaded layer, [(parameter, its offset in the staging buffer)])]):
+    the same answer for the model built on the meta device and once materialized."""
     layers = decoder_layers(model)
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
-    shared = {pid for pid, n in owners.items() if n > 1}
-    plans: list[tuple[nn.Module, list[tuple[nn.Parameter, int]]]] = []
-    offloaded = staging = 0
+    plans = []
+    offloaded = 0
     for layer in layers:
         if offloaded >= budget_bytes:
             break
         placed, end = [], 0
-        for p in _movable(layer, shared):
-            placed.append((p, end))
-            end += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
-        if not placed:
-            continue
-        plans.append((layer, placed))
-        offloaded += sum(p.numel() * p.element_size() for p, _ in placed)
-        staging = max(staging, end)
+        for p in layer.parameters():
+            if p.is_contiguous() and owners[id(p)] == 1:  # (a tied weight is used outside the layer too)
+                placed.append((p, end))
+                end += -(-_nbytes(p) // _ALIGN) * _ALIGN
+        if placed:
+            plans.append((layer, placed))
+            offloaded += sum(_nbytes(p) for p, _ in placed)
+    return len(layers), plans
+
+
+def host_parameters(model: nn.Module, budget_bytes: int) -> set[int]:
+    """The ids of the parameters of a meta-built `model` that offloading will keep in host memory: they can be
+    allocated there (meta_build.materialize's `on_host`), so loading never holds them on the GPU."""
+    return {id(p) for _, placed in plan_offload(model, budget_bytes)[1] for p, _ in placed} if budget_bytes > 0 else set()
+
+
+def offload_layers_to_cpu(model: nn.Module, budget_bytes: int, device: torch.device) -> CpuOffloadReport | None:
+    """Put decoder layers' weights in pinned host memory until `budget_bytes` are offloaded (see the module
+    docstring); those already there (`host_parameters`) stay; None when the budget is 0."""
+    if budget_bytes <= 0:
+        return None
+    total_layers, plans = plan_offload(model, budget_bytes)
     if not plans:
         return None
-    device = plans[0][1][0][0].device
+    staging = max(offset + _nbytes(p) for _, placed in plans for p, offset in placed)
     buffer = torch.empty(staging, dtype=torch.uint8, device=device)
     for layer, placed in plans:
         copies = []
         for p, offset in placed:
-            nbytes = p.numel() * p.element_size()
-            host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
-            host.copy_(p.data)
-            p.data = buffer[offset:offset + nbytes].view(p.dtype).view(p.shape)  # frees the device copy
+            host = p.data
+            if not (host.device.type == "cpu" and host.is_pinned()):
+                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
+                host.copy_(p.data)
+            p.data = buffer[offset:offset + _nbytes(p)].view(p.dtype).view(p.shape)  # frees a device copy
             copies.append((host, p))
         layer.register_forward_pre_hook(_copier(copies))
     torch.cuda.empty_cache()
-    report = CpuOffloadReport(len(plans), len(layers), offloaded, staging)
+    offloaded = sum(_nbytes(p) for _, placed in plans for p, _ in placed)
+    report = CpuOffloadReport(len(plans), total_layers, offloaded, staging)
     logger.info(report.line())
     return report
 

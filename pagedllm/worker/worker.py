@@ -58,10 +58,11 @@ from pagedllm.model.gguf_gpt_oss import mxfp4_expert_weights
 from pagedllm.model.mxfp4 import MXFP4, build_with_mxfp4_experts, resolve_mxfp4
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.model.layers.mamba_state import allocate_layer_caches, copy_state_slots
+from pagedllm.model.meta_build import build_on_meta, materialize
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.engine.sleep_mode import SLEEP_TAGS, check_sleep_args, check_wake_tags
 from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
-from pagedllm.worker.cpu_offload import CpuOffloadReport, offload_layers_to_cpu
+from pagedllm.worker.cpu_offload import CpuOffloadReport, host_parameters, offload_layers_to_cpu
 from pagedllm.worker.kv_scale_calibration import (
     KVCalibration,
     calibrate_kv_amax,
@@ -200,8 +201,10 @@ class Worker:
         elif self.quantization == MXFP4:  # the experts allocated as MXFP4 bytes, never as floats
             model = build_with_mxfp4_experts(lambda: cls(self.hf_config, self.tp, self.dtype), self.device)
         else:
-            with torch.device(self.device):
-                model = cls(self.hf_config, self.tp, self.dtype)
+            model = self._build_with_host_layers(cls)
+            if model is None:
+                with torch.device(self.device):
+                    model = cls(self.hf_config, self.tp, self.dtype)
         if mc.runner == "pooling":
             share_lm_head_with_embeddings(model)
         if mc.load_format == "dummy":
@@ -225,8 +228,8 @@ class Worker:
             model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
-        if self.device.type == "cuda" and not self.is_draft:  # (the budget is the target's)
-            self.cpu_offload = offload_layers_to_cpu(model, int(self.config.cache_config.cpu_offload_gb * 2**30))
+        if self._offload_budget():
+            self.cpu_offload = offload_layers_to_cpu(model, self._offload_budget(), self.device)
         n_params = num_parameters(model)
         logger.info(
             "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",
@@ -248,6 +251,27 @@ class Worker:
             from pagedllm.spec_decode.draft_checkpoint import load_draft_worker
 
             self.draft_worker = load_draft_worker(self)
+
+    def _offload_budget(self) -> int:
+        """Bytes of weights --cpu-offload-gb keeps in host memory (the target's budget: a draft keeps none)."""
+        on = self.device.type == "cuda" and not self.is_draft
+        return int(self.config.cache_config.cpu_offload_gb * 2**30) if on else 0
+
+    def _build_with_host_layers(self, cls) -> torch.nn.Module | None:
+        """With --cpu-offload-gb on a float checkpoint: the model built on the meta device and materialized with the
+        offloaded layers' weights in pinned host memory, so they never occupy the GPU, even while loading (a model
+        larger than the GPU loads). None where that does not apply, or the model cannot be built so."""
+        budget = self._offload_budget()
+        if not budget or self.quantization is not None or self.int_format is not None \
+                or self.config.model_config.batch_invariant:
+            return None
+        model = build_on_meta(lambda: cls(self.hf_config, self.tp, self.dtype))
+        on_host = host_parameters(model, budget)
+        try:
+            return materialize(model, self.device, on_host=lambda p: id(p) in on_host)
+        except ValueError as e:
+            logger.info("cpu_offload_gb: %s The model is built on the GPU, then its layers are offloaded.", e)
+            return None
 
     def _check_batch_invariance(self) -> None:
         """VLLM_BATCH_INVARIANT=1: a clear error where this engine cannot give it, before the model loads."""

@@ -58,11 +58,13 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, scale: float = 0.02) -> 
     """
     gens: dict[torch.device, torch.Generator] = {}
     norm_weights = {f"{m}.weight" for m, mod in model.named_modules() if type(mod).__name__.endswith("Norm")}
+    # Weights offloaded to host memory (--cpu-offload-gb) are drawn on the model's GPU: the same weights as without.
+    gpu = next((p.device for p in model.parameters() if p.is_cuda), None)
     for name, param in model.named_parameters():
         if name in norm_weights or ("norm" in name and name.endswith("weight")):
             param.data.fill_(1.0)
             continue
-        dev = param.device
+        dev = gpu if gpu is not None and param.device.type == "cpu" else param.device
         gen = gens.setdefault(dev, torch.Generator(device=dev).manual_seed(seed))
         draw = torch.empty(param.shape, dtype=torch.float32, device=dev).normal_(0.0, scale, generator=gen)
         param.data.copy_(draw.to(param.dtype))
