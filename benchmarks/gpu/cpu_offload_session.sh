@@ -5,7 +5,7 @@ set -u
 export PYTHONPATH=$PWD:/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/summary.txt"
-python3 -m pytest -m cuda tests/test_cpu_offload.py -q -p no:cacheprovider > "$OUT/tests.txt" 2>&1
+python3 -m pytest -m cuda tests/test_cpu_offload.py ${EXTRA_TESTS:-} -q -p no:cacheprovider > "$OUT/tests.txt" 2>&1
 tail -3 "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
 python3 - <<'PY'
 from transformers import LlamaConfig
