@@ -27,6 +27,38 @@ def test_cpu_offload_flag_on_the_cpu_device_is_a_clear_error_before_loading():
         LLM(device="cpu", cpu_offload_gb=1.5)
 
 
+def _meta_llama(tie: bool):
+    from transformers import LlamaConfig
+
+    from pagedllm.distributed.parallel_state import TensorParallelGroup
+    from pagedllm.model.meta_build import build_on_meta
+    from pagedllm.model.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return build_on_meta(lambda: LlamaForCausalLM(cfg, TensorParallelGroup(), torch.bfloat16))
+
+
+def test_the_plan_takes_whole_layers_from_the_first_until_the_budget():
+    """The planning half of offloading (the copies need a GPU): the same on the meta-built model as after loading."""
+    from pagedllm.worker.cpu_offload import decoder_layers, host_parameters, plan_offload
+
+    model = _meta_llama(tie=True)
+    layers = decoder_layers(model)
+    assert layers is model.model.layers
+    layer_bytes = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    total, plans = plan_offload(model, budget_bytes=2 * layer_bytes + 1)  # passed on the 3rd layer
+    assert total == 6 and [layer for layer, _ in plans] == list(layers[:3])
+    for layer, placed in plans:
+        offsets = [offset for _, offset in placed]
+        assert offsets == sorted(offsets) and all(o % 256 == 0 for o in offsets)
+        assert {id(slot.get()) for slot, _ in placed} == {id(p) for p in layer.parameters()}
+    on_host = host_parameters(model, 2 * layer_bytes + 1)
+    assert on_host == {id(p) for layer in layers[:3] for p in layer.parameters()}
+    assert id(model.model.embed_tokens.weight) not in on_host  # tied to the LM head: used outside the layers
+    assert host_parameters(model, 0) == set() and plan_offload(model, layer_bytes)[1][0][0] is layers[0]
+
+
 # -- CUDA (pytest -m cuda tests/test_cpu_offload.py) ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mid_llama_dir(tmp_path_factory) -> str:
@@ -46,8 +78,8 @@ PROMPTS = [[1, 2, 3, 4, 5], list(range(100, 180)), [7] * 33, list(range(300, 301
 
 
 def _run(model_dir: str, **kw) -> tuple[list[list[int]], dict]:
-    llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=512, max_num_seqs=8,
-              gpu_memory_utilization=0.3, **kw)
+    kw = {"dtype": "float32", **kw}
+    llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3, **kw)
     worker = llm.llm_engine.executor.driver_worker
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
@@ -74,6 +106,18 @@ def test_cuda_offloaded_layers_give_the_same_tokens_and_a_larger_pool(mid_llama_
     # the offloaded layers were built in host memory: loading never held them on the GPU
     assert off["load_peak"] <= base["load_peak"] - 0.95 * report.saved_bytes
     assert off["blocks"] - base["blocks"] >= 0.8 * report.saved_bytes / off["block_bytes"]
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_weights_are_offloaded_too(mid_llama_dir):
+    """--quantization fp8 keeps each linear's weight in attributes, not parameters: those are what is offloaded."""
+    kw = dict(dtype="bfloat16", quantization="fp8")
+    base_tokens, base = _run(mid_llama_dir, **kw)
+    tokens, off = _run(mid_llama_dir, cpu_offload_gb=0.03, **kw)
+    report = off["report"]
+    assert report is not None and report.layers >= 2 and report.offloaded_bytes >= 0.03 * 2**30
+    assert tokens == base_tokens
+    assert off["model_bytes"] <= base["model_bytes"] - 0.95 * report.saved_bytes
 
 
 @pytest.mark.cuda

@@ -8,8 +8,9 @@ another on one stream, so each copy lands after the previous layer's kernels hav
 ordinary stream work: CUDA graphs (decode, piecewise, whole-step) capture them and replay them. What the device
 saves is the offloaded bytes less the staging buffer: offloading one layer saves nothing, two save one.
 
-Parameters shared with another module (tied embeddings), non-contiguous ones and non-parameter tensors stay on
-the device, as does a speculative draft checkpoint (the budget is the target's). `Worker.load_weights` refuses an
+A layer's weights are its parameters, its buffers (MXFP4 experts' bytes; not rotary caches) and --quantization fp8's
+weight attributes; one reached from elsewhere too (tied embeddings, a shared module) or non-contiguous stays on the
+device, as does a speculative draft checkpoint (the budget is the target's). `Worker.load_weights` refuses an
 offloaded model: new weights written into the staging buffer would be overwritten by the next forward's copies.
 """
 from __future__ import annotations
@@ -59,34 +60,69 @@ def _nbytes(p: torch.Tensor) -> int:
     return p.numel() * p.element_size()
 
 
-def plan_offload(model: nn.Module, budget_bytes: int) -> tuple[int, list[tuple[nn.Module, list[tuple[nn.Parameter, int]]]]]:
-    """(how many decoder layers there are, [(offloaded layer, [(parameter, its offset in the staging buffer)])]):
+# --quantization fp8 keeps a linear layer's weight and scales in plain attributes, not parameters.
+_WEIGHT_ATTRS = ("fp8_weight", "fp8_scale")
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One weight tensor of a layer: a parameter (its data is swapped, the Parameter stays), or a buffer (MXFP4
+    experts' bytes) or an fp8 weight attribute (rebound)."""
+    module: nn.Module
+    name: str
+
+    def get(self) -> torch.Tensor:
+        return getattr(self.module, self.name)
+
+    def set(self, tensor: torch.Tensor) -> None:
+        current = self.get()
+        if isinstance(current, nn.Parameter):
+            current.data = tensor
+        else:
+            setattr(self.module, self.name, tensor)
+
+
+def _direct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    from pagedllm.model.layers.rotary import RotaryEmbedding
+
+    named = [(n, t) for n, t in module._parameters.items() if t is not None]
+    if not isinstance(module, RotaryEmbedding):  # (its caches are small, and computed again, not loaded)
+        named += [(n, t) for n, t in module._buffers.items() if t is not None]
+    named += [(n, t) for n in _WEIGHT_ATTRS if isinstance(t := module.__dict__.get(n), torch.Tensor)]
+    return named
+
+
+def plan_offload(model: nn.Module, budget_bytes: int) -> tuple[int, list[tuple[nn.Module, list[tuple[_Slot, int]]]]]:
+    """(how many decoder layers there are, [(offloaded layer, [(weight slot, its offset in the staging buffer)])]):
     the same answer for the model built on the meta device and once materialized."""
     layers = decoder_layers(model)
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    uses: dict[int, int] = {}  # a tensor reached from two places (a tied weight, a shared module) stays on the device
+    for _, module in model.named_modules(remove_duplicate=False):
+        for _, t in _direct_tensors(module):
+            uses[id(t)] = uses.get(id(t), 0) + 1
     plans = []
     offloaded = 0
     for layer in layers:
         if offloaded >= budget_bytes:
             break
         placed, end = [], 0
-        for p in layer.parameters():
-            if p.is_contiguous() and owners[id(p)] == 1:  # (a tied weight is used outside the layer too)
-                placed.append((p, end))
-                end += -(-_nbytes(p) // _ALIGN) * _ALIGN
+        for module in layer.modules():
+            for name, t in _direct_tensors(module):
+                if t.numel() and t.is_contiguous() and uses[id(t)] == 1:
+                    placed.append((_Slot(module, name), end))
+                    end += -(-_nbytes(t) // _ALIGN) * _ALIGN
         if placed:
             plans.append((layer, placed))
-            offloaded += sum(_nbytes(p) for p, _ in placed)
+            offloaded += sum(_nbytes(slot.get()) for slot, _ in placed)
     return len(layers), plans
 
 
 def host_parameters(model: nn.Module, budget_bytes: int) -> set[int]:
     """The ids of the parameters of a meta-built `model` that offloading will keep in host memory: they can be
     allocated there (meta_build.materialize's `on_host`), so loading never holds them on the GPU."""
-    return {id(p) for _, placed in plan_offload(model, budget_bytes)[1] for p, _ in placed} if budget_bytes > 0 else set()
+    if budget_bytes <= 0:
+        return set()
+    return {id(slot.get()) for _, placed in plan_offload(model, budget_bytes)[1] for slot, _ in placed}
 
 
 def offload_layers_to_cpu(model: nn.Module, budget_bytes: int, device: torch.device) -> CpuOffloadReport | None:
@@ -97,27 +133,30 @@ def offload_layers_to_cpu(model: nn.Module, budget_bytes: int, device: torch.dev
     total_layers, plans = plan_offload(model, budget_bytes)
     if not plans:
         return None
-    staging = max(offset + _nbytes(p) for _, placed in plans for p, offset in placed)
+    staging = max(offset + _nbytes(slot.get()) for _, placed in plans for slot, offset in placed)
     buffer = torch.empty(staging, dtype=torch.uint8, device=device)
+    offloaded = 0
     for layer, placed in plans:
         copies = []
-        for p, offset in placed:
-            host = p.data
-            if not (host.device.type == "cpu" and host.is_pinned()):
-                host = torch.empty(p.shape, dtype=p.dtype, pin_memory=True)
-                host.copy_(p.data)
-            p.data = buffer[offset:offset + _nbytes(p)].view(p.dtype).view(p.shape)  # frees a device copy
-            copies.append((host, p))
+        for slot, offset in placed:
+            t = slot.get().data
+            host = t
+            if not (t.device.type == "cpu" and t.is_pinned()):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t)
+            view = buffer[offset:offset + _nbytes(t)].view(t.dtype).view(t.shape)
+            slot.set(view)  # frees a device copy
+            copies.append((host, view))
+            offloaded += _nbytes(t)
         layer.register_forward_pre_hook(_copier(copies))
     torch.cuda.empty_cache()
-    offloaded = sum(_nbytes(p) for _, placed in plans for p, _ in placed)
     report = CpuOffloadReport(len(plans), total_layers, offloaded, staging)
     logger.info(report.line())
     return report
 
 
-def _copier(copies: list[tuple[torch.Tensor, nn.Parameter]]):
+def _copier(copies: list[tuple[torch.Tensor, torch.Tensor]]):
     def copy_in(module, args):
-        for host, param in copies:
-            param.data.copy_(host, non_blocking=True)
+        for host, view in copies:
+            view.copy_(host, non_blocking=True)
     return copy_in
