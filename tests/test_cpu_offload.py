@@ -59,6 +59,58 @@ def test_the_plan_takes_whole_layers_from_the_first_until_the_budget():
     assert host_parameters(model, 0) == set() and plan_offload(model, layer_bytes)[1][0][0] is layers[0]
 
 
+class _Block(torch.nn.Module):
+    """A layer with the three kinds of weight offloading moves: a parameter, a buffer, an fp8-style attribute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width, bias=False)
+        self.register_buffer("shift", torch.randn(width))
+        self.fp8_weight = torch.randn(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.proj(x) + x @ self.fp8_weight.T + self.shift)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, width: int = 32, depth: int = 5) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(width, width)
+        self.layers = torch.nn.ModuleList(_Block(width) for _ in range(depth))
+        self.layers[4].proj.weight = self.embed.weight  # tied: must stay where it is
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_offloaded_layers_compute_the_same_through_one_shared_buffer():
+    """The copy mechanics on the CPU (pin_memory=False): every offloaded tensor becomes a view into one buffer, the
+    pre-hook fills it from the layer's own host copy before the layer runs, and the output does not change."""
+    from pagedllm.worker.cpu_offload import offload_layers_to_cpu
+
+    torch.manual_seed(0)
+    model = _Stack()
+    x = torch.randn(3, 32)
+    with torch.no_grad():
+        want = model(x)
+    per_layer = 2 * 32 * 32 * 4 + 32 * 4
+    report = offload_layers_to_cpu(model, 3 * per_layer, torch.device("cpu"), pin_memory=False)
+    assert report.layers == 3 and report.total_layers == 5 and report.offloaded_bytes == 3 * per_layer
+    bases = {t.untyped_storage().data_ptr() for layer in model.layers[:3]
+             for t in (layer.proj.weight, layer.shift, layer.fp8_weight)}
+    assert len(bases) == 1  # all in the one staging buffer
+    assert model.layers[3].proj.weight.untyped_storage().data_ptr() not in bases
+    assert isinstance(model.layers[0].proj.weight, torch.nn.Parameter)  # the Parameter kept, its data swapped
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+        assert torch.equal(model(x), want)  # the buffer refilled each time
+    tied = offload_layers_to_cpu(_Stack(), 10 * per_layer, torch.device("cpu"), pin_memory=False)
+    assert tied.layers == 5 and tied.offloaded_bytes == 5 * per_layer - 32 * 32 * 4  # the tied weight stayed
+
+
 # -- CUDA (pytest -m cuda tests/test_cpu_offload.py) ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def mid_llama_dir(tmp_path_factory) -> str:

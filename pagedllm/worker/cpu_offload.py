@@ -125,9 +125,11 @@ def host_parameters(model: nn.Module, budget_bytes: int) -> set[int]:
     return {id(slot.get()) for _, placed in plan_offload(model, budget_bytes)[1] for slot, _ in placed}
 
 
-def offload_layers_to_cpu(model: nn.Module, budget_bytes: int, device: torch.device) -> CpuOffloadReport | None:
+def offload_layers_to_cpu(model: nn.Module, budget_bytes: int, device: torch.device,
+                          pin_memory: bool = True) -> CpuOffloadReport | None:
     """Put decoder layers' weights in pinned host memory until `budget_bytes` are offloaded (see the module
-    docstring); those already there (`host_parameters`) stay; None when the budget is 0."""
+    docstring); those already there (`host_parameters`) stay; None when the budget is 0. (`pin_memory=False` with
+    a CPU `device`: the same mechanics without a GPU, for tests.)"""
     if budget_bytes <= 0:
         return None
     total_layers, plans = plan_offload(model, budget_bytes)
@@ -141,15 +143,16 @@ def offload_layers_to_cpu(model: nn.Module, budget_bytes: int, device: torch.dev
         for slot, offset in placed:
             t = slot.get().data
             host = t
-            if not (t.device.type == "cpu" and t.is_pinned()):
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            if not (t.device.type == "cpu" and (t.is_pinned() or not pin_memory)):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin_memory)
                 host.copy_(t)
             view = buffer[offset:offset + _nbytes(t)].view(t.dtype).view(t.shape)
             slot.set(view)  # frees a device copy
             copies.append((host, view))
             offloaded += _nbytes(t)
         layer.register_forward_pre_hook(_copier(copies))
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     report = CpuOffloadReport(len(plans), total_layers, offloaded, staging)
     logger.info(report.line())
     return report
