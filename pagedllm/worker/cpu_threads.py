@@ -212,7 +212,7 @@ def configure_cpu_threads(rank: int, world_size: int) -> list[int] | None:
     value = os.environ.get(BIND_ENV, "auto")
     os.environ.setdefault(ALLOWED_ENV, format_cpu_list(allowed_cpus()))
     shares = cpus_for_ranks(value, world_size)
-    if shares is None:
+    if shares is None or not hasattr(os, "sched_setaffinity"):  # (an OS without CPU affinity: as nobind)
         if world_size > 1:
             torch.set_num_threads(cpu_threads_per_rank(world_size))
         return None
@@ -230,6 +230,8 @@ def configure_cpu_threads(rank: int, world_size: int) -> list[int] | None:
 def keep_thread_affinity(owner: object) -> weakref.finalize:
     """The calling thread's CPUs now, given back to it when the returned finalizer is called or `owner` is
     collected: a tensor-parallel driver pins the caller's thread as rank 0, and the caller's process outlives it."""
+    if not hasattr(os, "sched_getaffinity"):  # (no CPU affinity on this OS: nothing was pinned)
+        return weakref.finalize(owner, lambda: None)
     return weakref.finalize(owner, _set_thread_affinity, threading.get_native_id(), sorted(os.sched_getaffinity(0)))
 
 
