@@ -62,6 +62,16 @@ def test_auto_gives_each_rank_a_numa_node_or_an_equal_share(monkeypatch):
         cpus_for_ranks("auto", 3, [0, 1], [[0, 1]])
 
 
+def test_auto_can_keep_smt_siblings(monkeypatch):
+    """one_per_core reads the machine's topology; with physical_cores_only=False every allowed CPU is shared out."""
+    monkeypatch.delenv(RESERVED_ENV, raising=False)
+    siblings = {0: [0, 4], 4: [0, 4], 1: [1, 5], 5: [1, 5]}
+    monkeypatch.setattr("pagedllm.worker.cpu_threads._read_cpu_list",
+                        lambda path: siblings.get(int(path.parent.parent.name[3:])))
+    assert cpus_for_ranks("auto", 1, [0, 1, 4, 5], [[0, 1, 4, 5]]) == [[0, 1]]
+    assert cpus_for_ranks("auto", 1, [0, 1, 4, 5], [[0, 1, 4, 5]], physical_cores_only=False) == [[0, 1, 4, 5]]
+
+
 def test_explicit_lists_and_nobind():
     assert cpus_for_ranks("0-3|4-7", 2, list(range(8))) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert cpus_for_ranks("nobind", 2, [0, 1]) is None

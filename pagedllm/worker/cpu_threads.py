@@ -2,9 +2,10 @@
 ``VLLM_CPU_NUM_OF_RESERVED_CPU``.
 
 ``VLLM_CPU_OMP_THREADS_BIND``:
-- ``auto`` (the default): each tensor-parallel rank takes one NUMA node's CPUs (one logical CPU per physical core);
-  with fewer nodes than ranks, the allowed CPUs are split into equal contiguous shares. The thread count stays what
-  torch was given (``OMP_NUM_THREADS``, ``torch.set_num_threads``), at most the share's size.
+- ``auto`` (the default): each tensor-parallel rank takes one NUMA node's CPUs (one logical CPU per physical core,
+  unless torch was given more threads than that: then SMT siblings too); with fewer nodes than ranks, the allowed
+  CPUs are split into equal contiguous shares. The thread count stays what torch was given (``OMP_NUM_THREADS``,
+  ``torch.set_num_threads``), at most the share's size.
 - a CPU list per rank, ranks separated by ``|``: ``0-31|32-63`` (rank 0 on CPUs 0–31, rank 1 on 32–63); one
   thread per listed CPU.
 - ``nobind`` (older vLLM: ``all``): no pinning; each rank runs ``cores // ranks`` threads.
@@ -129,8 +130,9 @@ def _reserved(num_ranks: int) -> tuple[int, bool]:
 
 
 def cpus_for_ranks(value: str, num_ranks: int, allowed: list[int] | None = None,
-                   nodes: list[list[int]] | None = None) -> list[list[int]] | None:
-    """Each rank's CPU list under ``VLLM_CPU_OMP_THREADS_BIND=value`` (None: no binding)."""
+                   nodes: list[list[int]] | None = None, physical_cores_only: bool = True) -> list[list[int]] | None:
+    """Each rank's CPU list under ``VLLM_CPU_OMP_THREADS_BIND=value`` (None: no binding); ``auto`` takes one logical
+    CPU per physical core unless `physical_cores_only` is False."""
     value = value.strip() or "auto"
     if value.lower() in NO_BIND:
         return None
@@ -146,7 +148,8 @@ def cpus_for_ranks(value: str, num_ranks: int, allowed: list[int] | None = None,
                              f"(allowed: {format_cpu_list(allowed)})")
         return groups
     nodes = numa_nodes(allowed) if nodes is None else nodes
-    nodes = [one_per_core(n) for n in nodes]
+    if physical_cores_only:
+        nodes = [one_per_core(n) for n in nodes]
     if len(nodes) >= num_ranks:
         shares = nodes[:num_ranks]
     else:
@@ -212,13 +215,17 @@ def configure_cpu_threads(rank: int, world_size: int) -> list[int] | None:
     value = os.environ.get(BIND_ENV, "auto")
     os.environ.setdefault(ALLOWED_ENV, format_cpu_list(allowed_cpus()))
     shares = cpus_for_ranks(value, world_size)
+    auto = value.strip().lower() in ("", "auto")
+    if auto and shares is not None and len(shares[rank]) < torch.get_num_threads():
+        # more threads asked for (OMP_NUM_THREADS, torch.set_num_threads) than physical cores: SMT siblings too
+        shares = cpus_for_ranks(value, world_size, physical_cores_only=False)
     if shares is None or not hasattr(os, "sched_setaffinity"):  # (an OS without CPU affinity: as nobind)
         if world_size > 1:
             torch.set_num_threads(cpu_threads_per_rank(world_size))
         return None
     cpus = shares[rank]
     threads = len(cpus)
-    if value.strip().lower() in ("", "auto"):
+    if auto:
         threads = max(1, min(threads, torch.get_num_threads()))
     torch.set_num_threads(threads)
     how = _pin(cpus, threads)
