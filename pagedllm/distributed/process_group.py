@@ -8,7 +8,6 @@ and nothing global is left behind at shutdown.
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -130,12 +129,3 @@ def init_tensor_parallel_group(
 def broadcast_bytes(buf: torch.Tensor, cpu_group) -> None:
     """Broadcast a uint8 CPU tensor from rank 0 to all ranks of `cpu_group` (in place)."""
     dist.broadcast(buf, group=cpu_group, group_src=0)
-
-
-def cpu_threads_per_rank(world_size: int) -> int:
-    """Intra-op threads each rank should use so that the ranks do not oversubscribe the CPU."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, cores // world_size)

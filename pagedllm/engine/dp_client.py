@@ -25,7 +25,7 @@ from pagedllm.engine.request_checker import RequestChecker
 from pagedllm.lora.request import LoRARequest
 from pagedllm.multimodal.processor import MultiModalProcessor
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.cpu_threads import BIND_ENV, cpus_for_ranks, format_cpu_list
+from pagedllm.worker.cpu_threads import BIND_ENV, allowed_cpus, cpus_for_ranks, format_cpu_list
 
 T = TypeVar("T")
 
@@ -90,12 +90,6 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
 
 class DPAsyncMPClient(AsyncEngineFront):
     """`engine_args.data_parallel_size` engine-core processes as one async front (see the module docstring)."""
@@ -104,7 +98,7 @@ class DPAsyncMPClient(AsyncEngineFront):
                  startup_timeout_s: float | None = None) -> None:
         self.ranks: list[AsyncMPClient] = []
         super().__init__(observer)
-        gpus, cores = _visible_gpus(), _cpu_cores()
+        gpus, cores = _visible_gpus(), len(allowed_cpus())
         envs = [rank_process_env(r, engine_args, cores, gpus) for r in range(engine_args.data_parallel_size)]
         try:
             for rank, env in enumerate(envs):

@@ -43,21 +43,21 @@ class CpuOffloadReport:
                 f"forward: {self.saved_bytes / 2**30:.2f} GiB of GPU memory freed")
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's repeated blocks: the ModuleList holding the most parameter bytes."""
     best, best_bytes = None, 0
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
-            size = sum(p.numel() * p.element_size() for p in module.parameters())
+            size = sum(_nbytes(p) for p in module.parameters())
             if size > best_bytes:
                 best, best_bytes = module, size
     if best is None:
         raise ValueError(f"cpu_offload_gb: {type(model).__name__} has no list of decoder layers to offload")
     return best
-
-
-def _nbytes(p: torch.Tensor) -> int:
-    return p.numel() * p.element_size()
 
 
 # --quantization fp8 keeps a linear layer's weight and scales in plain attributes, not parameters.

@@ -199,18 +199,13 @@ def _pin(cpus: list[int], threads: int) -> str:
 
 def _confine_process(cpus: list[int]) -> None:
     for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # the thread ended meanwhile
-            pass
+        _set_thread_affinity(int(tid), cpus)
 
 
 def configure_cpu_threads(rank: int, world_size: int) -> list[int] | None:
     """Set this CPU rank's thread count and pin its threads as the environment says; returns its CPUs (None:
     not pinned)."""
     import torch
-
-    from pagedllm.distributed.process_group import cpu_threads_per_rank
 
     value = os.environ.get(BIND_ENV, "auto")
     os.environ.setdefault(ALLOWED_ENV, format_cpu_list(allowed_cpus()))
@@ -220,8 +215,8 @@ def configure_cpu_threads(rank: int, world_size: int) -> list[int] | None:
         # more threads asked for (OMP_NUM_THREADS, torch.set_num_threads) than physical cores: SMT siblings too
         shares = cpus_for_ranks(value, world_size, physical_cores_only=False)
     if shares is None or not hasattr(os, "sched_setaffinity"):  # (an OS without CPU affinity: as nobind)
-        if world_size > 1:
-            torch.set_num_threads(cpu_threads_per_rank(world_size))
+        if world_size > 1:  # the ranks must not oversubscribe the CPU
+            torch.set_num_threads(max(1, len(allowed_cpus()) // world_size))
         return None
     cpus = shares[rank]
     threads = len(cpus)

@@ -228,8 +228,8 @@ class Worker:
             model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
-        if self._offload_budget():
-            self.cpu_offload = offload_layers_to_cpu(model, self._offload_budget(), self.device)
+        if budget := self._offload_budget():
+            self.cpu_offload = offload_layers_to_cpu(model, budget, self.device)
         n_params = num_parameters(model)
         logger.info(
             "Loaded %s (%.1fM params, %s, %s, GEMMs: %s) in %.2f s",
