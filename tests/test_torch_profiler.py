@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import multiprocessing
 from pathlib import Path
 
 import httpx
@@ -35,30 +36,66 @@ def _check_model_trace(trace: Path) -> None:
     assert any("model_runner.py" in n and "execute_model" in n for n in names), sorted(names)[:50]
 
 
-def test_offline_profile_writes_a_trace(tmp_path, monkeypatch, caplog):
-    """start_profile, generate, stop_profile: one *.pt.trace.json.gz in the directory; a second start is ignored
-    (vLLM's behaviour); stop without a running profile is a clear error; a second profile writes a second trace."""
-    monkeypatch.setenv(PROFILER_DIR_ENV, str(tmp_path))
+class _LogRecords(logging.Handler):
+    """The pagedllm logger's messages, for the scenarios below (caplog lives in the test's process, not theirs)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+        logger = logging.getLogger("pagedllm")
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.messages)
+
+
+def _in_fresh_process(scenario, *args) -> None:
+    """Run `scenario(*args)` in a new Python process and fail with its output if it fails there.
+
+    torch.profiler's Python tracer (with_stack, vLLM's default) can crash a process whose other threads start or
+    end while it records (pytorch/pytorch#64795 and kin); the suite's process holds many threads left by earlier
+    tests, and a crash there (CI stop 88: SIGSEGV in the tensor-parallel scenario) would end the whole suite."""
+    proc = multiprocessing.get_context("spawn").Process(target=scenario, args=args)
+    proc.start()
+    proc.join(600)
+    if proc.is_alive():
+        proc.kill()
+        pytest.fail("the scenario did not finish in 600 s")
+    assert proc.exitcode == 0, f"the scenario's process ended with exit code {proc.exitcode} (its output is above)"
+
+
+def _offline_profile_scenario(traces_dir: Path) -> None:
+    records = _LogRecords()
     llm = LLM(num_gpu_blocks_override=64, max_model_len=256, swap_space=0.01)
     with pytest.raises(ProfilerError, match=r"not running; call start_profile\(\) first"):
         llm.stop_profile()
     llm.start_profile()
-    with caplog.at_level(logging.WARNING, logger="pagedllm"):
-        llm.start_profile()
-    assert "already running; ignored" in caplog.text
+    llm.start_profile()
+    assert "already running; ignored" in records.text
     text = llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)[0].outputs[0].text
-    with caplog.at_level(logging.INFO, logger="pagedllm"):
-        llm.stop_profile()
-    traces = _traces(tmp_path)
-    assert len(traces) == 1, list(tmp_path.iterdir())
-    assert str(traces[0]) in caplog.text and "self_cpu_time_total" in caplog.text  # where it went; the top ops
+    llm.stop_profile()
+    traces = _traces(traces_dir)
+    assert len(traces) == 1, list(traces_dir.iterdir())
+    assert str(traces[0]) in records.text and "self_cpu_time_total" in records.text  # where it went; the top ops
     _check_model_trace(traces[0])
     with pytest.raises(ProfilerError, match="not running"):
         llm.stop_profile()
     llm.start_profile()  # profiling does not change the output; a new profile gets a trace of its own
     assert llm.generate(["The capital of France is"], GREEDY, use_tqdm=False)[0].outputs[0].text == text
     llm.stop_profile()
-    assert len(_traces(tmp_path)) == 2
+    assert len(_traces(traces_dir)) == 2
+
+
+def test_offline_profile_writes_a_trace(tmp_path, monkeypatch):
+    """start_profile, generate, stop_profile: one *.pt.trace.json.gz in the directory; a second start is ignored
+    (vLLM's behaviour); stop without a running profile is a clear error; a second profile writes a second trace."""
+    monkeypatch.setenv(PROFILER_DIR_ENV, str(tmp_path))
+    _in_fresh_process(_offline_profile_scenario, tmp_path)
 
 
 @pytest.mark.cuda
@@ -90,22 +127,25 @@ def test_offline_profiler_off_without_the_variable(tmp_path, monkeypatch):
             call()
 
 
-def test_tensor_parallel_every_rank_writes_a_trace(tmp_path, monkeypatch):
-    """With two tensor-parallel worker processes each rank records its own process and writes its own trace."""
+def _tensor_parallel_scenario(tmp_path: Path) -> None:
     from tiny_models import TINY_ENGINE_KW, save_tiny_llama
 
-    traces_dir = tmp_path / "traces"
-    monkeypatch.setenv(PROFILER_DIR_ENV, str(traces_dir))
     llm = LLM(model=save_tiny_llama(tmp_path / "model"), **{**TINY_ENGINE_KW, "num_gpu_blocks_override": 16},
               max_model_len=64, tensor_parallel_size=2, distributed_executor_backend="mp")
     llm.start_profile()
     llm.generate([{"prompt_token_ids": [5, 17, 300]}], GREEDY, use_tqdm=False)
     llm.stop_profile()
-    traces = _traces(traces_dir)
+    traces = _traces(tmp_path / "traces")
     assert sorted(t.name.split(".")[0].rsplit("-", 1)[1] for t in traces) == ["rank0", "rank1"], traces
     for trace in traces:
         _check_model_trace(trace)
     assert llm.collective_rpc(lambda w: w._profiler) == [None, None]  # every rank stopped
+
+
+def test_tensor_parallel_every_rank_writes_a_trace(tmp_path, monkeypatch):
+    """With two tensor-parallel worker processes each rank records its own process and writes its own trace."""
+    monkeypatch.setenv(PROFILER_DIR_ENV, str(tmp_path / "traces"))
+    _in_fresh_process(_tensor_parallel_scenario, tmp_path)
 
 
 def test_profiler_config():
