@@ -331,14 +331,22 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None | "uni" | "mp" | "ray"
+    # Stages of decoder layers, each on its own tensor-parallel group of ranks (vLLM's --pipeline-parallel-size).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive_int("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.distributed_executor_backend not in (None, "uni", "mp", "ray"):
             raise ValueError(
                 "distributed_executor_backend must be one of [None, 'uni', 'mp', 'ray'], "
                 f"got {self.distributed_executor_backend!r}."
             )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass

@@ -172,16 +172,23 @@ def test_missing_config_file(capsys):
 
 
 # -- engine options accepted for vLLM's sake ---------------------------------------------------------------------
-def test_pipeline_parallelism_and_mistral_tokenizers_are_clear_errors(capsys):
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported.*tensor_parallel_size"):
-        EngineArgs(pipeline_parallel_size=2).compat_notes()
+def test_mistral_tokenizers_and_bad_overrides_are_clear_errors(capsys):
     with pytest.raises(ValueError, match="not mistral_common's; allowed: auto, hf, slow"):
         EngineArgs(tokenizer_mode="mistral").compat_notes()
     with pytest.raises(ValueError, match="hf_overrides is not valid JSON"):
         EngineArgs(hf_overrides="{max_position_embeddings: 1}").compat_notes()
     # The CLI reports them before any engine starts.
-    assert cli.main(["serve", "--no-warm-up-request", "-pp", "2"]) == 2
-    assert "pipeline parallelism is not supported" in capsys.readouterr().err
+    assert cli.main(["serve", "--no-warm-up-request", "--tokenizer-mode", "mistral"]) == 2
+    assert "not mistral_common's" in capsys.readouterr().err
+
+
+def test_pipeline_parallel_size_reaches_the_engine_config():
+    """-pp is vLLM's short flag (model/pipeline.py serves it); a non-positive size is a clear error."""
+    args = _parse("serve", "-pp", "2", "-tp", "1")
+    config = EngineArgs(pipeline_parallel_size=args.pipeline_parallel_size).create_engine_config(2048)
+    assert (config.parallel_config.pipeline_parallel_size, config.parallel_config.world_size) == (2, 2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive integer, got 0"):
+        EngineArgs(pipeline_parallel_size=0).create_engine_config(2048)
 
 
 def test_options_without_effect_are_one_note_each_and_the_token_is_hidden():

@@ -79,3 +79,107 @@ def shard_attention_heads(num_heads: int, num_kv_heads: int, tp_size: int, rank:
     num_q = group // ranks_per_kv
     kv = rank // ranks_per_kv
     return AttentionHeadShard(kv * group + (rank % ranks_per_kv) * num_q, num_q, kv, 1)
+
+
+PP_LAYER_PARTITION_ENV = "VLLM_PP_LAYER_PARTITION"
+
+
+def pipeline_layer_counts(num_layers: int, pp_size: int, partition: str | None = None) -> list[int]:
+    """How many decoder layers each pipeline stage holds (vLLM's split): `partition` ("4,4,3", the
+    VLLM_PP_LAYER_PARTITION variable) gives them outright; otherwise equal shares, the remainder going one each to
+    the stages just before the last (the last stage also runs the final norm and the LM head)."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size ({pp_size}) exceeds the model's {num_layers} decoder layers; "
+                         f"each stage needs at least one: use at most {num_layers} stages.")
+    if partition:
+        try:
+            counts = [int(x) for x in partition.split(",")]
+        except ValueError:
+            counts = []
+        if len(counts) != pp_size or any(c < 1 for c in counts) or sum(counts) != num_layers:
+            raise ValueError(f"{PP_LAYER_PARTITION_ENV}={partition!r}: give {pp_size} comma-separated layer counts, "
+                             f"each >= 1, summing to the model's {num_layers} layers (e.g. "
+                             f"{','.join(map(str, pipeline_layer_counts(num_layers, pp_size)))}).")
+        return counts
+    base, extra = divmod(num_layers, pp_size)
+    counts = [base] * pp_size
+    for i in range(2, extra + 2):
+        counts[-i] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class PipelineParallelGroup:
+    """This rank's pipeline stage: which decoder layers it runs, and how activations pass between stages.
+
+    Ranks are numbered stage-major (rank = stage * tp_size + tp_rank). A stage sends its hidden states and residual
+    to the rank with the same tp_rank in the next stage; the last stage's tp_rank 0 sends the step's logits to rank 0
+    (the driver, in the engine process), which samples. `group` spans every rank (point-to-point by global rank)."""
+
+    rank: int  # the stage
+    size: int  # the number of stages
+    tp_size: int
+    tp_rank: int
+    start_layer: int
+    end_layer: int
+    group: Any = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @property
+    def global_rank(self) -> int:
+        return self.rank * self.tp_size + self.tp_rank
+
+    def send_activations(self, tensors: list[torch.Tensor]) -> None:
+        """To the next stage (the same tp_rank there)."""
+        dst = self.global_rank + self.tp_size
+        for t in tensors:
+            self.group.send([t.contiguous()], dst, 0).wait()
+
+    def recv_activations(self, shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                         device: torch.device) -> list[torch.Tensor]:
+        """From the previous stage, in the order it sent them."""
+        src = self.global_rank - self.tp_size
+        out = []
+        for shape in shapes:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            self.group.recv([t], src, 0).wait()
+            out.append(t)
+        return out
+
+    def send_to_driver(self, x: torch.Tensor) -> None:
+        """The last stage's result (logits) to rank 0: its shape and dtype first, then the tensor."""
+        header = torch.tensor([*x.shape, _DTYPE_CODES.index(x.dtype)], dtype=torch.int64, device=x.device)
+        self.group.send([torch.tensor([header.numel()], dtype=torch.int64, device=x.device)], 0, 1).wait()
+        self.group.send([header], 0, 1).wait()
+        self.group.send([x.contiguous()], 0, 1).wait()
+
+    def recv_from_last_stage(self, device: torch.device) -> torch.Tensor:
+        """On rank 0: what the last stage's `send_to_driver` sent."""
+        src = (self.size - 1) * self.tp_size
+        n = torch.empty(1, dtype=torch.int64, device=device)
+        self.group.recv([n], src, 1).wait()
+        header = torch.empty(int(n.item()), dtype=torch.int64, device=device)
+        self.group.recv([header], src, 1).wait()
+        *shape, code = header.tolist()
+        x = torch.empty(shape, dtype=_DTYPE_CODES[code], device=device)
+        self.group.recv([x], src, 1).wait()
+        return x
+
+
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def make_pipeline_group(hf_num_layers: int, pp_size: int, tp_size: int, rank: int, group: Any = None,
+                        partition: str | None = None) -> PipelineParallelGroup:
+    """Global `rank`'s stage and its layer range [start, end)."""
+    counts = pipeline_layer_counts(hf_num_layers, pp_size, partition)
+    stage = rank // tp_size
+    start = sum(counts[:stage])
+    return PipelineParallelGroup(stage, pp_size, tp_size, rank % tp_size, start, start + counts[stage], group)

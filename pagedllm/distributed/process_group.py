@@ -43,11 +43,13 @@ class DistributedInitInfo:
 
 @dataclass
 class RankGroups:
-    """What one rank holds: the model's TP group and a CPU (gloo) group for control messages."""
+    """What one rank holds: the model's TP group (its pipeline stage's ranks), a CPU (gloo) group of every rank for
+    control messages, and with pipeline stages a group of every rank for their point-to-point activations."""
 
     tp: TensorParallelGroup
     cpu_group: Any
     store: Any  # keeps the rendezvous store alive as long as the groups
+    pipeline_group: Any = None
 
 
 def default_backend(device: str) -> str:
@@ -58,7 +60,8 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _gloo_group(store, rank: int, info: DistributedInitInfo):
+def _gloo_group(store, rank: int, info: DistributedInitInfo, size: int | None = None):
+    size = info.world_size if size is None else size
     try:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = _td(info.setup_timeout_s)
@@ -66,17 +69,17 @@ def _gloo_group(store, rank: int, info: DistributedInitInfo):
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         else:
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-        pg = dist.ProcessGroupGloo(store, rank, info.world_size, opts)
+        pg = dist.ProcessGroupGloo(store, rank, size, opts)
     except AttributeError:  # older torch without _Options: default device, same timeouts
-        pg = dist.ProcessGroupGloo(store, rank, info.world_size, _td(info.setup_timeout_s))
+        pg = dist.ProcessGroupGloo(store, rank, size, _td(info.setup_timeout_s))
     pg.set_timeout(_td(info.timeout_s))  # rendezvous may be slow; steps must not be
     return pg
 
 
-def _nccl_group(store, rank: int, info: DistributedInitInfo):
+def _nccl_group(store, rank: int, info: DistributedInitInfo, size: int | None = None):
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = _td(info.timeout_s)
-    return dist.ProcessGroupNCCL(store, rank, info.world_size, opts)
+    return dist.ProcessGroupNCCL(store, rank, info.world_size if size is None else size, opts)
 
 
 def create_master_store(host: str, world_size: int, timeout_s: float = 600.0):
@@ -102,14 +105,19 @@ def wait_for_ranks(store, world_size: int, check_alive: Callable[[], None], time
 
 
 def init_tensor_parallel_group(
-    info: DistributedInitInfo, rank: int, store=None, local_rank: int | None = None
+    info: DistributedInitInfo, rank: int, store=None, local_rank: int | None = None, tp_size: int | None = None,
 ) -> RankGroups:
     """Join the rendezvous as `rank` and build this rank's groups (blocks until all ranks join).
 
-    On CUDA the rank uses GPU `local_rank` (default: `rank`, i.e. one GPU per rank on this host).
+    `tp_size` (default: every rank) is the ranks per pipeline stage: ranks are numbered stage-major, and each stage's
+    model group spans its own `tp_size` ranks. On CUDA the rank uses GPU `local_rank` (default: `rank`, i.e. one GPU
+    per rank on this host).
     """
     if not 0 <= rank < info.world_size:
         raise ValueError(f"rank must be in [0, {info.world_size}), got {rank}.")
+    tp_size = info.world_size if tp_size is None else tp_size
+    if tp_size < 1 or info.world_size % tp_size:
+        raise ValueError(f"tp_size ({tp_size}) must divide the world size ({info.world_size}).")
     if info.backend == "nccl":
         torch.cuda.set_device(rank if local_rank is None else local_rank)
     if store is None:
@@ -119,11 +127,17 @@ def init_tensor_parallel_group(
     if rank > 0:
         store.set(f"joined/{rank}", "1")
     cpu_group = _gloo_group(dist.PrefixStore("cpu/", store), rank, info)
-    if info.backend == "gloo":
-        model_group = cpu_group  # one gloo group serves both on CPU
-    else:
-        model_group = _nccl_group(dist.PrefixStore("tp/", store), rank, info)
-    return RankGroups(TensorParallelGroup(rank, info.world_size, model_group), cpu_group, store)
+    if tp_size == info.world_size:  # tensor parallelism only
+        model_group = cpu_group if info.backend == "gloo" else _nccl_group(dist.PrefixStore("tp/", store), rank, info)
+        return RankGroups(TensorParallelGroup(rank, info.world_size, model_group), cpu_group, store)
+    stage, tp_rank = divmod(rank, tp_size)
+    model_group = None
+    if tp_size > 1:  # this stage's ranks only
+        stage_store = dist.PrefixStore(f"tp{stage}/", store)
+        model_group = (_gloo_group(stage_store, tp_rank, info, tp_size) if info.backend == "gloo"
+                       else _nccl_group(stage_store, tp_rank, info, tp_size))
+    pipeline_group = cpu_group if info.backend == "gloo" else _nccl_group(dist.PrefixStore("pp/", store), rank, info)
+    return RankGroups(TensorParallelGroup(tp_rank, tp_size, model_group), cpu_group, store, pipeline_group)
 
 
 def broadcast_bytes(buf: torch.Tensor, cpu_group) -> None:

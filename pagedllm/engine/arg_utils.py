@@ -224,7 +224,11 @@ _HELP = {
     "logprobs_mode": "What logprobs and prompt_logprobs report (vLLM's): raw_logprobs (the model's distribution), "
                      "raw_logits, processed_logprobs / processed_logits (after logit_bias, penalties, custom "
                      "processors, temperature and top-k/top-p: the distribution a token was drawn from).",
-    "pipeline_parallel_size": "Only 1: pipeline parallelism is not supported (use --tensor-parallel-size).",
+    "pipeline_parallel_size": "Split the decoder layers into this many stages, each on tensor_parallel_size ranks "
+                              "of their own (mp or Ray executor); one step passes through the stages in turn, so "
+                              "it lets a model larger than one stage's memory run, at no speed gain. "
+                              "VLLM_PP_LAYER_PARTITION='8,8,7' sets each stage's layer count. Llama-style "
+                              "decoders generating text.",
     "data_parallel_size": "`pagedllm serve`: this many engine-core processes, each a whole copy of the model (with "
                           "tensor_parallel_size GPUs each, or an equal share of the CPU cores and of the CPU KV "
                           "budget), behind one API server that sends each request to the least-loaded one.",
@@ -508,7 +512,8 @@ class EngineArgs:
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
         )
-        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                                  self.pipeline_parallel_size)
         spec = SpeculativeConfig.from_json(self.speculative_config)
         if spec is not None and self.kv_cache_manager != "paged":
             raise ValueError("speculative decoding needs kv_cache_manager='paged' (it rolls back rejected slots).")
@@ -526,10 +531,6 @@ class EngineArgs:
     def compat_notes(self) -> list[str]:
         """Check vLLM's model-source and parallelism options: a ValueError for a value pagedllm cannot honour,
         else one note per given option that has no effect here."""
-        if isinstance(self.pipeline_parallel_size, bool) or self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size!r}: pipeline parallelism is not "
-                             "supported; allowed: 1. Split the model with tensor_parallel_size "
-                             "(--tensor-parallel-size) instead.")
         if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
                 or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size!r}: must be an integer >= 1 (the number "
@@ -560,8 +561,10 @@ class EngineArgs:
     def _lora_config(self, runner: str, spec: SpeculativeConfig | None) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
-        single = self.tensor_parallel_size == 1 and self.distributed_executor_backend in (None, "uni")
-        why = ("tensor parallelism (adapters are applied in one process: tensor_parallel_size=1)" if not single else
+        single = self.tensor_parallel_size * self.pipeline_parallel_size == 1 \
+            and self.distributed_executor_backend in (None, "uni")
+        why = ("tensor or pipeline parallelism (adapters are applied in one process: tensor_parallel_size=1, "
+               "pipeline_parallel_size=1)" if not single else
                "speculative decoding (leave speculative_config unset)" if spec is not None else
                "the pooling runner (LoRA adapters are served for generation)" if runner == "pooling" else None)
         if why is not None:

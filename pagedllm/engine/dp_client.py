@@ -66,10 +66,11 @@ def rank_process_env(rank: int, engine_args: EngineArgs, cpu_cores: int, visible
     data-parallel ranks')."""
     size = engine_args.data_parallel_size
     env = {"OMP_NUM_THREADS": str(max(1, cpu_cores // size))}
-    per_rank = engine_args.tensor_parallel_size
+    per_rank = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size  # (a whole engine's ranks)
     if visible_gpus and engine_args.device != "cpu":
         if len(visible_gpus) < size * per_rank:
-            raise ValueError(f"data_parallel_size={size} x tensor_parallel_size={per_rank} needs {size * per_rank} "
+            raise ValueError(f"data_parallel_size={size} x tensor_parallel_size={engine_args.tensor_parallel_size} x "
+                             f"pipeline_parallel_size={engine_args.pipeline_parallel_size} needs {size * per_rank} "
                              f"GPUs; {len(visible_gpus)} are visible.")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus[rank * per_rank:(rank + 1) * per_rank])
         return env

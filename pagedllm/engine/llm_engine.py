@@ -224,7 +224,7 @@ class LLMEngine:
 
     def _make_executor(self):
         backend = self.config.parallel_config.distributed_executor_backend
-        if self.config.parallel_config.tensor_parallel_size == 1 and backend in (None, "uni"):
+        if self.config.parallel_config.world_size == 1 and backend in (None, "uni"):
             from pagedllm.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor(self.config, str(self.model_dir), self.hf_config)
@@ -237,11 +237,11 @@ class LLMEngine:
         memory: tensor-parallel executors run synchronously. `ngram_gpu` keeps its state in this process's
         worker too."""
         pc = self.config.parallel_config
-        single = pc.tensor_parallel_size == 1 and pc.distributed_executor_backend in (None, "uni")
+        single = pc.world_size == 1 and pc.distributed_executor_backend in (None, "uni")
         if self.config.scheduler_config.async_scheduling and not single:
             raise ValueError(
                 "async_scheduling needs the single-process executor (tensor_parallel_size=1, "
-                "distributed_executor_backend None or 'uni'); turn it off for tensor parallelism."
+                "distributed_executor_backend None or 'uni'); turn it off for tensor or pipeline parallelism."
             )
         spec = self.config.speculative_config
         if spec is not None and spec.model is not None and not single:

@@ -13,7 +13,8 @@ def get_distributed_executor(config: EngineConfig, model_dir: str, hf_config):
     if backend == "uni":
         raise ValueError(
             f"distributed_executor_backend='uni' runs one process and cannot serve tensor_parallel_size="
-            f"{pc.tensor_parallel_size}; use 'mp' (one host) or 'ray' (a Ray cluster)."
+            f"{pc.tensor_parallel_size} x pipeline_parallel_size={pc.pipeline_parallel_size}; use 'mp' (one host) "
+            "or 'ray' (a Ray cluster)."
         )
     if backend == "mp":
         from pagedllm.executor.multiproc import MultiprocExecutor

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.parallel_state import PP_LAYER_PARTITION_ENV, TensorParallelGroup, pipeline_layer_counts
 from pagedllm.distributed.process_group import (
     DistributedInitInfo,
     broadcast_bytes,
@@ -31,7 +31,8 @@ from pagedllm.distributed.process_group import (
 from pagedllm.executor.rpc import check_rpc_method, pack_method, unpack_results
 from pagedllm.executor.step_codec import encode_request
 from pagedllm.executor.worker_wrapper import WorkerWrapper
-from pagedllm.model.models.registry import get_model_class
+from pagedllm.model.models.registry import get_model_class, text_config
+from pagedllm.model.pipeline import check_pipeline_parallel
 from pagedllm.worker.cpu_threads import keep_thread_affinity
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.profiler import TorchProfilerConfig
@@ -60,13 +61,18 @@ def dist_timeout_s() -> float:
     return value
 
 
-def check_model_parallelizable(hf_config, tp_size: int) -> None:
+def check_model_parallelizable(hf_config, tp_size: int, config: EngineConfig | None = None) -> None:
     """Build every rank's model skeleton on the meta device: a head count that does not split
-    raises the layers' ValueError here, before any process is started."""
+    raises the layers' ValueError here, before any process is started; so does what pipeline stages cannot run."""
     cls = get_model_class(hf_config)
     for rank in range(tp_size):
         with torch.device("meta"):
             cls(hf_config, TensorParallelGroup(rank, tp_size), torch.float32)
+    if config is not None and config.parallel_config.pipeline_parallel_size > 1:
+        pc = config.parallel_config
+        check_pipeline_parallel(config, hf_config)
+        pipeline_layer_counts(text_config(hf_config).num_hidden_layers, pc.pipeline_parallel_size,
+                              os.environ.get(PP_LAYER_PARTITION_ENV))
 
 
 class DistributedExecutorBase(ABC):
@@ -76,8 +82,8 @@ class DistributedExecutorBase(ABC):
 
     def __init__(self, config: EngineConfig, model_dir: str, hf_config, timeout_s: float | None = None) -> None:
         self.config = config
-        self.world_size = config.parallel_config.tensor_parallel_size
-        check_model_parallelizable(hf_config, self.world_size)
+        self.world_size = config.parallel_config.world_size
+        check_model_parallelizable(hf_config, config.parallel_config.tensor_parallel_size, config)
         self.timeout_s = timeout_s if timeout_s is not None else dist_timeout_s()
         self.device_name = config.device_config.resolve()
         self._error: str | None = None
@@ -100,7 +106,9 @@ class DistributedExecutorBase(ABC):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%s executor: %d tensor-parallel ranks over %s", self.backend_name, self.world_size, info.backend)
+        pc = config.parallel_config
+        logger.info("%s executor: %d rank(s) over %s (%d tensor-parallel x %d pipeline stage(s))", self.backend_name,
+                    self.world_size, info.backend, pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     # -- backend hooks ----------------------------------------------------------------------
     @abstractmethod

@@ -111,9 +111,24 @@ class MultiprocExecutor(DistributedExecutorBase):
         self._send_all(_STEP + struct.pack("<q", nbytes))
 
     def _check_workers_alive(self) -> None:
-        for rank, proc in enumerate(self._procs, start=1):
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
             if not proc.is_alive():
-                raise TensorParallelWorkerError(f"worker rank {rank} (pid {proc.pid}) exited ({_exit_text(proc)})")
+                self._read_error(rank, conn)
+                raised = f"; it raised {self._errors[rank].strip().splitlines()[-1]}" if rank in self._errors else ""
+                raise TensorParallelWorkerError(f"worker rank {rank} (pid {proc.pid}) exited ({_exit_text(proc)})"
+                                                + raised)
+
+    def _read_error(self, rank: int, conn: Connection) -> None:
+        """Keep the error a worker sent before it exited (its traceback), if any."""
+        if rank in self._errors:
+            return
+        try:
+            while conn.poll(0):
+                status, value = _recv(conn)
+                if status == "err":
+                    self._errors[rank] = value
+        except Exception:  # a dead worker's pipe: its exit status says enough
+            pass
 
     def _ping_workers(self, timeout_s: float) -> None:
         self._check_workers_alive()
@@ -124,14 +139,7 @@ class MultiprocExecutor(DistributedExecutorBase):
         lines = []
         for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
             proc.join(0.5)  # a worker whose peer died exits right after; give it a moment
-            if rank not in self._errors:
-                try:
-                    while conn.poll(0):
-                        status, value = _recv(conn)
-                        if status == "err":
-                            self._errors[rank] = value
-                except Exception:  # a dead worker's pipe: its exit status says enough
-                    pass
+            self._read_error(rank, conn)
             if rank in self._errors:
                 last = self._errors[rank].strip().splitlines()[-1]
                 lines.append(f"worker rank {rank} (pid {proc.pid}) raised {last}")

@@ -8,11 +8,13 @@ a collective while the engine is idle and every collective is bounded by the gro
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import PP_LAYER_PARTITION_ENV, make_pipeline_group
 from pagedllm.distributed.process_group import (
     DistributedInitInfo,
     RankGroups,
@@ -21,6 +23,7 @@ from pagedllm.distributed.process_group import (
 )
 from pagedllm.executor.rpc import run_method_guarded
 from pagedllm.executor.step_codec import decode_request
+from pagedllm.model.models.registry import text_config
 from pagedllm.worker.cpu_threads import configure_cpu_threads
 from pagedllm.worker.model_input import ExecuteModelRequest
 from pagedllm.worker.worker import Worker
@@ -48,8 +51,14 @@ class WorkerWrapper:
         self.rank = rank
         if config.device_config.resolve() == "cpu":
             configure_cpu_threads(rank, info.world_size)
-        self.groups = init_tensor_parallel_group(info, rank, store, local_rank)
-        self.worker = Worker(config, model_dir, hf_config, self.groups.tp)
+        pc = config.parallel_config
+        self.groups = init_tensor_parallel_group(info, rank, store, local_rank, pc.tensor_parallel_size)
+        pp = None
+        if pc.pipeline_parallel_size > 1:
+            pp = make_pipeline_group(text_config(hf_config).num_hidden_layers, pc.pipeline_parallel_size,
+                                     pc.tensor_parallel_size, rank, self.groups.pipeline_group,
+                                     os.environ.get(PP_LAYER_PARTITION_ENV))
+        self.worker = Worker(config, model_dir, hf_config, self.groups.tp, pp)
         self.worker.load_model()
 
     def call(self, method: str, *args: Any) -> Any:

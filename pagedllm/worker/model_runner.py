@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import PipelineParallelGroup
 from pagedllm.device_utils import async_tensor_h2d
 from pagedllm.kernels.compile_watch import CompileWatch
 from pagedllm.kernels.metadata import AttentionMetadata
@@ -65,6 +66,8 @@ class ModelRunner:
         self.mamba_caches: list | None = None
         # The Triton builds after the warm start (the worker installs it once the warm start is done on CUDA).
         self.compile_watch = CompileWatch()
+        # This rank's pipeline stage (model/pipeline.py): the last stage's logits go to rank 0, which returns them.
+        self.pipeline: PipelineParallelGroup | None = None
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -326,7 +329,15 @@ class ModelRunner:
         (a classifier's: their label logits), in float32."""
         if self.pooling:
             return (hidden if self.classifier is None else self.classifier(hidden)).float()
-        return sampler_logits(self.model.compute_logits(hidden))
+        stage = self.pipeline
+        if stage is None:
+            return sampler_logits(self.model.compute_logits(hidden))
+        if stage.is_last:
+            logits = sampler_logits(self.model.compute_logits(hidden))
+            if stage.tp_rank == 0:
+                stage.send_to_driver(logits)
+            return logits
+        return stage.recv_from_last_stage(self.device) if stage.global_rank == 0 else hidden
 
     @torch.inference_mode()
     def run_decode_rows(self, rows, kv_caches) -> torch.Tensor:

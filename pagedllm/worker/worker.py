@@ -15,8 +15,8 @@ import torch
 
 from pagedllm import batch_invariance
 from pagedllm.config import EngineConfig
-from pagedllm.core.kv_cache_groups import KVCacheLayout
-from pagedllm.distributed.parallel_state import TensorParallelGroup, shard_attention_heads
+from pagedllm.core.kv_cache_groups import KVCacheLayout, single_group_layout
+from pagedllm.distributed.parallel_state import PipelineParallelGroup, TensorParallelGroup, shard_attention_heads
 from pagedllm.kernels import cpu_isa, cpu_kernels, cpu_linear, kv_quant
 from pagedllm.kernels.compile_watch import watchers_paused
 from pagedllm.model import loader
@@ -59,6 +59,7 @@ from pagedllm.model.mxfp4 import MXFP4, build_with_mxfp4_experts, resolve_mxfp4
 from pagedllm.model.pooling_weights import base_model_weights, share_lm_head_with_embeddings
 from pagedllm.model.layers.mamba_state import allocate_layer_caches, copy_state_slots
 from pagedllm.model.meta_build import build_on_meta, materialize
+from pagedllm.model.pipeline import keep_pipeline_stage, stage_weights
 from pagedllm.worker.cache_engine import CacheEngine
 from pagedllm.engine.sleep_mode import SLEEP_TAGS, check_sleep_args, check_wake_tags
 from pagedllm.worker.cpu_memory import keep_freed_memory_for_reuse, release_free_memory
@@ -122,11 +123,13 @@ def kv_geometry(hf_config, tp_size: int, rank: int = 0) -> tuple[int, int, int]:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_dir: str, hf_config, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, hf_config, tp: TensorParallelGroup | None = None,
+                 pp: PipelineParallelGroup | None = None) -> None:
         self.config = config
         self.model_dir = model_dir
         self.hf_config = hf_config
         self.tp = tp or TensorParallelGroup()
+        self.pp = pp if pp is not None and pp.size > 1 else None  # this rank's pipeline stage (model/pipeline.py)
         device = config.device_config.resolve()
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.model_config.dtype, device)
@@ -163,6 +166,15 @@ class Worker:
         if not dummy and self.quantization != "gguf" \
                 and resolve_mxfp4(config.model_config.quantization, hf_config, self.device.type, self.dtype):
             self.quantization = MXFP4  # the experts stay MXFP4 (model/mxfp4.py)
+        if self.pp is not None and self.quantization == "gguf" and config.model_config.quantization is None:
+            logger.info("Pipeline stage %d: the GGUF file's blocks are dequantized at load (the stages run float "
+                        "weights)", self.pp.rank)
+            self.quantization = None
+        if self.pp is not None and (self.quantization is not None or self.int_format or self.fp8_format):
+            kept = self.int_format or self.fp8_format or self.quantization
+            raise ValueError(f"pipeline_parallel_size={self.pp.size}: the stages load float weights, and this "
+                             f"checkpoint's are kept as {kept!r}; pass quantization='none' to dequantize them at "
+                             "load (a GGUF file's blocks), or use tensor_parallel_size.")
         self.model = None
         # What loading took on a CUDA device, and its peak (load_model); 0 elsewhere.
         self.model_memory_bytes = 0
@@ -200,6 +212,9 @@ class Worker:
                                              self.fp8_format, keep_fp8)
         elif self.quantization == MXFP4:  # the experts allocated as MXFP4 bytes, never as floats
             model = build_with_mxfp4_experts(lambda: cls(self.hf_config, self.tp, self.dtype), self.device)
+        elif self.pp is not None:  # only this stage's layers are given memory
+            model = materialize(keep_pipeline_stage(build_on_meta(lambda: cls(self.hf_config, self.tp, self.dtype)),
+                                                    self.pp), self.device)
         else:
             model = self._build_with_host_layers(cls)
             if model is None:
@@ -225,6 +240,8 @@ class Worker:
             if self.int_format is not None:
                 self.int_checkpoint = IntCheckpointLoad(self.int_format, keep_blocks=self.quantization == "gguf")
                 weights = self.int_checkpoint.weights(weights)
+            if self.pp is not None:
+                weights = stage_weights(model, weights)
             model.load_weights(weights)
         self.model = model.eval()
         gemm = self.process_weights_after_loading()
@@ -395,8 +412,12 @@ class Worker:
 
     @property
     def kv_layout(self) -> KVCacheLayout:
-        """The model's KV cache groups (core/kv_cache_groups.py), as the engine's block manager has them."""
-        return kv_cache_layout(self.hf_config, self.config.cache_config)
+        """The model's KV cache groups (core/kv_cache_groups.py), as the engine's block manager has them (a pipeline
+        stage: its own layers, one group)."""
+        layout = kv_cache_layout(self.hf_config, self.config.cache_config)
+        if self.pp is None:
+            return layout
+        return single_group_layout(self.pp.end_layer - self.pp.start_layer, layout.groups[0].sliding_window)
 
     def _init_lora_slots(self) -> None:
         """The adapters' device slots, before the KV pool is sized (so the pool leaves their memory free)."""
@@ -497,6 +518,8 @@ class Worker:
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, self.tp.size, self.tp.rank)
+        if self.pp is not None:
+            layers = self.pp.end_layer - self.pp.start_layer
         self._init_mamba_state()
         if self.encoder_only:
             layers = 0  # no pool tensors (the encoder attends within each step's prompts)
@@ -526,13 +549,15 @@ class Worker:
         self.model_runner.pooling = self.config.model_config.runner == "pooling"
         self.model_runner.prompt_embeds = self.config.model_config.enable_prompt_embeds
         self.model_runner.mamba_caches = self.mamba_caches
+        self.model_runner.pipeline = self.pp
         mc = self.config.model_config
         if mc.pooling_task in ("classify", "token_classify") and mc.convert != "reward":
             self.model_runner.classifier = self.model.classify  # (convert='reward': the hidden states as they are)
         if self.lora_manager is not None:
             self.model_runner.lora_manager = self.lora_manager
             self.lora_manager.always_apply = self.use_cuda_graphs()  # captured graphs hold the adapters' GEMMs
-        if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
+        if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32) \
+                and self.pp is None:  # (the direct forward runs every layer: a stage runs the module path)
             from pagedllm.model.cpu_direct_forward import DirectForward
 
             # (a multimodal model's language model: its text-only steps)
@@ -612,7 +637,7 @@ class Worker:
         """Decode steps replay CUDA graphs on CUDA unless enforce_eager is set. Under tensor parallelism
         every rank captures the same buckets in the same order, so the NCCL all-reduces inside the
         graphs match up across ranks at replay, as they do in eager steps."""
-        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
+        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager and self.pp is None
                 and self.config.compilation_config.cudagraph_mode != "NONE")
 
     def routes_graph_buckets(self) -> bool:
@@ -620,7 +645,7 @@ class Worker:
         process. Each rank would time its own graphs and could route a batch differently from the others,
         while their graphs' all-reduces must match, so under tensor parallelism every rank keeps the smallest
         bucket."""
-        return self.config.parallel_config.tensor_parallel_size == 1
+        return self.config.parallel_config.world_size == 1
 
     def calibrate_kv_scales(self, token_ids: list[int] | None = None) -> KVCalibration:
         """One forward pass over the calibration prompt (`token_ids`, by default the built-in text's tokens,

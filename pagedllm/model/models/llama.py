@@ -6,7 +6,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import TensorParallelGroup
+from pagedllm.distributed.parallel_state import PipelineParallelGroup, TensorParallelGroup
 from pagedllm.kernels.metadata import AttentionMetadata
 from pagedllm.model.layers.activation import silu_and_mul
 from pagedllm.model.layers.attention import Attention
@@ -160,18 +160,32 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([make_layer(i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.embedding_multiplier = embedding_multiplier
+        self.hidden_size = int(config.hidden_size)
+        self.dtype = dtype
+        # This rank's pipeline stage (model/pipeline.py); None: every layer runs here.
+        self.pipeline: PipelineParallelGroup | None = None
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """`inputs_embeds`: embeddings to run instead of `input_ids`' (a multimodal step's, image rows merged in;
         scaled by `embedding_multiplier` as token embeddings are, as transformers' Granite does). Runs one layer per
         cache in `kv_caches` (self-speculation passes the first layers' only)."""
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        stage = self.pipeline
+        if stage is not None and not stage.is_first:  # the previous stage's output
+            shape = (int(positions.shape[-1]), self.hidden_size)
+            hidden, residual = stage.recv_activations([shape, shape], self.dtype, positions.device)
+            layers = self.layers[stage.start_layer:stage.end_layer]
+        else:
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
+            residual = None
+            layers = self.layers if stage is None else self.layers[:stage.end_layer]  # (the first stage: from 0)
+        for layer, kv_cache in zip(layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        if stage is not None and not stage.is_last:
+            stage.send_activations([hidden, residual])
+            return hidden  # (not read: the last stage computes the logits)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
