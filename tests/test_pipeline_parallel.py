@@ -176,3 +176,16 @@ def test_server_with_two_stages():
         assert httpx.get(srv.url("/health"), timeout=30).status_code == 200
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_stages_on_two_gpus_match_one(tiny_llama_dir):
+    """NCCL point to point between the stages; the KV pools sized by each stage's own profiling forward."""
+    kw = {**TINY_KW, "device": "cuda"}
+    ref = _tokens(LLM(tiny_llama_dir, **kw).generate(PROMPTS, _params(), use_tqdm=False))
+    llm = LLM(tiny_llama_dir, pipeline_parallel_size=2, distributed_executor_backend="mp", **kw)
+    try:
+        assert _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False)) == ref
+    finally:
+        llm.llm_engine.executor.shutdown()

@@ -3,7 +3,8 @@
 The driver (rank 0) lives in the engine process. Every step it encodes the ExecuteModelRequest
 once (step_codec), announces its size to the other ranks through the backend's channel,
 broadcasts the bytes over the gloo group, and runs its own shard; the model's collectives keep
-the ranks in lock-step and only rank 0's logits are used. Any failure (a worker that died, a
+the ranks in lock-step and only rank 0's logits are used (with pipeline stages, rank 0 receives them from
+the last stage: model/pipeline.py). Any failure (a worker that died, a
 collective that timed out, an exception on some rank) marks the executor failed: this and every
 later call raise `TensorParallelWorkerError`, and the remaining workers are terminated.
 """
@@ -200,7 +201,8 @@ class DistributedExecutorBase(ABC):
         self._run_workers("init_cache", num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
-        """One SPMD step; returns rank 0's logits (the LM head gathers full rows on every rank)."""
+        """One SPMD step; returns rank 0's logits (the LM head gathers full rows on every rank; pipeline stages send
+        the last stage's to rank 0)."""
         self._raise_if_failed()
         buf = encode_request(req)
         with self._lock:

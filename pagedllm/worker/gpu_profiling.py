@@ -50,6 +50,7 @@ def profile_num_gpu_blocks(worker, block_bytes: int) -> int:
     tmp_cache = _one_block_cache(worker)
     runner = ModelRunner(worker.model, device, cc.block_size, worker.attn_backend())
     runner.mamba_caches = worker.mamba_caches  # (state-space layers: the dummy chunks share the scratch slot)
+    runner.pipeline = getattr(worker, "pp", None)  # (every stage runs this forward at once: their sends pair up)
     chunks = dummy_chunks(max_tokens, sc.max_num_seqs, sc.max_model_len, cc.block_size)
     runner.execute_model(chunks, tmp_cache)
     torch.cuda.synchronize(device)
