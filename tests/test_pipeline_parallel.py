@@ -7,39 +7,23 @@ import httpx
 import pytest
 import torch
 from conftest_server import MODEL_NAME, SMALL_SERVER_ARGS, RemoteServer
+from tiny_models import PARALLEL_KW, PARALLEL_PROMPTS, output_tokens, parallel_params, save_peaked_tiny_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import PP_LAYER_PARTITION_ENV, pipeline_layer_counts
 from pagedllm.model.pipeline import PPMissingLayer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [100] * 20, list(range(40, 77))]
-# Small pools, short chunks: chunked prefill, swap preemption and CoW all happen on the tiny model.
-TINY_KW = dict(skip_tokenizer_init=True, block_size=8, num_gpu_blocks_override=12, swap_space=0.002,
-               max_num_batched_tokens=24, max_num_seqs=8, preemption_mode="swap", dtype="float32")
-
-
-def _params() -> list[SamplingParams]:
-    sampled = SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=16, ignore_eos=True)
-    return [GREEDY, GREEDY, sampled, GREEDY]
-
-
-def _tokens(outputs) -> list[list[list[int]]]:
-    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+PROMPTS = PARALLEL_PROMPTS
+TINY_KW = {**PARALLEL_KW, "dtype": "float32"}
+_params = parallel_params
+_tokens = output_tokens
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A 4-layer Llama (4 query heads, 2 KV heads) whose LM head is tied to the embeddings, as the bundled model's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=True, initializer_range=0.5, bos_token_id=0, eos_token_id=254)
-    path = tmp_path_factory.mktemp("tiny_llama_pp")
-    LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
-    return str(path)
+    return save_peaked_tiny_llama(tmp_path_factory.mktemp("tiny_llama_pp"), 4, 2, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +116,32 @@ def test_ray_executor_runs_the_stages(tiny_llama_dir, tiny_reference, monkeypatc
     finally:
         llm.llm_engine.executor.shutdown()
     assert not ray.is_initialized()
+
+
+def test_a_killed_stage_fails_the_engine_at_once(tiny_llama_dir):
+    """Stage 1's process killed mid-generation: the next step raises TensorParallelWorkerError naming it (rank 0's
+    receive sees the connection reset), and no worker process is left."""
+    import os
+    import signal
+    import time
+
+    from process_utils import wait_gone
+
+    from pagedllm.executor.distributed_base import TensorParallelWorkerError
+
+    llm = LLM(tiny_llama_dir, pipeline_parallel_size=2, distributed_executor_backend="mp", **TINY_KW)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    engine.step()
+    os.kill(engine.executor.worker_pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelWorkerError, match="worker rank 1 .*exited"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - t0 < 60
+    engine.executor.shutdown()
+    assert wait_gone(engine.executor.worker_pids) == []
 
 
 def test_what_stages_cannot_run_fails_before_any_process_starts(tiny_llama_dir, tmp_path, monkeypatch):

@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 import pytest
-import torch
 from process_utils import child_pids, pid_running, wait_gone
+from tiny_models import PARALLEL_KW, PARALLEL_PROMPTS, output_tokens, parallel_params, save_peaked_tiny_llama
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import shard_attention_heads
@@ -25,39 +25,17 @@ from pagedllm.executor.step_codec import decode_request, encode_request
 from pagedllm.worker.model_input import ExecuteModelRequest, SequenceChunk
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-TINY_PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [100] * 20, list(range(40, 77))]
-# Small pools, short chunks: chunked prefill, swap preemption and CoW all happen on the tiny model.
-TINY_KW = dict(
-    skip_tokenizer_init=True, block_size=8, num_gpu_blocks_override=12, swap_space=0.002,
-    max_num_batched_tokens=24, max_num_seqs=8, preemption_mode="swap",
-)
+TINY_PROMPTS = PARALLEL_PROMPTS
+TINY_KW = PARALLEL_KW
 FAILURE_BOUND_S = 60.0  # liveness bound for the failure tests (the failures themselves take seconds)
-
-
-def _tiny_params() -> list[SamplingParams]:
-    sampled = SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=16, ignore_eos=True)
-    return [GREEDY, GREEDY, sampled, GREEDY]
-
-
-def _tokens(outputs) -> list[list[list[int]]]:
-    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+_tiny_params = parallel_params
+_tokens = output_tokens
 
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A 2-layer Llama with 4 query heads and ONE KV head (replicated at tp=2), vocab 255 (uneven split)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
-        initializer_range=0.5,  # peaked logits: greedy choices are far from ties
-        bos_token_id=0, eos_token_id=254,
-    )
-    path = tmp_path_factory.mktemp("tiny_llama")
-    LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
-    return str(path)
+    return save_peaked_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), 2, 1, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")

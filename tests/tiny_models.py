@@ -10,6 +10,40 @@ TINY_PROMPTS = [[5, 17, 300, 42], [900, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
 TINY_MAX_TOKENS = 12
 
 
+#: What the parallelism tests (tensor, pipeline) run on a tiny Llama: small pools and short chunks, so chunked prefill,
+#: swap preemption and copy-on-write all happen; prompts and parameters of greedy and seeded parallel sampling.
+PARALLEL_KW = dict(skip_tokenizer_init=True, block_size=8, num_gpu_blocks_override=12, swap_space=0.002,
+                   max_num_batched_tokens=24, max_num_seqs=8, preemption_mode="swap")
+PARALLEL_PROMPTS = [[1, 2, 3, 4, 5], [10, 20, 30], [100] * 20, list(range(40, 77))]
+
+
+def parallel_params():
+    from pagedllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=16, ignore_eos=True)
+    return [greedy, greedy, sampled, greedy]
+
+
+def output_tokens(outputs) -> list[list[list[int]]]:
+    """Every completion's token ids, per request."""
+    return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+def save_peaked_tiny_llama(path, num_layers: int, num_kv_heads: int, tie_word_embeddings: bool) -> str:
+    """A Llama of 4 query heads (head_dim 16, vocab 255: uneven vocab splits) with peaked logits (initializer_range
+    0.5: greedy choices far from ties), for the parallelism tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=255, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16,
+                      max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings, initializer_range=0.5,
+                      bos_token_id=0, eos_token_id=254)
+    LlamaForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
 def tiny_hf_greedy(path, **from_pretrained_kwargs) -> list[list[int]]:
     """transformers' greedy tokens (float32, no end of sequence) for TINY_PROMPTS, one prompt at a time (no padding)."""
     from transformers import AutoModelForCausalLM
