@@ -147,10 +147,14 @@ class Scheduler:
         return finished
 
     # -- the step decision ------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutputs:
+    def schedule(self, max_num_seqs: int | None = None, busy: frozenset[int] = frozenset()) -> SchedulerOutputs:
+        """This step's work. `max_num_seqs` (at most the configured one) caps this batch; `busy`: ids of running
+        groups whose previous step is still in flight (pipeline stages: several batches at once) stay idle and are
+        never preempted."""
         out = SchedulerOutputs()
-        budget = _Budget(self.max_num_batched_tokens, self.config.max_num_seqs, prefills=self._prefill_slots())
-        self._schedule_running(out, budget)
+        seqs = self.config.max_num_seqs if max_num_seqs is None else min(max_num_seqs, self.config.max_num_seqs)
+        budget = _Budget(self.max_num_batched_tokens, seqs, prefills=self._prefill_slots())
+        self._schedule_running(out, budget, busy)
         if out.num_preempted == 0:
             self._schedule_swapped(out, budget)
         # Paper §4.5: while any preempted group sits in swap, admit no new requests.
@@ -200,16 +204,19 @@ class Scheduler:
             token_budget -= n
         return _in_lockstep(demand) if len(demand) > 1 else demand
 
-    def _schedule_running(self, out: SchedulerOutputs, budget: _Budget) -> None:
+    def _schedule_running(self, out: SchedulerOutputs, budget: _Budget, busy: frozenset[int] = frozenset()) -> None:
         # Decodes first so a long prompt chunk never stalls them, then prefill chunks; within
         # each, earliest in the policy's order first. Victims are the last in that order not yet placed.
         # (This loop runs for every running group every step: it avoids recomputing per-group facts.)
         decodes: list[SequenceGroup] = []
         prefills: list[SequenceGroup] = []
+        placed: list[SequenceGroup] = []
         for g in sorted(self.running, key=self._order):
+            if busy and id(g) in busy:  # in flight: idle this step, and never a victim
+                placed.append(g)
+                continue
             (prefills if g.has_prefill() else decodes).append(g)
         pending = decodes + prefills
-        placed: list[SequenceGroup] = []
         pending.reverse()  # pop() from the end is O(1); the earliest arrival is now last
         bm = self.block_manager
         slots = budget.prefills

@@ -1,7 +1,7 @@
 """The tensor-parallel group a model is built for (passed down explicitly, never global)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,6 +123,8 @@ class PipelineParallelGroup:
     start_layer: int
     end_layer: int
     group: Any = None
+    # The last stage's sends of logits still in flight, with their tensors (kept alive until rank 0 received them).
+    _sends_in_flight: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def is_first(self) -> bool:
@@ -155,10 +157,12 @@ class PipelineParallelGroup:
 
     def send_to_driver(self, x: torch.Tensor) -> None:
         """The last stage's result (logits) to rank 0: its shape and dtype first, then the tensor."""
+        # Never waited for here: rank 0 receives a step's logits when the engine completes that step, which may come
+        # after later steps went through this stage (or after a health check that needs this rank's reply).
+        self._sends_in_flight[:] = [(w, t) for w, t in self._sends_in_flight if not w.is_completed()]
         header = torch.tensor([*x.shape, _DTYPE_CODES.index(x.dtype)], dtype=torch.int64, device=x.device)
-        self.group.send([torch.tensor([header.numel()], dtype=torch.int64, device=x.device)], 0, 1).wait()
-        self.group.send([header], 0, 1).wait()
-        self.group.send([x.contiguous()], 0, 1).wait()
+        tensors = [torch.tensor([header.numel()], dtype=torch.int64, device=x.device), header, x.contiguous()]
+        self._sends_in_flight.extend((self.group.send([t], 0, 1), t) for t in tensors)
 
     def recv_from_last_stage(self, device: torch.device) -> torch.Tensor:
         """On rank 0: what the last stage's `send_to_driver` sent."""

@@ -140,6 +140,7 @@ def init_tensor_parallel_group(
     return RankGroups(TensorParallelGroup(tp_rank, tp_size, model_group), cpu_group, store, pipeline_group)
 
 
-def broadcast_bytes(buf: torch.Tensor, cpu_group) -> None:
-    """Broadcast a uint8 CPU tensor from rank 0 to all ranks of `cpu_group` (in place)."""
-    dist.broadcast(buf, group=cpu_group, group_src=0)
+def broadcast_bytes(buf: torch.Tensor, cpu_group, async_op: bool = False):
+    """Broadcast a uint8 CPU tensor from rank 0 to all ranks of `cpu_group` (in place); `async_op`: return the work
+    instead of waiting for every rank to receive it (keep `buf` alive until it completes)."""
+    return dist.broadcast(buf, group=cpu_group, group_src=0, async_op=async_op)

@@ -6,6 +6,7 @@ import itertools
 import logging
 import random
 import time
+import collections
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -59,6 +60,7 @@ from pagedllm.worker.model_input import (
     logits_row_layout,
 )
 from pagedllm.worker.profiler import ProfilerError, TorchProfilerConfig, profiler_disabled_error
+from pagedllm.worker.model_runner import PENDING_PIPELINE_LOGITS
 
 logger = logging.getLogger("pagedllm")
 
@@ -201,6 +203,9 @@ class LLMEngine:
                                             self.max_seq_len, async_steps=self.async_scheduling,
                                             structured_output=self.structured_output)
         self._inflight: LaunchedStep | None = None  # the launched step whose outputs are not out yet
+        # Pipeline stages (CPU, mp executor): up to one step per stage in flight, on disjoint requests, oldest first.
+        self._pipeline_depth = getattr(self.executor, "pipeline_depth", 1)
+        self._pipeline_steps: collections.deque[LaunchedStep] = collections.deque()
         self.logits_processors = None  # custom LogitsProcessors (pagedllm/logits_processor.py)
         if self.config.model_config.logits_processors:
             from pagedllm.logits_processor import LogitsProcessorBatch
@@ -486,7 +491,8 @@ class LLMEngine:
             self._share_cores_with_compiles()  # the last compiling request may be gone: all threads back
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs() or self._inflight is not None or bool(self._awaiting_grammar)
+        return (self.scheduler.has_unfinished_seqs() or self._inflight is not None or bool(self._pipeline_steps)
+                or bool(self._awaiting_grammar))
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups() + len(self._grammar_only())
@@ -522,7 +528,8 @@ class LLMEngine:
         compile first."""
         if not self._awaiting_grammar:
             return []
-        if may_wait and self._inflight is None and self._only_held_prompts_left():  # nothing else to do: wait a bit
+        if may_wait and self._inflight is None and not self._pipeline_steps and self._only_held_prompts_left():
+            # nothing else to do: wait a bit
             wait_futures([g.extra["grammar_future"] for g in self._awaiting_grammar], 0.05, FIRST_COMPLETED)
         outputs, still, held = [], [], []
         for group in self._awaiting_grammar:
@@ -616,6 +623,8 @@ class LLMEngine:
         and launches its successor first (the new tokens are fed to it on the device), then waits for
         this one and returns its outputs, so the host's scheduling overlaps the device's compute.
         """
+        if self._pipeline_depth > 1:
+            return self._pipelined_step()
         start, tokens_before = time.perf_counter(), self.num_generation_tokens_total
         outputs: list[RequestOutput] = self._admit_compiled()
         if self._torch_threads is not None:
@@ -664,6 +673,35 @@ class LLMEngine:
         if spec is not None:
             spec.step_done(spec_mode, self.num_generation_tokens_total - tokens_before,
                            time.perf_counter() - start, small)
+        return outputs
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Pipeline stages: launch a batch of requests not in flight while a stage is free (its first stage runs here,
+        the later stages in their processes), else complete the oldest batch in flight. Each batch holds at most its
+        share of the unfinished sequences, so the stages work on different batches at once."""
+        outputs: list[RequestOutput] = self._admit_compiled()
+        if len(self._pipeline_steps) < self._pipeline_depth:
+            busy = frozenset(id(item.group) for step in self._pipeline_steps for item in step.scheduled)
+            sizes = [g.num_unfinished_seqs() for g in self._all_groups()]
+            share = max(-(-sum(sizes) // self._pipeline_depth), max(sizes, default=1))  # (a whole group fits)
+            sched = self.scheduler.schedule(max_num_seqs=share, busy=busy)
+            if sched.is_empty() and not self._pipeline_steps:  # (e.g. a swapped group waiting for more room)
+                sched = self.scheduler.schedule(busy=busy)
+            outputs.extend(self._finish_ignored(g) for g in sched.ignored_groups)
+            if not sched.is_empty():
+                step = self._launch_forward(sched, None)
+                self.scheduler.mark_computed(step.scheduled)
+                self._pipeline_steps.append(step)
+                if len(self._pipeline_steps) < self._pipeline_depth:
+                    return outputs
+        if self._pipeline_steps:
+            step = self._pipeline_steps.popleft()
+            if step.logits is PENDING_PIPELINE_LOGITS:
+                step.logits = self.executor.receive_pipeline_logits()
+            self._launch_sampling(step)
+            outputs.extend(self._complete_step(step))
+        if self._awaiting_grammar:
+            outputs.extend(self._admit_compiled(may_wait=False))
         return outputs
 
     def _launch_forward(self, sched: SchedulerOutputs, prev: LaunchedStep | None,
@@ -1003,7 +1041,7 @@ class LLMEngine:
         if ids:
             logger.warning("sleep: aborting %d request(s) in flight", len(ids))
             self.abort_request(ids)
-        while self._inflight is not None:  # an asynchronously launched step of aborted requests
+        while self._inflight is not None or self._pipeline_steps:  # launched steps of aborted requests
             self.step()
         if not self.reset_prefix_cache():  # the KV cache's contents are gone
             raise RuntimeError("sleep: KV blocks are still in use after every request was aborted")

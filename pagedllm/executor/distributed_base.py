@@ -80,6 +80,9 @@ class DistributedExecutorBase(ABC):
     """Driver side of SPMD tensor parallelism; subclasses say where ranks 1..N-1 live."""
 
     backend_name = "?"
+    # Whether several steps may be in the pipeline stages at once (the driver receives each step's logits later,
+    # receive_pipeline_logits); a backend that waits for every worker's step call (Ray) cannot.
+    overlaps_pipeline_steps = False
 
     def __init__(self, config: EngineConfig, model_dir: str, hf_config, timeout_s: float | None = None) -> None:
         self.config = config
@@ -91,6 +94,7 @@ class DistributedExecutorBase(ABC):
         self._lock = threading.Lock()  # one step or control exchange at a time
         self._finalizer: weakref.finalize | None = None
         self._saved_threads = torch.get_num_threads()
+        self._broadcasts_in_flight: list[tuple[Any, torch.Tensor]] = []  # (pipeline stages: _broadcast_step)
         self._restore_affinity = keep_thread_affinity(self)  # rank 0's CPU binding pins this thread
         self.driver = WorkerWrapper()
         try:
@@ -199,6 +203,24 @@ class DistributedExecutorBase(ABC):
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._run_workers("init_cache", num_gpu_blocks, num_cpu_blocks)
+        self.driver.worker.model_runner.defer_pipeline_logits = self.pipeline_depth > 1
+
+    @property
+    def pipeline_depth(self) -> int:
+        """How many steps the engine may have in flight at once: one per pipeline stage where the backend allows."""
+        pp = self.config.parallel_config.pipeline_parallel_size
+        # (CPU only: on a GPU a stage's NCCL sends and receives queue on one stream, so a step's logits waiting for
+        # rank 0 would hold the next step's activations behind them)
+        return pp if self.overlaps_pipeline_steps and self.device_name == "cpu" else 1
+
+    def receive_pipeline_logits(self) -> torch.Tensor:
+        """The logits of the oldest step in flight whose rank 0 result was PENDING_PIPELINE_LOGITS."""
+        self._raise_if_failed()
+        with self._lock:
+            try:
+                return self.driver.worker.model_runner.pipeline.recv_from_last_stage(self.device)
+            except BaseException as e:
+                raise self._fail(f"receiving a step's logits from the last pipeline stage failed: {e!r}") from e
 
     def execute_model(self, req: ExecuteModelRequest) -> torch.Tensor | None:
         """One SPMD step; returns rank 0's logits (the LM head gathers full rows on every rank; pipeline stages send
@@ -209,12 +231,22 @@ class DistributedExecutorBase(ABC):
             try:
                 handle = self._announce_step(buf.size) if self.world_size > 1 else None
                 if self.world_size > 1:
-                    broadcast_bytes(torch.from_numpy(buf), self.driver.groups.cpu_group)
+                    self._broadcast_step(torch.from_numpy(buf))
                 logits = self.driver.execute_model(req)
                 self._finish_step(handle)
                 return logits
             except BaseException as e:
                 raise self._fail(f"a model step failed: {e!r}") from e
+
+    def _broadcast_step(self, buf: torch.Tensor) -> None:
+        """The step's bytes to every rank. With steps overlapping in the pipeline stages the driver does not wait for
+        the later stages to take them (they are still busy with earlier steps): the sends stay in flight, with their
+        buffers."""
+        if self.pipeline_depth == 1:
+            broadcast_bytes(buf, self.driver.groups.cpu_group)
+            return
+        self._broadcasts_in_flight[:] = [(w, b) for w, b in self._broadcasts_in_flight if not w.is_completed()]
+        self._broadcasts_in_flight.append((broadcast_bytes(buf, self.driver.groups.cpu_group, async_op=True), buf))
 
     def release_free_memory(self) -> None:
         """The engine is idle: every rank returns its freed host memory to the OS."""

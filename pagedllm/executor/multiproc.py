@@ -39,6 +39,7 @@ _JOIN_TIMEOUT_S = 5.0
 
 class MultiprocExecutor(DistributedExecutorBase):
     backend_name = "mp"
+    overlaps_pipeline_steps = True  # (no reply per step: the driver never waits for a worker's step call)
 
     def _host(self) -> tuple[str, bool]:
         return "127.0.0.1", True

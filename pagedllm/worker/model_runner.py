@@ -66,8 +66,11 @@ class ModelRunner:
         self.mamba_caches: list | None = None
         # The Triton builds after the warm start (the worker installs it once the warm start is done on CUDA).
         self.compile_watch = CompileWatch()
-        # This rank's pipeline stage (model/pipeline.py): the last stage's logits go to rank 0, which returns them.
+        # This rank's pipeline stage (model/pipeline.py): the last stage's logits go to rank 0, which returns them,
+        # or, with `defer_pipeline_logits` (several batches in the stages at once), returns PENDING_PIPELINE_LOGITS
+        # and receives them later (the executor's receive_pipeline_logits), in launch order.
         self.pipeline: PipelineParallelGroup | None = None
+        self.defer_pipeline_logits = False
 
     def enable_step_stats(self) -> StepStats:
         """Record every step's device time by kind and path from now on (see worker/step_stats.py)."""
@@ -337,7 +340,9 @@ class ModelRunner:
             if stage.tp_rank == 0:
                 stage.send_to_driver(logits)
             return logits
-        return stage.recv_from_last_stage(self.device) if stage.global_rank == 0 else hidden
+        if stage.global_rank != 0:
+            return hidden  # (not read: only rank 0's result is)
+        return PENDING_PIPELINE_LOGITS if self.defer_pipeline_logits else stage.recv_from_last_stage(self.device)
 
     @torch.inference_mode()
     def run_decode_rows(self, rows, kv_caches) -> torch.Tensor:
@@ -362,6 +367,16 @@ class ModelRunner:
         else:
             hidden = self.model(rows.input_ids, rows.positions, kv_caches, meta)
         return self.model.compute_logits(hidden)
+
+
+class _PendingPipelineLogits:
+    """What rank 0 returns for a step whose logits the last pipeline stage will send (see ModelRunner.pipeline)."""
+
+    def __repr__(self) -> str:
+        return "PENDING_PIPELINE_LOGITS"
+
+
+PENDING_PIPELINE_LOGITS = _PendingPipelineLogits()
 
 
 def sampler_logits(logits: torch.Tensor) -> torch.Tensor:
