@@ -11,6 +11,7 @@ from tiny_models import PARALLEL_KW, PARALLEL_PROMPTS, output_tokens, parallel_p
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.parallel_state import PP_LAYER_PARTITION_ENV, pipeline_layer_counts
+from pagedllm.model.cpu_direct_forward import DIRECT_FORWARD_ENV
 from pagedllm.model.pipeline import PPMissingLayer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -45,9 +46,12 @@ def test_layer_counts_follow_vllms_split():
         pipeline_layer_counts(4, 5)
 
 
-def test_two_stages_match_one_process(tiny_llama_dir, tiny_reference):
+@pytest.mark.parametrize("direct_forward", ["1", "0"])
+def test_two_stages_match_one_process(tiny_llama_dir, tiny_reference, monkeypatch, direct_forward):
     """Stage 0 (the engine process) holds layers 0-1 and the embeddings; stage 1 layers 2-3, the norm and the tied
-    LM head; each stage's KV pool has its own layers only. Swap and copy-on-write lists reach both stages."""
+    LM head; each stage's KV pool has its own layers only. Swap and copy-on-write lists reach both stages. The
+    stages run the CPU direct forward's kernels, or (PAGEDLLM_CPU_DIRECT_FORWARD=0) the module path."""
+    monkeypatch.setenv(DIRECT_FORWARD_ENV, direct_forward)
     ref, ref_stats = tiny_reference
     llm = LLM(tiny_llama_dir, pipeline_parallel_size=2, distributed_executor_backend="mp", **TINY_KW)
     executor = llm.llm_engine.executor
@@ -61,6 +65,10 @@ def test_two_stages_match_one_process(tiny_llama_dir, tiny_reference):
             len(w.cache_engine.gpu_cache)))[1]
         assert last == (["PPMissingLayer", "PPMissingLayer", "LlamaDecoderLayer", "LlamaDecoderLayer"],
                         "ParallelLMHead", 2)
+        direct = executor.collective_rpc(lambda w: None if w.model_runner.direct_forward is None
+                                         else len(w.model_runner.direct_forward.layers))
+        assert direct == ([2, 2] if direct_forward == "1" else [None, None])
+        assert llm.llm_engine._pipeline_depth == 2  # a batch in each stage at once
         out = _tokens(llm.generate(PROMPTS, _params(), use_tqdm=False))
         stats = llm.stats()
         executor.check_health()

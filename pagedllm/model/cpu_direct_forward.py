@@ -166,6 +166,11 @@ class DirectForward:
         inner = model.model
         self.model = model
         self.embed_tokens = inner.embed_tokens
+        # A pipeline stage (model/pipeline.py) runs its own layers, from the previous stage's hidden states and
+        # residual, and sends them on unless it is the last (which applies the final norm).
+        self.stage = getattr(inner, "pipeline", None)
+        stage_layers = list(inner.layers) if self.stage is None else \
+            list(inner.layers[self.stage.start_layer:self.stage.end_layer])
         self.backend = attn_backend
         self.kernels = cpu_kernels
         self._rms, self._rope, self._cache, self._attention, self._silu = cpu_kernels.c_functions()
@@ -174,18 +179,18 @@ class DirectForward:
         self._linear = quant_kernels.c_functions()[0] if quant_kernels is not None else None  # GGUF linears
         self._heads_norm = cpu_kernels.heads_norm_function()  # Qwen3's and Gemma 3's q/k norms
         self._gelu_tanh = cpu_kernels.gelu_tanh_function()  # Gemma's GeGLU
-        attn = inner.layers[0].self_attn
+        attn = stage_layers[0].self_attn
         self.num_heads, self.num_kv_heads = attn.attn.num_heads, attn.attn.num_kv_heads
         self.head_dim = attn.attn.head_dim
         self.q_size, self.kv_size = attn.q_size, attn.kv_size
-        self.hidden = inner.norm.weight.shape[0]
+        self.hidden = int(getattr(inner, "hidden_size", 0)) or inner.norm.weight.shape[0]
         self.embed_scale: float | None = None  # the embeddings' factor (Gemma's sqrt(hidden), Granite's multiplier)
         self._read_family(model)
         # the positions every layer's rotary tables cover (layers without RoPE take any)
-        ropes = [layer.self_attn.rotary_emb for layer in inner.layers if layer.self_attn.rotary_emb is not None]
+        ropes = [layer.self_attn.rotary_emb for layer in stage_layers if layer.self_attn.rotary_emb is not None]
         self.max_position = min((min(rope.cos_cache.shape[0], rope.sin_cache.shape[0]) for rope in ropes),
                                 default=int(getattr(model.config, "max_position_embeddings", 1 << 30)))
-        self.layers: list[_AttentionLayer] = [self._layer(layer) for layer in inner.layers]
+        self.layers: list[_AttentionLayer] = [self._layer(layer) for layer in stage_layers]
         linears = [lin for lyr in self.layers for lin in lyr.linears]
         if len({lin.dense is None for lin in linears}) != 1:
             raise ValueError("the linears mix GGUF blocks and dense weights")
@@ -211,9 +216,12 @@ class DirectForward:
         """One decoder layer's description (checked once)."""
         raise NotImplementedError
 
-    def _run_layers(self, residual: torch.Tensor, b: _Buffers, calls: StepCalls) -> torch.Tensor:
+    def _run_layers(self, residual: torch.Tensor, b: _Buffers, calls: StepCalls,
+                    hidden: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder stack and the final norm over the embeddings `residual` (a fresh tensor the step may
-        update in place) → the final hidden states."""
+        update in place) → the final hidden states. A pipeline stage after the first passes the previous stage's
+        `hidden` (its last MLP output) with its `residual`; one before the last gets (hidden, residual) back and
+        no final norm."""
         raise NotImplementedError
 
     @classmethod
@@ -389,16 +397,28 @@ class DirectForward:
         kv, num_blocks, block_size, kv_dtype, kv_scales = self._kv_pointers(kv_caches)
         self._check_step(input_ids, positions, meta, num_blocks, block_size)
         t = input_ids.shape[0]
-        residual = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:  # Gemma, as GemmaModel.forward: one float32 product per value
-            residual = residual * self.embed_scale
+        stage, hidden = self.stage, None
+        if stage is not None and not stage.is_first:
+            hidden, residual = stage.recv_activations([(t, self.hidden)] * 2, torch.float32, input_ids.device)
+        else:
+            residual = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:  # Gemma, as GemmaModel.forward: one float32 product per value
+                residual = residual * self.embed_scale
         if residual.dtype != torch.float32 or not residual.is_contiguous() or residual.shape != (t, self.hidden):
             raise ValueError("the embedding must give contiguous float32 [tokens, hidden] rows")
         if t == 0:
+            if stage is not None and not stage.is_last:
+                stage.send_activations([residual, residual])
             return residual
         b = self._buffers_for(t)
-        return self._run_layers(residual, b, self._step_calls(t, b, positions, meta, kv, block_size, kv_dtype,
-                                                              kv_scales))
+        calls = self._step_calls(t, b, positions, meta, kv, block_size, kv_dtype, kv_scales)
+        if stage is None:
+            return self._run_layers(residual, b, calls)
+        out = self._run_layers(residual, b, calls, hidden)
+        if not stage.is_last:
+            stage.send_activations(list(out))
+            return out[0]  # (not read: the last stage computes the logits)
+        return out
 
     def _step_calls(self, t: int, b: _Buffers, positions: torch.Tensor, meta: AttentionMetadata,
                     kv: list[tuple[int, int]], block_size: int, kv_dtype: torch.dtype,
@@ -479,9 +499,11 @@ class LlamaDirectForward(DirectForward):
 
     def _read_family(self, model: nn.Module) -> None:
         inner = model.model
+        last = self.stage is None or self.stage.is_last  # (earlier pipeline stages hold no final norm)
+        layers = [layer for layer in inner.layers if hasattr(layer, "mlp")]  # (a stage's own)
         # The family's settings: the norms' (1 + w) (Gemma), the gated activation, the embeddings' factor (Gemma).
-        self.unit_offset = _norm_offset(inner.norm)
-        activations = {getattr(layer.mlp, "gated_activation", "silu") for layer in inner.layers}
+        self.unit_offset = _norm_offset(inner.norm if last else layers[0].post_attention_layernorm)
+        activations = {getattr(layer.mlp, "gated_activation", "silu") for layer in layers}
         if len(activations) != 1 or not activations <= set(GATED_ACTIVATIONS):
             raise ValueError(f"gated activations {sorted(activations)}: the native kernels take one of "
                              f"{GATED_ACTIVATIONS} for every layer")
@@ -491,11 +513,12 @@ class LlamaDirectForward(DirectForward):
         if scale is None and float(getattr(inner, "embedding_multiplier", 1.0)) != 1.0:
             scale = inner.embedding_multiplier
         self.embed_scale = None if scale is None else float(scale)
-        self.final_norm = _norm(inner.norm, self.hidden)
+        self.final_norm = _norm(inner.norm, self.hidden) if last else None
 
     @classmethod
     def _refusal(cls, model: nn.Module) -> str | None:
-        mlp = next((layer.mlp for layer in model.model.layers if not hasattr(layer.mlp, "gate_up_proj")), None)
+        mlp = next((layer.mlp for layer in model.model.layers
+                    if hasattr(layer, "mlp") and not hasattr(layer.mlp, "gate_up_proj")), None)
         if mlp is not None:  # MoE blocks (models/moe.py) run through their modules
             return f"written for dense MLPs, and {type(model).__name__} has {type(mlp).__name__} blocks"
         return None
@@ -538,7 +561,8 @@ class LlamaDirectForward(DirectForward):
                       post_ff=_norm(post_ff, self.hidden) if post_ff is not None else None,
                       residual_multiplier=multiplier, **qk)
 
-    def _run_layers(self, residual: torch.Tensor, b: _Buffers, calls: StepCalls) -> torch.Tensor:
+    def _run_layers(self, residual: torch.Tensor, b: _Buffers, calls: StepCalls,
+                    hidden: torch.Tensor | None = None):
         run_linear, attend = calls
         t = residual.shape[0]
         rms, heads_norm, off = self._rms, self._heads_norm, self.unit_offset
@@ -546,7 +570,7 @@ class LlamaDirectForward(DirectForward):
         h, qkv_w, q, kvs = self.hidden, self.q_size + 2 * self.kv_size, self.q_size, self.kv_size
         hq, hk, d, inter = self.num_heads, self.num_kv_heads, self.head_dim, self.up_width // 2
         res, normed, act = residual.data_ptr(), b.normed.data_ptr(), b.act.data_ptr()
-        down_out = None  # the previous layer's MLP output (a tensor: it must outlive the next norm)
+        down_out = hidden  # the previous layer's MLP output (a tensor: it must outlive the next norm)
         for i, layer in enumerate(self.layers):
             if layer.ln1 is None:  # OLMo 2/3: the layer reads the residual stream (+= the previous MLP output) as is
                 if down_out is not None:
@@ -589,5 +613,7 @@ class LlamaDirectForward(DirectForward):
             if layer.post_ff is not None:  # Gemma 2/3, OLMo 2/3: the MLP output normed (in place) before the residual add
                 down = down_out.data_ptr()
                 rms(down, 0, down, h, 0, 0, layer.post_ff[0], t, h, layer.post_ff[1], off)
+        if self.final_norm is None:  # a pipeline stage before the last: the next one adds and norms
+            return down_out, residual
         rms(normed, res, down_out.data_ptr(), h, res, h, self.final_norm[0], t, h, self.final_norm[1], off)
         return b.normed

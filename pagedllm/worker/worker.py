@@ -556,8 +556,7 @@ class Worker:
         if self.lora_manager is not None:
             self.model_runner.lora_manager = self.lora_manager
             self.lora_manager.always_apply = self.use_cuda_graphs()  # captured graphs hold the adapters' GEMMs
-        if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32) \
-                and self.pp is None:  # (the direct forward runs every layer: a stage runs the module path)
+        if self.device.type == "cpu" and (self.quantization == "gguf" or self.dtype == torch.float32):
             from pagedllm.model.cpu_direct_forward import DirectForward
 
             # (a multimodal model's language model: its text-only steps)
