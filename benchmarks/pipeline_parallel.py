@@ -3,22 +3,25 @@ seeded requests, each configuration in a fresh engine, alternating rounds.
 
     python benchmarks/pipeline_parallel.py --num-prompts 32 --min-in 16 --max-in 256 --output-len 64
 
-Prints each configuration's output tok/s and wall time, the ratio to the one-process engine, the largest weight
+Steps overlap in the stages (one batch per stage in flight; CPU, mp executor). Prints each configuration's output tok/s and wall time, the ratio to the one-process engine, the largest weight
 bytes and KV pool bytes any rank holds (a stage holds its layers only: what pipeline parallelism is for), and
 whether every configuration generated the same greedy tokens. The weights are float32 (quantization='none') in
-every configuration: the stages dequantize a GGUF file at load, so the one-process engine does too. Without
-micro-batch overlap a step passes through the stages one after another; on a host with as many cores as ranks
-each stage's core idles while the other works.
+every configuration: the stages dequantize a GGUF file at load, so the one-process engine does too. Each stage's
+batch is half of the sequences, so decoding reads every weight twice as often per token as one process does.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.throughput import make_workload
+from pagedllm.distributed.parallel_state import PP_LAYER_PARTITION_ENV
+
+PARTITION = "_partition"  # (a config's VLLM_PP_LAYER_PARTITION, set in the environment around its run)
 
 
 def _rank_bytes(llm: LLM) -> tuple[int, int]:
@@ -61,6 +64,9 @@ def main() -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=1024,
                    help="KV blocks per configuration (the same for all, so they schedule alike)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--pp-partition", default=None,
+                   help="also run PP=2 with this VLLM_PP_LAYER_PARTITION (e.g. 18,12: fewer layers on the last stage, "
+                        "which also runs the LM head)")
     p.add_argument("--result-json", default=None)
     args = p.parse_args()
     wl = make_workload(args.num_prompts, args.min_in, args.max_in, args.output_len, 49152, seed=0)
@@ -70,21 +76,31 @@ def main() -> None:
         common["model"] = args.model
     configs = {"1 process": {}, "PP=2 (mp)": {"pipeline_parallel_size": 2},
                "TP=2 (mp)": {"tensor_parallel_size": 2}}
+    if args.pp_partition:
+        configs[f"PP=2 ({args.pp_partition})"] = {"pipeline_parallel_size": 2, PARTITION: args.pp_partition}
     results: dict[str, list[dict]] = {name: [] for name in configs}
     for r in range(args.rounds):
         for name, extra in configs.items():
-            res = _run({**common, **extra}, wl)
+            partition = extra.pop(PARTITION, None)
+            if partition:
+                os.environ[PP_LAYER_PARTITION_ENV] = partition
+            try:
+                res = _run({**common, **extra}, wl)
+            finally:
+                os.environ.pop(PP_LAYER_PARTITION_ENV, None)
+                if partition:
+                    extra[PARTITION] = partition
             results[name].append(res)
-            print(f"round {r + 1} {name:<10} {res['out_tok_s']:8.1f} out tok/s  {res['elapsed_s']:7.2f} s  "
+            print(f"round {r + 1} {name:<14} {res['out_tok_s']:8.1f} out tok/s  {res['elapsed_s']:7.2f} s  "
                   f"weights/rank {res['weights_bytes'] / 2**20:7.1f} MiB  KV pool/rank {res['kv_bytes'] / 2**20:7.1f} "
                   f"MiB  preemptions {res['preemptions']}", flush=True)
     base = statistics.mean(r["out_tok_s"] for r in results["1 process"])
     print(f"\n{args.num_prompts} requests, {args.min_in}-{args.max_in} in, {args.output_len} out, float32 weights, "
           f"{args.num_gpu_blocks_override} KV blocks")
-    print(f"{'config':<12}{'out tok/s (rounds)':>24}{'vs 1 process':>14}{'weights/rank MiB':>18}{'KV pool/rank MiB':>18}")
+    print(f"{'config':<16}{'out tok/s (rounds)':>24}{'vs 1 process':>14}{'weights/rank MiB':>18}{'KV pool/rank MiB':>18}")
     for name, runs in results.items():
         tput = [r["out_tok_s"] for r in runs]
-        print(f"{name:<12}{' / '.join(f'{t:.1f}' for t in tput):>24}{statistics.mean(tput) / base:>13.2f}x"
+        print(f"{name:<16}{' / '.join(f'{t:.1f}' for t in tput):>24}{statistics.mean(tput) / base:>13.2f}x"
               f"{runs[0]['weights_bytes'] / 2**20:>18.1f}{runs[0]['kv_bytes'] / 2**20:>18.1f}")
     reference = results["1 process"][0]["tokens"]
     same = {name: all(r["tokens"] == reference for r in runs) for name, runs in results.items()}
