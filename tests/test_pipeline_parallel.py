@@ -126,6 +126,39 @@ def test_ray_executor_runs_the_stages(tiny_llama_dir, tiny_reference, monkeypatc
     assert not ray.is_initialized()
 
 
+def test_aborts_while_batches_are_in_the_stages_leave_no_block(tiny_llama_dir):
+    """Eight requests on a 12-block pool (prefix caching on, swap preemptions): three aborted while batches are in
+    flight; the others finish with their one-process tokens, and every device and swap block comes back."""
+    prompts = [p + [i] for i, p in enumerate(PROMPTS * 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = {**TINY_KW, "enable_prefix_caching": True}
+    expected = _tokens(LLM(tiny_llama_dir, **kw).generate(prompts, params, use_tqdm=False))
+    llm = LLM(tiny_llama_dir, pipeline_parallel_size=2, distributed_executor_backend="mp", **kw)
+    engine = llm.llm_engine
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+        in_flight: list[int] = []  # steps launched and not completed when one's logits are received
+        receive = engine.executor.receive_pipeline_logits
+        engine.executor.receive_pipeline_logits = lambda: in_flight.append(len(engine._pipeline_steps) + 1) or receive()
+        for _ in range(6):
+            engine.step()
+        assert max(in_flight) == 2  # both stages had a batch
+        engine.abort_request(["r1", "r2", "r5"])
+        finished: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+        stats = llm.stats()
+    finally:
+        engine.executor.shutdown()
+    assert sorted(finished) == sorted(f"r{i}" for i in (0, 3, 4, 6, 7))
+    assert all(finished[f"r{i}"] == expected[i][0] for i in (0, 3, 4, 6, 7))
+    assert stats["num_swap_preemptions"] > 0
+    assert (stats["kv_blocks_free"], stats["num_cpu_blocks_free"]) == (12, stats["num_cpu_blocks_total"])
+
+
 def test_a_killed_stage_fails_the_engine_at_once(tiny_llama_dir):
     """Stage 1's process killed mid-generation: the next step raises TensorParallelWorkerError naming it (rank 0's
     receive sees the connection reset), and no worker process is left."""
