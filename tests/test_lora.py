@@ -155,7 +155,8 @@ def test_bad_adapters_and_configurations_are_clear_errors(tiny, tmp_path):
         LoRARequest("x", 0, "/tmp")
     for kw, message in (({"speculative_config": {"method": "ngram"}}, "speculative decoding"),
                         ({"runner": "pooling"}, "pooling runner"),
-                        ({"tensor_parallel_size": 2}, "tensor parallelism")):
+                        ({"tensor_parallel_size": 2}, "tensor or pipeline parallelism"),
+                        ({"pipeline_parallel_size": 2}, "tensor or pipeline parallelism")):
         with pytest.raises(ValueError, match=message):
             LLM(base, **ENGINE, num_gpu_blocks_override=32, **kw)
 
