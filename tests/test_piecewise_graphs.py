@@ -340,5 +340,5 @@ def test_compilation_config_cudagraph_mode_as_vllm_names_it():
                                  (none, True, False)):
         stub = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(
             model_config=SimpleNamespace(enforce_eager=False, batch_invariant=invariant), compilation_config=cfg,
-            lora_config=None))
+            lora_config=None), pp=None)  # (pp: not a pipeline stage, whose steps run eagerly)
         assert Worker.use_cuda_graphs(stub) is want
