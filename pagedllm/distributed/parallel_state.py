@@ -155,26 +155,24 @@ class PipelineParallelGroup:
             out.append(t)
         return out
 
-    def send_to_driver(self, x: torch.Tensor) -> None:
-        """The last stage's result (logits) to rank 0: its shape and dtype first, then the tensor."""
+    def send_to_driver(self, logits: torch.Tensor) -> None:
+        """The last stage's [rows, vocab] logits to rank 0: (rows, vocab, dtype) first, then the tensor."""
         # Never waited for here: rank 0 receives a step's logits when the engine completes that step, which may come
         # after later steps went through this stage (or after a health check that needs this rank's reply).
         self._sends_in_flight[:] = [(w, t) for w, t in self._sends_in_flight if not w.is_completed()]
-        header = torch.tensor([*x.shape, _DTYPE_CODES.index(x.dtype)], dtype=torch.int64, device=x.device)
-        tensors = [torch.tensor([header.numel()], dtype=torch.int64, device=x.device), header, x.contiguous()]
-        self._sends_in_flight.extend((self.group.send([t], 0, 1), t) for t in tensors)
+        rows, vocab = logits.shape
+        header = torch.tensor([rows, vocab, _DTYPE_CODES.index(logits.dtype)], dtype=torch.int64, device=logits.device)
+        self._sends_in_flight.extend((self.group.send([t], 0, 1), t) for t in (header, logits.contiguous()))
 
     def recv_from_last_stage(self, device: torch.device) -> torch.Tensor:
-        """On rank 0: what the last stage's `send_to_driver` sent."""
+        """On rank 0: the logits the last stage's `send_to_driver` sent."""
         src = (self.size - 1) * self.tp_size
-        n = torch.empty(1, dtype=torch.int64, device=device)
-        self.group.recv([n], src, 1).wait()
-        header = torch.empty(int(n.item()), dtype=torch.int64, device=device)
+        header = torch.empty(3, dtype=torch.int64, device=device)
         self.group.recv([header], src, 1).wait()
-        *shape, code = header.tolist()
-        x = torch.empty(shape, dtype=_DTYPE_CODES[code], device=device)
-        self.group.recv([x], src, 1).wait()
-        return x
+        rows, vocab, code = header.tolist()
+        logits = torch.empty((rows, vocab), dtype=_DTYPE_CODES[code], device=device)
+        self.group.recv([logits], src, 1).wait()
+        return logits
 
 
 _DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16)

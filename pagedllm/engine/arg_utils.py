@@ -225,10 +225,10 @@ _HELP = {
                      "raw_logits, processed_logprobs / processed_logits (after logit_bias, penalties, custom "
                      "processors, temperature and top-k/top-p: the distribution a token was drawn from).",
     "pipeline_parallel_size": "Split the decoder layers into this many stages, each on tensor_parallel_size ranks "
-                              "of their own (mp or Ray executor); one step passes through the stages in turn, so "
-                              "it lets a model larger than one stage's memory run, at no speed gain. "
-                              "VLLM_PP_LAYER_PARTITION='8,8,7' sets each stage's layer count. Llama-style "
-                              "decoders generating text.",
+                              "of their own (mp or Ray executor), each holding only its layers' weights and KV "
+                              "pool. On the CPU with the mp executor every stage works on its own batch at once; "
+                              "elsewhere a step passes through the stages in turn. VLLM_PP_LAYER_PARTITION='8,8,7' "
+                              "sets each stage's layer count. Llama-style decoders generating text.",
     "data_parallel_size": "`pagedllm serve`: this many engine-core processes, each a whole copy of the model (with "
                           "tensor_parallel_size GPUs each, or an equal share of the CPU cores and of the CPU KV "
                           "budget), behind one API server that sends each request to the least-loaded one.",

@@ -1,12 +1,12 @@
 """LLMEngine: add_request / step / abort — one iteration of continuous batching per step()."""
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
 import random
 import time
-import collections
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
@@ -59,8 +59,8 @@ from pagedllm.worker.model_input import (
     SequenceChunk,
     logits_row_layout,
 )
-from pagedllm.worker.profiler import ProfilerError, TorchProfilerConfig, profiler_disabled_error
 from pagedllm.worker.model_runner import PENDING_PIPELINE_LOGITS
+from pagedllm.worker.profiler import ProfilerError, TorchProfilerConfig, profiler_disabled_error
 
 logger = logging.getLogger("pagedllm")
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagedllm.distributed.parallel_state import PipelineParallelGroup
+from pagedllm.distributed.parallel_state import PipelineParallelGroup, TensorParallelGroup
 
 
 class PPMissingLayer(nn.Identity):
@@ -90,6 +90,8 @@ def check_pipeline_parallel(config, hf_config) -> None:
     if named:
         raise ValueError(f"{what} does not run with {', '.join(named)}; turn that off, or split the model with "
                          "tensor_parallel_size instead.")
+    with torch.device("meta"):  # (a decoder with its own forward: refused here, before any process starts)
+        _check_decoder(get_model_class(hf_config)(hf_config, TensorParallelGroup(), torch.float32))
     if kv_cache_layout(hf_config, config.cache_config).num_groups != 1:
         raise ValueError(f"{what}: this model's layers have different attention windows (several KV cache groups), "
                          "which pipeline stages do not split; pass disable_hybrid_kv_cache_manager=True, or use "
